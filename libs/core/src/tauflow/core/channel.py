@@ -1,0 +1,164 @@
+"""The one client channel factory.
+
+Every call gets a deadline (the caller's, else ``default_timeout_s``); keepalive
+and message-size limits are set; and gRPC's own retry policy is enabled only
+for the methods whose contract declares ``idempotency_level = IDEMPOTENT`` or
+``NO_SIDE_EFFECTS``: a non-idempotent call is never sent twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.descriptor_pb2 import MethodOptions
+from pydantic import Field
+
+from tauflow.core.config import StrictModel
+from tauflow.core.server import message_size_options
+
+_RETRYABLE_LEVELS = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
+
+
+class ChannelConfig(StrictModel):
+    default_timeout_s: float = Field(30.0, gt=0, description="deadline of calls that set none")
+    max_message_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    keepalive_time_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+    retry_max_attempts: int = Field(5, ge=2, le=5, description="gRPC caps attempts at 5")
+    retry_initial_backoff_s: float = Field(0.1, gt=0)
+    retry_max_backoff_s: float = Field(2.0, gt=0)
+    retry_status_codes: list[str] = ["UNAVAILABLE"]
+
+
+def is_retryable(method: MethodDescriptor) -> bool:
+    """Whether the contract marks ``method`` safe to send again."""
+    return method.GetOptions().idempotency_level in _RETRYABLE_LEVELS
+
+
+def service_config_json(services: Sequence[ServiceDescriptor], config: ChannelConfig) -> str:
+    names = [
+        {"service": s.full_name, "method": m.name}
+        for s in services
+        for m in s.methods
+        if is_retryable(m)
+    ]
+    method_config = []
+    if names:
+        method_config.append(
+            {
+                "name": names,
+                "retryPolicy": {
+                    "maxAttempts": config.retry_max_attempts,
+                    "initialBackoff": f"{config.retry_initial_backoff_s}s",
+                    "maxBackoff": f"{config.retry_max_backoff_s}s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": config.retry_status_codes,
+                },
+            }
+        )
+    return json.dumps({"methodConfig": method_config})
+
+
+def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig) -> list[tuple[str, Any]]:
+    return [
+        *message_size_options(config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", service_config_json(services, config)),
+    ]
+
+
+class _DefaultDeadline:
+    """Client interceptor (sync and asyncio) that gives every call a deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def _details(self, details: Any) -> Any:
+        if details.timeout is not None:
+            return details
+        if isinstance(details, grpc.aio.ClientCallDetails):
+            return details._replace(timeout=self.timeout_s)
+        return _SyncCallDetails(
+            details.method, self.timeout_s, details.metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+        )
+
+
+class _SyncCallDetails(
+    namedtuple("_SyncCallDetails", "method timeout metadata credentials wait_for_ready compression"),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _SyncDefaultDeadline(
+    _DefaultDeadline,
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+class _AioUnaryUnary(_DefaultDeadline, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request)
+
+
+class _AioUnaryStream(_DefaultDeadline, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request)
+
+
+class _AioStreamUnary(_DefaultDeadline, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request_iterator)
+
+
+class _AioStreamStream(_DefaultDeadline, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(details), request_iterator)
+
+
+def create_channel(
+    target: str,
+    services: Sequence[ServiceDescriptor],
+    config: ChannelConfig | None = None,
+) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` for calling ``services``."""
+    config = config or ChannelConfig()
+    t = config.default_timeout_s
+    return grpc.aio.insecure_channel(
+        target,
+        options=channel_options(services, config),
+        interceptors=[_AioUnaryUnary(t), _AioUnaryStream(t), _AioStreamUnary(t), _AioStreamStream(t)],
+    )
+
+
+def create_sync_channel(
+    target: str,
+    services: Sequence[ServiceDescriptor],
+    config: ChannelConfig | None = None,
+) -> grpc.Channel:
+    """A blocking channel, for scripts, tests and benchmarks; same policy as ``create_channel``."""
+    config = config or ChannelConfig()
+    channel = grpc.insecure_channel(target, options=channel_options(services, config))
+    return grpc.intercept_channel(channel, _SyncDefaultDeadline(config.default_timeout_s))

@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.queue.app import main
+
+sys.exit(main())

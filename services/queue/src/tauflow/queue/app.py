@@ -1,0 +1,55 @@
+"""Builds the queue service from its config: recover the log, then serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.app import service_main
+from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.queue import __version__
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.servicer import QueueServicer
+from tauflow.queue.state import QueueState, Settings
+from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
+
+
+def settings_from(config: QueueConfig) -> Settings:
+    return Settings(
+        max_staleness=config.max_staleness,
+        groups_per_step=config.groups_per_step,
+        capacity_groups=config.capacity_groups,
+        capacity_bytes=config.capacity_bytes,
+        default_lease_s=config.default_lease_s,
+        reservation_ttl_s=config.reservation_ttl_s,
+        dedup_window=config.dedup_window,
+    )
+
+
+async def build(config: QueueConfig) -> ServiceApp:
+    wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync)
+    queue = QueueState(settings_from(config), wal)
+    servicer = QueueServicer(queue, config, QueueMetrics())
+    background = [servicer.sweep_forever]
+    if config.wal.fsync is FsyncPolicy.INTERVAL:
+        interval = config.wal.fsync_interval_s
+        background.append(lambda: wal.sync_every(interval))
+    return ServiceApp(
+        bindings=[
+            ServiceBinding(
+                queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
+                servicer,
+                queue_pb2_grpc.add_QueueServiceServicer_to_server,
+            )
+        ],
+        background=background,
+        close=wal.close,
+        info={"wal": str(wal.path)},
+    )
+
+
+main = service_main(
+    "queue", QueueConfig, build, __version__,
+    description="tauflow queue: durable, staleness-bounded trajectory-group bus between rollout and trainer",
+)

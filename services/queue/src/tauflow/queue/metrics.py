@@ -1,0 +1,60 @@
+"""The queue's Prometheus metrics (``tauflow_queue_*``, units in the names)."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from tauflow.queue.state import Stats
+
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, float("inf"))
+
+
+class QueueMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=registry)
+
+        self.depth_groups = gauge("tauflow_queue_depth_groups", "Groups waiting to be delivered")
+        self.depth_bytes = gauge("tauflow_queue_depth_bytes", "Bytes of the groups waiting to be delivered")
+        self.leased_groups = gauge("tauflow_queue_leased_groups", "Groups held by unacked leases")
+        self.reserved_groups = gauge("tauflow_queue_reserved_groups", "Groups reserved and not yet put (in flight)")
+        self.accepted_groups = gauge(
+            "tauflow_queue_accepted_groups", "Groups accepted since the run began minus evicted (the pacing sum)"
+        )
+        self.trainer_version = gauge("tauflow_queue_trainer_version", "Trainer policy version known to the queue")
+        self.wal_bytes = gauge("tauflow_queue_wal_bytes", "Size of the write-ahead log")
+        self.put_groups = Counter("tauflow_queue_put_groups", "Groups newly accepted by Put", registry=registry)
+        self.put_bytes = Counter("tauflow_queue_put_bytes", "Bytes of groups newly accepted by Put", registry=registry)
+        self.delivered_groups = Counter(
+            "tauflow_queue_delivered_groups", "Groups delivered by Get (redeliveries included)", registry=registry
+        )
+        self.acked_groups = Counter("tauflow_queue_acked_groups", "Groups acknowledged", registry=registry)
+        self.evicted = Counter(
+            "tauflow_queue_evicted", "Groups evicted without delivery, by reason", ["reason"], registry=registry
+        )
+        self.lease_expired = Counter(
+            "tauflow_queue_lease_expired", "Leases that expired and went back to the queue", registry=registry
+        )
+        self.rejected = Counter(
+            "tauflow_queue_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
+            registry=registry,
+        )
+        self.delivered_staleness = Histogram(
+            "tauflow_queue_delivered_staleness_steps",
+            "Staleness of delivered groups (consumer version minus oldest behaviour version)",
+            buckets=STALENESS_BUCKETS,
+            registry=registry,
+        )
+        self.rpc_duration = Histogram(
+            "tauflow_queue_rpc_duration_seconds", "Server-side latency of each RPC, long-poll waits included",
+            ["method"], registry=registry,
+        )
+
+    def observe(self, s: Stats) -> None:
+        self.depth_groups.set(s.depth_groups)
+        self.depth_bytes.set(s.depth_bytes)
+        self.leased_groups.set(s.leased_groups)
+        self.reserved_groups.set(s.reserved_groups)
+        self.accepted_groups.set(s.accepted_groups)
+        self.trainer_version.set(s.trainer_version)
+        self.wal_bytes.set(s.wal_bytes)

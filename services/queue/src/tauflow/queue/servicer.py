@@ -1,0 +1,233 @@
+"""The thin gRPC layer of the queue: protobuf in, domain calls, protobuf out.
+
+Long polls (Reserve and Get with ``wait``) sleep on a change event that every
+state change sets, capped by ``max_wait_s`` and by the caller's deadline, so a
+poll returns an empty answer rather than DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.queue import convert, state
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.metrics import QueueMetrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_STATUS = {
+    state.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    state.NotFound: grpc.StatusCode.NOT_FOUND,
+    state.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    state.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+_MARGIN_S = 0.05  # answer this long before the caller's deadline
+
+
+class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
+    def __init__(self, queue: state.QueueState, config: QueueConfig, metrics: QueueMetrics) -> None:
+        self.q = queue
+        self.config = config
+        self.metrics = metrics
+        self._changed = asyncio.Event()
+        metrics.observe(queue.stats())
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self.metrics.observe(self.q.stats())
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
+        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else _STATUS[type(err)]
+        self.metrics.rejected.labels(method, code.name).inc()
+        await context.abort(code, str(err))
+
+    async def _poll(
+        self, context: grpc.aio.ServicerContext, wait_s: float, attempt: Callable[[], T | None]
+    ) -> T | None:
+        """Calls ``attempt`` until it returns a value or the wait runs out."""
+        loop = asyncio.get_running_loop()
+        wait_s = min(max(wait_s, 0.0), self.config.max_wait_s)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait_s = min(wait_s, remaining - _MARGIN_S)
+        until = loop.time() + wait_s
+        while True:
+            changed = self._changed
+            result = attempt()
+            if result is not None:
+                return result
+            left = until - loop.time()
+            if left <= 0:
+                return None
+            deadline = self.q.next_deadline()  # wake for a lease or ticket expiry too
+            if deadline is not None:
+                left = min(left, max(deadline - self.q.clock(), 0.0) + 0.01)
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
+        with self.metrics.rpc_duration.labels(method).time():
+            try:
+                return await fn()
+            except (state.QueueError, convert.InvalidGroup) as err:
+                await self._refuse(context, method, err)
+                raise AssertionError("unreachable") from err
+
+    # -- RPCs --------------------------------------------------------------------------
+
+    async def Reserve(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.ReserveResponse:
+            def attempt() -> state.Ticket | None:
+                ticket = self.q.reserve(request.request_id, request.producer_id, request.n_groups)
+                if ticket is not None:
+                    self._notify()
+                return ticket
+
+            ticket = await self._poll(context, convert.seconds(request.wait), attempt)
+            resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.q.trainer_version)
+            if ticket is not None:
+                resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
+            return resp
+
+        return await self._call(context, "Reserve", run)
+
+    async def ReleaseReservation(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.ReleaseReservationResponse:
+            released = self.q.release_reservation(request.ticket_id)
+            self._notify()
+            return queue_pb2.ReleaseReservationResponse(released_groups=released)
+
+        return await self._call(context, "ReleaseReservation", run)
+
+    async def Put(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.PutResponse:
+            if not request.HasField("group"):
+                raise convert.InvalidGroup("group must be set")
+            record = convert.group_to_record(request.group, self.config.max_group_bytes)
+            accepted, depth = self.q.put(record, request.ticket_id)
+            if accepted:
+                if self.q.wal is not None:
+                    await self.q.wal.commit()
+                self.metrics.put_groups.inc()
+                self.metrics.put_bytes.inc(record.size)
+                self._notify()
+            outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
+            return queue_pb2.PutResponse(outcome=outcome, depth_groups=depth)
+
+        return await self._call(context, "Put", run)
+
+    async def Get(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.GetResponse:
+            consumer_version = request.consumer_version if request.HasField("consumer_version") else None
+            evicted = 0
+
+            def attempt() -> state.GetResult | None:
+                nonlocal evicted
+                result = self.q.get(
+                    request.consumer_id,
+                    request.max_groups,
+                    request.min_groups,
+                    request.max_tokens,
+                    convert.seconds(request.lease_duration),
+                    consumer_version,
+                )
+                evicted += result.evicted_stale
+                if result.evicted_stale:
+                    self.metrics.evicted.labels("stale").inc(result.evicted_stale)
+                    self._notify()
+                return result if result.lease is not None else None
+
+            result = await self._poll(context, convert.seconds(request.wait), attempt)
+            if result is None:
+                return queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.q.trainer_version)
+            result.evicted_stale = evicted
+            self.metrics.delivered_groups.inc(len(result.deliveries))
+            for d in result.deliveries:
+                self.metrics.delivered_staleness.observe(d.staleness)
+            self._notify()
+            return convert.get_response(result, self.q.trainer_version)
+
+        return await self._call(context, "Get", run)
+
+    async def Ack(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.AckResponse:
+            n = self.q.ack(request.lease_id)
+            if n:
+                self.metrics.acked_groups.inc(n)
+                self._notify()
+                await self._maybe_compact()
+            return queue_pb2.AckResponse(acked_groups=n)
+
+        return await self._call(context, "Ack", run)
+
+    async def Nack(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.NackResponse:
+            n = self.q.nack(request.lease_id)
+            self._notify()
+            return queue_pb2.NackResponse(requeued_groups=n)
+
+        return await self._call(context, "Nack", run)
+
+    async def RenewLease(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.RenewLeaseResponse:
+            lease = self.q.renew(request.lease_id, convert.seconds(request.lease_duration))
+            return queue_pb2.RenewLeaseResponse(lease=convert.lease_to_proto(lease))
+
+        return await self._call(context, "RenewLease", run)
+
+    async def SetTrainerVersion(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.SetTrainerVersionResponse:
+            version = self.q.set_trainer_version(request.policy_version, request.rebase)
+            self._notify()
+            return queue_pb2.SetTrainerVersionResponse(trainer_version=version)
+
+        return await self._call(context, "SetTrainerVersion", run)
+
+    async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.SetMaxStalenessResponse:
+            tau = self.q.set_max_staleness(request.max_staleness)
+            log.info("max_staleness set", extra={"max_staleness": tau})
+            self._notify()
+            return queue_pb2.SetMaxStalenessResponse(max_staleness=tau)
+
+        return await self._call(context, "SetMaxStaleness", run)
+
+    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        async def run() -> queue_pb2.StatsResponse:
+            return convert.stats_to_proto(self.q.stats())
+
+        return await self._call(context, "Stats", run)
+
+    # -- background ----------------------------------------------------------------------
+
+    async def sweep_forever(self) -> None:
+        """Redelivers expired leases and releases expired tickets between calls."""
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            result = self.q.sweep()
+            if result.expired_leases or result.expired_tickets:
+                self.metrics.lease_expired.inc(result.expired_leases)
+                log.info(
+                    "expired",
+                    extra={"leases": result.expired_leases, "groups": result.expired_groups, "tickets": result.expired_tickets},
+                )
+                self._notify()
+
+    async def _maybe_compact(self) -> None:
+        if self.q.compaction_due(self.config.wal.compact_min_bytes):
+            assert self.q.wal is not None
+            await self.q.wal.idle()
+            self.q.compact()
+            self.metrics.observe(self.q.stats())
