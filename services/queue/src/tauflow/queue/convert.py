@@ -20,6 +20,10 @@ class InvalidGroup(ValueError):
     """A malformed group; the message names the field."""
 
 
+class GroupTooLarge(InvalidGroup):
+    """A group over the per-group byte limit (RESOURCE_EXHAUSTED, like an oversized message)."""
+
+
 def timestamp(seconds: float) -> Timestamp:
     ts = Timestamp()
     ts.FromNanoseconds(int(seconds * 1e9))
@@ -79,7 +83,7 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.Grou
         n_tokens += len(s.prompt_token_ids) + n
     payload = group.SerializeToString()
     if len(payload) > max_group_bytes:
-        raise InvalidGroup(
+        raise GroupTooLarge(
             f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}"
         )
     assert behaviour is not None

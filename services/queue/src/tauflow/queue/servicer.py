@@ -47,7 +47,12 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self._changed = asyncio.Event()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
-        code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else _STATUS[type(err)]
+        if isinstance(err, convert.GroupTooLarge):
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        elif isinstance(err, convert.InvalidGroup):
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            code = _STATUS[type(err)]
         self.metrics.rejected.labels(method, code.name).inc()
         await context.abort(code, str(err))
 

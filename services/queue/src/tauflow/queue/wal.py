@@ -63,16 +63,23 @@ class WriteAheadLog:
             if magic != _FILE_MAGIC:
                 raise WalCorrupt(f"{self.path} is not a tauflow queue log")
             good = f.tell()
+            end = os.fstat(f.fileno()).st_size
             while True:
                 head = f.read(_HEADER.size)
                 if len(head) < _HEADER.size:
                     break
                 kind, meta_len, blob_len, crc = _HEADER.unpack(head)
+                if meta_len + blob_len > end - f.tell():
+                    break  # lengths past the end of the file: a torn or garbage header (don't allocate them)
                 body = f.read(meta_len + blob_len)
                 if len(body) < meta_len + blob_len or zlib.crc32(body) != crc:
                     break
+                try:
+                    meta = json.loads(body[:meta_len])
+                except ValueError:
+                    break  # e.g. a zero-filled tail: an all-zero header has a valid crc and no meta
                 good = f.tell()
-                yield kind, json.loads(body[:meta_len]), body[meta_len:], _HEADER.size + len(body)
+                yield kind, meta, body[meta_len:], _HEADER.size + len(body)
         actual = self.path.stat().st_size
         if good < actual:
             log.warning("cutting torn tail of the log", extra={"path": str(self.path), "bytes": actual - good})

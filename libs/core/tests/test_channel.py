@@ -1,0 +1,93 @@
+"""The channel factory against a real server: retries only for idempotent RPCs, and default deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.channel import ChannelConfig, create_channel, create_sync_channel, is_retryable
+
+SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
+
+
+def test_retry_classes_come_from_the_contract() -> None:
+    retryable = {m.name for m in SERVICE.methods if is_retryable(m)}
+    assert "Put" in retryable and "Ack" in retryable and "Stats" in retryable
+    assert "Get" not in retryable  # each Get creates a lease: never sent twice
+
+
+class FlakyQueue(queue_pb2_grpc.QueueServiceServicer):
+    """Fails the first ``failures`` calls of each method with UNAVAILABLE."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def _count(self, name: str, context: grpc.ServicerContext) -> None:
+        with self.lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            n = self.calls[name]
+        if n <= self.failures:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+
+    def Put(self, request, context):  # type: ignore[no-untyped-def]
+        self._count("Put", context)
+        return queue_pb2.PutResponse(outcome=queue_pb2.PUT_OUTCOME_ACCEPTED)
+
+    def Get(self, request, context):  # type: ignore[no-untyped-def]
+        self._count("Get", context)
+        return queue_pb2.GetResponse()
+
+    def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        time.sleep(2.0)
+        return queue_pb2.StatsResponse()
+
+
+@pytest.fixture
+def flaky():  # type: ignore[no-untyped-def]
+    servicer = FlakyQueue(failures=2)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_idempotent_calls_are_retried_and_others_are_not(flaky) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = flaky
+    stub = queue_pb2_grpc.QueueServiceStub(create_sync_channel(address, [SERVICE]))
+    stub.Put(queue_pb2.PutRequest())  # fails twice on the server, then succeeds: retried
+    assert servicer.calls["Put"] == 3
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Get(queue_pb2.GetRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert servicer.calls["Get"] == 1  # not idempotent: sent once
+
+
+def test_every_call_gets_a_default_deadline(flaky) -> None:  # type: ignore[no-untyped-def]
+    _, address = flaky
+    config = ChannelConfig(default_timeout_s=0.3)
+    stub = queue_pb2_grpc.QueueServiceStub(create_sync_channel(address, [SERVICE], config))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Stats(queue_pb2.StatsRequest())
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # An explicit deadline wins over the default.
+    assert stub.Stats(queue_pb2.StatsRequest(), timeout=5) is not None
+
+
+async def test_asyncio_channel_has_the_same_policy(flaky) -> None:  # type: ignore[no-untyped-def]
+    servicer, address = flaky
+    async with create_channel(address, [SERVICE], ChannelConfig(default_timeout_s=0.3)) as channel:
+        stub = queue_pb2_grpc.QueueServiceStub(channel)
+        await stub.Put(queue_pb2.PutRequest(), timeout=10)
+        assert servicer.calls["Put"] == 3
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Stats(queue_pb2.StatsRequest())
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
