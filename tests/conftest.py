@@ -17,8 +17,11 @@ import pytest
 class ServiceProcess:
     """One tauflow service in its own process (``python -m tauflow.<name>``), on a free port."""
 
-    def __init__(self, name: str, workdir: Path, settings: dict[str, object]) -> None:
+    def __init__(
+        self, name: str, workdir: Path, settings: dict[str, object], env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
+        self.env = env or {}
         self.workdir = workdir
         self.settings = {"server.port": 0, "metrics.port": 0, **settings}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -36,7 +39,7 @@ class ServiceProcess:
         args = [sys.executable, "-m", f"tauflow.{self.name}", "--ready-file", str(ready)]
         for key, value in self.settings.items():
             args += ["--set", f"{key}={value}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
         log = open(self.workdir / f"{self.name}.{self.starts}.log", "wb")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         deadline = time.monotonic() + timeout_s
@@ -68,8 +71,8 @@ def service_process(tmp_path: Path) -> Iterator[object]:
     """Factory: ``service_process("queue", {"max_staleness": 0})`` returns a started process."""
     started: list[ServiceProcess] = []
 
-    def make(name: str, settings: dict[str, object] | None = None) -> ServiceProcess:
-        proc = ServiceProcess(name, tmp_path, settings or {})
+    def make(name: str, settings: dict[str, object] | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
+        proc = ServiceProcess(name, tmp_path, settings or {}, env)
         started.append(proc)
         return proc.start()
 

@@ -1,0 +1,58 @@
+"""The runtime kit's OpenTelemetry set-up, seen from a real OTLP/gRPC receiver."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from tauflow.api.queue.v1 import queue_pb2 as q
+from tests.conftest import make_group, queue_stub
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.requests.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def spans(self) -> list[tuple[str, str]]:
+        """(service.name, span name) of every span received."""
+        out = []
+        with self.lock:
+            for req in self.requests:
+                for rs in req.resource_spans:
+                    attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                    out += [(attrs.get("service.name", ""), s.name) for ss in rs.scope_spans for s in ss.spans]
+        return out
+
+
+def test_service_spans_reach_an_otlp_receiver(service_process) -> None:  # type: ignore[no-untyped-def]
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+        queue = service_process("queue", {"wal.dir": "wal"}, env)
+        stub = queue_stub(queue.address)
+        stub.Put(q.PutRequest(group=make_group("traced")))
+        stub.Stats(q.StatsRequest())
+        assert queue.kill(signal.SIGTERM) == 0  # shutdown flushes the span processor
+        spans = receiver.spans()
+        assert ("tauflow-queue", "/tauflow.api.queue.v1.QueueService/Put") in spans
+        assert ("tauflow-queue", "/tauflow.api.queue.v1.QueueService/Stats") in spans
+    finally:
+        server.stop(0)
