@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.queue import __version__
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
-from tauflow.queue.servicer import QueueServicer
+from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.state import QueueState, Settings
 from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
 
@@ -37,11 +36,7 @@ async def build(config: QueueConfig) -> ServiceApp:
         background.append(lambda: wal.sync_every(interval))
     return ServiceApp(
         bindings=[
-            ServiceBinding(
-                queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
-                servicer,
-                queue_pb2_grpc.add_QueueServiceServicer_to_server,
-            )
+            ServiceBinding(SERVICE, servicer, add_queue_servicer_to_server)
         ],
         background=background,
         close=wal.close,

@@ -1,0 +1,193 @@
+"""The queue's fast paths over the protobuf wire format.
+
+A group is opaque to the queue once validated, so the queue never decodes it
+into Python objects and never encodes it again:
+
+- ``Put`` reads its request through a *view* whose ``group`` field is plain
+  bytes (a message field is always length-delimited on the wire, so the view
+  is exact) and stores those bytes as received.
+- Validation reads the group through a view whose packed repeated fields are
+  bytes, and checks them with numpy. Anything the view cannot read exactly
+  (an unpacked encoding, a packed field split in two, non-canonical bytes)
+  falls back to the full decode in ``convert.group_to_record``, which also
+  writes the error messages: the fast path only ever accepts.
+- ``Get`` writes its response by concatenating the stored group bytes with
+  the small fields around them.
+
+Per 1 MB group this removes tens of milliseconds of CPU (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
+
+from tauflow.api.queue.v1 import queue_pb2
+from tauflow.queue import convert, state
+
+_F = descriptor_pb2.FieldDescriptorProto
+_PACKED = (2, 3, 4, 5, 6)  # Sample fields the view reads as bytes
+
+
+def _build_views() -> dict[str, type]:
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="tauflow/queue/wire_views.proto", package="tauflow.queue.wire", syntax="proto3"
+    )
+
+    def message(name: str, fields: list[tuple[str, int, int, str]], repeated: tuple[str, ...] = ()) -> None:
+        m = fdp.message_type.add(name=name)
+        for fname, number, ftype, type_name in fields:
+            label = _F.LABEL_REPEATED if fname in repeated else _F.LABEL_OPTIONAL
+            f = m.field.add(name=fname, number=number, type=ftype, label=label)
+            if type_name:
+                f.type_name = type_name
+
+    message("RewardView", [("score", 1, _F.TYPE_DOUBLE, "")])
+    message(
+        "SampleView",
+        [
+            ("sample_id", 1, _F.TYPE_STRING, ""),
+            ("prompt_token_ids", 2, _F.TYPE_BYTES, ""),
+            ("completion_token_ids", 3, _F.TYPE_BYTES, ""),
+            ("behaviour_logprobs", 4, _F.TYPE_BYTES, ""),
+            ("token_versions", 5, _F.TYPE_BYTES, ""),
+            ("loss_mask", 6, _F.TYPE_BYTES, ""),
+            ("behaviour_version", 7, _F.TYPE_UINT64, ""),
+            ("reward", 8, _F.TYPE_MESSAGE, ".tauflow.queue.wire.RewardView"),
+        ],
+    )
+    message(
+        "GroupView",
+        [("group_id", 1, _F.TYPE_STRING, ""), ("samples", 3, _F.TYPE_MESSAGE, ".tauflow.queue.wire.SampleView")],
+        repeated=("samples",),
+    )
+    message("PutRequestView", [("group", 1, _F.TYPE_BYTES, ""), ("ticket_id", 2, _F.TYPE_STRING, "")])
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tauflow.queue.wire.{name}"))
+        for name in ("GroupView", "PutRequestView")
+    }
+
+
+_VIEWS = _build_views()
+GroupView = _VIEWS["GroupView"]
+PutRequestView = _VIEWS["PutRequestView"]
+def _bytes_of(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _varint_count(raw: bytes) -> int:
+    """Number of varints in a packed field: one terminal byte (< 0x80) each."""
+    return int(np.count_nonzero(_bytes_of(raw) < 0x80))
+
+
+def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | None:
+    """Validates a serialized Group without decoding it; None means "use the full decode"."""
+    if len(raw) > max_group_bytes:
+        return None
+    try:
+        view = GroupView.FromString(raw)
+    except Exception:  # noqa: BLE001 - the full decode reports it properly
+        return None
+    if view.ByteSize() != len(raw) or not view.group_id or len(view.group_id) > convert.MAX_ID_CHARS:
+        return None
+    if not view.samples:
+        return None
+    behaviour: int | None = None
+    n_tokens = 0
+    sample_ids: set[str] = set()
+    for s in view.samples:
+        if any(f.field_number in _PACKED for f in unknown_fields.UnknownFieldSet(s)):
+            return None  # an unpacked repeated field: only the full decode reads it right
+        if s.sample_id in sample_ids:
+            return None
+        sample_ids.add(s.sample_id)
+        n = _varint_count(s.completion_token_ids)
+        n_prompt = _varint_count(s.prompt_token_ids)
+        if n == 0 or n_prompt == 0:
+            return None
+        logprobs = s.behaviour_logprobs  # each read of a bytes field copies it: read once
+        if logprobs:
+            if len(logprobs) != 4 * n:
+                return None
+            lp = np.frombuffer(logprobs, dtype="<f4")
+            if not (np.isfinite(lp).all() and (lp <= 1e-3).all()):
+                return None
+        mask = s.loss_mask
+        if mask and (len(mask) != n or _bytes_of(mask).max() > 1):
+            return None
+        versions = s.token_versions
+        if versions:
+            v = _bytes_of(versions)
+            if len(versions) != n or v.max() >= 0x80:
+                return None  # versions >= 128 are multi-byte varints: the full decode takes them
+            oldest = int(v.min())
+            if s.behaviour_version and s.behaviour_version != oldest:
+                return None
+        else:
+            oldest = s.behaviour_version
+        if not np.isfinite(s.reward.score):
+            return None
+        behaviour = oldest if behaviour is None else min(behaviour, oldest)
+        n_tokens += n_prompt + n
+    assert behaviour is not None
+    return state.GroupRecord(view.group_id, raw, behaviour, n_tokens)
+
+
+def group_record(raw: bytes, max_group_bytes: int) -> state.GroupRecord:
+    """The stored form of a serialized Group: fast path first, full decode and its errors otherwise."""
+    record = group_record_fast(raw, max_group_bytes)
+    if record is not None:
+        return record
+    from tauflow.api.common.v1 import common_pb2
+
+    try:
+        group = common_pb2.Group.FromString(raw)
+    except Exception as e:  # noqa: BLE001
+        raise convert.InvalidGroup(f"group does not decode as tauflow.api.common.v1.Group: {e}") from e
+    record = convert.group_to_record(group, max_group_bytes)
+    record.payload = raw  # keep the producer's bytes: the full decode only validated them
+    return record
+
+
+# -- encoding a GetResponse from stored bytes ------------------------------------------------
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _length_delimited(field_number: int, payload: bytes) -> list[bytes]:
+    return [_varint(field_number << 3 | 2), _varint(len(payload)), payload]
+
+
+_GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].number
+_GROUPS_FIELD = queue_pb2.GetResponse.DESCRIPTOR.fields_by_name["groups"].number
+
+
+def encode_get_response(result: state.GetResult, trainer_version: int) -> bytes:
+    """The serialized GetResponse, with each stored group spliced in as is."""
+    head = queue_pb2.GetResponse(evicted_stale=result.evicted_stale, trainer_version=trainer_version)
+    if result.lease is not None:
+        head.lease.CopyFrom(convert.lease_to_proto(result.lease))
+    parts = [head.SerializeToString()]
+    for d in result.deliveries:
+        rest = queue_pb2.DeliveredGroup(
+            behaviour_version=d.group.behaviour_version,
+            staleness=d.staleness,
+            redeliveries=d.redeliveries,
+            accepted_at=convert.timestamp(d.group.accepted_at),
+        ).SerializeToString()
+        inner = _length_delimited(_GROUP_FIELD, d.group.payload)
+        size = sum(len(p) for p in inner) + len(rest)
+        parts += [_varint(_GROUPS_FIELD << 3 | 2), _varint(size), *inner, rest]
+    return b"".join(parts)
