@@ -1,0 +1,110 @@
+"""The wire fast paths agree with the full decode, and fall back to it whenever they cannot be exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.queue.v1 import queue_pb2
+from tauflow.queue import convert, state, wire
+
+LIMIT = 1 << 24
+
+
+def _varint(n: int) -> bytes:
+    return wire._varint(n)
+
+
+samples = st.builds(
+    lambda n, prompt, versions, lp, masked, bv, score, sid: dict(
+        n=n, prompt=prompt, versions=versions, lp=lp, masked=masked, bv=bv, score=score, sid=sid
+    ),
+    n=st.integers(1, 40),
+    prompt=st.lists(st.integers(-5, 200_000), min_size=0, max_size=5),
+    versions=st.one_of(st.none(), st.integers(0, 300)),
+    lp=st.one_of(st.none(), st.sampled_from([-0.5, 0.0, 0.5, math.nan, -math.inf])),
+    masked=st.booleans(),
+    bv=st.integers(0, 300),
+    score=st.sampled_from([0.0, 1.0, math.nan]),
+    sid=st.sampled_from(["0", "1", "2"]),
+)
+
+
+def _group(specs: list[dict], group_id: str) -> common_pb2.Group:  # type: ignore[type-arg]
+    g = common_pb2.Group(group_id=group_id)
+    for spec in specs:
+        s = g.samples.add(sample_id=spec["sid"], prompt_token_ids=spec["prompt"], behaviour_version=spec["bv"])
+        s.completion_token_ids.extend(range(spec["n"]))
+        if spec["versions"] is not None:
+            s.token_versions.extend([spec["versions"] + (i % 3) for i in range(spec["n"])])
+        if spec["lp"] is not None:
+            s.behaviour_logprobs.extend([spec["lp"]] * spec["n"])
+        if spec["masked"]:
+            s.loss_mask.extend([i % 2 == 0 for i in range(spec["n"])])
+        s.reward.score = spec["score"]
+    return g
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(samples, min_size=0, max_size=4), st.sampled_from(["g", ""]))
+def test_fast_path_agrees_with_full_decode(specs, group_id) -> None:  # type: ignore[no-untyped-def]
+    g = _group(specs, group_id)
+    raw = g.SerializeToString()
+    try:
+        expected = convert.group_to_record(g, LIMIT)
+    except convert.InvalidGroup as e:
+        assert wire.group_record_fast(raw, LIMIT) is None  # the fast path never accepts what is invalid
+        with pytest.raises(convert.InvalidGroup) as err:
+            wire.group_record(raw, LIMIT)
+        assert str(err.value) == str(e)
+        return
+    got = wire.group_record(raw, LIMIT)
+    assert (got.group_id, got.behaviour_version, got.n_tokens) == (
+        expected.group_id, expected.behaviour_version, expected.n_tokens
+    )
+    assert got.payload == raw  # stored as received
+
+
+def test_unpacked_repeated_field_falls_back_to_the_full_decode() -> None:
+    sample = common_pb2.Sample(sample_id="0", prompt_token_ids=[1], token_versions=[7, 7, 7]).SerializeToString()
+    sample += b"".join(_varint(3 << 3 | 0) + _varint(t) for t in (11, 12, 13))  # unpacked completion ids
+    raw = _varint(1 << 3 | 2) + _varint(1) + b"g" + _varint(3 << 3 | 2) + _varint(len(sample)) + sample
+    assert list(common_pb2.Group.FromString(raw).samples[0].completion_token_ids) == [11, 12, 13]
+    assert wire.group_record_fast(raw, LIMIT) is None
+    record = wire.group_record(raw, LIMIT)
+    assert (record.n_tokens, record.behaviour_version) == (4, 7)
+
+
+def test_split_packed_field_falls_back_to_the_full_decode() -> None:
+    # A packed field may arrive in two chunks; the view keeps only the last, so it must not be trusted.
+    first = common_pb2.Sample(sample_id="0", prompt_token_ids=[1], completion_token_ids=[1, 2]).SerializeToString()
+    second = common_pb2.Sample(completion_token_ids=[3, 4]).SerializeToString()
+    sample = first + second
+    raw = common_pb2.Group(group_id="g").SerializeToString() + _varint(3 << 3 | 2) + _varint(len(sample)) + sample
+    assert wire.group_record_fast(raw, LIMIT) is None
+    assert wire.group_record(raw, LIMIT).n_tokens == 5
+
+
+def test_garbage_bytes_are_invalid_argument() -> None:
+    with pytest.raises(convert.InvalidGroup, match="does not decode"):
+        wire.group_record(b"\xff\xff\xff", LIMIT)
+
+
+def test_spliced_get_response_decodes_like_a_built_one() -> None:
+    groups = [_group([dict(n=3, prompt=[1], versions=2, lp=-0.1, masked=True, bv=0, score=1.0, sid="0")], f"g{i}")
+              for i in range(3)]
+    records = [wire.group_record(g.SerializeToString(), LIMIT) for g in groups]
+    for i, r in enumerate(records):
+        r.accepted_at = 1700000000.25 + i
+    lease = state.Lease("lease-1", [r.group_id for r in records], 1700000100.5, "t", 4)
+    result = state.GetResult(lease, [state.Delivery(r, 2, i) for i, r in enumerate(records)], evicted_stale=5)
+    decoded = queue_pb2.GetResponse.FromString(wire.encode_get_response(result, trainer_version=4))
+    assert decoded.lease.lease_id == "lease-1" and decoded.evicted_stale == 5 and decoded.trainer_version == 4
+    assert [d.group for d in decoded.groups] == groups
+    assert [d.redeliveries for d in decoded.groups] == [0, 1, 2]
+    assert all(d.staleness == 2 and d.behaviour_version == 2 for d in decoded.groups)
+    assert decoded.groups[1].accepted_at.ToNanoseconds() == int((1700000001.25) * 1e9)
