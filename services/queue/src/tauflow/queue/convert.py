@@ -103,20 +103,6 @@ def lease_to_proto(lease: state.Lease) -> queue_pb2.Lease:
     return queue_pb2.Lease(lease_id=lease.lease_id, deadline=timestamp(lease.deadline))
 
 
-def get_response(result: state.GetResult, trainer_version: int) -> queue_pb2.GetResponse:
-    resp = queue_pb2.GetResponse(evicted_stale=result.evicted_stale, trainer_version=trainer_version)
-    if result.lease is not None:
-        resp.lease.CopyFrom(lease_to_proto(result.lease))
-    for d in result.deliveries:
-        out = resp.groups.add()
-        out.group.MergeFromString(d.group.payload)
-        out.behaviour_version = d.group.behaviour_version
-        out.staleness = d.staleness
-        out.redeliveries = d.redeliveries
-        out.accepted_at.CopyFrom(timestamp(d.group.accepted_at))
-    return resp
-
-
 def stats_to_proto(s: state.Stats) -> queue_pb2.StatsResponse:
     return queue_pb2.StatsResponse(
         trainer_version=s.trainer_version,

@@ -276,7 +276,7 @@ class QueueState:
         if group.group_id in m.groups or group.group_id in m.done_ids:
             return False, len(m.pending)
         ticket = m.tickets.get(ticket_id) if ticket_id else None
-        if ticket is not None and ticket.expires_at < self.clock():
+        if ticket is not None and ticket.expires_at <= self.clock():
             ticket = None  # an expired ticket's room was given back; the group comes in untickted
         own_room = 1 if ticket is not None and ticket.remaining > 0 else 0
         if len(m.groups) + m.in_flight - own_room + 1 > s.capacity_groups:
@@ -409,7 +409,8 @@ class QueueState:
         """Returns expired leases to the head of the queue and releases expired tickets."""
         now = self.clock()
         result = SweepResult()
-        for lease in [x for x in self.m.leases.values() if x.deadline <= now]:
+        # Newest first, so that the oldest expired lease ends up at the very head.
+        for lease in reversed([x for x in self.m.leases.values() if x.deadline <= now]):
             self._log(RELEASE, {"l": lease.lease_id, "why": "expired"})
             result.expired_leases += 1
             result.expired_groups += len(lease.group_ids)

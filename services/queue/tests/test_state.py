@@ -1,0 +1,998 @@
+"""QueueState without gRPC: pacing, puts, gets, leases, stale eviction and durability.
+
+Time is a fake clock (``t[0]``); durability tests use a real WriteAheadLog under tmp_path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tauflow.queue.state import (
+    FailedPrecondition,
+    GroupRecord,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+    QueueState,
+    Settings,
+)
+from tauflow.queue.wal import FsyncPolicy, WalCorrupt, WriteAheadLog
+
+
+class Clock:
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = [start]
+
+    def __call__(self) -> float:
+        return self.t[0]
+
+    def advance(self, dt: float) -> None:
+        self.t[0] += dt
+
+
+def rec(gid: str, bv: int = 0, n_tokens: int = 10, size: int = 16) -> GroupRecord:
+    payload = (gid.encode() + b":" + b"x" * size)[:size] if size >= len(gid) + 1 else b"x" * size
+    return GroupRecord(gid, payload, bv, n_tokens)
+
+
+def make(clock: Clock | None = None, wal: WriteAheadLog | None = None, **kw: Any) -> tuple[QueueState, Clock]:
+    clock = clock or Clock()
+    kw.setdefault("default_lease_s", 10.0)
+    kw.setdefault("reservation_ttl_s", 20.0)
+    return QueueState(Settings(**kw), wal, clock=clock), clock
+
+
+def pending(q: QueueState) -> list[str]:
+    return list(q.m.pending)
+
+
+def fingerprint(q: QueueState) -> dict[str, Any]:
+    """Everything observable about the state (and the bookkeeping that pacing/dedup depend on)."""
+    m = q.m
+    return {
+        "stats": q.stats(),
+        "pending": list(m.pending),
+        "groups": {
+            g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries) for g, r in m.groups.items()
+        },
+        "leases": {
+            lid: (x.group_ids, x.deadline, x.consumer_id, x.consumer_version) for lid, x in m.leases.items()
+        },
+        "tickets": {
+            tid: (t.request_id, t.producer_id, t.n_groups, t.remaining, t.min_policy_version, t.expires_at)
+            for tid, t in m.tickets.items()
+        },
+        "in_flight": m.in_flight,
+        "accepted": m.accepted,
+        "pending_bytes": m.pending_bytes,
+        "live_bytes": m.live_bytes,
+        "live_wal_bytes": m.live_wal_bytes,
+        "done_ids": list(m.done_ids),
+        "outcomes": dict(m.outcomes),
+        "reservations": sorted(m.reservations),
+        "next_deadline": q.next_deadline(),
+    }
+
+
+def open_wal(path: Path) -> WriteAheadLog:
+    return WriteAheadLog(path, FsyncPolicy.NEVER)
+
+
+def restart(q: QueueState, path: Path, clock: Clock) -> QueueState:
+    assert q.wal is not None
+    q.wal.close()
+    return QueueState(q.settings, open_wal(path), clock=clock)
+
+
+# =========================================================================================
+# Pacing: Reserve
+# =========================================================================================
+
+
+def test_capacity_rule_grants_up_to_the_exact_boundary() -> None:
+    q, _ = make(max_staleness=1, groups_per_step=4)  # limit (0 + 1 + 1) * 4 = 8
+    assert q.pacing_limit() == 8
+    a = q.reserve("r1", "p", 5)
+    assert a is not None and a.n_groups == 5 and a.min_policy_version == 0
+    assert q.reserve("r2", "p", 4) is None  # 5 + 4 > 8
+    b = q.reserve("r3", "p", 3)  # 5 + 3 == 8: granted
+    assert b is not None
+    assert q.stats().reserved_groups == 8
+    assert q.reserve("r4", "p", 1) is None
+
+
+def test_capacity_rule_counts_accepted_groups_even_after_ack() -> None:
+    q, _ = make(max_staleness=0, groups_per_step=2)  # limit (v + 1) * 2
+    t = q.reserve("r1", "p", 2)
+    assert t is not None
+    for i in range(2):
+        assert q.put(rec(f"g{i}"), t.ticket_id)[0]
+    s = q.stats()
+    assert (s.accepted_groups, s.reserved_groups) == (2, 0)
+    assert q.reserve("r2", "p", 1) is None  # accepted 2 + 1 > 2
+    lease = q.get("c", max_groups=2).lease
+    assert lease is not None
+    q.ack(lease.lease_id)
+    assert q.reserve("r3", "p", 1) is None  # acked groups still count as accepted
+    q.set_trainer_version(1)
+    assert q.pacing_limit() == 4
+    t2 = q.reserve("r4", "p", 2)
+    assert t2 is not None and t2.min_policy_version == 1
+    assert q.reserve("r5", "p", 1) is None
+
+
+def test_unticketed_puts_count_toward_pacing() -> None:
+    q, _ = make(max_staleness=1, groups_per_step=2)  # limit 4
+    for i in range(3):
+        q.put(rec(f"x{i}"))
+    assert q.reserve("r1", "p", 2) is None  # 3 + 2 > 4
+    assert q.reserve("r2", "p", 1) is not None
+
+
+def test_stale_eviction_gives_pacing_room_back() -> None:
+    q, _ = make(max_staleness=0, groups_per_step=4)
+    for i in range(4):
+        q.put(rec(f"old{i}", bv=0))
+    assert q.reserve("r1", "p", 1) is None
+    q.set_trainer_version(1)  # limit 8
+    for i in range(3):
+        q.put(rec(f"new{i}", bv=1))
+    assert q.reserve("r2", "p", 2) is None  # 7 + 2 > 8
+    res = q.get("c", max_groups=1)
+    assert res.evicted_stale == 4 and [d.group.group_id for d in res.deliveries] == ["new0"]
+    assert q.stats().accepted_groups == 3
+    assert q.reserve("r3", "p", 4) is not None  # 3 + 4 <= 8
+    assert q.reserve("r4", "p", 2) is None  # 3 + 4 + 2 > 8
+
+
+def test_capacity_groups_limits_reserve_too() -> None:
+    q, _ = make(max_staleness=5, groups_per_step=10, capacity_groups=5)
+    q.put(rec("a"))
+    q.put(rec("b"))
+    assert q.reserve("r1", "p", 4) is None  # 2 stored + 4 > 5
+    assert q.reserve("r2", "p", 3) is not None
+
+
+def test_unbounded_tau_uses_capacity_only() -> None:
+    q, _ = make(max_staleness=-1, groups_per_step=2, capacity_groups=10)
+    assert q.pacing_limit() is None
+    assert q.reserve("r1", "p", 7) is not None  # far beyond (v + tau + 1) * gps for any small tau
+    assert q.reserve("r2", "p", 4) is None
+    assert q.reserve("r3", "p", 3) is not None
+    assert q.reserve("r4", "p", 1) is None
+    with pytest.raises(InvalidRequest):
+        q.reserve("r5", "p", 11)
+
+
+def test_unbounded_tau_never_evicts() -> None:
+    q, _ = make(max_staleness=-1)
+    q.put(rec("a", bv=0))
+    q.set_trainer_version(100)
+    res = q.get("c", max_groups=5)
+    assert res.evicted_stale == 0
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("a", 100)]
+
+
+def test_reserve_is_idempotent_by_request_id() -> None:
+    q, c = make(max_staleness=0, groups_per_step=4)
+    t1 = q.reserve("req", "p", 3)
+    assert t1 is not None
+    t2 = q.reserve("req", "p", 3)  # no room for 3 more, but it is the same request
+    assert t2 is not None and t2.ticket_id == t1.ticket_id and t2.expires_at == t1.expires_at
+    assert q.stats().reserved_groups == 3
+    q.set_trainer_version(2)
+    c.advance(1)
+    t3 = q.reserve("req", "p", 3)
+    assert t3 is not None and (t3.ticket_id, t3.min_policy_version) == (t1.ticket_id, 0)
+    assert q.stats().reserved_groups == 3
+
+
+@pytest.mark.parametrize(
+    ("request_id", "n"),
+    [("", 1), ("r", 0), ("r", -1), ("r", 9)],  # (tau + 1) * gps = 8 is the most ever grantable
+)
+def test_invalid_reserve(request_id: str, n: int) -> None:
+    q, _ = make(max_staleness=1, groups_per_step=4)
+    with pytest.raises(InvalidRequest):
+        q.reserve(request_id, "p", n)
+    assert q.stats().reserved_groups == 0
+
+
+def test_reserve_larger_than_capacity_is_invalid() -> None:
+    q, _ = make(max_staleness=10, groups_per_step=10, capacity_groups=5)
+    with pytest.raises(InvalidRequest):
+        q.reserve("r", "p", 6)
+
+
+def test_ticket_expiry_releases_room() -> None:
+    q, c = make(max_staleness=0, groups_per_step=3, reservation_ttl_s=20.0)
+    t = q.reserve("r1", "p", 3)
+    assert t is not None and t.expires_at == c() + 20.0
+    assert q.reserve("r2", "p", 1) is None
+    c.advance(19.9)
+    assert q.reserve("r3", "p", 1) is None
+    c.advance(0.1)  # expires_at <= now: expired
+    t2 = q.reserve("r4", "p", 3)
+    assert t2 is not None
+    assert q.stats().reserved_groups == 3
+    assert q.release_reservation(t.ticket_id) == 0  # known outcome: idempotent
+
+
+def test_sweep_reports_expired_tickets() -> None:
+    q, c = make(reservation_ttl_s=5.0)
+    q.reserve("r1", "p", 2)
+    assert q.next_deadline() == c() + 5.0
+    c.advance(5.0)
+    res = q.sweep()
+    assert res.expired_tickets == 1
+    assert q.stats().reserved_groups == 0
+    assert q.next_deadline() is None
+
+
+def test_release_reservation() -> None:
+    q, _ = make(max_staleness=0, groups_per_step=3)
+    t = q.reserve("r1", "p", 3)
+    assert t is not None
+    q.put(rec("a"), t.ticket_id)
+    assert q.stats().reserved_groups == 2
+    assert q.release_reservation(t.ticket_id) == 2
+    assert q.stats().reserved_groups == 0
+    assert q.release_reservation(t.ticket_id) == 0
+    assert q.reserve("r2", "p", 2) is not None  # 1 accepted + 2
+    with pytest.raises(NotFound):
+        q.release_reservation("no-such-ticket")
+
+
+def test_ticketed_put_uses_the_ticket() -> None:
+    q, _ = make(max_staleness=0, groups_per_step=2)
+    t = q.reserve("r1", "p", 2)
+    assert t is not None
+    q.put(rec("a"), t.ticket_id)
+    s = q.stats()
+    assert (s.accepted_groups, s.reserved_groups) == (1, 1)
+    q.put(rec("b"), t.ticket_id)
+    s = q.stats()
+    assert (s.accepted_groups, s.reserved_groups) == (2, 0)
+    assert t.ticket_id not in q.m.tickets
+    assert q.release_reservation(t.ticket_id) == 0
+    q.put(rec("c"), t.ticket_id)  # a used-up ticket: comes in untickted, reserved stays 0
+    s = q.stats()
+    assert (s.accepted_groups, s.reserved_groups) == (3, 0)
+
+
+def test_put_on_expired_ticket_does_not_double_count() -> None:
+    q, c = make(max_staleness=0, groups_per_step=2, reservation_ttl_s=5.0)
+    t = q.reserve("r1", "p", 2)
+    assert t is not None
+    c.advance(6.0)
+    assert q.put(rec("late"), t.ticket_id)[0]
+    q.sweep()
+    s = q.stats()
+    assert (s.accepted_groups, s.reserved_groups) == (1, 0)
+
+
+# =========================================================================================
+# Put
+# =========================================================================================
+
+
+def test_put_is_idempotent_by_group_id() -> None:
+    q, _ = make()
+    assert q.put(rec("a")) == (True, 1)
+    assert q.put(rec("a", bv=5)) == (False, 1)
+    assert q.stats().accepted_groups == 1
+    assert q.m.groups["a"].behaviour_version == 0  # the first copy stays
+
+
+def test_put_duplicate_while_leased_and_after_ack() -> None:
+    q, _ = make()
+    q.put(rec("a"))
+    lease = q.get("c", max_groups=1).lease
+    assert lease is not None
+    assert q.put(rec("a")) == (False, 0)
+    q.ack(lease.lease_id)
+    assert q.put(rec("a")) == (False, 0)
+    s = q.stats()
+    assert (s.accepted_groups, s.depth_groups, s.acked_groups) == (1, 0, 1)
+
+
+def test_put_duplicate_after_stale_eviction() -> None:
+    q, _ = make(max_staleness=0)
+    q.put(rec("a", bv=0))
+    q.set_trainer_version(1)
+    assert q.get("c", max_groups=1).evicted_stale == 1
+    assert q.put(rec("a", bv=1)) == (False, 0)
+    assert q.stats().accepted_groups == 0
+    assert q.get("c", max_groups=1).lease is None
+
+
+def test_queue_full_by_groups() -> None:
+    q, _ = make(max_staleness=-1, capacity_groups=3)
+    for g in "abc":
+        q.put(rec(g))
+    with pytest.raises(QueueFull, match="full"):
+        q.put(rec("d"))
+    assert q.stats().accepted_groups == 3 and "d" not in q.m.groups
+    lease = q.get("c", max_groups=1).lease
+    assert lease is not None
+    with pytest.raises(QueueFull):  # a leased group still takes room
+        q.put(rec("d"))
+    q.ack(lease.lease_id)
+    assert q.put(rec("d"))[0]
+
+
+def test_queue_full_by_bytes() -> None:
+    q, _ = make(max_staleness=-1, capacity_bytes=100)
+    q.put(rec("a", size=40))
+    q.put(rec("b", size=40))
+    with pytest.raises(QueueFull, match="bytes"):
+        q.put(rec("c", size=40))
+    assert q.put(rec("c", size=20))[0]  # exactly 100 bytes fits
+    assert q.stats().depth_bytes == 100
+    lease = q.get("c", max_groups=1).lease
+    assert lease is not None and q.stats().depth_bytes == 60
+    with pytest.raises(QueueFull):  # leased bytes are still stored
+        q.put(rec("d", size=1))
+    q.ack(lease.lease_id)
+    assert q.put(rec("d", size=40))[0]
+
+
+def test_reserved_room_is_respected_for_unticketed_puts() -> None:
+    q, _ = make(max_staleness=-1, capacity_groups=4)
+    t = q.reserve("r1", "p", 3)
+    assert t is not None
+    assert q.put(rec("ext1"))[0]
+    with pytest.raises(QueueFull):
+        q.put(rec("ext2"))  # 1 stored + 3 reserved + 1 > 4
+    for g in ("t1", "t2", "t3"):  # the ticket's own room is there
+        assert q.put(rec(g), t.ticket_id)[0]
+    s = q.stats()
+    assert (s.depth_groups, s.reserved_groups) == (4, 0)
+    with pytest.raises(QueueFull):
+        q.put(rec("t4"), t.ticket_id)
+
+
+# =========================================================================================
+# Get
+# =========================================================================================
+
+
+def test_get_by_max_groups_in_fifo_order() -> None:
+    q, c = make()
+    for g in "abcde":
+        q.put(rec(g))
+    res = q.get("c1", max_groups=2)
+    assert res.lease is not None
+    assert [d.group.group_id for d in res.deliveries] == ["a", "b"] == res.lease.group_ids
+    assert res.lease.consumer_id == "c1" and res.lease.deadline == c() + 10.0
+    assert [(d.staleness, d.redeliveries) for d in res.deliveries] == [(0, 0), (0, 0)]
+    assert pending(q) == ["c", "d", "e"]
+    s = q.stats()
+    assert (s.depth_groups, s.leased_groups, s.depth_bytes) == (3, 2, 48)
+    res2 = q.get("c2", max_groups=10, lease_s=3.0)
+    assert res2.lease is not None and res2.lease.group_ids == ["c", "d", "e"]
+    assert res2.lease.deadline == c() + 3.0
+    assert q.get("c3", max_groups=1).lease is None
+
+
+def test_get_min_groups_not_met_gives_no_lease() -> None:
+    q, _ = make()
+    q.put(rec("a"))
+    q.put(rec("b"))
+    res = q.get("c", max_groups=4, min_groups=3)
+    assert res.lease is None and res.deliveries == []
+    assert pending(q) == ["a", "b"] and q.stats().leased_groups == 0
+    res = q.get("c", max_groups=4, min_groups=2)
+    assert res.lease is not None and res.lease.group_ids == ["a", "b"]
+
+
+def test_get_by_token_budget() -> None:
+    q, _ = make()
+    for g, n in (("a", 30), ("b", 30), ("c", 30), ("d", 5)):
+        q.put(rec(g, n_tokens=n))
+    res = q.get("c", max_groups=0, max_tokens=70)
+    assert res.lease is not None and res.lease.group_ids == ["a", "b"]  # 90 > 70: stops, no skipping
+    res = q.get("c", max_groups=0, max_tokens=10)
+    assert res.lease is not None and res.lease.group_ids == ["c"]  # over budget alone: still one group
+    res = q.get("c", max_groups=0, max_tokens=100)
+    assert res.lease is not None and res.lease.group_ids == ["d"]
+
+
+def test_get_token_budget_and_group_count_together() -> None:
+    q, _ = make()
+    for g in "abcd":
+        q.put(rec(g, n_tokens=10))
+    res = q.get("c", max_groups=2, max_tokens=1000)
+    assert res.lease is not None and res.lease.group_ids == ["a", "b"]
+    res = q.get("c", max_groups=5, max_tokens=10)
+    assert res.lease is not None and res.lease.group_ids == ["c"]
+    res = q.get("c", max_groups=5, min_groups=2, max_tokens=10)  # budget allows 1 < min 2
+    assert res.lease is None and pending(q) == ["d"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_groups": 0, "max_tokens": 0},
+        {"max_groups": 2, "min_groups": 3},
+        {"max_groups": 2, "lease_s": -1.0},
+    ],
+)
+def test_invalid_get(kwargs: dict) -> None:
+    q, _ = make()
+    q.put(rec("a"))
+    with pytest.raises(InvalidRequest):
+        q.get("c", **kwargs)
+    assert pending(q) == ["a"]
+
+
+def test_stale_groups_are_evicted_never_delivered() -> None:
+    q, _ = make(max_staleness=1)
+    for g, bv in (("v0", 0), ("v2", 2), ("v1", 1), ("v3", 3)):
+        q.put(rec(g, bv=bv))
+    q.set_trainer_version(3)
+    res = q.get("c", max_groups=10)
+    assert res.evicted_stale == 2  # staleness 3 and 2 > tau = 1
+    assert res.lease is not None
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("v2", 1), ("v3", 0)]
+    s = q.stats()
+    assert s.evicted_groups == {"stale": 2}
+    assert s.accepted_groups == 2 and s.depth_groups == 0
+    assert "v0" not in q.m.groups and "v1" not in q.m.groups
+    assert q.stats().depth_bytes == 0
+
+
+def test_staleness_exactly_tau_is_delivered() -> None:
+    q, _ = make(max_staleness=2)
+    q.put(rec("a", bv=3))
+    q.set_trainer_version(5)
+    res = q.get("c", max_groups=1)
+    assert res.evicted_stale == 0 and [d.staleness for d in res.deliveries] == [2]
+
+
+def test_eviction_happens_even_when_min_groups_is_not_met() -> None:
+    q, _ = make(max_staleness=0)
+    q.put(rec("old", bv=0))
+    q.put(rec("new", bv=1))
+    q.set_trainer_version(1)
+    res = q.get("c", max_groups=5, min_groups=2)
+    assert res.lease is None and res.evicted_stale == 1
+    assert pending(q) == ["new"] and q.stats().evicted_groups == {"stale": 1}
+
+
+def test_consumer_version_overrides_trainer_version() -> None:
+    q, _ = make(max_staleness=1)
+    q.put(rec("a", bv=0))
+    q.put(rec("b", bv=2))
+    res = q.get("c", max_groups=5, consumer_version=3)  # trainer is at 0, consumer at 3
+    assert res.evicted_stale == 1
+    assert res.lease is not None and res.lease.consumer_version == 3
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("b", 1)]
+    q.put(rec("c", bv=0))
+    res = q.get("c", max_groups=5)  # default: the trainer's version (0)
+    assert res.lease is not None and res.lease.consumer_version == 0
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("c", 0)]
+
+
+def test_newer_than_consumer_has_staleness_zero() -> None:
+    q, _ = make(max_staleness=0)
+    q.put(rec("a", bv=4))
+    res = q.get("c", max_groups=1, consumer_version=2)
+    assert [d.staleness for d in res.deliveries] == [0]
+
+
+# =========================================================================================
+# Ack / Nack / RenewLease
+# =========================================================================================
+
+
+def _leased(q: QueueState, n: int, **kw: Any) -> str:
+    res = q.get("c", max_groups=n, **kw)
+    assert res.lease is not None
+    return res.lease.lease_id
+
+
+def test_ack_removes_groups_and_is_idempotent() -> None:
+    q, _ = make()
+    for g in "abc":
+        q.put(rec(g))
+    lid = _leased(q, 2)
+    assert q.ack(lid) == 2
+    s = q.stats()
+    assert (s.acked_groups, s.leased_groups, s.depth_groups, s.accepted_groups) == (2, 0, 1, 3)
+    assert q.m.live_bytes == 16
+    assert q.ack(lid) == 0
+    assert q.stats().acked_groups == 2
+    with pytest.raises(FailedPrecondition):
+        q.nack(lid)  # its groups are gone
+    with pytest.raises(FailedPrecondition):
+        q.renew(lid)
+
+
+def test_unknown_lease_is_not_found() -> None:
+    q, _ = make()
+    for call in (q.ack, q.nack, q.renew):
+        with pytest.raises(NotFound):
+            call("nope")
+
+
+def test_nack_returns_groups_to_the_head_in_order() -> None:
+    q, _ = make()
+    for g in "abcde":
+        q.put(rec(g))
+    l1 = _leased(q, 2)  # a b
+    l2 = _leased(q, 2)  # c d
+    assert q.nack(l1) == 2
+    assert pending(q) == ["a", "b", "e"]
+    assert q.nack(l2) == 2
+    assert pending(q) == ["c", "d", "a", "b", "e"]  # the most recently returned lease is at the head
+    assert q.nack(l1) == 0  # idempotent
+    with pytest.raises(FailedPrecondition):
+        q.ack(l1)
+    with pytest.raises(FailedPrecondition):
+        q.renew(l1)
+    s = q.stats()
+    assert (s.depth_groups, s.leased_groups, s.expired_leases, s.acked_groups) == (5, 0, 0, 0)
+    assert s.depth_bytes == 5 * 16
+    res = q.get("c", max_groups=5)
+    assert [(d.group.group_id, d.redeliveries) for d in res.deliveries] == [
+        ("c", 1),
+        ("d", 1),
+        ("a", 1),
+        ("b", 1),
+        ("e", 0),
+    ]
+
+
+def test_lease_expiry_returns_groups_to_the_head_and_counts_redeliveries() -> None:
+    q, c = make(default_lease_s=10.0)
+    for g in "abcd":
+        q.put(rec(g))
+    lid = _leased(q, 3)
+    q.put(rec("e"))
+    c.advance(9.99)
+    assert q.sweep().expired_leases == 0
+    c.advance(0.01)  # deadline <= now
+    res = q.sweep()
+    assert (res.expired_leases, res.expired_groups) == (1, 3)
+    assert pending(q) == ["a", "b", "c", "d", "e"]
+    s = q.stats()
+    assert (s.expired_leases, s.leased_groups, s.depth_groups) == (1, 0, 5)
+    with pytest.raises(FailedPrecondition):
+        q.ack(lid)
+    assert q.nack(lid) == 0
+    with pytest.raises(FailedPrecondition):
+        q.renew(lid)
+    lid2 = _leased(q, 2)
+    c.advance(10.0)
+    got = q.get("c", max_groups=5)  # get sweeps first
+    assert [(d.group.group_id, d.redeliveries) for d in got.deliveries] == [
+        ("a", 2),
+        ("b", 2),
+        ("c", 1),
+        ("d", 0),
+        ("e", 0),
+    ]
+    with pytest.raises(FailedPrecondition):
+        q.ack(lid2)
+    assert q.stats().expired_leases == 2
+
+
+def test_ack_after_expiry_is_failed_precondition_without_explicit_sweep() -> None:
+    q, c = make(default_lease_s=5.0)
+    q.put(rec("a"))
+    lid = _leased(q, 1)
+    c.advance(5.0)
+    with pytest.raises(FailedPrecondition):
+        q.ack(lid)
+    assert pending(q) == ["a"] and q.stats().acked_groups == 0
+
+
+def test_renew_extends_the_deadline() -> None:
+    q, c = make(default_lease_s=10.0)
+    q.put(rec("a"))
+    lid = _leased(q, 1)
+    c.advance(8.0)
+    lease = q.renew(lid, 30.0)
+    assert lease.deadline == c() + 30.0
+    c.advance(25.0)  # past the original deadline
+    assert q.sweep().expired_leases == 0
+    lease = q.renew(lid)  # default lease
+    assert lease.deadline == c() + 10.0
+    with pytest.raises(InvalidRequest):
+        q.renew(lid, -1.0)
+    c.advance(9.0)
+    assert q.ack(lid) == 1
+
+
+def test_stale_check_happens_again_on_redelivery() -> None:
+    q, c = make(max_staleness=0, default_lease_s=5.0)
+    q.put(rec("a", bv=0))
+    _leased(q, 1)
+    q.set_trainer_version(1)  # the consumer stepped without acking; the lease then expires
+    c.advance(5.0)
+    res = q.get("c", max_groups=1)
+    assert res.lease is None and res.evicted_stale == 1
+
+
+# =========================================================================================
+# Trainer version and tau
+# =========================================================================================
+
+
+def test_set_trainer_version_is_monotonic() -> None:
+    q, _ = make()
+    assert q.set_trainer_version(3) == 3
+    assert q.set_trainer_version(2) == 3
+    assert q.set_trainer_version(3) == 3
+    assert q.trainer_version == 3
+    with pytest.raises(InvalidRequest):
+        q.set_trainer_version(-1)
+
+
+def test_rebase_moves_version_back_and_repaces() -> None:
+    q, _ = make(max_staleness=0, groups_per_step=2)
+    q.set_trainer_version(5)
+    q.put(rec("a", bv=5))
+    for i in range(10):
+        q.put(rec(f"x{i}", bv=5))
+    lid = _leased(q, 10)
+    q.ack(lid)
+    assert q.stats().accepted_groups == 11
+    assert q.set_trainer_version(2, rebase=True) == 2
+    # pace as if every step consumed one batch, plus what is stored now: 2 * 2 + 1
+    assert q.stats().accepted_groups == 5
+    assert q.pacing_limit() == 6
+    assert q.reserve("r1", "p", 2) is None
+    assert q.reserve("r2", "p", 1) is not None
+    assert q.set_trainer_version(2, rebase=True) == 2  # same version: no-op
+    assert q.stats().accepted_groups == 5
+
+
+def test_set_max_staleness() -> None:
+    q, _ = make(max_staleness=2, groups_per_step=2)
+    assert q.reserve("r1", "p", 6) is not None
+    with pytest.raises(InvalidRequest):
+        q.set_max_staleness(-2)
+    assert q.settings.max_staleness == 2
+    assert q.set_max_staleness(0) == 0
+    with pytest.raises(InvalidRequest):
+        q.reserve("r2", "p", 3)  # (0 + 1) * 2 is the most ever grantable now
+    q.put(rec("a", bv=0))
+    q.put(rec("b", bv=1))
+    q.set_trainer_version(1)
+    res = q.get("c", max_groups=5)
+    assert res.evicted_stale == 1 and [d.group.group_id for d in res.deliveries] == ["b"]
+    q.set_max_staleness(-1)
+    assert q.pacing_limit() is None
+    q.put(rec("old", bv=0))
+    q.set_trainer_version(50)
+    res = q.get("c", max_groups=5)
+    assert res.evicted_stale == 0 and [d.staleness for d in res.deliveries] == [50]
+
+
+# =========================================================================================
+# Durability: recovery, torn tails, compaction
+# =========================================================================================
+
+
+def _busy_state(q: QueueState, c: Clock) -> dict[str, Any]:
+    """Drives ``q`` through every kind of record; returns handles to what is still open."""
+    q.set_trainer_version(1)
+    t1 = q.reserve("req-1", "prod", 4)
+    assert t1 is not None
+    for i in range(3):
+        assert q.put(rec(f"t{i}", bv=1, n_tokens=10 + i, size=20 + i), t1.ticket_id)[0]
+    for i in range(6):
+        q.put(rec(f"e{i}", bv=1 if i % 2 else 0, n_tokens=5, size=30))
+    c.advance(1.0)
+    q.set_trainer_version(2)
+    acked = _leased(q, 2)  # t0 t1
+    q.ack(acked)
+    nacked = _leased(q, 1)  # t2
+    q.nack(nacked)
+    expiring = _leased(q, 1, lease_s=2.0)  # t2 again
+    open_lease = _leased(q, 2, lease_s=50.0)  # e1 e3 (e0 and e2 are evicted: staleness 2 > 1)
+    renewed = _leased(q, 1, lease_s=5.0)  # e5 (e4 evicted)
+    q.renew(renewed, 40.0)
+    c.advance(3.0)
+    assert q.sweep().expired_leases == 1  # `expiring`
+    t2 = q.reserve("req-2", "prod", 2)
+    assert t2 is not None
+    q.put(rec("late", bv=2), t2.ticket_id)
+    t3 = q.reserve("req-3", "prod", 1)
+    assert t3 is not None
+    q.release_reservation(t3.ticket_id)
+    return {
+        "acked": acked,
+        "nacked": nacked,
+        "expiring": expiring,
+        "open": open_lease,
+        "renewed": renewed,
+        "t1": t1,
+        "t2": t2,
+    }
+
+
+def test_recovery_reproduces_the_state(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    h = _busy_state(q, c)
+    before = fingerprint(q)
+    assert before["stats"].evicted_groups == {"stale": 3}  # e0 e2 e4 (bv 0 at version 2)
+    assert before["leases"] and before["tickets"] and before["pending"]
+    assert before["groups"]["t2"][4] == 2  # delivered twice (nacked, then expired)
+
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == before
+
+    # Idempotency survives the restart.
+    for gid in ("t0", "t1", "e0"):  # acked, acked, evicted
+        assert q2.put(rec(gid, bv=2)) == (False, len(before["pending"]))
+    assert q2.ack(h["acked"]) == 0
+    assert q2.nack(h["nacked"]) == 0
+    assert q2.nack(h["expiring"]) == 0
+    with pytest.raises(FailedPrecondition):
+        q2.ack(h["expiring"])
+    t1 = q2.reserve("req-1", "prod", 4)
+    assert t1 is not None and t1.ticket_id == h["t1"].ticket_id
+    assert q2.stats().reserved_groups == before["stats"].reserved_groups
+    # The ticket still works for its remaining room.
+    assert q2.put(rec("t3", bv=2), h["t1"].ticket_id)[0]
+    assert h["t1"].ticket_id not in q2.m.tickets
+    # Leases keep their deadlines: `open` (deadline 1051) is still held, and expires on time.
+    assert q2.m.leases[h["open"]].deadline == 1051.0
+    assert q2.renew(h["renewed"], 100.0).deadline == c() + 100.0
+    c.advance(46.0)  # t = 1050
+    assert q2.sweep().expired_leases == 0
+    c.advance(1.0)
+    assert q2.sweep().expired_leases == 1
+    assert h["open"] not in q2.m.leases and pending(q2)[:2] == ["e1", "e3"]
+    assert q2.ack(h["renewed"]) == 1
+
+
+def test_recovery_after_restart_then_more_work(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    _busy_state(q, c)
+    q = restart(q, path, c)
+    q.put(rec("new1", bv=2))
+    lid = _leased(q, 2)
+    q.ack(lid)
+    c.advance(100.0)
+    q.sweep()  # every remaining lease and ticket expires
+    before = fingerprint(q)
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == before
+    assert q2.stats().leased_groups == 0 and q2.stats().reserved_groups == 0
+
+
+def test_recovery_of_an_empty_and_a_missing_log(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "q.wal"
+    q, c = make(wal=open_wal(path))
+    assert path.exists()
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == fingerprint(make()[0]) | {"stats": q2.stats()}
+    assert q2.stats().wal_bytes == path.stat().st_size
+
+
+def test_not_a_log_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    path.write_bytes(b"something else entirely")
+    with pytest.raises(WalCorrupt):
+        make(wal=open_wal(path))
+
+
+def test_recovery_replays_rebase(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=0, groups_per_step=2)
+    q.set_trainer_version(4)
+    q.put(rec("a", bv=4))
+    q.set_trainer_version(1, rebase=True)
+    before = fingerprint(q)
+    assert before["stats"].accepted_groups == 3 and before["stats"].trainer_version == 1
+    assert fingerprint(restart(q, path, c)) == before
+
+
+def _three_puts(path: Path) -> tuple[QueueState, Clock, list[int]]:
+    q, c = make(wal=open_wal(path))
+    sizes = []
+    for g in ("a", "b", "c"):
+        q.put(rec(g, size=40))
+        sizes.append(path.stat().st_size)
+    return q, c, sizes
+
+
+@pytest.mark.parametrize("cut", [1, 3, 20, 45])
+def test_torn_tail_is_cut_and_earlier_records_survive(tmp_path: Path, cut: int) -> None:
+    path = tmp_path / "q.wal"
+    q, c, sizes = _three_puts(path)
+    q.wal.close()  # type: ignore[union-attr]
+    os.truncate(path, sizes[-1] - cut)  # the last record (c) is torn
+    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    assert pending(q2) == ["a", "b"]
+    assert path.stat().st_size == sizes[1] == q2.stats().wal_bytes
+    # The log keeps working after the cut: appends land after the good records.
+    assert q2.put(rec("c", size=40))[0]
+    q2.put(rec("d", size=40))
+    before = fingerprint(q2)
+    q3 = restart(q2, path, c)
+    assert fingerprint(q3) == before
+    assert pending(q3) == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x07",
+        b"\x01\x02\x03\x04\x05",
+        b"\x01" + b"\xff" * 40,  # a header whose lengths point far past the end of the file
+        b"\x01\x05\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00{}xyz",  # bad crc
+        b"\x00" * 13,  # a zero-filled tail (e.g. a file extended but never written before a crash)
+        b"\x00" * 4096,
+    ],
+    ids=["one-byte", "short-header", "huge-lengths", "bad-crc", "zero-header", "zero-block"],
+)
+def test_garbage_tail_is_cut(tmp_path: Path, garbage: bytes) -> None:
+    path = tmp_path / "q.wal"
+    q, c, sizes = _three_puts(path)
+    before = fingerprint(q)
+    q.wal.close()  # type: ignore[union-attr]
+    with open(path, "ab") as f:
+        f.write(garbage)
+    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    assert fingerprint(q2) == before
+    assert path.stat().st_size == sizes[-1]
+    q2.put(rec("d"))
+    assert pending(restart(q2, path, c)) == ["a", "b", "c", "d"]
+
+
+def test_garbage_lengths_are_not_allocated(tmp_path: Path) -> None:
+    """Lengths in a garbage header (up to 8 GiB) must not be read into memory before the crc check."""
+    path = tmp_path / "q.wal"
+    q, _, _ = _three_puts(path)
+    q.wal.close()  # type: ignore[union-attr]
+    with open(path, "ab") as f:
+        f.write(b"\x01" + b"\xff" * 40)
+    script = (
+        "import resource, sys\n"
+        "from tauflow.queue.wal import WriteAheadLog\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "print(sum(1 for _ in WriteAheadLog(sys.argv[1]).replay()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def test_torn_ack_leaves_the_lease_open(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path))
+    q.put(rec("a"))
+    lid = _leased(q, 1)
+    size = path.stat().st_size
+    q.ack(lid)
+    q.wal.close()  # type: ignore[union-attr]
+    os.truncate(path, size + 5)  # the ack was never durable, so never acknowledged
+    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    assert lid in q2.m.leases and q2.stats().acked_groups == 0
+    assert q2.ack(lid) == 1
+
+
+def _compactable(q: QueueState, c: Clock) -> dict[str, Any]:
+    h = _busy_state(q, c)
+    for i in range(20):
+        q.put(rec(f"bulk{i}", bv=2, size=200))
+    while True:  # ack most of it: lots of dead bytes
+        res = q.get("c", max_groups=7)
+        if res.lease is None or len(q.m.pending) < 3:
+            break
+        q.ack(res.lease.lease_id)
+    return h
+
+
+def test_compaction_keeps_the_state_and_shrinks_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    h = _compactable(q, c)
+    assert q.m.leases and q.m.tickets and q.m.pending
+    assert not q.compaction_due(10**9)
+    assert q.compaction_due(1024)
+    before = fingerprint(q)
+    size_before = path.stat().st_size
+    q.compact()
+    after = fingerprint(q)
+    assert after["stats"].wal_bytes == path.stat().st_size < size_before
+    assert {**after, "stats": None, "live_wal_bytes": None} == {**before, "stats": None, "live_wal_bytes": None}
+    assert {**vars(after["stats"]), "wal_bytes": 0} == {**vars(before["stats"]), "wal_bytes": 0}
+    assert after["live_wal_bytes"] <= before["live_wal_bytes"]
+    assert not q.compaction_due(1024)
+    assert not (tmp_path / "q.wal.compact").exists()
+
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == after
+
+    # Everything still behaves after compaction + recovery.
+    assert q2.put(rec("t0", bv=2))[0] is False  # acked before compaction
+    assert q2.put(rec("e0", bv=2))[0] is False  # evicted before compaction
+    assert q2.ack(h["acked"]) == 0
+    with pytest.raises(FailedPrecondition):
+        q2.ack(h["expiring"])
+    t1 = q2.reserve("req-1", "prod", 4)
+    assert t1 is not None
+    assert (t1.ticket_id, t1.n_groups, t1.min_policy_version, t1.expires_at) == (
+        h["t1"].ticket_id,
+        4,
+        1,
+        h["t1"].expires_at,
+    )
+    assert q2.put(rec("t3", bv=2), h["t1"].ticket_id)[0]
+    assert q2.stats().reserved_groups == before["stats"].reserved_groups - 1
+    assert q2.ack(h["renewed"]) == 1
+
+
+def test_work_after_compaction_recovers_identically(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    h = _compactable(q, c)
+    q.compact()
+    # More records after the snapshot: ack an old lease, redeliver, put, evict.
+    assert q.ack(h["open"]) == 2
+    q.nack(h["renewed"])
+    q.put(rec("post1", bv=2))
+    q.put(rec("post-old", bv=0))
+    q.set_trainer_version(3)
+    q.get("c", max_groups=1)
+    before = fingerprint(q)
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == before
+    # A second compaction of the recovered state, then recovery again.
+    q2.compact()
+    again = fingerprint(q2)
+    q3 = restart(q2, path, c)
+    assert fingerprint(q3) == again
+    assert {**again, "stats": None, "live_wal_bytes": None} == {**before, "stats": None, "live_wal_bytes": None}
+
+
+def test_compaction_drops_dead_bytes_and_counts_live_ones(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=-1)
+    for i in range(50):
+        q.put(rec(f"g{i}", size=500))
+    lid = _leased(q, 48)
+    q.ack(lid)
+    assert q.compaction_due(4096)
+    q.compact()
+    assert path.stat().st_size < 5 * 600
+    assert q.stats().depth_groups == 2
+    # Acking the survivors makes their bytes dead: compaction is due again.
+    q.ack(_leased(q, 2))
+    assert q.m.live_wal_bytes == 0
+    assert q.compaction_due(1)
+    q.compact()
+    q2 = restart(q, path, c)
+    assert q2.stats().acked_groups == 50 and q2.stats().accepted_groups == 50
+    assert q2.put(rec("g0"))[0] is False
+
+
+def test_compaction_due_without_a_log() -> None:
+    q, _ = make()
+    assert q.compaction_due(0) is False
+
+
+def test_leases_expiring_together_return_oldest_first() -> None:
+    q, clock = make(max_staleness=-1)
+    for g in ("a", "b", "c", "d", "e"):
+        q.put(rec(g))
+    first = q.get("t", max_groups=2, lease_s=5).lease
+    second = q.get("t", max_groups=2, lease_s=5).lease
+    assert first is not None and second is not None
+    clock.advance(6)
+    assert q.sweep().expired_leases == 2
+    assert pending(q) == ["a", "b", "c", "d", "e"]
