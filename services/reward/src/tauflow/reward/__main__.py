@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.reward.app import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""What a reward function sees and returns: the public API for custom rewards.
+
+A reward function is a callable ``fn(sample: SampleInput, config: dict) -> result`` (or, for a
+group-level function, ``fn(group: GroupInput, config: dict) -> list[result]``) where ``result`` is a
+real number, a :class:`Score`, or a mapping ``{"score": x, "components": {...}}``. Everything here is a
+plain, picklable dataclass: reward functions never see protobuf and need nothing but this module.
+See the package README for how to register one through the ``tauflow.rewards`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+ENTRY_POINT_GROUP = "tauflow.rewards"
+
+
+@dataclass(frozen=True, slots=True)
+class SampleInput:
+    """One completion to score, with the reference data of its sample and group."""
+
+    sample_id: str
+    completion_text: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    group_metadata: Mapping[str, str] = field(default_factory=dict)
+    group_id: str = ""
+    prompt_id: str = ""
+    finish_reason: str = "unspecified"  # "stop", "length", "abort" or "unspecified"
+    # Filled only for functions that declare ``uses_token_ids = True`` (empty otherwise), so that
+    # text-only rewards do not pay for copying thousands of token ids per sample.
+    completion_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        """``metadata[key]``, else ``group_metadata[key]``, else ``default`` (how references are read)."""
+        value = self.metadata.get(key)
+        if value is None:
+            value = self.group_metadata.get(key, default)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInput:
+    """A whole group, for group-level functions (pairwise or rank-based judges)."""
+
+    group_id: str
+    prompt_id: str
+    samples: tuple[SampleInput, ...]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """A score with named parts (the parts are for logs only; ``score`` is what training uses)."""
+
+    score: float
+    components: Mapping[str, float] = field(default_factory=dict)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reward(
+    *,
+    description: str | None = None,
+    default_config: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
+    fallback_score: float | None = None,
+    group_level: bool = False,
+    uses_token_ids: bool = False,
+    validate_config: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+) -> Callable[[F], F]:
+    """Decorator that attaches a reward function's defaults to it (the same attributes a class has).
+
+    ``None`` leaves the service's default in place (``default_timeout_s``, ``default_fallback_score``).
+    """
+
+    def mark(fn: F) -> F:
+        if description is not None:
+            fn.description = description  # type: ignore[attr-defined]
+        fn.default_config = dict(default_config or {})  # type: ignore[attr-defined]
+        fn.timeout_s = timeout_s  # type: ignore[attr-defined]
+        fn.fallback_score = fallback_score  # type: ignore[attr-defined]
+        fn.group_level = group_level  # type: ignore[attr-defined]
+        fn.uses_token_ids = uses_token_ids  # type: ignore[attr-defined]
+        if validate_config is not None:
+            fn.validate_config = validate_config  # type: ignore[attr-defined]
+        return fn
+
+    return mark

@@ -1,0 +1,45 @@
+"""Builds the reward service from its config: the registry, the worker pool, then serve."""
+
+from __future__ import annotations
+
+import logging
+
+from tauflow.core.app import service_main
+from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.reward import __version__
+from tauflow.reward.config import Executor, RewardConfig
+from tauflow.reward.metrics import RewardMetrics
+from tauflow.reward.registry import build_registry
+from tauflow.reward.runner import Scorer
+from tauflow.reward.servicer import SERVICE, RewardServicer, add_reward_servicer_to_server
+
+log = logging.getLogger(__name__)
+
+
+async def build(config: RewardConfig) -> ServiceApp:
+    registry = build_registry(config)
+    for fn in registry.functions():
+        log.info(
+            "reward function",
+            extra={"fn": fn.name, "executor": fn.executor.value, "timeout_s": fn.timeout_s, "source": fn.source},
+        )
+    process_refs = [fn.ref for fn in registry.functions() if fn.executor is Executor.PROCESS]
+    scorer = Scorer(config.pool, process_refs)
+    await scorer.start()
+    metrics = RewardMetrics()
+    metrics.pool_workers.set(config.pool.workers)
+    servicer = RewardServicer(registry, scorer, config, metrics)
+    return ServiceApp(
+        bindings=[ServiceBinding(SERVICE, servicer, add_reward_servicer_to_server)],
+        close=scorer.close,
+        info={
+            "reward_functions": [fn.name for fn in registry.functions()],
+            "default_reward_fn": registry.default_name,
+        },
+    )
+
+
+main = service_main(
+    "reward", RewardConfig, build, __version__,
+    description="tauflow reward: scores whole groups with pluggable reward functions, each call bounded by a timeout",
+)

@@ -1,0 +1,64 @@
+"""The reward service's typed configuration (``tauflow-reward --print-config`` shows it resolved)."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+
+
+class Executor(str, Enum):
+    """Where a reward function runs."""
+
+    INLINE = "inline"  # in the service process, on the event loop: cheapest, but a hang is not interrupted
+    PROCESS = "process"  # in the killable worker pool: per-sample timeout enforced by killing the worker
+
+
+class FunctionSettings(StrictModel):
+    """Per-function overrides, ``functions.<name>.<key>``; unset keys keep the function's own defaults."""
+
+    enabled: bool = True
+    timeout_s: float | None = Field(None, gt=0, description="per-sample (or per-group) time limit")
+    fallback_score: float | None = Field(None, description="score of a sample whose call failed or timed out")
+    executor: Executor | None = Field(None, description="inline or process; default: inline for exact_match "
+                                      "and format, process for everything else")
+    config: dict[str, Any] = Field(default_factory=dict, description="merged over the function's default config")
+
+
+def _default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class PoolConfig(StrictModel):
+    """The pool of worker processes that runs ``process`` functions."""
+
+    workers: int = Field(default_factory=_default_workers, ge=1, description="worker processes")
+    max_tasks_per_worker: int = Field(
+        10_000, ge=0, description="a worker is replaced after this many calls (bounds leaks); 0 never"
+    )
+    start_method: Literal["forkserver", "spawn"] = Field(
+        "forkserver", description="forkserver: workers fork from a clean, preloaded server process"
+    )
+    preload: list[str] = Field(
+        default_factory=lambda: ["math_verify"],
+        description="modules imported once by the fork server, so that a replaced worker starts warm",
+    )
+
+
+class RewardConfig(ServiceConfig):
+    server: ServerConfig = ServerConfig(port=50053)
+    metrics: MetricsConfig = MetricsConfig(port=9463)
+    default_reward_fn: str = Field("exact_match", description="used when ScoreRequest.reward_fn is empty; "
+                                   "'' makes reward_fn required")
+    load_entry_points: bool = Field(True, description="register the functions of the 'tauflow.rewards' entry points")
+    default_timeout_s: float = Field(10.0, gt=0, description="timeout of functions that declare none")
+    default_fallback_score: float = Field(0.0, description="fallback of functions that declare none")
+    max_sample_timeout_s: float = Field(600.0, gt=0, description="largest ScoreRequest.sample_timeout accepted")
+    max_samples_per_request: int = Field(65_536, ge=1, description="more samples in one Score: RESOURCE_EXHAUSTED")
+    max_concurrent_requests: int = Field(64, ge=1, description="more Score calls in flight: RESOURCE_EXHAUSTED")
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    functions: dict[str, FunctionSettings] = Field(default_factory=dict)

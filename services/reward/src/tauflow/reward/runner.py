@@ -1,0 +1,196 @@
+"""Runs a reward function over groups: inline, or in a pool of worker processes that can be killed.
+
+Inline functions are called on the event loop, one after another: no hop, no pickling, which is what
+cheap built-ins want (``exact_match`` and ``format``); their timeout is not enforced, since a thread
+cannot be interrupted. Process functions run in a ``pebble.ProcessPool``: one task per sample (or per
+group, for group-level functions) with the per-sample timeout, measured from the moment a worker
+starts the task. A task that runs past it is stopped by terminating its worker process, which the pool
+replaces; a worker that dies (a segfault, ``os._exit``) fails only its own task. Either way the sample
+gets the function's fallback score and a status, and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
+
+from tauflow.reward import worker
+from tauflow.reward.api import GroupInput
+from tauflow.reward.config import Executor, PoolConfig
+from tauflow.reward.errors import DeadlineExceeded
+from tauflow.reward.registry import RewardFunction
+
+log = logging.getLogger(__name__)
+
+
+class Status(str, Enum):
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    status: Status
+    score: float
+    components: dict[str, float]
+    message: str
+    duration_s: float
+    reason: str = ""  # for failures: "error", "timeout" or "crash" (the worker died)
+    detail: str = ""  # the traceback of an error, for the log
+
+
+def from_outcome(outcome: worker.Outcome, fallback: float) -> SampleResult:
+    ok, score, parts, message, detail, duration = outcome
+    if ok:
+        return SampleResult(Status.OK, score, parts, "", duration)
+    return SampleResult(Status.ERROR, fallback, {}, message, duration, "error", detail)
+
+
+class Scorer:
+    """Scores groups with a registered function; owns the worker pool."""
+
+    def __init__(self, pool_config: PoolConfig, preload_refs: Sequence[str] = ()) -> None:
+        self.pool_config = pool_config
+        self.preload_refs = list(preload_refs)
+        self._pool: ProcessPool | None = None
+        self.pool_restarts = 0
+
+    # -- the pool ------------------------------------------------------------------------------
+
+    def _context(self) -> Any:
+        ctx = multiprocessing.get_context(self.pool_config.start_method)
+        if self.pool_config.start_method == "forkserver":
+            modules = ["tauflow.reward.worker", "tauflow.reward.builtins", *self.pool_config.preload]
+            modules += [ref.partition(":")[0] for ref in self.preload_refs]
+            ctx.set_forkserver_preload(list(dict.fromkeys(modules)))
+        return ctx
+
+    def _new_pool(self) -> ProcessPool:
+        return ProcessPool(
+            max_workers=self.pool_config.workers,
+            max_tasks=self.pool_config.max_tasks_per_worker,
+            initializer=worker.init_worker,
+            initargs=(list(sys.path), self.preload_refs),
+            context=self._context(),
+        )
+
+    def pool(self) -> ProcessPool:
+        """The pool, made anew if it broke (pebble stops a pool whose workers cannot be started)."""
+        if self._pool is None or not self._pool.active:
+            if self._pool is not None:
+                log.warning("worker pool is not active; starting a new one")
+                self.pool_restarts += 1
+                self._pool.stop()
+            self._pool = self._new_pool()
+        return self._pool
+
+    async def start(self) -> None:
+        """Starts the workers and waits until each answers, so the first Score pays no start-up."""
+        pool = self.pool()
+        futures = [asyncio.wrap_future(pool.schedule(worker.ping)) for _ in range(self.pool_config.workers)]
+        await asyncio.gather(*futures)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
+
+    # -- scoring -------------------------------------------------------------------------------
+
+    async def score(
+        self,
+        fn: RewardFunction,
+        groups: Sequence[GroupInput],
+        config: dict[str, Any],
+        timeout_s: float,
+        deadline_s: float | None = None,
+    ) -> list[list[SampleResult]]:
+        """One list of results per group, in order. ``deadline_s`` (seconds from now) bounds the call:
+        past it the unfinished work is cancelled and ``DeadlineExceeded`` raised."""
+        if fn.executor is Executor.INLINE:
+            return self._inline(fn, groups, config)
+        return await self._in_pool(fn, groups, config, timeout_s, deadline_s)
+
+    def _inline(self, fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any]) -> list[list[SampleResult]]:
+        fallback = fn.fallback_score
+        if fn.group_level:
+            return [[from_outcome(o, fallback) for o in worker.call_group(fn.ref, g, config)] for g in groups]
+        return [
+            [from_outcome(o, fallback) for o in worker.call_samples(fn.ref, g.samples, config)] for g in groups
+        ]
+
+    async def _in_pool(
+        self,
+        fn: RewardFunction,
+        groups: Sequence[GroupInput],
+        config: dict[str, Any],
+        timeout_s: float,
+        deadline_s: float | None,
+    ) -> list[list[SampleResult]]:
+        if not groups:
+            return []
+        pool = self.pool()
+        if fn.group_level:
+            tasks = [pool.schedule(worker.call_group, (fn.ref, g, config), timeout=timeout_s) for g in groups]
+        else:
+            tasks = [
+                pool.schedule(worker.call_sample, (fn.ref, s, config), timeout=timeout_s)
+                for g in groups
+                for s in g.samples
+            ]
+        waiting = [asyncio.wrap_future(t) for t in tasks]
+        try:
+            done, pending = await asyncio.wait(waiting, timeout=deadline_s)
+        finally:
+            for t in tasks:  # a cancelled call (or a deadline) stops its queued and running tasks
+                if not t.done():
+                    t.cancel()
+            for w in waiting:  # failures are read below or dropped with the call; never "never retrieved"
+                if w.done() and not w.cancelled():
+                    w.exception()
+        if pending:
+            unit = "groups" if fn.group_level else "samples"
+            raise DeadlineExceeded(
+                f"the call's deadline passed after {deadline_s:.3g} s with {len(pending)} of {len(tasks)} "
+                f"{unit} of reward function {fn.name!r} unscored"
+            )
+        if fn.group_level:
+            return [self._collect(w, fn, timeout_s, len(g.samples)) for g, w in zip(groups, waiting, strict=True)]
+        it = iter(waiting)
+        return [[self._collect(next(it), fn, timeout_s, 1)[0] for _ in g.samples] for g in groups]
+
+    @staticmethod
+    def _collect(
+        task: asyncio.Future[Any], fn: RewardFunction, timeout_s: float, n: int
+    ) -> list[SampleResult]:
+        fallback = fn.fallback_score
+        error = task.exception()
+        if error is None:
+            result = task.result()
+            outcomes = result if fn.group_level else [result]
+            return [from_outcome(o, fallback) for o in outcomes]
+        if isinstance(error, TimeoutError):
+            what = "group" if fn.group_level else "sample"
+            message = (
+                f"reward function {fn.name!r} did not finish this {what} within {timeout_s:g} s; "
+                "its worker process was stopped"
+            )
+            return [SampleResult(Status.TIMEOUT, fallback, {}, message, timeout_s / n, "timeout")] * n
+        if isinstance(error, ProcessExpired):
+            message = (
+                f"the worker process running reward function {fn.name!r} died "
+                f"(exit code {error.exitcode}) while scoring this {'group' if fn.group_level else 'sample'}"
+            )
+            return [SampleResult(Status.ERROR, fallback, {}, message, 0.0, "crash")] * n
+        message = f"reward function {fn.name!r} could not be run in a worker: {type(error).__name__}: {error}"
+        return [SampleResult(Status.ERROR, fallback, {}, message[:500], 0.0, "error")] * n

@@ -1,0 +1,137 @@
+"""Calls one reward function on one sample (or one group) and turns what it did into an outcome.
+
+This module runs both in the service process (for inline functions) and in the worker processes of
+the killable pool, where functions are found again by their reference ``"module:qualname"`` (classes
+are instantiated once per process). It never raises for anything a reward function does: a raise, a
+result of the wrong type or a non-finite score all become an ``error`` outcome with a message, so that
+only a timeout or a dead worker is left for the pool to report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tauflow.reward.api import GroupInput, SampleInput, Score
+
+# (ok, score, components, message, detail, duration_s); a plain tuple pickles fast.
+Outcome = tuple[bool, float, dict[str, float], str, str, float]
+
+_MESSAGE_CHARS = 500
+_DETAIL_CHARS = 4000
+_resolved: dict[str, Any] = {}
+
+
+def load_object(ref: str) -> Any:
+    """``"pkg.module:Attr.sub"`` → the object (what an entry point's value names)."""
+    module_name, sep, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    if sep:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    return obj
+
+
+def resolve(ref: str) -> Any:
+    """The callable behind ``ref``, cached per process; a class is instantiated once."""
+    fn = _resolved.get(ref)
+    if fn is None:
+        obj = load_object(ref)
+        fn = obj() if isinstance(obj, type) else obj
+        _resolved[ref] = fn
+    return fn
+
+
+def register_local(ref: str, fn: Any) -> None:
+    """Makes ``ref`` resolve to ``fn`` in this process (for functions registered as objects)."""
+    _resolved[ref] = fn
+
+
+def init_worker(sys_path: Sequence[str], refs: Sequence[str]) -> None:
+    """Pool initializer: mirror the service's import path and load the functions ahead of the first call."""
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    for ref in refs:
+        try:
+            resolve(ref)
+        except Exception:  # noqa: BLE001 - reported per sample when the function is called
+            pass
+
+
+def ping() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _describe(e: BaseException) -> tuple[str, str]:
+    text = f"{type(e).__name__}: {e}"
+    detail = "".join(traceback.format_exception(e))
+    return text[:_MESSAGE_CHARS], detail[-_DETAIL_CHARS:]
+
+
+def to_score(result: Any) -> tuple[float, dict[str, float]]:
+    """A function's result → (score, components); ``TypeError``/``ValueError`` for anything else."""
+    components: Any = {}
+    if isinstance(result, Score):
+        score, components = result.score, result.components
+    elif isinstance(result, Mapping):
+        if "score" not in result:
+            raise TypeError(f"returned a mapping without a 'score' key: {sorted(result)[:8]}")
+        score, components = result["score"], result.get("components") or {}
+    else:
+        score = result
+    if not isinstance(score, numbers.Real):
+        raise TypeError(f"returned {type(score).__name__} {score!r:.80}; expected a real number, a Score or a mapping")
+    score = float(score)
+    if not math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    if not isinstance(components, Mapping):
+        raise TypeError(f"returned components of type {type(components).__name__}; expected a mapping")
+    parts: dict[str, float] = {}
+    for name, value in components.items():
+        if not isinstance(name, str) or not isinstance(value, numbers.Real):
+            raise TypeError(f"returned component {name!r}: {value!r:.80}; expected str → real number")
+        parts[name] = float(value)
+    return score, parts
+
+
+def call_sample(ref: str, sample: SampleInput, config: dict[str, Any]) -> Outcome:
+    start = time.perf_counter()
+    try:
+        score, parts = to_score(resolve(ref)(sample, config))
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a reward function may raise anything (even exit)
+        message, detail = _describe(e)
+        return False, 0.0, {}, message, detail, time.perf_counter() - start
+    return True, score, parts, "", "", time.perf_counter() - start
+
+
+def call_samples(ref: str, samples: Sequence[SampleInput], config: dict[str, Any]) -> list[Outcome]:
+    """Inline fast path: one call per sample, one function look-up for all."""
+    return [call_sample(ref, s, config) for s in samples]
+
+
+def call_group(ref: str, group: GroupInput, config: dict[str, Any]) -> list[Outcome]:
+    """A group-level function: one call, one outcome per sample (its time split evenly)."""
+    n = len(group.samples)
+    start = time.perf_counter()
+    try:
+        results = resolve(ref)(group, config)
+        if isinstance(results, (str, bytes, Mapping)) or not isinstance(results, Sequence):
+            raise TypeError(f"a group-level function must return a sequence, not {type(results).__name__}")
+        if len(results) != n:
+            raise ValueError(f"returned {len(results)} results for a group of {n} samples")
+        scores = [to_score(r) for r in results]
+    except (Exception, SystemExit) as e:  # noqa: BLE001
+        message, detail = _describe(e)
+        each = (time.perf_counter() - start) / n
+        return [(False, 0.0, {}, message, detail, each)] * n
+    each = (time.perf_counter() - start) / n
+    return [(True, score, parts, "", "", each) for score, parts in scores]

@@ -1,0 +1,205 @@
+"""The registry (built-ins, entry points, settings) and the worker's result checks, without gRPC."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from tauflow.reward import worker
+from tauflow.reward.api import ENTRY_POINT_GROUP, GroupInput, SampleInput, Score, reward
+from tauflow.reward.config import Executor, FunctionSettings, RewardConfig
+from tauflow.reward.errors import InvalidRequest, NotFound
+from tauflow.reward.registry import Registry, RegistryError, build_registry
+
+PLUGIN = textwrap.dedent(
+    '''
+    from tauflow.reward.api import reward
+
+    @reward(description="length of the completion", default_config={"scale": 1.0}, timeout_s=2.5,
+            fallback_score=-1.0)
+    def length(sample, config):
+        return config["scale"] * len(sample.completion_text)
+
+    class Judge:
+        """Ranks a group."""
+        group_level = True
+        default_config = {"best": 1.0}
+        def __call__(self, group, config):
+            return [config["best"] if i == 0 else 0.0 for i, _ in enumerate(group.samples)]
+    '''
+)
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[metadata.EntryPoint]:
+    (tmp_path / "reg_plugin_mod.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield [
+        metadata.EntryPoint("length", "reg_plugin_mod:length", ENTRY_POINT_GROUP),
+        metadata.EntryPoint("judge", "reg_plugin_mod:Judge", ENTRY_POINT_GROUP),
+        metadata.EntryPoint("broken", "no_such_module_anywhere:fn", ENTRY_POINT_GROUP),
+        metadata.EntryPoint("math", "reg_plugin_mod:length", ENTRY_POINT_GROUP),  # a built-in's name: skipped
+    ]
+    sys.modules.pop("reg_plugin_mod", None)
+
+
+def config(**kw: object) -> RewardConfig:
+    return RewardConfig.model_validate(kw)
+
+
+def test_builtins_are_registered_with_their_executors() -> None:
+    reg = build_registry(config(load_entry_points=False))
+    assert [f.name for f in reg.functions()] == ["exact_match", "format", "math"]
+    assert reg.get("exact_match").executor is Executor.INLINE
+    assert reg.get("format").executor is Executor.INLINE
+    assert reg.get("math").executor is Executor.PROCESS
+    assert reg.get("").name == "exact_match"  # the default
+
+
+def test_entry_points_register_functions_and_classes(plugin: list[metadata.EntryPoint]) -> None:
+    reg = build_registry(config(), entry_points=plugin)
+    length = reg.get("length")
+    assert (length.description, length.timeout_s, length.fallback_score) == ("length of the completion", 2.5, -1.0)
+    assert length.executor is Executor.PROCESS and length.ref == "reg_plugin_mod:length"
+    judge = reg.get("judge")
+    assert judge.group_level and judge.description == "Ranks a group." and judge.default_config == {"best": 1.0}
+    assert reg.get("math").source == "built-in"  # the entry point did not replace the built-in
+    with pytest.raises(NotFound, match="broken.*failed to load: ModuleNotFoundError"):
+        reg.get("broken")
+
+
+def test_resolve_config_merges_and_names_the_bad_key() -> None:
+    reg = build_registry(config(load_entry_points=False))
+    fn = reg.get("exact_match")
+    assert fn.resolve_config({"ignore_case": True})["ignore_case"] is True
+    assert fn.resolve_config(None) == fn.default_config
+    with pytest.raises(InvalidRequest, match=r"^config\.ignorecase: unknown key.*'exact_match'.*ignore_case"):
+        fn.resolve_config({"ignorecase": True})
+    with pytest.raises(InvalidRequest, match=r"^config\.pattern: .*regular expression"):
+        reg.get("format").resolve_config({"pattern": "(("})
+
+
+def test_settings_override_defaults_and_disable(plugin: list[metadata.EntryPoint]) -> None:
+    reg = build_registry(
+        config(functions={
+            "exact_match": {"timeout_s": 0.5, "fallback_score": -2, "config": {"ignore_case": True}},
+            "length": {"executor": "inline"},
+            "format": {"enabled": False},
+        }),
+        entry_points=plugin,
+    )
+    em = reg.get("exact_match")
+    assert (em.timeout_s, em.fallback_score, em.default_config["ignore_case"]) == (0.5, -2.0, True)
+    assert reg.get("length").executor is Executor.INLINE
+    with pytest.raises(NotFound):
+        reg.get("format")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"functions": {"nope": {}}}, "functions.nope: no reward function"),
+        ({"functions": {"format": {"config": {"pattern": "(("}}}}, "functions.format.config.pattern"),
+        ({"default_reward_fn": "nope"}, "default_reward_fn 'nope' is not a registered"),
+    ],
+)
+def test_bad_settings_stop_the_start(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(RegistryError, match=message):
+        build_registry(config(load_entry_points=False, **settings))
+
+
+def test_no_default_makes_reward_fn_required() -> None:
+    reg = build_registry(config(load_entry_points=False, default_reward_fn=""))
+    with pytest.raises(InvalidRequest, match="^reward_fn: empty"):
+        reg.get("")
+
+
+def test_registering_twice_and_non_callables_are_refused() -> None:
+    reg = Registry()
+    reg.register("f", lambda s, c: 1.0, ref="x:f", executor=Executor.INLINE)
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register("f", lambda s, c: 1.0, ref="x:g", executor=Executor.INLINE)
+    with pytest.raises(RegistryError, match="not a callable"):
+        reg.register("g", 42, ref="x:h")
+    with pytest.raises(RegistryError, match="JSON-like"):
+        reg.register("h", reward(default_config={"obj": object()})(lambda s, c: 1.0), ref="x:i")
+
+
+# -- what a function returns -----------------------------------------------------------------------
+
+S = SampleInput(sample_id="0", completion_text="abc")
+
+
+@pytest.mark.parametrize(
+    ("result", "score", "parts"),
+    [
+        (1, 1.0, {}),
+        (True, 1.0, {}),
+        (0.25, 0.25, {}),
+        (Score(0.5, {"fmt": 1}), 0.5, {"fmt": 1.0}),
+        ({"score": -1, "components": {"a": 2}}, -1.0, {"a": 2.0}),
+    ],
+)
+def test_accepted_results(result: object, score: float, parts: dict[str, float]) -> None:
+    worker.register_local("t:ok", lambda s, c: result)
+    ok, got, got_parts, message, _, duration = worker.call_sample("t:ok", S, {})
+    assert (ok, got, got_parts, message) == (True, score, parts, "")
+    assert duration >= 0
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (None, "returned NoneType"),
+        ("1.0", "returned str"),
+        (math.nan, "non-finite"),
+        ({"value": 1}, "without a 'score' key"),
+        (Score(1.0, {"a": "x"}), "component 'a'"),
+    ],
+)
+def test_bad_results_are_errors_not_crashes(result: object, message: str) -> None:
+    worker.register_local("t:bad", lambda s, c: result)
+    ok, score, _, got, detail, _ = worker.call_sample("t:bad", S, {})
+    assert not ok and score == 0.0 and message in got
+
+
+def test_a_raise_is_an_error_with_its_message_and_traceback() -> None:
+    def boom(sample: SampleInput, config: dict) -> float:
+        raise KeyError("expected_key")
+
+    worker.register_local("t:boom", boom)
+    ok, _, _, message, detail, _ = worker.call_sample("t:boom", S, {})
+    assert not ok and message == "KeyError: 'expected_key'" and "in boom" in detail
+
+
+def test_group_level_results_must_match_the_group() -> None:
+    group = GroupInput("g", "p", (S, S, S))
+    worker.register_local("t:group", lambda g, c: [1.0, 0.0, Score(0.5)])
+    assert [o[1] for o in worker.call_group("t:group", group, {})] == [1.0, 0.0, 0.5]
+    worker.register_local("t:short", lambda g, c: [1.0])
+    outcomes = worker.call_group("t:short", group, {})
+    assert len(outcomes) == 3 and all(not o[0] and "1 results for a group of 3" in o[3] for o in outcomes)
+
+
+def test_sample_input_reads_sample_then_group_metadata() -> None:
+    s = SampleInput("0", "x", metadata={"answer": "1"}, group_metadata={"answer": "2", "other": "3"})
+    assert (s.get("answer"), s.get("other"), s.get("none", "d")) == ("1", "3", "d")
+
+
+def test_settings_model_is_strict() -> None:
+    with pytest.raises(ValueError):
+        FunctionSettings.model_validate({"timeout": 1})
+
+
+def test_an_exit_is_an_error_not_the_end_of_the_process() -> None:
+    def leave(sample: SampleInput, config: dict) -> float:
+        sys.exit(2)
+
+    worker.register_local("t:exit", leave)
+    ok, _, _, message, _, _ = worker.call_sample("t:exit", S, {})
+    assert not ok and message == "SystemExit: 2"

@@ -1,0 +1,264 @@
+"""The reward service as a real process, with custom rewards installed as a real distribution.
+
+A tiny distribution (a module plus a ``.dist-info`` whose ``entry_points.txt`` declares the
+``tauflow.rewards`` group) is written to a directory on the service's PYTHONPATH, exactly what
+``pip install`` leaves behind, so the service finds it through ``importlib.metadata``.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2, struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from tauflow.core.channel import ChannelConfig, create_sync_channel
+from tests.conftest import ServiceProcess
+
+OK, ERROR, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR, common_pb2.REWARD_STATUS_TIMEOUT
+
+MODULE = textwrap.dedent(
+    '''
+    """Custom rewards of the test distribution."""
+    from tauflow.reward.api import Score, reward
+
+    @reward(description="fails on 'boom'", fallback_score=-1.0)
+    def picky(sample, config):
+        if "boom" in sample.completion_text:
+            raise ValueError("refusing to score " + sample.completion_text)
+        return Score(float(len(sample.completion_text)), {"chars": len(sample.completion_text)})
+
+    class Spin:
+        """Spins on 'hang' (CPU-bound), else scores the reward of the answer key."""
+        timeout_s = 0.4
+        fallback_score = -5.0
+        default_config = {"bonus": 0.0}
+
+        def __call__(self, sample, config):
+            if sample.completion_text == "hang":
+                while True:
+                    pass
+            return 1.0 + config["bonus"]
+
+    class Judge:
+        """Scores a group by rank."""
+        group_level = True
+
+        def __call__(self, group, config):
+            return [float(len(group.samples) - i) for i in range(len(group.samples))]
+    '''
+)
+ENTRY_POINTS = textwrap.dedent(
+    """
+    [tauflow.rewards]
+    picky = tauflow_test_rewards:picky
+    spin = tauflow_test_rewards:Spin
+    judge = tauflow_test_rewards:Judge
+    broken = tauflow_test_rewards_missing:fn
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    site = tmp_path_factory.mktemp("site")
+    (site / "tauflow_test_rewards.py").write_text(MODULE)
+    dist = site / "tauflow_test_rewards-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tauflow-test-rewards\nVersion: 0.0.1\n")
+    (dist / "entry_points.txt").write_text(ENTRY_POINTS)
+    settings = {
+        "pool.workers": 2,
+        "pool.preload": "[]",
+        "max_samples_per_request": 600,
+        "functions.exact_match.config.ignore_case": "true",
+    }
+    proc = ServiceProcess("reward", tmp_path_factory.mktemp("svc"), settings, env={"PYTHONPATH": str(site)})
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(service: ServiceProcess) -> reward_pb2_grpc.RewardServiceStub:
+    channel = create_sync_channel(
+        service.address, [reward_pb2.DESCRIPTOR.services_by_name["RewardService"]], ChannelConfig(default_timeout_s=20)
+    )
+    return reward_pb2_grpc.RewardServiceStub(channel)
+
+
+def group(gid: str, *texts: str, answer: str | None = None, answers: list[str] | None = None) -> common_pb2.Group:
+    return common_pb2.Group(
+        group_id=gid,
+        metadata={} if answer is None else {"answer": answer},
+        samples=[
+            common_pb2.Sample(
+                sample_id=str(i), completion_text=t, metadata={"answer": answers[i]} if answers else {},
+                reward=common_pb2.Reward(score=99.0),  # ignored by Score
+            )
+            for i, t in enumerate(texts)
+        ],
+    )
+
+
+def scores(resp: reward_pb2.ScoreResponse) -> list[list[float]]:
+    return [[s.reward.score for s in g.samples] for g in resp.groups]
+
+
+def metric(service: ServiceProcess, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{service.info['metrics_port']}/metrics").read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_lists_builtins_and_entry_points(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    resp = stub.ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest())
+    by_name = {f.name: f for f in resp.reward_functions}
+    assert list(by_name) == ["exact_match", "format", "judge", "math", "picky", "spin"]  # sorted, no 'broken'
+    assert resp.default_reward_fn == "exact_match"
+    assert by_name["exact_match"].default_config["ignore_case"] is True  # the service setting applied
+    assert by_name["spin"].timeout.ToTimedelta().total_seconds() == 0.4
+    assert by_name["spin"].fallback_score == -5.0 and dict(by_name["spin"].default_config) == {"bonus": 0.0}
+    assert by_name["judge"].group_level and not by_name["picky"].group_level
+    assert by_name["picky"].description == "fails on 'boom'"
+    assert "math-verify" in by_name["math"].description
+
+
+def test_scores_groups_with_the_default_function(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    req = reward_pb2.ScoreRequest(
+        groups=[group("a", "42", " 42 ", "41", answer="42"), group("b", "Paris", "paris", answers=["PARIS", "x"])]
+    )
+    resp = stub.Score(req)
+    assert resp.reward_fn == "exact_match"
+    assert [g.group_id for g in resp.groups] == ["a", "b"]
+    assert [[s.sample_id for s in g.samples] for g in resp.groups] == [["0", "1", "2"], ["0", "1"]]
+    assert scores(resp) == [[1.0, 1.0, 0.0], [1.0, 0.0]]
+    assert all(s.reward.status == OK for g in resp.groups for s in g.samples)
+
+
+def test_request_config_is_merged_over_the_defaults(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    config = struct_pb2.Struct()
+    config.update({"ignore_case": False, "correct_score": 2.0})
+    resp = stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "Paris", "paris", answer="Paris")], config=config))
+    assert scores(resp) == [[2.0, 0.0]]
+
+
+def test_math_and_format(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    resp = stub.Score(reward_pb2.ScoreRequest(
+        reward_fn="math", groups=[group("m", "so \\boxed{\\frac{1}{2}}", "it is 0.5", "\\boxed{2}", answer="1/2")]
+    ))
+    assert scores(resp) == [[1.0, 1.0, 0.0]]
+    resp = stub.Score(reward_pb2.ScoreRequest(
+        reward_fn="format", groups=[group("f", "<think>x</think><answer>1</answer>", "<answer>1</answer>")]
+    ))
+    assert scores(resp) == [[1.0, 0.0]]
+
+
+def test_a_raising_function_gives_error_status_and_fallback(
+    stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess
+) -> None:
+    before = metric(service, "tauflow_reward_failures_total", fn="picky", reason="error")
+    resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="picky", groups=[group("p", "abc", "boom", "de")]))
+    ok, bad, ok2 = resp.groups[0].samples
+    assert (ok.reward.score, ok.reward.status, dict(ok.reward.components)) == (3.0, OK, {"chars": 3.0})
+    assert (bad.reward.score, bad.reward.status) == (-1.0, ERROR)
+    assert bad.reward.message == "ValueError: refusing to score boom"
+    assert ok2.reward.score == 2.0
+    assert metric(service, "tauflow_reward_failures_total", fn="picky", reason="error") == before + 1
+
+
+def test_a_hanging_function_times_out_and_the_service_keeps_serving(
+    stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess
+) -> None:
+    start = time.monotonic()
+    resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("s", "hang", "fine"), group("t", "ok")]))
+    assert time.monotonic() - start < 4
+    hung, fine = resp.groups[0].samples
+    assert (hung.reward.status, hung.reward.score) == (TIMEOUT, -5.0)
+    assert "did not finish this sample within 0.4 s" in hung.reward.message
+    assert hung.duration.ToTimedelta().total_seconds() == pytest.approx(0.4)
+    assert (fine.reward.status, fine.reward.score) == (OK, 1.0) and scores(resp)[1] == [1.0]
+    assert metric(service, "tauflow_reward_failures_total", fn="spin", reason="timeout") >= 1
+    # the service and its pool still serve: several hangs at once, then normal work
+    resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("u", "hang", "hang", "hang", "x")]))
+    assert [s.reward.status for s in resp.groups[0].samples] == [TIMEOUT, TIMEOUT, TIMEOUT, OK]
+    resp = stub.Score(reward_pb2.ScoreRequest(
+        reward_fn="math", groups=[group("m", "\\boxed{3}", answer="3")], sample_timeout=duration_pb2.Duration(seconds=5)
+    ))
+    assert scores(resp) == [[1.0]]
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(service.address))
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert metric(service, "tauflow_reward_scored_samples_total", fn="spin", status="timeout") >= 4
+
+
+def test_group_level_function(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="judge", groups=[group("j", "a", "b", "c")]))
+    assert scores(resp) == [[3.0, 2.0, 1.0]]
+
+
+def test_the_callers_deadline_is_kept(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    req = reward_pb2.ScoreRequest(
+        reward_fn="spin", groups=[group("d", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Score(req, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("d", "fine")]))
+    assert scores(resp) == [[1.0]]
+
+
+def test_unknown_functions_are_not_found(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    for name, detail in [("nope", "'nope' is not a registered"), ("broken", "failed to load: ModuleNotFoundError")]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Score(reward_pb2.ScoreRequest(reward_fn=name, groups=[group("a", "x", answer="x")]))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert detail in e.value.details() and "exact_match" in e.value.details()
+
+
+def _config(**kw: object) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(kw)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "code", "message"),
+    [
+        ({"groups": []}, "INVALID_ARGUMENT", "groups: must hold at least one group"),
+        ({"groups": [common_pb2.Group(group_id="e")]}, "INVALID_ARGUMENT", "groups[0].samples: group 'e' has no samples"),
+        ({"groups": [group("a", "x"), group("a", "y")]}, "INVALID_ARGUMENT", "groups[1].group_id: 'a' repeats groups[0]"),
+        ({"groups": [common_pb2.Group(group_id="a", samples=[common_pb2.Sample(sample_id="s")] * 2)]},
+         "INVALID_ARGUMENT", "groups[0].samples[1].sample_id: 's' repeats samples[0]"),
+        ({"config": _config(ignorecase=True)}, "INVALID_ARGUMENT", "config.ignorecase: unknown key"),
+        ({"reward_fn": "format", "config": _config(pattern="((")}, "INVALID_ARGUMENT", "config.pattern:"),
+        ({"reward_fn": "spin", "config": _config(bonus=1, extra=2)}, "INVALID_ARGUMENT", "config.extra: unknown key"),
+        ({"sample_timeout": duration_pb2.Duration(seconds=-1)}, "INVALID_ARGUMENT", "sample_timeout: must be positive"),
+        ({"sample_timeout": duration_pb2.Duration(seconds=3600)}, "INVALID_ARGUMENT", "max_sample_timeout_s"),
+        ({"groups": [group(f"g{i}", *["x"] * 8) for i in range(76)]}, "RESOURCE_EXHAUSTED", "608 samples"),
+    ],
+)
+def test_bad_requests_get_a_status_naming_the_field(
+    stub: reward_pb2_grpc.RewardServiceStub, request_kw: dict[str, object], code: str, message: str
+) -> None:
+    req = reward_pb2.ScoreRequest(**{"groups": [group("a", "x", answer="x")], **request_kw})
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Score(req)
+    assert e.value.code() == getattr(grpc.StatusCode, code)
+    assert message in e.value.details()
+
+
+def test_a_missing_reference_is_a_per_sample_error(stub: reward_pb2_grpc.RewardServiceStub) -> None:
+    resp = stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answers=["x"]), group("b", "y")]))
+    assert scores(resp)[0] == [1.0]
+    (missing,) = resp.groups[1].samples
+    assert missing.reward.status == ERROR and "no reference answer" in missing.reward.message
