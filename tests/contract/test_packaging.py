@@ -65,6 +65,7 @@ DOMAIN = {
     "queue": ["state.py", "wal.py", "convert.py", "config.py", "metrics.py", "wire.py"],
     "reward": ["api.py", "builtins.py", "worker.py", "registry.py", "runner.py", "convert.py", "config.py",
                "metrics.py", "errors.py"],
+    "trainer": ["algorithms.py", "backend.py", "batch.py", "convert.py"],
 }
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.trainer.app import main
+
+sys.exit(main())

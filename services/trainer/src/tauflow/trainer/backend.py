@@ -1,0 +1,594 @@
+"""The ``torch`` training backend: the policy model, the reference model, the optimizer, one optimizer
+step per batch, and checkpoints.
+
+One `train_step` is one optimizer step and one policy version: the step with index k (the current
+version) consumes a batch of groups and turns version k into k + 1. A group is trained at most once: its
+id is recorded when a step consumes it, the record is part of every checkpoint, and a group whose id is
+already recorded is skipped (a batch made only of such groups commits no step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tauflow.trainer.algorithms import (
+    Algorithm,
+    LossInputs,
+    Normaliser,
+    get_algorithm,
+    sft_loss,
+    summarize,
+)
+from tauflow.trainer.batch import (
+    PADDING_SIDES,
+    Group,
+    Sample,
+    completion_logprobs,
+    pack,
+    split_by_token_budget,
+)
+
+SCHEDULES = ("constant", "cosine")
+CHECKPOINT_FORMAT = 1
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.pt"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+_CHECKPOINT_NAME = re.compile(r"^v(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with gradient-norm clipping and a learning-rate schedule (stepped once per version)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Applied to matrices only (ndim >= 2), not to biases and norm weights."""
+    grad_clip: float | None = 1.0
+    """Max global L2 norm of the gradient; None: no clipping (the norm is still reported)."""
+    schedule: str = "constant"
+    """constant (after warmup) or cosine (after warmup, down to min_lr_ratio * lr at total_steps)."""
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.schedule == "cosine" and not self.total_steps:
+            raise ValueError("the cosine schedule needs total_steps")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1")
+
+
+def lr_factor(step: int, config: OptimConfig) -> float:
+    """Multiplier of ``lr`` for the optimizer step with index ``step`` (0-based)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    assert config.total_steps is not None
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, max(0.0, (step - config.warmup_steps) / span))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class TorchBackendConfig:
+    model_path: str
+    """A local Hugging Face model folder (``from_pretrained``): the initial policy, version 0."""
+    ref_model_path: str | None = None
+    """Reference model for the KL penalty; None: ``model_path`` (the initial policy). Loaded only when the
+    algorithm has kl_coef > 0."""
+    algorithm: str = "grpo"
+    algorithm_options: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the algorithm's config (see algorithms.AlgorithmConfig)."""
+    optim: OptimConfig = OptimConfig()
+    micro_batch_tokens: int = 8192
+    """Gradient accumulation: each forward/backward holds at most this many padded tokens."""
+    temperature: float = 1.0
+    """The sampler's temperature; log-probs are computed from logits / temperature."""
+    padding_side: str = "right"
+    pad_token_id: int | None = None
+    """None: the model config's pad_token_id, else 0 (padded positions are masked either way)."""
+    device: str = "cpu"
+    autocast_dtype: str | None = None
+    """e.g. "bfloat16" on GPU: forward under torch.autocast; weights and optimizer stay float32."""
+    gradient_checkpointing: bool = False
+    compute_entropy: bool = True
+    keep_checkpoints: int = 3
+    """How many checkpoints save_checkpoint keeps in its directory (0: all)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.padding_side not in PADDING_SIDES:
+            raise ValueError(f"padding_side must be one of {PADDING_SIDES}, not {self.padding_side!r}")
+        if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
+            raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
+
+
+@dataclass
+class StepResult:
+    """What one call of train_step / sft_step did (the fields of trainer.v1.StepMetrics, and more)."""
+
+    step: int
+    """Index k of the step: the policy version it started from."""
+    policy_version: int
+    """The version after the step: k + 1 when committed, k otherwise."""
+    committed: bool
+    """False when the batch held only already-trained groups: no optimizer step, no new version."""
+    groups: int = 0
+    """Groups consumed by the step (zero-advantage groups included)."""
+    samples: int = 0
+    trained_tokens: int = 0
+    max_staleness: int = 0
+    mean_staleness: float = 0.0
+    mean_reward: float = 0.0
+    loss: float = 0.0
+    duration_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """clip_fraction, is_weight_mean, is_truncated_fraction, kl_behaviour, kl_ref, entropy, grad_norm, lr,
+    skipped_* counts, ..."""
+    trained_group_ids: list[str] = field(default_factory=list)
+    skipped_duplicate_group_ids: list[str] = field(default_factory=list)
+    skipped_stale_group_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    policy_version: int
+    created_at: float
+    """Unix time at which writing completed."""
+    size_bytes: int
+    trained_groups: int
+
+
+def checkpoint_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest version first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / STATE_JSON).exists()]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint folder, else the newest checkpoint in it."""
+    path = Path(path)
+    if (path / STATE_JSON).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no tauflow trainer checkpoint in {path}")
+    return latest
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    path = Path(path)
+    meta = json.loads((path / STATE_JSON).read_text())
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return CheckpointInfo(path, meta["policy_version"], meta["created_at"], size, len(meta["trained_group_ids"]))
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        name, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+class TorchBackend:
+    """Holds the policy (and reference) model and its optimizer; trains on groups; checkpoints.
+
+    ``TorchBackend(config)`` starts from ``config.model_path`` at version 0;
+    ``TorchBackend(config, checkpoint=path)`` resumes from a checkpoint written by `save_checkpoint`.
+    """
+
+    def __init__(self, config: TorchBackendConfig, *, checkpoint: str | Path | None = None) -> None:
+        self.config = config
+        self.algorithm: Algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options))
+        self.device = torch.device(config.device)
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.version = 0
+        self.trained_group_ids: set[str] = set()
+        self.ref_model: torch.nn.Module | None = None
+        if checkpoint is not None:
+            checkpoint = resolve_checkpoint(checkpoint)
+        self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
+        self.model = self._load_policy(self._weights_source)
+        self.pad_token_id = (
+            config.pad_token_id
+            if config.pad_token_id is not None
+            else (getattr(self.model.config, "pad_token_id", None) or 0)
+        )
+        self.optimizer, self.scheduler = self._build_optimizer()
+        if self.algorithm.config.uses_reference:
+            self._ensure_reference()
+        if checkpoint is not None:
+            self._restore_state(checkpoint)
+
+    # ---------------------------------------------------------------------------------------------
+    # Models and optimizer
+
+    def _load_policy(self, path: Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.to(device=self.device, dtype=torch.float32)
+        if self.config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        return model
+
+    def _ensure_reference(self) -> torch.nn.Module:
+        if self.ref_model is None:
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_pretrained(self.config.ref_model_path or self.config.model_path)
+            ref.to(device=self.device, dtype=torch.float32)
+            ref.eval()
+            ref.requires_grad_(False)
+            self.ref_model = ref
+        return self.ref_model
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        o = self.config.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+
+        def factor(step: int) -> float:
+            return lr_factor(step, o)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return optimizer, scheduler
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=getattr(torch, self.config.autocast_dtype))
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule, clear the gradients. A non-finite gradient norm skips
+        the update (the step still commits a version, with ``skipped_nonfinite_grad`` = 1)."""
+        lr = self.lr
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        skipped = 0.0
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            skipped = 1.0
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite_grad": skipped}
+
+    # ---------------------------------------------------------------------------------------------
+    # Steps
+
+    def train_step(
+        self,
+        groups: Sequence[Group],
+        algorithm: Algorithm | None = None,
+        *,
+        max_staleness: int | None = None,
+    ) -> StepResult:
+        """One optimizer step on a batch of groups (one policy version).
+
+        Groups already trained (by id, in this run or before the checkpoint it resumed from) are skipped;
+        when every group is, nothing is committed. With ``max_staleness`` >= 0, groups whose staleness
+        (step − oldest behaviour version) exceeds it are dropped, not trained and not recorded. The step
+        commits (version + 1) whenever it consumed at least one group, even if no token had a gradient
+        (all groups zero-advantage): one batch, one version, as the queue's pacing counts it.
+        """
+        started = time.monotonic()
+        alg = algorithm or self.algorithm
+        cfg = alg.config
+        step = self.version
+
+        fresh: list[Group] = []
+        duplicates: list[str] = []
+        seen: set[str] = set()
+        for g in groups:
+            if g.group_id in self.trained_group_ids or g.group_id in seen:
+                duplicates.append(g.group_id)
+            else:
+                seen.add(g.group_id)
+                fresh.append(g)
+        stale: list[str] = []
+        if max_staleness is not None and max_staleness >= 0:
+            stale = [g.group_id for g in fresh if g.staleness(step) > max_staleness]
+            fresh = [g for g in fresh if g.staleness(step) <= max_staleness]
+        if not fresh:
+            return StepResult(
+                step=step,
+                policy_version=self.version,
+                committed=False,
+                duration_s=time.monotonic() - started,
+                metrics={"skipped_duplicate_groups": float(len(duplicates)), "skipped_stale_groups": float(len(stale))},
+                skipped_duplicate_group_ids=duplicates,
+                skipped_stale_group_ids=stale,
+            )
+
+        advantages = alg.advantages([[s.reward for s in g.samples] for g in fresh], cfg)
+        train: list[Sample] = []
+        train_adv: list[float] = []
+        skipped_zero = 0
+        for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
+            if zero and cfg.skip_zero_advantage_groups:
+                skipped_zero += 1
+                continue
+            for s, a in zip(g.samples, adv, strict=True):
+                if s.trained_tokens > 0:
+                    train.append(s)
+                    train_adv.append(a)
+        all_samples = [s for g in fresh for s in g.samples]
+        norm = Normaliser(
+            tokens=float(sum(s.trained_tokens for s in train)),
+            sequences=float(len(train)),
+            samples=float(len(all_samples)),
+        )
+        ref = self._ensure_reference() if cfg.uses_reference else None
+
+        parts: list[dict[str, float]] = []
+        self.model.train()
+        for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
+            mb = pack(
+                [train[i] for i in index],
+                [train_adv[i] for i in index],
+                pad_token_id=self.pad_token_id,
+                padding_side=self.config.padding_side,
+            ).to(self.device)
+            with self._autocast():
+                lp = completion_logprobs(
+                    self.model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
+                )
+                ref_logp = None
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logp = completion_logprobs(ref, mb, temperature=self.config.temperature).logprobs
+            out = alg.policy_loss(
+                LossInputs(
+                    logp=lp.logprobs,
+                    behaviour_logp=mb.behaviour_logprobs,
+                    advantages=mb.advantages,
+                    mask=mb.loss_mask,
+                    ref_logp=ref_logp,
+                    entropy=lp.entropy,
+                ),
+                cfg,
+                norm,
+            )
+            out.loss.backward()
+            parts.append(out.sums)
+        metrics = summarize(parts)
+        metrics.update(self._optimizer_step())
+        self.version += 1
+        self.trained_group_ids.update(g.group_id for g in fresh)
+
+        staleness = [g.staleness(step) for g in fresh]
+        metrics.update(
+            {
+                "skipped_zero_advantage_groups": float(skipped_zero),
+                "skipped_duplicate_groups": float(len(duplicates)),
+                "skipped_stale_groups": float(len(stale)),
+                "micro_batches": float(len(parts)),
+            }
+        )
+        return StepResult(
+            step=step,
+            policy_version=self.version,
+            committed=True,
+            groups=len(fresh),
+            samples=len(all_samples),
+            trained_tokens=int(norm.tokens),
+            max_staleness=max(staleness),
+            mean_staleness=sum(staleness) / len(staleness),
+            mean_reward=sum(s.reward for s in all_samples) / len(all_samples),
+            loss=metrics.get("loss", 0.0),
+            duration_s=time.monotonic() - started,
+            metrics=metrics,
+            trained_group_ids=[g.group_id for g in fresh],
+            skipped_duplicate_group_ids=duplicates,
+            skipped_stale_group_ids=stale,
+        )
+
+    def sft_step(self, samples: Sequence[Sample]) -> StepResult:
+        """One optimizer step of supervised fine-tuning (token-mean NLL of the masked completion tokens);
+        also one policy version. Rewards, advantages and behaviour log-probs are ignored."""
+        started = time.monotonic()
+        step = self.version
+        train = [s for s in samples if s.trained_tokens > 0]
+        norm = Normaliser(float(sum(s.trained_tokens for s in train)), float(len(train)), float(len(samples)))
+        parts: list[dict[str, float]] = []
+        self.model.train()
+        for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
+            mb = pack(
+                [train[i] for i in index], pad_token_id=self.pad_token_id, padding_side=self.config.padding_side
+            ).to(self.device)
+            with self._autocast():
+                lp = completion_logprobs(self.model, mb, temperature=1.0)
+            out = sft_loss(lp.logprobs, mb.loss_mask, norm)
+            out.loss.backward()
+            parts.append(out.sums)
+        metrics = summarize(parts)
+        metrics.update(self._optimizer_step())
+        self.version += 1
+        return StepResult(
+            step=step,
+            policy_version=self.version,
+            committed=True,
+            samples=len(samples),
+            trained_tokens=int(norm.tokens),
+            loss=metrics.get("loss", 0.0),
+            duration_s=time.monotonic() - started,
+            metrics=metrics,
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights out
+
+    def state_dict_for_publish(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Parameter and buffer tensors by their Hugging Face names (``model.layers.0.…``, ``lm_head.weight``;
+        a tied ``lm_head.weight`` is listed too). Without ``dtype`` the tensors alias the live weights:
+        copy them before the next step changes them."""
+        state = self.model.state_dict()
+        if dtype is None:
+            return {name: t.detach() for name, t in state.items()}
+        return {name: t.detach().to(dtype) for name, t in state.items()}
+
+    def named_parameters_for_publish(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like `state_dict_for_publish`, streamed, parameters only."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    # ---------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def save_checkpoint(self, root: str | Path, *, keep: int | None = None) -> CheckpointInfo:
+        """Write ``root/v{version:08d}/``: the weights in Hugging Face format (``from_pretrained`` loads that
+        folder), tokenizer files copied from the source model, and the trainer state (optimizer, schedule,
+        RNG, version, trained group ids). Written into a temporary folder and renamed: a checkpoint folder
+        is complete or absent. A checkpoint of the same version already there is returned as it is.
+        Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / checkpoint_name(self.version)
+        if (final / STATE_JSON).exists():
+            return read_checkpoint_info(final)
+        for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            self.model.save_pretrained(tmp)
+            for name in TOKENIZER_FILES:
+                src = self._weights_source / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": _rng_state(),
+            }
+            torch.save(state, tmp / STATE_TENSORS)
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "policy_version": self.version,
+                "created_at": time.time(),
+                "algorithm": self.algorithm.name,
+                "algorithm_config": asdict(self.algorithm.config),
+                "trained_group_ids": sorted(self.trained_group_ids),
+            }
+            (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
+            _fsync_tree(tmp)
+            if final.exists():  # an incomplete folder of that name (no state file): not ours to trust
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        keep = self.config.keep_checkpoints if keep is None else keep
+        if keep > 0:
+            for old in list_checkpoints(root)[:-keep]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        return read_checkpoint_info(final)
+
+    def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
+        """Restore weights, optimizer, schedule, RNG, version and trained group ids from a checkpoint folder,
+        or from the newest checkpoint when ``path`` is a directory of checkpoints."""
+        path = resolve_checkpoint(path)
+        self._weights_source = path
+        self.model = self._load_policy(path)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self._restore_state(path)
+        return read_checkpoint_info(path)
+
+    def _restore_state(self, path: Path) -> None:
+        meta = json.loads((path / STATE_JSON).read_text())
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        state = torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        self.version = int(meta["policy_version"])
+        self.trained_group_ids = set(meta["trained_group_ids"])

@@ -1,0 +1,224 @@
+"""From trajectory groups to padded tensors, and per-token log-probs of the completions.
+
+Layout of a packed batch of B samples, padded to T = max(len(prompt) + len(completion)) tokens:
+
+    input_ids, attention_mask, position_ids   [B, T]
+    loss_mask, behaviour_logprobs, advantages [B, T - 1]  aligned with the *targets* input_ids[:, 1:],
+                                                          i.e. with logits[:, :-1]
+
+Completion token j of a sample whose first real token sits at column o (o = 0 when right-padded, the
+pad count when left-padded) is input column o + P + j and target column o + P + j - 1, P = len(prompt).
+Position ids count real tokens only (cumsum of the attention mask - 1), so a sample gets the same
+positions whatever its padding and logits do not depend on the batch it is in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+PADDING_SIDES = ("right", "left")
+
+
+@dataclass
+class Sample:
+    """One completion of a prompt with what the loss needs (mirrors tauflow.api.common.v1.Sample)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    """log pi_behaviour of each completion token (anything where loss_mask is false)."""
+    loss_mask: list[bool] | None = None
+    """Per completion token; None or empty means every completion token trains."""
+    reward: float = 0.0
+    versions: list[int] | None = None
+    """Policy version that generated each completion token; None or empty: use behaviour_version."""
+    behaviour_version: int | None = None
+    sample_id: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"sample {self.sample_id!r}: the prompt is empty (the first completion token "
+                             "needs a token to be predicted from)")
+        if len(self.behaviour_logprobs) != n:
+            raise ValueError(f"sample {self.sample_id!r}: {len(self.behaviour_logprobs)} behaviour log-probs "
+                             f"for {n} completion tokens")
+        if self.loss_mask and len(self.loss_mask) != n:
+            raise ValueError(f"sample {self.sample_id!r}: loss_mask has {len(self.loss_mask)} entries "
+                             f"for {n} completion tokens")
+        if self.versions and len(self.versions) != n:
+            raise ValueError(f"sample {self.sample_id!r}: {len(self.versions)} token versions "
+                             f"for {n} completion tokens")
+
+    @property
+    def mask(self) -> list[bool]:
+        """The effective loss mask (all ones when none was given)."""
+        return [bool(x) for x in self.loss_mask] if self.loss_mask else [True] * len(self.completion_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.mask)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The behaviour version: the oldest version of any completion token, when known."""
+        if self.versions:
+            return min(self.versions)
+        return self.behaviour_version
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class Group:
+    """The samples of one prompt; the unit that is trained at most once (by ``group_id``)."""
+
+    group_id: str
+    samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            raise ValueError(f"group {self.group_id!r} has no samples")
+
+    @property
+    def oldest_version(self) -> int | None:
+        versions = [v for v in (s.oldest_version for s in self.samples) if v is not None]
+        return min(versions) if versions else None
+
+    def staleness(self, step: int) -> int:
+        """``step − oldest behaviour version`` (0 when no version is known; never negative)."""
+        oldest = self.oldest_version
+        return 0 if oldest is None else max(0, step - oldest)
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the loss trains on."""
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(*(t.to(device) for t in (
+            self.input_ids, self.attention_mask, self.position_ids,
+            self.loss_mask, self.behaviour_logprobs, self.advantages,
+        )))
+
+
+def pack(
+    samples: Sequence[Sample],
+    advantages: Sequence[float] | None = None,
+    *,
+    pad_token_id: int = 0,
+    padding_side: str = "right",
+) -> PackedBatch:
+    """Pad ``samples`` into one batch; ``advantages`` (one per sample, default 0) is broadcast over each
+    sample's completion tokens."""
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side must be one of {PADDING_SIDES}, not {padding_side!r}")
+    if advantages is not None and len(advantages) != len(samples):
+        raise ValueError(f"{len(advantages)} advantages for {len(samples)} samples")
+    batch, width = len(samples), max(len(s) for s in samples)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width - 1), dtype=torch.bool)
+    behaviour = torch.zeros((batch, width - 1), dtype=torch.float32)
+    adv = torch.zeros((batch, width - 1), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        o = 0 if padding_side == "right" else width - p - c
+        input_ids[i, o : o + p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        attention_mask[i, o : o + p + c] = 1
+        if c == 0:
+            continue
+        t0 = o + p - 1  # target column of completion token 0
+        loss_mask[i, t0 : t0 + c] = torch.tensor(s.mask, dtype=torch.bool)
+        behaviour[i, t0 : t0 + c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        if advantages is not None:
+            adv[i, t0 : t0 + c] = float(advantages[i])
+    adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return PackedBatch(input_ids, attention_mask, position_ids, loss_mask, behaviour, adv)
+
+
+def unpack(values: torch.Tensor, samples: Sequence[Sample], *, padding_side: str = "right") -> list[list[float]]:
+    """The inverse of `pack` for a ``[B, T - 1]`` per-target tensor: each sample's completion values."""
+    width = values.shape[1] + 1
+    out: list[list[float]] = []
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        o = 0 if padding_side == "right" else width - p - c
+        out.append(values[i, o + p - 1 : o + p - 1 + c].tolist())
+    return out
+
+
+def split_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of micro-batches whose padded size (rows × longest row) stays within ``budget`` tokens;
+    a row longer than the budget goes alone. Rows are taken longest first (less padding), ties in order."""
+    if budget <= 0:
+        raise ValueError(f"token budget must be positive, not {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        widest = lengths[current[0]] if current else lengths[i]  # longest first: the first row is widest
+        if current and (len(current) + 1) * widest > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class TokenLogProbs:
+    logprobs: torch.Tensor
+    """``[B, T - 1]`` float32: log p(input_ids[:, t + 1] | input_ids[:, :t + 1])."""
+    entropy: torch.Tensor | None = None
+    """``[B, T - 1]`` float32 entropy of the predicted distribution (no grad), when asked for."""
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> TokenLogProbs:
+    """Per-token log-probs of every target token under a causal LM: float32 ``log_softmax`` of
+    ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
+    that these match the behaviour log-probs the rollout engine reported."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            entropy = logsumexp - (probs * logits).sum(-1)
+    return TokenLogProbs(logprobs, entropy)

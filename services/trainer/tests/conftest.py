@@ -1,0 +1,78 @@
+"""Shared fixtures: one thread, and a tiny random Qwen2 model saved as a Hugging Face folder."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tauflow.trainer.batch import Group, Sample
+
+torch.set_num_threads(1)
+
+VOCAB = 16
+
+
+def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.fixture(name="tiny_qwen2")
+def tiny_qwen2_factory() -> Callable[..., torch.nn.Module]:
+    """``tiny_qwen2(seed)``: a fresh tiny random Qwen2ForCausalLM (vocab 16, hidden 32, one layer)."""
+    return tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_qwen2().save_pretrained(path)
+    (path / "tokenizer_config.json").write_text("{}")  # stands in for the tokenizer files a checkpoint copies
+    return path
+
+
+@pytest.fixture
+def make_groups() -> Callable[..., list[Group]]:
+    """``make_groups(seed, n, size=4, prefix="g", version=0)``: groups of random samples and rewards."""
+    def make(seed: int, n: int, size: int = 4, prefix: str = "g", version: int = 0) -> list[Group]:
+        rng = random.Random(seed)
+        groups = []
+        for gi in range(n):
+            prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 4))]
+            samples = []
+            for si in range(size):
+                c = rng.randint(1, 5)
+                samples.append(
+                    Sample(
+                        prompt_ids=prompt,
+                        completion_ids=[rng.randrange(1, VOCAB) for _ in range(c)],
+                        behaviour_logprobs=[-rng.uniform(2.0, 3.5) for _ in range(c)],
+                        loss_mask=[rng.random() > 0.2 for _ in range(c)] if si % 2 else None,
+                        reward=float(rng.random() > 0.5) + si * 0.01,
+                        behaviour_version=version,
+                        sample_id=str(si),
+                    )
+                )
+            groups.append(Group(f"{prefix}{seed}-{gi}", samples))
+        return groups
+
+    return make

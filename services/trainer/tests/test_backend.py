@@ -1,0 +1,228 @@
+"""TorchBackend: steps and versions, never training a group twice, micro-batching, schedules, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tauflow.trainer.backend import (
+    STATE_JSON,
+    OptimConfig,
+    TorchBackend,
+    TorchBackendConfig,
+    latest_checkpoint,
+    list_checkpoints,
+    lr_factor,
+)
+from tauflow.trainer.batch import Group, Sample
+
+MakeGroups = Callable[..., list[Group]]
+
+
+def config(model_dir: Path, **kw: object) -> TorchBackendConfig:
+    kw.setdefault("optim", OptimConfig(lr=1e-2, weight_decay=0.01, schedule="cosine", warmup_steps=2, total_steps=10))
+    return TorchBackendConfig(model_path=str(model_dir), **kw)  # type: ignore[arg-type]
+
+
+def params(backend: TorchBackend) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in backend.model.state_dict().items()}
+
+
+def test_a_step_is_a_version_and_reports_metrics(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    b = TorchBackend(config(tiny_model_dir))
+    before = params(b)
+    groups = make_groups(0, 3)
+    r = b.train_step(groups)
+    assert (r.step, r.policy_version, r.committed, b.version) == (0, 1, True, 1)
+    assert r.groups == 3 and r.samples == 12
+    assert r.trained_tokens == sum(s.trained_tokens for g in groups for s in g.samples)
+    assert r.mean_reward == pytest.approx(sum(s.reward for g in groups for s in g.samples) / 12)
+    keys = ("clip_fraction", "is_weight_mean", "is_truncated_fraction", "kl_behaviour", "entropy", "grad_norm", "lr")
+    for key in keys:
+        assert math.isfinite(r.metrics[key]), key
+    assert r.metrics["clip_fraction"] == 0.0  # one update per batch: prox = current, the ratio is 1
+    assert r.metrics["lr"] == pytest.approx(1e-2 * 0.5)  # first of two warmup steps
+    assert r.metrics["is_truncated_fraction"] > 0  # behaviour log-probs of ~-3 vs a near-uniform ~-2.8
+    assert any(not torch.equal(before[k], v) for k, v in params(b).items())
+    assert b.trained_group_ids == {g.group_id for g in groups}
+
+
+def test_never_trains_a_group_twice(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    b = TorchBackend(config(tiny_model_dir))
+    g1, g2 = make_groups(0, 2)
+    b.train_step([g1])
+    snapshot = params(b)
+    again = b.train_step([g1, g1])
+    assert not again.committed and again.policy_version == 1 and b.version == 1
+    assert again.skipped_duplicate_group_ids == ["g0-0", "g0-0"]
+    assert all(torch.equal(snapshot[k], v) for k, v in params(b).items())
+    mixed = b.train_step([g1, g2])
+    assert mixed.committed and mixed.groups == 1 and mixed.trained_group_ids == ["g0-1"]
+    assert mixed.metrics["skipped_duplicate_groups"] == 1 and b.version == 2
+
+
+def test_zero_advantage_groups_are_skipped_but_the_step_commits(tiny_model_dir: Path) -> None:
+    b = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=1e-2)))
+    flat = Group("flat", [Sample([1, 2], [3, 4], [-2.0, -2.0], reward=1.0) for _ in range(4)])
+    before = params(b)
+    r = b.train_step([flat])
+    assert r.committed and b.version == 1 and r.trained_tokens == 0
+    assert r.metrics["skipped_zero_advantage_groups"] == 1 and r.metrics["micro_batches"] == 0
+    assert all(torch.equal(before[k], v) for k, v in params(b).items())  # no gradient, no decay: unchanged
+    varied = Group("varied", [Sample([1, 2], [3, 4], [-2.0, -2.0], reward=float(i % 2)) for i in range(4)])
+    r = b.train_step([Group("flat2", flat.samples), varied])
+    assert r.groups == 2 and r.metrics["skipped_zero_advantage_groups"] == 1 and r.trained_tokens == 8
+
+
+def test_stale_groups_are_dropped_not_recorded(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    b = TorchBackend(config(tiny_model_dir))
+    for i in range(3):
+        b.train_step(make_groups(10 + i, 1, version=i))
+    old, fresh = make_groups(20, 1, prefix="old", version=0), make_groups(21, 1, prefix="new", version=2)
+    r = b.train_step(old + fresh, max_staleness=1)  # step 3: staleness 3 and 1
+    assert r.skipped_stale_group_ids == [old[0].group_id] and r.trained_group_ids == [fresh[0].group_id]
+    assert r.max_staleness == 1 and old[0].group_id not in b.trained_group_ids
+
+
+def test_micro_batching_is_gradient_accumulation(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    groups = make_groups(3, 4)
+    results = {}
+    for mode in ("token-mean", "seq-mean-token-mean", "sample-sum"):
+        for budget in (8, 100_000):
+            # Adam's first step is g/(|g| + eps): with eps = 1 the update is ~ the gradient itself, so the
+            # comparison below compares gradients (with a small eps, Adam would blow float noise up to ±lr)
+            optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=None)
+            b = TorchBackend(
+                config(tiny_model_dir, optim=optim, micro_batch_tokens=budget, algorithm_options={"aggregation": mode})
+            )
+            r = b.train_step(groups)
+            results[mode, budget] = (params(b), r)
+        (small, r_small), (big, r_big) = results[mode, 8], results[mode, 100_000]
+        assert r_small.metrics["micro_batches"] > 1 and r_big.metrics["micro_batches"] == 1
+        assert r_small.loss == pytest.approx(r_big.loss, rel=1e-5, abs=1e-7)
+        assert r_small.metrics["grad_norm"] == pytest.approx(r_big.metrics["grad_norm"], rel=1e-4)
+        for k in small:
+            assert torch.allclose(small[k], big[k], atol=1e-6), (mode, k)
+
+
+def test_lr_schedule() -> None:
+    cos = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    # warmup (k+1)/2: 0.5, 1.0; then 0.1 + 0.9·(1 + cos(pi·(k-2)/4))/2 for k = 2..6, flat after
+    def cosine(k: int) -> float:
+        return 0.1 + 0.9 * (1 + math.cos(math.pi * (k - 2) / 4)) / 2
+
+    expected = [0.5, 1.0, cosine(2), cosine(3), cosine(4), cosine(5), 0.1, 0.1]
+    assert cosine(2) == 1.0 and cosine(4) == pytest.approx(0.55) and cosine(6) == pytest.approx(0.1)
+    assert [lr_factor(k, cos) for k in range(8)] == pytest.approx(expected)
+    assert [lr_factor(k, OptimConfig(warmup_steps=4)) for k in range(6)] == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1])
+    with pytest.raises(ValueError, match="total_steps"):
+        OptimConfig(schedule="cosine")
+
+
+def test_checkpoint_resume_is_bitwise_exact(tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
+    batches = [make_groups(100 + k, 2) for k in range(5)]
+    a = TorchBackend(config(tiny_model_dir))
+    for batch in batches[:3]:
+        a.train_step(batch)
+    info = a.save_checkpoint(tmp_path / "ckpt")
+    assert info.policy_version == 3 and info.trained_groups == 6 and info.path.name == "v00000003"
+    torch.manual_seed(1234)  # whatever happens to the global RNG after the save is restored on load
+    for batch in batches[3:]:
+        a.train_step(batch)
+    params_a = params(a)
+
+    b = TorchBackend(config(tiny_model_dir))
+    b.train_step(make_groups(999, 1))  # a fresh backend that has moved on: load replaces all of it
+    b.load_checkpoint(tmp_path / "ckpt")  # the directory of checkpoints: the newest is taken
+    assert b.version == 3 and b.trained_group_ids == {g.group_id for batch in batches[:3] for g in batch}
+    assert b.lr == pytest.approx(a.config.optim.lr * lr_factor(3, a.config.optim))
+    torch.manual_seed(1234)
+    for batch in batches[3:]:
+        b.train_step(batch)
+    params_b = params(b)
+    assert b.version == a.version == 5
+    assert params_a.keys() == params_b.keys()
+    for k in params_a:
+        assert torch.equal(params_a[k], params_b[k]), k
+
+    c = TorchBackend(config(tiny_model_dir), checkpoint=info.path)  # resume at construction
+    assert c.version == 3 and not c.train_step(batches[0]).committed
+
+
+def test_rng_state_is_restored(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import random
+
+    b = TorchBackend(config(tiny_model_dir))
+    info = b.save_checkpoint(tmp_path)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(7)
+    random.seed(7)
+    TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_checkpoint_layout_is_loadable_atomic_and_pruned(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    b = TorchBackend(config(tiny_model_dir, keep_checkpoints=2))
+    root = tmp_path / "ckpts"
+    first = b.save_checkpoint(root)
+    assert b.save_checkpoint(root).created_at == first.created_at  # same version: returned as it is
+    for k in range(3):
+        b.train_step(make_groups(k, 1))
+        b.save_checkpoint(root)
+    assert [p.name for p in list_checkpoints(root)] == ["v00000002", "v00000003"]
+    latest = latest_checkpoint(root)
+    assert latest is not None
+    names = {p.name for p in latest.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", STATE_JSON, "trainer_state.pt"} <= names
+    meta = json.loads((latest / STATE_JSON).read_text())
+    assert meta["policy_version"] == 3 and meta["algorithm"] == "grpo" and len(meta["trained_group_ids"]) == 3
+
+    hf = AutoModelForCausalLM.from_pretrained(latest)  # plain Hugging Face loading of the checkpoint folder
+    published = b.state_dict_for_publish()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, published[name]), name
+    assert "model.embed_tokens.weight" in published and "lm_head.weight" in published
+
+    def boom(*args: object, **kw: object) -> None:
+        raise OSError("disk full")
+
+    b.train_step(make_groups(50, 1))
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        b.save_checkpoint(root)
+    assert [p.name for p in sorted(root.iterdir())] == ["v00000002", "v00000003"]  # nothing half-written
+
+
+def test_kl_to_the_in_process_reference(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    b = TorchBackend(config(tiny_model_dir, algorithm_options={"kl_coef": 0.1}))
+    assert b.ref_model is not None and not any(p.requires_grad for p in b.ref_model.parameters())
+    first = b.train_step(make_groups(0, 2))
+    assert first.metrics["kl_ref"] == pytest.approx(0.0, abs=1e-9)  # version 0 is the reference
+    later = [b.train_step(make_groups(k, 2)) for k in range(1, 4)]
+    assert later[-1].metrics["kl_ref"] > 0
+
+
+def test_sft_step_lowers_the_nll(tiny_model_dir: Path) -> None:
+    b = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=1e-2)))
+    data = [Sample([1, 2], [3, 4, 5], [0.0] * 3, loss_mask=[True, True, False]), Sample([6], [7, 8], [0.0] * 2)]
+    losses = [b.sft_step(data).loss for _ in range(5)]
+    assert b.version == 5 and losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
+    b = TorchBackend(config(tiny_model_dir, device="cuda", autocast_dtype="bfloat16"))
+    r = b.train_step(make_groups(0, 2))
+    assert r.committed and math.isfinite(r.loss) and next(b.model.parameters()).dtype == torch.float32
+    info = b.save_checkpoint(tmp_path)
+    c = TorchBackend(config(tiny_model_dir, device="cuda"), checkpoint=info.path)
+    assert c.version == 1 and next(c.model.parameters()).is_cuda
