@@ -155,7 +155,7 @@ def _explain(error: ValidationError, origin: Mapping[tuple[str, ...], str], path
         loc = tuple(str(p) for p in err["loc"])
         key = ".".join(loc) or "<top>"
         where = origin.get(loc) or (f"config file {path}" if path else "defaults")
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             lines.append(f"unknown config key '{key}' (from {where})")
         else:
             lines.append(f"config key '{key}' (from {where}): {err['msg']}")

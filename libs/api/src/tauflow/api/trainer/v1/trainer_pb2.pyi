@@ -6,7 +6,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -21,6 +21,7 @@ class TrainerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINER_STATE_PAUSED: _ClassVar[TrainerState]
     TRAINER_STATE_STOPPING: _ClassVar[TrainerState]
     TRAINER_STATE_FAILED: _ClassVar[TrainerState]
+    TRAINER_STATE_FINISHED: _ClassVar[TrainerState]
 TRAINER_STATE_UNSPECIFIED: TrainerState
 TRAINER_STATE_STARTING: TrainerState
 TRAINER_STATE_WAITING_FOR_DATA: TrainerState
@@ -29,6 +30,7 @@ TRAINER_STATE_CHECKPOINTING: TrainerState
 TRAINER_STATE_PAUSED: TrainerState
 TRAINER_STATE_STOPPING: TrainerState
 TRAINER_STATE_FAILED: TrainerState
+TRAINER_STATE_FINISHED: TrainerState
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "policy_version", "groups", "samples", "trained_tokens", "max_staleness", "mean_staleness", "mean_reward", "loss", "duration", "committed_at", "metrics")
@@ -106,6 +108,22 @@ class GetStatusResponse(_message.Message):
     world_size: int
     last_error: str
     def __init__(self, state: _Optional[_Union[TrainerState, str]] = ..., policy_version: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., max_staleness: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., backend: _Optional[str] = ..., algorithm: _Optional[str] = ..., world_size: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class ListStepsRequest(_message.Message):
+    __slots__ = ("from_step", "max_steps")
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    from_step: int
+    max_steps: int
+    def __init__(self, from_step: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class ListStepsResponse(_message.Message):
+    __slots__ = ("steps", "dropped_steps")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepMetrics]
+    dropped_steps: int
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., dropped_steps: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("directory",)

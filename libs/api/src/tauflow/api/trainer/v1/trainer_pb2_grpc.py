@@ -47,6 +47,11 @@ class TrainerServiceStub:
                 request_serializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ListSteps = channel.unary_unary(
+                '/tauflow.api.trainer.v1.TrainerService/ListSteps',
+                request_serializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsResponse.FromString,
+                _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/tauflow.api.trainer.v1.TrainerService/SaveCheckpoint',
                 request_serializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
@@ -86,6 +91,18 @@ class TrainerServiceServicer:
 
         Retry class: no side effects. Status: OK whenever the process is up, also
         while it is starting or failed (`state` says so).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSteps(self, request, context):
+        """Lists the metrics of committed steps from `from_step` on, oldest first,
+        so that a controller can follow every step by polling (the trainer keeps
+        the most recent steps in memory; older ones are reported as dropped).
+
+        Retry class: no side effects. Status: OK; an empty list when no step at
+        or after `from_step` has committed yet.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +175,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     request_deserializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusResponse.SerializeToString,
             ),
+            'ListSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSteps,
+                    request_deserializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsResponse.SerializeToString,
+            ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
                     request_deserializer=tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.FromString,
@@ -214,6 +236,33 @@ class TrainerService:
             '/tauflow.api.trainer.v1.TrainerService/GetStatus',
             tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
             tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tauflow.api.trainer.v1.TrainerService/ListSteps',
+            tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsRequest.SerializeToString,
+            tauflow_dot_api_dot_trainer_dot_v1_dot_trainer__pb2.ListStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

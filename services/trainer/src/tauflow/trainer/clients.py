@@ -1,0 +1,73 @@
+"""gRPC implementations of the loop's ports: the queue client (and the weight publisher)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.channel import ChannelConfig, create_channel
+from tauflow.trainer.convert import group_from_proto
+from tauflow.trainer.ports import Batch
+
+log = logging.getLogger(__name__)
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class GrpcQueue:
+    """The trainer's side of the queue: lease batches, ack them, report versions."""
+
+    def __init__(self, address: str, consumer_id: str, channel: ChannelConfig) -> None:
+        self.channel = create_channel(address, [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]], channel)
+        self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
+        self.consumer_id = consumer_id
+
+    async def set_version(self, version: int, rebase: bool = False) -> None:
+        await self.stub.SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase))
+
+    async def get_batch(self, n_groups: int, consumer_version: int, wait_s: float, lease_s: float) -> Batch | None:
+        request = queue_pb2.GetRequest(
+            consumer_id=self.consumer_id,
+            max_groups=n_groups,
+            min_groups=n_groups,
+            consumer_version=consumer_version,
+            lease_duration=_duration(lease_s),
+            wait=_duration(wait_s),
+        )
+        try:
+            resp = await self.stub.Get(request, timeout=wait_s + 30)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                log.warning("queue unavailable; retrying", extra={"code": e.code().name})
+                return None  # Get is not retried by the channel: a lost lease expires and comes back
+            raise
+        if not resp.groups:
+            return None
+        return Batch(
+            lease_id=resp.lease.lease_id,
+            groups=[group_from_proto(d.group) for d in resp.groups],
+            trace_contexts=[d.group.trace_context.traceparent for d in resp.groups],
+        )
+
+    async def ack(self, lease_id: str) -> None:
+        try:
+            await self.stub.Ack(queue_pb2.AckRequest(lease_id=lease_id))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            # The lease expired before our checkpoint: its groups were redelivered, and the trained
+            # ids in the checkpoint make the trainer skip them.
+            log.warning("lease expired before its ack", extra={"lease": lease_id})
+
+    async def renew(self, lease_id: str, lease_s: float) -> None:
+        await self.stub.RenewLease(queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s)))
+
+    async def close(self) -> None:
+        await self.channel.close()

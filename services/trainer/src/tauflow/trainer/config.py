@@ -1,0 +1,29 @@
+"""The trainer service's typed configuration (``tauflow-trainer --print-config`` shows it resolved)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tauflow.core.channel import ChannelConfig
+from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig
+from tauflow.trainer.backend import TorchBackendConfig
+
+
+class TrainerConfig(ServiceConfig):
+    server: ServerConfig = ServerConfig(port=50054)
+    metrics: MetricsConfig = MetricsConfig(port=9464)
+    backend: TorchBackendConfig
+    queue_address: str = Field("127.0.0.1:50051", description="the queue service")
+    weights_address: str = Field("", description="the weight sidecar; empty: versions are not published")
+    consumer_id: str = "trainer-0"
+    groups_per_step: int = Field(8, ge=1, description="groups per optimizer step (one batch = one version)")
+    max_staleness: int = Field(1, ge=-1, description="tau: groups staler than this are never trained on")
+    total_steps: int = Field(0, ge=0, description="stop after this policy version; 0 runs until stopped")
+    checkpoint_dir: str = "./tauflow-trainer-checkpoints"
+    checkpoint_every_steps: int = Field(
+        20, ge=1, description="leases are acked only once a checkpoint holds their steps (exactly-once)"
+    )
+    lease_s: float = Field(120.0, gt=0, description="lease length; held leases are renewed at half of it")
+    get_wait_s: float = Field(5.0, gt=0, description="long poll of each Get")
+    history_steps: int = Field(100_000, ge=1, description="step metrics kept for ListSteps")
+    channel: ChannelConfig = ChannelConfig()

@@ -1,0 +1,177 @@
+"""The trainer's loop: lease a batch, step, publish, checkpoint, ack — readable in one screen.
+
+Exactly-once in effect (design.md §2): a lease is acked only after a checkpoint
+holds the step that trained on it. A trainer that dies between a step and its
+checkpoint restarts from the checkpoint; the queue redelivers the unacked
+leases when they expire, and the checkpoint's trained ids keep any group from
+being trained twice. The heavy work (forward, backward, checkpoint writes) runs
+in a worker thread, so the service keeps answering while it trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from tauflow.trainer.backend import CheckpointInfo, StepResult, TorchBackend
+from tauflow.trainer.ports import PublisherPort, QueuePort
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    STARTING = 1
+    WAITING_FOR_DATA = 2
+    TRAINING = 3
+    CHECKPOINTING = 4
+    PAUSED = 5
+    STOPPING = 6
+    FAILED = 7
+    FINISHED = 8
+
+
+@dataclass
+class LoopSettings:
+    groups_per_step: int
+    max_staleness: int
+    total_steps: int  # 0: until stopped
+    checkpoint_dir: Path
+    checkpoint_every_steps: int
+    lease_s: float
+    get_wait_s: float
+    history_steps: int
+
+
+@dataclass
+class HeldLease:
+    lease_id: str
+    renewed_at: float
+
+
+class TrainerLoop:
+    def __init__(
+        self,
+        backend: TorchBackend,
+        queue: QueuePort,
+        publisher: PublisherPort | None,
+        settings: LoopSettings,
+        on_step=None,  # type: ignore[no-untyped-def]
+    ) -> None:
+        self.backend = backend
+        self.queue = queue
+        self.publisher = publisher
+        self.s = settings
+        self.on_step = on_step
+        self.state = State.STARTING
+        self.published_version = backend.version if publisher is None else -1
+        self.history: deque[StepResult] = deque(maxlen=settings.history_steps)
+        self.last_checkpoint: CheckpointInfo | None = None
+        self.last_error = ""
+        self._held: list[HeldLease] = []
+        self._running = asyncio.Event()
+        self._running.set()
+        self._lock = asyncio.Lock()  # one step or checkpoint at a time
+
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def done(self) -> bool:
+        return bool(self.s.total_steps) and self.version >= self.s.total_steps
+
+    async def run(self) -> None:
+        try:
+            # The queue re-bases on our version: after a restart from a checkpoint it may be ahead.
+            await self.queue.set_version(self.version, rebase=True)
+            await self._publish(rebase=True)
+            while not self.done():
+                await self._running.wait()
+                await self._renew_held()
+                self.state = State.WAITING_FOR_DATA
+                batch = await self.queue.get_batch(
+                    self.s.groups_per_step, self.version, self.s.get_wait_s, self.s.lease_s
+                )
+                if batch is None:
+                    continue
+                self._held.append(HeldLease(batch.lease_id, time.monotonic()))
+                async with self._lock:
+                    self.state = State.TRAINING
+                    result = await asyncio.to_thread(
+                        self.backend.train_step, batch.groups, max_staleness=self._tau()
+                    )
+                if result.committed:
+                    self.history.append(result)
+                    await self._publish()
+                    await self.queue.set_version(self.version)
+                    if self.on_step is not None:
+                        self.on_step(result)
+                if self.version % self.s.checkpoint_every_steps == 0 or self.done():
+                    await self.checkpoint()
+            self.state = State.FINISHED
+            log.info("finished", extra={"version": self.version})
+        except asyncio.CancelledError:
+            self.state = State.STOPPING
+            raise
+        except Exception as e:
+            self.state = State.FAILED
+            self.last_error = f"{type(e).__name__}: {e}"
+            raise
+
+    def _tau(self) -> int | None:
+        return None if self.s.max_staleness < 0 else self.s.max_staleness
+
+    async def _publish(self, rebase: bool = False) -> None:
+        if self.publisher is None or self.published_version == self.version:
+            return
+        await self.publisher.publish(self.version, self.backend.state_dict_for_publish(), rebase=rebase)
+        self.published_version = self.version
+
+    async def checkpoint(self, directory: Path | None = None) -> CheckpointInfo:
+        """Writes a checkpoint, then acks every lease whose steps it holds."""
+        async with self._lock:
+            previous = self.state
+            self.state = State.CHECKPOINTING
+            root = directory or self.s.checkpoint_dir
+            info = await asyncio.to_thread(self.backend.save_checkpoint, root)
+            self.last_checkpoint = info
+            held, self._held = self._held, []
+            for lease in held:
+                await self.queue.ack(lease.lease_id)
+            self.state = previous
+            return info
+
+    async def _renew_held(self) -> None:
+        now = time.monotonic()
+        for lease in self._held:
+            if now - lease.renewed_at > self.s.lease_s / 2:
+                await self.queue.renew(lease.lease_id, self.s.lease_s)
+                lease.renewed_at = now
+
+    # -- control -------------------------------------------------------------------------
+
+    async def pause(self) -> int:
+        self._running.clear()
+        async with self._lock:  # returns once no step is running
+            self.state = State.PAUSED
+        return self.version
+
+    def resume(self) -> None:
+        if self.state is State.PAUSED:
+            self.state = State.WAITING_FOR_DATA
+        self._running.set()
+
+    def set_max_staleness(self, tau: int) -> int:
+        if tau < -1:
+            raise ValueError(f"max_staleness={tau} must be -1 (unbounded) or at least 0")
+        self.s.max_staleness = tau
+        return tau
+
+    def steps_from(self, first: int, limit: int) -> tuple[list[StepResult], int]:
+        steps = [r for r in self.history if r.step >= first]
+        kept_from = self.history[0].step if self.history else first
+        return steps[:limit], max(0, kept_from - first)

@@ -1,0 +1,92 @@
+"""The thin gRPC layer of the trainer: status, steps, checkpoints, pause/resume, the staleness dial."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.trainer.backend import CheckpointInfo, StepResult
+from tauflow.trainer.loop import State, TrainerLoop
+
+PAGE = 1000
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def step_to_proto(r: StepResult, committed_at: float = 0.0) -> trainer_pb2.StepMetrics:
+    duration = Duration()
+    duration.FromNanoseconds(int(r.duration_s * 1e9))
+    return trainer_pb2.StepMetrics(
+        step=r.step, policy_version=r.policy_version, groups=r.groups, samples=r.samples,
+        trained_tokens=r.trained_tokens, max_staleness=r.max_staleness, mean_staleness=r.mean_staleness,
+        mean_reward=r.mean_reward, loss=r.loss, duration=duration,
+        metrics={k: float(v) for k, v in r.metrics.items()},
+    )
+
+
+def checkpoint_to_proto(c: CheckpointInfo) -> trainer_pb2.CheckpointInfo:
+    return trainer_pb2.CheckpointInfo(
+        path=str(c.path), policy_version=c.policy_version, created_at=_timestamp(c.created_at),
+        size_bytes=c.size_bytes, trained_groups=c.trained_groups,
+    )
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, loop: TrainerLoop, algorithm: str) -> None:
+        self.loop = loop
+        self.algorithm = algorithm
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        loop = self.loop
+        resp = trainer_pb2.GetStatusResponse(
+            state=loop.state.value, policy_version=loop.version,
+            published_policy_version=max(loop.published_version, 0), max_staleness=loop.s.max_staleness,
+            backend="torch", algorithm=self.algorithm, world_size=1, last_error=loop.last_error,
+        )
+        if loop.history:
+            resp.last_step.CopyFrom(step_to_proto(loop.history[-1]))
+        if loop.last_checkpoint is not None:
+            resp.last_checkpoint.CopyFrom(checkpoint_to_proto(loop.last_checkpoint))
+        return resp
+
+    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+        steps, dropped = self.loop.steps_from(request.from_step, request.max_steps or PAGE)
+        return trainer_pb2.ListStepsResponse(steps=[step_to_proto(r) for r in steps], dropped_steps=dropped)
+
+    async def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+        if self.loop.state in (State.STARTING, State.FAILED):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
+        directory = Path(request.directory) if request.directory else None
+        try:
+            info = await self.loop.checkpoint(directory)
+        except OSError as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno == 28 else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, f"cannot write a checkpoint to {request.directory!r}: {e.strerror}")
+        return trainer_pb2.SaveCheckpointResponse(checkpoint=checkpoint_to_proto(info))
+
+    async def Pause(self, request, context):  # type: ignore[no-untyped-def]
+        if self.loop.state in (State.FAILED, State.STOPPING):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
+        return trainer_pb2.PauseResponse(policy_version=await self.loop.pause())
+
+    async def Resume(self, request, context):  # type: ignore[no-untyped-def]
+        if self.loop.state in (State.FAILED, State.STOPPING):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
+        self.loop.resume()
+        return trainer_pb2.ResumeResponse(policy_version=self.loop.version)
+
+    async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
+        previous = self.loop.s.max_staleness
+        try:
+            tau = self.loop.set_max_staleness(request.max_staleness)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return trainer_pb2.SetMaxStalenessResponse(previous_max_staleness=previous, max_staleness=tau)

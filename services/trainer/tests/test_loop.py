@@ -1,0 +1,104 @@
+"""The training loop against an in-memory queue: acks follow checkpoints, a crash trains nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig, OptimConfig, latest_checkpoint
+from tauflow.trainer.loop import LoopSettings, State, TrainerLoop
+from tauflow.trainer.ports import Batch
+
+
+class FakeQueue:
+    """Leases groups in order; unacked leases come back when ``expire_all`` is called."""
+
+    def __init__(self, groups) -> None:  # type: ignore[no-untyped-def]
+        self.pending = list(groups)
+        self.leases: dict[str, list] = {}  # type: ignore[type-arg]
+        self.acked: list[str] = []
+        self.versions: list[tuple[int, bool]] = []
+        self.n = 0
+
+    async def set_version(self, version: int, rebase: bool = False) -> None:
+        self.versions.append((version, rebase))
+
+    async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):  # type: ignore[no-untyped-def]
+        if len(self.pending) < n_groups:
+            await asyncio.sleep(0.01)
+            return None
+        batch, self.pending = self.pending[:n_groups], self.pending[n_groups:]
+        self.n += 1
+        lease = f"lease-{self.n}"
+        self.leases[lease] = batch
+        return Batch(lease, batch)
+
+    async def ack(self, lease_id: str) -> None:
+        self.acked += [g.group_id for g in self.leases.pop(lease_id)]
+
+    async def renew(self, lease_id: str, lease_s: float) -> None:
+        pass
+
+    def expire_all(self) -> None:
+        for lease in sorted(self.leases, reverse=True):
+            self.pending = self.leases.pop(lease) + self.pending
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.versions: list[tuple[int, bool]] = []
+
+    async def publish(self, version, tensors, rebase=False):  # type: ignore[no-untyped-def]
+        assert all(t.is_contiguous() for t in tensors.values())
+        self.versions.append((version, rebase))
+
+
+def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int) -> TrainerLoop:  # type: ignore[no-untyped-def]
+    config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
+    backend = TorchBackend(config, checkpoint=latest_checkpoint(ckpt) if ckpt.exists() else None)
+    settings = LoopSettings(
+        groups_per_step=2, max_staleness=-1, total_steps=total, checkpoint_dir=ckpt,
+        checkpoint_every_steps=2, lease_s=60, get_wait_s=0.1, history_steps=100,
+    )
+    return TrainerLoop(backend, queue, publisher, settings)
+
+
+def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    groups = make_groups(1, 12)
+    queue, publisher = FakeQueue(groups), FakePublisher()
+    ckpt = tmp_path / "ckpt"
+    first = _loop(tiny_model_dir, ckpt, queue, publisher, total=3)
+    asyncio.run(first.run())
+    assert first.state is State.FINISHED and first.version == 3
+    # Steps 1-2 were checkpointed at version 2 and acked; step 3 was checkpointed at the end.
+    assert len(queue.acked) == 6 and not queue.leases
+    assert publisher.versions == [(0, True), (1, False), (2, False), (3, False)]
+    assert queue.versions[0] == (0, True) and queue.versions[-1] == (3, False)
+
+    # Now a crash: the trainer trains step 4 (version 4) and dies before its checkpoint.
+    crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4)
+    crashed.s.checkpoint_every_steps = 100
+    crashed.s.total_steps = 4
+    crashed.checkpoint = _killed  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed"):
+        asyncio.run(crashed.run())
+    assert crashed.state is State.FAILED and "killed" in crashed.last_error
+    assert crashed.version == 4 and len(queue.leases) == 1  # held, not acked
+    held = [g.group_id for g in next(iter(queue.leases.values()))]
+
+    # The restarted trainer resumes from version 3; the queue redelivers the unacked lease.
+    queue.expire_all()
+    resumed = _loop(tiny_model_dir, ckpt, queue, publisher, total=5)
+    assert resumed.version == 3
+    asyncio.run(resumed.run())
+    assert resumed.version == 5
+    assert queue.versions[-3][1] is True  # the resumed trainer re-based the queue on version 3
+    trained = resumed.backend.trained_group_ids
+    assert set(held) <= trained  # retrained once, after the crash lost that step
+    assert len(queue.acked) == len(set(queue.acked)) == 10
+
+
+async def _killed(directory=None):  # type: ignore[no-untyped-def]
+    raise RuntimeError("killed before the checkpoint")
