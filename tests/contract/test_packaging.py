@@ -37,7 +37,7 @@ def test_distribution_shape(dist: Path) -> None:
     if src.exists():
         assert not (src / "__init__.py").exists(), "tauflow is a PEP 420 namespace: no __init__.py"
     if dist.parent.name == "services" and src.exists():
-        assert project["scripts"] == {expected: f"tauflow.{dist.name}.app:main"}
+        assert project["scripts"][expected] == f"tauflow.{dist.name}.app:main"
         assert (src / dist.name / "__main__.py").exists()
 
 
@@ -65,7 +65,8 @@ DOMAIN = {
     "queue": ["state.py", "wal.py", "convert.py", "config.py", "metrics.py", "wire.py"],
     "reward": ["api.py", "builtins.py", "worker.py", "registry.py", "runner.py", "convert.py", "config.py",
                "metrics.py", "errors.py"],
-    "trainer": ["algorithms.py", "backend.py", "batch.py", "convert.py"],
+    "trainer": ["algorithms.py", "backend.py", "batch.py", "convert.py", "loop.py", "ports.py", "config.py"],
+    "rollout": ["engine/base.py", "engine/hf.py", "engine/sampling.py"],
 }
 
 

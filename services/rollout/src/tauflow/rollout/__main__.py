@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.rollout.app import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""Generation engines of the rollout service: the interface (``base``), the sampler (``sampling``) and the backends
+(``hf``: transformers, CPU or GPU; ``sglang``: not written yet). Backends load lazily: ``engine_class("hf")``."""
+
+from __future__ import annotations
+
+import importlib
+
+from tauflow.rollout.engine.base import (
+    Completion,
+    EngineClosedError,
+    EngineState,
+    EngineStats,
+    FinishReason,
+    GenerationEngine,
+    InvalidRequestError,
+    SamplingParams,
+    TensorSpec,
+    WeightUpdateError,
+    check_weight_specs,
+)
+
+BACKENDS = {"hf": "tauflow.rollout.engine.hf:HFEngine"}
+
+
+def engine_class(backend: str) -> type[GenerationEngine]:
+    """The engine class of ``backend`` (imported on first use, so that transformers loads only when needed)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown engine backend {backend!r}; known: {sorted(BACKENDS)}")
+    module, name = BACKENDS[backend].split(":")
+    cls: type[GenerationEngine] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+__all__ = [
+    "BACKENDS",
+    "Completion",
+    "EngineClosedError",
+    "EngineState",
+    "EngineStats",
+    "FinishReason",
+    "GenerationEngine",
+    "InvalidRequestError",
+    "SamplingParams",
+    "TensorSpec",
+    "WeightUpdateError",
+    "check_weight_specs",
+    "engine_class",
+]

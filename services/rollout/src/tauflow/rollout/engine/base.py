@@ -1,0 +1,283 @@
+"""The generation-engine interface: what every backend (`hf` now, `sglang` later) offers the rollout service.
+
+An engine samples ``n`` completions per prompt from the policy it currently holds and reports, for every
+completion token, the behaviour log-probability and the policy version of the weights that sampled it. New
+weights are *staged* and swapped in by the engine at a safe point between two decoding steps; requests in
+flight are not aborted, they continue with the new weights and their later tokens carry the new version.
+
+No gRPC here: the service layer converts these domain types to and from ``tauflow.api``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+__all__ = [
+    "Completion",
+    "EngineClosedError",
+    "EngineState",
+    "EngineStats",
+    "FinishReason",
+    "GenerationEngine",
+    "InvalidRequestError",
+    "SamplingParams",
+    "TensorSpec",
+    "WeightUpdateError",
+    "check_weight_specs",
+]
+
+
+class InvalidRequestError(ValueError):
+    """A generate request the engine cannot serve as asked (the service answers INVALID_ARGUMENT)."""
+
+
+class WeightUpdateError(ValueError):
+    """A staged weight version was rejected (wrong names, shapes, dtypes, version); the old weights keep serving."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is closed and accepts no new work (the service answers UNAVAILABLE)."""
+
+
+class FinishReason(enum.IntEnum):
+    """Why a completion ended; the numbers are those of ``tauflow.api.common.v1.FinishReason``."""
+
+    STOP = 1  # a stop token (EOS or one of stop_token_ids) was sampled; it is part of the completion
+    LENGTH = 2  # max_new_tokens were generated
+    ABORT = 3  # the engine shut down, or the request was cancelled, before the completion ended
+
+
+class EngineState(enum.IntEnum):
+    """Life-cycle state; the numbers are those of ``tauflow.api.rollout.v1.EngineState``."""
+
+    STARTING = 1
+    WAITING_FOR_WEIGHTS = 2
+    SERVING = 3
+    DRAINING = 4
+    FAILED = 5
+
+
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample, per prompt. Mirrors ``tauflow.api.rollout.v1.SamplingParams`` (without stop strings).
+
+    - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
+    - ``top_p`` in (0, 1]: keep the smallest set of most likely tokens whose probability sums to at least top_p.
+    - ``top_k`` 0 means no limit.
+    - ``stop_token_ids`` end a completion (the stop token is kept); the model's EOS tokens always do, unless
+      ``ignore_eos``.
+    - ``seed``: reproducible draws on one engine and version. Sample ``j`` of *every* prompt of a call draws
+      from the stream ``(seed, j)``, so a prompt gets the same completions whether it is sent alone or in a
+      batch with others. ``None`` draws a fresh random seed per prompt.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (isinstance(self.n, int) and self.n >= 1):
+            raise InvalidRequestError(f"n must be a positive integer, got {self.n!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequestError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise InvalidRequestError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < _U64):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sampled completion of one prompt.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the temperature-scaled distribution it was
+    drawn from, before top-p/top-k truncation (temperature 1 for greedy decoding), in float32 precision;
+    ``versions[i]`` is the policy version of the weights that produced the distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    text: str | None = None
+
+    @property
+    def behaviour_version(self) -> int | None:
+        """The oldest version of any token (design.md §1); None for an empty (aborted) completion."""
+        return min(self.versions) if self.versions else None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Dtype and shape of one named weight the engine accepts."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of one engine, for the service's ``EngineStatus``."""
+
+    engine_id: str
+    backend: str
+    model: str
+    state: EngineState
+    policy_version: int
+    in_flight_requests: int
+    running_sequences: int
+    waiting_sequences: int
+    weight_update_in_progress: bool
+    receiving_policy_version: int
+    last_error: str = ""
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def check_weight_specs(
+    accepted: Mapping[str, TensorSpec], given: Mapping[str, tuple[torch.dtype, Sequence[int]]]
+) -> None:
+    """Raise WeightUpdateError unless every given (name, dtype, shape) is a weight the engine accepts.
+
+    Shapes must match exactly; a floating-point dtype may differ from the engine's (it is cast on load), any
+    other dtype must match. An empty update is rejected.
+    """
+    if not given:
+        raise WeightUpdateError("a weight update must name at least one tensor")
+    unknown = [n for n in given if n not in accepted]
+    if unknown:
+        shown = ", ".join(repr(n) for n in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise WeightUpdateError(f"unknown weight name(s): {shown} (not parameters of the model)")
+    problems = []
+    for name, (dtype, shape) in given.items():
+        spec = accepted[name]
+        if tuple(shape) != spec.shape:
+            problems.append(f"{name}: shape {list(shape)} != {list(spec.shape)}")
+        elif dtype != spec.dtype and not (dtype.is_floating_point and spec.dtype.is_floating_point):
+            problems.append(f"{name}: dtype {dtype} cannot be loaded into {spec.dtype}")
+    if problems:
+        more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise WeightUpdateError("weights do not match the model: " + "; ".join(problems[:5]) + more)
+
+
+class GenerationEngine(ABC):
+    """The interface of a generation engine.
+
+    Thread-safety: every public method may be called from any thread. ``submit`` returns a
+    ``concurrent.futures.Future``; ``generate`` is the asyncio form of it (cancelling the awaiting task
+    cancels the request: its sequences are dropped at the next decoding step).
+
+    Versions: ``policy_version`` is the version the engine samples with now. ``stage_weights`` hands the engine
+    a new version; the engine validates it at once (raising ``WeightUpdateError``, old weights untouched) and
+    swaps it in at its next safe point, between two decoding steps. The returned future, the listeners added
+    with ``add_version_listener``, and ``wait_for_version`` confirm the loaded version.
+    """
+
+    backend: ClassVar[str]
+
+    def __init__(self, engine_id: str, policy_version: int) -> None:
+        self.engine_id = engine_id
+        self._version = int(policy_version)
+        self._version_cv = threading.Condition()
+        self._version_listeners: list[Callable[[int], None]] = []
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Future[list[list[Completion]]]:
+        """Queue ``params.n`` completions of each prompt (token ids). The future's result has one list of ``n``
+        completions per prompt, in order. Raises InvalidRequestError (bad prompt or params) or
+        EngineClosedError at once; the future fails only on an engine error."""
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``submit`` for asyncio callers; cancelling the caller cancels the request."""
+        return await asyncio.wrap_future(self.submit(prompts, params))
+
+    # -- weights ------------------------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version new tokens are sampled with."""
+        return self._version
+
+    @abstractmethod
+    def weight_spec(self) -> Mapping[str, TensorSpec]:
+        """Every weight name (Hugging Face naming, tied aliases included) the engine accepts, with dtype and shape."""
+
+    @abstractmethod
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[int]:
+        """Stage ``tensors`` (all or some of the weights) as policy ``version``; it must be newer than the version
+        served and than any version already staged. Raises WeightUpdateError for a bad version, name, shape or
+        dtype (nothing is staged). The future resolves to ``version`` once it is loaded."""
+
+    def add_version_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(version)`` after each version is loaded (from the engine's thread; keep it short)."""
+        with self._version_cv:
+            self._version_listeners.append(callback)
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
+        """Block until the engine serves ``version`` or newer; False if ``timeout`` passes first."""
+        with self._version_cv:
+            return self._version_cv.wait_for(lambda: self._version >= version, timeout)
+
+    def _publish_version(self, version: int) -> None:
+        """For engines: the weights of ``version`` are loaded and serve from the next sampled token on."""
+        with self._version_cv:
+            self._version = version
+            self._version_cv.notify_all()
+            listeners = list(self._version_listeners)
+        for callback in listeners:
+            try:
+                callback(version)
+            except Exception:  # a listener's failure must not stop the engine
+                _log.exception("version listener failed for version %d", version)
+
+    # -- life cycle ---------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and load."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine. Requests still in flight resolve with ABORT completions (the tokens so far);
+        staged versions not yet loaded fail with EngineClosedError. Idempotent."""
+
+    def __enter__(self) -> GenerationEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

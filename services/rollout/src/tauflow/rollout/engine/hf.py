@@ -1,0 +1,693 @@
+"""The `hf` engine: batched sampling with a transformers causal LM and its KV cache, on CPU or GPU.
+
+One engine thread owns the model and a *running batch*: every sequence being decoded, one row each, with a
+left-padded KV cache (``DynamicCache``), a 2-D attention mask and per-row position ids. Each turn of the loop:
+
+1. applies staged weight versions (the safe point: no forward pass is in progress) and, when sequences are in
+   flight, recomputes their KV cache with the new weights, so every token sampled after the swap is drawn from
+   exactly the new policy;
+2. admits waiting sequences (continuous batching): their prompts are prefilled together (a prompt shared by
+   the ``n`` samples of a request is prefilled once), they draw their first token, and their cache is merged
+   into the running batch (left-padded to a common length);
+3. runs one decoding step for all rows: one forward pass of one token per row, then sampling as tensor ops
+   (rows that finished are masked, not looped over);
+4. hands finished sequences back to their requests, and drops finished rows from the batch when worthwhile.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from tauflow.rollout.engine.base import (
+    Completion,
+    EngineClosedError,
+    EngineState,
+    EngineStats,
+    FinishReason,
+    GenerationEngine,
+    InvalidRequestError,
+    SamplingParams,
+    TensorSpec,
+    WeightUpdateError,
+    check_weight_specs,
+)
+from tauflow.rollout.engine.sampling import counter_uniforms, row_keys, sample_tokens
+
+__all__ = ["HFEngine"]
+
+_log = logging.getLogger(__name__)
+
+_STOP = int(FinishReason.STOP)
+_LENGTH = int(FinishReason.LENGTH)
+
+
+# -- KV cache plumbing (transformers 5.x keeps cache layers; 4.x kept key/value lists) --------------------------------
+# A plain DynamicCache: measured, a preallocated cache written in place was slower on CPU (attention then reads
+# non-contiguous keys), and the cache concatenation is a small part of a step.
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _map_cache(cache: Any, fn: Any, other: Any = None) -> None:
+    """Replace, in place, every cached key and value tensor ``t`` by ``fn(t)`` (or ``fn(t, same tensor of other)``).
+    Used to drop, reorder, trim and merge rows without copying through the cache's own ``update``."""
+    if hasattr(cache, "layers"):
+        pairs = zip(cache.layers, other.layers if other is not None else [None] * len(cache.layers), strict=True)
+        for layer, o in pairs:
+            layer.keys = fn(layer.keys) if o is None else fn(layer.keys, o.keys)
+            layer.values = fn(layer.values) if o is None else fn(layer.values, o.values)
+    else:  # transformers < 4.56
+        for i in range(len(cache.key_cache)):
+            for name in ("key_cache", "value_cache"):
+                mine = getattr(cache, name)
+                mine[i] = fn(mine[i]) if other is None else fn(mine[i], getattr(other, name)[i])
+
+
+# -- requests and the running batch ---------------------------------------------------------------------------------
+
+
+class _Request:
+    __slots__ = ("counted", "future", "n", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], stop_ids: list[int]):
+        self.prompts = prompts
+        self.params = params
+        self.n = params.n
+        self.seeds = seeds
+        self.stop_ids = stop_ids
+        self.results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
+        self.remaining = len(prompts) * params.n
+        self.counted = True  # still counted in the engine's in-flight requests
+        self.future: Future[list[list[Completion]]] = Future()
+
+
+class _Row:
+    __slots__ = ("prompt_index", "req", "sample_index")
+
+    def __init__(self, req: _Request, prompt_index: int, sample_index: int):
+        self.req = req
+        self.prompt_index = prompt_index
+        self.sample_index = sample_index
+
+
+@dataclass(slots=True)
+class _Staged:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    future: Future[int]
+
+
+# Per-row tensors of the running batch; all are indexed together when rows are dropped or merged.
+_ROW_FIELDS = ("last", "pos", "n_gen", "max_new", "temp", "top_p", "top_k", "key", "stop", "done", "finish",
+               "toks", "lps", "vers")
+
+
+class _Batch:
+    """Sequences being decoded. Invariant: the cache holds every token of a row except ``last`` (sampled, not yet
+    fed); ``mask`` has one column per cache position (0 for left padding); ``pos`` is the position of ``last``."""
+
+    rows: list[_Row]
+    cache: Any
+    mask: torch.Tensor  # [B, L] long
+    last: torch.Tensor  # [B] long
+    pos: torch.Tensor  # [B] long
+    n_gen: torch.Tensor  # [B] long, tokens generated so far
+    max_new: torch.Tensor  # [B] long
+    temp: torch.Tensor  # [B] float32
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] long
+    key: torch.Tensor  # [B] long, RNG key of the row
+    stop: torch.Tensor  # [B, S] long, -1 padded
+    done: torch.Tensor  # [B] bool
+    finish: torch.Tensor  # [B] long (FinishReason)
+    toks: torch.Tensor  # [B, T] long, T = max max_new + 1 (one scratch column for finished rows)
+    lps: torch.Tensor  # [B, T] float32
+    vers: torch.Tensor  # [B, T] long
+    n_done: int
+    truncate: bool
+    any_greedy: bool
+
+    def refresh_flags(self) -> None:
+        self.truncate = bool(((self.top_k > 0) | (self.top_p < 1)).any())
+        self.any_greedy = bool((self.temp <= 0).any())
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+
+def _select(b: _Batch, idx: torch.Tensor, rows: list[_Row]) -> _Batch:
+    """The rows ``idx`` of ``b`` (a new batch that takes over b's cache), with left padding that no row needs any
+    more trimmed."""
+    out = _Batch()
+    out.rows = rows
+    for name in _ROW_FIELDS:
+        setattr(out, name, getattr(b, name).index_select(0, idx))
+    mask = b.mask.index_select(0, idx)
+    first = int(mask.any(dim=0).to(torch.int8).argmax()) if mask.shape[1] else 0
+    _map_cache(b.cache, lambda t: t.index_select(0, idx)[:, :, first:])
+    out.mask = mask[:, first:]
+    out.cache = b.cache
+    out.n_done = int(out.done.sum())
+    out.refresh_flags()
+    return out
+
+
+def _merge(a: _Batch, b: _Batch) -> _Batch:
+    """Rows of ``a`` then rows of ``b`` (a new batch that takes over a's cache): caches left-padded to a common
+    length, outputs right-padded."""
+    out = _Batch()
+    out.rows = a.rows + b.rows
+    la, lb = a.mask.shape[1], b.mask.shape[1]
+    length = max(la, lb)
+    out.mask = torch.cat([F.pad(a.mask, (length - la, 0)), F.pad(b.mask, (length - lb, 0))])
+    _map_cache(a.cache, lambda x, y: torch.cat([F.pad(x, (0, 0, length - la, 0)), F.pad(y, (0, 0, length - lb, 0))]),
+               b.cache)
+    out.cache = a.cache
+    width = max(a.toks.shape[1], b.toks.shape[1])
+    stops = max(a.stop.shape[1], b.stop.shape[1])
+    for name in _ROW_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        if name in ("toks", "lps", "vers"):
+            x, y = F.pad(x, (0, width - x.shape[1])), F.pad(y, (0, width - y.shape[1]))
+        elif name == "stop":
+            x, y = F.pad(x, (0, stops - x.shape[1]), value=-1), F.pad(y, (0, stops - y.shape[1]), value=-1)
+        setattr(out, name, torch.cat([x, y]))
+    out.n_done = a.n_done + b.n_done
+    out.truncate = a.truncate or b.truncate
+    out.any_greedy = a.any_greedy or b.any_greedy
+    return out
+
+
+# -- the engine -----------------------------------------------------------------------------------------------------
+
+
+class HFEngine(GenerationEngine):
+    """A generation engine on a transformers causal LM (decoder-only, full attention on every layer).
+
+    Build it with ``HFEngine.from_pretrained(path)`` (the real loading path) or around a model you already hold.
+    The engine starts its thread at once and serves ``policy_version`` (the version of the weights it was given).
+
+    Options: ``max_running`` bounds the sequences decoded together (more wait); ``max_prefill_tokens`` bounds the
+    prompt tokens prefilled in one turn (at least one prompt is always admitted); ``batch_wait_s`` is how long an
+    idle engine waits after the first request for others to join its first batch; ``recompute_kv_on_swap``
+    (default True) re-prefills in-flight sequences after a weight swap so that their later tokens are sampled
+    from exactly the new weights (False keeps the cache computed with the old weights: faster, and the
+    behaviour log-probs are then those of a mixture); ``seed`` seeds the draw of seeds for requests without one.
+    """
+
+    backend: ClassVar[str] = "hf"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        engine_id: str = "hf-0",
+        policy_version: int = 0,
+        model_name: str = "",
+        tokenizer: Any = None,
+        max_running: int = 1024,
+        max_prefill_tokens: int = 32768,
+        batch_wait_s: float = 0.002,
+        recompute_kv_on_swap: bool = True,
+        eos_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(engine_id, policy_version)
+        config = model.config
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"} or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"the hf engine needs a decoder-only model with full attention on every layer, "
+                             f"got layer types {sorted(layer_types)}")
+        if max_running < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_running and max_prefill_tokens must be positive")
+        self._model = model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._device = next(model.parameters()).device
+        self.model_name = model_name or str(getattr(config, "_name_or_path", "") or type(model).__name__)
+        self._tokenizer = tokenizer
+        self._max_running = max_running
+        self._max_prefill_tokens = max_prefill_tokens
+        self._batch_wait_s = batch_wait_s
+        self._recompute_kv = recompute_kv_on_swap
+        self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+        out_emb = model.get_output_embeddings()
+        self.vocab_size = int(out_emb.weight.shape[0]) if out_emb is not None else int(config.vocab_size)
+        self.max_context = getattr(config, "max_position_embeddings", None)
+        if eos_token_ids is None:
+            gen = getattr(model, "generation_config", None)
+            eos: Any = getattr(gen, "eos_token_id", None) if gen is not None else None
+            if eos is None:
+                eos = getattr(config, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        pad = getattr(config, "pad_token_id", None)
+        self._pad = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+
+        forward = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"
+        self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward), None)
+
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._spec = {n: TensorSpec(p.dtype, tuple(p.shape)) for n, p in self._params.items()}
+
+        self._cv = threading.Condition()
+        self._waiting: deque[_Row] = deque()
+        self._staged: list[_Staged] = []
+        self._newest_staged = self._version
+        self._cancel_pending = False
+        self._closing = False
+        self._drain = False
+        self._closed = False
+        self._in_flight = 0
+        self._running = 0
+        self._last_error = ""
+        self._batch: _Batch | None = None
+        self.counters = {"tokens": 0, "sequences": 0, "decode_steps": 0, "prefill_tokens": 0,
+                         "weight_swaps": 0, "kv_recomputed_tokens": 0}
+        self._thread = threading.Thread(target=self._loop, name=f"tauflow-hf-engine-{engine_id}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = "auto",
+        attn_implementation: str | None = None,
+        load_tokenizer: bool = False,
+        **options: Any,
+    ) -> HFEngine:
+        """Load a Hugging Face checkpoint directory (``AutoModelForCausalLM.from_pretrained``) and start an engine on
+        it. ``load_tokenizer`` also loads its tokenizer, to decode ``Completion.text``."""
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        kwargs[dtype_kw] = dtype
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+        tokenizer = None
+        if load_tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        options.setdefault("model_name", str(Path(path)))
+        return cls(model, tokenizer=tokenizer, **options)
+
+    # -- public API ---------------------------------------------------------------------------------------------
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future[list[list[Completion]]]:
+        if not prompts:
+            raise InvalidRequestError("at least one prompt is needed")
+        vocab = self.vocab_size
+        clean: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InvalidRequestError(f"prompt {i} is empty")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidRequestError(f"prompt {i} has a token id outside [0, {vocab})")
+            if self.max_context is not None and len(ids) + params.max_new_tokens > self.max_context:
+                raise InvalidRequestError(
+                    f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
+                    f"model's context of {self.max_context}")
+            clean.append(ids)
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        stop_ids = list(dict.fromkeys((() if params.ignore_eos else self.eos_token_ids) + params.stop_token_ids))
+        seeds = [params.seed if params.seed is not None else self._rng.getrandbits(64) for _ in clean]
+        req = _Request(clean, params, seeds, stop_ids)
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            self._waiting.extend(_Row(req, i, j) for i in range(len(clean)) for j in range(params.n))
+            self._in_flight += 1
+            self._cv.notify()
+        req.future.add_done_callback(lambda f: self._on_request_done(req, f))
+        return req.future
+
+    def weight_spec(self) -> Mapping[str, TensorSpec]:
+        return dict(self._spec)
+
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[int]:
+        version = int(version)
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            newest = self._newest_staged
+        if version <= newest:
+            raise WeightUpdateError(f"version {version} is not newer than version {newest} (served or staged)")
+        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise WeightUpdateError(f"weights must be tensors: {bad[:5]}")
+        check_weight_specs(self._spec, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+        staged: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            p = self._params[name]
+            buf = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+                raise WeightUpdateError(f"{name}: has non-finite values (nan or inf)")
+            staged[name] = buf
+        future: Future[int] = Future()
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            if version <= self._newest_staged:
+                raise WeightUpdateError(
+                    f"version {version} is not newer than version {self._newest_staged} (served or staged)")
+            self._newest_staged = version
+            self._staged.append(_Staged(version, staged, future))
+            self._cv.notify()
+        return future
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            waiting = len(self._waiting)
+            staged = [s.version for s in self._staged]
+            in_flight = self._in_flight
+        update = bool(staged) or self._newest_staged > self._version
+        state = EngineState.DRAINING if self._closing else EngineState.SERVING  # closed: accepts nothing new
+        return EngineStats(
+            engine_id=self.engine_id, backend=self.backend, model=self.model_name, state=state,
+            policy_version=self._version, in_flight_requests=in_flight, running_sequences=self._running,
+            waiting_sequences=waiting, weight_update_in_progress=update,
+            receiving_policy_version=self._newest_staged if update else 0,
+            last_error=self._last_error,
+            counters=dict(self.counters))
+
+    def close(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the engine; with ``drain`` it first finishes every request already submitted (new ones are refused
+        from now on)."""
+        with self._cv:
+            if not self._closing:
+                self._closing = True
+                self._drain = drain
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------------------------------
+
+    def _uncount(self, req: _Request) -> None:
+        with self._cv:
+            if req.counted:
+                req.counted = False
+                self._in_flight -= 1
+
+    def _on_request_done(self, req: _Request, future: Future[Any]) -> None:
+        self._uncount(req)
+        with self._cv:
+            if future.cancelled():
+                self._cancel_pending = True
+                self._cv.notify()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._staged or self._batch is not None or self._cancel_pending or self._closing)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    was_idle = self._batch is None and not self._staged
+                    self._cv.wait_for(self._has_work)
+                    if self._closing and not (self._drain and (self._waiting or self._batch is not None)):
+                        break
+                if was_idle and self._batch_wait_s > 0 and self._waiting:
+                    time.sleep(self._batch_wait_s)  # let the other requests of a burst arrive
+                with self._cv:
+                    staged, self._staged = self._staged, []
+                    cancel, self._cancel_pending = self._cancel_pending, False
+                    if cancel:
+                        self._waiting = deque(r for r in self._waiting if not r.req.future.done())
+                    admit = self._take_rows_locked()
+                try:
+                    self._turn(staged, cancel, admit)
+                except Exception as exc:  # keep serving: fail what was in flight, go on with the next requests
+                    _log.exception("hf engine %s: generation failed", self.engine_id)
+                    self._last_error = f"{type(exc).__name__}: {exc}"
+                    self._fail_in_flight(exc, admit, staged)
+        finally:
+            self._shutdown()
+
+    def _take_rows_locked(self) -> list[_Row]:
+        running = 0 if self._batch is None else self._batch.size - self._batch.n_done
+        room = self._max_running - running
+        rows: list[_Row] = []
+        budget = self._max_prefill_tokens
+        last: tuple[int, int] | None = None
+        while self._waiting and len(rows) < room:
+            row = self._waiting[0]
+            if row.req.future.done():  # cancelled or failed while waiting
+                self._waiting.popleft()
+                continue
+            key = (id(row.req), row.prompt_index)
+            if key != last:
+                cost = len(row.req.prompts[row.prompt_index])
+                if rows and cost > budget:
+                    break
+                budget -= cost
+                last = key
+            rows.append(self._waiting.popleft())
+        return rows
+
+    def _turn(self, staged: list[_Staged], cancel: bool, admit: list[_Row]) -> None:
+        if staged:
+            self._apply_weights(staged)
+        with torch.inference_mode():
+            if staged and self._batch is not None:
+                self._batch = self._compact(self._batch)
+                if self._batch is not None and self._recompute_kv:
+                    self._recompute_cache(self._batch)
+            if cancel and self._batch is not None:
+                self._drop_cancelled()
+            if admit:
+                self._admit(admit)
+            if self._batch is not None:
+                self._decode_step(self._batch)
+        self._running = 0 if self._batch is None else self._batch.size - self._batch.n_done
+
+    # -- weights --
+
+    def _apply_weights(self, staged: list[_Staged]) -> None:
+        with torch.no_grad():
+            for s in staged:
+                for name, tensor in s.tensors.items():
+                    self._params[name].copy_(tensor)
+                s.tensors.clear()
+        for s in staged:
+            self.counters["weight_swaps"] += 1
+            self._publish_version(s.version)
+            s.future.set_result(s.version)
+
+    def _recompute_cache(self, b: _Batch) -> None:
+        """Re-prefill every row (prompt + tokens so far, except the pending one) with the current weights."""
+        n_gen = b.n_gen.tolist()
+        toks = b.toks.tolist()
+        seqs = [row.req.prompts[row.prompt_index] + toks[k][: n_gen[k] - 1] for k, row in enumerate(b.rows)]
+        b.cache, b.mask, b.pos, _ = self._prefill(seqs)
+        self.counters["kv_recomputed_tokens"] += sum(map(len, seqs))
+
+    # -- batch membership --
+
+    def _compact(self, b: _Batch) -> _Batch | None:
+        if b.n_done == 0:
+            return b
+        if b.n_done == b.size:
+            return None
+        keep = (~b.done).nonzero()[:, 0]
+        return _select(b, keep, [b.rows[i] for i in keep.tolist()])
+
+    def _drop_cancelled(self) -> None:
+        b = self._batch
+        assert b is not None
+        keep = [k for k, row in enumerate(b.rows) if not row.req.future.done()]
+        if len(keep) == b.size:
+            return
+        if not keep:
+            self._batch = None
+            return
+        idx = torch.tensor(keep, device=self._device)
+        self._batch = _select(b, idx, [b.rows[k] for k in keep])
+
+    def _prefill(self, seqs: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded forward over ``seqs``: (cache, mask [B, L], next positions [B], last logits [B, V])."""
+        length = max(map(len, seqs))
+        ids = torch.tensor([[self._pad] * (length - len(s)) + s for s in seqs], device=self._device)
+        mask = torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in seqs], device=self._device)
+        positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        cache = _new_cache()
+        kwargs: dict[str, Any] = {self._cache_kw: cache}
+        if self._keep_kw is not None:
+            kwargs[self._keep_kw] = 1
+        out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+        self.counters["prefill_tokens"] += int(mask.sum())
+        return cache, mask, mask.sum(dim=1), out.logits[:, -1]
+
+    def _admit(self, rows: list[_Row]) -> None:
+        prompts: list[list[int]] = []
+        which: list[int] = []
+        last: tuple[int, int] | None = None
+        for row in rows:
+            key = (id(row.req), row.prompt_index)
+            if key != last:
+                prompts.append(row.req.prompts[row.prompt_index])
+                last = key
+            which.append(len(prompts) - 1)
+        cache, mask, pos, logits = self._prefill(prompts)
+        dev = self._device
+        b = _Batch()
+        b.rows = rows
+        if len(which) != len(prompts):  # the n samples of a prompt share its prefill
+            idx = torch.tensor(which, device=dev)
+            _map_cache(cache, lambda t: t.index_select(0, idx))
+            mask, pos, logits = mask.index_select(0, idx), pos.index_select(0, idx), logits.index_select(0, idx)
+        b.cache, b.mask, b.pos = cache, mask, pos
+        params = [row.req.params for row in rows]
+        seeds = [row.req.seeds[row.prompt_index] for row in rows]
+        seeds = [s - (1 << 64) if s >= (1 << 63) else s for s in seeds]  # the int64 bit pattern
+        b.key = row_keys(torch.tensor(seeds, device=dev), torch.tensor([r.sample_index for r in rows], device=dev))
+        b.temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        b.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        b.top_k = torch.tensor([p.top_k for p in params], device=dev)
+        b.max_new = torch.tensor([p.max_new_tokens for p in params], device=dev)
+        width = max(len(r.req.stop_ids) for r in rows)
+        b.stop = torch.tensor([r.req.stop_ids + [-1] * (width - len(r.req.stop_ids)) for r in rows],
+                              dtype=torch.long, device=dev).reshape(len(rows), width)
+        size, cols = len(rows), int(b.max_new.max()) + 1
+        b.n_gen = torch.zeros(size, dtype=torch.long, device=dev)
+        b.done = torch.zeros(size, dtype=torch.bool, device=dev)
+        b.finish = torch.zeros(size, dtype=torch.long, device=dev)
+        b.toks = torch.zeros(size, cols, dtype=torch.long, device=dev)
+        b.lps = torch.zeros(size, cols, dtype=torch.float32, device=dev)
+        b.vers = torch.zeros(size, cols, dtype=torch.long, device=dev)
+        b.last = torch.zeros(size, dtype=torch.long, device=dev)  # replaced by the first sampled token
+        b.n_done = 0
+        b.refresh_flags()
+        self._sample(b, logits)
+        running = self._batch
+        if running is not None and running.n_done:
+            running = self._compact(running)
+        new = self._compact(b) if 4 * b.n_done >= b.size else b  # a few finished rows stay, masked
+        if new is None:
+            self._batch = running
+        else:
+            self._batch = new if running is None else _merge(running, new)
+
+    # -- the decoding step --
+
+    def _decode_step(self, b: _Batch) -> None:
+        column = (~b.done).long()[:, None] if b.n_done else torch.ones_like(b.last)[:, None]
+        b.mask = torch.cat([b.mask, column], dim=1)
+        out = self._model(input_ids=b.last[:, None], attention_mask=b.mask, position_ids=b.pos[:, None],
+                          use_cache=True, **{self._cache_kw: b.cache})
+        b.pos += 1
+        self.counters["decode_steps"] += 1
+        self._sample(b, out.logits[:, -1])
+        if b.n_done == b.size:
+            self._batch = None
+        elif b.n_done and (4 * b.n_done >= b.size or self._waiting):
+            self._batch = self._compact(b)
+
+    def _sample(self, b: _Batch, logits: torch.Tensor) -> None:
+        """Draw the next token of every row, record it, and finish rows that stop."""
+        uniforms = counter_uniforms(b.key, b.n_gen)
+        tok, lp = sample_tokens(logits, b.temp, b.top_p, b.top_k, uniforms,
+                                truncate=b.truncate, any_greedy=b.any_greedy)
+        active = ~b.done
+        if b.n_done:
+            tok = torch.where(active, tok, self._pad)
+        col = b.n_gen[:, None]
+        b.toks.scatter_(1, col, tok[:, None])
+        b.lps.scatter_(1, col, lp[:, None])
+        b.vers.scatter_(1, col, self._version)
+        b.n_gen += active
+        b.last = tok
+        stopped = (tok[:, None] == b.stop).any(dim=1) if b.stop.shape[1] else torch.zeros_like(active)
+        finished = stopped | (b.n_gen >= b.max_new)
+        if b.n_done:
+            finished &= active
+        count = int(finished.sum())
+        if count:
+            b.finish = torch.where(finished, torch.where(stopped, _STOP, _LENGTH), b.finish)
+            b.done |= finished
+            self._harvest(b, finished.nonzero()[:, 0])
+
+    def _harvest(self, b: _Batch, idx: torch.Tensor) -> None:
+        b.n_done += int(idx.numel())
+        lengths = b.n_gen[idx].tolist()
+        toks, lps, vers = b.toks[idx].tolist(), b.lps[idx].tolist(), b.vers[idx].tolist()
+        reasons = b.finish[idx].tolist()
+        for k, r in enumerate(idx.tolist()):
+            n = lengths[k]
+            self._complete(b.rows[r], Completion(toks[k][:n], lps[k][:n], vers[k][:n], FinishReason(reasons[k])))
+
+    def _complete(self, row: _Row, completion: Completion) -> None:
+        req = row.req
+        if req.future.done():
+            return
+        if self._tokenizer is not None:
+            completion.text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        self.counters["tokens"] += len(completion.token_ids)
+        self.counters["sequences"] += 1
+        req.results[row.prompt_index][row.sample_index] = completion
+        req.remaining -= 1
+        if req.remaining == 0:
+            self._uncount(req)  # before the caller wakes up, so that stats() never shows it in flight after
+            req.future.set_result(req.results)  # type: ignore[arg-type]
+
+    # -- failure and shutdown --
+
+    def _fail_in_flight(self, exc: BaseException, admitted: list[_Row], staged: list[_Staged]) -> None:
+        rows = list(admitted) + (self._batch.rows if self._batch is not None else [])
+        self._batch = None
+        self._running = 0
+        for row in rows:
+            if not row.req.future.done():
+                row.req.future.set_exception(exc)
+        for s in staged:
+            if not s.future.done():
+                s.future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._closing = True
+            waiting, self._waiting = list(self._waiting), deque()
+            staged, self._staged = self._staged, []
+        b, self._batch = self._batch, None
+        if b is not None:
+            with torch.inference_mode():
+                active = (~b.done).nonzero()[:, 0]
+                if active.numel():
+                    b.finish[active] = int(FinishReason.ABORT)
+                    self._harvest(b, active)
+        for row in waiting:
+            self._complete(row, Completion([], [], [], FinishReason.ABORT))
+        for s in staged:
+            s.future.set_exception(EngineClosedError(f"engine {self.engine_id} closed before loading version "
+                                                     f"{s.version}"))
+        self._running = 0
+        self._closed = True

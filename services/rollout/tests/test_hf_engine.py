@@ -1,0 +1,248 @@
+"""The hf engine on a tiny Qwen2 loaded with from_pretrained: log-probs against a full recomputation, batching,
+stop tokens and lengths, greedy decoding, continuous batching, cancellation and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tauflow.rollout.engine import (
+    EngineClosedError,
+    EngineState,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+)
+from tauflow.rollout.engine.hf import HFEngine
+
+PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 9, 10, 11, 12, 13, 14], [1, 4, 4]]  # different lengths: left padding at work
+
+
+def _same(a: list[list[Any]], b: list[list[Any]]) -> bool:
+    """Same completions: identical tokens, versions and finish reasons; log-probs equal up to float32 rounding
+    (the rows of a batch are padded differently, so the matmuls round differently)."""
+    assert [[(c.token_ids, c.versions, c.finish_reason) for c in g] for g in a] == \
+        [[(c.token_ids, c.versions, c.finish_reason) for c in g] for g in b]
+    for ga, gb in zip(a, b, strict=True):
+        for ca, cb in zip(ga, gb, strict=True):
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)
+    return True
+
+
+def _slow_steps(engine: HFEngine, seconds: float) -> None:
+    """Make every decoding step of ``engine`` take at least ``seconds`` (to observe things mid-generation)."""
+    step = engine._decode_step
+
+    def slow(batch: Any) -> None:
+        time.sleep(seconds)
+        step(batch)
+
+    engine._decode_step = slow  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=12, n=4, temperature=1.0, seed=3),
+    SamplingParams(max_new_tokens=12, n=4, temperature=0.7, top_p=0.9, top_k=8, seed=4),
+    SamplingParams(max_new_tokens=12, n=2, temperature=0.0),
+], ids=["t1", "t0.7-p0.9-k8", "greedy"])
+def test_logprobs_equal_a_full_forward_without_cache(engine: HFEngine, reference: Any, full_logprobs: Any,
+                                                     params: SamplingParams) -> None:
+    out = engine.submit(PROMPTS, params).result(30)
+    assert [len(group) for group in out] == [params.n] * len(PROMPTS)
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for c in group:
+            assert 1 <= len(c.token_ids) <= params.max_new_tokens
+            assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+            assert c.versions == [0] * len(c.token_ids) and c.behaviour_version == 0
+            expected = full_logprobs(reference, prompt, c.token_ids, params.temperature)
+            assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_prompt_draws_the_same_completions_alone_or_batched(engine: HFEngine) -> None:
+    params = SamplingParams(max_new_tokens=10, n=3, temperature=1.0, top_p=0.95, seed=11)
+    batched = engine.submit(PROMPTS, params).result(30)
+    for prompt, group in zip(PROMPTS, batched, strict=True):
+        assert _same(engine.submit([prompt], params).result(30), [group])
+    # the n samples of a prompt are different draws, and an unseeded request draws afresh
+    assert len({tuple(c.token_ids) for c in batched[2]}) > 1
+    unseeded = SamplingParams(max_new_tokens=10, n=3, temperature=1.0)
+    assert engine.submit(PROMPTS, unseeded).result(30) != engine.submit(PROMPTS, unseeded).result(30)
+
+
+def test_stop_tokens_end_completions_and_max_new_tokens_bounds_them(engine: HFEngine) -> None:
+    params = SamplingParams(max_new_tokens=8, n=32, temperature=1.3, stop_token_ids=(5,), seed=5)
+    out = engine.submit(PROMPTS, params).result(30)
+    reasons = set()
+    for group in out:
+        for c in group:
+            reasons.add(c.finish_reason)
+            assert len(c.token_ids) <= 8
+            assert not {2, 5} & set(c.token_ids[:-1]), "a stop token ends the completion"
+            if c.finish_reason is FinishReason.STOP:
+                assert c.token_ids[-1] in (2, 5)  # EOS (from the model's config) or a stop_token_id, kept
+            else:
+                assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 8
+    assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
+    # ignore_eos: EOS no longer stops, and without other stop ids every completion runs to its length
+    out = engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, n=8, ignore_eos=True, seed=5)).result(30)
+    assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 8 for g in out for c in g)
+    assert any(2 in c.token_ids for g in out for c in g)
+    one = engine.submit(PROMPTS, SamplingParams(max_new_tokens=1, n=2, seed=1)).result(30)
+    assert all(len(c.token_ids) == 1 for g in one for c in g)
+
+
+def test_greedy_is_deterministic_and_follows_the_argmax(engine: HFEngine, reference: Any) -> None:
+    import torch
+
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, n=3)
+    first = engine.submit(PROMPTS, params).result(30)
+    assert _same(first, engine.submit(PROMPTS, params).result(30))
+    assert all(c.token_ids == group[0].token_ids for group in first for c in group)
+    top1 = engine.submit(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.8, top_k=1, n=1)).result(30)
+    assert [g[0].token_ids for g in top1] == [g[0].token_ids for g in first]
+    for prompt, group in zip(PROMPTS, first, strict=True):
+        seq = list(prompt)
+        for _ in range(len(group[0].token_ids)):
+            with torch.no_grad():
+                seq.append(int(reference(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        assert group[0].token_ids == seq[len(prompt):]
+
+
+def test_requests_join_a_running_batch(engine: HFEngine) -> None:
+    """Continuous batching: a short request sent while a long one decodes finishes first, and both draw what
+    they would draw alone."""
+    long_p = SamplingParams(max_new_tokens=50, ignore_eos=True, n=2, seed=1)
+    short_p = SamplingParams(max_new_tokens=3, n=4, seed=2)
+    solo_long = engine.submit([[1, 3, 4]], long_p).result(30)
+    solo_short = engine.submit([[1, 7, 8, 9, 10]], short_p).result(30)
+    _slow_steps(engine, 0.004)
+    steps = engine.counters["decode_steps"]
+    long_f = engine.submit([[1, 3, 4]], long_p)
+    while engine.counters["decode_steps"] < steps + 5:
+        time.sleep(0.001)
+    short_f = engine.submit([[1, 7, 8, 9, 10]], short_p)
+    assert _same(short_f.result(30), solo_short)
+    assert not long_f.done()
+    deadline = time.monotonic() + 5
+    while engine.stats().running_sequences != 2 and time.monotonic() < deadline:  # a snapshot, taken per turn
+        time.sleep(0.001)
+    assert engine.stats().running_sequences == 2
+    assert _same(long_f.result(30), solo_long)
+
+
+def test_concurrent_async_generate_calls(engine: HFEngine) -> None:
+    params = SamplingParams(max_new_tokens=6, n=4, seed=9)
+    solo = [engine.submit([p], params).result(30)[0] for p in PROMPTS]
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(engine.generate([p], params) for p in PROMPTS))
+
+    assert _same([out[0] for out in asyncio.run(main())], solo)
+
+
+def test_cancelling_a_request_drops_its_sequences_and_the_engine_goes_on(engine: HFEngine) -> None:
+    _slow_steps(engine, 0.005)
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.generate(PROMPTS, SamplingParams(max_new_tokens=50, ignore_eos=True)), 0.05)
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while engine.stats().running_sequences and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.stats().running_sequences == 0
+    assert engine.stats().in_flight_requests == 0
+    out = engine.submit([[1, 2]], SamplingParams(max_new_tokens=2)).result(30)
+    assert len(out[0][0].token_ids) >= 1
+
+
+def test_close_aborts_what_is_in_flight_and_refuses_new_work(model_dir: Path) -> None:
+    engine = HFEngine.from_pretrained(model_dir)
+    _slow_steps(engine, 0.005)
+    future = engine.submit(PROMPTS, SamplingParams(max_new_tokens=50, ignore_eos=True, n=2))
+    while engine.counters["decode_steps"] < 3:
+        time.sleep(0.001)
+    engine.close()
+    out = future.result(5)
+    for group in out:
+        for c in group:
+            assert c.finish_reason is FinishReason.ABORT and 1 <= len(c.token_ids) < 50
+            assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+    with pytest.raises(EngineClosedError):
+        engine.submit(PROMPTS, SamplingParams())
+    assert engine.stats().state is EngineState.DRAINING
+    engine.close()  # idempotent
+
+
+def test_close_with_drain_finishes_what_is_in_flight(model_dir: Path) -> None:
+    engine = HFEngine.from_pretrained(model_dir)
+    future = engine.submit(PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.close(drain=True)
+    assert all(g[0].finish_reason is FinishReason.LENGTH for g in future.result(5))
+
+
+@pytest.mark.parametrize(("prompts", "params", "match"), [
+    ([], SamplingParams(), "at least one prompt"),
+    ([[1, 2], []], SamplingParams(), "prompt 1 is empty"),
+    ([[1, 16]], SamplingParams(), "outside"),
+    ([[1, -1]], SamplingParams(), "outside"),
+    ([[1] * 60], SamplingParams(max_new_tokens=5), "context of 64"),
+    ([[1]], SamplingParams(stop_token_ids=(99,)), "stop_token_ids"),
+])
+def test_bad_requests_are_refused_at_once(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
+                                          match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.submit(prompts, params)
+
+
+def test_stats_and_from_pretrained(engine: HFEngine, model_dir: Path) -> None:
+    engine.submit(PROMPTS, SamplingParams(max_new_tokens=4, n=2)).result(30)
+    deadline = time.monotonic() + 5
+    while engine.stats().running_sequences and time.monotonic() < deadline:  # a snapshot, taken per turn
+        time.sleep(0.001)
+    stats = engine.stats()
+    assert (stats.backend, stats.state, stats.policy_version) == ("hf", EngineState.SERVING, 0)
+    assert stats.model == str(model_dir)
+    assert stats.in_flight_requests == stats.running_sequences == stats.waiting_sequences == 0
+    assert stats.counters["sequences"] == 8 and stats.counters["tokens"] >= 8
+    assert engine.vocab_size == 16 and engine.eos_token_ids == (2,) and engine.max_context == 64
+    assert threading.active_count() >= 2
+
+
+def test_the_service_command_says_it_is_not_built_yet() -> None:
+    done = subprocess.run([sys.executable, "-m", "tauflow.rollout"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "not built yet" in done.stderr
+
+
+def test_backends_load_by_name() -> None:
+    from tauflow.rollout.engine import engine_class
+
+    assert engine_class("hf") is HFEngine
+    with pytest.raises(ValueError, match="unknown engine backend"):
+        engine_class("vllm")
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engine: HFEngine) -> None:
+    decode, calls = engine._decode_step, [0]
+
+    def broken_once(batch: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("simulated device error")
+        decode(batch)
+
+    engine._decode_step = broken_once  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="simulated device error"):
+        engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(30)
+    assert "simulated device error" in engine.stats().last_error
+    out = engine.submit(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    assert all(len(g[0].token_ids) == 3 for g in out)
