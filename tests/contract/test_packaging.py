@@ -66,7 +66,9 @@ DOMAIN = {
     "reward": ["api.py", "builtins.py", "worker.py", "registry.py", "runner.py", "convert.py", "config.py",
                "metrics.py", "errors.py"],
     "trainer": ["algorithms.py", "backend.py", "batch.py", "convert.py", "loop.py", "ports.py", "config.py"],
-    "rollout": ["engine/base.py", "engine/hf.py", "engine/sampling.py"],
+    "rollout": ["engine/base.py", "engine/hf.py", "engine/sampling.py", "producer.py", "dataset.py", "convert.py"],
+    "weights": ["sidecar.py", "convert.py", "config.py", "metrics.py"],
+    "controller": ["config.py", "summary.py", "launcher.py"],
 }
 
 

@@ -217,10 +217,10 @@ def test_stats_and_from_pretrained(engine: HFEngine, model_dir: Path) -> None:
     assert threading.active_count() >= 2
 
 
-def test_the_service_command_says_it_is_not_built_yet() -> None:
+def test_the_service_command_names_a_missing_model_path() -> None:
     done = subprocess.run([sys.executable, "-m", "tauflow.rollout"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "not built yet" in done.stderr
+    assert "model_path" in done.stderr
 
 
 def test_backends_load_by_name() -> None:

@@ -57,6 +57,7 @@ class ServiceApp:
     background: Sequence[Callable[[], Awaitable[None]]] = ()
     close: Callable[[], Awaitable[None] | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    on_serving: Callable[[int], None] | None = None  # told the bound port (e.g. to register with a peer)
 
 
 class GrpcServer:
@@ -119,6 +120,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if app.on_serving is not None:
+        app.on_serving(port)
     tasks = [asyncio.create_task(job(), name=getattr(job, "__name__", "background")) for job in app.background]
     await server.set_serving(True)
     info = {"grpc_port": port, "pid": os.getpid(), **(ready_info or {}), **app.info}

@@ -1,17 +1,123 @@
-"""Entry point of the rollout service. Only the generation engines exist so far (tauflow.rollout.engine);
-the gRPC service layer and the rollout loop are not built yet, so the command says so and exits 2."""
+"""Builds the rollout service: the engine (from_pretrained on a local folder), the producer loop when a
+data set is configured, the RolloutService API, and membership of the weight sidecar."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
+import asyncio
+import logging
+from pathlib import Path
+
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.core.app import service_main
+from tauflow.core.channel import create_channel
+from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.rollout import __version__
+from tauflow.rollout.clients import GrpcQueue, GrpcReward, _until_it_works
+from tauflow.rollout.config import RolloutConfig
+from tauflow.rollout.dataset import epochs, load_prompts
+from tauflow.rollout.engine import SamplingParams, engine_class
+from tauflow.rollout.producer import Producer, ProducerSettings
+from tauflow.rollout.servicer import RolloutServicer
+
+log = logging.getLogger(__name__)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    del argv
-    print(
-        "tauflow-rollout: the service layer is not built yet; only the generation engines exist "
-        "(tauflow.rollout.engine: the `hf` engine).",
-        file=sys.stderr,
+def _tokenizer(model_path: str):  # type: ignore[no-untyped-def]
+    if not (Path(model_path) / "tokenizer_config.json").exists():
+        return None, None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return (lambda text: list(tok.encode(text))), (lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+
+async def build(config: RolloutConfig) -> ServiceApp:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    engine = engine_class(config.engine).from_pretrained(
+        config.model_path, engine_id=f"{config.server_id}-{config.engine}", seed=config.seed, **config.engine_options
     )
-    return 2
+    encode, decode = _tokenizer(config.model_path)
+    sidecar_channel = sidecar = None
+    if config.weights_address:
+        sidecar_channel = create_channel(
+            config.weights_address, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"]], config.channel
+        )
+        sidecar = weights_pb2_grpc.WeightsServiceStub(sidecar_channel)
+    producer = queue = reward = None
+    if config.dataset:
+        prompts = load_prompts(
+            config.dataset, encode, prompt_field=config.prompt_field, id_field=config.id_field,
+            metadata_fields=tuple(config.metadata_fields),
+        )
+        queue = GrpcQueue(config.queue_address, config.server_id, config.channel)
+        reward = GrpcReward(config.reward_address, config.reward_fn, config.channel)
+        s = config.sampling
+        producer = Producer(
+            engine, epochs(prompts, config.seed), queue, reward,
+            ProducerSettings(
+                producer_id=config.server_id, group_size=config.group_size,
+                groups_per_ticket=config.groups_per_ticket, tickets_in_flight=config.tickets_in_flight,
+                sampling=SamplingParams(
+                    max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                    stop_token_ids=tuple(s.stop_token_ids),
+                ),
+            ),
+            decode=decode,
+        )
+    servicer = RolloutServicer(
+        config.server_id, engine, encode, decode, config.sampling.max_new_tokens, sidecar, producer
+    )
+    port_holder: dict[str, int] = {}
+
+    async def join_sidecar() -> None:
+        # Join once serving (the sidecar calls back into this server); then weights may change.
+        while "port" not in port_holder:
+            await asyncio.sleep(0.05)
+        assert sidecar is not None
+        request = weights_pb2.JoinRequest(
+            member_id=config.server_id, address=f"{config.server.host}:{port_holder['port']}", num_ranks=1,
+            backends=["gloo", "nccl"], loaded_policy_version=engine.policy_version, model=config.model_path,
+        )
+        async for attempt in _until_it_works():
+            with attempt:
+                await sidecar.Join(request)
+        log.info("joined the weight sidecar", extra={"sidecar": config.weights_address})
+        await asyncio.Event().wait()
+
+    background = []
+    if sidecar is not None:
+        background.append(join_sidecar)
+    if producer is not None:
+        background.append(producer.run)
+
+    async def close() -> None:
+        if sidecar is not None:
+            try:
+                await sidecar.Leave(weights_pb2.LeaveRequest(member_id=config.server_id, reason="shutdown"), timeout=5)
+            except Exception:  # noqa: BLE001 - the sidecar drops dead members by itself
+                pass
+            await sidecar_channel.close()  # type: ignore[union-attr]
+        for client in (queue, reward):
+            if client is not None:
+                await client.close()
+        engine.close()
+
+    def add(servicer_, server) -> None:  # type: ignore[no-untyped-def]
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer_, server)
+
+    return ServiceApp(
+        bindings=[ServiceBinding(rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"], servicer, add)],
+        background=background,
+        close=close,
+        info={"policy_version": engine.policy_version},
+        on_serving=lambda port: port_holder.setdefault("port", port),
+    )
+
+
+main = service_main(
+    "rollout", RolloutConfig, build, __version__,
+    description="tauflow rollout: generates groups with the current policy, scores them, puts them in the queue",
+)

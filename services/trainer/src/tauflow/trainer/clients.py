@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -70,4 +71,30 @@ class GrpcQueue:
         await self.stub.RenewLease(queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s)))
 
     async def close(self) -> None:
+        await self.channel.close()
+
+
+class SidecarPublisher:
+    """The local hand-off to the weight sidecar: stage the tensors in shared memory, then Publish.
+    Returns once the sidecar has copied them, so the trainer blocks only for two local copies."""
+
+    def __init__(self, address: str, channel: ChannelConfig, model: str = "") -> None:
+        from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+        from tauflow.weightsync import Stager
+
+        self.pb = weights_pb2
+        self.channel = create_channel(address, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"]], channel)
+        self.stub = weights_pb2_grpc.WeightsServiceStub(self.channel)
+        self.stager = Stager(model=model)
+
+    async def publish(self, version: int, tensors, rebase: bool = False) -> None:  # type: ignore[no-untyped-def]
+        from tauflow.weightsync.wire import manifest_to_proto
+
+        manifest = await asyncio.to_thread(self.stager.stage, tensors, version)
+        await self.stub.Publish(
+            self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri, rebase=rebase)
+        )
+
+    async def close(self) -> None:
+        self.stager.close()
         await self.channel.close()

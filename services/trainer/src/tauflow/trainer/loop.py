@@ -14,7 +14,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class TrainerLoop:
         self.state = State.STARTING
         self.published_version = backend.version if publisher is None else -1
         self.history: deque[StepResult] = deque(maxlen=settings.history_steps)
+        self.staleness: dict[int, Counter[int]] = {}  # step -> groups by staleness
         self.last_checkpoint: CheckpointInfo | None = None
         self.last_error = ""
         self._held: list[HeldLease] = []
@@ -106,6 +107,9 @@ class TrainerLoop:
                     )
                 if result.committed:
                     self.history.append(result)
+                    self.staleness[result.step] = Counter(g.staleness(result.step) for g in batch.groups)
+                    if len(self.staleness) > self.s.history_steps:
+                        self.staleness.pop(min(self.staleness))
                     await self._publish()
                     await self.queue.set_version(self.version)
                     if self.on_step is not None:

@@ -21,7 +21,7 @@ def _timestamp(seconds: float) -> Timestamp:
     return ts
 
 
-def step_to_proto(r: StepResult, committed_at: float = 0.0) -> trainer_pb2.StepMetrics:
+def step_to_proto(r: StepResult, staleness: dict[int, int] | None = None) -> trainer_pb2.StepMetrics:
     duration = Duration()
     duration.FromNanoseconds(int(r.duration_s * 1e9))
     return trainer_pb2.StepMetrics(
@@ -29,6 +29,7 @@ def step_to_proto(r: StepResult, committed_at: float = 0.0) -> trainer_pb2.StepM
         trained_tokens=r.trained_tokens, max_staleness=r.max_staleness, mean_staleness=r.mean_staleness,
         mean_reward=r.mean_reward, loss=r.loss, duration=duration,
         metrics={k: float(v) for k, v in r.metrics.items()},
+        groups_by_staleness={max(0, k): v for k, v in (staleness or {}).items()},
     )
 
 
@@ -52,14 +53,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             backend="torch", algorithm=self.algorithm, world_size=1, last_error=loop.last_error,
         )
         if loop.history:
-            resp.last_step.CopyFrom(step_to_proto(loop.history[-1]))
+            last = loop.history[-1]
+            resp.last_step.CopyFrom(step_to_proto(last, loop.staleness.get(last.step)))
         if loop.last_checkpoint is not None:
             resp.last_checkpoint.CopyFrom(checkpoint_to_proto(loop.last_checkpoint))
         return resp
 
     async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
         steps, dropped = self.loop.steps_from(request.from_step, request.max_steps or PAGE)
-        return trainer_pb2.ListStepsResponse(steps=[step_to_proto(r) for r in steps], dropped_steps=dropped)
+        return trainer_pb2.ListStepsResponse(
+            steps=[step_to_proto(r, self.loop.staleness.get(r.step)) for r in steps], dropped_steps=dropped
+        )
 
     async def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
         if self.loop.state in (State.STARTING, State.FAILED):

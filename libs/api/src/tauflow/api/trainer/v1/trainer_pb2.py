@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tauflow/api/trainer/v1/trainer.proto\x12\x16tauflow.api.trainer.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x90\x03\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x0f\n\x07samples\x18\x04 \x01(\r\x12\x16\n\x0etrained_tokens\x18\x05 \x01(\x04\x12\x15\n\rmax_staleness\x18\x06 \x01(\x04\x12\x16\n\x0emean_staleness\x18\x07 \x01(\x01\x12\x13\n\x0bmean_reward\x18\x08 \x01(\x01\x12\x0c\n\x04loss\x18\t \x01(\x01\x12+\n\x08\x64uration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\x0c\x63ommitted_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x41\n\x07metrics\x18\x0c \x03(\x0b\x32\x30.tauflow.api.trainer.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x92\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x16\n\x0etrained_groups\x18\x05 \x01(\x04\"\x12\n\x10GetStatusRequest\"\xde\x02\n\x11GetStatusResponse\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.tauflow.api.trainer.v1.TrainerState\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12 \n\x18published_policy_version\x18\x03 \x01(\x04\x12\x36\n\tlast_step\x18\x04 \x01(\x0b\x32#.tauflow.api.trainer.v1.StepMetrics\x12\x15\n\rmax_staleness\x18\x05 \x01(\x03\x12?\n\x0flast_checkpoint\x18\x06 \x01(\x0b\x32&.tauflow.api.trainer.v1.CheckpointInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x12\n\nlast_error\x18\n \x01(\t\"8\n\x10ListStepsRequest\x12\x11\n\tfrom_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\r\"^\n\x11ListStepsResponse\x12\x32\n\x05steps\x18\x01 \x03(\x0b\x32#.tauflow.api.trainer.v1.StepMetrics\x12\x15\n\rdropped_steps\x18\x02 \x01(\x04\"*\n\x15SaveCheckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"T\n\x16SaveCheckpointResponse\x12:\n\ncheckpoint\x18\x01 \x01(\x0b\x32&.tauflow.api.trainer.v1.CheckpointInfo\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\'\n\rPauseResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"/\n\x16SetMaxStalenessRequest\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"P\n\x17SetMaxStalenessResponse\x12\x1e\n\x16previous_max_staleness\x18\x01 \x01(\x03\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03*\x96\x02\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAINER_STATE_STARTING\x10\x01\x12\"\n\x1eTRAINER_STATE_WAITING_FOR_DATA\x10\x02\x12\x1a\n\x16TRAINER_STATE_TRAINING\x10\x03\x12\x1f\n\x1bTRAINER_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14TRAINER_STATE_PAUSED\x10\x05\x12\x1a\n\x16TRAINER_STATE_STOPPING\x10\x06\x12\x18\n\x14TRAINER_STATE_FAILED\x10\x07\x12\x1a\n\x16TRAINER_STATE_FINISHED\x10\x08\x32\x86\x05\n\x0eTrainerService\x12\x65\n\tGetStatus\x12(.tauflow.api.trainer.v1.GetStatusRequest\x1a).tauflow.api.trainer.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x65\n\tListSteps\x12(.tauflow.api.trainer.v1.ListStepsRequest\x1a).tauflow.api.trainer.v1.ListStepsResponse\"\x03\x90\x02\x01\x12t\n\x0eSaveCheckpoint\x12-.tauflow.api.trainer.v1.SaveCheckpointRequest\x1a..tauflow.api.trainer.v1.SaveCheckpointResponse\"\x03\x90\x02\x02\x12Y\n\x05Pause\x12$.tauflow.api.trainer.v1.PauseRequest\x1a%.tauflow.api.trainer.v1.PauseResponse\"\x03\x90\x02\x02\x12\\\n\x06Resume\x12%.tauflow.api.trainer.v1.ResumeRequest\x1a&.tauflow.api.trainer.v1.ResumeResponse\"\x03\x90\x02\x02\x12w\n\x0fSetMaxStaleness\x12..tauflow.api.trainer.v1.SetMaxStalenessRequest\x1a/.tauflow.api.trainer.v1.SetMaxStalenessResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tauflow/api/trainer/v1/trainer.proto\x12\x16tauflow.api.trainer.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa3\x04\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0e\n\x06groups\x18\x03 \x01(\r\x12\x0f\n\x07samples\x18\x04 \x01(\r\x12\x16\n\x0etrained_tokens\x18\x05 \x01(\x04\x12\x15\n\rmax_staleness\x18\x06 \x01(\x04\x12\x16\n\x0emean_staleness\x18\x07 \x01(\x01\x12\x13\n\x0bmean_reward\x18\x08 \x01(\x01\x12\x0c\n\x04loss\x18\t \x01(\x01\x12+\n\x08\x64uration\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x30\n\x0c\x63ommitted_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x41\n\x07metrics\x18\x0c \x03(\x0b\x32\x30.tauflow.api.trainer.v1.StepMetrics.MetricsEntry\x12W\n\x13groups_by_staleness\x18\r \x03(\x0b\x32:.tauflow.api.trainer.v1.StepMetrics.GroupsByStalenessEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x38\n\x16GroupsByStalenessEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x92\x01\n\x0e\x43heckpointInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12.\n\ncreated_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x16\n\x0etrained_groups\x18\x05 \x01(\x04\"\x12\n\x10GetStatusRequest\"\xde\x02\n\x11GetStatusResponse\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.tauflow.api.trainer.v1.TrainerState\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12 \n\x18published_policy_version\x18\x03 \x01(\x04\x12\x36\n\tlast_step\x18\x04 \x01(\x0b\x32#.tauflow.api.trainer.v1.StepMetrics\x12\x15\n\rmax_staleness\x18\x05 \x01(\x03\x12?\n\x0flast_checkpoint\x18\x06 \x01(\x0b\x32&.tauflow.api.trainer.v1.CheckpointInfo\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12\x12\n\nworld_size\x18\t \x01(\r\x12\x12\n\nlast_error\x18\n \x01(\t\"8\n\x10ListStepsRequest\x12\x11\n\tfrom_step\x18\x01 \x01(\x04\x12\x11\n\tmax_steps\x18\x02 \x01(\r\"^\n\x11ListStepsResponse\x12\x32\n\x05steps\x18\x01 \x03(\x0b\x32#.tauflow.api.trainer.v1.StepMetrics\x12\x15\n\rdropped_steps\x18\x02 \x01(\x04\"*\n\x15SaveCheckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\"T\n\x16SaveCheckpointResponse\x12:\n\ncheckpoint\x18\x01 \x01(\x0b\x32&.tauflow.api.trainer.v1.CheckpointInfo\"\x1e\n\x0cPauseRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\'\n\rPauseResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"\x0f\n\rResumeRequest\"(\n\x0eResumeResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"/\n\x16SetMaxStalenessRequest\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"P\n\x17SetMaxStalenessResponse\x12\x1e\n\x16previous_max_staleness\x18\x01 \x01(\x03\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03*\x96\x02\n\x0cTrainerState\x12\x1d\n\x19TRAINER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRAINER_STATE_STARTING\x10\x01\x12\"\n\x1eTRAINER_STATE_WAITING_FOR_DATA\x10\x02\x12\x1a\n\x16TRAINER_STATE_TRAINING\x10\x03\x12\x1f\n\x1bTRAINER_STATE_CHECKPOINTING\x10\x04\x12\x18\n\x14TRAINER_STATE_PAUSED\x10\x05\x12\x1a\n\x16TRAINER_STATE_STOPPING\x10\x06\x12\x18\n\x14TRAINER_STATE_FAILED\x10\x07\x12\x1a\n\x16TRAINER_STATE_FINISHED\x10\x08\x32\x86\x05\n\x0eTrainerService\x12\x65\n\tGetStatus\x12(.tauflow.api.trainer.v1.GetStatusRequest\x1a).tauflow.api.trainer.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x65\n\tListSteps\x12(.tauflow.api.trainer.v1.ListStepsRequest\x1a).tauflow.api.trainer.v1.ListStepsResponse\"\x03\x90\x02\x01\x12t\n\x0eSaveCheckpoint\x12-.tauflow.api.trainer.v1.SaveCheckpointRequest\x1a..tauflow.api.trainer.v1.SaveCheckpointResponse\"\x03\x90\x02\x02\x12Y\n\x05Pause\x12$.tauflow.api.trainer.v1.PauseRequest\x1a%.tauflow.api.trainer.v1.PauseResponse\"\x03\x90\x02\x02\x12\\\n\x06Resume\x12%.tauflow.api.trainer.v1.ResumeRequest\x1a&.tauflow.api.trainer.v1.ResumeResponse\"\x03\x90\x02\x02\x12w\n\x0fSetMaxStaleness\x12..tauflow.api.trainer.v1.SetMaxStalenessRequest\x1a/.tauflow.api.trainer.v1.SetMaxStalenessResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_STEPMETRICS_GROUPSBYSTALENESSENTRY']._loaded_options = None
+  _globals['_STEPMETRICS_GROUPSBYSTALENESSENTRY']._serialized_options = b'8\001'
   _globals['_TRAINERSERVICE'].methods_by_name['GetStatus']._loaded_options = None
   _globals['_TRAINERSERVICE'].methods_by_name['GetStatus']._serialized_options = b'\220\002\001'
   _globals['_TRAINERSERVICE'].methods_by_name['ListSteps']._loaded_options = None
@@ -47,38 +49,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSERVICE'].methods_by_name['Resume']._serialized_options = b'\220\002\002'
   _globals['_TRAINERSERVICE'].methods_by_name['SetMaxStaleness']._loaded_options = None
   _globals['_TRAINERSERVICE'].methods_by_name['SetMaxStaleness']._serialized_options = b'\220\002\002'
-  _globals['_TRAINERSTATE']._serialized_start=1602
-  _globals['_TRAINERSTATE']._serialized_end=1880
+  _globals['_TRAINERSTATE']._serialized_start=1749
+  _globals['_TRAINERSTATE']._serialized_end=2027
   _globals['_STEPMETRICS']._serialized_start=130
-  _globals['_STEPMETRICS']._serialized_end=530
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=484
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=530
-  _globals['_CHECKPOINTINFO']._serialized_start=533
-  _globals['_CHECKPOINTINFO']._serialized_end=679
-  _globals['_GETSTATUSREQUEST']._serialized_start=681
-  _globals['_GETSTATUSREQUEST']._serialized_end=699
-  _globals['_GETSTATUSRESPONSE']._serialized_start=702
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1052
-  _globals['_LISTSTEPSREQUEST']._serialized_start=1054
-  _globals['_LISTSTEPSREQUEST']._serialized_end=1110
-  _globals['_LISTSTEPSRESPONSE']._serialized_start=1112
-  _globals['_LISTSTEPSRESPONSE']._serialized_end=1206
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1208
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1250
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1252
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1336
-  _globals['_PAUSEREQUEST']._serialized_start=1338
-  _globals['_PAUSEREQUEST']._serialized_end=1368
-  _globals['_PAUSERESPONSE']._serialized_start=1370
-  _globals['_PAUSERESPONSE']._serialized_end=1409
-  _globals['_RESUMEREQUEST']._serialized_start=1411
-  _globals['_RESUMEREQUEST']._serialized_end=1426
-  _globals['_RESUMERESPONSE']._serialized_start=1428
-  _globals['_RESUMERESPONSE']._serialized_end=1468
-  _globals['_SETMAXSTALENESSREQUEST']._serialized_start=1470
-  _globals['_SETMAXSTALENESSREQUEST']._serialized_end=1517
-  _globals['_SETMAXSTALENESSRESPONSE']._serialized_start=1519
-  _globals['_SETMAXSTALENESSRESPONSE']._serialized_end=1599
-  _globals['_TRAINERSERVICE']._serialized_start=1883
-  _globals['_TRAINERSERVICE']._serialized_end=2529
+  _globals['_STEPMETRICS']._serialized_end=677
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=573
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=619
+  _globals['_STEPMETRICS_GROUPSBYSTALENESSENTRY']._serialized_start=621
+  _globals['_STEPMETRICS_GROUPSBYSTALENESSENTRY']._serialized_end=677
+  _globals['_CHECKPOINTINFO']._serialized_start=680
+  _globals['_CHECKPOINTINFO']._serialized_end=826
+  _globals['_GETSTATUSREQUEST']._serialized_start=828
+  _globals['_GETSTATUSREQUEST']._serialized_end=846
+  _globals['_GETSTATUSRESPONSE']._serialized_start=849
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1199
+  _globals['_LISTSTEPSREQUEST']._serialized_start=1201
+  _globals['_LISTSTEPSREQUEST']._serialized_end=1257
+  _globals['_LISTSTEPSRESPONSE']._serialized_start=1259
+  _globals['_LISTSTEPSRESPONSE']._serialized_end=1353
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1355
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1397
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1399
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1483
+  _globals['_PAUSEREQUEST']._serialized_start=1485
+  _globals['_PAUSEREQUEST']._serialized_end=1515
+  _globals['_PAUSERESPONSE']._serialized_start=1517
+  _globals['_PAUSERESPONSE']._serialized_end=1556
+  _globals['_RESUMEREQUEST']._serialized_start=1558
+  _globals['_RESUMEREQUEST']._serialized_end=1573
+  _globals['_RESUMERESPONSE']._serialized_start=1575
+  _globals['_RESUMERESPONSE']._serialized_end=1615
+  _globals['_SETMAXSTALENESSREQUEST']._serialized_start=1617
+  _globals['_SETMAXSTALENESSREQUEST']._serialized_end=1664
+  _globals['_SETMAXSTALENESSRESPONSE']._serialized_start=1666
+  _globals['_SETMAXSTALENESSRESPONSE']._serialized_end=1746
+  _globals['_TRAINERSERVICE']._serialized_start=2030
+  _globals['_TRAINERSERVICE']._serialized_end=2676
 # @@protoc_insertion_point(module_scope)

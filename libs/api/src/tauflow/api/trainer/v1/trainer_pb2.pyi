@@ -33,7 +33,7 @@ TRAINER_STATE_FAILED: TrainerState
 TRAINER_STATE_FINISHED: TrainerState
 
 class StepMetrics(_message.Message):
-    __slots__ = ("step", "policy_version", "groups", "samples", "trained_tokens", "max_staleness", "mean_staleness", "mean_reward", "loss", "duration", "committed_at", "metrics")
+    __slots__ = ("step", "policy_version", "groups", "samples", "trained_tokens", "max_staleness", "mean_staleness", "mean_reward", "loss", "duration", "committed_at", "metrics", "groups_by_staleness")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,13 @@ class StepMetrics(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class GroupsByStalenessEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +60,7 @@ class StepMetrics(_message.Message):
     DURATION_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_BY_STALENESS_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     groups: int
@@ -65,7 +73,8 @@ class StepMetrics(_message.Message):
     duration: _duration_pb2.Duration
     committed_at: _timestamp_pb2.Timestamp
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., groups: _Optional[int] = ..., samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    groups_by_staleness: _containers.ScalarMap[int, int]
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., groups: _Optional[int] = ..., samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., groups_by_staleness: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
     __slots__ = ("path", "policy_version", "created_at", "size_bytes", "trained_groups")

@@ -1,0 +1,58 @@
+"""tauflow weight transfer: shared by the weight sidecar (sender) and the rollout engines (receivers).
+
+* ``manifest``: names, dtypes, shapes, bucket layout, version, checksum (``plan_buckets``, ``validate``).
+* ``staging``: the trainer → sidecar hand-off through ``/dev/shm`` (``Stager``, ``read_staged``).
+* ``group``: process groups per membership epoch on a TCPStore (``StoreHost``, ``WeightGroup``).
+* ``transfer``: bucket broadcast (``send_bucket``) and the receiver (``WeightReceiver``).
+* ``errors``: ``PhaseError`` names the phase and the peer of every failure.
+
+No gRPC here: the services wrap these in their own RPCs.
+"""
+
+from tauflow.weightsync.checksum import ALGORITHMS, DEFAULT_ALGORITHM, new_hasher
+from tauflow.weightsync.errors import (
+    ChecksumMismatch,
+    ManifestError,
+    Phase,
+    PhaseError,
+    StagingError,
+    StagingNotFound,
+    WeightSyncError,
+)
+from tauflow.weightsync.group import BACKENDS, GroupSpec, StoreHost, WeightGroup, connect_store
+from tauflow.weightsync.manifest import (
+    ALIGN_BYTES,
+    DEFAULT_BUCKET_BYTES,
+    BucketSpec,
+    Manifest,
+    TensorSpec,
+    canonical_layout,
+    dtype_from_name,
+    dtype_name,
+    plan_buckets,
+    validate,
+)
+from tauflow.weightsync.staging import Stager, read_staged, staging_path
+from tauflow.weightsync.transfer import (
+    LOAD_FORMAT_FLAT,
+    LOAD_FORMAT_PER_TENSOR,
+    LOAD_FORMATS,
+    BucketRequest,
+    ReceivedVersion,
+    ReceiveError,
+    WeightReceiver,
+    bucket_requests,
+    bucket_tensors,
+    send_bucket,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS", "ALIGN_BYTES", "BACKENDS", "DEFAULT_ALGORITHM", "DEFAULT_BUCKET_BYTES", "LOAD_FORMATS",
+    "LOAD_FORMAT_FLAT", "LOAD_FORMAT_PER_TENSOR", "BucketRequest", "BucketSpec", "ChecksumMismatch", "GroupSpec",
+    "Manifest", "ManifestError", "Phase", "PhaseError", "ReceiveError", "ReceivedVersion", "Stager",
+    "StagingError", "StagingNotFound", "StoreHost", "TensorSpec", "WeightGroup", "WeightReceiver",
+    "WeightSyncError", "bucket_requests", "bucket_tensors", "canonical_layout", "connect_store", "dtype_from_name", "dtype_name",
+    "new_hasher", "plan_buckets", "read_staged", "send_bucket", "staging_path", "validate",
+]

@@ -1,0 +1,194 @@
+"""The trainer → sidecar hand-off through a staging area on the host.
+
+The trainer writes its state dict into one file in the tauflow layout (a POSIX
+shared-memory object under ``/dev/shm``, or any file) with ``Stager.stage``, which
+returns the manifest (with its checksum); it then calls ``WeightsService.Publish``
+with the manifest and ``stager.uri``. The sidecar copies the bytes into its own
+buffer with ``read_staged`` (checking the checksum on the way) and answers, so the
+trainer blocks only for its own write plus that local copy. The stager keeps one
+file and rewrites it in place for every version: no new pages are faulted in, and
+the trainer owns (and finally unlinks) it.
+
+URIs: ``shm://NAME`` is the POSIX shared-memory object NAME, i.e. ``/dev/shm/NAME``
+on Linux; ``file:///abs/path`` is a file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tauflow.weightsync.checksum import DEFAULT_ALGORITHM, new_hasher, update_zeros
+from tauflow.weightsync.errors import ChecksumMismatch, Phase, PhaseError, StagingError, StagingNotFound
+from tauflow.weightsync.manifest import (
+    DEFAULT_BUCKET_BYTES,
+    BucketSpec,
+    Manifest,
+    dtype_name,
+    plan_buckets,
+)
+
+SHM_DIR = Path("/dev/shm")
+_CHUNK = 16 * 1024 * 1024
+
+
+def staging_path(uri: str) -> Path:
+    """The local path of a staging URI; ``StagingError`` for an unknown scheme."""
+    if uri.startswith("shm://"):
+        name = uri[len("shm://") :].lstrip("/")
+        if not name or "/" in name:
+            raise StagingError(f"staging_uri {uri!r}: a shared-memory name is one path component (shm://NAME)")
+        return SHM_DIR / name
+    if uri.startswith("file://"):
+        path = uri[len("file://") :]
+        if not path.startswith("/"):
+            raise StagingError(f"staging_uri {uri!r}: file URIs need an absolute path (file:///path)")
+        return Path(path)
+    scheme = uri.split("://", 1)[0] if "://" in uri else uri
+    raise StagingError(f"staging_uri {uri!r} has an unknown scheme {scheme!r}; use shm://NAME or file:///path")
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a tensor as a flat uint8 array (a view when it is on CPU and contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class Stager:
+    """Trainer side: writes state dicts into one staging area and describes them in a manifest."""
+
+    def __init__(
+        self,
+        uri: str | None = None,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        checksum_algorithm: str = DEFAULT_ALGORITHM,
+        model: str = "",
+    ) -> None:
+        if uri is None:
+            name = f"tauflow-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            uri = f"shm://{name}" if SHM_DIR.is_dir() else f"file:///tmp/{name}"
+        self.uri = uri
+        self.path = staging_path(uri)
+        self.bucket_bytes = bucket_bytes
+        self.checksum_algorithm = checksum_algorithm
+        self.model = model
+        self._layout: tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[BucketSpec, ...]] | None = None
+
+    def _buckets(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[BucketSpec, ...]:
+        key = tuple((name, dtype_name(t.dtype), tuple(t.shape)) for name, t in state_dict.items())
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, plan_buckets(key, self.bucket_bytes))
+        return self._layout[1]
+
+    def stage(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> Manifest:
+        """Writes ``state_dict`` into the staging area; returns its manifest with the checksum."""
+        buckets = self._buckets(state_dict)
+        total = buckets[-1].offset_bytes + buckets[-1].size_bytes
+        hasher = new_hasher(self.checksum_algorithm)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != total:
+                os.ftruncate(fd, total)
+            for b in buckets:
+                end = 0
+                for spec in b.tensors:
+                    pad = spec.offset_bytes - end
+                    if pad:
+                        _write_zeros(fd, b.offset_bytes + end, pad)
+                        update_zeros(hasher, pad)
+                    data = tensor_bytes(state_dict[spec.name])
+                    _pwrite_all(fd, memoryview(data), b.offset_bytes + spec.offset_bytes)
+                    hasher.update(memoryview(data))
+                    end = spec.offset_bytes + spec.size_bytes
+                if b.size_bytes > end:
+                    _write_zeros(fd, b.offset_bytes + end, b.size_bytes - end)
+                    update_zeros(hasher, b.size_bytes - end)
+        finally:
+            os.close(fd)
+        return Manifest(
+            policy_version=policy_version,
+            buckets=buckets,
+            total_bytes=total,
+            checksum_algorithm=self.checksum_algorithm,
+            checksum=hasher.hexdigest(),
+            model=self.model,
+            created_at=time.time(),
+        )
+
+    def close(self) -> None:
+        """Removes the staging area."""
+        self.path.unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data.nbytes:
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+def _write_zeros(fd: int, offset: int, n: int) -> None:
+    _pwrite_all(fd, memoryview(bytes(n)), offset)
+
+
+def read_staged(
+    uri: str,
+    manifest: Manifest,
+    out: torch.Tensor,
+    *,
+    deadline_s: float | None = None,
+    verify: bool = True,
+) -> str:
+    """Sidecar side: copies the staged bytes of ``manifest`` into ``out`` (uint8, CPU,
+    ``total_bytes`` long) and returns their checksum.
+
+    Raises ``StagingError``/``StagingNotFound``, ``ChecksumMismatch`` (when ``verify``),
+    and ``PhaseError(HANDOFF, "trainer")`` when the copy passes ``deadline_s``.
+    """
+    path = staging_path(uri)
+    if out.dtype != torch.uint8 or out.numel() < manifest.total_bytes:
+        raise StagingError(f"buffer of {out.numel()} bytes cannot hold {manifest.total_bytes} bytes")
+    start = time.monotonic()
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise StagingNotFound(f"staging area {uri!r} does not exist ({path})") from None
+    except OSError as e:
+        raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
+    hasher = new_hasher(manifest.checksum_algorithm)
+    dest = memoryview(out.numpy()[: manifest.total_bytes])
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < manifest.total_bytes:
+            raise StagingError(
+                f"staging area {uri!r} holds {size} bytes, the manifest describes {manifest.total_bytes}"
+            )
+        pos = 0
+        while pos < manifest.total_bytes:
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                raise PhaseError(
+                    Phase.HANDOFF, "trainer",
+                    f"copied {pos} of {manifest.total_bytes} bytes from {uri}",
+                    deadline_s=deadline_s, timed_out=True, policy_version=manifest.policy_version,
+                )
+            chunk = dest[pos : min(pos + _CHUNK, manifest.total_bytes)]
+            n = f.readinto(chunk)
+            if not n:
+                raise StagingError(f"staging area {uri!r} ended at byte {pos}")
+            if verify:
+                hasher.update(chunk[:n])
+            pos += n
+    digest = hasher.hexdigest() if verify else ""
+    if verify and digest != manifest.checksum:
+        raise ChecksumMismatch(f"staged bytes of version {manifest.policy_version} at {uri}",
+                               manifest.checksum_algorithm, manifest.checksum, digest)
+    return digest

@@ -1,0 +1,121 @@
+"""Manifest layout and validation, staging and checksums (in one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tauflow.weightsync import (
+    ALGORITHMS,
+    ALIGN_BYTES,
+    ChecksumMismatch,
+    ManifestError,
+    Stager,
+    StagingError,
+    StagingNotFound,
+    bucket_tensors,
+    canonical_layout,
+    plan_buckets,
+    read_staged,
+    staging_path,
+    validate,
+)
+
+
+def sd() -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.ones(3, 3, dtype=torch.bfloat16),
+        "c": torch.tensor(7, dtype=torch.int64),
+        "d": torch.zeros(100, dtype=torch.float16),
+    }
+
+
+def test_plan_buckets_packs_in_order_within_the_limit() -> None:
+    specs = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in sd().items()]
+    buckets = plan_buckets(specs, bucket_bytes=128)
+    assert [[t.name for t in b.tensors] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    for b in buckets:
+        layout, size = canonical_layout([t.dtype for t in b.tensors], [t.shape for t in b.tensors])
+        assert [(t.offset_bytes, t.size_bytes) for t in b.tensors] == layout
+        assert b.size_bytes == size and size % ALIGN_BYTES == 0
+    assert buckets[1].offset_bytes == buckets[0].offset_bytes + buckets[0].size_bytes
+    # a tensor bigger than the limit gets a bucket of its own
+    assert len(plan_buckets([("big", "float32", (1000,))], bucket_bytes=16)) == 1
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_stage_and_read_round_trip(tmp_path: Path, algorithm: str) -> None:
+    stager = Stager(f"file://{tmp_path}/stage", bucket_bytes=128, checksum_algorithm=algorithm, model="m")
+    m = stager.stage(sd(), 3)
+    validate(m)
+    assert (m.policy_version, m.model, m.checksum_algorithm) == (3, "m", algorithm)
+    buf = torch.empty(m.total_bytes, dtype=torch.uint8)
+    assert read_staged(stager.uri, m, buf) == m.checksum
+    for b in m.buckets:
+        got = bucket_tensors(b, buf[b.offset_bytes : b.offset_bytes + b.size_bytes])
+        for spec, t in zip(b.tensors, got, strict=True):
+            assert torch.equal(t, sd()[spec.name])
+    # the same staging file is rewritten in place for the next version
+    m2 = stager.stage({k: v + 1 for k, v in sd().items()}, 4)
+    assert m2.buckets == m.buckets and m2.checksum != m.checksum
+    stager.close()
+    assert not stager.path.exists()
+
+
+def test_read_refuses_bad_bytes_and_missing_areas(tmp_path: Path) -> None:
+    stager = Stager(f"file://{tmp_path}/stage")
+    m = stager.stage(sd(), 1)
+    buf = torch.empty(m.total_bytes, dtype=torch.uint8)
+    with open(stager.path, "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff")
+    with pytest.raises(ChecksumMismatch, match="does not match the manifest's"):
+        read_staged(stager.uri, m, buf)
+    with pytest.raises(StagingNotFound, match="does not exist"):
+        read_staged(f"file://{tmp_path}/nope", m, buf)
+    with pytest.raises(StagingError, match="unknown scheme 's3'"):
+        read_staged("s3://bucket/key", m, buf)
+    assert staging_path("shm://tauflow-x") == Path("/dev/shm/tauflow-x")
+
+
+def _manifest(tmp_path: Path):  # type: ignore[no-untyped-def]
+    return Stager(f"file://{tmp_path}/stage", bucket_bytes=128).stage(sd(), 1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: dataclasses.replace(m, buckets=()), "no buckets"),
+        (lambda m: dataclasses.replace(m, checksum_algorithm="md5"), "unknown checksum_algorithm 'md5'"),
+        (lambda m: dataclasses.replace(m, total_bytes=m.total_bytes + 1), "total_bytes"),
+        (
+            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
+                m.buckets[0], tensors=(m.buckets[0].tensors[0], dataclasses.replace(m.buckets[0].tensors[0]))),
+                *m.buckets[1:])),
+            "duplicate tensor name 'a'",
+        ),
+        (
+            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
+                m.buckets[0], tensors=(dataclasses.replace(m.buckets[0].tensors[0], size_bytes=4),
+                                       *m.buckets[0].tensors[1:])), *m.buckets[1:])),
+            "size_bytes 4 does not match dtype float32 and shape [10]",
+        ),
+        (
+            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
+                m.buckets[0], tensors=(m.buckets[0].tensors[0], dataclasses.replace(
+                    m.buckets[0].tensors[1], offset_bytes=8))), *m.buckets[1:])),
+            "offset_bytes 8 overlaps the previous tensor",
+        ),
+        (
+            lambda m: dataclasses.replace(m, buckets=tuple(reversed(m.buckets))),
+            "buckets must be in index order",
+        ),
+    ],
+)
+def test_validate_names_what_is_wrong(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ManifestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(mutate(_manifest(tmp_path)))

@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.controller.app import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""``tauflow``: the command line. ``tauflow run CONFIG`` trains, with live progress and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from tauflow.controller.config import RunConfig
+from tauflow.controller.launcher import ServiceFailed
+from tauflow.controller.run import Progress, Run
+from tauflow.core.config import ConfigError, load_config
+from tauflow.core.logs import setup_logging
+
+console = Console(stderr=True)
+
+
+def _table(run: Run, p: Progress) -> Table:
+    t = Table(title=f"tauflow run {run.c.name}  (max_staleness={run.c.max_staleness})", show_header=False)
+    t.add_row("step", f"{p.version} / {run.c.steps}")
+    t.add_row("batch reward", f"{p.reward:.3f}")
+    t.add_row("held-out accuracy", "-" if p.accuracy is None else f"{p.accuracy:.1%}")
+    t.add_row("staleness (last batch, max)", str(p.staleness))
+    t.add_row("trained tokens/s", f"{p.tokens_per_s:,.0f}")
+    t.add_row("queue depth (groups)", str(p.queue_depth))
+    if p.message:
+        t.add_row("", p.message)
+    return t
+
+
+def run_command(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    if path.is_dir():
+        path = path / "config.yaml"
+    try:
+        config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=args.set)
+    except ConfigError as e:
+        console.print(f"[red]tauflow run: {e}")
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run = Run(config)
+    (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    setup_logging("controller", "WARNING")
+    with Live(_table(run, run.progress), console=console, refresh_per_second=4, transient=False) as live:
+        run.on_progress = lambda p: live.update(_table(run, p))
+        try:
+            summary = asyncio.run(run.execute())
+        except ServiceFailed as e:
+            console.print(f"[red]tauflow run: {e}")
+            return 1
+        except KeyboardInterrupt:
+            console.print("[yellow]tauflow run: interrupted; services stopped")
+            return 130
+    acc = summary.final_accuracy
+    console.print(
+        f"run {config.name}: {len(summary.steps)} steps in {summary.wall_s:.0f}s, final held-out accuracy "
+        f"{'-' if acc is None else f'{acc:.1%}'}, staleness violations {summary.staleness_violations}; "
+        f"summary in {run.out_dir}/summary.json and summary.png"
+    )
+    if summary.status == "below_target":
+        console.print(f"[red]held-out accuracy {acc:.1%} is below the target {config.target_accuracy:.0%}")
+        return 3
+    if config.target_accuracy is not None:
+        console.print(f"[green]target reached: {acc:.1%} >= {config.target_accuracy:.0%}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tauflow", description="asynchronous RL post-training for language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training job from a config file (or a recipe folder)")
+    run.add_argument("config", help="a run config (YAML/TOML/JSON) or a folder holding config.yaml")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args(argv)
+    logging.captureWarnings(True)
+    if args.command == "run":
+        return run_command(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""A run's configuration: one file says what to train, the controller derives every service's settings.
+
+The run-level keys (``max_staleness``, ``groups_per_step``, ``group_size``, ``model``, ...) are the
+dial and the recipe; ``services.<role>`` passes any further key to that service's own config
+(``--set`` style, e.g. ``services.trainer.backend.optim.lr: 1e-3``), where it is validated by the
+service itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from tauflow.core.config import ServiceConfig, StrictModel
+
+ROLES = ("queue", "reward", "weights", "trainer", "rollout")
+
+
+class EvalConfig(StrictModel):
+    dataset: str = Field("", description="held-out prompts (JSONL with prompt and answer); empty: no eval")
+    every_steps: int = Field(50, ge=1)
+    max_prompts: int = Field(500, ge=1)
+    reward_fn: str = ""
+
+
+class RunConfig(StrictModel):
+    name: str = "run"
+    out_dir: str = Field("", description="where logs, checkpoints and the summary go; default runs/<name>")
+    launcher: str = Field("local", pattern="^(local|external)$")
+    prepare: list[str] = Field(default_factory=list, description="command run once before the services start")
+    model: str = Field(..., description="Hugging Face folder of the initial policy (version 0)")
+    dataset: str = Field(..., description="training prompts (JSONL or Parquet with prompt and answer)")
+    max_staleness: int = Field(1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded")
+    steps: int = Field(..., ge=1, description="optimizer steps (policy versions) to train")
+    groups_per_step: int = Field(64, ge=1)
+    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    seed: int = 0
+    reward_fn: str = "exact_match"
+    target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
+    eval: EvalConfig = EvalConfig()
+    services: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    external: dict[str, str] = Field(default_factory=dict, description="role -> address, launcher=external")
+
+    def model_post_init(self, _: Any) -> None:
+        unknown = set(self.services) - set(ROLES)
+        if unknown:
+            raise ValueError(f"services: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+
+
+class ControllerConfig(ServiceConfig):
+    """``tauflow-controller``: the controller as a service, running the run in ``run``."""
+
+    run: RunConfig

@@ -1,0 +1,198 @@
+"""A run from start to summary: prepare, launch every role, follow the training, evaluate, stop.
+
+The controller is a client of the services' public contracts only: it reads the trainer's steps
+(`ListSteps`), the queue's counters (`Stats`), and measures held-out accuracy by sampling greedily
+from the rollout service (`Generate`) and scoring with the reward service (`Score`), exactly as an
+outside program would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.core.channel import create_channel
+from tauflow.controller.config import RunConfig
+from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
+from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """What the terminal shows; updated after every poll."""
+
+    version: int = 0
+    steps: int = 0
+    reward: float = 0.0
+    accuracy: float | None = None
+    staleness: int = 0
+    tokens_per_s: float = 0.0
+    queue_depth: int = 0
+    message: str = ""
+
+
+def _read_jsonl(path: str, limit: int) -> list[dict]:  # type: ignore[type-arg]
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()][:limit]
+
+
+class Run:
+    def __init__(self, config: RunConfig, on_progress: Callable[[Progress], None] | None = None) -> None:
+        self.c = config
+        self.out_dir = Path(config.out_dir or f"runs/{config.name}")
+        self.on_progress = on_progress or (lambda p: None)
+        self.summary = RunSummary(config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy)
+        self.progress = Progress()
+        self.launcher = LocalLauncher(self.out_dir)
+        self._t0 = time.monotonic()
+        self._stubs: dict[str, object] = {}
+
+    # -- launch --------------------------------------------------------------------------
+
+    def _settings(self, role: str, addresses: dict[str, str]) -> dict[str, object]:
+        c, out = self.c, self.out_dir
+        base: dict[str, dict[str, object]] = {
+            "queue": {"wal.dir": out / "queue-wal", "max_staleness": c.max_staleness,
+                      "groups_per_step": c.groups_per_step},
+            "reward": {"default_reward_fn": c.reward_fn},
+            "weights": {},
+            "trainer": {"backend.model_path": c.model, "backend.seed": c.seed,
+                        "queue_address": addresses.get("queue", ""), "weights_address": addresses.get("weights", ""),
+                        "groups_per_step": c.groups_per_step, "max_staleness": c.max_staleness,
+                        "total_steps": c.steps, "checkpoint_dir": out / "checkpoints"},
+            "rollout": {"model_path": c.model, "dataset": c.dataset, "group_size": c.group_size, "seed": c.seed,
+                        "queue_address": addresses.get("queue", ""), "reward_address": addresses.get("reward", ""),
+                        "weights_address": addresses.get("weights", ""), "reward_fn": c.reward_fn},
+        }
+        extra = {k: v for k, v in _flatten(c.services.get(role, {})).items()}
+        return {**base[role], **extra}
+
+    def launch(self) -> dict[str, str]:
+        if self.c.prepare:
+            log.info("prepare", extra={"command": " ".join(self.c.prepare)})
+            subprocess.run(self.c.prepare, check=True)
+        addresses: dict[str, str] = {}
+        for role in ("queue", "reward", "weights", "trainer", "rollout"):
+            self.progress.message = f"starting {role}"
+            self.on_progress(self.progress)
+            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses)))
+            addresses[role] = svc.address
+        return addresses
+
+    # -- follow --------------------------------------------------------------------------
+
+    def _channel(self, address: str, descriptor) -> grpc.aio.Channel:  # type: ignore[no-untyped-def]
+        return create_channel(address, [descriptor])
+
+    async def follow(self, addresses: dict[str, str]) -> RunSummary:
+        trainer = trainer_pb2_grpc.TrainerServiceStub(
+            self._channel(addresses["trainer"], trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]))
+        queue = queue_pb2_grpc.QueueServiceStub(
+            self._channel(addresses["queue"], queue_pb2.DESCRIPTOR.services_by_name["QueueService"]))
+        rollout = rollout_pb2_grpc.RolloutServiceStub(
+            self._channel(addresses["rollout"], rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]))
+        reward = reward_pb2_grpc.RewardServiceStub(
+            self._channel(addresses["reward"], reward_pb2.DESCRIPTOR.services_by_name["RewardService"]))
+        heldout = _read_jsonl(self.c.eval.dataset, self.c.eval.max_prompts) if self.c.eval.dataset else []
+        next_eval = 0
+        tokens = 0
+        while True:
+            self.launcher.check()
+            steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
+            now = time.monotonic() - self._t0
+            for m in steps.steps:
+                self.summary.steps.append(StepRecord(
+                    m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
+                    m.trained_tokens, m.groups))
+                for staleness, n in m.groups_by_staleness.items():
+                    self.summary.staleness_histogram[staleness] = self.summary.staleness_histogram.get(staleness, 0) + n
+                tokens += m.trained_tokens
+            stats = await queue.Stats(queue_pb2.StatsRequest())
+            version = self.summary.steps[-1].policy_version if self.summary.steps else 0
+            p = self.progress
+            p.version, p.steps, p.queue_depth = version, len(self.summary.steps), stats.depth_groups
+            if self.summary.steps:
+                last = self.summary.steps[-1]
+                p.reward, p.staleness = last.mean_reward, last.max_staleness
+                p.tokens_per_s = tokens / max(now, 1e-9)
+            done = version >= self.c.steps
+            if heldout and (version >= next_eval or done):
+                p.message = f"evaluating version {version}"
+                self.on_progress(p)
+                accuracy = await self.evaluate(rollout, reward, heldout)
+                self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
+                p.accuracy = accuracy
+                next_eval = version + self.c.eval.every_steps
+            p.message = ""
+            self.on_progress(p)
+            if done:
+                break
+            await asyncio.sleep(0.5)
+        self.summary.wall_s = time.monotonic() - self._t0
+        self.summary.tokens_per_s = tokens / max(self.summary.wall_s, 1e-9)
+        return self.summary
+
+    async def evaluate(self, rollout, reward, rows: list[dict]) -> float:  # type: ignore[no-untyped-def, type-arg]
+        """Greedy held-out accuracy through the public APIs: Generate, then Score."""
+        sampling = rollout_pb2.SamplingParams(n=1, temperature=0.0)
+
+        async def one(row: dict) -> common_pb2.Group:  # type: ignore[type-arg]
+            resp = await rollout.Generate(rollout_pb2.GenerateRequest(prompt_text=row["prompt"], sampling=sampling))
+            return common_pb2.Group(group_id=f"eval-{row['id']}", samples=resp.samples,
+                                    metadata={"answer": str(row["answer"])})
+
+        groups = []
+        for i in range(0, len(rows), 64):
+            groups += await asyncio.gather(*(one(r) for r in rows[i : i + 64]))
+        scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn))
+        scores = [s.reward.score for g in scored.groups for s in g.samples]
+        return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
+
+    # -- all of it -----------------------------------------------------------------------
+
+    async def execute(self) -> RunSummary:
+        try:
+            addresses = await asyncio.to_thread(self.launch)
+            await self.follow(addresses)
+            self.summary.status = "completed"
+            target = self.c.target_accuracy
+            if target is not None and (self.summary.final_accuracy or 0.0) < target:
+                self.summary.status = "below_target"
+        except ServiceFailed as e:
+            self.summary.status, self.summary.message = "failed", str(e)
+            raise
+        except asyncio.CancelledError:
+            self.summary.status, self.summary.message = "interrupted", "stopped by the user"
+            raise
+        finally:
+            self.summary.wall_s = time.monotonic() - self._t0
+            self.launcher.stop(order=["rollout", "trainer", "weights", "reward", "queue"])
+            self.summary.write(self.out_dir)
+        return self.summary
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, object]:  # type: ignore[type-arg]
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

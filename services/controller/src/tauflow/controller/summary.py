@@ -1,0 +1,112 @@
+"""The run summary: a JSON file and a PNG of reward and held-out accuracy against steps and time,
+with the histogram of delivered staleness."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    step: int
+    policy_version: int
+    time_s: float  # since the run started
+    mean_reward: float
+    max_staleness: int
+    mean_staleness: float
+    loss: float
+    trained_tokens: int
+    groups: int
+
+
+@dataclass
+class EvalRecord:
+    policy_version: int
+    time_s: float
+    accuracy: float
+    prompts: int
+
+
+@dataclass
+class RunSummary:
+    name: str
+    max_staleness: int
+    steps_planned: int
+    steps: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalRecord] = field(default_factory=list)
+    staleness_histogram: dict[int, int] = field(default_factory=dict)  # staleness -> groups
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    status: str = "running"
+    message: str = ""
+    target_accuracy: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.evals[-1].accuracy if self.evals else None
+
+    @property
+    def staleness_violations(self) -> int:
+        if self.max_staleness < 0:
+            return 0
+        return sum(n for s, n in self.staleness_histogram.items() if s > self.max_staleness)
+
+    def time_to_accuracy(self, threshold: float) -> float | None:
+        return next((e.time_s for e in self.evals if e.accuracy >= threshold), None)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["final_accuracy"] = self.final_accuracy
+        data["staleness_violations"] = self.staleness_violations
+        data["time_to_accuracy_s"] = {str(t): self.time_to_accuracy(t) for t in (0.6, 0.7, 0.8)}
+        data["staleness_histogram"] = {str(k): v for k, v in sorted(self.staleness_histogram.items())}
+        return data
+
+    def write(self, out_dir: Path) -> tuple[Path, Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = out_dir / "summary.json"
+        json_path.write_text(json.dumps(self.to_json(), indent=2))
+        png_path = out_dir / "summary.png"
+        plot(self, png_path)
+        return json_path, png_path
+
+
+def staleness_counts(values: list[int]) -> dict[int, int]:
+    return dict(Counter(values))
+
+
+def plot(summary: RunSummary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    steps = [s.step for s in summary.steps]
+    times = [s.time_s for s in summary.steps]
+    rewards = [s.mean_reward for s in summary.steps]
+    for ax, xs, label in ((axes[0], steps, "optimizer step"), (axes[1], times, "wall time (s)")):
+        ax.plot(xs, rewards, color="tab:blue", alpha=0.35, label="batch reward")
+        if summary.evals:
+            ex = [e.policy_version for e in summary.evals] if xs is steps else [e.time_s for e in summary.evals]
+            ax.plot(ex, [e.accuracy for e in summary.evals], "o-", color="tab:green", label="held-out accuracy")
+        if summary.target_accuracy is not None:
+            ax.axhline(summary.target_accuracy, color="tab:red", linestyle="--", linewidth=1, label="target")
+        ax.set_xlabel(label)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0].set_title(f"{summary.name}: reward and accuracy by step (tau={summary.max_staleness})")
+    axes[1].set_title("by wall time")
+    hist = sorted(summary.staleness_histogram.items())
+    axes[2].bar([str(k) for k, _ in hist], [v for _, v in hist], color="tab:purple")
+    axes[2].set_title("delivered staleness (groups)")
+    axes[2].set_xlabel("staleness (steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

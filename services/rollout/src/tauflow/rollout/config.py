@@ -1,0 +1,41 @@
+"""The rollout service's typed configuration (``tauflow-rollout --print-config`` shows it resolved)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from tauflow.core.channel import ChannelConfig
+from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(16, ge=1)
+    stop_token_ids: list[int] = []
+
+
+class RolloutConfig(ServiceConfig):
+    server: ServerConfig = ServerConfig(port=50052)
+    metrics: MetricsConfig = MetricsConfig(port=9462)
+    server_id: str = Field("rollout-0", description="unique per rollout server in a run")
+    model_path: str = Field(..., description="Hugging Face folder of the initial policy")
+    engine: str = Field("hf", description="generation backend: hf (sglang: a later issue)")
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="passed to the engine")
+    dataset: str = Field("", description="training prompts (JSONL/Parquet); empty: serve Generate only")
+    prompt_field: str = "prompt"
+    id_field: str = "id"
+    metadata_fields: list[str] = ["answer"]
+    group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
+    tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    queue_address: str = "127.0.0.1:50051"
+    reward_address: str = "127.0.0.1:50053"
+    reward_fn: str = ""
+    weights_address: str = Field("", description="the weight sidecar to join; empty: weights never change")
+    channel: ChannelConfig = ChannelConfig()

@@ -1,0 +1,52 @@
+"""Rollout domain objects <-> protobuf messages (no grpc here)."""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.rollout.v1 import rollout_pb2
+from tauflow.rollout.engine.base import Completion, SamplingParams
+from tauflow.rollout.producer import ProducedGroup
+
+
+def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str = "") -> common_pb2.Sample:
+    return common_pb2.Sample(
+        sample_id=str(index),
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=c.token_ids,
+        behaviour_logprobs=c.logprobs,
+        token_versions=c.versions,
+        finish_reason=int(c.finish_reason),
+        completion_text=text,
+    )
+
+
+def group_to_proto(g: ProducedGroup, traceparent: str = "") -> common_pb2.Group:
+    created = Timestamp()
+    created.FromNanoseconds(int(g.created_at * 1e9))
+    group = common_pb2.Group(
+        group_id=g.group_id,
+        prompt_id=g.prompt.prompt_id,
+        samples=[sample_to_proto(i, g.prompt.token_ids, c, t) for i, (c, t) in enumerate(zip(g.completions, g.texts))],
+        producer_id=g.producer_id,
+        created_at=created,
+        metadata=g.prompt.metadata,
+        trace_context=common_pb2.TraceContext(traceparent=traceparent),
+    )
+    for sample, reward in zip(group.samples, g.rewards, strict=False):
+        sample.reward.CopyFrom(reward)
+    return group
+
+
+def sampling_from_proto(p: rollout_pb2.SamplingParams, default_max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=p.max_new_tokens or default_max_new_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        n=p.n or 1,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        seed=p.seed if p.HasField("seed") else None,
+    )

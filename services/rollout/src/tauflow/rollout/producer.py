@@ -1,0 +1,144 @@
+"""The rollout loop: reserve room in the queue, generate G samples per prompt, score them, put the groups.
+
+    ticket = reserve(k)                     # pacing: never generate what would be too stale
+    engine.wait_for_version(ticket.min_policy_version)
+    completions = generate(k prompts, n=G)  # tokens carry the version that sampled them
+    rewards = score(groups)                 # the reward service
+    put(group, ticket) for each group       # idempotent by group id: retried until the queue has it
+
+Several tickets are worked on at once, so generation overlaps scoring and puts. The loop never imports
+grpc: it talks to the queue and the reward service through the ports below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tauflow.rollout.dataset import Prompt
+from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ticket:
+    ticket_id: str
+    n_groups: int
+    min_policy_version: int
+
+
+@dataclass
+class ProducedGroup:
+    group_id: str
+    prompt: Prompt
+    completions: list[Completion]
+    texts: list[str]
+    rewards: list = field(default_factory=list)  # type: ignore[type-arg]  # filled by the reward port
+    producer_id: str = ""
+    created_at: float = 0.0
+
+
+class QueuePort(Protocol):
+    async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None: ...
+
+    async def put(self, group: ProducedGroup, ticket_id: str) -> None:
+        """Returns once the queue holds the group (retrying while it is unavailable or full)."""
+
+    async def release(self, ticket_id: str) -> None: ...
+
+
+class RewardPort(Protocol):
+    async def score(self, groups: Sequence[ProducedGroup]) -> None:
+        """Fills ``rewards`` of every group."""
+
+
+@dataclass
+class ProducerSettings:
+    producer_id: str
+    group_size: int
+    groups_per_ticket: int
+    tickets_in_flight: int
+    sampling: SamplingParams
+    reserve_wait_s: float = 5.0
+
+
+class Producer:
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        prompts: Iterator[Prompt],
+        queue: QueuePort,
+        reward: RewardPort,
+        settings: ProducerSettings,
+        decode=None,  # type: ignore[no-untyped-def]
+    ) -> None:
+        self.engine = engine
+        self.prompts = prompts
+        self.queue = queue
+        self.reward = reward
+        self.s = settings
+        self.decode = decode or (lambda ids: "")
+        self.groups_produced = 0
+        self.groups_in_flight = 0
+        self._serial = itertools.count()
+
+    async def run(self) -> None:
+        slots = asyncio.Semaphore(self.s.tickets_in_flight)
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await slots.acquire()
+                ticket = await self.queue.reserve(uuid.uuid4().hex, self.s.groups_per_ticket, self.s.reserve_wait_s)
+                if ticket is None:
+                    slots.release()
+                    continue
+                task = asyncio.create_task(self._produce(ticket))
+                tasks.add(task)
+                task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+                for done in [t for t in tasks if t.done() and t.exception()]:
+                    raise done.exception()  # type: ignore[misc]
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _produce(self, ticket: Ticket) -> None:
+        prompts = [next(self.prompts) for _ in range(ticket.n_groups)]
+        self.groups_in_flight += len(prompts)
+        try:
+            # The ticket's version: data generated with older weights could be too stale to train on.
+            if self.engine.policy_version < ticket.min_policy_version:
+                await asyncio.to_thread(self.engine.wait_for_version, ticket.min_policy_version)
+            params = dataclasses.replace(self.s.sampling, n=self.s.group_size)
+            completions = await self.engine.generate([p.token_ids for p in prompts], params)
+            now = time.time()
+            groups = [
+                ProducedGroup(
+                    group_id=f"{self.s.producer_id}-{ticket.ticket_id[:12]}-{next(self._serial)}",
+                    prompt=p,
+                    completions=cs,
+                    texts=[self.decode(c.token_ids) for c in cs],
+                    producer_id=self.s.producer_id,
+                    created_at=now,
+                )
+                for p, cs in zip(prompts, completions, strict=True)
+            ]
+            await self.reward.score(groups)
+            for g in groups:
+                await self.queue.put(g, ticket.ticket_id)
+                self.groups_produced += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("a ticket failed; releasing it", extra={"ticket": ticket.ticket_id})
+            await self.queue.release(ticket.ticket_id)
+            raise
+        finally:
+            self.groups_in_flight -= len(prompts)

@@ -1,0 +1,196 @@
+"""The rollout service's gRPC layer: Generate for outside programs, status, and the weight-receiving
+control plane the sidecar drives (SGLang's init_weights_update_group / update_weights_from_distributed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.rollout.convert import sample_to_proto, sampling_from_proto
+from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, WeightUpdateError
+from tauflow.rollout.producer import Producer
+from tauflow.weightsync import (
+    BucketRequest,
+    ChecksumMismatch,
+    GroupSpec,
+    PhaseError,
+    ReceiveError,
+    ReceivedVersion,
+    WeightReceiver,
+)
+
+log = logging.getLogger(__name__)
+_RECEIVE_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def _seconds(d) -> float:  # type: ignore[no-untyped-def]
+    return d.seconds + d.nanos / 1e9
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(
+        self,
+        server_id: str,
+        engine: GenerationEngine,
+        encode,  # type: ignore[no-untyped-def]
+        decode,  # type: ignore[no-untyped-def]
+        default_max_new_tokens: int,
+        sidecar: weights_pb2_grpc.WeightsServiceStub | None,
+        producer: Producer | None = None,
+    ) -> None:
+        self.server_id = server_id
+        self.engine = engine
+        self.encode = encode
+        self.decode = decode
+        self.default_max_new_tokens = default_max_new_tokens
+        self.sidecar = sidecar
+        self.producer = producer
+        self.receiver = WeightReceiver(label=server_id)
+        self._checksum_algorithms: dict[tuple[int, str], str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.in_flight = 0
+
+    # -- data plane ------------------------------------------------------------------------
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        if bool(request.prompt_token_ids) == bool(request.prompt_text):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt_token_ids and prompt_text")
+        if request.sampling.stop:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
+        if request.prompt_text and self.encode is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
+        prompt = list(request.prompt_token_ids) or self.encode(request.prompt_text)
+        started = time.monotonic()
+        self.in_flight += 1
+        try:
+            params = sampling_from_proto(request.sampling, self.default_max_new_tokens)
+            if self.engine.policy_version < request.min_policy_version:
+                remaining = context.time_remaining()
+                ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
+                if not ok:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
+            queued = time.monotonic()
+            [completions] = await self.engine.generate([prompt], params)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineClosedError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self.in_flight -= 1
+        resp = rollout_pb2.GenerateResponse(
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
+            samples=[sample_to_proto(i, prompt, c, self.decode(c.token_ids)) for i, c in enumerate(completions)],
+            engine_id=self.engine.stats().engine_id,
+        )
+        resp.queue_duration.FromNanoseconds(int((queued - started) * 1e9))
+        resp.generation_duration.FromNanoseconds(int((time.monotonic() - queued) * 1e9))
+        return resp
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        s = self.engine.stats()
+        group = self.receiver.group
+        engine = rollout_pb2.EngineStatus(
+            engine_id=s.engine_id, backend=s.backend, model=s.model, state=int(s.state),
+            policy_version=s.policy_version, in_flight_requests=s.in_flight_requests,
+            running_sequences=s.running_sequences, waiting_sequences=s.waiting_sequences,
+            last_error=s.last_error or "", num_ranks=1,
+        )
+        receiving = self.receiver.receiving_version
+        if receiving is not None:
+            engine.weight_update_in_progress = True
+            engine.receiving_policy_version = receiving
+        return rollout_pb2.GetStatusResponse(
+            server_id=self.server_id, engines=[engine], in_flight_requests=self.in_flight,
+            in_flight_groups=self.producer.groups_in_flight if self.producer else 0,
+            groups_produced=self.producer.groups_produced if self.producer else 0,
+            membership_epoch=group.spec.membership_epoch if group else 0,
+            weights_group_name=group.name if group else "",
+        )
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def _refuse(self, context, err: Exception) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(err, ReceiveError):
+            code = _RECEIVE_STATUS[err.kind]
+        elif isinstance(err, PhaseError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if err.timed_out else grpc.StatusCode.ABORTED
+        elif isinstance(err, (ChecksumMismatch,)):
+            code = grpc.StatusCode.DATA_LOSS
+        else:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        await context.abort(code, str(err))
+
+    async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        spec = GroupSpec(
+            request.master_address, request.master_port, request.group_name, request.world_size,
+            request.rank_offset, request.backend or "gloo", request.membership_epoch,
+            _seconds(request.timeout) if request.HasField("timeout") else 60.0,
+        )
+        try:
+            n = await asyncio.to_thread(self.receiver.init_group, spec)
+        except (ReceiveError, PhaseError) as e:
+            await self._refuse(context, e)
+        return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=n)
+
+    async def _checksum_algorithm(self, version: int, checksum: str) -> str:
+        key = (version, checksum)
+        if key not in self._checksum_algorithms and self.sidecar is not None:
+            resp = await self.sidecar.GetManifest(weights_pb2.GetManifestRequest(policy_version=version))
+            self._checksum_algorithms[key] = resp.manifest.checksum_algorithm
+        return self._checksum_algorithms.get(key, "")
+
+    async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            bucket = BucketRequest(
+                names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
+                group_name=request.group_name, policy_version=request.policy_version,
+                membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
+                bucket_count=request.bucket_count, load_format=request.load_format,
+                manifest_checksum=request.manifest_checksum,
+                checksum_algorithm=await self._checksum_algorithm(request.policy_version, request.manifest_checksum),
+                flush_cache=request.flush_cache,
+            )
+            version = await asyncio.to_thread(self.receiver.receive_bucket, bucket)
+            if version is not None:
+                # Swapped in at the engine's next safe point, between two decoding steps.
+                await asyncio.wrap_future(self.engine.stage_weights(version.policy_version, version.tensors))
+        except (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError) as e:
+            await self._refuse(context, e)
+        if version is not None:
+            task = asyncio.get_running_loop().create_task(self._confirm(version))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return rollout_pb2.UpdateWeightsFromDistributedResponse(
+            policy_version=request.policy_version, bucket_index=request.bucket_index,
+            version_complete=version is not None,
+        )
+
+    async def _confirm(self, v: ReceivedVersion) -> None:
+        if self.sidecar is None:
+            return
+        request = weights_pb2.ConfirmVersionRequest(
+            member_id=self.server_id, policy_version=v.policy_version, manifest_checksum=v.manifest_checksum,
+            loaded_checksum=v.loaded_checksum, membership_epoch=v.membership_epoch,
+        )
+        request.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
+        try:
+            await self.sidecar.ConfirmVersion(request)
+        except grpc.aio.AioRpcError as e:
+            log.warning("confirm failed", extra={"version": v.policy_version, "code": e.code().name})
+
+    async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            destroyed = await asyncio.to_thread(self.receiver.destroy_group, request.group_name)
+        except ReceiveError as e:
+            await self._refuse(context, e)
+        return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)

@@ -1,0 +1,5 @@
+import sys
+
+from tauflow.weights.app import main
+
+sys.exit(main())

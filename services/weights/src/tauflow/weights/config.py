@@ -1,0 +1,50 @@
+"""The sidecar's typed configuration (``tauflow-weights --print-config`` shows it resolved)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+
+GiB = 1024**3
+
+
+class DeadlinesConfig(StrictModel):
+    """The deadline of each phase; a missed one is an error naming the phase and the peer."""
+
+    handoff_s: float = Field(60.0, gt=0, description="Publish: copying the staged version")
+    group_s: float = Field(
+        60.0, gt=0,
+        description="the weight group's timeout: its rendezvous (group_init) and every bucket's collectives (transfer)",
+    )
+    confirm_s: float = Field(60.0, gt=0, description="from the last bucket to every member's ConfirmVersion")
+    destroy_s: float = Field(10.0, gt=0, description="DestroyWeightsUpdateGroup on each member of an old group")
+    rpc_margin_s: float = Field(
+        2.0, ge=0, description="extra time on member RPCs, so that the member's own deadline error arrives first"
+    )
+
+
+class StoreConfig(StrictModel):
+    """The TCPStore the weight groups rendezvous on (hosted by the sidecar)."""
+
+    host: str = Field("127.0.0.1", description="address the store listens on")
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    advertise_host: str = Field("", description="address members connect to; empty means `host`")
+
+
+class WeightsConfig(ServiceConfig):
+    server: ServerConfig = ServerConfig(port=50055)
+    metrics: MetricsConfig = MetricsConfig(port=9465)
+    backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="collective backend: gloo (CPU) or nccl (GPU)")
+    device: str = Field("", description="device of the sender's buffers for nccl (e.g. cuda:0); empty: cpu / cuda")
+    load_format: str = Field(
+        "tauflow_flat_v1", pattern="^(tauflow_flat_v1|)$",
+        description="tauflow_flat_v1: one broadcast per bucket; empty: one per tensor (SGLang's layout)",
+    )
+    flush_cache: bool = Field(True, description="ask engines to flush their prefix cache on the swap")
+    max_members: int = Field(256, ge=1, description="Join answers RESOURCE_EXHAUSTED above this")
+    max_retained_bytes: int = Field(
+        64 * GiB, ge=1, description="bytes of versions held at once (newest accepted + being broadcast)"
+    )
+    store: StoreConfig = StoreConfig()
+    deadlines: DeadlinesConfig = DeadlinesConfig()

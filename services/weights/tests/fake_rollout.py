@@ -1,0 +1,191 @@
+"""FAKE rollout server, for the sidecar's tests only — not the rollout service.
+
+A real gRPC server that implements the weight-receiving RPCs of RolloutService
+(InitWeightsUpdateGroup, UpdateWeightsFromDistributed, DestroyWeightsUpdateGroup, and a
+minimal GetStatus) with ``tauflow.weightsync.WeightReceiver`` over gloo, for real. It
+Joins the sidecar at start, keeps every version it receives (``--out``:
+``<member>-v<version>.pt``; ``--discard``: in memory only), calls ConfirmVersion after the last bucket, and Leaves on
+SIGTERM. It generates nothing. The real rollout service wires the same receiver.
+
+``python fake_rollout.py --sidecar HOST:PORT --member-id ID --out DIR --ready-file F``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import torch
+
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.core.channel import create_channel
+from tauflow.weightsync import (
+    BucketRequest,
+    ChecksumMismatch,
+    GroupSpec,
+    PhaseError,
+    ReceiveError,
+    ReceivedVersion,
+    WeightReceiver,
+)
+
+_KINDS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def _seconds(d) -> float:  # type: ignore[no-untyped-def]
+    return d.seconds + d.nanos / 1e9
+
+
+class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(
+        self, member_id: str, out: Path, sidecar: weights_pb2_grpc.WeightsServiceStub, keep: bool = True
+    ) -> None:
+        self.member_id = member_id
+        self.keep = keep
+        self.out = out
+        self.sidecar = sidecar
+        self.rx = WeightReceiver(label=member_id)
+        self.algorithms: dict[tuple[int, str], str] = {}
+        self.served_version: int | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def _abort(self, context, err: Exception) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(err, ReceiveError):
+            code = _KINDS[err.kind]
+        elif isinstance(err, PhaseError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if err.timed_out else grpc.StatusCode.ABORTED
+        elif isinstance(err, ChecksumMismatch):
+            code = grpc.StatusCode.DATA_LOSS
+        else:
+            code = grpc.StatusCode.INTERNAL
+        await context.abort(code, str(err))
+
+    async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        spec = GroupSpec(
+            request.master_address, request.master_port, request.group_name, request.world_size,
+            request.rank_offset, request.backend or "gloo", request.membership_epoch,
+            _seconds(request.timeout) if request.HasField("timeout") else 60.0,
+        )
+        try:
+            n = await asyncio.to_thread(self.rx.init_group, spec)
+        except (ReceiveError, PhaseError) as e:
+            await self._abort(context, e)
+        return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=n)
+
+    async def _algorithm(self, version: int, checksum: str) -> str:
+        key = (version, checksum)
+        if key not in self.algorithms:
+            resp = await self.sidecar.GetManifest(weights_pb2.GetManifestRequest(policy_version=version), timeout=10)
+            self.algorithms[key] = resp.manifest.checksum_algorithm
+        return self.algorithms[key]
+
+    async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+        if os.environ.get("FAKE_ROLLOUT_STALL") == "1":
+            await asyncio.sleep(3600)  # a server that never posts its receives
+        try:
+            req = BucketRequest(
+                names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
+                group_name=request.group_name, policy_version=request.policy_version,
+                membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
+                bucket_count=request.bucket_count, load_format=request.load_format,
+                manifest_checksum=request.manifest_checksum,
+                checksum_algorithm=await self._algorithm(request.policy_version, request.manifest_checksum),
+                flush_cache=request.flush_cache,
+            )
+            version = await asyncio.to_thread(self.rx.receive_bucket, req)
+        except (ReceiveError, PhaseError, ChecksumMismatch) as e:
+            await self._abort(context, e)
+        if version is not None:
+            if self.keep:
+                await asyncio.to_thread(self._keep, version)
+            task = asyncio.get_running_loop().create_task(self._confirm(version))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return rollout_pb2.UpdateWeightsFromDistributedResponse(
+            policy_version=request.policy_version, bucket_index=request.bucket_index,
+            version_complete=version is not None,
+        )
+
+    def _keep(self, v: ReceivedVersion) -> None:
+        tensors = {k: t.clone() for k, t in v.tensors.items()}
+        tmp = self.out / f".{self.member_id}-v{v.policy_version}.pt"
+        torch.save({"tensors": tensors, "loaded_checksum": v.loaded_checksum,
+                    "membership_epoch": v.membership_epoch}, tmp)
+        os.replace(tmp, self.out / f"{self.member_id}-v{v.policy_version}.pt")
+
+    async def _confirm(self, v: ReceivedVersion) -> None:
+        self.served_version = v.policy_version  # the "swap at a safe point"
+        req = weights_pb2.ConfirmVersionRequest(
+            member_id=self.member_id, policy_version=v.policy_version, manifest_checksum=v.manifest_checksum,
+            loaded_checksum=v.loaded_checksum, membership_epoch=v.membership_epoch,
+        )
+        req.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
+        await self.sidecar.ConfirmVersion(req, timeout=10)
+
+    async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            destroyed = await asyncio.to_thread(self.rx.destroy_group, request.group_name)
+        except ReceiveError as e:
+            await self._abort(context, e)
+        return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        g = self.rx.group
+        return rollout_pb2.GetStatusResponse(
+            server_id=self.member_id,
+            membership_epoch=g.spec.membership_epoch if g else 0,
+            weights_group_name=g.name if g else "",
+        )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    channel = create_channel(args.sidecar, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"]])
+    sidecar = weights_pb2_grpc.WeightsServiceStub(channel)
+    fake = FakeRollout(args.member_id, Path(args.out), sidecar, keep=not args.discard)
+    server = grpc.aio.server()
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await sidecar.Join(weights_pb2.JoinRequest(
+        member_id=args.member_id, address=f"127.0.0.1:{port}", num_ranks=1, backends=["gloo"], model=args.model,
+    ), timeout=10)
+    ready = Path(args.ready_file)
+    tmp = ready.with_name(ready.name + ".tmp")
+    tmp.write_text(json.dumps({"grpc_port": port, "pid": os.getpid()}))
+    os.replace(tmp, ready)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await sidecar.Leave(weights_pb2.LeaveRequest(member_id=args.member_id, reason="shutdown"), timeout=5)
+    await server.stop(1)
+    await channel.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sidecar", required=True)
+    ap.add_argument("--member-id", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ready-file", required=True)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--discard", action="store_true", help="keep received versions in memory only (benchmarks)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

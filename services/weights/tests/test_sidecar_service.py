@@ -1,0 +1,281 @@
+"""The sidecar as a process, driven over gRPC, with FAKE rollout servers (fake_rollout.py) as members."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tauflow.api.weights.v1 import weights_pb2 as pb
+from tauflow.api.weights.v1 import weights_pb2_grpc
+from tauflow.core.channel import ChannelConfig, create_sync_channel
+from tauflow.weights.convert import manifest_to_proto
+from tauflow.weightsync import Manifest, Stager
+from tests.conftest import ServiceProcess
+
+FAKE = Path(__file__).with_name("fake_rollout.py")
+
+
+def weights_stub(address: str) -> weights_pb2_grpc.WeightsServiceStub:
+    channel = create_sync_channel(address, [pb.DESCRIPTOR.services_by_name["WeightsService"]],
+                                  ChannelConfig(default_timeout_s=20))
+    return weights_pb2_grpc.WeightsServiceStub(channel)
+
+
+class FakeRollout:
+    """One fake_rollout.py process."""
+
+    def __init__(self, member_id: str, sidecar: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.member_id = member_id
+        self.workdir = workdir
+        ready = workdir / f"{member_id}.ready.json"
+        self.log = workdir / f"{member_id}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FAKE), "--sidecar", sidecar, "--member-id", member_id, "--out", str(workdir),
+             "--ready-file", str(ready)],
+            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
+
+    def received(self, version: int) -> dict:  # type: ignore[type-arg]
+        return torch.load(self.workdir / f"{self.member_id}-v{version}.pt")
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(15)
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Iterator[Callable[[str, str], FakeRollout]]:
+    started: list[FakeRollout] = []
+
+    def make(member_id: str, sidecar: str, env: dict[str, str] | None = None) -> FakeRollout:
+        f = FakeRollout(member_id, sidecar, tmp_path, env)
+        started.append(f)
+        return f
+
+    yield make
+    for f in started:
+        f.stop()
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    started: list[ServiceProcess] = []
+
+    def make(**settings: object) -> ServiceProcess:
+        proc = ServiceProcess("weights", tmp_path, settings)
+        started.append(proc)
+        return proc.start()
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+def stager() -> Iterator[Stager]:
+    s = Stager(f"shm://tauflow-test-{uuid.uuid4().hex[:8]}", bucket_bytes=48_000, model="tiny")
+    yield s
+    s.close()
+
+
+def state_dict(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + version)
+    return {
+        "model.embed_tokens.weight": torch.randn(200, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.qkv_proj.weight": torch.randn(96, 32, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(32, generator=g).half(),
+        "model.layers.0.mlp.gate_up_proj.weight": torch.randn(128, 32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+        "lm_head.weight": torch.randn(200, 32, generator=g),
+    }
+
+
+def publish(stub, stager: Stager, version: int, **kw) -> tuple[pb.PublishResponse, Manifest]:  # type: ignore[no-untyped-def]
+    manifest = stager.stage(state_dict(version), version)
+    resp = stub.Publish(pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=stager.uri, **kw))
+    return resp, manifest
+
+
+def wait_status(stub, predicate, timeout_s: float = 40.0) -> pb.GetStatusResponse:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = stub.GetStatus(pb.GetStatusRequest())
+        if predicate(status):
+            return status
+        assert time.monotonic() < deadline, f"status never matched:\n{status}"
+        time.sleep(0.05)
+
+
+def member(status: pb.GetStatusResponse, member_id: str) -> pb.Member | None:
+    return next((m for m in status.members if m.member_id == member_id), None)
+
+
+def confirmed(member_id: str, version: int) -> Callable[[pb.GetStatusResponse], bool]:
+    def check(s: pb.GetStatusResponse) -> bool:
+        m = member(s, member_id)
+        return m is not None and m.HasField("confirmed_policy_version") and m.confirmed_policy_version == version
+
+    return check
+
+
+def assert_same_weights(fake: FakeRollout, version: int, manifest: Manifest) -> None:
+    got = fake.received(version)
+    assert got["loaded_checksum"] == manifest.checksum
+    want = state_dict(version)
+    assert list(got["tensors"]) == list(want)
+    for name, t in want.items():
+        r = got["tensors"][name]
+        assert r.dtype == t.dtype and r.shape == t.shape, name
+        assert torch.equal(r.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]
+    car = sidecar(**{"deadlines.group_s": 4, "deadlines.confirm_s": 4, "deadlines.destroy_s": 2,
+                     "deadlines.rpc_margin_s": 1})
+    stub = weights_stub(car.address)
+    a, b = fakes("fake-a", car.address), fakes("fake-b", car.address)
+
+    _, m1 = publish(stub, stager, 1)
+    status = wait_status(stub, lambda s: confirmed("fake-a", 1)(s) and confirmed("fake-b", 1)(s))
+    assert status.confirmed_policy_version == 1 and status.membership_epoch == 1
+    assert {m.state for m in status.members} == {pb.MEMBER_STATE_ACTIVE}
+    assert sorted(m.rank_offset for m in status.members) == [1, 2]
+    assert_same_weights(a, 1, m1)
+    assert_same_weights(b, 1, m1)
+
+    # b dies between versions: the next version still reaches a, in a rebuilt group
+    b.stop(signal.SIGKILL)
+    _, m2 = publish(stub, stager, 2)
+    status = wait_status(stub, confirmed("fake-a", 2))
+    assert_same_weights(a, 2, m2)
+    dead = member(status, "fake-b")
+    assert dead is not None and dead.state == pb.MEMBER_STATE_FAILED
+    assert dead.last_error.peer == "fake-b"
+    assert dead.last_error.phase in (pb.BROADCAST_PHASE_TRANSFER, pb.BROADCAST_PHASE_GROUP_DESTROY)
+    assert "fake-b" in dead.last_error.message and dead.last_error.policy_version == 2
+    assert status.last_error.peer == "fake-b"
+    assert status.membership_epoch == 2
+
+    # a newcomer is brought to the newest version (catch-up broadcast) before anything else
+    c = fakes("fake-c", car.address)
+    status = wait_status(stub, confirmed("fake-c", 2))
+    assert_same_weights(c, 2, m2)
+    assert status.membership_epoch == 3
+    assert member(status, "fake-c").state == pb.MEMBER_STATE_ACTIVE
+
+    # c leaves (Leave on SIGTERM); the next version reaches a alone
+    c.stop(signal.SIGTERM)
+    resp, m3 = publish(stub, stager, 3)
+    assert resp.handoff_duration.ToNanoseconds() > 0
+    status = wait_status(stub, lambda s: confirmed("fake-a", 3)(s) and s.confirmed_policy_version == 3)
+    assert_same_weights(a, 3, m3)
+    assert member(status, "fake-c") is None
+    assert status.membership_epoch == 4
+    assert not (c.workdir / "fake-c-v3.pt").exists()
+    assert {d.phase for d in status.phase_deadlines} >= {pb.BROADCAST_PHASE_TRANSFER, pb.BROADCAST_PHASE_CONFIRM}
+
+
+def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]
+    car = sidecar(**{"deadlines.group_s": 2, "deadlines.confirm_s": 2, "deadlines.rpc_margin_s": 0.5})
+    stub = weights_stub(car.address)
+    a = fakes("fake-a", car.address)
+    fakes("fake-stuck", car.address, env={"FAKE_ROLLOUT_STALL": "1"})
+    started = time.monotonic()
+    _, m1 = publish(stub, stager, 1)
+    status = wait_status(stub, confirmed("fake-a", 1))
+    assert time.monotonic() - started < 15
+    assert_same_weights(a, 1, m1)
+    stuck = member(status, "fake-stuck")
+    assert stuck.state == pb.MEMBER_STATE_FAILED
+    err = stuck.last_error
+    assert (err.phase, err.peer, err.bucket_index) == (pb.BROADCAST_PHASE_TRANSFER, "fake-stuck", 0)
+    assert err.message.startswith("transfer with peer fake-stuck missed its deadline of 2s"), err.message
+    assert err.deadline.ToMilliseconds() == 2000
+
+
+def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    car = sidecar(max_retained_bytes=100_000)
+    stub = weights_stub(car.address)
+
+    def code_of(call, *args) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+        with pytest.raises(grpc.RpcError) as e:
+            call(*args)
+        return e.value.code(), e.value.details()
+
+    C = grpc.StatusCode
+    manifest = stager.stage(state_dict(5), 5)
+    good = manifest_to_proto(manifest)
+    assert code_of(stub.Publish, pb.PublishRequest(staging_uri=stager.uri))[0] == C.INVALID_ARGUMENT
+    dup = pb.WeightManifest()
+    dup.CopyFrom(good)
+    dup.buckets[0].tensors[1].name = dup.buckets[0].tensors[0].name
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=dup, staging_uri=stager.uri))
+    assert code == C.INVALID_ARGUMENT and "duplicate tensor name" in msg
+    bad_size = pb.WeightManifest()
+    bad_size.CopyFrom(good)
+    bad_size.buckets[0].tensors[0].size_bytes += 2
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=bad_size, staging_uri=stager.uri))
+    assert code == C.INVALID_ARGUMENT and "does not match dtype" in msg
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri="s3://bucket/key"))
+    assert code == C.INVALID_ARGUMENT and "unknown scheme" in msg
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri=f"file://{tmp_path}/absent"))
+    assert code == C.NOT_FOUND and "does not exist" in msg
+    wrong = pb.WeightManifest()
+    wrong.CopyFrom(good)
+    wrong.checksum = "0" * 16
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=wrong, staging_uri=stager.uri))
+    assert code == C.DATA_LOSS and "does not match" in msg
+
+    first = stub.Publish(pb.PublishRequest(manifest=good, staging_uri=stager.uri))
+    assert first.policy_version == 5 and not first.HasField("superseded_policy_version")
+    assert stub.Publish(pb.PublishRequest(manifest=good, staging_uri=stager.uri)) == first  # idempotent
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=wrong, staging_uri=stager.uri))
+    assert code == C.FAILED_PRECONDITION and "was accepted with checksum" in msg
+    older, _ = (stager.stage(state_dict(4), 4), None)
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=manifest_to_proto(older), staging_uri=stager.uri))
+    assert code == C.FAILED_PRECONDITION and "older than the newest accepted version 5" in msg
+    rebased = stub.Publish(pb.PublishRequest(manifest=manifest_to_proto(older), staging_uri=stager.uri, rebase=True))
+    assert rebased.policy_version == 4
+    _, m6 = publish(stub, stager, 6)
+    resp, _ = publish(stub, stager, 7)
+    assert resp.superseded_policy_version == 6  # no member: 6 was never broadcast, 7 replaces it
+    assert stub.GetManifest(pb.GetManifestRequest()).manifest.policy_version == 7
+    code, _ = code_of(stub.GetManifest, pb.GetManifestRequest(policy_version=6))
+    assert code == C.NOT_FOUND
+    big = Stager(f"file://{tmp_path}/big")
+    code, msg = code_of(stub.Publish, pb.PublishRequest(
+        manifest=manifest_to_proto(big.stage({"w": torch.zeros(40_000)}, 8)), staging_uri=big.uri))
+    assert code == C.RESOURCE_EXHAUSTED and "max_retained_bytes" in msg
+
+    code, msg = code_of(stub.Join, pb.JoinRequest(member_id="", address="x:1", num_ranks=1, backends=["gloo"]))
+    assert code == C.INVALID_ARGUMENT
+    code, msg = code_of(stub.Join, pb.JoinRequest(member_id="m", address="x:1", num_ranks=1, backends=["nccl"]))
+    assert code == C.FAILED_PRECONDITION and "gloo" in msg
+    code, msg = code_of(stub.Join, pb.JoinRequest(member_id="m", address="x:1", num_ranks=1, backends=["gloo"],
+                                                  model="other"))
+    assert code == C.FAILED_PRECONDITION and "model" in msg
+    code, _ = code_of(stub.ConfirmVersion, pb.ConfirmVersionRequest(member_id="nobody", policy_version=7))
+    assert code == C.NOT_FOUND
+    assert code_of(stub.Leave, pb.LeaveRequest())[0] == C.INVALID_ARGUMENT
+    assert stub.Leave(pb.LeaveRequest(member_id="nobody")).membership_epoch == 0
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert status.latest_policy_version == 7 and status.backend == "gloo" and not status.members
