@@ -55,7 +55,7 @@ def prepare(out: Path, seed: int = 0, target: float = 0.25, lr: float = 3e-3, ba
 
     from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
     hf_logging.disable_progress_bar()
-    settings = {"seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden, "layers": layers}
+    settings = {"recipe": 2, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden, "layers": layers}
     stamp = out / "prepared.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("settings") == settings:
         return json.loads(stamp.read_text())

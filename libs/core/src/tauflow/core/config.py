@@ -108,6 +108,8 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _scalar(text: str) -> Any:
+    if text == "":
+        return ""  # `--set key=` sets an empty string (YAML would read it as null)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,7 +87,10 @@ class Run:
     def launch(self) -> dict[str, str]:
         if self.c.prepare:
             log.info("prepare", extra={"command": " ".join(self.c.prepare)})
-            subprocess.run(self.c.prepare, check=True)
+            command = list(self.c.prepare)
+            if command[0] in ("python", "python3"):
+                command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
+            subprocess.run(command, check=True)
         addresses: dict[str, str] = {}
         for role in ("queue", "reward", "weights", "trainer", "rollout"):
             self.progress.message = f"starting {role}"
@@ -119,7 +123,7 @@ class Run:
             for m in steps.steps:
                 self.summary.steps.append(StepRecord(
                     m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
-                    m.trained_tokens, m.groups))
+                    m.trained_tokens, m.groups, dict(m.metrics)))
                 for staleness, n in m.groups_by_staleness.items():
                     self.summary.staleness_histogram[staleness] = self.summary.staleness_histogram.get(staleness, 0) + n
                 tokens += m.trained_tokens

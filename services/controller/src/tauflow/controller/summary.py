@@ -21,6 +21,7 @@ class StepRecord:
     loss: float
     trained_tokens: int
     groups: int
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -131,9 +131,8 @@ class Producer:
                 for p, cs in zip(prompts, completions, strict=True)
             ]
             await self.reward.score(groups)
-            for g in groups:
-                await self.queue.put(g, ticket.ticket_id)
-                self.groups_produced += 1
+            await asyncio.gather(*(self.queue.put(g, ticket.ticket_id) for g in groups))
+            self.groups_produced += len(groups)
         except asyncio.CancelledError:
             raise
         except Exception:
