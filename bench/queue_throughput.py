@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import ctypes
+import functools
 import json
 import os
 import platform

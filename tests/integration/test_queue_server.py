@@ -191,10 +191,10 @@ def test_tau_zero_alternates_and_long_polls_wake(service_process) -> None:  # ty
 
 
 def test_health_reflection_and_graceful_drain(service_process) -> None:  # type: ignore[no-untyped-def]
+    from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,
     )
-    from google.protobuf.descriptor_pool import DescriptorPool
 
     queue = service_process("queue", {"wal.dir": "wal"})
     channel = grpc.insecure_channel(queue.address)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tauflow.trainer.backend import TorchBackend, TorchBackendConfig, OptimConfig, latest_checkpoint
+from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig, latest_checkpoint
 from tauflow.trainer.loop import LoopSettings, State, TrainerLoop
 from tauflow.trainer.ports import Batch
 

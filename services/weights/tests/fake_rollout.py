@@ -31,8 +31,8 @@ from tauflow.weightsync import (
     ChecksumMismatch,
     GroupSpec,
     PhaseError,
-    ReceiveError,
     ReceivedVersion,
+    ReceiveError,
     WeightReceiver,
 )
 

@@ -3,16 +3,9 @@ and the sidecar, which receives. Protobuf only, never grpc."""
 
 from __future__ import annotations
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from tauflow.api.weights.v1 import weights_pb2 as pb
+from tauflow.core.protobuf import timestamp
 from tauflow.weightsync.manifest import BucketSpec, Manifest, TensorSpec
-
-
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
 
 
 def manifest_from_proto(m: pb.WeightManifest) -> Manifest:

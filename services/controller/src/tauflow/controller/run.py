@@ -24,10 +24,10 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tauflow.core.channel import create_channel
 from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+from tauflow.core.channel import create_channel
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.protobuf import timestamp
 from tauflow.queue import state
 
 MAX_ID_CHARS = 256
@@ -22,16 +21,6 @@ class InvalidGroup(ValueError):
 
 class GroupTooLarge(InvalidGroup):
     """A group over the per-group byte limit (RESOURCE_EXHAUSTED, like an oversized message)."""
-
-
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-def seconds(duration) -> float:  # type: ignore[no-untyped-def]
-    return duration.seconds + duration.nanos / 1e9
 
 
 def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.GroupRecord:

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf import message_factory
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.protobuf import seconds
 from tauflow.queue import convert, state, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
@@ -101,7 +102,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     self._notify()
                 return ticket
 
-            ticket = await self._poll(context, convert.seconds(request.wait), attempt)
+            ticket = await self._poll(context, seconds(request.wait), attempt)
             resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.q.trainer_version)
             if ticket is not None:
                 resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
@@ -146,7 +147,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     request.max_groups,
                     request.min_groups,
                     request.max_tokens,
-                    convert.seconds(request.lease_duration),
+                    seconds(request.lease_duration),
                     consumer_version,
                 )
                 evicted += result.evicted_stale
@@ -155,7 +156,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     self._notify()
                 return result if result.lease is not None else None
 
-            result = await self._poll(context, convert.seconds(request.wait), attempt)
+            result = await self._poll(context, seconds(request.wait), attempt)
             if result is None:
                 empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.q.trainer_version)
                 return empty.SerializeToString()
@@ -189,7 +190,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def RenewLease(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.RenewLeaseResponse:
-            lease = self.q.renew(request.lease_id, convert.seconds(request.lease_duration))
+            lease = self.q.renew(request.lease_id, seconds(request.lease_duration))
             return queue_pb2.RenewLeaseResponse(lease=convert.lease_to_proto(lease))
 
         return await self._call(context, "RenewLease", run)

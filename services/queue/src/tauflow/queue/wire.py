@@ -23,6 +23,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
 
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.protobuf import timestamp
 from tauflow.queue import convert, state
 
 _F = descriptor_pb2.FieldDescriptorProto
@@ -185,7 +186,7 @@ def encode_get_response(result: state.GetResult, trainer_version: int) -> bytes:
             behaviour_version=d.group.behaviour_version,
             staleness=d.staleness,
             redeliveries=d.redeliveries,
-            accepted_at=convert.timestamp(d.group.accepted_at),
+            accepted_at=timestamp(d.group.accepted_at),
         ).SerializeToString()
         inner = _length_delimited(_GROUP_FIELD, d.group.payload)
         size = sum(len(p) for p in inner) + len(rest)

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import duration_pb2, json_format, struct_pb2
+from google.protobuf import json_format, struct_pb2
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.reward.v1 import reward_pb2
+from tauflow.core.protobuf import duration, seconds
 from tauflow.reward.api import GroupInput, SampleInput
 from tauflow.reward.errors import Exhausted, InvalidRequest
 from tauflow.reward.registry import RewardFunction
@@ -82,15 +83,6 @@ def groups_from_proto(groups: Sequence[common_pb2.Group], uses_token_ids: bool) 
             )
         out.append(GroupInput(group_id=gid, prompt_id=g.prompt_id, samples=tuple(samples), metadata=group_meta))
     return out
-
-
-def seconds(d: duration_pb2.Duration) -> float:
-    return d.seconds + d.nanos / 1e9
-
-
-def duration(s: float) -> duration_pb2.Duration:
-    whole = int(s)
-    return duration_pb2.Duration(seconds=whole, nanos=int((s - whole) * 1e9))
 
 
 def score_job(

@@ -6,12 +6,12 @@ import logging
 from collections.abc import Sequence
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_channel
+from tauflow.core.protobuf import duration as _duration
 from tauflow.rollout.convert import group_to_proto
 from tauflow.rollout.producer import ProducedGroup, Ticket
 
@@ -26,12 +26,6 @@ def _transient(e: BaseException) -> bool:
 def _until_it_works():  # type: ignore[no-untyped-def]
     """Retries an idempotent call while its service is down or full (e.g. restarting): data is never dropped."""
     return AsyncRetrying(retry=retry_if_exception(_transient), wait=wait_exponential(0.1, max=5.0), reraise=True)
-
-
-def _duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
 
 
 class GrpcQueue:

@@ -114,8 +114,9 @@ class Producer:
         self.groups_in_flight += len(prompts)
         try:
             # The ticket's version: data generated with older weights could be too stale to train on.
-            if self.engine.policy_version < ticket.min_policy_version:
-                await asyncio.to_thread(self.engine.wait_for_version, ticket.min_policy_version)
+            # (in short waits, so that a shutdown never waits on a blocked worker thread)
+            while not await asyncio.to_thread(self.engine.wait_for_version, ticket.min_policy_version, 1.0):
+                pass
             params = dataclasses.replace(self.s.sampling, n=self.s.group_size)
             completions = await self.engine.generate([p.token_ids for p in prompts], params)
             now = time.time()

@@ -11,6 +11,7 @@ import grpc
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.core.protobuf import seconds as _seconds
 from tauflow.rollout.convert import sample_to_proto, sampling_from_proto
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, WeightUpdateError
 from tauflow.rollout.producer import Producer
@@ -19,8 +20,8 @@ from tauflow.weightsync import (
     ChecksumMismatch,
     GroupSpec,
     PhaseError,
-    ReceiveError,
     ReceivedVersion,
+    ReceiveError,
     WeightReceiver,
 )
 
@@ -30,10 +31,6 @@ _RECEIVE_STATUS = {
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "exists": grpc.StatusCode.ALREADY_EXISTS,
 }
-
-
-def _seconds(d) -> float:  # type: ignore[no-untyped-def]
-    return d.seconds + d.nanos / 1e9
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):

@@ -6,20 +6,14 @@ import asyncio
 import logging
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_channel
+from tauflow.core.protobuf import duration as _duration
 from tauflow.trainer.convert import group_from_proto
 from tauflow.trainer.ports import Batch
 
 log = logging.getLogger(__name__)
-
-
-def _duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
 
 
 class GrpcQueue:

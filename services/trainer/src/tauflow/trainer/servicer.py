@@ -6,19 +6,13 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.core.protobuf import timestamp as _timestamp
 from tauflow.trainer.backend import CheckpointInfo, StepResult
 from tauflow.trainer.loop import State, TrainerLoop
 
 PAGE = 1000
-
-
-def _timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
 
 
 def step_to_proto(r: StepResult, staleness: dict[int, int] | None = None) -> trainer_pb2.StepMetrics:

@@ -8,7 +8,7 @@ import grpc
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
-from tauflow.weights.convert import duration
+from tauflow.core.protobuf import duration
 from tauflow.weights.sidecar import MemberCallFailed
 from tauflow.weightsync import GroupSpec
 from tauflow.weightsync.transfer import BucketRequest

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from tauflow.api.weights.v1 import weights_pb2 as pb
+from tauflow.core.protobuf import duration, timestamp
 from tauflow.weights.sidecar import Member, MemberState, Sidecar
 from tauflow.weightsync import Phase, PhaseError
 from tauflow.weightsync.wire import manifest_from_proto, manifest_to_proto  # noqa: F401 - re-exported
@@ -23,22 +21,6 @@ STATES = {
     MemberState.LEAVING: pb.MEMBER_STATE_LEAVING,
     MemberState.FAILED: pb.MEMBER_STATE_FAILED,
 }
-
-
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-def duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
-
-
-def seconds(d: Duration) -> float:
-    return d.seconds + d.nanos / 1e9
 
 
 def phase_error_to_proto(err: PhaseError, at: float | None) -> pb.PhaseError:

@@ -10,6 +10,7 @@ import grpc
 
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
+from tauflow.core.protobuf import duration, seconds
 from tauflow.weights import convert, sidecar
 from tauflow.weights.metrics import WeightsMetrics
 
@@ -50,7 +51,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                 convert.manifest_from_proto(request.manifest), request.staging_uri, request.rebase,
                 request.trace_context.traceparent, request.trace_context.tracestate,
             )
-            resp = pb.PublishResponse(policy_version=out.policy_version, handoff_duration=convert.duration(out.handoff_s))
+            resp = pb.PublishResponse(policy_version=out.policy_version, handoff_duration=duration(out.handoff_s))
             if out.superseded_policy_version is not None:
                 resp.superseded_policy_version = out.superseded_policy_version
             return resp
@@ -88,7 +89,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         async def run() -> pb.ConfirmVersionResponse:
             latest = self.car.confirm(
                 request.member_id, request.policy_version, request.manifest_checksum, request.loaded_checksum,
-                convert.seconds(request.load_duration) if request.HasField("load_duration") else None,
+                seconds(request.load_duration) if request.HasField("load_duration") else None,
             )
             resp = pb.ConfirmVersionResponse()
             if latest is not None:
