@@ -117,8 +117,17 @@ class Run:
         next_eval = 0
         tokens = 0
         while True:
-            self.launcher.check()
-            steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
+            restarted = await asyncio.to_thread(self.launcher.check)
+            if restarted:
+                self.progress.message = f"restarted {', '.join(restarted)}"
+            try:
+                steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
+                stats = await queue.Stats(queue_pb2.StatsRequest())
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                await asyncio.sleep(0.5)  # a service is restarting: the launcher brings it back
+                continue
             now = time.monotonic() - self._t0
             for m in steps.steps:
                 self.summary.steps.append(StepRecord(
@@ -127,7 +136,6 @@ class Run:
                 for staleness, n in m.groups_by_staleness.items():
                     self.summary.staleness_histogram[staleness] = self.summary.staleness_histogram.get(staleness, 0) + n
                 tokens += m.trained_tokens
-            stats = await queue.Stats(queue_pb2.StatsRequest())
             version = self.summary.steps[-1].policy_version if self.summary.steps else 0
             p = self.progress
             p.version, p.steps, p.queue_depth = version, len(self.summary.steps), stats.depth_groups

@@ -238,9 +238,12 @@ class GenerationEngine(ABC):
         """Every weight name (Hugging Face naming, tied aliases included) the engine accepts, with dtype and shape."""
 
     @abstractmethod
-    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[int]:
+    def stage_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False
+    ) -> Future[int]:
         """Stage ``tensors`` (all or some of the weights) as policy ``version``; it must be newer than the version
-        served and than any version already staged. Raises WeightUpdateError for a bad version, name, shape or
+        served and than any version already staged, unless ``rebase`` (a trainer resumed from an older
+        checkpoint: the version goes back, and versions staged after it are dropped). Raises WeightUpdateError for a bad version, name, shape or
         dtype (nothing is staged). The future resolves to ``version`` once it is loaded."""
 
     def add_version_listener(self, callback: Callable[[int], None]) -> None:

@@ -353,13 +353,15 @@ class HFEngine(GenerationEngine):
     def weight_spec(self) -> Mapping[str, TensorSpec]:
         return dict(self._spec)
 
-    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[int]:
+    def stage_weights(
+        self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False
+    ) -> Future[int]:
         version = int(version)
         with self._cv:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
             newest = self._newest_staged
-        if version <= newest:
+        if version <= newest and not rebase:
             raise WeightUpdateError(f"version {version} is not newer than version {newest} (served or staged)")
         bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
         if bad:
@@ -376,9 +378,13 @@ class HFEngine(GenerationEngine):
         with self._cv:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
-            if version <= self._newest_staged:
+            if version <= self._newest_staged and not rebase:
                 raise WeightUpdateError(
                     f"version {version} is not newer than version {self._newest_staged} (served or staged)")
+            if rebase:  # the trainer resumed from an older checkpoint: what was staged after it is void
+                for dropped in self._staged:
+                    dropped.future.cancel()
+                self._staged.clear()
             self._newest_staged = version
             self._staged.append(_Staged(version, staged, future))
             self._cv.notify()
