@@ -154,11 +154,27 @@ class Run:
             p.message = ""
             self.on_progress(p)
             if done:
+                await self._until_trainer_finished(trainer)
                 break
             await asyncio.sleep(0.5)
         self.summary.wall_s = time.monotonic() - self._t0
         self.summary.tokens_per_s = tokens / max(self.summary.wall_s, 1e-9)
         return self.summary
+
+    async def _until_trainer_finished(self, trainer, timeout_s: float = 300.0) -> None:  # type: ignore[no-untyped-def]
+        """The last step shows up before its checkpoint is written: stop nothing until the trainer says
+        FINISHED (its final checkpoint holds every step, and its leases are acked)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
+                if status.state == trainer_pb2.TRAINER_STATE_FINISHED:
+                    return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"the trainer did not finish within {timeout_s:.0f}s of its last step")
 
     async def evaluate(self, rollout, reward, rows: list[dict]) -> float:  # type: ignore[no-untyped-def, type-arg]
         """Greedy held-out accuracy through the public APIs: Generate, then Score."""

@@ -93,18 +93,26 @@ class Producer:
     async def run(self) -> None:
         slots = asyncio.Semaphore(self.s.tickets_in_flight)
         tasks: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            slots.release()
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # type: ignore[arg-type]
+
         try:
             while True:
                 await slots.acquire()
+                if failures:
+                    raise failures[0]  # a ticket failed: stop, so the service exits and is restarted
                 ticket = await self.queue.reserve(uuid.uuid4().hex, self.s.groups_per_ticket, self.s.reserve_wait_s)
                 if ticket is None:
                     slots.release()
                     continue
                 task = asyncio.create_task(self._produce(ticket))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
-                for done in [t for t in tasks if t.done() and t.exception()]:
-                    raise done.exception()  # type: ignore[misc]
+                task.add_done_callback(done)
         finally:
             for t in tasks:
                 t.cancel()

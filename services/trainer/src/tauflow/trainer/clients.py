@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import grpc
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_channel
@@ -14,6 +15,18 @@ from tauflow.trainer.convert import group_from_proto
 from tauflow.trainer.ports import Batch
 
 log = logging.getLogger(__name__)
+
+
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _until_it_works():  # type: ignore[no-untyped-def]
+    """Retries an idempotent call while its service is restarting: the trainer rides it out."""
+    return AsyncRetrying(
+        retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in _TRANSIENT),
+        wait=wait_exponential(0.2, max=5.0),
+        reraise=True,
+    )
 
 
 class GrpcQueue:
@@ -25,7 +38,10 @@ class GrpcQueue:
         self.consumer_id = consumer_id
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
-        await self.stub.SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase))
+        request = queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase)
+        async for attempt in _until_it_works():
+            with attempt:
+                await self.stub.SetTrainerVersion(request)
 
     async def get_batch(self, n_groups: int, consumer_version: int, wait_s: float, lease_s: float) -> Batch | None:
         request = queue_pb2.GetRequest(
@@ -41,6 +57,7 @@ class GrpcQueue:
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name})
+                await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
             raise
         if not resp.groups:
@@ -53,7 +70,9 @@ class GrpcQueue:
 
     async def ack(self, lease_id: str) -> None:
         try:
-            await self.stub.Ack(queue_pb2.AckRequest(lease_id=lease_id))
+            async for attempt in _until_it_works():
+                with attempt:
+                    await self.stub.Ack(queue_pb2.AckRequest(lease_id=lease_id))
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
@@ -62,7 +81,17 @@ class GrpcQueue:
             log.warning("lease expired before its ack", extra={"lease": lease_id})
 
     async def renew(self, lease_id: str, lease_s: float) -> None:
-        await self.stub.RenewLease(queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s)))
+        request = queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s))
+        try:
+            async for attempt in _until_it_works():
+                with attempt:
+                    await self.stub.RenewLease(request)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                raise
+            # Expired already: its groups were redelivered, and the trained ids in the next
+            # checkpoint make the trainer skip them; the ack will say so too.
+            log.warning("lease expired before its renewal", extra={"lease": lease_id})
 
     async def close(self) -> None:
         await self.channel.close()
@@ -85,9 +114,10 @@ class SidecarPublisher:
         from tauflow.weightsync.wire import manifest_to_proto
 
         manifest = await asyncio.to_thread(self.stager.stage, tensors, version)
-        await self.stub.Publish(
-            self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri, rebase=rebase)
-        )
+        request = self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri, rebase=rebase)
+        async for attempt in _until_it_works():
+            with attempt:
+                await self.stub.Publish(request)
 
     async def close(self) -> None:
         self.stager.close()

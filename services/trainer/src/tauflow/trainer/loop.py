@@ -99,15 +99,19 @@ class TrainerLoop:
                 )
                 if batch is None:
                     continue
-                self._held.append(HeldLease(batch.lease_id, time.monotonic()))
                 async with self._lock:
                     self.state = State.TRAINING
                     result = await asyncio.to_thread(
                         self.backend.train_step, batch.groups, max_staleness=self._tau()
                     )
+                    # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
+                    self._held.append(HeldLease(batch.lease_id, time.monotonic()))
                 if result.committed:
                     self.history.append(result)
-                    self.staleness[result.step] = Counter(g.staleness(result.step) for g in batch.groups)
+                    trained = set(result.trained_group_ids)
+                    self.staleness[result.step] = Counter(
+                        g.staleness(result.step) for g in batch.groups if g.group_id in trained
+                    )
                     if len(self.staleness) > self.s.history_steps:
                         self.staleness.pop(min(self.staleness))
                     await self._publish()
