@@ -27,14 +27,13 @@ from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.weightsync import (
-    BucketRequest,
     ChecksumMismatch,
-    GroupSpec,
     PhaseError,
     ReceivedVersion,
     ReceiveError,
     WeightReceiver,
 )
+from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
 
 _KINDS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,11 +71,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         await context.abort(code, str(err))
 
     async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
-        spec = GroupSpec(
-            request.master_address, request.master_port, request.group_name, request.world_size,
-            request.rank_offset, request.backend or "gloo", request.membership_epoch,
-            _seconds(request.timeout) if request.HasField("timeout") else 60.0,
-        )
+        spec = group_spec_from_proto(request)
         try:
             n = await asyncio.to_thread(self.rx.init_group, spec)
         except (ReceiveError, PhaseError) as e:
@@ -94,14 +89,8 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         if os.environ.get("FAKE_ROLLOUT_STALL") == "1":
             await asyncio.sleep(3600)  # a server that never posts its receives
         try:
-            req = BucketRequest(
-                names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
-                group_name=request.group_name, policy_version=request.policy_version,
-                membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
-                bucket_count=request.bucket_count, load_format=request.load_format,
-                manifest_checksum=request.manifest_checksum,
-                checksum_algorithm=await self._algorithm(request.policy_version, request.manifest_checksum),
-                flush_cache=request.flush_cache,
+            req = bucket_request_from_proto(
+                request, await self._algorithm(request.policy_version, request.manifest_checksum)
             )
             version = await asyncio.to_thread(self.rx.receive_bucket, req)
         except (ReceiveError, PhaseError, ChecksumMismatch) as e:

@@ -52,3 +52,31 @@ def manifest_to_proto(m: Manifest) -> pb.WeightManifest:
     return out
 
 
+
+
+# -- the rollout side of the control plane (tauflow.api.rollout.v1), shared by every receiver ---------
+
+
+def group_spec_from_proto(request, default_timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    """GroupSpec of an InitWeightsUpdateGroupRequest (SGLang's init_weights_update_group arguments)."""
+    from tauflow.weightsync.group import GroupSpec
+
+    timeout = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else default_timeout_s
+    return GroupSpec(
+        request.master_address, request.master_port, request.group_name, request.world_size,
+        request.rank_offset, request.backend or "gloo", request.membership_epoch, timeout,
+    )
+
+
+def bucket_request_from_proto(request, checksum_algorithm: str):  # type: ignore[no-untyped-def]
+    """BucketRequest of an UpdateWeightsFromDistributedRequest (SGLang's names/dtypes/shapes and ours)."""
+    from tauflow.weightsync.transfer import BucketRequest
+
+    return BucketRequest(
+        names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
+        group_name=request.group_name, policy_version=request.policy_version,
+        membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
+        bucket_count=request.bucket_count, load_format=request.load_format,
+        manifest_checksum=request.manifest_checksum, checksum_algorithm=checksum_algorithm,
+        flush_cache=request.flush_cache,
+    )

@@ -11,19 +11,17 @@ import grpc
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
-from tauflow.core.protobuf import seconds as _seconds
 from tauflow.rollout.convert import sample_to_proto, sampling_from_proto
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, WeightUpdateError
 from tauflow.rollout.producer import Producer
 from tauflow.weightsync import (
-    BucketRequest,
     ChecksumMismatch,
-    GroupSpec,
     PhaseError,
     ReceivedVersion,
     ReceiveError,
     WeightReceiver,
 )
+from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
 
 log = logging.getLogger(__name__)
 _RECEIVE_STATUS = {
@@ -128,11 +126,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await context.abort(code, str(err))
 
     async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
-        spec = GroupSpec(
-            request.master_address, request.master_port, request.group_name, request.world_size,
-            request.rank_offset, request.backend or "gloo", request.membership_epoch,
-            _seconds(request.timeout) if request.HasField("timeout") else 60.0,
-        )
+        spec = group_spec_from_proto(request)
         try:
             n = await asyncio.to_thread(self.receiver.init_group, spec)
         except (ReceiveError, PhaseError) as e:
@@ -148,14 +142,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
         try:
-            bucket = BucketRequest(
-                names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
-                group_name=request.group_name, policy_version=request.policy_version,
-                membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
-                bucket_count=request.bucket_count, load_format=request.load_format,
-                manifest_checksum=request.manifest_checksum,
-                checksum_algorithm=await self._checksum_algorithm(request.policy_version, request.manifest_checksum),
-                flush_cache=request.flush_cache,
+            bucket = bucket_request_from_proto(
+                request, await self._checksum_algorithm(request.policy_version, request.manifest_checksum)
             )
             version = await asyncio.to_thread(self.receiver.receive_bucket, bucket)
             if version is not None:
