@@ -64,7 +64,16 @@ class GrpcServer:
     def __init__(self, bindings: Sequence[ServiceBinding], config: ServerConfig) -> None:
         self.config = config
         self.bindings = list(bindings)
-        self.server = grpc.aio.server(options=message_size_options(config.max_message_bytes))
+        self.server = grpc.aio.server(
+            options=[
+                *message_size_options(config.max_message_bytes),
+                # Accept the keepalive pings our channels send (every 30 s, also when idle); gRPC's
+                # default policy answers them with GOAWAY "too_many_pings".
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
+        )
         self.health = health.aio.HealthServicer()
         for b in self.bindings:
             b.add_to_server(b.servicer, self.server)

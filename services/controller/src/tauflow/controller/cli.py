@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def run_command(args: argparse.Namespace) -> int:
         console.print(f"[red]tauflow run: {e}")
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
     run = Run(config)
     (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     setup_logging("controller", "WARNING")
@@ -70,6 +72,10 @@ def run_command(args: argparse.Namespace) -> int:
     if config.target_accuracy is not None:
         console.print(f"[green]target reached: {acc:.1%} >= {config.target_accuracy:.0%}")
     return 0
+
+
+def _interrupt(signum, frame) -> None:  # type: ignore[no-untyped-def]
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,7 +118,8 @@ class LocalLauncher:
         out.write(f"\n=== start {svc.restarts} of {svc.name} at {time.ctime()} ===\n".encode())
         out.flush()
         svc.proc = subprocess.Popen(
-            self._command(svc), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self._command(svc), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         out.close()
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
@@ -189,6 +190,15 @@ class LocalLauncher:
 
     def addresses(self) -> Mapping[str, str]:
         return {name: svc.address for name, svc in self.services.items() if svc.info}
+
+
+def _die_with_parent() -> None:
+    """A service gets SIGTERM (graceful drain) when the controller dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _format(value: Any) -> str:
