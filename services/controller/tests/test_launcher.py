@@ -46,3 +46,30 @@ def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> Non
         launcher.start(ServiceSpec("queue", {"no_such_key": 1}))
     assert "unknown config key 'no_such_key'" in str(err.value)
     launcher.stop()
+
+
+def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
+    svc = launcher.services[name]
+    os.kill(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    svc.proc.wait()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        restarted = launcher.check()
+        if restarted:
+            return restarted
+        time.sleep(0.05)
+    return []
+
+
+def test_the_restart_budget_counts_crashes_in_a_row_not_over_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    launcher = LocalLauncher(tmp_path, max_restarts=1, backoff_s=0.05, restart_window_s=1.0)
+    try:
+        launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        assert _kill_and_check(launcher, "queue") == ["queue"]
+        time.sleep(1.2)  # up for longer than the window: the next crash is not part of a loop
+        assert _kill_and_check(launcher, "queue") == ["queue"]
+        launcher.restart_window_s = 3600.0
+        with pytest.raises(ServiceFailed, match="service 'queue' failed: exited with code -9 after 1 restarts"):
+            _kill_and_check(launcher, "queue")
+    finally:
+        launcher.stop()

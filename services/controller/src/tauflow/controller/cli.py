@@ -16,7 +16,7 @@ from rich.table import Table
 
 from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import ServiceFailed
-from tauflow.controller.run import Progress, Run
+from tauflow.controller.run import Progress, Run, RunStalled
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
 
@@ -54,7 +54,7 @@ def run_command(args: argparse.Namespace) -> int:
         run.on_progress = lambda p: live.update(_table(run, p))
         try:
             summary = asyncio.run(run.execute())
-        except ServiceFailed as e:
+        except (ServiceFailed, RunStalled) as e:
             console.print(f"[red]tauflow run: {e}")
             return 1
         except KeyboardInterrupt:

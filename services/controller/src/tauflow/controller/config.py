@@ -39,6 +39,9 @@ class RunConfig(StrictModel):
     reward_fn: str = "exact_match"
     target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
     eval: EvalConfig = EvalConfig()
+    stall_timeout_s: float = Field(
+        600.0, gt=0, description="fail the run when the trainer makes no step for this long (a stall, not a slow step)"
+    )
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
     external: dict[str, str] = Field(default_factory=dict, description="role -> address, launcher=external")
 

@@ -48,6 +48,7 @@ class ManagedService:
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     next_restart_at: float = 0.0
+    started_at: float = 0.0
 
     @property
     def name(self) -> str:
@@ -79,12 +80,14 @@ class LocalLauncher:
         run_dir: Path,
         *,
         max_restarts: int = 3,
+        restart_window_s: float = 600.0,
         backoff_s: float = 1.0,
         start_timeout_s: float = 120.0,
         stop_grace_s: float = 15.0,
     ) -> None:
         self.run_dir = run_dir
         self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
         self.backoff_s = backoff_s
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
@@ -122,6 +125,7 @@ class LocalLauncher:
             preexec_fn=_die_with_parent,
         )
         out.close()
+        svc.started_at = time.monotonic()
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
     def _wait_ready(self, svc: ManagedService) -> None:
@@ -142,13 +146,16 @@ class LocalLauncher:
 
     def check(self) -> list[str]:
         """Restarts services that died; returns the names restarted. Raises ServiceFailed
-        when one died more than ``max_restarts`` times."""
+        when one died more than ``max_restarts`` times in a row; a service that stayed up for
+        ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop)."""
         restarted = []
         now = time.monotonic()
         for svc in self.services.values():
             if svc.proc is None or svc.proc.poll() is None:
                 continue
             code = svc.proc.returncode
+            if svc.next_restart_at == 0.0 and now - svc.started_at >= self.restart_window_s:
+                svc.restarts = 0
             if svc.restarts >= self.max_restarts:
                 raise ServiceFailed(
                     svc.name, f"exited with code {code} after {svc.restarts} restarts:\n{svc.log_tail()}"

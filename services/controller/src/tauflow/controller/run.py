@@ -32,6 +32,10 @@ from tauflow.core.channel import create_channel
 log = logging.getLogger(__name__)
 
 
+class RunStalled(RuntimeError):
+    """The trainer made no step for ``stall_timeout_s`` although every service is up."""
+
+
 @dataclass
 class Progress:
     """What the terminal shows; updated after every poll."""
@@ -116,10 +120,14 @@ class Run:
         heldout = _read_jsonl(self.c.eval.dataset, self.c.eval.max_prompts) if self.c.eval.dataset else []
         next_eval = 0
         tokens = 0
+        last_step_at = time.monotonic()
         while True:
             restarted = await asyncio.to_thread(self.launcher.check)
             if restarted:
                 self.progress.message = f"restarted {', '.join(restarted)}"
+                last_step_at = time.monotonic()  # a restarted role needs time to catch up
+            if time.monotonic() - last_step_at > self.c.stall_timeout_s:
+                raise RunStalled(await self._stall_report(trainer, queue))
             try:
                 steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
                 stats = await queue.Stats(queue_pb2.StatsRequest())
@@ -129,6 +137,8 @@ class Run:
                 await asyncio.sleep(0.5)  # a service is restarting: the launcher brings it back
                 continue
             now = time.monotonic() - self._t0
+            if steps.steps:
+                last_step_at = time.monotonic()
             for m in steps.steps:
                 self.summary.steps.append(StepRecord(
                     m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
@@ -147,7 +157,14 @@ class Run:
             if heldout and (version >= next_eval or done):
                 p.message = f"evaluating version {version}"
                 self.on_progress(p)
-                accuracy = await self.evaluate(rollout, reward, heldout)
+                try:
+                    accuracy = await self.evaluate(rollout, reward, heldout)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    log.warning("evaluation skipped: a service is restarting", extra={"code": e.code().name})
+                    await asyncio.sleep(0.5)
+                    continue  # evaluate again at the next poll
                 self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
                 p.accuracy = accuracy
                 next_eval = version + self.c.eval.every_steps
@@ -160,6 +177,19 @@ class Run:
         self.summary.wall_s = time.monotonic() - self._t0
         self.summary.tokens_per_s = tokens / max(self.summary.wall_s, 1e-9)
         return self.summary
+
+    async def _stall_report(self, trainer, queue) -> str:  # type: ignore[no-untyped-def]
+        """What a stalled run looks like from outside: the trainer's state and the queue's counters."""
+        parts = [f"no training step for {self.c.stall_timeout_s:.0f}s"]
+        try:
+            status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
+            parts.append(f"trainer {trainer_pb2.TrainerState.Name(status.state)} at version {status.policy_version}")
+            stats = await queue.Stats(queue_pb2.StatsRequest())
+            parts.append(f"queue depth {stats.depth_groups} groups, {stats.reserved_groups} reserved")
+        except grpc.aio.AioRpcError as e:
+            parts.append(f"status unavailable ({e.code().name})")
+        parts.append(f"logs in {self.out_dir / 'logs'}")
+        return "; ".join(parts)
 
     async def _until_trainer_finished(self, trainer, timeout_s: float = 300.0) -> None:  # type: ignore[no-untyped-def]
         """The last step shows up before its checkpoint is written: stop nothing until the trainer says
@@ -204,6 +234,9 @@ class Run:
                 self.summary.status = "below_target"
         except ServiceFailed as e:
             self.summary.status, self.summary.message = "failed", str(e)
+            raise
+        except RunStalled as e:
+            self.summary.status, self.summary.message = "stalled", str(e)
             raise
         except asyncio.CancelledError:
             self.summary.status, self.summary.message = "interrupted", "stopped by the user"
