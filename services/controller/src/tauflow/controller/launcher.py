@@ -117,14 +117,14 @@ class LocalLauncher:
     def _spawn(self, svc: ManagedService) -> None:
         svc.ready_file.unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
-        out = open(svc.log_file, "ab")
-        out.write(f"\n=== start {svc.restarts} of {svc.name} at {time.ctime()} ===\n".encode())
-        out.flush()
-        svc.proc = subprocess.Popen(
-            self._command(svc), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        out.close()
+        with open(svc.log_file, "ab") as out:
+            out.write(f"\n=== start {svc.restarts} of {svc.name} at {time.ctime()} ===\n".encode())
+            out.flush()
+            svc.proc = subprocess.Popen(
+                self._command(svc), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                # prctl only, no Python-level locks: safe between fork and exec even with threads
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
         svc.started_at = time.monotonic()
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
