@@ -76,6 +76,10 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
     assert len(queue.acked) == 6 and not queue.leases
     assert publisher.versions == [(0, True), (1, False), (2, False), (3, False)]
     assert queue.versions[0] == (0, True) and queue.versions[-1] == (3, False)
+    for result in first.history:  # each step says where its time went
+        timing = {k: v for k, v in result.metrics.items() if k.startswith("time/")}
+        assert set(timing) == {"time/wait_s", "time/train_s", "time/publish_s"}
+        assert all(v >= 0 for v in timing.values()) and timing["time/train_s"] > 0
 
     # Now a crash: the trainer trains step 4 (version 4) and dies before its checkpoint.
     crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4)

@@ -38,6 +38,7 @@ class RunConfig(StrictModel):
     seed: int = 0
     reward_fn: str = "exact_match"
     target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
+    stop_at_target: bool = Field(False, description="end the run at the first evaluation that reaches target_accuracy")
     eval: EvalConfig = EvalConfig()
     stall_timeout_s: float = Field(
         600.0, gt=0, description="fail the run when the trainer makes no step for this long (a stall, not a slow step)"

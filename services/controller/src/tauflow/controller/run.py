@@ -168,6 +168,10 @@ class Run:
                 self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
                 p.accuracy = accuracy
                 next_eval = version + self.c.eval.every_steps
+                target = self.c.target_accuracy
+                if self.c.stop_at_target and target is not None and accuracy >= target and not done:
+                    self.summary.extra["stopped_at_target_version"] = version
+                    break  # the services are stopped (drained) by execute(); the last checkpoint stays
             p.message = ""
             self.on_progress(p)
             if done:

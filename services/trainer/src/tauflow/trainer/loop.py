@@ -94,6 +94,7 @@ class TrainerLoop:
                 await self._running.wait()
                 await self._renew_held()
                 self.state = State.WAITING_FOR_DATA
+                waited_from = time.monotonic()
                 batch = await self.queue.get_batch(
                     self.s.groups_per_step, self.version, self.s.get_wait_s, self.s.lease_s
                 )
@@ -101,9 +102,9 @@ class TrainerLoop:
                     continue
                 async with self._lock:
                     self.state = State.TRAINING
-                    result = await asyncio.to_thread(
-                        self.backend.train_step, batch.groups, max_staleness=self._tau()
-                    )
+                    trained_from = time.monotonic()
+                    result = await asyncio.to_thread(self.backend.train_step, batch.groups, max_staleness=self._tau())
+                    trained_s = time.monotonic() - trained_from
                     # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
                     self._held.append(HeldLease(batch.lease_id, time.monotonic()))
                 if result.committed:
@@ -114,7 +115,17 @@ class TrainerLoop:
                     )
                     if len(self.staleness) > self.s.history_steps:
                         self.staleness.pop(min(self.staleness))
+                    published_from = time.monotonic()
                     await self._publish()
+                    # Where a step's time goes: waiting for data, training, and the hand-off to the
+                    # sidecar (the only part of a publish the trainer waits for).
+                    result.metrics.update(
+                        {
+                            "time/wait_s": trained_from - waited_from,
+                            "time/train_s": trained_s,
+                            "time/publish_s": time.monotonic() - published_from,
+                        }
+                    )
                     await self.queue.set_version(self.version)
                     if self.on_step is not None:
                         self.on_step(result)

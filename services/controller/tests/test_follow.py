@@ -1,0 +1,124 @@
+"""How the controller follows a run, against in-process fakes of the services' contracts: a stalled
+run fails with a report instead of waiting forever; ``stop_at_target`` ends a run early."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.controller.config import RunConfig
+from tauflow.controller.run import Run, RunStalled
+
+
+class StuckTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """A trainer (fake, in-process) waiting for data that never comes: no steps, waiting at version 7."""
+
+    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+        return trainer_pb2.ListStepsResponse()
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA, policy_version=7)
+
+
+class EmptyQueue(queue_pb2_grpc.QueueServiceServicer):
+    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        return queue_pb2.StatsResponse(depth_groups=0, reserved_groups=16)
+
+
+def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> str:
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=10, stall_timeout_s=1.0, out_dir=str(tmp_path))
+        try:
+            with pytest.raises(RunStalled) as err:
+                await asyncio.wait_for(
+                    Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    timeout=30,
+                )
+            return str(err.value)
+        finally:
+            await server.stop(0)
+
+    message = asyncio.run(scenario())
+    assert "no training step for 1s" in message
+    assert "trainer TRAINER_STATE_WAITING_FOR_DATA at version 7" in message
+    assert "queue depth 0 groups, 16 reserved" in message
+
+
+class SteppingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """A trainer (fake) that commits one step per ListSteps call."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+        self.version += 1
+        return trainer_pb2.ListStepsResponse(
+            steps=[trainer_pb2.StepMetrics(step=self.version, policy_version=self.version)]
+        )
+
+
+class AlwaysRight(rollout_pb2_grpc.RolloutServiceServicer, reward_pb2_grpc.RewardServiceServicer):
+    """Rollout and reward (fakes): every held-out answer is right."""
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        return rollout_pb2.GenerateResponse(samples=[common_pb2.Sample(sample_id="s")])
+
+    async def Score(self, request, context):  # type: ignore[no-untyped-def]
+        return reward_pb2.ScoreResponse(
+            groups=[
+                reward_pb2.GroupRewards(
+                    group_id=g.group_id,
+                    samples=[reward_pb2.SampleReward(reward=common_pb2.Reward(score=1.0)) for _ in g.samples],
+                )
+                for g in request.groups
+            ]
+        )
+
+
+def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"id": "1", "prompt": "1+1=", "answer": "2"}\n')
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(SteppingTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(AlwaysRight(), server)
+        reward_pb2_grpc.add_RewardServiceServicer_to_server(AlwaysRight(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(
+            model="m",
+            dataset="d",
+            steps=1000,
+            target_accuracy=0.8,
+            stop_at_target=True,
+            eval={"dataset": str(heldout), "every_steps": 3},
+            out_dir=str(tmp_path),
+        )
+        try:
+            return await asyncio.wait_for(
+                Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                timeout=30,
+            )
+        finally:
+            await server.stop(0)
+
+    summary = asyncio.run(scenario())
+    assert summary.final_accuracy == 1.0
+    assert summary.extra["stopped_at_target_version"] == summary.evals[0].policy_version
+    assert len(summary.steps) < 10  # stopped, not run to 1000 steps
