@@ -122,3 +122,17 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
     assert summary.final_accuracy == 1.0
     assert summary.extra["stopped_at_target_version"] == summary.evals[0].policy_version
     assert len(summary.steps) < 10  # stopped, not run to 1000 steps
+
+
+def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    config = RunConfig(
+        model="m",
+        dataset="d",
+        steps=1,
+        seed=7,
+        out_dir=str(tmp_path),
+        prepare=["python", "prep.py", "--seed", "{seed}", "--out", "runs/s{seed}"],
+    )
+    assert Run(config).prepare_command() == [sys.executable, "prep.py", "--seed", "7", "--out", "runs/s7"]

@@ -28,7 +28,9 @@ class RunConfig(StrictModel):
     name: str = "run"
     out_dir: str = Field("", description="where logs, checkpoints and the summary go; default runs/<name>")
     launcher: str = Field("local", pattern="^(local|external)$")
-    prepare: list[str] = Field(default_factory=list, description="command run once before the services start")
+    prepare: list[str] = Field(
+        default_factory=list, description="command run once before the services start; {seed} becomes the run's seed"
+    )
     model: str = Field(..., description="Hugging Face folder of the initial policy (version 0)")
     dataset: str = Field(..., description="training prompts (JSONL or Parquet with prompt and answer)")
     max_staleness: int = Field(1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded")

@@ -88,12 +88,17 @@ class Run:
         extra = {k: v for k, v in _flatten(c.services.get(role, {})).items()}
         return {**base[role], **extra}
 
+    def prepare_command(self) -> list[str]:
+        # "{seed}" in the command is the run's seed: a warm start per seed, as the recipe wants.
+        command = [arg.replace("{seed}", str(self.c.seed)) for arg in self.c.prepare]
+        if command and command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
+        return command
+
     def launch(self) -> dict[str, str]:
         if self.c.prepare:
-            log.info("prepare", extra={"command": " ".join(self.c.prepare)})
-            command = list(self.c.prepare)
-            if command[0] in ("python", "python3"):
-                command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
+            command = self.prepare_command()
+            log.info("prepare", extra={"command": " ".join(command)})
             subprocess.run(command, check=True)
         addresses: dict[str, str] = {}
         for role in ("queue", "reward", "weights", "trainer", "rollout"):
