@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.core.status import error_reason
 from tests.conftest import make_group, queue_stub
 
 
@@ -151,6 +152,45 @@ def test_bad_requests_get_documented_status_and_lose_nothing(service_process) ->
     stub.Ack(q.AckRequest(lease_id=resp.lease.lease_id))
     code, msg = status(stub.Nack, q.NackRequest(lease_id=resp.lease.lease_id))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "acked" in msg
+
+
+def test_get_fits_the_message_limit_and_put_refusals_say_why(service_process) -> None:  # type: ignore[no-untyped-def]
+    limit = 64 * 1024
+    queue = service_process(
+        "queue",
+        {
+            "wal.dir": "wal",
+            "max_staleness": -1,
+            "capacity_groups": 4,
+            "max_group_bytes": 30_000,
+            "server.max_message_bytes": limit,
+        },
+    )
+    stub = queue_stub(queue.address)
+    for i in range(3):  # ~25 KB each: two fit one response, three do not
+        stub.Put(q.PutRequest(group=make_group(f"long{i}", payload_tokens=1800)))
+    # below min_groups, because the limit (not the supply) cut it: waiting would not help
+    first = stub.Get(q.GetRequest(consumer_id="t", max_groups=3, min_groups=3))
+    assert [g.group.group_id for g in first.groups] == ["long0", "long1"]
+    assert first.ByteSize() <= limit
+    second = stub.Get(q.GetRequest(consumer_id="t", max_groups=10))
+    assert [g.group.group_id for g in second.groups] == ["long2"]
+    for lease in (first.lease, second.lease):
+        stub.Ack(q.AckRequest(lease_id=lease.lease_id))
+
+    def refusal(group):  # type: ignore[no-untyped-def]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Put(q.PutRequest(group=group))
+        return err.value.code(), error_reason(err.value), err.value.details()
+
+    code, reason, msg = refusal(make_group("too-long", payload_tokens=2300))  # 32 KB > max_group_bytes
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "ERROR_REASON_GROUP_TOO_LARGE"), msg
+    for i in range(4):  # 4 groups stored: the queue is full
+        stub.Put(q.PutRequest(group=make_group(f"small{i}")))
+    code, reason, msg = refusal(make_group("one-more"))
+    assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "ERROR_REASON_QUEUE_FULL"), msg
+    code, _ = refusal(make_group("bad", samples=0))[:2]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_tau_zero_alternates_and_long_polls_wake(service_process) -> None:  # type: ignore[no-untyped-def]

@@ -1,13 +1,23 @@
-"""Rollout, reward and queue as three processes: the rollout loop fills the queue with scored groups."""
+"""Rollout, reward and queue as processes: the rollout loop fills the queue with scored groups, gives its unfilled
+tickets back when it stops, and tells a group that never fits from a full queue."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.core.channel import ChannelConfig
+from tauflow.rollout.clients import GrpcQueue
+from tauflow.rollout.dataset import Prompt
+from tauflow.rollout.engine.base import Completion, FinishReason
+from tauflow.rollout.producer import GroupRejected, ProducedGroup
 from tests.conftest import queue_stub
 
 ADDITION = Path(__file__).resolve().parents[2] / "examples" / "addition"
@@ -52,3 +62,66 @@ def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_pa
     # tau = 0: with the trainer still at version 0, the producer may not run ahead of one step.
     stats = stub.Stats(q.StatsRequest())
     assert stats.accepted_groups + stats.reserved_groups <= 4
+
+
+def test_a_stopped_rollout_releases_its_unfilled_tickets(service_process, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = tmp_path / "model"
+    task.build_model(model, hidden=32, layers=1, heads=2)
+    task.build_tokenizer(model)
+    train, _ = task.problems()
+    task.write_jsonl(tmp_path / "train.jsonl", train[:20])
+    queue = service_process("queue", {"wal.dir": "wal", "max_staleness": 0, "groups_per_step": 4})
+    stub = queue_stub(queue.address)
+    # Tickets will ask for version 1; the server serves 0 and has no sidecar: it holds them, unfilled.
+    stub.SetTrainerVersion(q.SetTrainerVersionRequest(policy_version=1))
+    rollout = service_process(
+        "rollout",
+        {
+            "model_path": model,
+            "dataset": tmp_path / "train.jsonl",
+            "group_size": 2,
+            "groups_per_ticket": 2,
+            "queue_address": queue.address,
+        },
+    )
+    deadline = time.monotonic() + 60
+    while stub.Stats(q.StatsRequest()).reserved_groups < 4:  # two tickets in flight
+        assert time.monotonic() < deadline, rollout.log_text()
+        time.sleep(0.1)
+    assert rollout.kill(signal.SIGTERM) == 0
+    # released on the way out, not after the queue's reservation TTL (600 s)
+    assert stub.Stats(q.StatsRequest()).reserved_groups == 0, rollout.log_text()
+
+
+def _produced(group_id: str, tokens: int) -> ProducedGroup:
+    completion = Completion(list(range(4, 4 + tokens)), [-0.5] * tokens, [0] * tokens, FinishReason.LENGTH)
+    return ProducedGroup(
+        group_id, Prompt(group_id, [1, 2, 3]), [completion], [""], producer_id="r0", created_at=time.time()
+    )
+
+
+def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(service_process) -> None:  # type: ignore[no-untyped-def]
+    queue = service_process(
+        "queue", {"wal.dir": "wal", "max_staleness": -1, "capacity_groups": 1, "max_group_bytes": 4000}
+    )
+    stub = queue_stub(queue.address)
+
+    async def scenario() -> None:
+        client = GrpcQueue(queue.address, "r0", ChannelConfig(default_timeout_s=10))
+        try:
+            started = time.monotonic()
+            with pytest.raises(GroupRejected) as rejected:  # not retried like a full queue
+                await asyncio.wait_for(client.put(_produced("long", 2000), ""), 10)
+            assert rejected.value.reason == "too_large" and time.monotonic() - started < 3
+            await client.put(_produced("first", 8), "")
+            second = asyncio.create_task(client.put(_produced("second", 8), ""))  # the queue is full
+            await asyncio.sleep(1.5)
+            assert not second.done()  # retried, never dropped
+            got = await asyncio.to_thread(stub.Get, q.GetRequest(consumer_id="t", max_groups=1))
+            await asyncio.to_thread(stub.Ack, q.AckRequest(lease_id=got.lease.lease_id))
+            await asyncio.wait_for(second, 15)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+    assert stub.Stats(q.StatsRequest()).depth_groups == 1

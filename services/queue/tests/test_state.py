@@ -15,6 +15,7 @@ import pytest
 
 from tauflow.queue.state import (
     FailedPrecondition,
+    GroupOverCapacity,
     GroupRecord,
     InvalidRequest,
     NotFound,
@@ -343,6 +344,17 @@ def test_queue_full_by_bytes() -> None:
     assert q.put(rec("d", size=40))[0]
 
 
+def test_a_group_larger_than_the_byte_capacity_can_never_fit() -> None:
+    q, _ = make(max_staleness=-1, capacity_bytes=100)
+    with pytest.raises(GroupOverCapacity, match="can never fit"):
+        q.put(rec("huge", size=101))  # even into an empty queue
+    assert q.stats().accepted_groups == 0
+    q.put(rec("a", size=60))
+    with pytest.raises(QueueFull) as full:
+        q.put(rec("b", size=60))
+    assert not isinstance(full.value, GroupOverCapacity)  # this one fits once "a" is gone
+
+
 def test_reserved_room_is_respected_for_unticketed_puts() -> None:
     q, _ = make(max_staleness=-1, capacity_groups=4)
     t = q.reserve("r1", "p", 3)
@@ -414,6 +426,29 @@ def test_get_token_budget_and_group_count_together() -> None:
     assert res.lease is not None and res.lease.group_ids == ["c"]
     res = q.get("c", max_groups=5, min_groups=2, max_tokens=10)  # budget allows 1 < min 2
     assert res.lease is None and pending(q) == ["d"]
+
+
+def test_get_caps_a_batch_at_the_byte_budget() -> None:
+    q, _ = make()
+    for g in "abcd":
+        q.put(rec(g, size=40))
+    q.put(rec("e", size=500))
+    # 2 x (40 + 5) = 90 <= 100; a third would make 135: the batch stops there, no skipping
+    res = q.get("c", max_groups=10, max_bytes=100, overhead_bytes=5)
+    assert res.lease is not None and res.lease.group_ids == ["a", "b"]
+    # cut by the message limit: delivered below min_groups (waiting would never make it larger)
+    res = q.get("c", max_groups=3, min_groups=3, max_bytes=100, overhead_bytes=5)
+    assert res.lease is not None and res.lease.group_ids == ["c", "d"]
+    res = q.get("c", max_groups=10, max_bytes=100, overhead_bytes=5)
+    assert res.lease is not None and res.lease.group_ids == ["e"]  # over the budget alone: still one group
+    assert pending(q) == []
+
+
+def test_min_groups_still_waits_when_the_byte_budget_is_not_what_limits() -> None:
+    q, _ = make()
+    q.put(rec("a", size=40))
+    res = q.get("c", max_groups=3, min_groups=2, max_bytes=1000, overhead_bytes=5)
+    assert res.lease is None and pending(q) == ["a"]
 
 
 @pytest.mark.parametrize(

@@ -108,3 +108,22 @@ def test_spliced_get_response_decodes_like_a_built_one() -> None:
     assert [d.redeliveries for d in decoded.groups] == [0, 1, 2]
     assert all(d.staleness == 2 and d.behaviour_version == 2 for d in decoded.groups)
     assert decoded.groups[1].accepted_at.ToNanoseconds() == int((1700000001.25) * 1e9)
+
+
+def test_get_response_overhead_stays_within_the_budget_get_counts() -> None:
+    """Get budgets a batch as RESPONSE_HEAD_BYTES + per group (payload + DELIVERY_OVERHEAD_BYTES); with every
+    varint at its longest, the encoded response must stay within that, or a capped batch could still fail
+    to send."""
+    # length prefixes of 1, 2 and 3 bytes
+    payloads = [common_pb2.Group(group_id="g", prompt_id="p" * n).SerializeToString() for n in (5, 300, 70_000)]
+    records = [
+        state.GroupRecord(f"g{i}", p, 2**64 - 1, 1, accepted_at=253402300798.999) for i, p in enumerate(payloads)
+    ]
+    lease = state.Lease("f" * 32, [r.group_id for r in records], 253402300798.999, "consumer", 2**64 - 1)
+    deliveries = [state.Delivery(r, 2**64 - 1, 2**32 - 1) for r in records]
+    result = state.GetResult(lease, deliveries, evicted_stale=2**32 - 1)
+    encoded = wire.encode_get_response(result, trainer_version=2**64 - 1)
+    budget = wire.RESPONSE_HEAD_BYTES + sum(len(p) + wire.DELIVERY_OVERHEAD_BYTES for p in payloads)
+    assert len(encoded) <= budget
+    assert queue_pb2.GetResponse.FromString(encoded).groups[2].staleness == 2**64 - 1
+    assert wire.deliverable_group_bytes(1 << 20) == (1 << 20) - wire.RESPONSE_HEAD_BYTES - wire.DELIVERY_OVERHEAD_BYTES

@@ -4,6 +4,7 @@ and a bad version is rejected while the old weights keep serving."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,33 @@ def test_swaps_while_idle_and_several_versions_in_a_row(engine: HFEngine, make_m
     assert (first.result(5), second.result(5)) == (1, 2)
     assert seen == [1, 2] and engine.policy_version == 2
     assert not engine.stats().weight_update_in_progress
+
+
+def test_a_broadcast_at_or_below_a_staged_version_rebases_and_drops_it(engine: HFEngine, make_model: Any) -> None:
+    """Version 0 serves, version 2 is staged but not swapped in yet, and the sidecar sends version 1 (the trainer
+    resumed from its checkpoint of version 1): 1 must replace 2, not be refused as "not newer than 2"."""
+    inside, gate = threading.Event(), threading.Event()
+    decode = engine._decode_step
+
+    def held(batch: Any) -> None:  # the engine thread waits inside a decoding step: nothing staged swaps in
+        inside.set()
+        gate.wait(30)
+        decode(batch)
+
+    engine._decode_step = held  # type: ignore[method-assign]
+    request = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1))
+    assert inside.wait(30)
+    staged = engine.stage_weights(2, make_model(seed=2).state_dict())
+    assert (engine.policy_version, engine.newest_version) == (0, 2)
+    rebased = engine.stage_broadcast(1, make_model(seed=1).state_dict())
+    engine._decode_step = decode  # type: ignore[method-assign]
+    gate.set()
+    assert rebased.result(10) == 1
+    assert staged.cancelled()  # dropped: version 2 never serves
+    tokens = request.result(30)[0][0]
+    assert max(tokens.versions) == 1 and engine.policy_version == 1 == engine.newest_version
+    # the next version from the sidecar is an ordinary one again
+    assert engine.stage_broadcast(2, make_model(seed=2).state_dict()).result(10) == 2
 
 
 def test_a_partial_update_replaces_only_the_named_tensors(engine: HFEngine, reference: Any, make_model: Any,

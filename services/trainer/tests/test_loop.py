@@ -15,8 +15,9 @@ from tauflow.trainer.ports import Batch
 class FakeQueue:
     """Leases groups in order; unacked leases come back when ``expire_all`` is called."""
 
-    def __init__(self, groups) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, groups, max_per_get: int = 1_000_000) -> None:  # type: ignore[no-untyped-def]
         self.pending = list(groups)
+        self.max_per_get = max_per_get  # a cut batch, as a queue at its message size limit answers
         self.leases: dict[str, list] = {}  # type: ignore[type-arg]
         self.acked: list[str] = []
         self.versions: list[tuple[int, bool]] = []
@@ -29,6 +30,7 @@ class FakeQueue:
         if len(self.pending) < n_groups:
             await asyncio.sleep(0.01)
             return None
+        n_groups = min(n_groups, self.max_per_get)
         batch, self.pending = self.pending[:n_groups], self.pending[n_groups:]
         self.n += 1
         lease = f"lease-{self.n}"
@@ -102,6 +104,15 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
     trained = resumed.backend.trained_group_ids
     assert set(held) <= trained  # retrained once, after the crash lost that step
     assert len(queue.acked) == len(set(queue.acked)) == 10
+
+
+def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    queue, publisher = FakeQueue(make_groups(1, 9), max_per_get=1), FakePublisher()
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=3)
+    loop.s.groups_per_step = 3
+    asyncio.run(loop.run())
+    assert loop.version == 3 and [r.groups for r in loop.history] == [3, 3, 3]
+    assert len(queue.acked) == len(set(queue.acked)) == 9 and not queue.leases  # every part acked
 
 
 async def _killed(directory=None):  # type: ignore[no-untyped-def]

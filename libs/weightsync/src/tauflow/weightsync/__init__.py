@@ -32,7 +32,7 @@ from tauflow.weightsync.manifest import (
     plan_buckets,
     validate,
 )
-from tauflow.weightsync.staging import Stager, read_staged, staging_path
+from tauflow.weightsync.staging import Stager, read_staged, remove_stale_staging, staging_path
 from tauflow.weightsync.transfer import (
     LOAD_FORMAT_FLAT,
     LOAD_FORMAT_PER_TENSOR,
@@ -54,5 +54,6 @@ __all__ = [
     "Manifest", "ManifestError", "Phase", "PhaseError", "ReceiveError", "ReceivedVersion", "Stager",
     "StagingError", "StagingNotFound", "StoreHost", "TensorSpec", "WeightGroup", "WeightReceiver",
     "WeightSyncError", "bucket_requests", "bucket_tensors", "canonical_layout", "connect_store", "dtype_from_name", "dtype_name",
-    "new_hasher", "plan_buckets", "read_staged", "send_bucket", "staging_path", "validate",
+    "new_hasher", "plan_buckets", "read_staged", "remove_stale_staging", "send_bucket", "staging_path",
+    "validate",
 ]

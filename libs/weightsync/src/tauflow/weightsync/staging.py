@@ -9,12 +9,19 @@ trainer blocks only for its own write plus that local copy. The stager keeps one
 file and rewrites it in place for every version: no new pages are faulted in, and
 the trainer owns (and finally unlinks) it.
 
+A stager that names its own file (no ``uri`` given) holds an exclusive ``flock`` on it for as long as it
+lives; the kernel drops the lock when the process dies, SIGKILL included. A new such stager removes every
+file of that name pattern that it can lock: those of trainers that died without closing theirs (the
+lock, unlike a pid, is not fooled by pid reuse or by another pid namespace sharing ``/dev/shm``).
+
 URIs: ``shm://NAME`` is the POSIX shared-memory object NAME, i.e. ``/dev/shm/NAME``
 on Linux; ``file:///abs/path`` is a file.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import time
 import uuid
@@ -36,6 +43,9 @@ from tauflow.weightsync.manifest import (
 
 SHM_DIR = Path("/dev/shm")
 _CHUNK = 16 * 1024 * 1024
+OWN_PREFIX = "tauflow-weights-"  # files a Stager names itself: locked while in use, removable once not
+
+log = logging.getLogger(__name__)
 
 
 def staging_path(uri: str) -> Path:
@@ -63,7 +73,9 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 class Stager:
-    """Trainer side: writes state dicts into one staging area and describes them in a manifest."""
+    """Trainer side: writes state dicts into one staging area and describes them in a manifest.
+
+    Without ``uri`` it names (and locks) a file of its own, after removing those of stagers that died."""
 
     def __init__(
         self,
@@ -73,9 +85,12 @@ class Stager:
         checksum_algorithm: str = DEFAULT_ALGORITHM,
         model: str = "",
     ) -> None:
+        self._file = None  # our own file, held open (and locked) while this stager lives
         if uri is None:
-            name = f"tauflow-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            uri = f"shm://{name}" if SHM_DIR.is_dir() else f"file:///tmp/{name}"
+            directory = SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
+            remove_stale_staging(directory)
+            self._file, own = _create_locked(directory)
+            uri = f"shm://{own.name}" if directory == SHM_DIR else f"file://{own}"
         self.uri = uri
         self.path = staging_path(uri)
         self.bucket_bytes = bucket_bytes
@@ -94,7 +109,10 @@ class Stager:
         buckets = self._buckets(state_dict)
         total = buckets[-1].offset_bytes + buckets[-1].size_bytes
         hasher = new_hasher(self.checksum_algorithm)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if self._file is not None:
+            fd = os.dup(self._file.fileno())  # closing the copy keeps the lock, held by self._file
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != total:
                 os.ftruncate(fd, total)
@@ -126,7 +144,52 @@ class Stager:
 
     def close(self) -> None:
         """Removes the staging area."""
-        self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)  # before the lock goes: no other stager sees it unlocked
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _create_locked(directory: Path):  # type: ignore[no-untyped-def]
+    """A new staging file of our own in ``directory``, open and locked; returns (file, path)."""
+    while True:
+        path = directory / f"{OWN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "r+b", buffering=0)
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # waits out a remover that opened it before we locked it
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                return f, path
+        except FileNotFoundError:
+            pass
+        f.close()  # a remover took it for a dead stager's file in that instant: take another name
+
+
+def remove_stale_staging(directory: Path = SHM_DIR) -> list[Path]:
+    """Removes the staging files that stagers named themselves and no live process holds (their trainer
+    died without closing them, e.g. SIGKILL); returns them. Files of other users are left alone."""
+    removed = []
+    for path in sorted(directory.glob(f"{OWN_PREFIX}*")):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or not ours to open
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live stager holds it
+            # Unlocked: its owner is gone. Unlink it while holding the lock, and only if the name still
+            # refers to what we locked.
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed staging files of stagers that died", extra={"files": [p.name for p in removed]})
+    return removed
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -251,6 +251,17 @@ class WeightReceiver:
             self._partial = None
             return True
 
+    def reset(self) -> None:
+        """Forgets the group, a partially received version and the store connections, before this rank
+        joins a sidecar again: the one that built them restarted (its next group may have a lower epoch,
+        on a new store) or dropped this rank. The last complete version is kept."""
+        with self._lock:
+            if self._group is not None:
+                self._group.destroy()
+            self._group = None
+            self._partial = None
+            self._stores.clear()
+
     # -- buckets --
 
     def _check(self, req: BucketRequest) -> WeightGroup:

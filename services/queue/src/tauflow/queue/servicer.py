@@ -17,6 +17,7 @@ from google.protobuf import message_factory
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.protobuf import seconds
+from tauflow.core.status import error_info_trailer
 from tauflow.queue import convert, state, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
@@ -28,9 +29,9 @@ _STATUS = {
     state.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     state.NotFound: grpc.StatusCode.NOT_FOUND,
     state.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    state.QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _MARGIN_S = 0.05  # answer this long before the caller's deadline
+_DOMAIN = queue_pb2.DESCRIPTOR.package
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
@@ -39,6 +40,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.config = config
         self.metrics = metrics
         self._changed = asyncio.Event()
+        # A group must fit a Get response on its own, or it could be accepted and never delivered.
+        self.max_group_bytes = min(
+            config.max_group_bytes, wire.deliverable_group_bytes(config.server.max_message_bytes)
+        )
         metrics.observe(queue.stats())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -49,14 +54,21 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self._changed = asyncio.Event()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
-        if isinstance(err, convert.GroupTooLarge):
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
+        if isinstance(err, (convert.GroupTooLarge, state.GroupOverCapacity)):
+            code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
+        elif isinstance(err, state.QueueFull):
+            code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_QUEUE_FULL
         elif isinstance(err, convert.InvalidGroup):
             code = grpc.StatusCode.INVALID_ARGUMENT
         else:
             code = _STATUS[type(err)]
         self.metrics.rejected.labels(method, code.name).inc()
-        await context.abort(code, str(err))
+        message = str(err)
+        trailer = (
+            () if reason is None else error_info_trailer(code, message, queue_pb2.ErrorReason.Name(reason), _DOMAIN)
+        )
+        await context.abort(code, message, trailing_metadata=trailer)
 
     async def _poll(
         self, context: grpc.aio.ServicerContext, wait_s: float, attempt: Callable[[], T | None]
@@ -122,7 +134,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         async def run() -> queue_pb2.PutResponse:
             if not request.group:
                 raise convert.InvalidGroup("group must be set")
-            record = wire.group_record(request.group, self.config.max_group_bytes)
+            record = wire.group_record(request.group, self.max_group_bytes)
             accepted, depth = self.q.put(record, request.ticket_id)
             if accepted:
                 if self.q.wal is not None:
@@ -149,6 +161,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     request.max_tokens,
                     seconds(request.lease_duration),
                     consumer_version,
+                    # the batch must fit the response message (the groups are spliced in as they are)
+                    max_bytes=self.config.server.max_message_bytes - wire.RESPONSE_HEAD_BYTES,
+                    overhead_bytes=wire.DELIVERY_OVERHEAD_BYTES,
                 )
                 evicted += result.evicted_stale
                 if result.evicted_stale:

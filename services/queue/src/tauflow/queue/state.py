@@ -46,7 +46,11 @@ class FailedPrecondition(QueueError):
 
 
 class QueueFull(QueueError):
-    pass
+    """No room now; the same request can succeed once groups are taken out."""
+
+
+class GroupOverCapacity(QueueFull):
+    """A group larger than the queue's whole byte capacity: no amount of waiting makes room."""
 
 
 @dataclass
@@ -275,6 +279,11 @@ class QueueState:
         m, s = self.m, self.settings
         if group.group_id in m.groups or group.group_id in m.done_ids:
             return False, len(m.pending)
+        if group.size > s.capacity_bytes:
+            raise GroupOverCapacity(
+                f"group {group.group_id} is {group.size} bytes, larger than the queue's capacity of "
+                f"{s.capacity_bytes} bytes: it can never fit"
+            )
         ticket = m.tickets.get(ticket_id) if ticket_id else None
         if ticket is not None and ticket.expires_at <= self.clock():
             ticket = None  # an expired ticket's room was given back; the group comes in untickted
@@ -310,7 +319,13 @@ class QueueState:
         max_tokens: int = 0,
         lease_s: float = 0.0,
         consumer_version: int | None = None,
+        max_bytes: int = 0,
+        overhead_bytes: int = 0,
     ) -> GetResult:
+        """Leases the oldest deliverable groups: up to ``max_groups``, within ``max_tokens`` and within
+        ``max_bytes`` (each group counting its payload plus ``overhead_bytes``: the message limit), at
+        least one group. A batch cut by ``max_bytes`` is delivered even below ``min_groups``: the head
+        groups that did not fit stay at the head, so waiting would never make the batch larger."""
         s, m = self.settings, self.m
         if max_groups == 0 and max_tokens == 0:
             raise InvalidRequest("set max_groups or max_tokens (both are 0)")
@@ -322,7 +337,8 @@ class QueueState:
         version = m.trainer_version if consumer_version is None else consumer_version
         stale: list[str] = []
         batch: list[str] = []
-        tokens = 0
+        tokens = nbytes = 0
+        cut_by_bytes = False
         for gid in m.pending:
             rec = m.groups[gid]
             if s.bounded and version - rec.behaviour_version > s.max_staleness:
@@ -332,11 +348,15 @@ class QueueState:
                 break
             if max_tokens and batch and tokens + rec.n_tokens > max_tokens:
                 break
+            if max_bytes and batch and nbytes + rec.size + overhead_bytes > max_bytes:
+                cut_by_bytes = True
+                break
             batch.append(gid)
             tokens += rec.n_tokens
+            nbytes += rec.size + overhead_bytes
         if stale:
             self._log(EVICT, {"gs": stale, "why": "stale"})
-        if not batch or len(batch) < min_groups:
+        if not batch or (len(batch) < min_groups and not cut_by_bytes):
             return GetResult(None, [], len(stale))
         deadline = self.clock() + (lease_s or s.default_lease_s)
         meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": deadline, "c": consumer_id, "cv": version}

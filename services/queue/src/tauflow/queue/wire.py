@@ -171,6 +171,18 @@ def _length_delimited(field_number: int, payload: bytes) -> list[bytes]:
     return [_varint(field_number << 3 | 2), _varint(len(payload)), payload]
 
 
+# Upper bounds of what encode_get_response adds around the stored group bytes (every varint at its
+# longest): the lease, evicted_stale and trainer_version once, and per group the two field headers
+# plus behaviour_version, staleness, redeliveries and accepted_at. Get budgets its batch with them.
+RESPONSE_HEAD_BYTES = 128
+DELIVERY_OVERHEAD_BYTES = 64
+
+
+def deliverable_group_bytes(max_message_bytes: int) -> int:
+    """The largest group that a Get response of at most ``max_message_bytes`` can carry alone."""
+    return max_message_bytes - RESPONSE_HEAD_BYTES - DELIVERY_OVERHEAD_BYTES
+
+
 _GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].number
 _GROUPS_FIELD = queue_pb2.GetResponse.DESCRIPTOR.fields_by_name["groups"].number
 

@@ -4,7 +4,6 @@ data set is configured, the RolloutService API, and membership of the weight sid
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -13,14 +12,14 @@ from tauflow.core.app import service_main
 from tauflow.core.channel import create_channel
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.rollout import __version__
-from tauflow.rollout.clients import GrpcQueue, GrpcReward, _until_it_works
+from tauflow.rollout.clients import GrpcQueue, GrpcReward, GrpcSidecar
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.dataset import epochs, load_prompts
 from tauflow.rollout.engine import SamplingParams, engine_class
+from tauflow.rollout.membership import SidecarMembership
+from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.producer import Producer, ProducerSettings
 from tauflow.rollout.servicer import RolloutServicer
-
-log = logging.getLogger(__name__)
 
 
 def _tokenizer(model_path: str):  # type: ignore[no-untyped-def]
@@ -40,6 +39,7 @@ async def build(config: RolloutConfig) -> ServiceApp:
         config.model_path, engine_id=f"{config.server_id}-{config.engine}", seed=config.seed, **config.engine_options
     )
     encode, decode = _tokenizer(config.model_path)
+    metrics = RolloutMetrics()
     sidecar_channel = sidecar = None
     if config.weights_address:
         sidecar_channel = create_channel(
@@ -66,6 +66,7 @@ async def build(config: RolloutConfig) -> ServiceApp:
                 ),
             ),
             decode=decode,
+            metrics=metrics,
         )
     servicer = RolloutServicer(
         config.server_id, engine, encode, decode, config.sampling.max_new_tokens, sidecar, producer
@@ -73,19 +74,20 @@ async def build(config: RolloutConfig) -> ServiceApp:
     port_holder: dict[str, int] = {}
 
     async def join_sidecar() -> None:
-        # Join once serving (the sidecar calls back into this server); then weights may change.
+        # Join once serving (the sidecar calls back into this server), and stay a member.
         while "port" not in port_holder:
             await asyncio.sleep(0.05)
         assert sidecar is not None
-        request = weights_pb2.JoinRequest(
-            member_id=config.server_id, address=f"{config.server.host}:{port_holder['port']}", num_ranks=1,
-            backends=["gloo", "nccl"], loaded_policy_version=engine.policy_version, model=config.model_path,
+        membership = SidecarMembership(
+            GrpcSidecar(sidecar, model=config.model_path),
+            config.server_id,
+            f"{config.server.host}:{port_holder['port']}",
+            lambda: engine.policy_version,
+            servicer.receiver.reset,
+            check_every_s=config.weights_check_s,
+            metrics=metrics,
         )
-        async for attempt in _until_it_works():
-            with attempt:
-                await sidecar.Join(request)
-        log.info("joined the weight sidecar", extra={"sidecar": config.weights_address})
-        await asyncio.Event().wait()
+        await membership.run()
 
     background = []
     if sidecar is not None:

@@ -1,4 +1,5 @@
-"""gRPC implementations of the producer's ports: the queue and the reward service."""
+"""gRPC implementations of the rollout's ports: the queue and the reward service (the producer's), and
+the weight sidecar's membership calls."""
 
 from __future__ import annotations
 
@@ -10,17 +11,30 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_channel
 from tauflow.core.protobuf import duration as _duration
+from tauflow.core.status import error_reason
 from tauflow.rollout.convert import group_to_proto
-from tauflow.rollout.producer import ProducedGroup, Ticket
+from tauflow.rollout.membership import SidecarUnavailable
+from tauflow.rollout.producer import GroupRejected, ProducedGroup, Ticket
 
 log = logging.getLogger(__name__)
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_TOO_LARGE = queue_pb2.ErrorReason.Name(queue_pb2.ERROR_REASON_GROUP_TOO_LARGE)
 
 
 def _transient(e: BaseException) -> bool:
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _TRANSIENT
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _TRANSIENT and not _never_fits(e)
+
+
+def _never_fits(e: grpc.aio.AioRpcError) -> bool:
+    """A RESOURCE_EXHAUSTED that no retry can cure: the queue says the group is too large, or gRPC's own
+    message-size limit refused it (on either side; that status carries no reason)."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    reason = error_reason(e)
+    return reason == _TOO_LARGE if reason else "larger than max" in (e.details() or "")
 
 
 def _until_it_works():  # type: ignore[no-untyped-def]
@@ -47,13 +61,20 @@ class GrpcQueue:
 
     async def put(self, group: ProducedGroup, ticket_id: str) -> None:
         request = queue_pb2.PutRequest(group=group_to_proto(group), ticket_id=ticket_id)
-        async for attempt in _until_it_works():
-            with attempt:
-                await self.stub.Put(request)
-
-    async def release(self, ticket_id: str) -> None:
         try:
-            await self.stub.ReleaseReservation(queue_pb2.ReleaseReservationRequest(ticket_id=ticket_id))
+            async for attempt in _until_it_works():
+                with attempt:
+                    await self.stub.Put(request)
+        except grpc.aio.AioRpcError as e:
+            if _never_fits(e):
+                raise GroupRejected("too_large", f"{request.ByteSize()} bytes: {e.details()}") from None
+            raise
+
+    async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
+        try:
+            await self.stub.ReleaseReservation(
+                queue_pb2.ReleaseReservationRequest(ticket_id=ticket_id), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as e:
             log.warning("could not release a ticket; it expires by itself", extra={"code": e.code().name})
 
@@ -77,3 +98,41 @@ class GrpcReward:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class GrpcSidecar:
+    """The membership calls to the weight sidecar, each under ``timeout_s``; SidecarUnavailable when the
+    sidecar is down, slow or full, so that the membership check simply comes again."""
+
+    _MEMBER = (weights_pb2.MEMBER_STATE_JOINING, weights_pb2.MEMBER_STATE_ACTIVE)
+
+    def __init__(
+        self, stub: weights_pb2_grpc.WeightsServiceStub, model: str, num_ranks: int = 1, timeout_s: float = 5.0
+    ) -> None:
+        self.stub = stub
+        self.model = model
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+
+    async def is_member(self, member_id: str, address: str) -> bool:
+        try:
+            status = await self.stub.GetStatus(weights_pb2.GetStatusRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise (SidecarUnavailable(f"GetStatus: {e.code().name}: {e.details()}") if _transient(e) else e) from None
+        return any(
+            m.member_id == member_id and m.address == address and m.state in self._MEMBER for m in status.members
+        )
+
+    async def join(self, member_id: str, address: str, loaded_version: int) -> None:
+        request = weights_pb2.JoinRequest(
+            member_id=member_id,
+            address=address,
+            num_ranks=self.num_ranks,
+            backends=["gloo", "nccl"],
+            loaded_policy_version=loaded_version,
+            model=self.model,
+        )
+        try:
+            await self.stub.Join(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise (SidecarUnavailable(f"Join: {e.code().name}: {e.details()}") if _transient(e) else e) from None

@@ -6,8 +6,11 @@
     rewards = score(groups)                 # the reward service
     put(group, ticket) for each group       # idempotent by group id: retried until the queue has it
 
-Several tickets are worked on at once, so generation overlaps scoring and puts. The loop never imports
-grpc: it talks to the queue and the reward service through the ports below.
+Several tickets are worked on at once, so generation overlaps scoring and puts. A group the queue can
+never take (larger than its bounds) is dropped, logged and counted, and the rest of its ticket released;
+production goes on. When the producer stops, the tickets it has not filled are released at once, so
+their room does not wait for the queue's ticket TTL. The loop never imports grpc: it talks to the queue
+and the reward service through the ports below.
 """
 
 from __future__ import annotations
@@ -24,8 +27,17 @@ from typing import Protocol
 
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams
+from tauflow.rollout.metrics import RolloutMetrics
 
 log = logging.getLogger(__name__)
+
+
+class GroupRejected(Exception):
+    """The queue refused a group for good (``reason``, e.g. ``too_large``): sending it again cannot help."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -50,9 +62,11 @@ class QueuePort(Protocol):
     async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None: ...
 
     async def put(self, group: ProducedGroup, ticket_id: str) -> None:
-        """Returns once the queue holds the group (retrying while it is unavailable or full)."""
+        """Returns once the queue holds the group (retrying while it is unavailable or full); raises
+        GroupRejected when the queue can never take it."""
 
-    async def release(self, ticket_id: str) -> None: ...
+    async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
+        """Gives back the unused part of a ticket; best effort (an unreleased ticket expires by itself)."""
 
 
 class RewardPort(Protocol):
@@ -68,6 +82,7 @@ class ProducerSettings:
     tickets_in_flight: int
     sampling: SamplingParams
     reserve_wait_s: float = 5.0
+    release_timeout_s: float = 2.0  # deadline of the releases on shutdown, which must not hold the stop up
 
 
 class Producer:
@@ -79,6 +94,7 @@ class Producer:
         reward: RewardPort,
         settings: ProducerSettings,
         decode=None,  # type: ignore[no-untyped-def]
+        metrics: RolloutMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -86,9 +102,12 @@ class Producer:
         self.reward = reward
         self.s = settings
         self.decode = decode or (lambda ids: "")
+        self.metrics = metrics or RolloutMetrics.null()
         self.groups_produced = 0
+        self.groups_dropped = 0
         self.groups_in_flight = 0
         self._serial = itertools.count()
+        self._open_tickets: set[str] = set()  # granted and not yet filled or released
 
     async def run(self) -> None:
         slots = asyncio.Semaphore(self.s.tickets_in_flight)
@@ -110,12 +129,32 @@ class Producer:
                 if ticket is None:
                     slots.release()
                     continue
+                self._open_tickets.add(ticket.ticket_id)
                 task = asyncio.create_task(self._produce(ticket))
                 tasks.add(task)
                 task.add_done_callback(done)
         finally:
             for t in tasks:
                 t.cancel()
+            # Runs while the producer is being cancelled (the service stops): shielded, so that a second
+            # cancellation does not cut the releases short.
+            await asyncio.shield(self._stop(list(tasks)))
+
+    async def _stop(self, tasks: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._release_open_tickets()
+
+    async def _release_open_tickets(self) -> None:
+        """Gives the queue back the room of the tickets not filled, each under a short deadline so that an
+        unreachable queue does not hold the stop up (an unreleased ticket expires by its TTL)."""
+        open_tickets, self._open_tickets = sorted(self._open_tickets), set()
+        if not open_tickets:
+            return
+        await asyncio.gather(
+            *(self.queue.release(t, self.s.release_timeout_s) for t in open_tickets), return_exceptions=True
+        )
+        self.metrics.released_tickets.labels("stopped").inc(len(open_tickets))
+        log.info("released the unfilled tickets", extra={"tickets": len(open_tickets)})
 
     async def _produce(self, ticket: Ticket) -> None:
         prompts = [next(self.prompts) for _ in range(ticket.n_groups)]
@@ -140,13 +179,32 @@ class Producer:
                 for p, cs in zip(prompts, completions, strict=True)
             ]
             await self.reward.score(groups)
-            await asyncio.gather(*(self.queue.put(g, ticket.ticket_id) for g in groups))
-            self.groups_produced += len(groups)
+            accepted = await asyncio.gather(*(self._put(g, ticket.ticket_id) for g in groups))
+            self.groups_produced += sum(accepted)
+            if not all(accepted):  # the dropped groups' room would otherwise be held until the ticket's TTL
+                await self.queue.release(ticket.ticket_id)
+                self.metrics.released_tickets.labels("dropped").inc()
+            self._open_tickets.discard(ticket.ticket_id)
         except asyncio.CancelledError:
-            raise
+            raise  # the producer stops; run() releases the open tickets
         except Exception:
             log.exception("a ticket failed; releasing it", extra={"ticket": ticket.ticket_id})
+            self._open_tickets.discard(ticket.ticket_id)
             await self.queue.release(ticket.ticket_id)
             raise
         finally:
             self.groups_in_flight -= len(prompts)
+
+    async def _put(self, group: ProducedGroup, ticket_id: str) -> bool:
+        """Puts one group; False when the queue refused it for good (dropped: production goes on)."""
+        try:
+            await self.queue.put(group, ticket_id)
+        except GroupRejected as e:
+            self.groups_dropped += 1
+            self.metrics.dropped_groups.labels(e.reason).inc()
+            log.error(
+                "the queue refused a group for good; dropped",
+                extra={"group_id": group.group_id, "reason": e.reason, "error": str(e)},
+            )
+            return False
+        return True

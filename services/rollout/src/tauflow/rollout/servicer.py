@@ -147,13 +147,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
             version = await asyncio.to_thread(self.receiver.receive_bucket, bucket)
             if version is not None:
-                # Swapped in at the engine's next safe point, between two decoding steps.
-                # A version at or below the one served is a re-base (the trainer resumed from an older
-                # checkpoint) or a resend after a membership change; the sidecar sends nothing older otherwise.
-                rebase = version.policy_version <= self.engine.policy_version
-                await asyncio.wrap_future(
-                    self.engine.stage_weights(version.policy_version, version.tensors, rebase=rebase)
-                )
+                # Swapped in at the engine's next safe point, between two decoding steps (a re-base drops
+                # what was staged after it: see stage_broadcast).
+                await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
         except (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError) as e:
             await self._refuse(context, e)
         if version is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tauflow.trainer.backend import CheckpointInfo, StepResult, TorchBackend
-from tauflow.trainer.ports import PublisherPort, QueuePort
+from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +95,22 @@ class TrainerLoop:
                 await self._renew_held()
                 self.state = State.WAITING_FOR_DATA
                 waited_from = time.monotonic()
-                batch = await self.queue.get_batch(
-                    self.s.groups_per_step, self.version, self.s.get_wait_s, self.s.lease_s
-                )
-                if batch is None:
+                parts = await self._step_batch()
+                if not parts:
                     continue
+                groups = [g for part in parts for g in part.groups]
                 async with self._lock:
                     self.state = State.TRAINING
                     trained_from = time.monotonic()
-                    result = await asyncio.to_thread(self.backend.train_step, batch.groups, max_staleness=self._tau())
+                    result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self._tau())
                     trained_s = time.monotonic() - trained_from
                     # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
-                    self._held.append(HeldLease(batch.lease_id, time.monotonic()))
+                    self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
                 if result.committed:
                     self.history.append(result)
                     trained = set(result.trained_group_ids)
                     self.staleness[result.step] = Counter(
-                        g.staleness(result.step) for g in batch.groups if g.group_id in trained
+                        g.staleness(result.step) for g in groups if g.group_id in trained
                     )
                     if len(self.staleness) > self.s.history_steps:
                         self.staleness.pop(min(self.staleness))
@@ -140,6 +139,21 @@ class TrainerLoop:
             self.state = State.FAILED
             self.last_error = f"{type(e).__name__}: {e}"
             raise
+
+    async def _step_batch(self) -> list[Batch]:
+        """One step's groups, in one lease or several: the queue cuts a batch that would not fit in one
+        response (message size limit) and keeps the rest at its head, so further Gets complete the step."""
+        parts: list[Batch] = []
+        missing = self.s.groups_per_step
+        while missing > 0:
+            part = await self.queue.get_batch(missing, self.version, self.s.get_wait_s, self.s.lease_s)
+            if part is None:
+                if not parts:
+                    return []
+                continue
+            parts.append(part)
+            missing -= len(part.groups)
+        return parts
 
     def _tau(self) -> int | None:
         return None if self.s.max_staleness < 0 else self.s.max_staleness

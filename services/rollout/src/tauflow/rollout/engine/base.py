@@ -246,6 +246,18 @@ class GenerationEngine(ABC):
         checkpoint: the version goes back, and versions staged after it are dropped). Raises WeightUpdateError for a bad version, name, shape or
         dtype (nothing is staged). The future resolves to ``version`` once it is loaded."""
 
+    @property
+    def newest_version(self) -> int:
+        """The newest version served or staged: a version staged without ``rebase`` must be above it."""
+        return self._version
+
+    def stage_broadcast(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[int]:
+        """Stage a version the weight sidecar sent. The sidecar sends only the newest version it holds, so one
+        at or below the newest version served *or staged* here is a re-base (the trainer resumed from an older
+        checkpoint) or a resend after a membership change: it replaces what was staged after it (dropped),
+        rather than being rejected as not newer."""
+        return self.stage_weights(version, tensors, rebase=int(version) <= self.newest_version)
+
     def add_version_listener(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(version)`` after each version is loaded (from the engine's thread; keep it short)."""
         with self._version_cv:

@@ -353,6 +353,11 @@ class HFEngine(GenerationEngine):
     def weight_spec(self) -> Mapping[str, TensorSpec]:
         return dict(self._spec)
 
+    @property
+    def newest_version(self) -> int:
+        with self._cv:
+            return self._newest_staged
+
     def stage_weights(
         self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False
     ) -> Future[int]:

@@ -17,6 +17,12 @@ class EvictionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVICTION_REASON_UNSPECIFIED: _ClassVar[EvictionReason]
     EVICTION_REASON_STALE: _ClassVar[EvictionReason]
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_QUEUE_FULL: _ClassVar[ErrorReason]
+    ERROR_REASON_GROUP_TOO_LARGE: _ClassVar[ErrorReason]
+
 class PutOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PUT_OUTCOME_UNSPECIFIED: _ClassVar[PutOutcome]
@@ -24,6 +30,9 @@ class PutOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUT_OUTCOME_DUPLICATE: _ClassVar[PutOutcome]
 EVICTION_REASON_UNSPECIFIED: EvictionReason
 EVICTION_REASON_STALE: EvictionReason
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_QUEUE_FULL: ErrorReason
+ERROR_REASON_GROUP_TOO_LARGE: ErrorReason
 PUT_OUTCOME_UNSPECIFIED: PutOutcome
 PUT_OUTCOME_ACCEPTED: PutOutcome
 PUT_OUTCOME_DUPLICATE: PutOutcome

@@ -138,6 +138,9 @@ class QueueServiceServicer:
         Status: INVALID_ARGUMENT when the group is malformed (the message names
         the field); RESOURCE_EXHAUSTED when the queue is full (groups or bytes) or
         the group exceeds the per-group byte limit; UNAVAILABLE while draining.
+        A RESOURCE_EXHAUSTED status carries a google.rpc.ErrorInfo detail whose
+        reason is an ErrorReason name: ERROR_REASON_QUEUE_FULL is worth retrying,
+        ERROR_REASON_GROUP_TOO_LARGE never succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,35 @@
+"""Machine-readable reasons on error statuses: a ``google.rpc.ErrorInfo`` in the standard
+``grpc-status-details-bin`` trailer (AIP-193), so that a client can tell apart two failures that
+share a status code (a full queue, worth retrying, from a group that can never fit) without
+parsing the message."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+DETAILS_KEY = "grpc-status-details-bin"
+
+
+def error_info_trailer(code: grpc.StatusCode, message: str, reason: str, domain: str) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata for ``context.abort(code, message, trailing_metadata=...)``."""
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=domain))
+    return ((DETAILS_KEY, status.SerializeToString()),)
+
+
+def error_reason(err: grpc.RpcError) -> str:
+    """The ErrorInfo reason an error status carries; "" when it carries none."""
+    trailer = getattr(err, "trailing_metadata", None)
+    for key, value in (trailer() if trailer is not None else None) or ():
+        if key != DETAILS_KEY:
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # noqa: BLE001 - a malformed trailer is no reason
+            return ""
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                return info.reason
+    return ""

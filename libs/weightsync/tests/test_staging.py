@@ -1,0 +1,97 @@
+"""Staging files of stagers that died (a trainer SIGKILLed) are removed by the next stager; live ones are kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tauflow.weightsync import Stager, remove_stale_staging
+from tauflow.weightsync.staging import OWN_PREFIX, SHM_DIR
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+
+TRAINER = """
+import sys, time, torch
+from tauflow.weightsync import Stager
+s = Stager()
+s.stage({"w": torch.ones(1024)}, 1)
+print(s.path, flush=True)
+time.sleep(120)
+"""
+
+
+class Trainer:
+    """A process that stages a version with a default Stager and then waits (until killed)."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        self.path = Path(self.proc.stdout.readline().strip())
+        assert self.path.name.startswith(OWN_PREFIX) and self.path.exists()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def trainers() -> Iterator[list[Trainer]]:
+    started: list[Trainer] = []
+    yield started
+    for t in started:
+        t.kill()
+        t.path.unlink(missing_ok=True)
+
+
+def test_the_staging_file_of_a_killed_trainer_is_removed_by_the_next_stager(trainers: list[Trainer]) -> None:
+    dead, alive = Trainer(), Trainer()
+    trainers += [dead, alive]
+    dead.kill()
+    assert dead.path.exists()  # SIGKILL: nothing removed it
+    other = SHM_DIR / f"tauflow-test-{uuid.uuid4().hex[:8]}"  # not a name a stager picks: never touched
+    other.write_bytes(b"x")
+    try:
+        stager = Stager()
+        try:
+            assert not dead.path.exists()
+            assert alive.path.exists()  # its process holds the lock
+            assert other.exists()
+            assert stager.path.exists() and stager.path.name.startswith(f"{OWN_PREFIX}{os.getpid()}-")
+            manifest = stager.stage({"w": torch.zeros(8)}, 1)
+            assert stager.path.stat().st_size == manifest.total_bytes
+        finally:
+            stager.close()
+        assert not stager.path.exists()
+    finally:
+        other.unlink()
+
+
+def test_a_stager_in_use_in_this_process_is_never_taken_for_a_dead_one() -> None:
+    first = Stager()
+    try:
+        first.stage({"w": torch.ones(4)}, 1)  # writes go through a copy of the locked descriptor
+        assert first.path not in remove_stale_staging()
+        second = Stager()
+        assert first.path.exists()
+        second.close()
+    finally:
+        first.close()
+    # closed: removed at once, and nothing is left for the next stager to clean
+    assert not first.path.exists()
+
+
+def test_an_unlocked_file_of_the_pattern_is_stale() -> None:
+    leftover = SHM_DIR / f"{OWN_PREFIX}999999999-{uuid.uuid4().hex[:8]}"
+    leftover.write_bytes(b"old version")
+    assert leftover in remove_stale_staging()
+    assert not leftover.exists()

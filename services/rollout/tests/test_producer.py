@@ -1,0 +1,118 @@
+"""The producer loop against fake ports: groups the queue can never take are dropped while production goes on,
+and a stopped producer gives its unfilled tickets back at once instead of leaving them to the queue's TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tauflow.rollout.dataset import Prompt
+from tauflow.rollout.engine.base import Completion, FinishReason, SamplingParams
+from tauflow.rollout.metrics import RolloutMetrics
+from tauflow.rollout.producer import GroupRejected, ProducedGroup, Producer, ProducerSettings, Ticket
+
+
+class FakeEngine:
+    policy_version = 0
+
+    def __init__(self, block: bool = False) -> None:
+        self.block = block
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
+        return True
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if self.block:
+            await asyncio.Event().wait()  # generation never ends: the service stops mid-ticket
+        return [[Completion([5], [-0.1], [0], FinishReason.STOP) for _ in range(params.n)] for _ in prompts]
+
+
+class FakeQueue:
+    def __init__(self, too_large: frozenset[str] = frozenset(), release_s: float = 0.0) -> None:
+        self.too_large = too_large
+        self.release_s = release_s
+        self.tickets: list[str] = []
+        self.puts: list[tuple[str, str]] = []  # (prompt id, ticket id)
+        self.released: list[tuple[str, float | None]] = []
+
+    async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None:
+        await asyncio.sleep(0)
+        self.tickets.append(f"t{len(self.tickets)}")
+        return Ticket(self.tickets[-1], n_groups, 0)
+
+    async def put(self, group: ProducedGroup, ticket_id: str) -> None:
+        if group.prompt.prompt_id in self.too_large:
+            raise GroupRejected("too_large", f"group {group.group_id} is over the limit")
+        self.puts.append((group.prompt.prompt_id, ticket_id))
+
+    async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
+        await asyncio.sleep(self.release_s)
+        self.released.append((ticket_id, timeout_s))
+
+
+class FakeReward:
+    async def score(self, groups: Sequence[ProducedGroup]) -> None:
+        for g in groups:
+            g.rewards = [1.0] * len(g.completions)
+
+
+def producer(
+    engine: FakeEngine, queue: FakeQueue, prompt_ids: list[str], **kw: object
+) -> tuple[Producer, CollectorRegistry]:
+    registry = CollectorRegistry()
+    prompts = itertools.cycle([Prompt(p, [1, 2]) for p in prompt_ids])
+    settings = ProducerSettings(
+        producer_id="r0",
+        group_size=2,
+        groups_per_ticket=2,
+        tickets_in_flight=kw.pop("tickets", 1),  # type: ignore[arg-type]
+        sampling=SamplingParams(max_new_tokens=1),
+        **kw,  # type: ignore[arg-type]
+    )
+    return Producer(engine, prompts, queue, FakeReward(), settings, metrics=RolloutMetrics(registry)), registry
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_group_the_queue_can_never_take_is_dropped_and_production_goes_on() -> None:
+    queue = FakeQueue(too_large=frozenset({"big"}))
+    p, registry = producer(FakeEngine(), queue, ["a", "big", "b", "c"])  # tickets: (a, big), (b, c), (a, big), …
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.puts) >= 6 and len(queue.released) >= 2)
+    while_running = {t for t, _ in queue.released}
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "big" not in {pid for pid, _ in queue.puts}
+    assert {"a", "b", "c"} <= {pid for pid, _ in queue.puts}  # the loop did not stop at the first refusal
+    dropped = registry.get_sample_value("tauflow_rollout_dropped_groups_total", {"reason": "too_large"})
+    assert dropped == p.groups_dropped >= 2
+    assert len(queue.puts) - 2 <= p.groups_produced <= len(queue.puts)  # the ticket cut by the stop may not count
+    # one ticket at a time, prompts in order: t0 = (a, big), t1 = (b, c), t2 = (a, big), … Only the tickets
+    # that held a dropped group gave room back while the loop ran.
+    assert while_running <= {t for t in queue.tickets if int(t[1:]) % 2 == 0}
+    assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "dropped"}) >= 2
+
+
+async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelled_again() -> None:
+    queue = FakeQueue(release_s=0.2)
+    p, registry = producer(FakeEngine(block=True), queue, ["a", "b"], tickets=2, release_timeout_s=1.5)
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.tickets) == 2)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()  # a second cancellation while the releases are under way does not cut them short
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: len(queue.released) == 2)
+    assert sorted(queue.released) == [("t0", 1.5), ("t1", 1.5)]  # each with the short deadline
+    assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 2
+    assert p.groups_in_flight == 0
