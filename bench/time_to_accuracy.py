@@ -48,7 +48,7 @@ def run_one(recipe: Path, tau: int, out: Path, steps: int, target: float, extra:
 
 def analyse(summary: dict, targets: list[float]) -> dict:  # type: ignore[type-arg]
     steps = summary["steps"]
-    start = steps[0]["time_s"] if steps else 0.0
+    start = steps[0]["committed_s"] if steps else 0.0
     reached = {}
     for t in targets:
         hit = next((e for e in summary["evals"] if e["accuracy"] >= t), None)
@@ -58,7 +58,8 @@ def analyse(summary: dict, targets: list[float]) -> dict:  # type: ignore[type-a
         values = [s["metrics"][key] for s in steps if key in s["metrics"]]
         return statistics.median(values) if values else float("nan")
 
-    gaps = [b["time_s"] - a["time_s"] for a, b in itertools.pairwise(steps)]
+    # committed_s is the trainer's own commit time (time_s is when the controller saw the step)
+    gaps = [b["committed_s"] - a["committed_s"] for a, b in itertools.pairwise(steps)]
     step_s = statistics.median(gaps) if gaps else float("nan")
     return {
         "reached": reached,
@@ -68,7 +69,7 @@ def analyse(summary: dict, targets: list[float]) -> dict:  # type: ignore[type-a
         "wait_s": median("time/wait_s"),
         "train_s": median("time/train_s"),
         "publish_s": median("time/publish_s"),
-        "publish_share": median("time/publish_s") / step_s,
+        "publish_share": median("time/publish_s") / step_s if step_s > 0 else float("nan"),
         "staleness_histogram": summary["staleness_histogram"],
         "staleness_violations": summary["staleness_violations"],
     }

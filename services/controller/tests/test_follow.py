@@ -136,3 +136,36 @@ def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path
         prepare=["python", "prep.py", "--seed", "{seed}", "--out", "runs/s{seed}"],
     )
     assert Run(config).prepare_command() == [sys.executable, "prep.py", "--seed", "7", "--out", "runs/s7"]
+
+
+class AdvancingQueue(queue_pb2_grpc.QueueServiceServicer):
+    """The trainer's version at the queue moves although no new step is listed: a resumed trainer
+    re-training the steps after its checkpoint."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        self.version += 1
+        return queue_pb2.StatsResponse(trainer_version=self.version)
+
+
+def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(AdvancingQueue(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=10, stall_timeout_s=1.0, out_dir=str(tmp_path))
+        try:
+            with pytest.raises(TimeoutError):  # still following after 3 stall timeouts
+                await asyncio.wait_for(
+                    Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    timeout=3,
+                )
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())

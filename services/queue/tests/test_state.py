@@ -1031,3 +1031,16 @@ def test_leases_expiring_together_return_oldest_first() -> None:
     clock.advance(6)
     assert q.sweep().expired_leases == 2
     assert pending(q) == ["a", "b", "c", "d", "e"]
+
+
+def test_a_cut_batch_below_min_groups_waits_until_min_groups_are_waiting() -> None:
+    q, _ = make()
+    for g in "ab":
+        q.put(rec(g, size=40))
+    # the budget fits one group, but only 2 < min_groups=3 are waiting: the step is not complete yet,
+    # so nothing is leased (a lease now would run while the rest is generated)
+    res = q.get("c", max_groups=3, min_groups=3, max_bytes=50, overhead_bytes=5)
+    assert res.lease is None and pending(q) == ["a", "b"]
+    q.put(rec("c", size=40))
+    res = q.get("c", max_groups=3, min_groups=3, max_bytes=50, overhead_bytes=5)
+    assert res.lease is not None and res.lease.group_ids == ["a"]

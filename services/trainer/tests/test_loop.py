@@ -21,13 +21,14 @@ class FakeQueue:
         self.leases: dict[str, list] = {}  # type: ignore[type-arg]
         self.acked: list[str] = []
         self.versions: list[tuple[int, bool]] = []
+        self.renewed: list[str] = []
         self.n = 0
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
         self.versions.append((version, rebase))
 
     async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):  # type: ignore[no-untyped-def]
-        if len(self.pending) < n_groups:
+        if len(self.pending) < min(n_groups, self.max_per_get):
             await asyncio.sleep(0.01)
             return None
         n_groups = min(n_groups, self.max_per_get)
@@ -41,7 +42,7 @@ class FakeQueue:
         self.acked += [g.group_id for g in self.leases.pop(lease_id)]
 
     async def renew(self, lease_id: str, lease_s: float) -> None:
-        pass
+        self.renewed.append(lease_id)
 
     def expire_all(self) -> None:
         for lease in sorted(self.leases, reverse=True):
@@ -113,6 +114,25 @@ def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_group
     asyncio.run(loop.run())
     assert loop.version == 3 and [r.groups for r in loop.history] == [3, 3, 3]
     assert len(queue.acked) == len(set(queue.acked)) == 9 and not queue.leases  # every part acked
+
+
+def test_the_leases_of_a_partial_step_are_renewed_while_the_rest_is_generated(
+    tiny_model_dir, make_groups, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    groups = make_groups(1, 2)
+    queue, publisher = FakeQueue(groups[:1], max_per_get=1), FakePublisher()
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1)
+    loop.s.lease_s = 0.1  # renewed at half of it
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await asyncio.sleep(0.5)  # the first part is leased; the second group is not there yet
+        assert loop.version == 0 and "lease-1" in queue.renewed
+        queue.pending.append(groups[1])
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(scenario())
+    assert loop.version == 1 and loop.history[0].groups == 2
 
 
 async def _killed(directory=None):  # type: ignore[no-untyped-def]

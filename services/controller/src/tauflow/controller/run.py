@@ -64,8 +64,10 @@ class Run:
         self.on_progress = on_progress or (lambda p: None)
         self.summary = RunSummary(config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy)
         self.progress = Progress()
-        self.launcher = LocalLauncher(self.out_dir)
-        self._t0 = time.monotonic()
+        self.launcher = LocalLauncher(
+            self.out_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s
+        )
+        self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self._stubs: dict[str, object] = {}
 
     # -- launch --------------------------------------------------------------------------
@@ -80,7 +82,8 @@ class Run:
             "trainer": {"backend.model_path": c.model, "backend.seed": c.seed,
                         "queue_address": addresses.get("queue", ""), "weights_address": addresses.get("weights", ""),
                         "groups_per_step": c.groups_per_step, "max_staleness": c.max_staleness,
-                        "total_steps": c.steps, "checkpoint_dir": out / "checkpoints"},
+                        "total_steps": c.steps, "checkpoint_dir": out / "checkpoints",
+                        "backend.optim.total_steps": c.steps},  # where a cosine schedule ends
             "rollout": {"model_path": c.model, "dataset": c.dataset, "group_size": c.group_size, "seed": c.seed,
                         "queue_address": addresses.get("queue", ""), "reward_address": addresses.get("reward", ""),
                         "weights_address": addresses.get("weights", ""), "reward_fn": c.reward_fn},
@@ -125,29 +128,36 @@ class Run:
         heldout = _read_jsonl(self.c.eval.dataset, self.c.eval.max_prompts) if self.c.eval.dataset else []
         next_eval = 0
         tokens = 0
-        last_step_at = time.monotonic()
+        last_step_at, last_marker = time.monotonic(), (0, -1)
+        eval_failures = 0
         while True:
             restarted = await asyncio.to_thread(self.launcher.check)
             if restarted:
                 self.progress.message = f"restarted {', '.join(restarted)}"
                 last_step_at = time.monotonic()  # a restarted role needs time to catch up
-            if time.monotonic() - last_step_at > self.c.stall_timeout_s:
-                raise RunStalled(await self._stall_report(trainer, queue))
             try:
                 steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
                 stats = await queue.Stats(queue_pb2.StatsRequest())
             except grpc.aio.AioRpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
+                if time.monotonic() - last_step_at > self.c.stall_timeout_s:
+                    raise RunStalled(await self._stall_report(trainer, queue)) from e
                 await asyncio.sleep(0.5)  # a service is restarting: the launcher brings it back
                 continue
             now = time.monotonic() - self._t0
-            if steps.steps:
-                last_step_at = time.monotonic()
+            # Progress is a new step, or a new version at the queue: a trainer resumed from its
+            # checkpoint re-trains steps already listed, and reports each version to the queue.
+            marker = (len(self.summary.steps) + len(steps.steps), stats.trainer_version)
+            if marker != last_marker:
+                last_step_at, last_marker = time.monotonic(), marker
+            elif time.monotonic() - last_step_at > self.c.stall_timeout_s:
+                raise RunStalled(await self._stall_report(trainer, queue))
             for m in steps.steps:
                 self.summary.steps.append(StepRecord(
                     m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
-                    m.trained_tokens, m.groups, dict(m.metrics)))
+                    m.trained_tokens, m.groups, dict(m.metrics),
+                    m.committed_at.ToNanoseconds() / 1e9 - self._wall0 if m.HasField("committed_at") else now))
                 for staleness, n in m.groups_by_staleness.items():
                     self.summary.staleness_histogram[staleness] = self.summary.staleness_histogram.get(staleness, 0) + n
                 tokens += m.trained_tokens
@@ -164,20 +174,29 @@ class Run:
                 self.on_progress(p)
                 try:
                     accuracy = await self.evaluate(rollout, reward, heldout)
+                    eval_failures = 0
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         raise
-                    log.warning("evaluation skipped: a service is restarting", extra={"code": e.code().name})
-                    await asyncio.sleep(0.5)
-                    continue  # evaluate again at the next poll
-                self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
-                p.accuracy = accuracy
-                next_eval = version + self.c.eval.every_steps
-                target = self.c.target_accuracy
-                if self.c.stop_at_target and target is not None and accuracy >= target and not done:
-                    self.summary.extra["stopped_at_target_version"] = version
-                    break  # the services are stopped (drained) by execute(); the last checkpoint stays
-            p.message = ""
+                    eval_failures += 1
+                    log.warning("evaluation failed", extra={"code": e.code().name, "attempt": eval_failures})
+                    if eval_failures < 3:
+                        await asyncio.sleep(0.5)
+                        continue  # a service is restarting: evaluate again at the next poll
+                    eval_failures, accuracy = 0, None  # give this evaluation up; the run goes on
+                if accuracy is None:
+                    next_eval = version + self.c.eval.every_steps
+                    p.message = f"evaluation of version {version} failed 3 times; skipped"
+                else:
+                    self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
+                    p.accuracy, p.message = accuracy, ""
+                    next_eval = version + self.c.eval.every_steps
+                    target = self.c.target_accuracy
+                    if self.c.stop_at_target and target is not None and accuracy >= target and not done:
+                        self.summary.extra["stopped_at_target_version"] = version
+                        break  # the services are stopped (drained) by execute(); the last checkpoint stays
+            else:
+                p.message = ""
             self.on_progress(p)
             if done:
                 await self._until_trainer_finished(trainer)
@@ -220,14 +239,17 @@ class Run:
         sampling = rollout_pb2.SamplingParams(n=1, temperature=0.0)
 
         async def one(row: dict) -> common_pb2.Group:  # type: ignore[type-arg]
-            resp = await rollout.Generate(rollout_pb2.GenerateRequest(prompt_text=row["prompt"], sampling=sampling))
+            # A deadline of its own: 64 prompts at once on a rollout server that is also generating.
+            resp = await rollout.Generate(
+                rollout_pb2.GenerateRequest(prompt_text=row["prompt"], sampling=sampling), timeout=120
+            )
             return common_pb2.Group(group_id=f"eval-{row['id']}", samples=resp.samples,
                                     metadata={"answer": str(row["answer"])})
 
         groups = []
         for i in range(0, len(rows), 64):
             groups += await asyncio.gather(*(one(r) for r in rows[i : i + 64]))
-        scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn))
+        scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn), timeout=120)
         scores = [s.reward.score for g in scored.groups for s in g.samples]
         return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
 

@@ -22,6 +22,7 @@ class StepRecord:
     trained_tokens: int
     groups: int
     metrics: dict[str, float] = field(default_factory=dict)
+    committed_s: float = 0.0  # when the trainer committed it, since the run started (time_s: when seen)
 
 
 @dataclass

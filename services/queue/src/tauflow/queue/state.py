@@ -324,8 +324,9 @@ class QueueState:
     ) -> GetResult:
         """Leases the oldest deliverable groups: up to ``max_groups``, within ``max_tokens`` and within
         ``max_bytes`` (each group counting its payload plus ``overhead_bytes``: the message limit), at
-        least one group. A batch cut by ``max_bytes`` is delivered even below ``min_groups``: the head
-        groups that did not fit stay at the head, so waiting would never make the batch larger."""
+        least one group. A batch cut by ``max_bytes`` is delivered below ``min_groups`` once at least
+        ``min_groups`` deliverable groups are waiting: the rest stays at the head for the next Get, so
+        waiting would never make this batch larger, and the consumer completes its step at once."""
         s, m = self.settings, self.m
         if max_groups == 0 and max_tokens == 0:
             raise InvalidRequest("set max_groups or max_tokens (both are 0)")
@@ -356,7 +357,9 @@ class QueueState:
             nbytes += rec.size + overhead_bytes
         if stale:
             self._log(EVICT, {"gs": stale, "why": "stale"})
-        if not batch or (len(batch) < min_groups and not cut_by_bytes):
+        if not batch or (
+            len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))
+        ):
             return GetResult(None, [], len(stale))
         deadline = self.clock() + (lease_s or s.default_lease_s)
         meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": deadline, "c": consumer_id, "cv": version}
@@ -367,6 +370,16 @@ class QueueState:
             for g in batch
         ]
         return GetResult(lease, deliveries, len(stale))
+
+    def _deliverable(self, n: int, version: int) -> bool:
+        """Whether at least ``n`` waiting groups are fresh enough for ``version``."""
+        s, count = self.settings, 0
+        for gid in self.m.pending:
+            if not (s.bounded and version - self.m.groups[gid].behaviour_version > s.max_staleness):
+                count += 1
+                if count >= n:
+                    return True
+        return False
 
     def ack(self, lease_id: str) -> int:
         self.sweep()

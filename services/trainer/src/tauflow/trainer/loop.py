@@ -90,11 +90,11 @@ class TrainerLoop:
             # The queue re-bases on our version: after a restart from a checkpoint it may be ahead.
             await self.queue.set_version(self.version, rebase=True)
             await self._publish(rebase=True)
+            waited_from = time.monotonic()  # since the last step: a wait spans several long polls
             while not self.done():
                 await self._running.wait()
-                await self._renew_held()
+                await self._renew(self._held)
                 self.state = State.WAITING_FOR_DATA
-                waited_from = time.monotonic()
                 parts = await self._step_batch()
                 if not parts:
                     continue
@@ -107,17 +107,11 @@ class TrainerLoop:
                     # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
                     self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
                 if result.committed:
-                    self.history.append(result)
-                    trained = set(result.trained_group_ids)
-                    self.staleness[result.step] = Counter(
-                        g.staleness(result.step) for g in groups if g.group_id in trained
-                    )
-                    if len(self.staleness) > self.s.history_steps:
-                        self.staleness.pop(min(self.staleness))
                     published_from = time.monotonic()
                     await self._publish()
                     # Where a step's time goes: waiting for data, training, and the hand-off to the
-                    # sidecar (the only part of a publish the trainer waits for).
+                    # sidecar (the only part of a publish the trainer waits for). Set before the step
+                    # is listed, so ListSteps never shows it without them.
                     result.metrics.update(
                         {
                             "time/wait_s": trained_from - waited_from,
@@ -125,9 +119,17 @@ class TrainerLoop:
                             "time/publish_s": time.monotonic() - published_from,
                         }
                     )
+                    trained = set(result.trained_group_ids)
+                    self.staleness[result.step] = Counter(
+                        g.staleness(result.step) for g in groups if g.group_id in trained
+                    )
+                    if len(self.staleness) > self.s.history_steps:
+                        self.staleness.pop(min(self.staleness))
+                    self.history.append(result)
                     await self.queue.set_version(self.version)
                     if self.on_step is not None:
                         self.on_step(result)
+                waited_from = time.monotonic()
                 if self.version % self.s.checkpoint_every_steps == 0 or self.done():
                     await self.checkpoint()
             self.state = State.FINISHED
@@ -144,14 +146,17 @@ class TrainerLoop:
         """One step's groups, in one lease or several: the queue cuts a batch that would not fit in one
         response (message size limit) and keeps the rest at its head, so further Gets complete the step."""
         parts: list[Batch] = []
+        leases: list[HeldLease] = []
         missing = self.s.groups_per_step
         while missing > 0:
             part = await self.queue.get_batch(missing, self.version, self.s.get_wait_s, self.s.lease_s)
             if part is None:
                 if not parts:
                     return []
+                await self._renew(self._held + leases)  # the rest may take a while: keep every lease
                 continue
             parts.append(part)
+            leases.append(HeldLease(part.lease_id, time.monotonic()))
             missing -= len(part.groups)
         return parts
 
@@ -178,9 +183,9 @@ class TrainerLoop:
             self.state = previous
             return info
 
-    async def _renew_held(self) -> None:
+    async def _renew(self, leases: list[HeldLease]) -> None:
         now = time.monotonic()
-        for lease in self._held:
+        for lease in leases:
             if now - lease.renewed_at > self.s.lease_s / 2:
                 await self.queue.renew(lease.lease_id, self.s.lease_s)
                 lease.renewed_at = now
