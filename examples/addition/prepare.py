@@ -5,7 +5,9 @@
 Writes ``<out>/model`` (a Hugging Face folder: the warm-started policy, version 0 of the RL run),
 ``<out>/train.jsonl`` and ``<out>/heldout.jsonl``. The warm start is supervised fine-tuning on the
 trainer's own backend (``TorchBackend.sft_step``) until greedy held-out accuracy reaches
-``--target`` (about 25 %), so that GRPO starts from a policy that sometimes gets answers right.
+``--target`` (30 %), so that GRPO starts from a policy that often enough gets answers right: from
+25 % the same recipe ended between 76 % and 81 % depending on the seed, from 30 % mostly well above
+80 % (docs/rl-loop.md has the calibration).
 Idempotent: an existing ``<out>/model`` made with the same settings is kept.
 """
 
@@ -48,7 +50,7 @@ def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
     return Sample(task.prompt_ids(a, b), answer, [0.0] * len(answer))  # log-probs unused by SFT
 
 
-def prepare(out: Path, seed: int = 0, target: float = 0.25, lr: float = 3e-3, batch: int = 64,
+def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, batch: int = 64,
             max_steps: int = 5000, hidden: int = 128, layers: int = 2) -> dict:  # type: ignore[type-arg]
     import torch
     from transformers.utils import logging as hf_logging
@@ -90,7 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/addition/prepared"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", type=float, default=0.25, help="held-out accuracy the warm start stops at")
+    p.add_argument("--target", type=float, default=0.30, help="held-out accuracy the warm start stops at")
     args = p.parse_args()
     info = prepare(args.out, seed=args.seed, target=args.target)
     print(f"prepared {info['model']}: {info['parameters']} parameters, warm start {info['sft_steps']} SFT steps "

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
+LEARNING_STEPS = 400
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type
     cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
     for s in sets:
         cmd += ["--set", s]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
+    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -39,18 +40,16 @@ def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type
     return summary
 
 
-def test_grpo_through_every_service_raises_reward_and_heldout_accuracy(prepared: Path, tmp_path: Path) -> None:
-    # Step-based criterion, never wall-clock. The issue asks for +25 points; the default recipe does not
-    # reach that within a CI-sized run yet (see docs/rl-loop.md), so this asserts the learning signal it
-    # does reach: the training reward of 512 samples per step and the greedy held-out accuracy both rise.
-    summary = run(prepared, tmp_path / "run", "steps=300", "eval.every_steps=300", "eval.max_prompts=500",
-                  "max_staleness=1")
+def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepared: Path, tmp_path: Path) -> None:
+    # Step-based criterion, never wall-clock: the issue's +25 points of greedy held-out accuracy within a
+    # fixed number of steps, with the default recipe's schedule (its cosine runs over 1500 steps).
+    summary = run(prepared, tmp_path / "run", f"steps={LEARNING_STEPS}", f"eval.every_steps={LEARNING_STEPS}",
+                  "max_staleness=1", "services.trainer.backend.optim.total_steps=1500")
     first, last = summary["evals"][0], summary["evals"][-1]
-    assert first["policy_version"] == 0 and last["policy_version"] >= 300
+    assert first["policy_version"] == 0 and last["policy_version"] >= LEARNING_STEPS
+    assert last["accuracy"] - first["accuracy"] >= 0.25, summary["evals"]
     rewards = [s["mean_reward"] for s in summary["steps"]]
-    early, late = sum(rewards[:20]) / 20, sum(rewards[-50:]) / 50
-    assert late - early >= 0.10, (early, late)
-    assert last["accuracy"] - first["accuracy"] >= 0.05, summary["evals"]
+    assert sum(rewards[-50:]) / 50 - sum(rewards[:20]) / 20 >= 0.15, (rewards[:20], rewards[-50:])
     assert summary["staleness_violations"] == 0
 
 

@@ -169,3 +169,19 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for name in ("checkpoints", "queue-wal"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state").write_text("run 1")
+    config = RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), resume=True)
+    assert Run(config).set_aside_previous_run() == []
+    assert (tmp_path / "checkpoints" / "state").read_text() == "run 1"
+    config = RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path))
+    assert Run(config).set_aside_previous_run() == ["checkpoints", "queue-wal"]
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "checkpoints.prev" / "state").read_text() == "run 1"
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "state").write_text("run 2")
+    Run(config).set_aside_previous_run()  # one generation is kept
+    assert (tmp_path / "checkpoints.prev" / "state").read_text() == "run 2"

@@ -41,7 +41,8 @@ def run_command(args: argparse.Namespace) -> int:
     if path.is_dir():
         path = path / "config.yaml"
     try:
-        config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=args.set)
+        overrides = [*args.set, *(["resume=true"] if args.resume else [])]
+        config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=overrides)
     except ConfigError as e:
         console.print(f"[red]tauflow run: {e}")
         return 2
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a training job from a config file (or a recipe folder)")
     run.add_argument("config", help="a run config (YAML/TOML/JSON) or a folder holding config.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    run.add_argument("--resume", action="store_true", help="continue the run in out_dir from its last checkpoint")
     args = parser.parse_args(argv)
     logging.captureWarnings(True)
     if args.command == "run":

@@ -42,6 +42,10 @@ class RunConfig(StrictModel):
     target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
     stop_at_target: bool = Field(False, description="end the run at the first evaluation that reaches target_accuracy")
     eval: EvalConfig = EvalConfig()
+    resume: bool = Field(
+        False, description="continue the run in out_dir from its checkpoint and queue log; otherwise they are "
+        "moved to checkpoints.prev and queue-wal.prev and the run starts afresh"
+    )
     max_restarts: int = Field(3, ge=0, description="restarts in a row before a dying service fails the run")
     restart_window_s: float = Field(600.0, gt=0, description="uptime after which a service's restart count resets")
     stall_timeout_s: float = Field(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -98,7 +99,26 @@ class Run:
             command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
         return command
 
+    def set_aside_previous_run(self) -> list[str]:
+        """A new run in an out_dir that holds a previous one starts afresh; the previous run's state is kept
+        one generation back (``checkpoints.prev``, ``queue-wal.prev``) so that a rerun by mistake loses
+        nothing. ``resume: true`` continues it instead."""
+        moved = []
+        for name in ("checkpoints", "queue-wal"):
+            path = self.out_dir / name
+            if self.c.resume or not path.exists():
+                continue
+            previous = self.out_dir / f"{name}.prev"
+            if previous.exists():
+                shutil.rmtree(previous)
+            path.rename(previous)
+            moved.append(name)
+        return moved
+
     def launch(self) -> dict[str, str]:
+        moved = self.set_aside_previous_run()
+        if moved:
+            log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
         if self.c.prepare:
             command = self.prepare_command()
             log.info("prepare", extra={"command": " ".join(command)})
