@@ -69,6 +69,7 @@ class Run:
             self.out_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s
         )
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
+        self._eval_engine_version = 0
         self._stubs: dict[str, object] = {}
 
     # -- launch --------------------------------------------------------------------------
@@ -208,7 +209,8 @@ class Run:
                     next_eval = version + self.c.eval.every_steps
                     p.message = f"evaluation of version {version} failed 3 times; skipped"
                 else:
-                    self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout)))
+                    self.summary.evals.append(EvalRecord(
+                        version, time.monotonic() - self._t0, accuracy, len(heldout), self._eval_engine_version))
                     p.accuracy, p.message = accuracy, ""
                     next_eval = version + self.c.eval.every_steps
                     target = self.c.target_accuracy
@@ -271,6 +273,8 @@ class Run:
             groups += await asyncio.gather(*(one(r) for r in rows[i : i + 64]))
         scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn), timeout=120)
         scores = [s.reward.score for g in scored.groups for s in g.samples]
+        # The version the engine answered with (it may lag or, with tau > 0, differ from the trainer's).
+        self._eval_engine_version = min((s.behaviour_version for g in groups for s in g.samples), default=0)
         return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
 
     # -- all of it -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ class EvalRecord:
     time_s: float
     accuracy: float
     prompts: int
+    engine_version: int = 0  # the oldest version the rollout engine answered with
 
 
 @dataclass
