@@ -83,6 +83,11 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
         timing = {k: v for k, v in result.metrics.items() if k.startswith("time/")}
         assert set(timing) == {"time/wait_s", "time/train_s", "time/publish_s"}
         assert all(v >= 0 for v in timing.values()) and timing["time/train_s"] > 0
+    commits = [r.committed_at for r in first.history]
+    assert None not in commits and commits == sorted(commits)
+    from tauflow.trainer.servicer import step_to_proto
+
+    assert step_to_proto(first.history[0]).committed_at.ToNanoseconds() == int(commits[0] * 1e9)
 
     # Now a crash: the trainer trains step 4 (version 4) and dies before its checkpoint.
     crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4)

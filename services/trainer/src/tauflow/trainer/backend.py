@@ -151,6 +151,8 @@ class StepResult:
     mean_reward: float = 0.0
     loss: float = 0.0
     duration_s: float = 0.0
+    committed_at: float | None = None
+    """Wall-clock time (epoch seconds) the step was committed, set by the service loop."""
     metrics: dict[str, float] = field(default_factory=dict)
     """clip_fraction, is_weight_mean, is_truncated_fraction, kl_behaviour, kl_ref, entropy, grad_norm, lr,
     skipped_* counts, ..."""

@@ -125,6 +125,7 @@ class TrainerLoop:
                     )
                     if len(self.staleness) > self.s.history_steps:
                         self.staleness.pop(min(self.staleness))
+                    result.committed_at = time.time()
                     self.history.append(result)
                     await self.queue.set_version(self.version)
                     if self.on_step is not None:

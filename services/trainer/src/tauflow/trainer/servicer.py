@@ -24,6 +24,7 @@ def step_to_proto(r: StepResult, staleness: dict[int, int] | None = None) -> tra
         mean_reward=r.mean_reward, loss=r.loss, duration=duration,
         metrics={k: float(v) for k, v in r.metrics.items()},
         groups_by_staleness={max(0, k): v for k, v in (staleness or {}).items()},
+        committed_at=_timestamp(r.committed_at) if r.committed_at is not None else None,
     )
 
 
