@@ -69,7 +69,6 @@ class Run:
             self.out_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s
         )
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
-        self._eval_engine_version = 0
         self._stubs: dict[str, object] = {}
 
     # -- launch --------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class Run:
                 p.message = f"evaluating version {version}"
                 self.on_progress(p)
                 try:
-                    accuracy = await self.evaluate(rollout, reward, heldout)
+                    accuracy, engine_version = await self.evaluate(rollout, reward, heldout)
                     eval_failures = 0
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -210,7 +209,7 @@ class Run:
                     p.message = f"evaluation of version {version} failed 3 times; skipped"
                 else:
                     self.summary.evals.append(EvalRecord(
-                        version, time.monotonic() - self._t0, accuracy, len(heldout), self._eval_engine_version))
+                        version, time.monotonic() - self._t0, accuracy, len(heldout), engine_version))
                     p.accuracy, p.message = accuracy, ""
                     next_eval = version + self.c.eval.every_steps
                     target = self.c.target_accuracy
@@ -256,8 +255,9 @@ class Run:
             await asyncio.sleep(0.2)
         raise TimeoutError(f"the trainer did not finish within {timeout_s:.0f}s of its last step")
 
-    async def evaluate(self, rollout, reward, rows: list[dict]) -> float:  # type: ignore[no-untyped-def, type-arg]
-        """Greedy held-out accuracy through the public APIs: Generate, then Score."""
+    async def evaluate(self, rollout, reward, rows: list[dict]) -> tuple[float, int]:  # type: ignore[no-untyped-def, type-arg]
+        """Greedy held-out accuracy through the public APIs (Generate, then Score), and the oldest version the
+        engine answered with (it may lag or, with tau > 0, differ from the trainer's)."""
         sampling = rollout_pb2.SamplingParams(n=1, temperature=0.0)
 
         async def one(row: dict) -> common_pb2.Group:  # type: ignore[type-arg]
@@ -273,9 +273,8 @@ class Run:
             groups += await asyncio.gather(*(one(r) for r in rows[i : i + 64]))
         scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn), timeout=120)
         scores = [s.reward.score for g in scored.groups for s in g.samples]
-        # The version the engine answered with (it may lag or, with tau > 0, differ from the trainer's).
-        self._eval_engine_version = min((s.behaviour_version for g in groups for s in g.samples), default=0)
-        return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
+        engine_version = min((s.behaviour_version for g in groups for s in g.samples), default=0)
+        return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1), engine_version
 
     # -- all of it -----------------------------------------------------------------------
 
