@@ -22,8 +22,8 @@ def build(path: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     # the shape of examples/addition (task.build_model)
-    config = Qwen2Config(vocab_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, intermediate_size=512, max_position_embeddings=32,
+    config = Qwen2Config(vocab_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=8, intermediate_size=512, max_position_embeddings=32,
                          tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)

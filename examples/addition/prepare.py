@@ -5,9 +5,10 @@
 Writes ``<out>/model`` (a Hugging Face folder: the warm-started policy, version 0 of the RL run),
 ``<out>/train.jsonl`` and ``<out>/heldout.jsonl``. The warm start is supervised fine-tuning on the
 trainer's own backend (``TorchBackend.sft_step``) until greedy held-out accuracy reaches
-``--target`` (30 %), so that GRPO starts from a policy that often enough gets answers right: from
-25 % the same recipe ended between 76 % and 81 % depending on the seed, from 30 % mostly well above
-80 % (docs/rl-loop.md has the calibration).
+``--target`` (30 %), so that GRPO starts from a policy that often enough gets answers right.
+The model has 8 attention heads of 16 dimensions (the same ~0.5 M parameters as 4 of 32): with 4 heads
+some seeds levelled off at 74-79 % with one class of sums (e.g. those >= 100) stuck; with 8 every seed
+tried passed 80 % (docs/rl-loop.md has the calibration).
 Idempotent: an existing ``<out>/model`` made with the same settings is kept.
 """
 
@@ -51,13 +52,14 @@ def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
 
 
 def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, batch: int = 64,
-            max_steps: int = 5000, hidden: int = 128, layers: int = 2) -> dict:  # type: ignore[type-arg]
+            max_steps: int = 5000, hidden: int = 128, layers: int = 2, heads: int = 8) -> dict:  # type: ignore[type-arg]
     import torch
     from transformers.utils import logging as hf_logging
 
     from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
     hf_logging.disable_progress_bar()
-    settings = {"recipe": 2, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden, "layers": layers}
+    settings = {"recipe": 3, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden,
+                "layers": layers, "heads": heads}
     stamp = out / "prepared.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("settings") == settings:
         return json.loads(stamp.read_text())
@@ -67,7 +69,7 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, ba
     task.write_jsonl(out / "train.jsonl", train)
     task.write_jsonl(out / "heldout.jsonl", heldout)
     base = out / "base"
-    params = task.build_model(base, hidden=hidden, layers=layers, seed=seed)
+    params = task.build_model(base, hidden=hidden, layers=layers, heads=heads, seed=seed)
     task.build_tokenizer(base)
 
     backend = TorchBackend(TorchBackendConfig(model_path=str(base), optim=OptimConfig(lr=lr), seed=seed))
@@ -77,7 +79,7 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, ba
         pairs = rng.sample(train, batch)
         backend.sft_step([sft_sample(a, b) for a, b in pairs])
         step += 1
-        if step % 20 == 0:
+        if step % 10 == 0:  # the accuracy can jump by 10 points within 20 steps
             accuracy = greedy_accuracy(backend.model.eval(), heldout)
     model_dir = out / "model"
     backend.model.save_pretrained(model_dir)

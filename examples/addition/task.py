@@ -30,7 +30,7 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, hidden: int = 128, layers: int = 2, heads: int = 4, seed: int = 0) -> int:
+def build_model(out: Path, hidden: int = 128, layers: int = 2, heads: int = 8, seed: int = 0) -> int:
     """A tiny Qwen2 model from a config, saved with save_pretrained; returns its parameter count."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM

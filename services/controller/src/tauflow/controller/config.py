@@ -37,6 +37,9 @@ class RunConfig(StrictModel):
     steps: int = Field(..., ge=1, description="optimizer steps (policy versions) to train")
     groups_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
+    temperature: float = Field(
+        1.0, gt=0, description="the sampling temperature; the trainer computes log-probs at the same one"
+    )
     seed: int = 0
     reward_fn: str = "exact_match"
     target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
@@ -58,6 +61,27 @@ class RunConfig(StrictModel):
         unknown = set(self.services) - set(ROLES)
         if unknown:
             raise ValueError(f"services: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+        # One temperature for both sides: log-probs at another temperature than the sampler's make every
+        # importance ratio wrong without any error.
+        for role, key in (("rollout", "sampling.temperature"), ("trainer", "backend.temperature")):
+            value = flatten(self.services.get(role, {})).get(key)
+            if value is not None and float(value) != self.temperature:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"services.{role}.{key} is {value} but the run's temperature is {self.temperature}; "
+                    "set `temperature` once, at the top level"
+                )
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:  # type: ignore[type-arg]
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the dotted keys a service's config takes."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
 
 
 class ControllerConfig(ServiceConfig):

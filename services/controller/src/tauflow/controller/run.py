@@ -25,7 +25,7 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tauflow.controller.config import RunConfig
+from tauflow.controller.config import RunConfig, flatten
 from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.core.channel import create_channel
@@ -84,12 +84,14 @@ class Run:
                         "queue_address": addresses.get("queue", ""), "weights_address": addresses.get("weights", ""),
                         "groups_per_step": c.groups_per_step, "max_staleness": c.max_staleness,
                         "total_steps": c.steps, "checkpoint_dir": out / "checkpoints",
-                        "backend.optim.total_steps": c.steps},  # where a cosine schedule ends
+                        "backend.optim.total_steps": c.steps,  # where a cosine schedule ends
+                        "backend.temperature": c.temperature},
             "rollout": {"model_path": c.model, "dataset": c.dataset, "group_size": c.group_size, "seed": c.seed,
                         "queue_address": addresses.get("queue", ""), "reward_address": addresses.get("reward", ""),
-                        "weights_address": addresses.get("weights", ""), "reward_fn": c.reward_fn},
+                        "weights_address": addresses.get("weights", ""), "reward_fn": c.reward_fn,
+                        "sampling.temperature": c.temperature},
         }
-        extra = {k: v for k, v in _flatten(c.services.get(role, {})).items()}
+        extra = {k: v for k, v in flatten(c.services.get(role, {})).items()}
         return {**base[role], **extra}
 
     def prepare_command(self) -> list[str]:
@@ -300,14 +302,3 @@ class Run:
             self.launcher.stop(order=["rollout", "trainer", "weights", "reward", "queue"])
             self.summary.write(self.out_dir)
         return self.summary
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, object]:  # type: ignore[type-arg]
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
