@@ -112,7 +112,70 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     task.cancel()  # a second cancellation while the releases are under way does not cut them short
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: len(queue.released) == 2)
+    # (the count follows the last release by one turn of the event loop: wait for both)
+    await wait_until(lambda: len(queue.released) == 2 and registry.get_sample_value(
+        "tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None)
     assert sorted(queue.released) == [("t0", 1.5), ("t1", 1.5)]  # each with the short deadline
     assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 2
     assert p.groups_in_flight == 0
+
+
+def _memory_exporter():  # type: ignore[no-untyped-def]
+    """Spans of this process, in memory (the global provider is set once per process)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    exporter = InMemorySpanExporter()
+    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))  # type: ignore[attr-defined]
+    return exporter
+
+
+async def test_each_group_is_one_trace_generate_score_put_with_its_context_stored_in_the_group() -> None:
+    import dataclasses
+
+    from opentelemetry.trace import StatusCode
+
+    from tauflow.rollout.convert import group_to_proto
+
+    exporter = _memory_exporter()
+
+    class RecordingQueue(FakeQueue):
+        def __init__(self, **kw) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(**kw)
+            self.groups: list[ProducedGroup] = []
+
+        async def put(self, group: ProducedGroup, ticket_id: str) -> None:
+            self.groups.append(group)
+            await super().put(group, ticket_id)
+
+    queue = RecordingQueue(too_large=frozenset({"big"}))
+    p, _ = producer(FakeEngine(), queue, ["ok", "big"])
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.groups) >= 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith(("rollout.", "reward.", "queue."))]
+    for g in queue.groups[:4]:
+        (root,) = [s for s in spans if s.name == "rollout.group" and s.attributes["rl.group_id"] == g.group_id]
+        ctx = root.context
+        assert g.traceparent.startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")  # stored with the group
+        wire = group_to_proto(dataclasses.replace(g, rewards=[]))  # (the fake rewards are plain numbers)
+        assert wire.trace_context.traceparent == g.traceparent  # in the Put and Score requests
+        children = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == ctx.span_id}
+        assert set(children) == {"rollout.generate", "reward.score", "queue.put"}
+        assert all(c.context.trace_id == ctx.trace_id for c in children.values())
+        gen, score, put = children["rollout.generate"], children["reward.score"], children["queue.put"]
+        assert root.start_time <= gen.start_time <= gen.end_time <= score.start_time <= score.end_time
+        assert score.end_time <= put.start_time <= put.end_time <= root.end_time
+        assert root.attributes["rl.policy_version"] == 0 and root.attributes["rl.completion_tokens"] == 2
+        assert root.attributes["rl.samples"] == 2 and root.attributes["rl.reward_mean"] == 1.0
+        if g.prompt.prompt_id == "big":  # refused by the queue: the put and the group failed
+            assert put.status.status_code is StatusCode.ERROR and root.status.status_code is StatusCode.ERROR
+        else:
+            assert put.status.status_code is StatusCode.UNSET and root.status.status_code is StatusCode.UNSET
+    assert {g.prompt.prompt_id for g in queue.groups[:4]} == {"ok", "big"}

@@ -1,11 +1,158 @@
-"""The Prometheus ``/metrics`` endpoint every service serves."""
+"""The Prometheus ``/metrics`` endpoint every service serves, and the tools its metrics are built with.
+
+- ``start_metrics_server`` serves a registry on a daemon thread (``serve_metrics`` returns a handle that
+  can be closed, for processes that serve metrics only for a while, like ``tauflow run``).
+- ``ScrapeCollector``: metrics read from a service's own objects when Prometheus scrapes (an engine's
+  counters, a launcher's processes), so the code that does the work needs no metric calls.
+- ``catalog``: every metric a registry holds, as exposed (name, type, labels, help). docs/metrics.md and
+  the dashboards are checked against it (tests/contract/test_metrics_catalog.py).
+
+Conventions (docs/metrics.md): ``tauflow_<service>_<what>_<unit>``; counters end in ``_total``, durations
+are ``_seconds``, sizes ``_bytes``, fractions ``_ratio``. The ``_created`` series of counters and
+histograms are not exported (they double the series count and no dashboard reads them).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+disable_created_metrics()
+
+# Values a ScrapeCollector reader returns: one number, or one number per tuple of label values.
+Reading = float | int | Mapping[tuple[str, ...], float | int] | None
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint."""
+
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free port (read it from the handle)."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(int(server.server_address[1]), server, thread)
 
 
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> int:
-    """Serves ``/metrics`` on a daemon thread; returns the bound port (useful with port 0)."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_address[1])
+    """Serves ``/metrics`` on a daemon thread for the life of the process; returns the bound port."""
+    return serve_metrics(host, port, registry).port
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """One metric as Prometheus sees it: ``name`` as exposed (counters with ``_total``)."""
+
+    name: str
+    type: str  # counter, gauge, histogram, summary, info, stateset, enum
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """The series names a query may use."""
+        if self.type == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        if self.type == "summary":
+            return (self.name, f"{self.name}_sum", f"{self.name}_count")
+        if self.type == "info":
+            return (f"{self.name}_info",)
+        return (self.name,)
+
+
+@dataclass(frozen=True)
+class _Scraped:
+    info: MetricInfo
+    read: Callable[[], Reading]
+
+
+class ScrapeCollector(Collector):
+    """Counters and gauges whose values are read when Prometheus scrapes.
+
+    ``counter(name, help, read)`` / ``gauge(...)`` declare a metric; ``read()`` returns a number, a mapping
+    from label values to numbers, or None (nothing to report yet). A reader that raises is logged once and
+    skipped: a scrape never fails because of one metric. Register the collector after declaring its metrics
+    (``registry.register(collector)``) so that the registry knows its names.
+    """
+
+    def __init__(self) -> None:
+        self._metrics: list[_Scraped] = []
+        self._failed: set[str] = set()
+
+    def counter(self, name: str, help: str, read: Callable[[], Reading], labels: Iterable[str] = ()) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"a counter's name ends in _total: {name}")
+        self._metrics.append(_Scraped(MetricInfo(name, "counter", tuple(labels), help), read))
+
+    def gauge(self, name: str, help: str, read: Callable[[], Reading], labels: Iterable[str] = ()) -> None:
+        self._metrics.append(_Scraped(MetricInfo(name, "gauge", tuple(labels), help), read))
+
+    def infos(self) -> list[MetricInfo]:
+        return [m.info for m in self._metrics]
+
+    def _family(self, info: MetricInfo) -> CounterMetricFamily | GaugeMetricFamily:
+        cls = CounterMetricFamily if info.type == "counter" else GaugeMetricFamily
+        return cls(info.name, info.help, labels=list(info.labels))
+
+    def describe(self) -> Iterable[Any]:
+        return [self._family(m.info) for m in self._metrics]
+
+    def collect(self) -> Iterable[Any]:
+        for m in self._metrics:
+            try:
+                value = m.read()
+            except Exception:  # one broken reader must not fail the scrape
+                if m.info.name not in self._failed:
+                    self._failed.add(m.info.name)
+                    log.exception("metric reader failed", extra={"metric": m.info.name})
+                continue
+            family = self._family(m.info)
+            if value is None:
+                continue
+            if isinstance(value, Mapping):
+                for label_values, v in value.items():
+                    family.add_metric(list(label_values), float(v))
+            else:
+                family.add_metric([], float(value))
+            yield family
+
+
+def _info_of(collector: object) -> list[MetricInfo]:
+    if isinstance(collector, ScrapeCollector):
+        return collector.infos()
+    if isinstance(collector, MetricWrapperBase):
+        kind = collector._type  # private in prometheus_client, and stable
+        name = collector._name
+        if kind == "counter":
+            name += "_total"
+        return [MetricInfo(name, kind, tuple(collector._labelnames), collector._documentation)]
+    describe = getattr(collector, "describe", None)
+    families = describe() if describe else []
+    return [MetricInfo(f.name + ("_total" if f.type == "counter" else ""), f.type, (), f.documentation)
+            for f in families]
+
+
+def catalog(registry: CollectorRegistry = REGISTRY, prefix: str = "tauflow_") -> list[MetricInfo]:
+    """Every metric registered in ``registry`` whose name starts with ``prefix``, sorted by name."""
+    with registry._lock:
+        collectors = list(registry._collector_to_names)
+    infos = [i for c in collectors for i in _info_of(c) if i.name.startswith(prefix)]
+    return sorted(infos, key=lambda i: i.name)

@@ -5,25 +5,124 @@ Tracing is exported over OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
 ``OTEL_SDK_DISABLED=true`` turns it off. The service name comes from
 ``OTEL_SERVICE_NAME`` when set, otherwise ``tauflow-<service>``. gRPC servers
 and clients are instrumented either way, so trace context crosses every call.
+
+``OTEL_TRACES_EXPORTER=file`` (alone or in a list, e.g. ``otlp,file``) with
+``TAUFLOW_TRACES_FILE=PATH`` also writes every span to ``PATH`` as JSON lines
+(see ``JsonLinesSpanExporter``), so a run can be inspected without a collector;
+several processes may append to one file. Spans are exported by a
+``BatchSpanProcessor`` either way: a step never waits on an export.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
+from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
 _configured = False
+TRACES_FILE_ENV = "TAUFLOW_TRACES_FILE"
+
+
+def _hex_trace(trace_id: int) -> str:
+    return format(trace_id, "032x")
+
+
+def _hex_span(span_id: int) -> str:
+    return format(span_id, "016x")
+
+
+def _value(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    """One span as the file exporter writes it: ids in hex as W3C writes them, times in ns since the
+    epoch, the service name from the resource."""
+    ctx = span.context
+    resource = span.resource.attributes if span.resource is not None else {}
+    return {
+        "name": span.name,
+        "service": resource.get("service.name", ""),
+        "trace_id": _hex_trace(ctx.trace_id),
+        "span_id": _hex_span(ctx.span_id),
+        "parent_span_id": _hex_span(span.parent.span_id) if span.parent is not None else None,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "status_message": span.status.description or "",
+        "attributes": {k: _value(v) for k, v in (span.attributes or {}).items()},
+        "links": [
+            {
+                "trace_id": _hex_trace(link.context.trace_id),
+                "span_id": _hex_span(link.context.span_id),
+                "attributes": {k: _value(v) for k, v in (link.attributes or {}).items()},
+            }
+            for link in span.links
+        ],
+    }
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per span to a file (see ``span_to_dict``). Each batch is one ``write`` on
+    a file opened with ``O_APPEND``, so several processes can share the file without tearing lines."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        data = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans).encode()
+        with self._lock:
+            if self._fd is None:
+                return SpanExportResult.FAILURE
+            try:
+                os.write(self._fd, data)
+            except OSError:
+                log.warning("could not write spans", extra={"path": self.path}, exc_info=True)
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def _exporters() -> list[str]:
+    return [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+
+
+def _file_wanted() -> str | None:
+    """The path of the span file when ``file`` is among the exporters (and tracing is on)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or "file" not in _exporters():
+        return None
+    path = os.environ.get(TRACES_FILE_ENV, "")
+    if not path:
+        log.warning(f"OTEL_TRACES_EXPORTER names `file` but {TRACES_FILE_ENV} is not set; no span file")
+        return None
+    return path
 
 
 def _exporter_wanted() -> bool:
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
-    exporters = os.environ.get("OTEL_TRACES_EXPORTER", "")
+    exporters = _exporters()
     if exporters:
-        return "otlp" in exporters.split(",")
+        return "otlp" in exporters
     return bool(
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -53,6 +152,10 @@ def setup_telemetry(service: str, version: str) -> None:
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         log.info("tracing exported over OTLP")
+    path = _file_wanted()
+    if path:
+        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(path)))
+        log.info("spans written to a file", extra={"path": path})
     trace.set_tracer_provider(provider)
     GrpcAioInstrumentorServer().instrument()
     GrpcAioInstrumentorClient().instrument()
@@ -63,3 +166,42 @@ def shutdown_telemetry() -> None:
     shutdown = getattr(provider, "shutdown", None)
     if shutdown is not None:
         shutdown()
+
+
+# -- trace context in messages (common.v1.TraceContext) ---------------------------------------
+
+
+def traceparent_of(span: trace.Span | None = None) -> tuple[str, str]:
+    """(traceparent, tracestate) of ``span`` (default: the current span) as W3C trace context writes
+    them; ("", "") when it is not a valid trace, e.g. with tracing off."""
+    ctx = (span if span is not None else trace.get_current_span()).get_span_context()
+    if not ctx.is_valid:
+        return "", ""
+    state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}", state
+
+
+def span_context_of(traceparent: str, tracestate: str = "") -> trace.SpanContext | None:
+    """The remote span context a stored ``traceparent`` names, for a link; None when it is empty or
+    malformed. (A plain parse: a step links to every group it trains, so this runs often.)"""
+    parts = traceparent.split("-") if traceparent else []
+    if len(parts) < 4 or len(parts[0]) != 2 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        return None
+    try:
+        version, trace_id, span_id, flags = (int(p, 16) for p in parts[:4])
+    except ValueError:
+        return None
+    if version == 0xFF or (version == 0 and len(parts) != 4):
+        return None
+    state = trace.TraceState.from_header([tracestate]) if tracestate else None
+    ctx = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags & 0xFF),
+                            trace_state=state)
+    return ctx if ctx.is_valid else None
+
+
+def set_error(span: trace.Span, error: BaseException) -> None:
+    """Marks ``span`` failed with ``error`` (status ERROR and an exception event)."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))

@@ -126,6 +126,8 @@ class BucketRequest:
     manifest_checksum: str = ""
     checksum_algorithm: str = DEFAULT_ALGORITHM
     flush_cache: bool = False
+    traceparent: str = ""  # W3C context of the trainer's `weights.publish` of the version
+    tracestate: str = ""
 
 
 @dataclass

@@ -79,4 +79,5 @@ def bucket_request_from_proto(request, checksum_algorithm: str):  # type: ignore
         bucket_count=request.bucket_count, load_format=request.load_format,
         manifest_checksum=request.manifest_checksum, checksum_algorithm=checksum_algorithm,
         flush_cache=request.flush_cache,
+        traceparent=request.trace_context.traceparent, tracestate=request.trace_context.tracestate,
     )

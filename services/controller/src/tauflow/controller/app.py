@@ -15,7 +15,7 @@ from tauflow.core.server import ServiceApp, ServiceBinding
 
 
 async def build(config: ControllerConfig) -> ServiceApp:
-    run = Run(config.run)
+    run = Run(config.run, serve_metrics=False)  # its metrics are on this service's /metrics
     servicer = ControllerServicer(run)
 
     async def execute() -> None:

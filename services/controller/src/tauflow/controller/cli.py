@@ -1,4 +1,5 @@
-"""``tauflow``: the command line. ``tauflow run CONFIG`` trains, with live progress and a summary."""
+"""``tauflow``: the command line. ``tauflow run CONFIG`` trains, with live progress and a summary;
+``tauflow trace RUN_DIR_OR_FILE`` turns a run's spans into its rollout-to-update latency breakdown."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def trace_command(args: argparse.Namespace) -> int:
+    from tauflow.controller.tracesummary import summarize_file
+
+    try:
+        table = summarize_file(
+            args.path, png=Path(args.png) if args.png else None, json_out=Path(args.json) if args.json else None
+        )
+    except FileNotFoundError as e:
+        console.print(f"[red]tauflow trace: {e}")
+        return 2
+    print(table)
+    return 0
+
+
 def _interrupt(signum, frame) -> None:  # type: ignore[no-untyped-def]
     raise KeyboardInterrupt
 
@@ -86,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config", help="a run config (YAML/TOML/JSON) or a folder holding config.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", action="store_true", help="continue the run in out_dir from its last checkpoint")
+    trace = sub.add_parser("trace", help="a run's spans as the rollout-to-update latency breakdown (table and PNG)")
+    trace.add_argument("path", help="a run folder (its traces.jsonl) or a span file written with traces_file")
+    trace.add_argument("--png", help="where the chart goes (default: traces.png beside the span file)")
+    trace.add_argument("--json", help="also write the per-group records and the statistics here")
     args = parser.parse_args(argv)
     logging.captureWarnings(True)
     if args.command == "run":
         return run_command(args)
+    if args.command == "trace":
+        return trace_command(args)
     return 2
 
 

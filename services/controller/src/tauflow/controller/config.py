@@ -56,6 +56,10 @@ class RunConfig(StrictModel):
     )
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
     external: dict[str, str] = Field(default_factory=dict, description="role -> address, launcher=external")
+    traces_file: str = Field(
+        "", description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "
+        "`tauflow trace` reads it"
+    )
 
     def model_post_init(self, _: Any) -> None:
         unknown = set(self.services) - set(ROLES)

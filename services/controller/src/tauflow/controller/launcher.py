@@ -47,6 +47,7 @@ class ManagedService:
     proc: subprocess.Popen[bytes] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    starts: int = 0  # processes started, restarts included (never reset: the restarts metric)
     next_restart_at: float = 0.0
     started_at: float = 0.0
 
@@ -107,8 +108,9 @@ class LocalLauncher:
 
     def _command(self, svc: ManagedService) -> list[str]:
         settings = {"server.port": 0, "metrics.port": 0, **svc.spec.settings}
-        if "server.port" in svc.info.get("pinned", {}):
-            settings["server.port"] = svc.info["pinned"]["server.port"]
+        for key, port in svc.info.get("pinned", {}).items():
+            if port:
+                settings[key] = port
         cmd = [sys.executable, "-m", f"tauflow.{svc.name}", "--ready-file", str(svc.ready_file)]
         for key, value in settings.items():
             cmd += ["--set", f"{key}={_format(value)}"]
@@ -126,6 +128,7 @@ class LocalLauncher:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         svc.started_at = time.monotonic()
+        svc.starts += 1
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
     def _wait_ready(self, svc: ManagedService) -> None:
@@ -139,8 +142,9 @@ class LocalLauncher:
                 raise ServiceFailed(svc.name, f"not ready after {self.start_timeout_s:.0f}s:\n{svc.log_tail()}")
             time.sleep(0.05)
         info = json.loads(svc.ready_file.read_text())
-        # A restarted service comes back on the same port, so its peers' channels reconnect.
-        svc.info = {**info, "pinned": {"server.port": info["grpc_port"]}}
+        # A restarted service comes back on the same ports, so its peers' channels reconnect (and Prometheus
+        # keeps scraping the same target).
+        svc.info = {**info, "pinned": {"server.port": info["grpc_port"], "metrics.port": info.get("metrics_port")}}
 
     # -- supervising ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tauflow.controller.config import RunConfig, flatten
 from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
+from tauflow.controller.metrics import controller_metrics, write_targets
+from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.core.channel import create_channel
 
@@ -59,7 +62,9 @@ def _read_jsonl(path: str, limit: int) -> list[dict]:  # type: ignore[type-arg]
 
 
 class Run:
-    def __init__(self, config: RunConfig, on_progress: Callable[[Progress], None] | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, on_progress: Callable[[Progress], None] | None = None, serve_metrics: bool = True
+    ) -> None:
         self.c = config
         self.out_dir = Path(config.out_dir or f"runs/{config.name}")
         self.on_progress = on_progress or (lambda p: None)
@@ -70,6 +75,8 @@ class Run:
         )
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self._stubs: dict[str, object] = {}
+        self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
+        self.metrics_port: int | None = None
 
     # -- launch --------------------------------------------------------------------------
 
@@ -93,6 +100,25 @@ class Run:
         }
         extra = {k: v for k, v in flatten(c.services.get(role, {})).items()}
         return {**base[role], **extra}
+
+    def trace_env(self) -> dict[str, str]:
+        """With ``traces_file`` set, every service also writes its spans there (OTLP export, when an
+        endpoint is set, goes on as well)."""
+        if not self.c.traces_file:
+            return {}
+        path = Path(self.c.traces_file)
+        path = (path if path.is_absolute() else self.out_dir / path).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.c.resume and path.exists() and not getattr(self, "_traces_set_aside", False):
+            path.rename(path.with_name(path.name + ".prev"))  # a new run's spans only, as with checkpoints
+        self._traces_set_aside = True
+        exporters = [e for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+        if not exporters and (
+            os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        ):
+            exporters = ["otlp"]
+        exporters = [e for e in exporters if e != "none"]
+        return {"OTEL_TRACES_EXPORTER": ",".join([*exporters, "file"]), "TAUFLOW_TRACES_FILE": str(path)}
 
     def prepare_command(self) -> list[str]:
         # "{seed}" in the command is the run's seed: a warm start per seed, as the recipe wants.
@@ -129,8 +155,9 @@ class Run:
         for role in ("queue", "reward", "weights", "trainer", "rollout"):
             self.progress.message = f"starting {role}"
             self.on_progress(self.progress)
-            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses)))
+            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=self.trace_env()))
             addresses[role] = svc.address
+            self._write_targets()
         return addresses
 
     # -- follow --------------------------------------------------------------------------
@@ -155,6 +182,7 @@ class Run:
         while True:
             restarted = await asyncio.to_thread(self.launcher.check)
             if restarted:
+                self._write_targets()
                 self.progress.message = f"restarted {', '.join(restarted)}"
                 last_step_at = time.monotonic()  # a restarted role needs time to catch up
             try:
@@ -280,7 +308,13 @@ class Run:
 
     # -- all of it -----------------------------------------------------------------------
 
+    def _write_targets(self) -> None:
+        write_targets(self.out_dir, self.c.name, self.launcher.services, self.metrics_port)
+
     async def execute(self) -> RunSummary:
+        controller_metrics().watch(self)
+        metrics_server = serve_metrics(self.out_dir) if self.serve_metrics else None
+        self.metrics_port = metrics_server.port if metrics_server else None
         try:
             addresses = await asyncio.to_thread(self.launch)
             await self.follow(addresses)
@@ -301,4 +335,6 @@ class Run:
             self.summary.wall_s = time.monotonic() - self._t0
             self.launcher.stop(order=["rollout", "trainer", "weights", "reward", "queue"])
             self.summary.write(self.out_dir)
+            if metrics_server is not None:
+                metrics_server.close()
         return self.summary

@@ -23,6 +23,15 @@ class QueueMetrics:
         )
         self.trainer_version = gauge("tauflow_queue_trainer_version", "Trainer policy version known to the queue")
         self.wal_bytes = gauge("tauflow_queue_wal_bytes", "Size of the write-ahead log")
+        self.max_staleness = gauge("tauflow_queue_max_staleness_steps", "The staleness bound tau (-1: unbounded)")
+        self.groups_per_step = gauge("tauflow_queue_groups_per_step", "Groups the trainer consumes per step")
+        self.pacing_limit = gauge(
+            "tauflow_queue_pacing_limit_groups",
+            "The pacing rule's bound on accepted + reserved groups: (trainer_version + tau + 1) x groups_per_step "
+            "(the group capacity when tau is unbounded)",
+        )
+        self.capacity_groups = gauge("tauflow_queue_capacity_groups", "Groups the queue may hold (reserved included)")
+        self.capacity_bytes = gauge("tauflow_queue_capacity_bytes", "Bytes the queue may hold")
         self.put_groups = Counter("tauflow_queue_put_groups", "Groups newly accepted by Put", registry=registry)
         self.put_bytes = Counter("tauflow_queue_put_bytes", "Bytes of groups newly accepted by Put", registry=registry)
         self.delivered_groups = Counter(
@@ -58,3 +67,11 @@ class QueueMetrics:
         self.accepted_groups.set(s.accepted_groups)
         self.trainer_version.set(s.trainer_version)
         self.wal_bytes.set(s.wal_bytes)
+        self.max_staleness.set(s.max_staleness)
+        self.groups_per_step.set(s.groups_per_step)
+        bounded = s.max_staleness >= 0
+        self.pacing_limit.set(
+            (s.trainer_version + s.max_staleness + 1) * s.groups_per_step if bounded else s.capacity_groups
+        )
+        self.capacity_groups.set(s.capacity_groups)
+        self.capacity_bytes.set(s.capacity_bytes)

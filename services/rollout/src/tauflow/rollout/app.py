@@ -71,6 +71,7 @@ async def build(config: RolloutConfig) -> ServiceApp:
     servicer = RolloutServicer(
         config.server_id, engine, encode, decode, config.sampling.max_new_tokens, sidecar, producer
     )
+    metrics.watch(engine, servicer, producer)
     port_holder: dict[str, int] = {}
 
     async def join_sidecar() -> None:

@@ -17,6 +17,7 @@ def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str 
         completion_token_ids=c.token_ids,
         behaviour_logprobs=c.logprobs,
         token_versions=c.versions,
+        behaviour_version=c.behaviour_version or 0,  # the contract: min(token_versions) when those are set
         finish_reason=int(c.finish_reason),
         completion_text=text,
     )
@@ -32,7 +33,9 @@ def group_to_proto(g: ProducedGroup, traceparent: str = "") -> common_pb2.Group:
         producer_id=g.producer_id,
         created_at=created,
         metadata=g.prompt.metadata,
-        trace_context=common_pb2.TraceContext(traceparent=traceparent),
+        trace_context=common_pb2.TraceContext(
+            traceparent=traceparent or g.traceparent, tracestate=g.tracestate if not traceparent else ""
+        ),
     )
     for sample, reward in zip(group.samples, g.rewards, strict=False):
         sample.reward.CopyFrom(reward)

@@ -6,6 +6,10 @@
     rewards = score(groups)                 # the reward service
     put(group, ticket) for each group       # idempotent by group id: retried until the queue has it
 
+Tracing (docs/observability.md): one trace per group, a root span ``rollout.group`` holding
+``rollout.generate``, ``reward.score`` and ``queue.put``; its context goes into the group's
+``trace_context`` before the score and the put, so the queue stores it and the trainer links to it.
+
 Several tickets are worked on at once, so generation overlaps scoring and puts. A group the queue can
 never take (larger than its bounds) is dropped, logged and counted, and the rest of its ticket released;
 production goes on. When the producer stops, the tickets it has not filled are released at once, so
@@ -16,6 +20,7 @@ and the reward service through the ports below.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -25,11 +30,42 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from opentelemetry import trace
+
+from tauflow.core.telemetry import set_error, traceparent_of
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams
 from tauflow.rollout.metrics import RolloutMetrics
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tauflow.rollout")
+
+
+@contextlib.contextmanager
+def _phase(name: str, parents: Sequence[trace.Span], **attributes: object) -> Iterator[list[trace.Span]]:
+    """One child span ``name`` under each group's root span, all with the same start and end: a batched
+    call (generate, score) serves several groups at once. The first group's child is the current span
+    meanwhile, so a gRPC call made inside lands in that group's trace. Errors set the status."""
+    start = time.time_ns()
+    children = [
+        tracer.start_span(name, context=trace.set_span_in_context(p), start_time=start, attributes=attributes)
+        for p in parents
+    ]
+    try:
+        with (
+            trace.use_span(children[0], record_exception=False, set_status_on_exception=False)
+            if children
+            else contextlib.nullcontext()
+        ):
+            yield children
+    except Exception as e:
+        for c in children:
+            set_error(c, e)
+        raise
+    finally:
+        end = time.time_ns()
+        for c in children:
+            c.end(end_time=end)
 
 
 class GroupRejected(Exception):
@@ -56,6 +92,13 @@ class ProducedGroup:
     rewards: list = field(default_factory=list)  # type: ignore[type-arg]  # filled by the reward port
     producer_id: str = ""
     created_at: float = 0.0
+    traceparent: str = ""  # W3C context of the group's `rollout.group` span, stored with the group
+    tracestate: str = ""
+
+    @property
+    def behaviour_version(self) -> int:
+        """The oldest policy version of any token of the group (0 when it has none)."""
+        return min((v for c in self.completions for v in c.versions), default=0)
 
 
 class QueuePort(Protocol):
@@ -159,13 +202,23 @@ class Producer:
     async def _produce(self, ticket: Ticket) -> None:
         prompts = [next(self.prompts) for _ in range(ticket.n_groups)]
         self.groups_in_flight += len(prompts)
+        roots: list[trace.Span] = []
         try:
             # The ticket's version: data generated with older weights could be too stale to train on.
             # (in short waits, so that a shutdown never waits on a blocked worker thread)
             while not await asyncio.to_thread(self.engine.wait_for_version, ticket.min_policy_version, 1.0):
                 pass
             params = dataclasses.replace(self.s.sampling, n=self.s.group_size)
-            completions = await self.engine.generate([p.token_ids for p in prompts], params)
+            roots = [
+                tracer.start_span(
+                    "rollout.group", context=trace.set_span_in_context(trace.INVALID_SPAN),
+                    attributes={"rl.prompt_id": p.prompt_id, "rl.producer_id": self.s.producer_id,
+                                "rl.ticket_min_policy_version": ticket.min_policy_version},
+                )
+                for p in prompts
+            ]
+            with _phase("rollout.generate", roots, **{"rl.group_size": self.s.group_size}):
+                completions = await self.engine.generate([p.token_ids for p in prompts], params)
             now = time.time()
             groups = [
                 ProducedGroup(
@@ -178,8 +231,18 @@ class Producer:
                 )
                 for p, cs in zip(prompts, completions, strict=True)
             ]
-            await self.reward.score(groups)
-            accepted = await asyncio.gather(*(self._put(g, ticket.ticket_id) for g in groups))
+            for g, root in zip(groups, roots, strict=True):
+                g.traceparent, g.tracestate = traceparent_of(root)
+                _group_attributes(root, g)
+            with _phase("reward.score", roots, **{"rl.groups": len(groups)}):
+                await self.reward.score(groups)
+            for g, root in zip(groups, roots, strict=True):
+                if g.rewards:
+                    scores = [float(getattr(r, "score", r)) for r in g.rewards]  # common.v1.Reward (or a number)
+                    root.set_attribute("rl.reward_mean", sum(scores) / len(scores))
+            accepted = await asyncio.gather(
+                *(self._put(g, ticket.ticket_id, root) for g, root in zip(groups, roots, strict=True))
+            )
             self.groups_produced += sum(accepted)
             if not all(accepted):  # the dropped groups' room would otherwise be held until the ticket's TTL
                 await self.queue.release(ticket.ticket_id)
@@ -187,19 +250,26 @@ class Producer:
             self._open_tickets.discard(ticket.ticket_id)
         except asyncio.CancelledError:
             raise  # the producer stops; run() releases the open tickets
-        except Exception:
+        except Exception as e:
+            for root in roots:
+                set_error(root, e)
             log.exception("a ticket failed; releasing it", extra={"ticket": ticket.ticket_id})
             self._open_tickets.discard(ticket.ticket_id)
             await self.queue.release(ticket.ticket_id)
             raise
         finally:
             self.groups_in_flight -= len(prompts)
+            for root in roots:
+                root.end()
 
-    async def _put(self, group: ProducedGroup, ticket_id: str) -> bool:
+    async def _put(self, group: ProducedGroup, ticket_id: str, root: trace.Span | None = None) -> bool:
         """Puts one group; False when the queue refused it for good (dropped: production goes on)."""
         try:
-            await self.queue.put(group, ticket_id)
+            with _phase("queue.put", [root] if root is not None else [], **{"rl.group_id": group.group_id}):
+                await self.queue.put(group, ticket_id)
         except GroupRejected as e:
+            if root is not None:
+                set_error(root, e)
             self.groups_dropped += 1
             self.metrics.dropped_groups.labels(e.reason).inc()
             log.error(
@@ -208,3 +278,13 @@ class Producer:
             )
             return False
         return True
+
+
+def _group_attributes(span: trace.Span, g: ProducedGroup) -> None:
+    span.set_attributes({
+        "rl.group_id": g.group_id,
+        "rl.policy_version": g.behaviour_version,
+        "rl.samples": len(g.completions),
+        "rl.prompt_tokens": len(g.prompt.token_ids) * len(g.completions),
+        "rl.completion_tokens": sum(len(c.token_ids) for c in g.completions),
+    })

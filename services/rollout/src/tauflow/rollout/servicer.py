@@ -8,9 +8,12 @@ import logging
 import time
 
 import grpc
+from opentelemetry import trace
 
+from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
 from tauflow.rollout.convert import sample_to_proto, sampling_from_proto
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, WeightUpdateError
 from tauflow.rollout.producer import Producer
@@ -24,6 +27,7 @@ from tauflow.weightsync import (
 from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tauflow.rollout")
 _RECEIVE_STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "precondition": grpc.StatusCode.FAILED_PRECONDITION,
@@ -52,6 +56,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.receiver = WeightReceiver(label=server_id)
         self._checksum_algorithms: dict[tuple[int, str], str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._load_started: dict[tuple[int, int], int] = {}  # (version, epoch) -> first bucket's time, ns
         self.in_flight = 0
 
     # -- data plane ------------------------------------------------------------------------
@@ -141,6 +146,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return self._checksum_algorithms.get(key, "")
 
     async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+        key = (request.policy_version, request.membership_epoch)
+        self._load_started.setdefault(key, time.time_ns())
+        version = None
         try:
             bucket = bucket_request_from_proto(
                 request, await self._checksum_algorithm(request.policy_version, request.manifest_checksum)
@@ -151,9 +159,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 # what was staged after it: see stage_broadcast).
                 await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
         except (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError) as e:
+            self._load_span(request, None, e)
             await self._refuse(context, e)
         if version is not None:
-            task = asyncio.get_running_loop().create_task(self._confirm(version))
+            load_context = self._load_span(request, version)
+            task = asyncio.get_running_loop().create_task(self._confirm(version, load_context))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return rollout_pb2.UpdateWeightsFromDistributedResponse(
@@ -161,12 +171,36 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             version_complete=version is not None,
         )
 
-    async def _confirm(self, v: ReceivedVersion) -> None:
+    def _load_span(
+        self, request, version: ReceivedVersion | None, error: BaseException | None = None  # type: ignore[no-untyped-def]
+    ) -> common_pb2.TraceContext:
+        """Records ``weights.load`` (first bucket received -> version swapped in, or the failure) with a
+        link to the trainer's ``weights.publish`` of the version; returns its trace context."""
+        key = (request.policy_version, request.membership_epoch)
+        started = self._load_started.pop(key, None) or time.time_ns()
+        for k in [k for k in self._load_started if k[0] <= key[0]]:  # older or failed versions' leftovers
+            del self._load_started[k]
+        publish = span_context_of(request.trace_context.traceparent, request.trace_context.tracestate)
+        span = tracer.start_span(
+            "weights.load", start_time=started, links=[trace.Link(publish)] if publish is not None else [],
+            attributes={"rl.policy_version": request.policy_version, "weights.member_id": self.server_id,
+                        "weights.membership_epoch": request.membership_epoch,
+                        "weights.buckets": request.bucket_count},
+        )
+        if version is not None:
+            span.set_attribute("weights.bytes", version.nbytes)
+        if error is not None:
+            set_error(span, error)
+        span.end()
+        traceparent, tracestate = traceparent_of(span)
+        return common_pb2.TraceContext(traceparent=traceparent, tracestate=tracestate)
+
+    async def _confirm(self, v: ReceivedVersion, load_context: common_pb2.TraceContext | None = None) -> None:
         if self.sidecar is None:
             return
         request = weights_pb2.ConfirmVersionRequest(
             member_id=self.server_id, policy_version=v.policy_version, manifest_checksum=v.manifest_checksum,
-            loaded_checksum=v.loaded_checksum, membership_epoch=v.membership_epoch,
+            loaded_checksum=v.loaded_checksum, membership_epoch=v.membership_epoch, trace_context=load_context,
         )
         request.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
         try:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opentelemetry import trace
 
 from tauflow.trainer.algorithms import (
     Algorithm,
@@ -43,6 +44,7 @@ from tauflow.trainer.batch import (
     split_by_token_budget,
 )
 
+tracer = trace.get_tracer("tauflow.trainer")
 SCHEDULES = ("constant", "cosine")
 CHECKPOINT_FORMAT = 1
 STATE_JSON = "trainer_state.json"
@@ -410,37 +412,42 @@ class TorchBackend:
 
         parts: list[dict[str, float]] = []
         self.model.train()
-        for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
-            mb = pack(
-                [train[i] for i in index],
-                [train_adv[i] for i in index],
-                pad_token_id=self.pad_token_id,
-                padding_side=self.config.padding_side,
-            ).to(self.device)
-            with self._autocast():
-                lp = completion_logprobs(
-                    self.model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
+        with tracer.start_as_current_span(
+            "forward_backward", attributes={"rl.samples": len(train), "rl.trained_tokens": int(norm.tokens)}
+        ) as fb_span:
+            for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
+                mb = pack(
+                    [train[i] for i in index],
+                    [train_adv[i] for i in index],
+                    pad_token_id=self.pad_token_id,
+                    padding_side=self.config.padding_side,
+                ).to(self.device)
+                with self._autocast():
+                    lp = completion_logprobs(
+                        self.model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
+                    )
+                    ref_logp = None
+                    if ref is not None:
+                        with torch.no_grad():
+                            ref_logp = completion_logprobs(ref, mb, temperature=self.config.temperature).logprobs
+                out = alg.policy_loss(
+                    LossInputs(
+                        logp=lp.logprobs,
+                        behaviour_logp=mb.behaviour_logprobs,
+                        advantages=mb.advantages,
+                        mask=mb.loss_mask,
+                        ref_logp=ref_logp,
+                        entropy=lp.entropy,
+                    ),
+                    cfg,
+                    norm,
                 )
-                ref_logp = None
-                if ref is not None:
-                    with torch.no_grad():
-                        ref_logp = completion_logprobs(ref, mb, temperature=self.config.temperature).logprobs
-            out = alg.policy_loss(
-                LossInputs(
-                    logp=lp.logprobs,
-                    behaviour_logp=mb.behaviour_logprobs,
-                    advantages=mb.advantages,
-                    mask=mb.loss_mask,
-                    ref_logp=ref_logp,
-                    entropy=lp.entropy,
-                ),
-                cfg,
-                norm,
-            )
-            out.loss.backward()
-            parts.append(out.sums)
+                out.loss.backward()
+                parts.append(out.sums)
+            fb_span.set_attribute("rl.micro_batches", len(parts))
         metrics = summarize(parts)
-        metrics.update(self._optimizer_step())
+        with tracer.start_as_current_span("optimizer.step"):
+            metrics.update(self._optimizer_step())
         self.version += 1
         self.trained_group_ids.update(g.group_id for g in fresh)
 

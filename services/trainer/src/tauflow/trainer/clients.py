@@ -11,6 +11,7 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_channel
 from tauflow.core.protobuf import duration as _duration
+from tauflow.core.telemetry import traceparent_of
 from tauflow.trainer.convert import group_from_proto
 from tauflow.trainer.ports import Batch
 
@@ -115,6 +116,9 @@ class SidecarPublisher:
 
         manifest = await asyncio.to_thread(self.stager.stage, tensors, version)
         request = self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri, rebase=rebase)
+        # The current span is the loop's `weights.publish`: the sidecar's `weights.broadcast` links to it.
+        traceparent, tracestate = traceparent_of()
+        request.trace_context.traceparent, request.trace_context.tracestate = traceparent, tracestate
         async for attempt in _until_it_works():
             with attempt:
                 await self.stub.Publish(request)

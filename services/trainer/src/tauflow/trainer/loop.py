@@ -6,6 +6,11 @@ checkpoint restarts from the checkpoint; the queue redelivers the unacked
 leases when they expire, and the checkpoint's trained ids keep any group from
 being trained twice. The heavy work (forward, backward, checkpoint writes) runs
 in a worker thread, so the service keeps answering while it trains.
+
+Tracing (docs/observability.md): each step is a ``trainer.step`` span that links to
+the stored trace context of every group it consumed (``rl.staleness`` on each
+link) and holds ``queue.get``, ``forward_backward``, ``optimizer.step`` and
+``weights.publish``.
 """
 
 from __future__ import annotations
@@ -18,10 +23,15 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from tauflow.core.telemetry import set_error, span_context_of
 from tauflow.trainer.backend import CheckpointInfo, StepResult, TorchBackend
 from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tauflow.trainer")
 
 
 class State(enum.Enum):
@@ -77,6 +87,9 @@ class TrainerLoop:
         self._running = asyncio.Event()
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
+        self._gets: list[tuple[int, int, int]] = []  # (start ns, end ns, groups) of the step's Gets
+        self._step_span: trace.Span | None = None
+        self._step_token: object = None
 
     @property
     def version(self) -> int:
@@ -99,6 +112,7 @@ class TrainerLoop:
                 if not parts:
                     continue
                 groups = [g for part in parts for g in part.groups]
+                self._open_step_span(parts)
                 async with self._lock:
                     self.state = State.TRAINING
                     trained_from = time.monotonic()
@@ -130,6 +144,7 @@ class TrainerLoop:
                     await self.queue.set_version(self.version)
                     if self.on_step is not None:
                         self.on_step(result)
+                self._close_step_span(result)
                 waited_from = time.monotonic()
                 if self.version % self.s.checkpoint_every_steps == 0 or self.done():
                     await self.checkpoint()
@@ -137,8 +152,10 @@ class TrainerLoop:
             log.info("finished", extra={"version": self.version})
         except asyncio.CancelledError:
             self.state = State.STOPPING
+            self._close_step_span(None)
             raise
         except Exception as e:
+            self._close_step_span(None, e)
             self.state = State.FAILED
             self.last_error = f"{type(e).__name__}: {e}"
             raise
@@ -149,8 +166,12 @@ class TrainerLoop:
         parts: list[Batch] = []
         leases: list[HeldLease] = []
         missing = self.s.groups_per_step
+        self._gets = []
         while missing > 0:
+            get_started = time.time_ns()
             part = await self.queue.get_batch(missing, self.version, self.s.get_wait_s, self.s.lease_s)
+            if part is not None:
+                self._gets.append((get_started, time.time_ns(), len(part.groups)))
             if part is None:
                 if not parts:
                     return []
@@ -167,8 +188,57 @@ class TrainerLoop:
     async def _publish(self, rebase: bool = False) -> None:
         if self.publisher is None or self.published_version == self.version:
             return
-        await self.publisher.publish(self.version, self.backend.state_dict_for_publish(), rebase=rebase)
+        with tracer.start_as_current_span(
+            "weights.publish", attributes={"rl.policy_version": self.version, "weights.rebase": rebase}
+        ):
+            await self.publisher.publish(self.version, self.backend.state_dict_for_publish(), rebase=rebase)
         self.published_version = self.version
+
+    # -- tracing -------------------------------------------------------------------------
+
+    def _open_step_span(self, parts: list[Batch]) -> None:
+        """Starts ``trainer.step`` (from the first Get that brought data) with a link to each consumed
+        group's rollout, records the step's Gets as ``queue.get`` children, and makes it current, so the
+        training thread's spans and the publish are its children."""
+        step = self.version
+        links = []
+        for part in parts:
+            for g, traceparent in zip(part.groups, part.trace_contexts, strict=False):
+                span_context = span_context_of(traceparent)
+                if span_context is not None:
+                    links.append(trace.Link(span_context, {"rl.group_id": g.group_id, "rl.staleness": g.staleness(step)}))
+        start = self._gets[0][0] if self._gets else time.time_ns()
+        span = tracer.start_span(
+            "trainer.step", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links, start_time=start,
+            attributes={"rl.step": step, "rl.groups": sum(len(p.groups) for p in parts)},
+        )
+        ctx = trace.set_span_in_context(span)
+        for get_start, get_end, n in self._gets:
+            tracer.start_span("queue.get", context=ctx, start_time=get_start, attributes={"rl.groups": n}).end(
+                end_time=get_end
+            )
+        self._step_span, self._step_token = span, otel_context.attach(ctx)
+
+    def _close_step_span(self, result: StepResult | None, error: BaseException | None = None) -> None:
+        span, token = self._step_span, self._step_token
+        if span is None:
+            return
+        self._step_span = self._step_token = None
+        if result is not None:
+            span.set_attributes({
+                "rl.policy_version": result.policy_version,
+                "rl.committed": result.committed,
+                "rl.samples": result.samples,
+                "rl.trained_tokens": result.trained_tokens,
+                "rl.loss": result.loss,
+                "rl.reward_mean": result.mean_reward,
+                "rl.max_staleness": result.max_staleness,
+                "rl.mean_staleness": result.mean_staleness,
+            })
+        if error is not None:
+            set_error(span, error)
+        otel_context.detach(token)  # type: ignore[arg-type]
+        span.end()
 
     async def checkpoint(self, directory: Path | None = None) -> CheckpointInfo:
         """Writes a checkpoint, then acks every lease whose steps it holds."""

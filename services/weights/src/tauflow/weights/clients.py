@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.protobuf import duration
@@ -51,6 +52,7 @@ class RolloutMemberClient:
             policy_version=request.policy_version, membership_epoch=request.membership_epoch,
             bucket_index=request.bucket_index, bucket_count=request.bucket_count,
             load_format=request.load_format, manifest_checksum=request.manifest_checksum,
+            trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
         ), timeout_s)
 
     async def destroy_group(self, group_name: str, timeout_s: float) -> None:

@@ -53,6 +53,18 @@ class WeightsMetrics:
             "tauflow_weights_member_load_duration_seconds", "Members' reported time from first bucket to swap",
             buckets=PHASE_BUCKETS, registry=r,
         )
+        self.broadcast_seconds = Histogram(
+            "tauflow_weights_broadcast_duration_seconds",
+            "One broadcast of a version, from its start (group rebuild included) to every member's confirmation "
+            "or the failure",
+            buckets=PHASE_BUCKETS, registry=r,
+        )
+        self.broadcasts = Counter(
+            "tauflow_weights_broadcasts", "Broadcasts of a version by outcome (ok, failed: retried with backoff)",
+            ["outcome"], registry=r,
+        )
+        for outcome in ("ok", "failed"):
+            self.broadcasts.labels(outcome)
         self.rejected = Counter(
             "tauflow_weights_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
             registry=r,
@@ -65,6 +77,10 @@ class WeightsMetrics:
     def null(cls) -> WeightsMetrics:
         """Metrics on a private registry (tests, embedding)."""
         return cls(CollectorRegistry())
+
+    def broadcast_done(self, ok: bool, seconds: float) -> None:
+        self.broadcasts.labels("ok" if ok else "failed").inc()
+        self.broadcast_seconds.observe(seconds)
 
     def observe(
         self, *, latest: int | None, confirmed: int | None, epoch: int, members: dict[str, int], retained_bytes: int

@@ -22,6 +22,7 @@ being broadcast waits; a newer publish supersedes a waiting one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
@@ -518,7 +519,9 @@ class Sidecar:
                     except TimeoutError:
                         pass
                     continue
+                started = time.monotonic()
                 ok = await self._broadcast_latest()
+                self.metrics.broadcast_done(ok, time.monotonic() - started)
                 if ok:
                     backoff = 0.2
                 else:
@@ -550,15 +553,17 @@ class Sidecar:
                 span.set_attribute("rl.policy_version", v.manifest.policy_version)
                 span.set_attribute("weights.bytes", v.manifest.total_bytes)
                 if self._needs_rebuild() and not await self._rebuild():
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(self.last_error or "group init failed")))
                     return False
                 members = [self.members[i] for i in self._group_members]
                 if not members or all(m.has(v) for m in members):
                     return True
                 span.set_attribute("weights.membership_epoch", self.epoch)
                 span.set_attribute("weights.members", len(members))
-                if not await self._transfer(v, members):
-                    return False
-                return await self._confirm(v, members)
+                ok = await self._transfer(v, members) and await self._confirm(v, members)
+                if not ok:  # a member failed a phase; the others get the version again in a rebuilt group
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, str(self.last_error or "broadcast failed")))
+                return ok
         finally:
             self.broadcasting = None
             self.progress = None
@@ -686,6 +691,9 @@ class Sidecar:
         self._set_phase(Phase.TRANSFER, self.settings.group_s)
         requests = bucket_requests(m_, group_name=group.name, membership_epoch=self.epoch,
                                    load_format=self.settings.load_format, flush_cache=self.settings.flush_cache)
+        # Each member's `weights.load` links to the trainer's `weights.publish` of the version, as this
+        # broadcast does.
+        requests = [dataclasses.replace(r, traceparent=v.traceparent, tracestate=v.tracestate) for r in requests]
         for m in members:
             m.sent[m_.policy_version] = m_.checksum
             while len(m.sent) > _KEEP_SENT:

@@ -161,7 +161,7 @@ class TensorShape(_message.Message):
     def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class UpdateWeightsFromDistributedRequest(_message.Message):
-    __slots__ = ("names", "dtypes", "shapes", "group_name", "flush_cache", "policy_version", "membership_epoch", "bucket_index", "bucket_count", "load_format", "manifest_checksum")
+    __slots__ = ("names", "dtypes", "shapes", "group_name", "flush_cache", "policy_version", "membership_epoch", "bucket_index", "bucket_count", "load_format", "manifest_checksum", "trace_context")
     NAMES_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
     SHAPES_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     BUCKET_COUNT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
     dtypes: _containers.RepeatedScalarFieldContainer[str]
     shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
@@ -184,7 +185,8 @@ class UpdateWeightsFromDistributedRequest(_message.Message):
     bucket_count: int
     load_format: str
     manifest_checksum: str
-    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., group_name: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., policy_version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., bucket_count: _Optional[int] = ..., load_format: _Optional[str] = ..., manifest_checksum: _Optional[str] = ...) -> None: ...
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., group_name: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., policy_version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., bucket_count: _Optional[int] = ..., load_format: _Optional[str] = ..., manifest_checksum: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsFromDistributedResponse(_message.Message):
     __slots__ = ("policy_version", "bucket_index", "version_complete")

@@ -1,0 +1,56 @@
+"""The metrics kit: scrape-time collectors, the catalog the docs are checked against, a closable endpoint."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tauflow.core.metrics import MetricInfo, ScrapeCollector, catalog, serve_metrics
+
+
+def test_scrape_collector_reads_values_when_scraped_and_skips_a_broken_reader() -> None:
+    registry = CollectorRegistry()
+    state = {"tokens": 3}
+    c = ScrapeCollector()
+    c.counter("tauflow_x_tokens_total", "tokens", lambda: state["tokens"])
+    c.gauge("tauflow_x_version", "by engine", lambda: {("e0",): 4, ("e1",): 5}, labels=["engine"])
+    c.gauge("tauflow_x_broken", "raises", lambda: 1 / 0)
+    c.gauge("tauflow_x_absent", "nothing yet", lambda: None)
+    registry.register(c)
+    state["tokens"] = 7
+    text = generate_latest(registry).decode()
+    assert "tauflow_x_tokens_total 7.0" in text
+    assert 'tauflow_x_version{engine="e1"} 5.0' in text
+    assert "tauflow_x_broken" not in text and "tauflow_x_absent " not in text
+    assert "_created" not in text
+
+
+def test_catalog_lists_names_as_exposed_with_types_and_labels() -> None:
+    registry = CollectorRegistry()
+    Counter("tauflow_x_events", "events", ["reason"], registry=registry)
+    Gauge("tauflow_x_depth_groups", "depth", registry=registry)
+    Histogram("tauflow_x_step_seconds", "step", ["phase"], registry=registry)
+    Gauge("other_metric", "not ours", registry=registry)
+    c = ScrapeCollector()
+    c.counter("tauflow_x_tokens_total", "tokens", lambda: 1)
+    registry.register(c)
+    assert catalog(registry) == [
+        MetricInfo("tauflow_x_depth_groups", "gauge", (), "depth"),
+        MetricInfo("tauflow_x_events_total", "counter", ("reason",), "events"),
+        MetricInfo("tauflow_x_step_seconds", "histogram", ("phase",), "step"),
+        MetricInfo("tauflow_x_tokens_total", "counter", (), "tokens"),
+    ]
+    assert catalog(registry)[2].series == ("tauflow_x_step_seconds_bucket", "tauflow_x_step_seconds_sum",
+                                           "tauflow_x_step_seconds_count")
+
+
+def test_a_metrics_server_serves_then_closes() -> None:
+    registry = CollectorRegistry()
+    Gauge("tauflow_x_up", "up", registry=registry).set(1)
+    server = serve_metrics("127.0.0.1", 0, registry)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        assert "tauflow_x_up 1.0" in body
+    finally:
+        server.close()

@@ -1,0 +1,116 @@
+"""The controller's Prometheus metrics (``tauflow_controller_*``): the run as the controller sees it.
+
+Read from the run when Prometheus scrapes: each role's process (up, restarts) from the launcher, the
+trainer's version and the held-out evaluations from what the controller followed. ``tauflow run`` serves
+them on ``TAUFLOW_METRICS_HOST:TAUFLOW_METRICS_PORT`` (default 127.0.0.1 and a free port), records the
+port in ``<out_dir>/controller.ready.json`` and writes ``<out_dir>/prometheus-targets.json``, a
+Prometheus file_sd list of every role's /metrics endpoint (deploy/observability/prometheus.yml reads it).
+``tauflow-controller`` serves them on its own metrics endpoint, like every service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from tauflow.core.metrics import MetricsServer, Reading, ScrapeCollector, serve_metrics
+
+log = logging.getLogger(__name__)
+
+TARGETS_FILE = "prometheus-targets.json"
+READY_FILE = "controller.ready.json"
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self._run: Any = None
+        c = ScrapeCollector()
+        c.gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is "
+                "dead or restarting", self._up, labels=["service"])
+        c.counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process",
+                  self._restarts, labels=["service"])
+        c.gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
+                lambda: None if self._run is None else self._run.progress.version)
+        c.gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
+                lambda: None if self._run is None else self._run.c.steps)
+        c.gauge("tauflow_controller_max_staleness_steps", "The run's staleness bound tau (-1: unbounded)",
+                lambda: None if self._run is None else self._run.c.max_staleness)
+        c.gauge("tauflow_controller_heldout_accuracy_ratio", "Greedy held-out accuracy of the last evaluation",
+                lambda: self._last_eval("accuracy"))
+        c.gauge("tauflow_controller_heldout_policy_version", "Policy version the last evaluation's engine answered "
+                "with", lambda: self._last_eval("engine_version"))
+        c.counter("tauflow_controller_evaluations_total", "Held-out evaluations completed",
+                  lambda: None if self._run is None else len(self._run.summary.evals))
+        registry.register(c)
+
+    def watch(self, run: Any) -> None:
+        """Report ``run`` (a controller.run.Run) from now on."""
+        self._run = run
+
+    def _services(self) -> dict[str, Any]:
+        return {} if self._run is None else dict(self._run.launcher.services)
+
+    def _up(self) -> Reading:
+        out = {}
+        for role, svc in self._services().items():
+            alive = svc.proc is not None and svc.proc.poll() is None and bool(svc.info)
+            out[(role,)] = 1 if alive else 0
+        return out
+
+    def _restarts(self) -> Reading:
+        return {(role,): max(0, svc.starts - 1) for role, svc in self._services().items()}
+
+    def _last_eval(self, field: str) -> Reading:
+        if self._run is None or not self._run.summary.evals:
+            return None
+        return getattr(self._run.summary.evals[-1], field)
+
+
+_lock = threading.Lock()
+_metrics: ControllerMetrics | None = None
+
+
+def controller_metrics() -> ControllerMetrics:
+    """The process's controller metrics, on the default registry (created once)."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = ControllerMetrics()
+        return _metrics
+
+
+def serve(out_dir: Path) -> MetricsServer:
+    """Serves the process's metrics for ``tauflow run`` and records the port in ``out_dir``."""
+    host = os.environ.get("TAUFLOW_METRICS_HOST", "127.0.0.1")
+    server = serve_metrics(host, int(os.environ.get("TAUFLOW_METRICS_PORT", "0")))
+    info = {"service": "controller", "pid": os.getpid(), "metrics_host": host, "metrics_port": server.port}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / READY_FILE, info)
+    log.info("serving metrics", extra={"address": f"{host}:{server.port}"})
+    return server
+
+
+def write_targets(out_dir: Path, run_name: str, services: dict[str, Any], controller_port: int | None) -> None:
+    """``<out_dir>/prometheus-targets.json``: every role's /metrics endpoint as a Prometheus file_sd list,
+    labelled with ``job="tauflow-<role>"``, ``role`` and ``run`` (rewritten when a role restarts)."""
+    groups = []
+    endpoints = {role: svc.info.get("metrics_port") for role, svc in services.items() if svc.info}
+    if controller_port:
+        endpoints["controller"] = controller_port
+    for role, port in endpoints.items():
+        if port:
+            groups.append({"targets": [f"127.0.0.1:{port}"],
+                           "labels": {"job": f"tauflow-{role}", "role": role, "run": run_name}})
+    _write_json(out_dir / TARGETS_FILE, groups)
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)  # atomic: Prometheus never reads half a file

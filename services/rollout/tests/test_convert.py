@@ -1,0 +1,19 @@
+"""Completions -> protobuf: the contract's invariants hold on what the rollout sends."""
+
+from __future__ import annotations
+
+from tauflow.rollout.convert import sample_to_proto
+from tauflow.rollout.engine.base import Completion, FinishReason
+
+
+def test_behaviour_version_is_the_oldest_token_version() -> None:
+    # A completion that spanned a weight update: its behaviour version is that of its oldest token, as
+    # common.proto requires (behaviour_version == min(token_versions)); a caller of Generate reads it.
+    c = Completion([5, 6, 2], [-0.1, -0.2, -0.3], [7, 8, 8], FinishReason.STOP)
+    sample = sample_to_proto(0, [1, 4], c)
+    assert sample.behaviour_version == 7 and list(sample.token_versions) == [7, 8, 8]
+
+
+def test_an_empty_completion_has_version_zero_and_no_token_versions() -> None:
+    sample = sample_to_proto(0, [1, 4], Completion([], [], [], FinishReason.ABORT))
+    assert sample.behaviour_version == 0 and not sample.token_versions
