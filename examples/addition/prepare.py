@@ -26,10 +26,11 @@ sys.path.insert(0, str(HERE))
 import task  # noqa: E402
 
 
-def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> float:  # type: ignore[no-untyped-def]
+def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Greedy exact-match accuracy: ``all``, and per answer length (``2`` digits, ``3`` digits)."""
     import torch
 
-    correct = 0
+    correct: dict[str, list[int]] = {"all": [0, 0], "2": [0, 0], "3": [0, 0]}
     with torch.no_grad():
         for i in range(0, len(pairs), 250):
             chunk = pairs[i : i + 250]
@@ -40,8 +41,17 @@ def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> float:  # type: igno
             )[:, ids.shape[1] :].tolist()
             for (a, b), row in zip(chunk, out, strict=True):
                 want = task.answer_ids(a, b)
-                correct += row[: len(want)] == want
-    return correct / len(pairs)
+                for key in ("all", str(len(str(a + b)))):
+                    correct[key][0] += row[: len(want)] == want
+                    correct[key][1] += 1
+    return {k: ok / max(n, 1) for k, (ok, n) in correct.items()}
+
+
+def warm_enough(accuracy: dict[str, float], target: float) -> bool:
+    """``target`` overall, and at least half of it on each answer length: a warm start that got the
+    2-digit sums right and almost none of the 3-digit ones (60 % of the problems) gives GRPO next to
+    nothing to learn from on those, and the run stalls near where it started (docs/rl-loop.md)."""
+    return accuracy["all"] >= target and min(accuracy["2"], accuracy["3"]) >= target / 2
 
 
 def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
@@ -51,14 +61,14 @@ def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
     return Sample(task.prompt_ids(a, b), answer, [0.0] * len(answer))  # log-probs unused by SFT
 
 
-def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, batch: int = 64,
+def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 1e-3, batch: int = 64,
             max_steps: int = 5000, hidden: int = 128, layers: int = 2, heads: int = 8) -> dict:  # type: ignore[type-arg]
     import torch
     from transformers.utils import logging as hf_logging
 
     from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
     hf_logging.disable_progress_bar()
-    settings = {"recipe": 3, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden,
+    settings = {"recipe": 4, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden,
                 "layers": layers, "heads": heads}
     stamp = out / "prepared.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("settings") == settings:
@@ -75,7 +85,7 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, ba
     backend = TorchBackend(TorchBackendConfig(model_path=str(base), optim=OptimConfig(lr=lr), seed=seed))
     rng = random.Random(seed)
     accuracy, step = greedy_accuracy(backend.model, heldout), 0
-    while accuracy < target and step < max_steps:
+    while not warm_enough(accuracy, target) and step < max_steps:
         pairs = rng.sample(train, batch)
         backend.sft_step([sft_sample(a, b) for a, b in pairs])
         step += 1
@@ -84,7 +94,8 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 3e-3, ba
     model_dir = out / "model"
     backend.model.save_pretrained(model_dir)
     task.build_tokenizer(model_dir)
-    info = {"settings": settings, "parameters": params, "sft_steps": step, "heldout_accuracy": accuracy,
+    info = {"settings": settings, "parameters": params, "sft_steps": step, "heldout_accuracy": accuracy["all"],
+            "heldout_accuracy_by_digits": {k: accuracy[k] for k in ("2", "3")},
             "model": str(model_dir), "train": str(out / "train.jsonl"), "heldout": str(out / "heldout.jsonl")}
     stamp.write_text(json.dumps(info, indent=2))
     return info
@@ -98,7 +109,8 @@ def main() -> None:
     args = p.parse_args()
     info = prepare(args.out, seed=args.seed, target=args.target)
     print(f"prepared {info['model']}: {info['parameters']} parameters, warm start {info['sft_steps']} SFT steps "
-          f"-> held-out accuracy {info['heldout_accuracy']:.1%}")
+          f"-> held-out accuracy {info['heldout_accuracy']:.1%} (2-digit sums "
+          f"{info['heldout_accuracy_by_digits']['2']:.1%}, 3-digit {info['heldout_accuracy_by_digits']['3']:.1%})")
 
 
 if __name__ == "__main__":
