@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
-LEARNING_STEPS = 800
+LEARNING_STEPS = 500
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,13 @@ def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type
     return summary
 
 
+@pytest.mark.timeout(1800)  # steps decide, not the clock: a loaded machine only makes it slower
 def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepared: Path, tmp_path: Path) -> None:
     # Step-based criterion, never wall-clock: the issue's +25 points of greedy held-out accuracy within a
-    # fixed number of steps, with the default recipe's schedule (its cosine runs over 1500 steps). Runs
-    # at tau = 1 have dipped for ~300 steps before recovering (docs/rl-loop.md), hence 800 steps and the
+    # fixed number of steps, with the default recipe's schedule (its cosine runs over 1500 steps). The
+    # shipped recipe's runs gained 25 points by steps 100-400 (docs/rl-loop.md), hence 500 steps and the
     # best evaluation in them.
-    summary = run(prepared, tmp_path / "run", f"steps={LEARNING_STEPS}", "eval.every_steps=100",
+    summary = run(prepared, tmp_path / "run", f"steps={LEARNING_STEPS}", "eval.every_steps=50",
                   "max_staleness=1", "services.trainer.backend.optim.total_steps=1500")
     first, last = summary["evals"][0], summary["evals"][-1]
     assert first["policy_version"] == 0 and last["policy_version"] >= LEARNING_STEPS
