@@ -117,16 +117,21 @@ def _file_wanted() -> str | None:
     return path
 
 
+def configured_exporters() -> list[str]:
+    """The span exporters the environment asks for: ``OTEL_TRACES_EXPORTER`` (without ``none``), or
+    ``otlp`` when only an OTLP endpoint is set."""
+    exporters = _exporters()
+    if not exporters and (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        exporters = ["otlp"]
+    return [e for e in exporters if e != "none"]
+
+
 def _exporter_wanted() -> bool:
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
-    exporters = _exporters()
-    if exporters:
-        return "otlp" in exporters
-    return bool(
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
+    return "otlp" in configured_exporters()
 
 
 def setup_telemetry(service: str, version: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from tauflow.controller.metrics import controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.core.channel import create_channel
+from tauflow.core.telemetry import configured_exporters
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,7 @@ class Run:
         if not self.c.resume and path.exists() and not getattr(self, "_traces_set_aside", False):
             path.rename(path.with_name(path.name + ".prev"))  # a new run's spans only, as with checkpoints
         self._traces_set_aside = True
-        exporters = [e for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
-        if not exporters and (
-            os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        ):
-            exporters = ["otlp"]
-        exporters = [e for e in exporters if e != "none"]
+        exporters = [e for e in configured_exporters() if e != "file"]
         return {"OTEL_TRACES_EXPORTER": ",".join([*exporters, "file"]), "TAUFLOW_TRACES_FILE": str(path)}
 
     def prepare_command(self) -> list[str]:
