@@ -2,7 +2,8 @@
 """Step time with tracing on against tracing off, in one invocation: the ratio (target <= 1.03).
 
 Runs short `tauflow run`s of a recipe (default: examples/addition, its prepared warm start), alternating
-tracing off and on (off, on, off, on, ... so that drifts in the machine's load hit both alike). Only the
+tracing off and on in rounds ordered off-on, on-off, off-on, ... so that drifts in the machine's speed
+hit both alike. Only the
 standard OpenTelemetry variables differ between the two:
 
 - off: ``OTEL_SDK_DISABLED=true`` (no tracer provider: no spans at all);
@@ -12,10 +13,11 @@ standard OpenTelemetry variables differ between the two:
 
 The step time of a run is the median interval between two committed steps (the trainer's
 ``committed_s`` in summary.json: everything a step waits for — rollout, reward, queue — included), the
-first ``--warmup`` steps left out. The ratio is the median over the "on" runs divided by the median over
-the "off" runs; the trainer's own phases (``time/train_s``, ``time/publish_s``) are reported too.
+first ``--warmup`` steps left out. The ratio is the median over the rounds of each round's "on" step time
+over its "off" one (paired, so that the machine's drift over the invocation cancels); the ratio of the
+medians and the trainer's own phases (``time/train_s``, ``time/publish_s``) are reported too.
 
-    python bench/tracing_overhead.py                     # 2 rounds of 60 steps
+    python bench/tracing_overhead.py                     # 4 rounds of 60 steps
     python bench/tracing_overhead.py --rounds 3 --steps 100 --exporter file
 
 Prints a table and ``BENCH_JSON {...}``. See bench/README.md.
@@ -43,34 +45,48 @@ OTEL_KEYS = ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_
 
 
 class Receiver:
-    """An OTLP/gRPC trace receiver in this process: counts the spans that arrive, per service."""
+    """An OTLP/gRPC trace receiver in this process. It keeps the requests as bytes and counts the spans per
+    service only when asked (``take``, between runs): a collector runs on other cores, so the benchmark
+    does not charge the run with decoding what it exported."""
 
     def __init__(self) -> None:
         import grpc
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-        self.spans: Counter[str] = Counter()
-        lock = threading.Lock()
-        spans = self.spans
+        self.requests: list[bytes] = []
+        self.lock = threading.Lock()
+        lock, requests = self.lock, self.requests
 
-        class Service(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):  # type: ignore[no-untyped-def]
-                with lock:
-                    for rs in request.resource_spans:
-                        name = next((a.value.string_value for a in rs.resource.attributes
-                                     if a.key == "service.name"), "?")
-                        spans[name] += sum(len(ss.spans) for ss in rs.scope_spans)
-                return trace_service_pb2.ExportTraceServiceResponse()
+        def export(request: bytes, context: grpc.ServicerContext) -> bytes:
+            with lock:
+                requests.append(request)
+            return b""  # an empty ExportTraceServiceResponse
 
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(export)},  # no (de)serializers: raw bytes
+        )
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
-    def take(self) -> dict[str, int]:
-        out = dict(self.spans)
-        self.spans.clear()
-        return out
+    def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The spans received since the last call: (count per service, count per span name)."""
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        with self.lock:
+            requests = list(self.requests)
+            self.requests.clear()
+        services: Counter[str] = Counter()
+        names: Counter[str] = Counter()
+        for raw in requests:
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(raw)
+            for rs in request.resource_spans:
+                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "?")
+                for ss in rs.scope_spans:
+                    services[service] += len(ss.spans)
+                    names.update(f"{service} {span.name}" for span in ss.spans)
+        return dict(services), dict(names)
 
     def stop(self) -> None:
         self.server.stop(grace=1)
@@ -126,7 +142,7 @@ def main() -> int:
                    help="the recipe's prepared model and data (made with examples/addition/prepare.py if missing)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out")
-    p.add_argument("--rounds", type=int, default=2, help="pairs of runs (off, on)")
+    p.add_argument("--rounds", type=int, default=4, help="pairs of runs (off, on)")
     p.add_argument("--exporter", choices=("otlp", "file"), default="otlp")
     p.add_argument("--out", type=Path, default=None, help="run folders (default: a temporary folder)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra run config override")
@@ -141,19 +157,19 @@ def main() -> int:
     results: dict[str, list[dict]] = {"off": [], "on": []}  # type: ignore[type-arg]
     try:
         for r in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # ABBA: a steady drift hits both alike
                 spans_file = out / f"{mode}{r}" / "spans.jsonl"
                 spans_file.parent.mkdir(parents=True, exist_ok=True)
                 env = tracing_env(mode, args.exporter, receiver, spans_file)
                 summary = run_one(args.recipe, args.prepared, out / f"{mode}{r}", args.steps, env, args.set)
                 t = step_times(summary, args.warmup)
                 if receiver is not None:
-                    t["spans"] = receiver.take()
-                elif spans_file.exists():
-                    t["spans"] = dict(Counter(json.loads(line).get("service", "?")
-                                              for line in spans_file.read_text().splitlines() if line.strip()))
+                    t["spans"], t["span_names"] = receiver.take()
                 else:
-                    t["spans"] = {}
+                    lines = spans_file.read_text().splitlines() if spans_file.exists() else []
+                    records = [json.loads(line) for line in lines if line.strip()]
+                    t["spans"] = dict(Counter(r.get("service", "?") for r in records))
+                    t["span_names"] = dict(Counter(f"{r.get('service', '?')} {r['name']}" for r in records))
                 results[mode].append(t)
                 print(f"round {r} tracing {mode:3}: step {t['step_s'] * 1000:7.1f} ms  train "
                       f"{t['train_s'] * 1000:6.1f} ms  publish {t['publish_s'] * 1000:5.1f} ms  "
@@ -169,14 +185,23 @@ def main() -> int:
         "exporter": args.exporter, "steps": args.steps, "rounds": args.rounds,
         "step_s": {m: med(m, "step_s") for m in results}, "train_s": {m: med(m, "train_s") for m in results},
         "publish_s": {m: med(m, "publish_s") for m in results},
-        "ratio": med("on", "step_s") / med("off", "step_s"),
+        # Each round's "on" run over the "off" run just before it, so that a drift of the machine's speed
+        # over the invocation (10-15 % here between runs of one setting) cancels; the median of those.
+        "paired_ratios": [on["step_s"] / off["step_s"] for off, on in zip(results["off"], results["on"], strict=True)],
+        "ratio_of_medians": med("on", "step_s") / med("off", "step_s"),
         "train_ratio": med("on", "train_s") / med("off", "train_s"),
         "spans_on": [x["spans"] for x in results["on"]], "spans_off": [x["spans"] for x in results["off"]],
         "runs": results,
     }
-    print(f"\nstep time (median of medians): off {report['step_s']['off'] * 1000:.1f} ms, "
-          f"on {report['step_s']['on'] * 1000:.1f} ms, ratio {report['ratio']:.3f} (target <= 1.03); "
-          f"trainer's train phase ratio {report['train_ratio']:.3f}")
+    report["ratio"] = statistics.median(report["paired_ratios"])
+    print(f"\nstep time on/off per round: {' '.join(f'{r:.3f}' for r in report['paired_ratios'])}; "
+          f"median {report['ratio']:.3f} (target <= 1.03)")
+    print(f"median of medians: off {report['step_s']['off'] * 1000:.1f} ms, on {report['step_s']['on'] * 1000:.1f} ms, "
+          f"ratio {report['ratio_of_medians']:.3f}; trainer's train phase ratio {report['train_ratio']:.3f}")
+    last = results["on"][-1]
+    per_step = max(1, args.steps)
+    print("spans per step (last 'on' run): " + ", ".join(
+        f"{name} {n / per_step:.1f}" for name, n in sorted(last["span_names"].items(), key=lambda kv: -kv[1])[:12]))
     if not any(sum(s.values()) for s in report["spans_on"]):
         print("warning: no span arrived with tracing on: the ratio measures nothing", file=sys.stderr)
     print("BENCH_JSON " + json.dumps(report))

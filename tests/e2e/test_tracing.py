@@ -65,7 +65,7 @@ def _linking(spans: list[dict[str, Any]], name: str, target: dict[str, Any]) -> 
                     for link in s["links"])]
 
 
-def test_one_trace_per_group_and_links_from_the_step_to_the_broadcast_and_the_loads(tmp_path: Path) -> None:
+def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_broadcast_and_the_loads(tmp_path: Path) -> None:
     model = tmp_path / "model"
     task.build_model(model, hidden=32, layers=1, heads=2)
     task.build_tokenizer(model)
@@ -118,17 +118,19 @@ def test_one_trace_per_group_and_links_from_the_step_to_the_broadcast_and_the_lo
         # For each group the step trained: the rollout -> reward -> queue path, one trace id.
         for link in step["links"]:
             assert isinstance(link["attributes"].get("rl.staleness"), int) and link["attributes"]["rl.staleness"] >= 0
-            root = by_id[(link["trace_id"], link["span_id"])]
-            assert root["name"] == "rollout.group" and root["service"] == "tauflow-rollout"
-            assert root["attributes"]["rl.group_id"] == link["attributes"]["rl.group_id"]
-            trace_spans = by_trace[root["trace_id"]]
-            phases = {s["name"]: s for s in trace_spans if s["parent_span_id"] == root["span_id"]}
+            put = by_id[(link["trace_id"], link["span_id"])]  # the group's span: its put
+            assert put["name"] == "queue.put" and put["service"] == "tauflow-rollout"
+            assert put["attributes"]["rl.group_id"] == link["attributes"]["rl.group_id"]
+            assert "rl.reward_mean" in put["attributes"] and put["attributes"]["rl.completion_tokens"] > 0
+            ticket = by_id[(put["trace_id"], put["parent_span_id"])]
+            assert ticket["name"] == "rollout.ticket" and ticket["parent_span_id"] is None
+            trace_spans = by_trace[put["trace_id"]]
+            phases = {s["name"]: s for s in trace_spans if s["parent_span_id"] == ticket["span_id"]}
             assert {"rollout.generate", "reward.score", "queue.put"} <= set(phases)
             assert phases["rollout.generate"]["end_ns"] <= phases["reward.score"]["start_ns"]
-            assert phases["reward.score"]["end_ns"] <= phases["queue.put"]["start_ns"]
-            # The Put crossed into the queue process within the same trace (gRPC propagation).
-            assert any(s["service"] == "tauflow-queue" and s["name"].endswith("/Put") for s in trace_spans)
-            assert "rl.reward_mean" in root["attributes"] and root["attributes"]["rl.completion_tokens"] > 0
+            assert phases["reward.score"]["end_ns"] <= put["start_ns"]
+            # The Score call crossed into the reward process within the same trace (gRPC propagation).
+            assert any(s["service"] == "tauflow-reward" and s["name"].endswith("/Score") for s in trace_spans)
         publish = next(s for s in by_trace[step["trace_id"]]
                        if s["parent_span_id"] == step["span_id"] and s["name"] == "weights.publish")
         broadcasts = [s for s in _linking(spans, "weights.broadcast", publish) if s["service"] == "tauflow-weights"]

@@ -125,3 +125,20 @@ def test_a_stored_traceparent_round_trips_to_a_link_target() -> None:
     with_state = span_context_of(traceparent, "vendor=abc,other=1")
     assert with_state is not None and with_state.trace_state.get("vendor") == "abc"
     assert traceparent_of(trace.INVALID_SPAN) == ("", "")  # tracing off: nothing stored
+
+
+def test_the_grpc_instrumentation_leaves_out_health_checks_and_the_per_group_put() -> None:
+    from types import SimpleNamespace
+
+    from tauflow.core.telemetry import _traced_methods_filter
+
+    traced = _traced_methods_filter()
+
+    def call(method: str) -> SimpleNamespace:
+        return SimpleNamespace(method=method)
+
+    assert not traced(call("/tauflow.api.queue.v1.QueueService/Put"))  # the rollout's queue.put span covers it
+    assert not traced(call("/grpc.health.v1.Health/Check"))
+    for method in ("/tauflow.api.queue.v1.QueueService/Get", "/tauflow.api.queue.v1.QueueService/Reserve",
+                   "/tauflow.api.reward.v1.RewardService/Score", "/tauflow.api.queue.v1.QueueService/Ack"):
+        assert traced(call(method)), method

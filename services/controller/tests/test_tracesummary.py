@@ -26,9 +26,11 @@ def span(name, start, end, trace_id, parent=None, links=(), status="UNSET", **at
 
 
 def group(trace_id: str, gid: str, gen: tuple[float, float], score: tuple[float, float], put: tuple[float, float]):  # type: ignore[no-untyped-def]
-    root = span("rollout.group", gen[0], put[1], trace_id, **{"rl.group_id": gid})
-    return root, [root, span("rollout.generate", *gen, trace_id, root), span("reward.score", *score, trace_id, root),
-                  span("queue.put", *put, trace_id, root)]
+    """A ticket of one group, as the rollout traces it: the group's span (what a step links to) is its put."""
+    root = span("rollout.ticket", gen[0], put[1], trace_id)
+    put_span = span("queue.put", *put, trace_id, root, **{"rl.group_id": gid})
+    return put_span, [root, span("rollout.generate", *gen, trace_id, root), span("reward.score", *score, trace_id, root),
+                      put_span]
 
 
 def step(trace_id, k, roots, gets, optimizer_end, publish, committed=True):  # type: ignore[no-untyped-def]
@@ -71,7 +73,7 @@ def spans() -> list[dict]:  # type: ignore[type-arg]
 
 def test_breakdown_of_hand_made_spans(spans) -> None:  # type: ignore[no-untyped-def]
     rows = {r.group_id: r for r in breakdown(spans)}
-    assert list(rows) == ["A", "B", "C", "D"]
+    assert list(rows) == ["B", "A", "C", "D"]  # by ticket start, then put start
     a, b, c, d = rows["A"], rows["B"], rows["C"], rows["D"]
     assert (a.generate, a.score, b.score) == pytest.approx((1.0, 0.5, 0.2))
     assert a.step == 0 and a.policy_version == 1 and c.step == 1  # the committed step, not the redelivery
@@ -115,7 +117,7 @@ def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, 
     row = next(line for line in out.splitlines() if line.startswith("queue_wait"))
     assert row.split() == ["queue_wait", "3", "0.4000", "0.4000", "0.3000"]
     assert (run_dir / "traces.png").stat().st_size > 5_000
-    assert json.loads((tmp_path / "out.json").read_text())["groups"][0]["group_id"] == "A"
+    assert json.loads((tmp_path / "out.json").read_text())["groups"][0]["group_id"] == "B"
     assert main(["trace", str(tmp_path / "missing")]) == 2
 
 

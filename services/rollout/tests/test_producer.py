@@ -134,7 +134,7 @@ def _memory_exporter():  # type: ignore[no-untyped-def]
     return exporter
 
 
-async def test_each_group_is_one_trace_generate_score_put_with_its_context_stored_in_the_group() -> None:
+async def test_each_ticket_is_one_trace_generate_score_and_a_put_per_group_whose_context_the_group_stores() -> None:
     import dataclasses
 
     from opentelemetry.trace import StatusCode
@@ -160,22 +160,27 @@ async def test_each_group_is_one_trace_generate_score_put_with_its_context_store
     with pytest.raises(asyncio.CancelledError):
         await task
     spans = [s for s in exporter.get_finished_spans() if s.name.startswith(("rollout.", "reward.", "queue."))]
+    tickets = {s.context.span_id: s for s in spans if s.name == "rollout.ticket"}
     for g in queue.groups[:4]:
-        (root,) = [s for s in spans if s.name == "rollout.group" and s.attributes["rl.group_id"] == g.group_id]
-        ctx = root.context
+        (put,) = [s for s in spans if s.name == "queue.put" and s.attributes["rl.group_id"] == g.group_id]
+        ctx = put.context
         assert g.traceparent.startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")  # stored with the group
         wire = group_to_proto(dataclasses.replace(g, rewards=[]))  # (the fake rewards are plain numbers)
-        assert wire.trace_context.traceparent == g.traceparent  # in the Put and Score requests
-        children = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == ctx.span_id}
-        assert set(children) == {"rollout.generate", "reward.score", "queue.put"}
-        assert all(c.context.trace_id == ctx.trace_id for c in children.values())
-        gen, score, put = children["rollout.generate"], children["reward.score"], children["queue.put"]
-        assert root.start_time <= gen.start_time <= gen.end_time <= score.start_time <= score.end_time
-        assert score.end_time <= put.start_time <= put.end_time <= root.end_time
-        assert root.attributes["rl.policy_version"] == 0 and root.attributes["rl.completion_tokens"] == 2
-        assert root.attributes["rl.samples"] == 2 and root.attributes["rl.reward_mean"] == 1.0
-        if g.prompt.prompt_id == "big":  # refused by the queue: the put and the group failed
-            assert put.status.status_code is StatusCode.ERROR and root.status.status_code is StatusCode.ERROR
-        else:
-            assert put.status.status_code is StatusCode.UNSET and root.status.status_code is StatusCode.UNSET
+        assert wire.trace_context.traceparent == g.traceparent  # in the Put request
+        ticket = tickets[put.parent.span_id]  # the group's trace is its ticket's
+        assert ticket.parent is None and ticket.attributes["rl.groups"] == 2
+        phases = {s.name: s for s in spans if s.parent is not None and s.parent.span_id == ticket.context.span_id}
+        assert {"rollout.generate", "reward.score", "queue.put"} == set(phases)
+        assert all(s.context.trace_id == ctx.trace_id for s in phases.values())
+        gen, score = phases["rollout.generate"], phases["reward.score"]
+        assert ticket.start_time <= gen.start_time <= gen.end_time <= score.start_time <= score.end_time
+        assert score.end_time <= put.start_time <= put.end_time <= ticket.end_time
+        assert gen.attributes["rl.samples"] == 4 and gen.attributes["rl.completion_tokens"] == 4
+        assert put.attributes["rl.policy_version"] == 0 and put.attributes["rl.completion_tokens"] == 2
+        assert put.attributes["rl.samples"] == 2 and put.attributes["rl.reward_mean"] == 1.0
+        assert put.attributes["rl.prompt_id"] == g.prompt.prompt_id
+        # refused by the queue: its put failed; the ticket's other group went in
+        refused = g.prompt.prompt_id == "big"
+        assert put.status.status_code is (StatusCode.ERROR if refused else StatusCode.UNSET)
+        assert ticket.status.status_code is StatusCode.UNSET
     assert {g.prompt.prompt_id for g in queue.groups[:4]} == {"ok", "big"}

@@ -68,7 +68,7 @@ def test_a_step_span_links_its_groups_with_their_staleness_and_holds_its_phases(
     groups = make_groups(1, 4, version=0)  # all made by version 0: step 1 trains them one version stale
     roots = []
     for g in groups:
-        with rollout.start_as_current_span("rollout.group") as root:
+        with rollout.start_as_current_span("queue.put") as root:
             roots.append(root)
     queue = TracedQueue(groups, [traceparent_of(r)[0] for r in roots])
     publisher = ContextPublisher()

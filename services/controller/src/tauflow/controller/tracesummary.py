@@ -1,11 +1,12 @@
 """``tauflow trace``: a run's spans (the JSON lines of ``traces_file``) turned into the rollout-to-update
 latency breakdown of every trained group.
 
-For each ``rollout.group`` trace (one group, docs/observability.md) and the ``trainer.step`` that links to
-it, the phases of its way from the rollout to weights that reflect it being served:
+For each group (its ``queue.put`` span in a ``rollout.ticket`` trace, docs/observability.md) and the
+``trainer.step`` that links to it, the phases of its way from the rollout to weights that reflect it
+being served:
 
-- ``generate``: its ``rollout.generate`` span (the batched generation it was part of);
-- ``score``: its ``reward.score`` span;
+- ``generate``: its ticket's ``rollout.generate`` span (the batched generation it was part of);
+- ``score``: its ticket's ``reward.score`` span;
 - ``queue_wait``: from the end of its ``queue.put`` to the end of the consuming step's ``queue.get`` that
   delivered it (the first Get of the step that ended after the put; the last one otherwise);
 - ``train``: from the step's last ``queue.get`` end to the end of its ``optimizer.step``;
@@ -15,7 +16,7 @@ it, the phases of its way from the rollout to weights that reflect it being serv
   after the publish;
 - ``load``: the engines' ``weights.load`` spans that link to the publish (or, likewise, of the first newer
   version each engine loaded), the slowest engine's;
-- ``total``: from the start of the ``rollout.group`` span to the end of the last engine's load.
+- ``total``: from the start of its ``rollout.ticket`` span to the end of the last engine's load.
 
 A phase that a group lacks (no trainer step yet, a version never broadcast) is left out of its statistics.
 """
@@ -100,7 +101,8 @@ def _linked_to(span: Span, target: Span) -> bool:
 
 
 def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
-    """One record per ``rollout.group`` span, ordered by its start."""
+    """One record per group (its ``queue.put`` span under a ``rollout.ticket``), in the order of the tickets'
+    starts, then of the puts'."""
     spans = list(spans)
     children: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
@@ -109,7 +111,7 @@ def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
     named: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         named[s["name"]].append(s)
-    # Which step consumed which group: trainer.step links to the group's root span.
+    # Which step consumed which group: trainer.step links to the group's queue.put span.
     steps_of: dict[tuple[str, str], list[Span]] = defaultdict(list)
     for step in named["trainer.step"]:
         for link in step["links"]:
@@ -119,13 +121,14 @@ def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
         return sorted((c for c in children[parent["span_id"]] if c["name"] == name), key=lambda c: c["start_ns"])
 
     out = []
-    for root in sorted(named["rollout.group"], key=lambda s: s["start_ns"]):
-        attrs = root["attributes"]
-        rec = GroupLatency(group_id=str(attrs.get("rl.group_id", "")), trace_id=root["trace_id"])
+    tickets = {s["span_id"]: s for s in named["rollout.ticket"]}
+    puts = [(tickets[p["parent_span_id"]], p) for p in named["queue.put"] if p.get("parent_span_id") in tickets]
+    for ticket, put in sorted(puts, key=lambda tp: (tp[0]["start_ns"], tp[1]["start_ns"])):
+        rec = GroupLatency(group_id=str(put["attributes"].get("rl.group_id", "")), trace_id=put["trace_id"])
         out.append(rec)
-        generate, score, put = (next(iter(child(root, n)), None) for n in ("rollout.generate", "reward.score", "queue.put"))
+        generate, score = (next(iter(child(ticket, n)), None) for n in ("rollout.generate", "reward.score"))
         rec.generate, rec.score = _duration(generate), _duration(score)
-        steps = steps_of.get((root["trace_id"], root["span_id"]), [])
+        steps = steps_of.get((put["trace_id"], put["span_id"]), [])
         # A redelivered group can be linked by a second step that skipped it; the committed one trained it.
         steps.sort(key=lambda s: (not s["attributes"].get("rl.committed", True), s["start_ns"]))
         if not steps:
@@ -134,7 +137,7 @@ def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
         rec.step = step["attributes"].get("rl.step")
         rec.policy_version = step["attributes"].get("rl.policy_version")
         gets = child(step, "queue.get")
-        if put is not None and gets:
+        if gets:
             after = [g for g in gets if g["end_ns"] >= put["end_ns"]]
             delivered = min(after, key=lambda g: g["end_ns"]) if after else gets[-1]
             rec.queue_wait = max(0.0, _s(delivered["end_ns"] - put["end_ns"]))
@@ -151,7 +154,7 @@ def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
         loads = _loads(named["weights.load"], publish, version)
         if loads:
             rec.load = max(_duration(s) or 0.0 for s in loads)
-            rec.total = _s(max(s["end_ns"] for s in loads) - root["start_ns"])
+            rec.total = _s(max(s["end_ns"] for s in loads) - ticket["start_ns"])
     return out
 
 
