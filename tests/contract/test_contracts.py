@@ -71,3 +71,30 @@ def test_breaking_check_fails_on_a_breaking_change(tmp_path: Path) -> None:
     )
     assert run.returncode != 0
     assert "consumer_id" in run.stdout + run.stderr
+
+
+def test_every_contract_change_is_a_new_revision() -> None:
+    """proto/revisions.json records each package's revisions with the fingerprint of its descriptors; the
+    current descriptors must match the last one, so a change that adds to a package without a new revision
+    (which ServerInfo reports, and peers check) fails here (docs/contracts.md, "Revisions")."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import contract_revisions
+
+    from tauflow.api.revisions import REVISIONS
+
+    record = json.loads((ROOT / "proto" / "revisions.json").read_text())
+    packages = contract_revisions.packages()
+    assert set(record) == set(packages), "every package needs an entry in proto/revisions.json"
+    for package, files in packages.items():
+        entries = record[package]
+        revisions = [e["revision"] for e in entries]
+        assert revisions == list(range(1, len(revisions) + 1)), f"{package}: revisions must count 1, 2, 3, ..."
+        now = contract_revisions.fingerprint(files)
+        assert now == entries[-1]["fingerprint"], (
+            f"{package} changed since revision {revisions[-1]} was recorded: add revision {revisions[-1] + 1} "
+            f'with "fingerprint": "{now}" to proto/revisions.json, then run scripts/gen-stubs'
+        )
+        assert REVISIONS[package] == revisions[-1], "libs/api is stale: run scripts/gen-stubs"

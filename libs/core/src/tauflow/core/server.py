@@ -1,7 +1,8 @@
 """The asyncio gRPC server bootstrap every service uses.
 
 It registers the service's servicers, the standard health service (every
-service NOT_SERVING until the app says it is ready) and server reflection,
+service NOT_SERVING until the app says it is ready), ``info.v1.ServerInfoService``
+(role, build version, contract revisions: ``tauflow.core.serverinfo``) and server reflection,
 applies the message-size limits, and drains gracefully: on SIGTERM or SIGINT
 health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_grace_s`` to finish, then the app's shutdown hooks run.
@@ -24,7 +25,10 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tauflow.api.info.v1 import info_pb2_grpc
 from tauflow.core.config import ServerConfig
+from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
+from tauflow.core.serverinfo import ServerInfoServicer, server_info
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,15 @@ class ServiceApp:
 
 
 class GrpcServer:
-    def __init__(self, bindings: Sequence[ServiceBinding], config: ServerConfig) -> None:
+    def __init__(
+        self, bindings: Sequence[ServiceBinding], config: ServerConfig, *, role: str = "", version: str = ""
+    ) -> None:
         self.config = config
-        self.bindings = list(bindings)
+        info = server_info(role, version, [b.descriptor for b in bindings])
+        self.bindings = [
+            *bindings,
+            ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server),
+        ]
         self.server = grpc.aio.server(
             options=[
                 *message_size_options(config.max_message_bytes),
@@ -123,7 +133,8 @@ async def serve(
     ready_file: str | None = None,
 ) -> None:
     """Serves ``app`` until SIGTERM/SIGINT, then drains and closes it."""
-    server = GrpcServer(app.bindings, config)
+    ready_info = ready_info or {}
+    server = GrpcServer(app.bindings, config, role=ready_info.get("service", ""), version=ready_info.get("version", ""))
     port = await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -133,7 +144,7 @@ async def serve(
         app.on_serving(port)
     tasks = [asyncio.create_task(job(), name=getattr(job, "__name__", "background")) for job in app.background]
     await server.set_serving(True)
-    info = {"grpc_port": port, "pid": os.getpid(), **(ready_info or {}), **app.info}
+    info = {"grpc_port": port, "pid": os.getpid(), **ready_info, **app.info}
     log.info("serving", extra={"host": config.host, "port": port})
     if ready_file:
         write_ready_file(ready_file, info)
