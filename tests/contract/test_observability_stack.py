@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.deploy import render, validate
 from tests.observability import ROOT, SERVICES
 
 OBS = ROOT / "deploy" / "observability"
 K8S = ROOT / "deploy" / "k8s" / "observability"
 PROMETHEUS_CONFIGS = [OBS / "prometheus" / "prometheus.yml", OBS / "prometheus" / "prometheus-k8s.yml"]
-KUBERNETES_VERSION = "1.30.0"
 
 
 @pytest.mark.parametrize("path", PROMETHEUS_CONFIGS, ids=lambda p: p.name)
@@ -35,19 +35,9 @@ def test_prometheus_has_a_scrape_job_per_role(path: Path) -> None:
     assert {f"tauflow-{role}" for role in SERVICES} <= jobs
 
 
-def _render() -> list[dict]:  # type: ignore[type-arg]
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed (it renders kustomize offline)")
-    done = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
-
-
 def test_kustomize_renders_resources_that_kubernetes_validate_accepts() -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
-    docs = _render()
-    for doc in docs:
-        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    docs = render(K8S)
+    validate(docs)
     kinds = {(d["kind"], d["metadata"]["name"].rsplit("-", 1)[0] if d["kind"] == "ConfigMap" else d["metadata"]["name"])
              for d in docs}
     for name in ("otel-collector", "jaeger", "prometheus", "grafana"):
@@ -58,7 +48,7 @@ def test_kustomize_renders_resources_that_kubernetes_validate_accepts() -> None:
 
 
 def test_kustomize_mounts_the_same_configuration_as_compose() -> None:
-    docs = _render()
+    docs = render(K8S)
     maps = {d["metadata"]["name"].rsplit("-", 1)[0]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
     assert maps["prometheus-config"]["prometheus.yml"] == (OBS / "prometheus" / "prometheus-k8s.yml").read_text()
     assert maps["otel-collector-config"]["config.yaml"] == (OBS / "otel-collector.yaml").read_text()

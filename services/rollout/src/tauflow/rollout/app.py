@@ -82,7 +82,7 @@ async def build(config: RolloutConfig) -> ServiceApp:
         membership = SidecarMembership(
             GrpcSidecar(sidecar, model=config.model_path),
             config.server_id,
-            f"{config.server.host}:{port_holder['port']}",
+            f"{config.advertise_host or config.server.host}:{port_holder['port']}",
             lambda: engine.policy_version,
             servicer.receiver.reset,
             check_every_s=config.weights_check_s,

@@ -38,6 +38,10 @@ class RolloutConfig(ServiceConfig):
     reward_address: str = "127.0.0.1:50053"
     reward_fn: str = ""
     weights_address: str = Field("", description="the weight sidecar to join; empty: weights never change")
+    advertise_host: str = Field(
+        "", description="host the weight sidecar calls this server back on (a pod IP, a service name); "
+        "empty: server.host. The port is the bound one"
+    )
     weights_check_s: float = Field(
         3.0, gt=0, description="how often to check that the sidecar still lists this server (re-join if not)"
     )
