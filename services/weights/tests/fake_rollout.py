@@ -144,7 +144,7 @@ async def serve(args: argparse.Namespace) -> None:
     fake = FakeRollout(args.member_id, Path(args.out), sidecar, keep=not args.discard)
     server = grpc.aio.server()
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
     await sidecar.Join(weights_pb2.JoinRequest(
         member_id=args.member_id, address=f"127.0.0.1:{port}", num_ranks=1, backends=["gloo"], model=args.model,
@@ -169,6 +169,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ready-file", required=True)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--port", type=int, default=0, help="0: any free port (a restarted server reuses its port)")
     ap.add_argument("--discard", action="store_true", help="keep received versions in memory only (benchmarks)")
     args = ap.parse_args()
     torch.set_num_threads(1)

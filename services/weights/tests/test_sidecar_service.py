@@ -35,14 +35,16 @@ def weights_stub(address: str) -> weights_pb2_grpc.WeightsServiceStub:
 class FakeRollout:
     """One fake_rollout.py process."""
 
-    def __init__(self, member_id: str, sidecar: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, member_id: str, sidecar: str, workdir: Path, env: dict[str, str] | None = None, port: int = 0
+    ) -> None:
         self.member_id = member_id
         self.workdir = workdir
         ready = workdir / f"{member_id}.ready.json"
         self.log = workdir / f"{member_id}.log"
         self.proc = subprocess.Popen(
             [sys.executable, str(FAKE), "--sidecar", sidecar, "--member-id", member_id, "--out", str(workdir),
-             "--ready-file", str(ready)],
+             "--ready-file", str(ready), "--port", str(port)],
             stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         )
@@ -66,8 +68,8 @@ class FakeRollout:
 def fakes(tmp_path: Path) -> Iterator[Callable[[str, str], FakeRollout]]:
     started: list[FakeRollout] = []
 
-    def make(member_id: str, sidecar: str, env: dict[str, str] | None = None) -> FakeRollout:
-        f = FakeRollout(member_id, sidecar, tmp_path, env)
+    def make(member_id: str, sidecar: str, env: dict[str, str] | None = None, port: int = 0) -> FakeRollout:
+        f = FakeRollout(member_id, sidecar, tmp_path, env, port)
         started.append(f)
         return f
 
@@ -192,6 +194,16 @@ def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stage
     assert status.membership_epoch == 4
     assert not (c.workdir / "fake-c-v3.pt").exists()
     assert {d.phase for d in status.phase_deadlines} >= {pb.BROADCAST_PHASE_TRANSFER, pb.BROADCAST_PHASE_CONFIRM}
+
+    # A rolling restart: a leaves (SIGTERM) and its new process joins at once under the same id and port,
+    # before any group was rebuilt. It is a new member to bring up to date, not the old one still leaving.
+    port = int(a.address.rsplit(":", 1)[1])
+    a.stop(signal.SIGTERM)
+    (a.workdir / "fake-a-v3.pt").unlink()
+    a2 = fakes("fake-a", car.address, port=port)
+    assert a2.address == a.address
+    status = wait_status(stub, lambda s: confirmed("fake-a", 3)(s) and member(s, "fake-a").state == pb.MEMBER_STATE_ACTIVE)
+    assert_same_weights(a2, 3, m3)  # the catch-up broadcast reached the new process
 
 
 def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]

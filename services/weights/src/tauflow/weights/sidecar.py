@@ -422,7 +422,10 @@ class Sidecar:
                 f"member {member_id!r} serves model {model!r}, the published weights are for {self.latest.manifest.model!r}"
             )
         old = self.members.get(member_id)
-        if old is not None and old.state is not MemberState.FAILED and old.address == address:
+        # A Join repeated by a live member changes nothing. A LEAVING member said it was going: a Join under its
+        # id is its restarted process (a rolling restart reuses the id and the port), a new member to bring up
+        # to date, which must not be mistaken for the old one (it would never get a broadcast).
+        if old is not None and old.state in (MemberState.JOINING, MemberState.ACTIVE) and old.address == address:
             return self.epoch if old.state is MemberState.ACTIVE else self.epoch + 1
         live = [m for m in self.members.values() if m.state is not MemberState.FAILED and m.member_id != member_id]
         if len(live) >= self.settings.max_members:
