@@ -21,10 +21,15 @@ def _serving(address: str) -> bool:
 
 def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[no-untyped-def]
     launcher = LocalLauncher(tmp_path, max_restarts=2, backoff_s=0.1)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("agent: 0123456789abcdef0123\n")
     try:
-        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        queue = launcher.start(ServiceSpec("queue", {
+            "wal.dir": str(tmp_path / "wal"), "external.enabled": True, "external.port": 0,
+            "external.tokens_file": str(tokens),
+        }))
         assert _serving(queue.address)
-        address = queue.address
+        address, external_port = queue.address, queue.info["external_port"]
         os.kill(queue.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
         queue.proc.wait()  # type: ignore[union-attr]
         deadline = time.monotonic() + 30
@@ -34,6 +39,7 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[n
             time.sleep(0.05)
         assert restarted == ["queue"]
         assert queue.address == address and _serving(address)  # same port: peers reconnect
+        assert queue.info["external_port"] == external_port  # and so do the producers outside the run
         assert "=== start 1 of queue" in queue.log_file.read_text()
     finally:
         codes = launcher.stop()

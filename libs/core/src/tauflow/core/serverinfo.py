@@ -92,14 +92,15 @@ def check_compatible(
         raise IncompatibleService(f"{server} does not serve {package}, which {peer} speaks")
 
 
-async def fetch_server_info(channel, address: str, timeout_s: float = 10.0) -> info_pb2.GetServerInfoResponse:  # type: ignore[no-untyped-def]
-    """``GetServerInfo`` on ``channel`` (a channel from ``tauflow.core.channel`` to ``address``). A server
+async def fetch_server_info(channel, address: str, timeout_s: float = 30.0) -> info_pb2.GetServerInfoResponse:  # type: ignore[no-untyped-def]
+    """``GetServerInfo`` on ``channel`` (a channel from ``tauflow.core.channel`` to ``address``), waiting
+    up to ``timeout_s`` for the server to accept connections (a peer just restarted may not yet). A server
     that answers UNIMPLEMENTED predates the info contract: IncompatibleService."""
     import grpc
 
     try:
         return await info_pb2_grpc.ServerInfoServiceStub(channel).GetServerInfo(
-            info_pb2.GetServerInfoRequest(), timeout=timeout_s
+            info_pb2.GetServerInfoRequest(), timeout=timeout_s, wait_for_ready=True
         )
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from tauflow.controller.config import RunConfig
-from tauflow.controller.launcher import ServiceFailed
+from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.run import Progress, Run, RunStalled
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
@@ -37,13 +38,26 @@ def _table(run: Run, p: Progress) -> Table:
     return t
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's config: the file, ``TAUFLOW_RUN_*``, then the command line (``--set``, ``--resume``,
+    ``--launcher``, ``--address``). Raises ConfigError."""
     path = Path(args.config)
     if path.is_dir():
         path = path / "config.yaml"
+    overrides = [*args.set, *(["resume=true"] if args.resume else [])]
+    if args.launcher:
+        overrides.append(f"launcher={args.launcher}")
+    if args.address:
+        overrides.append(f"ray.address={json.dumps(args.address)}")  # quoted: a string, whatever it looks like
+    config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=overrides)
+    if args.address and config.launcher != "ray":
+        raise ConfigError(f"--address is a Ray cluster's address, for --launcher ray (the launcher is {config.launcher})")
+    return config
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
-        overrides = [*args.set, *(["resume=true"] if args.resume else [])]
-        config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=overrides)
+        config = run_config(args)
     except ConfigError as e:
         console.print(f"[red]tauflow run: {e}")
         return 2
@@ -56,7 +70,7 @@ def run_command(args: argparse.Namespace) -> int:
         run.on_progress = lambda p: live.update(_table(run, p))
         try:
             summary = asyncio.run(run.execute())
-        except (ServiceFailed, RunStalled) as e:
+        except (LaunchFailed, RunStalled) as e:
             console.print(f"[red]tauflow run: {e}")
             return 1
         except KeyboardInterrupt:
@@ -94,18 +108,27 @@ def _interrupt(signum, frame) -> None:  # type: ignore[no-untyped-def]
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tauflow", description="asynchronous RL post-training for language models")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training job from a config file (or a recipe folder)")
     run.add_argument("config", help="a run config (YAML/TOML/JSON) or a folder holding config.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", action="store_true", help="continue the run in out_dir from its last checkpoint")
+    run.add_argument("--launcher", choices=["local", "ray", "external"],
+                     help="where the services run: local subprocesses (default), actors on a Ray cluster, or "
+                     "deployed elsewhere (addresses in external.<role>); the config key `launcher`")
+    run.add_argument("--address", help="the Ray cluster to use with --launcher ray (default auto: RAY_ADDRESS, or the "
+                     "cluster this machine belongs to); the config key `ray.address`")
     trace = sub.add_parser("trace", help="a run's spans as the rollout-to-update latency breakdown (table and PNG)")
     trace.add_argument("path", help="a run folder (its traces.jsonl) or a span file written with traces_file")
     trace.add_argument("--png", help="where the chart goes (default: traces.png beside the span file)")
     trace.add_argument("--json", help="also write the per-group records and the statistics here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.captureWarnings(True)
     if args.command == "run":
         return run_command(args)

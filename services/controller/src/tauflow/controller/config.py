@@ -24,10 +24,31 @@ class EvalConfig(StrictModel):
     reward_fn: str = ""
 
 
+class RayConfig(StrictModel):
+    """``launcher: ray``: the cluster, and what each role's actor reserves on it."""
+
+    address: str = Field(
+        "auto", description="the Ray cluster: auto (RAY_ADDRESS, else the cluster this machine belongs to), its "
+        "GCS host:port, or ray://host:port (Ray Client); local starts a single-node Ray in the controller"
+    )
+    namespace: str = Field("", description="Ray namespace of the run's actors; empty: an anonymous one")
+    num_cpus: dict[str, float] = Field(default_factory=dict, description="role -> CPUs its actor reserves (default 1)")
+    num_gpus: dict[str, float] = Field(
+        default_factory=dict, description="role -> GPUs its actor reserves; default 1 for a role set to run on a GPU "
+        "(trainer backend.device cuda..., rollout engine_options.device cuda..., weights backend nccl), else 0"
+    )
+
+
 class RunConfig(StrictModel):
     name: str = "run"
     out_dir: str = Field("", description="where logs, checkpoints and the summary go; default runs/<name>")
-    launcher: str = Field("local", pattern="^(local|external)$")
+    launcher: str = Field(
+        "local", pattern="^(local|ray|external)$",
+        description="local: subprocesses on loopback; ray: actors on a Ray cluster (`ray`); external: services "
+        "deployed by someone else, at `external`",
+    )
+    ray: RayConfig = RayConfig()
+    external: dict[str, str] = Field(default_factory=dict, description="role -> host:port, for launcher external")
     prepare: list[str] = Field(
         default_factory=list, description="command run once before the services start; {seed} becomes the run's seed"
     )
@@ -49,22 +70,30 @@ class RunConfig(StrictModel):
         False, description="continue the run in out_dir from its checkpoint and queue log; otherwise they are "
         "moved to checkpoints.prev and queue-wal.prev and the run starts afresh"
     )
+    start_timeout_s: float = Field(
+        120.0, gt=0, description="how long a role may take to serve (model loading included; Ray: placement too)"
+    )
     max_restarts: int = Field(3, ge=0, description="restarts in a row before a dying service fails the run")
     restart_window_s: float = Field(600.0, gt=0, description="uptime after which a service's restart count resets")
     stall_timeout_s: float = Field(
         600.0, gt=0, description="fail the run when the trainer makes no step for this long (a stall, not a slow step)"
     )
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    external: dict[str, str] = Field(default_factory=dict, description="role -> address, launcher=external")
     traces_file: str = Field(
         "", description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "
         "`tauflow trace` reads it"
     )
 
     def model_post_init(self, _: Any) -> None:
-        unknown = set(self.services) - set(ROLES)
-        if unknown:
-            raise ValueError(f"services: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+        for key, by_role in (("services", self.services), ("external", self.external),
+                             ("ray.num_cpus", self.ray.num_cpus), ("ray.num_gpus", self.ray.num_gpus)):
+            unknown = set(by_role) - set(ROLES)
+            if unknown:
+                raise ValueError(f"{key}: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+        missing = [role for role in ROLES if not self.external.get(role)]
+        if self.launcher == "external" and missing:
+            keys = ", ".join(f"external.{r}" for r in missing)
+            raise ValueError(f"launcher external needs every role's address (host:port): set {keys}")
         # One temperature for both sides: log-probs at another temperature than the sampler's make every
         # importance ratio wrong without any error.
         for role, key in (("rollout", "sampling.temperature"), ("trainer", "backend.temperature")):

@@ -1,11 +1,20 @@
-"""The `local` launcher: every service a subprocess on loopback, supervised.
+"""Launchers: how a run's services come to exist, and what the run knows of them.
 
-Each service runs as ``python -m tauflow.<name> --set server.port=0 ...
---ready-file <run>/<name>.ready.json``; its ports are read back from the ready
-file (no port races), its output goes to ``<run>/logs/<name>.log``. A service
-that exits unexpectedly is restarted in place with exponential backoff; one
-that keeps dying (``max_restarts``) fails the run with a message that names it
-and quotes the end of its log.
+A launcher starts a role with its settings and environment and returns it with its address
+(``start``), restarts what died (``check``), stops everything in order (``stop``), and lists its
+services for the metrics and the Prometheus targets (``services``). Three implement it:
+
+- ``local`` (:class:`LocalLauncher`, here): every service a subprocess on loopback.
+- ``ray`` (:class:`tauflow.controller.raylauncher.RayLauncher`): every service a subprocess of a Ray
+  actor on a node of an existing Ray cluster.
+- ``external`` (:class:`tauflow.controller.external.ExternalLauncher`): services deployed by someone
+  else; the controller only connects.
+
+The first two share :class:`ProcessLauncher`, the supervision: each service runs as ``python -m
+tauflow.<name> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; its ports are read back
+from the ready file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
+unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
+(``max_restarts``) fails the run with a message that names it and quotes the end of its log.
 """
 
 from __future__ import annotations
@@ -20,13 +29,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 
-class ServiceFailed(RuntimeError):
-    """A service died and could not be brought back."""
+class LaunchFailed(RuntimeError):
+    """The run's services cannot be launched (e.g. the Ray cluster cannot be reached)."""
+
+
+class ServiceFailed(LaunchFailed):
+    """A service died and could not be brought back, or never became ready."""
 
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"service '{name}' failed: {message}")
@@ -40,11 +53,55 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class Service(Protocol):
+    """What the run, its metrics and the targets file read of a launched role."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...  # host:port of its gRPC server
+
+    @property
+    def info(self) -> dict[str, Any]: ...  # its ready info: grpc_port, metrics_port, pid, host (absent: loopback)
+
+    @property
+    def starts(self) -> int: ...  # times it was (re)started; restarts = starts - 1
+
+    @property
+    def up(self) -> bool: ...
+
+
+class Launcher(Protocol):
+    services: Mapping[str, Service]
+    starts_services: bool  # False: the services belong to someone else (nothing to prepare, set aside or stop)
+
+    def start(self, spec: ServiceSpec) -> Service: ...
+
+    def check(self) -> list[str]: ...
+
+    def stop(self, order: list[str] | None = None) -> dict[str, int | None]: ...
+
+    def addresses(self) -> Mapping[str, str]: ...
+
+
+class ServiceProcess(Protocol):
+    """A started service process as the supervision sees it: ``subprocess.Popen``'s, or a Ray actor's."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...  # raises subprocess.TimeoutExpired
+
+    def send_signal(self, sig: int) -> None: ...
+
+
 @dataclass
 class ManagedService:
     spec: ServiceSpec
     run_dir: Path
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Any = None  # a ServiceProcess
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     starts: int = 0  # processes started, restarts included (never reset: the restarts metric)
@@ -57,7 +114,11 @@ class ManagedService:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.info['grpc_port']}"
+        return f"{self.info.get('host', '127.0.0.1')}:{self.info['grpc_port']}"
+
+    @property
+    def up(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and bool(self.info)
 
     @property
     def ready_file(self) -> Path:
@@ -75,7 +136,15 @@ class ManagedService:
         return "\n".join(text[-lines:])
 
 
-class LocalLauncher:
+class ProcessLauncher:
+    """The supervision shared by the launchers that start the service processes themselves.
+
+    Subclasses say how a process starts (``_spawn``: sets ``svc.proc``), how its ready info is read
+    (``_read_ready``) and how its process group is killed (``_kill``).
+    """
+
+    starts_services = True
+
     def __init__(
         self,
         run_dir: Path,
@@ -95,6 +164,23 @@ class LocalLauncher:
         self.services: dict[str, ManagedService] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
+    # -- what a subclass provides ---------------------------------------------------------
+
+    def _spawn(self, svc: ManagedService) -> None:
+        raise NotImplementedError
+
+    def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _kill(self, svc: ManagedService) -> None:
+        raise NotImplementedError
+
+    def _exit_reason(self, svc: ManagedService, code: int) -> str:
+        return f"exited with code {code}"
+
+    def _release(self) -> None:
+        """After stop: give back what the launcher holds besides the processes."""
+
     # -- starting ------------------------------------------------------------------------
 
     def start(self, spec: ServiceSpec) -> ManagedService:
@@ -106,27 +192,15 @@ class LocalLauncher:
         self._wait_ready(svc)
         return svc
 
-    def _command(self, svc: ManagedService) -> list[str]:
+    def _settings(self, svc: ManagedService) -> dict[str, Any]:
+        """Its ``--set`` settings: free ports at the first start, the same ports at every restart."""
         settings = {"server.port": 0, "metrics.port": 0, **svc.spec.settings}
         for key, port in svc.info.get("pinned", {}).items():
             if port:
                 settings[key] = port
-        cmd = [sys.executable, "-m", f"tauflow.{svc.name}", "--ready-file", str(svc.ready_file)]
-        for key, value in settings.items():
-            cmd += ["--set", f"{key}={_format(value)}"]
-        return cmd
+        return settings
 
-    def _spawn(self, svc: ManagedService) -> None:
-        svc.ready_file.unlink(missing_ok=True)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
-        with open(svc.log_file, "ab") as out:
-            out.write(f"\n=== start {svc.restarts} of {svc.name} at {time.ctime()} ===\n".encode())
-            out.flush()
-            svc.proc = subprocess.Popen(
-                self._command(svc), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                # prctl only, no Python-level locks: safe between fork and exec even with threads
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
-            )
+    def _started(self, svc: ManagedService) -> None:
         svc.started_at = time.monotonic()
         svc.starts += 1
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
@@ -134,17 +208,21 @@ class LocalLauncher:
     def _wait_ready(self, svc: ManagedService) -> None:
         assert svc.proc is not None
         deadline = time.monotonic() + self.start_timeout_s
-        while not svc.ready_file.exists():
+        while (info := self._read_ready(svc)) is None:
             code = svc.proc.poll()
             if code is not None:
-                raise ServiceFailed(svc.name, f"exited with code {code} while starting:\n{svc.log_tail()}")
+                raise ServiceFailed(
+                    svc.name, f"{self._exit_reason(svc, code)} while starting:\n{svc.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 raise ServiceFailed(svc.name, f"not ready after {self.start_timeout_s:.0f}s:\n{svc.log_tail()}")
             time.sleep(0.05)
-        info = json.loads(svc.ready_file.read_text())
         # A restarted service comes back on the same ports, so its peers' channels reconnect (and Prometheus
         # keeps scraping the same target).
-        svc.info = {**info, "pinned": {"server.port": info["grpc_port"], "metrics.port": info.get("metrics_port")}}
+        pinned = {"server.port": info["grpc_port"], "metrics.port": info.get("metrics_port")}
+        if info.get("external_port"):  # the queue's external port (its producers outside the run reconnect there)
+            pinned["external.port"] = info["external_port"]
+        svc.info = {**info, "pinned": pinned}
 
     # -- supervising ---------------------------------------------------------------------
 
@@ -155,14 +233,16 @@ class LocalLauncher:
         restarted = []
         now = time.monotonic()
         for svc in self.services.values():
-            if svc.proc is None or svc.proc.poll() is None:
+            if svc.proc is None:
                 continue
-            code = svc.proc.returncode
+            code = svc.proc.poll()
+            if code is None:
+                continue
             if svc.next_restart_at == 0.0 and now - svc.started_at >= self.restart_window_s:
                 svc.restarts = 0
             if svc.restarts >= self.max_restarts:
                 raise ServiceFailed(
-                    svc.name, f"exited with code {code} after {svc.restarts} restarts:\n{svc.log_tail()}"
+                    svc.name, f"{self._exit_reason(svc, code)} after {svc.restarts} restarts:\n{svc.log_tail()}"
                 )
             if svc.next_restart_at == 0.0:
                 delay = self.backoff_s * 2**svc.restarts
@@ -181,26 +261,75 @@ class LocalLauncher:
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
         """SIGTERM (graceful drain) in ``order``, then SIGKILL whatever is left; returns exit codes."""
         names = order or list(reversed(self.services))
-        for name in names:
-            svc = self.services.get(name)
-            if svc and svc.proc and svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        codes: dict[str, int | None] = {}
-        for name in names:
-            svc = self.services.get(name)
-            if not svc or not svc.proc:
-                continue
-            try:
-                codes[name] = svc.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(svc.proc.pid, signal.SIGKILL)
-                codes[name] = svc.proc.wait()
-                log.warning("killed after the grace period", extra={"service": name})
-        return codes
+        try:
+            for name in names:
+                svc = self.services.get(name)
+                if svc and svc.proc and svc.proc.poll() is None:
+                    svc.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_grace_s
+            codes: dict[str, int | None] = {}
+            for name in names:
+                svc = self.services.get(name)
+                if not svc or not svc.proc:
+                    continue
+                try:
+                    codes[name] = svc.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._kill(svc)
+                    codes[name] = svc.proc.wait(self.stop_grace_s)
+                    log.warning("killed after the grace period", extra={"service": name})
+            return codes
+        finally:
+            self._release()
 
     def addresses(self) -> Mapping[str, str]:
         return {name: svc.address for name, svc in self.services.items() if svc.info}
+
+
+class LocalLauncher(ProcessLauncher):
+    """``launcher: local``: every service a subprocess of the controller, on loopback."""
+
+    def _spawn(self, svc: ManagedService) -> None:
+        svc.ready_file.unlink(missing_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
+        command = service_command(sys.executable, svc.name, svc.ready_file, self._settings(svc))
+        svc.proc = spawn_service(command, env, svc.log_file, log_header(svc.name, svc.restarts))
+        self._started(svc)
+
+    def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
+        return json.loads(svc.ready_file.read_text()) if svc.ready_file.exists() else None
+
+    def _kill(self, svc: ManagedService) -> None:
+        os.killpg(svc.proc.pid, signal.SIGKILL)
+
+
+# -- one service process: the local launcher and each Ray actor start it the same way ----------------
+
+
+def service_command(python: str, role: str, ready_file: Path | str, settings: Mapping[str, Any]) -> list[str]:
+    cmd = [python, "-m", f"tauflow.{role}", "--ready-file", str(ready_file)]
+    for key, value in settings.items():
+        cmd += ["--set", f"{key}={_format(value)}"]
+    return cmd
+
+
+def log_header(role: str, restarts: int, where: str = "") -> str:
+    return f"\n=== start {restarts} of {role} at {time.ctime()}{where} ===\n"
+
+
+def spawn_service(
+    command: list[str], env: Mapping[str, str], log_file: Path | str, header: str, cwd: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Starts a service process in its own session (its group is killed as one), its output appended to
+    ``log_file``; it gets SIGTERM when the process that started it dies."""
+    with open(log_file, "ab") as out:
+        out.write(header.encode())
+        out.flush()
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd, start_new_session=True,
+            # prctl only, no Python-level locks: safe between fork and exec even with threads
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
 
 
 def _die_with_parent() -> None:

@@ -32,9 +32,11 @@ class ControllerMetrics:
         self._run: Any = None
         c = ScrapeCollector()
         c.gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is "
-                "dead or restarting", self._up, labels=["service"])
-        c.counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process",
-                  self._restarts, labels=["service"])
+                "dead or restarting (launcher external: while it answers health SERVING)", self._up,
+                labels=["service"])
+        c.counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process "
+                  "(launcher external: times the role served again after an outage)", self._restarts,
+                  labels=["service"])
         c.gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
                 lambda: None if self._run is None else self._run.progress.version)
         c.gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
@@ -57,11 +59,7 @@ class ControllerMetrics:
         return {} if self._run is None else dict(self._run.launcher.services)
 
     def _up(self) -> Reading:
-        out = {}
-        for role, svc in self._services().items():
-            alive = svc.proc is not None and svc.proc.poll() is None and bool(svc.info)
-            out[(role,)] = 1 if alive else 0
-        return out
+        return {(role,): 1 if svc.up else 0 for role, svc in self._services().items()}
 
     def _restarts(self) -> Reading:
         return {(role,): max(0, svc.starts - 1) for role, svc in self._services().items()}
@@ -98,14 +96,17 @@ def serve(out_dir: Path) -> MetricsServer:
 
 def write_targets(out_dir: Path, run_name: str, services: dict[str, Any], controller_port: int | None) -> None:
     """``<out_dir>/prometheus-targets.json``: every role's /metrics endpoint as a Prometheus file_sd list,
-    labelled with ``job="tauflow-<role>"``, ``role`` and ``run`` (rewritten when a role restarts)."""
+    labelled with ``job="tauflow-<role>"``, ``role`` and ``run`` (rewritten when a role restarts). A role's
+    host is its node's with the Ray launcher, loopback with the local one; roles deployed elsewhere
+    (launcher external) are their deployment's to scrape and are not listed."""
     groups = []
-    endpoints = {role: svc.info.get("metrics_port") for role, svc in services.items() if svc.info}
+    endpoints = {role: (svc.info.get("host", "127.0.0.1"), svc.info.get("metrics_port"))
+                 for role, svc in services.items() if svc.info}
     if controller_port:
-        endpoints["controller"] = controller_port
-    for role, port in endpoints.items():
+        endpoints["controller"] = ("127.0.0.1", controller_port)
+    for role, (host, port) in endpoints.items():
         if port:
-            groups.append({"targets": [f"127.0.0.1:{port}"],
+            groups.append({"targets": [f"{host}:{port}"],
                            "labels": {"job": f"tauflow-{role}", "role": role, "run": run_name}})
     _write_json(out_dir / TARGETS_FILE, groups)
 

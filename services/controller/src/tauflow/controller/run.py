@@ -25,8 +25,9 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tauflow.controller.config import RunConfig, flatten
-from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
+from tauflow.controller.compat import check_peer
+from tauflow.controller.config import ROLES, RunConfig, flatten
+from tauflow.controller.launcher import Launcher, LaunchFailed, LocalLauncher, ServiceSpec
 from tauflow.controller.metrics import controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
@@ -54,6 +55,21 @@ class Progress:
     message: str = ""
 
 
+def create_launcher(config: RunConfig, out_dir: Path) -> Launcher:
+    """The run's launcher (``launcher``); Ray is imported only for ``ray``."""
+    if config.launcher == "external":
+        from tauflow.controller.external import ExternalLauncher
+
+        return ExternalLauncher(config.external, start_timeout_s=config.start_timeout_s)
+    supervision = {"max_restarts": config.max_restarts, "restart_window_s": config.restart_window_s,
+                   "start_timeout_s": config.start_timeout_s}
+    if config.launcher == "ray":
+        from tauflow.controller.raylauncher import RayLauncher
+
+        return RayLauncher(out_dir, config.ray, **supervision)  # type: ignore[arg-type]
+    return LocalLauncher(out_dir, **supervision)  # type: ignore[arg-type]
+
+
 def _read_jsonl(path: str, limit: int) -> list[dict]:  # type: ignore[type-arg]
     import json
 
@@ -70,9 +86,7 @@ class Run:
         self.on_progress = on_progress or (lambda p: None)
         self.summary = RunSummary(config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy)
         self.progress = Progress()
-        self.launcher = LocalLauncher(
-            self.out_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s
-        )
+        self.launcher = create_launcher(config, self.out_dir)
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self._stubs: dict[str, object] = {}
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
@@ -139,19 +153,23 @@ class Run:
         return moved
 
     def launch(self) -> dict[str, str]:
-        moved = self.set_aside_previous_run()
-        if moved:
-            log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
-        if self.c.prepare:
-            command = self.prepare_command()
-            log.info("prepare", extra={"command": " ".join(command)})
-            subprocess.run(command, check=True)
+        # With launcher external the services, their state and their model are their deployment's: nothing
+        # to set aside or prepare here.
+        if self.launcher.starts_services:
+            moved = self.set_aside_previous_run()
+            if moved:
+                log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
+            if self.c.prepare:
+                command = self.prepare_command()
+                log.info("prepare", extra={"command": " ".join(command)})
+                subprocess.run(command, check=True)
         addresses: dict[str, str] = {}
-        for role in ("queue", "reward", "weights", "trainer", "rollout"):
+        for role in ROLES:
             self.progress.message = f"starting {role}"
             self.on_progress(self.progress)
             svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=self.trace_env()))
             addresses[role] = svc.address
+            asyncio.run(check_peer(role, svc.address, self.summary.services))  # (launch runs in a thread)
             self._write_targets()
         return addresses
 
@@ -176,6 +194,8 @@ class Run:
         eval_failures = 0
         while True:
             restarted = await asyncio.to_thread(self.launcher.check)
+            for role in restarted:  # a restart is how a rolling upgrade replaces a role: check the new build
+                await check_peer(role, self.launcher.addresses()[role], self.summary.services)
             if restarted:
                 self._write_targets()
                 self.progress.message = f"restarted {', '.join(restarted)}"
@@ -317,7 +337,7 @@ class Run:
             target = self.c.target_accuracy
             if target is not None and (self.summary.final_accuracy or 0.0) < target:
                 self.summary.status = "below_target"
-        except ServiceFailed as e:
+        except LaunchFailed as e:  # a service that failed (ServiceFailed), or a launcher that cannot launch
             self.summary.status, self.summary.message = "failed", str(e)
             raise
         except RunStalled as e:

@@ -47,6 +47,9 @@ class RunSummary:
     status: str = "running"
     message: str = ""
     target_accuracy: float | None = None
+    # role -> what the compatibility check learnt of it: build_version, contracts (package -> revision),
+    # checks (at start, then once per restart)
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

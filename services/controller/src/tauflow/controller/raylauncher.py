@@ -1,0 +1,319 @@
+"""``launcher: ray``: every service a subprocess of a Ray actor, on a node of an existing Ray cluster.
+
+Each role gets one actor (:class:`ServiceHost`) that Ray places with the role's resources (CPUs; one GPU
+for the rollout, the trainer and the weight sidecar when the run puts them on a GPU). The actor starts
+the same ``python -m tauflow.<role>`` as the local launcher, on its node, bound to the node's IP, and
+reports on it; the controller supervises through the actors with the local launcher's own code
+(:class:`~tauflow.controller.launcher.ProcessLauncher`): a process that dies is started again by its
+actor, on the same ports, with backoff, and a crash loop fails the run naming the role.
+
+- The trainer's actor goes on the weight sidecar's node: they hand the weights over in ``/dev/shm``.
+- An actor that is lost (its worker or its node died) is created again on the same node, and its new
+  process takes the same ports once the old one (SIGTERM when its actor died) has exited. A node that
+  is gone fails the run, naming the role that cannot be placed: its peers hold its address.
+- Paths (model, dataset, and out_dir: logs, ready files, checkpoints, queue log) are used as they are on
+  every node, relative ones from the controller's working directory: on a cluster of several machines
+  they must be on a file system that every node mounts at the same path.
+- A service's environment is its actor's (Ray sets ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``)
+  plus the controller's ``OTEL_*`` and ``TAUFLOW_*`` variables.
+
+Ray is imported here only, only when the run uses this launcher (``pip install 'tauflow-controller[ray]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tauflow.controller.config import RayConfig
+from tauflow.controller.launcher import (
+    LaunchFailed,
+    ManagedService,
+    ProcessLauncher,
+    ServiceFailed,
+    log_header,
+    service_command,
+    spawn_service,
+)
+
+log = logging.getLogger(__name__)
+
+FORWARDED_ENV = ("OTEL_", "TAUFLOW_")
+COLOCATED = {"trainer": "weights"}  # role -> the role whose node it shares (the /dev/shm weight hand-off)
+LOST = -1  # what poll() says of a process whose actor was lost
+
+
+def role_resources(role: str, settings: Mapping[str, Any], config: RayConfig) -> dict[str, float]:
+    """The Ray resources of a role's actor: ``ray.num_cpus``/``ray.num_gpus`` where set, else 1 CPU, and
+    1 GPU for a role whose own settings put it on a GPU."""
+    on_gpu = {
+        "trainer": str(settings.get("backend.device", "cpu")).startswith("cuda"),
+        "rollout": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
+        "weights": settings.get("backend") == "nccl",
+    }.get(role, False)
+    return {
+        "num_cpus": float(config.num_cpus.get(role, 1.0)),
+        "num_gpus": float(config.num_gpus.get(role, 1.0 if on_gpu else 0.0)),
+    }
+
+
+class RayLauncher(ProcessLauncher):
+    def __init__(self, run_dir: Path, config: RayConfig, *, call_timeout_s: float = 30.0, **supervision: Any) -> None:
+        super().__init__(run_dir, **supervision)
+        self.config = config
+        self.call_timeout_s = call_timeout_s  # every call to an actor has this deadline
+        self._ray: Any = None
+        self._connected_here = False
+        self._host_class: Any = None
+        self._cwd = os.getcwd()
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+
+    def _connect(self) -> Any:
+        if self._ray is not None:
+            return self._ray
+        try:
+            import ray
+        except ImportError as e:
+            raise LaunchFailed(
+                "launcher 'ray' needs Ray on the controller and every node: pip install 'tauflow-controller[ray]'"
+            ) from e
+        if not ray.is_initialized():
+            _probe(self.config.address)
+            try:
+                ray.init(address=self.config.address, namespace=self.config.namespace or None,
+                         log_to_driver=False, logging_level=logging.WARNING)
+            except Exception as e:  # Ray raises ConnectionError, ValueError or RuntimeError here
+                raise LaunchFailed(
+                    f"launcher 'ray': cannot connect to the Ray cluster at {self.config.address!r}: {e}"
+                ) from e
+            self._connected_here = True
+        self._ray = ray
+        self._host_class = ray.remote(ServiceHost)
+        return ray
+
+    # -- ProcessLauncher's hooks ----------------------------------------------------------
+
+    def _spawn(self, svc: ManagedService) -> None:
+        ray = self._connect()
+        proc: RayProcess | None = svc.proc
+        previous_pid = None
+        if proc is None or proc.lost:
+            node_id = proc.node_id if proc is not None else self._colocated_node(svc.name)
+            previous_pid = proc.pid if proc is not None else None
+            proc = svc.proc = RayProcess(self._create_actor(svc, node_id), self.call_timeout_s, node_id)
+        env = {"PYTHONUNBUFFERED": "1", **self._env, **svc.spec.env}
+        call = proc.actor.spawn.remote(
+            svc.name, self._settings(svc), env, self._cwd, os.path.abspath(svc.log_file),
+            os.path.abspath(svc.ready_file), svc.restarts, previous_pid, self.stop_grace_s,
+        )
+        try:
+            placed = ray.get(call, timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            where = f" on node {proc.node_id}" if proc.node_id else ""
+            raise ServiceFailed(
+                svc.name, f"its Ray actor was not placed within {self.start_timeout_s:.0f}s: it needs "
+                f"{role_resources(svc.name, svc.spec.settings, self.config)}{where}; the cluster has "
+                f"{ray.available_resources()} free",
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise ServiceFailed(svc.name, f"its Ray actor died while starting it: {_first_line(e)}") from None
+        proc.started(placed)
+        self._started(svc)
+
+    def _create_actor(self, svc: ManagedService, node_id: str) -> Any:
+        options: dict[str, Any] = role_resources(svc.name, svc.spec.settings, self.config)
+        if node_id:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        return self._host_class.options(**options).remote()
+
+    def _colocated_node(self, role: str) -> str:
+        other = self.services.get(COLOCATED.get(role, ""))
+        return other.proc.node_id if other is not None and other.proc is not None else ""
+
+    def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
+        return svc.proc.ready()  # type: ignore[no-any-return]
+
+    def _kill(self, svc: ManagedService) -> None:
+        svc.proc.kill_group()
+
+    def _exit_reason(self, svc: ManagedService, code: int) -> str:
+        if svc.proc is not None and svc.proc.lost:
+            return f"lost its Ray actor ({svc.proc.lost})"
+        return super()._exit_reason(svc, code)
+
+    def _release(self) -> None:
+        if self._ray is None:
+            return
+        for svc in self.services.values():
+            if svc.proc is not None:
+                with contextlib.suppress(Exception):  # an actor already gone is what we want
+                    self._ray.kill(svc.proc.actor)
+        if self._connected_here:
+            self._ray.shutdown()
+        self._ray = None
+
+
+class RayProcess:
+    """A service process held by a Ray actor, seen through Popen's pid, poll, wait and send_signal."""
+
+    def __init__(self, actor: Any, call_timeout_s: float, node_id: str = "") -> None:
+        self.actor = actor
+        self.call_timeout_s = call_timeout_s
+        self.node_id = node_id
+        self.pid = 0  # 0 until the actor has started a process
+        self.host = ""
+        self.lost = ""  # why the actor is gone; "" while it lives
+        self.returncode: int | None = None
+
+    def started(self, placed: Mapping[str, Any]) -> None:
+        self.pid, self.host, self.node_id = placed["pid"], placed["host"], placed["node_id"]
+        self.returncode = None
+
+    def _call(self, method: str, *args: Any, lost: Any = None) -> Any:
+        """Calls the actor with a deadline. ``lost`` is the answer once the actor is gone; an actor that
+        does not answer in time gets None (unknown)."""
+        import ray
+
+        if self.lost:
+            return lost
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.call_timeout_s)
+        except ray.exceptions.RayActorError as e:
+            self.lost = _first_line(e)
+            log.warning("Ray actor lost", extra={"pid": self.pid, "node_id": self.node_id, "error": self.lost})
+            return lost
+        except ray.exceptions.GetTimeoutError:
+            log.warning("Ray actor did not answer", extra={"call": method, "pid": self.pid, "node_id": self.node_id})
+            return None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            # None from an actor that does not answer: unknown, taken as running (the run's stall timeout
+            # catches a service that really is stuck). No process started yet: nothing to wait for.
+            self.returncode = self._call("poll", lost=LOST) if self.pid else LOST
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid} on {self.host}", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        self._call("signal", int(sig))
+
+    def kill_group(self) -> None:
+        self._call("kill_group")
+
+    def ready(self) -> dict[str, Any] | None:
+        return self._call("ready")  # type: ignore[no-any-return]
+
+
+class ServiceHost:
+    """The Ray actor that runs one service process on its node (used as ``ray.remote(ServiceHost)``).
+
+    Every method returns at once: the controller polls, so no call waits behind another."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready_file = ""
+        self.host = ""
+
+    def spawn(
+        self, role: str, settings: dict[str, Any], env: dict[str, str], cwd: str, log_file: str, ready_file: str,
+        restarts: int, previous_pid: int | None, grace_s: float,
+    ) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        self.host = ray.util.get_node_ip_address()
+        if previous_pid:
+            _end_previous(previous_pid, role, grace_s)
+        bind = {"server.host": self.host, "metrics.host": self.host}  # reachable from the other nodes
+        if role == "weights":
+            bind["store.host"] = self.host  # the TCPStore rollout engines rendezvous on
+        Path(ready_file).unlink(missing_ok=True)
+        self.ready_file = ready_file
+        self.proc = spawn_service(
+            service_command(sys.executable, role, ready_file, {**bind, **settings}),
+            {**os.environ, **env},
+            log_file,
+            log_header(role, restarts, f" on {self.host}, Ray actor {context.get_actor_id()}"),
+            cwd=cwd if os.path.isdir(cwd) else None,
+        )
+        return {"pid": self.proc.pid, "host": self.host, "node_id": context.get_node_id()}
+
+    def ready(self) -> dict[str, Any] | None:
+        try:
+            info = json.loads(Path(self.ready_file).read_text())
+        except FileNotFoundError:
+            return None
+        return {**info, "host": self.host}
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill_group(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _end_previous(pid: int, role: str, grace_s: float) -> None:
+    """A lost actor's process got SIGTERM when its actor died; its ports are free once it has exited
+    (SIGKILL after ``grace_s``)."""
+    for wait_s, then in ((grace_s, signal.SIGKILL), (5.0, None)):
+        deadline = time.monotonic() + wait_s
+        while _is_service(pid, role) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if then is None or not _is_service(pid, role):
+            return
+        try:
+            os.killpg(pid, then)
+        except ProcessLookupError:
+            return
+
+
+def _is_service(pid: int, role: str) -> bool:
+    """Whether ``pid`` is still a live ``tauflow.<role>`` process (not a pid reused by another)."""
+    try:
+        return f"tauflow.{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _probe(address: str) -> None:
+    """Fails at once, naming the address, where nothing listens at a cluster address given as host:port
+    (``ray.init`` would retry for minutes)."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # auto, local: Ray finds the cluster, or says it found none
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise LaunchFailed(
+            f"launcher 'ray': no Ray cluster answers at {address} (`ray start --head` prints the address): {e}"
+        ) from e
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
