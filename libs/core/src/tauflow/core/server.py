@@ -6,6 +6,11 @@ service NOT_SERVING until the app says it is ready), ``info.v1.ServerInfoService
 applies the message-size limits, and drains gracefully: on SIGTERM or SIGINT
 health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_grace_s`` to finish, then the app's shutdown hooks run.
+
+A service may serve a second face on its own port (``ServiceApp.extra_servers``,
+e.g. the queue's authenticated external port): the same bootstrap with its own
+bindings, server interceptors and optional TLS credentials, started, reported in
+the ready file (``<name>_port``) and drained together with the main server.
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ class ServiceBinding:
     add_to_server: Callable[[Any, grpc.aio.Server], None]
 
 
+@dataclass(frozen=True)
+class ExtraServer:
+    """A further gRPC server of the same process, on its own port: ``name`` keys its port in the ready
+    file (``<name>_port``); it shares the process's state through the servicers in ``bindings``."""
+
+    name: str
+    bindings: Sequence[ServiceBinding]
+    config: ServerConfig
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    credentials: grpc.ServerCredentials | None = None
+
+
 @dataclass
 class ServiceApp:
     """What a service's ``build`` returns: its servicers and their lifecycle.
@@ -62,19 +79,41 @@ class ServiceApp:
     close: Callable[[], Awaitable[None] | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     on_serving: Callable[[int], None] | None = None  # told the bound port (e.g. to register with a peer)
+    extra_servers: Sequence[ExtraServer] = ()
+
+
+def tls_server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    """TLS credentials from a PEM certificate chain and its private key (files, so that a mounted
+    secret can hold them)."""
+    pems = []
+    for what, path in (("certificate", cert_file), ("private key", key_file)):
+        try:
+            pems.append(Path(path).read_bytes())
+        except OSError as e:
+            raise OSError(f"cannot read the TLS {what} {path}: {e.strerror}") from e
+    return grpc.ssl_server_credentials([(pems[1], pems[0])])
 
 
 class GrpcServer:
     def __init__(
-        self, bindings: Sequence[ServiceBinding], config: ServerConfig, *, role: str = "", version: str = ""
+        self,
+        bindings: Sequence[ServiceBinding],
+        config: ServerConfig,
+        *,
+        role: str = "",
+        version: str = "",
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.config = config
+        self.credentials = credentials
         info = server_info(role, version, [b.descriptor for b in bindings])
         self.bindings = [
             *bindings,
             ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server),
         ]
         self.server = grpc.aio.server(
+            interceptors=list(interceptors) or None,  # a keyword: telemetry's instrumentation adds its own
             options=[
                 *message_size_options(config.max_message_bytes),
                 # Accept the keepalive pings our channels send (every 30 s, also when idle); gRPC's
@@ -96,7 +135,11 @@ class GrpcServer:
         self.port: int | None = None
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(address, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self.set_serving(False)
@@ -134,8 +177,17 @@ async def serve(
 ) -> None:
     """Serves ``app`` until SIGTERM/SIGINT, then drains and closes it."""
     ready_info = ready_info or {}
-    server = GrpcServer(app.bindings, config, role=ready_info.get("service", ""), version=ready_info.get("version", ""))
+    role, version = ready_info.get("service", ""), ready_info.get("version", "")
+    server = GrpcServer(app.bindings, config, role=role, version=version)
+    extras = {
+        extra.name: GrpcServer(
+            extra.bindings, extra.config, role=role, version=version,
+            interceptors=extra.interceptors, credentials=extra.credentials,
+        )
+        for extra in app.extra_servers
+    }
     port = await server.start()
+    extra_ports = {f"{name}_port": await s.start() for name, s in extras.items()}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -143,16 +195,18 @@ async def serve(
     if app.on_serving is not None:
         app.on_serving(port)
     tasks = [asyncio.create_task(job(), name=getattr(job, "__name__", "background")) for job in app.background]
-    await server.set_serving(True)
-    info = {"grpc_port": port, "pid": os.getpid(), **ready_info, **app.info}
-    log.info("serving", extra={"host": config.host, "port": port})
+    servers = [server, *extras.values()]
+    for s in servers:
+        await s.set_serving(True)
+    info = {"grpc_port": port, **extra_ports, "pid": os.getpid(), **ready_info, **app.info}
+    log.info("serving", extra={"host": config.host, "port": port, **extra_ports})
     if ready_file:
         write_ready_file(ready_file, info)
     failed = asyncio.create_task(_first_failure(tasks))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([failed, stopped], return_when=asyncio.FIRST_COMPLETED)
     log.info("draining", extra={"grace_s": config.drain_grace_s})
-    await server.drain()
+    await asyncio.gather(*(s.drain() for s in servers))
     for t in (*tasks, failed, stopped):
         t.cancel()
     await asyncio.gather(*tasks, failed, stopped, return_exceptions=True)

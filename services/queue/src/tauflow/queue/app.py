@@ -1,4 +1,5 @@
-"""Builds the queue service from its config: recover the log, then serve."""
+"""Builds the queue service from its config: recover the log, then serve (and, when enabled, the
+authenticated external port for producers outside tauflow, on the same state)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.queue import __version__
 from tauflow.queue.config import QueueConfig
+from tauflow.queue.external import external_server
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.state import QueueState, Settings
@@ -29,7 +31,8 @@ def settings_from(config: QueueConfig) -> Settings:
 async def build(config: QueueConfig) -> ServiceApp:
     wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync)
     queue = QueueState(settings_from(config), wal)
-    servicer = QueueServicer(queue, config, QueueMetrics())
+    metrics = QueueMetrics()
+    servicer = QueueServicer(queue, config, metrics)
     background = [servicer.sweep_forever]
     if config.wal.fsync is FsyncPolicy.INTERVAL:
         interval = config.wal.fsync_interval_s
@@ -41,6 +44,7 @@ async def build(config: QueueConfig) -> ServiceApp:
         background=background,
         close=wal.close,
         info={"wal": str(wal.path)},
+        extra_servers=[external_server(config.external, servicer, metrics)] if config.external.enabled else [],
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
 from tauflow.queue.wal import FsyncPolicy
@@ -22,6 +22,30 @@ class WalConfig(StrictModel):
     compact_min_bytes: int = Field(64 * MiB, ge=0, description="compact once this many bytes are dead")
 
 
+class ExternalConfig(ServerConfig):
+    """The external port: a second gRPC server for producers outside tauflow (docs/external-sources.md).
+
+    It serves only what a producer needs (Reserve, ReleaseReservation, Put, Stats), each call
+    authenticated by a per-client bearer token, optionally over TLS."""
+
+    enabled: bool = Field(False, description="serve the external port")
+    port: int = Field(50061, ge=0, le=65535, description="0 picks a free port")
+    tokens_file: str = Field(
+        "", description="YAML mapping of client name to bearer token (`name: token` lines); re-read when it "
+        "changes. Tokens are never config values, so that --print-config and process listings never show them",
+    )
+    tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file, the port speaks TLS")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+
+    @model_validator(mode="after")
+    def _complete(self) -> ExternalConfig:
+        if self.enabled and not self.tokens_file:
+            raise ValueError("external.tokens_file must be set when the external port is enabled")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("external.tls_cert_file and external.tls_key_file go together: set both or neither")
+        return self
+
+
 class QueueConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50051)
     metrics: MetricsConfig = MetricsConfig(port=9461)
@@ -36,3 +60,4 @@ class QueueConfig(ServiceConfig):
     sweep_interval_s: float = Field(0.5, gt=0, description="how often expired leases are redelivered")
     dedup_window: int = Field(1_000_000, ge=0, description="acked group ids remembered for idempotent Put")
     wal: WalConfig = WalConfig()
+    external: ExternalConfig = ExternalConfig()

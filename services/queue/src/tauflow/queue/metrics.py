@@ -48,6 +48,16 @@ class QueueMetrics:
             "tauflow_queue_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
             registry=registry,
         )
+        # The external port, per client (a name from the tokens file; "unknown" for a missing or unknown token).
+        self.external_put_groups = Counter(
+            "tauflow_queue_external_put_groups", "Groups newly accepted from each client of the external port",
+            ["client"], registry=registry,
+        )
+        self.external_rejected = Counter(
+            "tauflow_queue_external_rejected_requests",
+            "Requests refused on the external port, by client, method and status code",
+            ["client", "method", "code"], registry=registry,
+        )
         self.delivered_staleness = Histogram(
             "tauflow_queue_delivered_staleness_steps",
             "Staleness of delivered groups (consumer version minus oldest behaviour version)",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -259,11 +259,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
 
 
-def add_queue_servicer_to_server(servicer: QueueServicer, server: grpc.aio.Server) -> None:
+def add_queue_servicer_to_server(
+    servicer: Any, server: grpc.aio.Server, methods: Collection[str] | None = None
+) -> None:
     """Registers the servicer like the generated function does, with the two wire fast paths:
-    Put receives its group as bytes, Get returns its response already serialized (see wire.py)."""
+    Put receives its group as bytes, Get returns its response already serialized (see wire.py).
+    ``methods`` limits the registration to those methods (the others answer UNIMPLEMENTED)."""
     handlers = {}
     for method in SERVICE.methods:
+        if methods is not None and method.name not in methods:
+            continue
         deserialize = message_factory.GetMessageClass(method.input_type).FromString
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
         if method.name == "Put":

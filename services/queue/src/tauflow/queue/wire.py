@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
 
+from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
 from tauflow.queue import convert, state
@@ -141,8 +142,6 @@ def group_record(raw: bytes, max_group_bytes: int) -> state.GroupRecord:
     record = group_record_fast(raw, max_group_bytes)
     if record is not None:
         return record
-    from tauflow.api.common.v1 import common_pb2
-
     try:
         group = common_pb2.Group.FromString(raw)
     except Exception as e:  # noqa: BLE001
@@ -181,6 +180,16 @@ DELIVERY_OVERHEAD_BYTES = 64
 def deliverable_group_bytes(max_message_bytes: int) -> int:
     """The largest group that a Get response of at most ``max_message_bytes`` can carry alone."""
     return max_message_bytes - RESPONSE_HEAD_BYTES - DELIVERY_OVERHEAD_BYTES
+
+
+_PRODUCER_FIELD = common_pb2.Group.DESCRIPTOR.fields_by_name["producer_id"].number
+
+
+def with_producer_id(raw: bytes, producer_id: str) -> bytes:
+    """The serialized Group ``raw`` with its producer_id set to ``producer_id``, without decoding it: for a
+    singular field the last occurrence on the wire wins (protobuf's merge rule), so appending the field
+    overrides whatever the producer wrote there."""
+    return b"".join([raw, *_length_delimited(_PRODUCER_FIELD, producer_id.encode())])
 
 
 _GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].number

@@ -1,0 +1,78 @@
+"""The client's channels: message-size limits, keepalive, TLS, and gRPC retries for idempotent methods only.
+
+tauflow's services build their channels with ``tauflow.core.channel``; this package cannot depend on
+tauflow-core (pydantic, OpenTelemetry, Prometheus: more than an agent should install), so it keeps its own
+few lines with the same policy: the retry class of each method is read from the contract
+(``idempotency_level``), and only ``IDEMPOTENT`` and ``NO_SIDE_EFFECTS`` methods are retried, on
+``UNAVAILABLE``. Deadlines are not set here: every call of the clients passes its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.descriptor_pb2 import MethodOptions
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the services' default limit
+_RETRYABLE = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
+
+
+@dataclass(frozen=True)
+class Tls:
+    """How to verify a server that speaks TLS. ``root_certificates``: PEM of the certificate authority
+    (None: the system's roots); ``server_name``: the name the certificate must carry when it is not the
+    host of the address (e.g. an address by IP)."""
+
+    root_certificates: bytes | None = None
+    server_name: str = ""
+
+    @classmethod
+    def from_file(cls, ca_file: str | Path, server_name: str = "") -> Tls:
+        return cls(Path(ca_file).read_bytes(), server_name)
+
+
+def retryable_methods(services: Sequence[ServiceDescriptor]) -> list[tuple[str, str]]:
+    """(service, method) of every method the contracts mark safe to send again."""
+    return [(s.full_name, m.name) for s in services for m in s.methods if m.GetOptions().idempotency_level in _RETRYABLE]
+
+
+def _service_config(services: Sequence[ServiceDescriptor]) -> str:
+    names = [{"service": service, "method": method} for service, method in retryable_methods(services)]
+    policy = {
+        "maxAttempts": 5,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}] if names else []})
+
+
+def open_channel(
+    address: str,
+    services: Sequence[ServiceDescriptor],
+    *,
+    tls: Tls | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.Channel:
+    """A blocking channel to ``address`` for calling ``services``."""
+    options: list[tuple[str, object]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),  # tauflow's servers accept a ping every 10 s
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", _service_config(services)),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.root_certificates)
+    return grpc.secure_channel(address, credentials, options=options)

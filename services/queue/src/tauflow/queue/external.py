@@ -1,0 +1,191 @@
+"""The external port: producers outside tauflow put groups through a second gRPC server of the queue.
+
+It serves the producer's half of QueueService (Reserve, ReleaseReservation, Put, Stats) on the same
+state as the internal server; Get, Ack, Nack, RenewLease, SetTrainerVersion and SetMaxStaleness are not
+registered there (UNIMPLEMENTED), so a client of this port can neither consume nor steer the training.
+Every call but gRPC health and ServerInfo needs ``authorization: Bearer <token>`` metadata with a token
+of the tokens file; the client it names is recorded on what it does: the ``producer_id`` of its groups
+and reservations, its request ids (namespaced, so that one client cannot read another's ticket by
+replaying a request id) and the per-client metrics. Decisions: docs/external-sources.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
+from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
+from tauflow.queue import wire
+from tauflow.queue.config import ExternalConfig
+from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
+from tauflow.queue.tokens import UNKNOWN_CLIENT, TokenTable
+
+log = logging.getLogger(__name__)
+
+PRODUCER_METHODS = ("Reserve", "ReleaseReservation", "Put", "Stats")
+# Answered without a token: probes (Kubernetes' gRPC probes send none) and the version check a client
+# makes before it trusts a server.
+PUBLIC_SERVICES = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, INFO_SERVICE.full_name})
+CLIENT: ContextVar[str] = ContextVar("tauflow_queue_external_client", default="")
+_WARN_EVERY_S = 10.0
+
+
+def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
+    """(token, "") from ``authorization: Bearer <token>``, or ("", why not)."""
+    values = [v for k, v in metadata or () if k == "authorization"]
+    if not values:
+        return "", "missing `authorization: Bearer <token>` metadata"
+    value = values[0].decode() if isinstance(values[0], bytes) else values[0]
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return "", "the authorization metadata must be `Bearer <token>`"
+    return token.strip(), ""
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Admits a call whose bearer token names a client of ``tokens``; answers UNAUTHENTICATED otherwise.
+    An admitted unary call runs with ``CLIENT`` set to the client's name, and its refusals are counted
+    per client."""
+
+    def __init__(self, tokens: TokenTable, metrics: QueueMetrics) -> None:
+        self.tokens = tokens
+        self.metrics = metrics
+        self._warned_at = -_WARN_EVERY_S
+        self._unwarned = 0
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        if service in PUBLIC_SERVICES:
+            return await continuation(details)
+        # Bounded label values: a caller chooses the method path, not the metric's cardinality.
+        label = method if service == SERVICE.full_name and method in PRODUCER_METHODS else "other"
+        token, why = bearer_token(details.invocation_metadata)
+        client = self.tokens.lookup(token) if token else None
+        handler = await continuation(details)
+        if client is None:
+            why = why or "the bearer token is not one of the queue's client tokens"
+            self.metrics.external_rejected.labels(UNKNOWN_CLIENT, label, "UNAUTHENTICATED").inc()
+            self._warn(details.method, why)
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, why)
+        if handler is None:
+            self.metrics.external_rejected.labels(client, "other", "UNIMPLEMENTED").inc()
+            return None  # gRPC answers UNIMPLEMENTED: the external port serves producers only
+        if handler.request_streaming or handler.response_streaming:
+            return handler  # (server reflection) admitted; nothing to record
+        return grpc.unary_unary_rpc_method_handler(
+            self._as_client(handler.unary_unary, client, label),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _as_client(
+        self, behaviour: Callable[[Any, Any], Awaitable[Any]], client: str, method: str
+    ) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def call(request, context):  # type: ignore[no-untyped-def]
+            reset = CLIENT.set(client)
+            try:
+                return await behaviour(request, context)
+            except BaseException:
+                code = context.code()
+                if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+                    self.metrics.external_rejected.labels(client, method, code.name).inc()
+                raise
+            finally:
+                CLIENT.reset(reset)
+
+        return call
+
+    def _warn(self, method: str, why: str) -> None:
+        """At most one warning per ``_WARN_EVERY_S``: a client with a wrong token must not flood the log."""
+        now = time.monotonic()
+        self._unwarned += 1
+        if now - self._warned_at >= _WARN_EVERY_S:
+            log.warning("external call refused", extra={"method": method, "why": why, "refused": self._unwarned})
+            self._warned_at, self._unwarned = now, 0
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that answers ``code`` without reading the request."""
+
+    async def refuse(request, context):  # type: ignore[no-untyped-def]
+        await context.abort(code, message)
+
+    if handler is not None and handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler is not None and handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class ProducerServicer:
+    """The external port's QueueService: the producer's methods, on the internal servicer's state,
+    recording the authenticated client (``CLIENT``)."""
+
+    def __init__(self, queue: QueueServicer, metrics: QueueMetrics) -> None:
+        self.queue = queue
+        self.metrics = metrics
+
+    async def Reserve(self, request, context):  # type: ignore[no-untyped-def]
+        client = CLIENT.get()
+        request.producer_id = client
+        if request.request_id:  # (an empty one stays empty: INVALID_ARGUMENT as on the internal port)
+            request.request_id = f"{client}/{request.request_id}"
+        return await self.queue.Reserve(request, context)
+
+    async def ReleaseReservation(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.queue.ReleaseReservation(request, context)
+
+    async def Put(self, request, context):  # type: ignore[no-untyped-def]
+        client = CLIENT.get()
+        if request.group:  # (an empty one is refused as on the internal port)
+            request.group = wire.with_producer_id(request.group, client)
+        response = await self.queue.Put(request, context)
+        if response.outcome == queue_pb2.PUT_OUTCOME_ACCEPTED:
+            self.metrics.external_put_groups.labels(client).inc()
+        return response
+
+    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.queue.Stats(request, context)
+
+
+def external_server(config: ExternalConfig, queue: QueueServicer, metrics: QueueMetrics) -> ExtraServer:
+    """The external port as a second server of the queue process (``external_port`` in the ready file)."""
+    tokens = TokenTable(config.tokens_file)
+    for client in tokens.clients:
+        metrics.external_put_groups.labels(client)  # every known client's series exists from the start
+    credentials = None
+    if config.tls_cert_file:
+        credentials = tls_server_credentials(config.tls_cert_file, config.tls_key_file)
+    elif not _is_loopback(config.host):
+        log.warning(
+            "the external port listens beyond loopback without TLS: bearer tokens travel in clear text",
+            extra={"host": config.host},
+        )
+    log.info("external port", extra={"clients": tokens.clients, "tls": credentials is not None})
+    binding = ServiceBinding(
+        SERVICE, ProducerServicer(queue, metrics),
+        functools.partial(add_queue_servicer_to_server, methods=PRODUCER_METHODS),
+    )
+    return ExtraServer("external", [binding], config, [BearerTokenAuth(tokens, metrics)], credentials)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,129 @@
+"""The external port's client tokens: a file of ``client_name: token`` lines (a YAML mapping).
+
+The file, not the config or the environment, holds the tokens: ``--print-config`` prints the config and
+a process's environment is readable in /proc and inherited by its children, while a file can be a
+mounted secret readable by the queue alone. It is re-read when it changes (checked at most once per
+``reload_interval_s``), so a client is added or a token rotated without restarting the queue; an edit
+that does not parse is logged and ignored, the tokens in force stay. No grpc here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MIN_TOKEN_CHARS = 16
+UNKNOWN_CLIENT = "unknown"  # the metrics' client label for a missing or unknown token: no client may be named so
+
+
+class TokensError(ValueError):
+    """A tokens file that cannot be used; the message names the file and the entry."""
+
+
+def _digest(token: str) -> bytes:
+    # Look-ups compare fixed-size digests, so their timing says nothing about how much of a token matched.
+    return hashlib.sha256(token.encode()).digest()
+
+
+def parse_tokens(text: str, source: str) -> dict[bytes, str]:
+    """``{sha256(token): client name}`` from the file's text."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise TokensError(f"{source} does not parse as `client_name: token` lines: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise TokensError(f"{source} must hold `client_name: token` lines, not a {type(data).__name__}")
+    table: dict[bytes, str] = {}
+    for name, token in data.items():
+        if not isinstance(name, str) or not CLIENT_NAME.fullmatch(name) or name == UNKNOWN_CLIENT:
+            raise TokensError(
+                f"{source}: client name {name!r} must be 1-64 letters, digits, '.', '_' or '-' (and not "
+                f"{UNKNOWN_CLIENT!r})"
+            )
+        if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+            raise TokensError(
+                f"{source}: the token of {name!r} must be a string of at least {MIN_TOKEN_CHARS} characters "
+                "without spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        digest = _digest(token)
+        if digest in table:
+            raise TokensError(f"{source}: {name!r} and {table[digest]!r} share a token; each client needs its own")
+        table[digest] = name
+    return table
+
+
+class TokenTable:
+    """Client names by bearer token, from ``path``, kept in step with the file."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, reload_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path)
+        self.reload_interval_s = reload_interval_s
+        self.clock = clock
+        self._stamp = self._stat()
+        self._table = parse_tokens(self._read(), str(self.path))  # a bad file at start is an error
+        self._checked = clock()
+
+    @property
+    def clients(self) -> list[str]:
+        return sorted(set(self._table.values()))
+
+    def lookup(self, token: str) -> str | None:
+        """The client that holds ``token``; None when no client does."""
+        self._maybe_reload()
+        return self._table.get(_digest(token)) if token else None
+
+    def _stat(self) -> tuple[int, int, int]:
+        try:
+            st = self.path.stat()
+        except OSError as e:
+            raise TokensError(f"cannot read the tokens file {self.path}: {e.strerror}") from e
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _read(self) -> str:
+        try:
+            return self.path.read_text()
+        except OSError as e:
+            raise TokensError(f"cannot read the tokens file {self.path}: {e.strerror}") from e
+
+    def _maybe_reload(self) -> None:
+        now = self.clock()
+        if now - self._checked < self.reload_interval_s:
+            return
+        self._checked = now
+        try:
+            stamp = self._stat()
+        except TokensError as e:
+            stamp, error = _GONE, e
+        else:
+            if stamp == self._stamp:
+                return
+            try:
+                table = parse_tokens(self._read(), str(self.path))
+                error = None
+            except TokensError as e:
+                error = e
+        if error is not None:
+            if stamp != self._stamp:  # once per bad version of the file, not once per check
+                log.error("tokens file not reloaded; the tokens in force stay", extra={"error": str(error)})
+            self._stamp = stamp
+            return
+        self._stamp, self._table = stamp, table
+        log.info("tokens file reloaded", extra={"clients": self.clients})
+
+
+_GONE = (0, 0, 0)  # the stamp of a file that cannot be read

@@ -1,0 +1,226 @@
+"""The queue's external port: per-client bearer tokens, only the producer's methods, the client recorded on
+what it puts and in the metrics; the tokens file, validated and followed without a restart."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.info.v1 import info_pb2, info_pb2_grpc
+from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.api.queue.v1 import queue_pb2_grpc
+from tauflow.core.config import ConfigError, load_config
+from tauflow.queue import wire
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.external import bearer_token
+from tauflow.queue.tokens import TokensError, TokenTable, parse_tokens
+from tests.conftest import ServiceProcess, make_group
+
+A_TOKEN, B_TOKEN, C_TOKEN = "a" * 24, "b" * 24, "c" * 24
+
+
+# -- the tokens file -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("- a\n- b\n", "must hold `client_name: token` lines"),
+        ("agent: short\n", "at least 16 characters"),
+        ("agent: 'with space in it, long enough'\n", "without spaces"),
+        ("'bad name!': aaaaaaaaaaaaaaaaaaaa\n", "client name 'bad name!'"),
+        ("unknown: aaaaaaaaaaaaaaaaaaaa\n", "client name 'unknown'"),
+        ("one: aaaaaaaaaaaaaaaaaaaa\ntwo: aaaaaaaaaaaaaaaaaaaa\n", "'two' and 'one' share a token"),
+        ("agent: [not, a, string]\n", "the token of 'agent'"),
+    ],
+)
+def test_a_bad_tokens_file_is_refused_with_the_entry_named(text: str, words: str) -> None:
+    with pytest.raises(TokensError, match="tokens.yaml") as e:
+        parse_tokens(text, "tokens.yaml")
+    assert words in str(e.value)
+
+
+def test_the_token_table_follows_its_file_and_keeps_its_tokens_when_an_edit_is_bad(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    now = [0.0]
+    table = TokenTable(path, reload_interval_s=1.0, clock=lambda: now[0])
+    assert (table.lookup(A_TOKEN), table.lookup(B_TOKEN), table.lookup(C_TOKEN), table.lookup("")) == (
+        "agent-a", "agent-b", None, None)
+    path.write_text(f"agent-a: {A_TOKEN}\nagent-c: {C_TOKEN}\n")  # agent-b removed, agent-c added
+    assert table.lookup(C_TOKEN) is None  # not re-read before the interval
+    now[0] = 1.5
+    assert (table.lookup(C_TOKEN), table.lookup(B_TOKEN)) == ("agent-c", None)
+    path.write_text("agent-a: short\n")  # a bad edit: logged, the tokens in force stay
+    now[0] = 3.0
+    assert (table.lookup(A_TOKEN), table.lookup(C_TOKEN)) == ("agent-a", "agent-c")
+    path.unlink()
+    now[0] = 4.5
+    assert table.lookup(A_TOKEN) == "agent-a"
+    with pytest.raises(TokensError, match="cannot read the tokens file"):
+        TokenTable(path)  # at start, a missing file is an error
+
+
+def test_the_external_port_needs_a_tokens_file_and_tls_needs_both_files() -> None:
+    with pytest.raises(ConfigError, match="external.tokens_file must be set"):
+        load_config(QueueConfig, overrides=["external.enabled=true"])
+    with pytest.raises(ConfigError, match="tls_cert_file and external.tls_key_file go together"):
+        load_config(QueueConfig, overrides=["external.tokens_file=t.yaml", "external.tls_cert_file=c.pem"])
+
+
+@pytest.mark.parametrize(
+    ("metadata", "token", "why"),
+    [
+        ((("authorization", f"Bearer {A_TOKEN}"),), A_TOKEN, ""),
+        ((("authorization", f"bearer   {A_TOKEN} "),), A_TOKEN, ""),
+        ((("x-other", "1"),), "", "missing `authorization: Bearer <token>` metadata"),
+        ((("authorization", f"Basic {A_TOKEN}"),), "", "must be `Bearer <token>`"),
+        ((("authorization", "Bearer "),), "", "must be `Bearer <token>`"),
+    ],
+)
+def test_bearer_token_reading(metadata: tuple[tuple[str, str], ...], token: str, why: str) -> None:
+    got, reason = bearer_token(metadata)
+    assert got == token and why in reason and bool(reason) == bool(why)
+
+
+def test_the_client_name_replaces_the_producer_id_without_decoding_the_group() -> None:
+    group = make_group("g1")
+    group.producer_id = "someone-else"
+    raw = wire.with_producer_id(group.SerializeToString(), "agent-a")
+    decoded = common_pb2.Group.FromString(raw)
+    assert decoded.producer_id == "agent-a"
+    decoded.producer_id = group.producer_id
+    assert decoded == group  # nothing else changed
+    record = wire.group_record(raw, 1 << 20)  # still a valid group, on the fast path or the full decode
+    assert record.payload == raw and record.group_id == "g1"
+
+
+# -- the port, in a real queue process -------------------------------------------------------------
+
+
+def _queue(tmp_path: Path, tokens: str) -> ServiceProcess:
+    (tmp_path / "tokens.yaml").write_text(tokens)
+    settings = {"wal.dir": "wal", "groups_per_step": 2, "max_staleness": 1, "external.enabled": "true",
+                "external.port": 0, "external.tokens_file": tmp_path / "tokens.yaml"}
+    return ServiceProcess("queue", tmp_path, settings).start()
+
+
+def _code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    try:
+        call(*args, timeout=5, **kwargs)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def _metrics(proc: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{proc.info['metrics_port']}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("tauflow_queue_external_")
+    }
+
+
+def test_the_external_port_serves_producers_with_a_token_and_records_the_client(tmp_path: Path) -> None:
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    try:
+        assert proc.info["external_port"] != proc.info["grpc_port"]
+        external = grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}")
+        stub = queue_pb2_grpc.QueueServiceStub(external)
+        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
+        a = (("authorization", f"Bearer {A_TOKEN}"),)
+        b = (("authorization", f"Bearer {B_TOKEN}"),)
+
+        # Probes and the version check need no token.
+        health = health_pb2_grpc.HealthStub(external).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        info = info_pb2_grpc.ServerInfoServiceStub(external).GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=5)
+        assert info.role == "queue"
+
+        # No token, an unknown one, another scheme: UNAUTHENTICATED, and nothing happens.
+        assert _code(stub.Stats, q.StatsRequest()) == (
+            grpc.StatusCode.UNAUTHENTICATED, "missing `authorization: Bearer <token>` metadata")
+        assert _code(stub.Put, q.PutRequest(group=make_group("sneaky")), metadata=(("authorization", f"Bearer {C_TOKEN}"),)) == (
+            grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not one of the queue's client tokens")
+        assert _code(stub.Stats, q.StatsRequest(), metadata=(("authorization", f"Basic {A_TOKEN}"),))[0] == (
+            grpc.StatusCode.UNAUTHENTICATED)
+
+        # A producer's calls work; the queue records who put the group, whatever it claimed.
+        assert stub.Stats(q.StatsRequest(), metadata=a, timeout=5).trainer_version == 0
+        claimed = make_group("ext-1")
+        claimed.producer_id = "agent-b"
+        assert stub.Put(q.PutRequest(group=claimed), metadata=a, timeout=5).outcome == q.PUT_OUTCOME_ACCEPTED
+        assert stub.Put(q.PutRequest(group=claimed), metadata=b, timeout=5).outcome == q.PUT_OUTCOME_DUPLICATE
+
+        # Reservations: a client's request id is its own (a repeat is the same ticket, another client's
+        # same id is not), and its ticket takes its put.
+        t1 = stub.Reserve(q.ReserveRequest(request_id="r1", n_groups=1), metadata=a, timeout=5).ticket
+        again = stub.Reserve(q.ReserveRequest(request_id="r1", n_groups=1), metadata=a, timeout=5).ticket
+        other = stub.Reserve(q.ReserveRequest(request_id="r1", n_groups=1), metadata=b, timeout=5).ticket
+        assert t1.ticket_id == again.ticket_id != other.ticket_id
+        assert stub.ReleaseReservation(q.ReleaseReservationRequest(ticket_id=other.ticket_id), metadata=b,
+                                       timeout=5).released_groups == 1
+        stub.Put(q.PutRequest(group=make_group("ext-2"), ticket_id=t1.ticket_id), metadata=a, timeout=5)
+
+        # A malformed group: INVALID_ARGUMENT naming the field; nothing accepted.
+        before = internal.Stats(q.StatsRequest(), timeout=5)
+        bad = make_group("ext-bad")
+        bad.samples[1].loss_mask.extend([True, False])
+        code, details = _code(stub.Put, q.PutRequest(group=bad), metadata=a)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "samples[1].loss_mask has 2 entries for 8 completion tokens" in details
+        after = internal.Stats(q.StatsRequest(), timeout=5)
+        assert (after.accepted_groups, after.depth_groups) == (before.accepted_groups, before.depth_groups) == (2, 2)
+
+        # The external port can neither consume nor steer the training, even with a valid token.
+        for method, request in [
+            ("Get", q.GetRequest(max_groups=8)), ("Ack", q.AckRequest(lease_id="x")),
+            ("Nack", q.NackRequest(lease_id="x")), ("RenewLease", q.RenewLeaseRequest(lease_id="x")),
+            ("SetTrainerVersion", q.SetTrainerVersionRequest(policy_version=99)),
+            ("SetMaxStaleness", q.SetMaxStalenessRequest(max_staleness=-1)),
+        ]:
+            assert _code(getattr(stub, method), request, metadata=a)[0] == grpc.StatusCode.UNIMPLEMENTED, method
+        stats = internal.Stats(q.StatsRequest(), timeout=5)
+        assert (stats.trainer_version, stats.max_staleness) == (0, 1)
+
+        delivered = internal.Get(q.GetRequest(consumer_id="trainer", max_groups=8), timeout=5)
+        assert [(d.group.group_id, d.group.producer_id) for d in delivered.groups] == [
+            ("ext-1", "agent-a"), ("ext-2", "agent-a")]
+
+        metrics = _metrics(proc)
+        put, rejected = "tauflow_queue_external_put_groups_total", "tauflow_queue_external_rejected_requests_total"
+        assert metrics[(put, (("client", "agent-a"),))] == 2
+        assert metrics[(put, (("client", "agent-b"),))] == 0  # a duplicate is not a new group
+        assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Stats")))] == 2
+        assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
+        assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
+        assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 6
+    finally:
+        proc.stop()
+
+
+def test_a_client_added_to_the_tokens_file_is_admitted_without_a_restart(tmp_path: Path) -> None:
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    try:
+        stub = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}"))
+        c = (("authorization", f"Bearer {C_TOKEN}"),)
+        b = (("authorization", f"Bearer {B_TOKEN}"),)
+        assert _code(stub.Stats, q.StatsRequest(), metadata=c)[0] == grpc.StatusCode.UNAUTHENTICATED
+        (tmp_path / "tokens.yaml").write_text(f"agent-a: {A_TOKEN}\nagent-c: {C_TOKEN}\n")  # b revoked, c added
+        deadline = time.monotonic() + 10
+        while _code(stub.Stats, q.StatsRequest(), metadata=c)[0] != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, "the new token was never admitted"
+            time.sleep(0.2)
+        assert _code(stub.Stats, q.StatsRequest(), metadata=b)[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert proc.proc is not None and proc.proc.poll() is None and proc.starts == 1
+    finally:
+        proc.stop()
