@@ -53,4 +53,5 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "changing max_staleness of a live run is not built yet")
 
     async def ScaleRollout(self, request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "scaling rollout needs a cluster launcher (issue #5)")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "scaling rollout is not built yet: set the rollout replicas of the deployment "
+                            "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar on its own")
