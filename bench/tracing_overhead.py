@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
@@ -105,7 +106,44 @@ def tracing_env(mode: str, exporter: str, receiver: Receiver | None, spans_file:
     return env
 
 
-def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, str], extra: list[str]) -> dict:  # type: ignore[type-arg]
+class ServiceCpu:
+    """Samples the CPU time (user + system) of the run's service processes (their pids from the ready
+    files) every ``period_s``: ``at(t)`` is their total at wall time ``t``. CPU time is far steadier than
+    step time on a shared machine, and on 2 busy cores every CPU second spent on spans is taken from a step."""
+
+    def __init__(self, run_dir: Path, period_s: float = 0.25) -> None:
+        self.run_dir = run_dir
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (time.time(), role -> CPU seconds)
+        self._last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self._stop.wait(0.25):
+            for ready in self.run_dir.glob("*.ready.json"):
+                try:
+                    pid = json.loads(ready.read_text())["pid"]
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, ValueError, KeyError):
+                    continue  # not written yet, or the process is gone: keep its last value
+                self._last[ready.name.split(".")[0]] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            self.samples.append((time.time(), dict(self._last)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, t: float) -> dict[str, float]:
+        """Each role's CPU seconds at the last sample taken at or before ``t``."""
+        before = [cpu for ts, cpu in self.samples if ts <= t]
+        return before[-1] if before else {}
+
+
+def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, str], extra: list[str],
+            warmup: int) -> dict:  # type: ignore[type-arg]
+    """One run; its summary, with ``cpu_per_step_s``: the services' CPU seconds per step after ``warmup``."""
     from tauflow.controller.config import RunConfig
     from tauflow.controller.run import Run
     from tauflow.core.config import load_config
@@ -118,8 +156,18 @@ def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, 
         "eval.dataset=", "target_accuracy=null", f"steps={steps}", *extra,
     ]
     config = load_config(RunConfig, path=recipe, env_prefix="TAUFLOW_RUN_", overrides=overrides)
-    summary = asyncio.run(Run(config).execute())
-    return summary.to_json()
+    run = Run(config)
+    cpu = ServiceCpu(out)
+    try:
+        summary = asyncio.run(run.execute()).to_json()
+    finally:
+        cpu.stop()
+    commits = [run._wall0 + s["committed_s"] for s in summary["steps"][warmup:]]
+    first, last = cpu.at(commits[0]), cpu.at(commits[-1])
+    n = max(1, len(commits) - 1)
+    summary["cpu_per_step_by_role_s"] = {role: (last[role] - first.get(role, 0.0)) / n for role in sorted(last)}
+    summary["cpu_per_step_s"] = sum(summary["cpu_per_step_by_role_s"].values()) if len(commits) > 1 else float("nan")
+    return summary
 
 
 def step_times(summary: dict, warmup: int) -> dict[str, float]:  # type: ignore[type-arg]
@@ -132,7 +180,9 @@ def step_times(summary: dict, warmup: int) -> dict[str, float]:  # type: ignore[
         return statistics.median(values) if values else float("nan")
 
     return {"step_s": statistics.median(intervals) if intervals else float("nan"), "train_s": median("time/train_s"),
-            "publish_s": median("time/publish_s"), "wait_s": median("time/wait_s"), "steps": len(steps)}
+            "publish_s": median("time/publish_s"), "wait_s": median("time/wait_s"), "steps": len(steps),
+            "cpu_per_step_s": summary.get("cpu_per_step_s", float("nan")),
+            "cpu_per_step_by_role_s": summary.get("cpu_per_step_by_role_s", {})}
 
 
 def main() -> int:
@@ -161,7 +211,8 @@ def main() -> int:
                 spans_file = out / f"{mode}{r}" / "spans.jsonl"
                 spans_file.parent.mkdir(parents=True, exist_ok=True)
                 env = tracing_env(mode, args.exporter, receiver, spans_file)
-                summary = run_one(args.recipe, args.prepared, out / f"{mode}{r}", args.steps, env, args.set)
+                summary = run_one(args.recipe, args.prepared, out / f"{mode}{r}", args.steps, env, args.set,
+                                  args.warmup)
                 t = step_times(summary, args.warmup)
                 if receiver is not None:
                     t["spans"], t["span_names"] = receiver.take()
@@ -173,7 +224,8 @@ def main() -> int:
                 results[mode].append(t)
                 print(f"round {r} tracing {mode:3}: step {t['step_s'] * 1000:7.1f} ms  train "
                       f"{t['train_s'] * 1000:6.1f} ms  publish {t['publish_s'] * 1000:5.1f} ms  "
-                      f"spans {sum(t['spans'].values())}", flush=True)
+                      f"services' CPU {t['cpu_per_step_s'] * 1000:6.1f} ms/step  spans {sum(t['spans'].values())}",
+                      flush=True)
     finally:
         if receiver is not None:
             receiver.stop()
@@ -189,13 +241,25 @@ def main() -> int:
         # over the invocation (10-15 % here between runs of one setting) cancels; the median of those.
         "paired_ratios": [on["step_s"] / off["step_s"] for off, on in zip(results["off"], results["on"], strict=True)],
         "ratio_of_medians": med("on", "step_s") / med("off", "step_s"),
+        "cpu_per_step_s": {m: med(m, "cpu_per_step_s") for m in results},
+        "cpu_paired_ratios": [on["cpu_per_step_s"] / off["cpu_per_step_s"]
+                              for off, on in zip(results["off"], results["on"], strict=True)],
         "train_ratio": med("on", "train_s") / med("off", "train_s"),
         "spans_on": [x["spans"] for x in results["on"]], "spans_off": [x["spans"] for x in results["off"]],
         "runs": results,
     }
     report["ratio"] = statistics.median(report["paired_ratios"])
+    report["cpu_ratio"] = statistics.median(report["cpu_paired_ratios"])
     print(f"\nstep time on/off per round: {' '.join(f'{r:.3f}' for r in report['paired_ratios'])}; "
           f"median {report['ratio']:.3f} (target <= 1.03)")
+    print(f"services' CPU per step on/off per round: {' '.join(f'{r:.3f}' for r in report['cpu_paired_ratios'])}; "
+          f"median {report['cpu_ratio']:.3f} (off {report['cpu_per_step_s']['off'] * 1000:.1f} ms, "
+          f"on {report['cpu_per_step_s']['on'] * 1000:.1f} ms per step)")
+    for mode in ("off", "on"):
+        roles = sorted({r for x in results[mode] for r in x["cpu_per_step_by_role_s"]})
+        print(f"services' CPU per step, tracing {mode} (median over rounds): " + ", ".join(
+            f"{r} {statistics.median(x['cpu_per_step_by_role_s'].get(r, 0.0) for x in results[mode]) * 1000:.1f} ms"
+            for r in roles))
     print(f"median of medians: off {report['step_s']['off'] * 1000:.1f} ms, on {report['step_s']['on'] * 1000:.1f} ms, "
           f"ratio {report['ratio_of_medians']:.3f}; trainer's train phase ratio {report['train_ratio']:.3f}")
     last = results["on"][-1]
@@ -204,7 +268,8 @@ def main() -> int:
         f"{name} {n / per_step:.1f}" for name, n in sorted(last["span_names"].items(), key=lambda kv: -kv[1])[:12]))
     if not any(sum(s.values()) for s in report["spans_on"]):
         print("warning: no span arrived with tracing on: the ratio measures nothing", file=sys.stderr)
-    print("BENCH_JSON " + json.dumps(report))
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"BENCH_JSON in {out / 'report.json'}")
     return 0
 
 
