@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.runs import run_command
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
 LEARNING_STEPS = 500
@@ -24,14 +26,16 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type-arg]
-    sets = [
+def command(prepared: Path, out: Path, *settings: str, evaluate: bool = True) -> list[str]:
+    """`tauflow run` of the recipe on the prepared model and data, into ``out``, with ``settings``."""
+    return run_command(RECIPE, [
         "prepare=[]", f"out_dir={out}", f"model={prepared / 'model'}", f"dataset={prepared / 'train.jsonl'}",
-        f"eval.dataset={prepared / 'heldout.jsonl'}", "target_accuracy=null", *settings,
-    ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
-    for s in sets:
-        cmd += ["--set", s]
+        f"eval.dataset={prepared / 'heldout.jsonl' if evaluate else ''}", "target_accuracy=null", *settings,
+    ])
+
+
+def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type-arg]
+    cmd = command(prepared, out, *settings)
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,14 +80,8 @@ def test_trainer_killed_mid_run_resumes_from_its_checkpoint_and_trains_no_group_
     import time
 
     out = tmp_path / "run"
-    sets = [
-        "prepare=[]", f"out_dir={out}", f"model={prepared / 'model'}", f"dataset={prepared / 'train.jsonl'}",
-        "eval.dataset=", "target_accuracy=null", "steps=24", "max_staleness=1",
-        "services.trainer.checkpoint_every_steps=6", "services.trainer.lease_s=4",
-    ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = command(prepared, out, "steps=24", "max_staleness=1", "services.trainer.checkpoint_every_steps=6",
+                  "services.trainer.lease_s=4", evaluate=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     checkpoints = out / "checkpoints"
@@ -114,14 +112,8 @@ def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing
     import time
 
     out = tmp_path / "run"
-    sets = [
-        "prepare=[]", f"out_dir={out}", f"model={prepared / 'model'}", f"dataset={prepared / 'train.jsonl'}",
-        "eval.dataset=", "target_accuracy=null", "steps=30", "max_staleness=1",
-        "services.trainer.checkpoint_every_steps=5",
-    ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = command(prepared, out, "steps=30", "max_staleness=1", "services.trainer.checkpoint_every_steps=5",
+                  evaluate=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     checkpoints = out / "checkpoints"

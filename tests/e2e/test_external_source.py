@@ -24,12 +24,11 @@ from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.client import QueueClient, TauflowError
 from tests.conftest import make_group
+from tests.runs import run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
 AGENT = ROOT / "examples" / "calculator_agent" / "agent.py"
-sys.path.insert(0, str(RECIPE))
-import task
 
 STEPS, GROUPS_PER_STEP = 8, 2
 FIRST, SECOND = 6, 10  # the agent's groups before and after the bad calls: STEPS x GROUPS_PER_STEP in all
@@ -54,11 +53,7 @@ def _external_metrics(port: int) -> dict[tuple[str, ...], float]:
 
 
 def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    task.build_model(model, hidden=32, layers=1, heads=2)
-    task.build_tokenizer(model)
-    train, _ = task.problems()
-    task.write_jsonl(tmp_path / "train.jsonl", train[:10])
+    model, dataset = tiny_addition(tmp_path, problems=10)
     agent_token, probe_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens.yaml"
     tokens.write_text(f"calculator-agent: {agent_token}\nprobe: {probe_token}\n")
@@ -66,15 +61,13 @@ def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp
     token_file.write_text(agent_token)
     out, record = tmp_path / "run", tmp_path / "agent.jsonl"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={tmp_path / 'train.jsonl'}", "eval.dataset=",
+        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
         "target_accuracy=null", f"steps={STEPS}", f"groups_per_step={GROUPS_PER_STEP}", "max_staleness=1",
         "services.rollout.dataset=",  # the rollout serves Generate only: the agent is the run's one producer
         "services.trainer.checkpoint_every_steps=4", "services.queue.external.enabled=true",
         "services.queue.external.port=0", f"services.queue.external.tokens_file={tokens}",
     ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = run_command(RECIPE, sets)
     run = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180

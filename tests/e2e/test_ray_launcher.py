@@ -21,11 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tauflow.controller.config import ROLES, RayConfig
 from tauflow.controller.launcher import ServiceFailed, ServiceSpec
 from tauflow.controller.raylauncher import RayLauncher
+from tests.runs import run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
-sys.path.insert(0, str(RECIPE))
-import task
 
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
 # A one-node cluster in a process of its own: it lives while our pipe to it is open (ray.shutdown then
@@ -86,22 +85,16 @@ STEPS = 8
 def test_a_run_on_ray_trains_as_with_the_local_launcher_and_a_killed_trainer_comes_back(
     ray_address: str, tmp_path: Path
 ) -> None:
-    model = tmp_path / "model"
-    task.build_model(model, hidden=32, layers=1, heads=2)
-    task.build_tokenizer(model)
-    train, _ = task.problems()
-    task.write_jsonl(tmp_path / "train.jsonl", train[:200])
+    model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={tmp_path / 'train.jsonl'}", "eval.dataset=",
+        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
         "target_accuracy=null", f"steps={STEPS}", "groups_per_step=4", "group_size=4", "max_staleness=1",
         "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=3",
         "services.trainer.lease_s=4",
     ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE), "--launcher", "ray",
-           "--address", ray_address]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = run_command(RECIPE, sets, "--launcher", "ray",
+           "--address", ray_address)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **RAY_ENV})
     deadline = time.monotonic() + 300

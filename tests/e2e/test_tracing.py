@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from tests.runs import run_command, tiny_addition
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
-sys.path.insert(0, str(RECIPE))
-import task  # noqa: E402
 
 SERVICES = {"tauflow-queue", "tauflow-reward", "tauflow-weights", "tauflow-trainer", "tauflow-rollout"}
 STEPS = 12
@@ -66,11 +66,7 @@ def _linking(spans: list[dict[str, Any]], name: str, target: dict[str, Any]) -> 
 
 
 def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_broadcast_and_the_loads(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    task.build_model(model, hidden=32, layers=1, heads=2)
-    task.build_tokenizer(model)
-    train, _ = task.problems()
-    task.write_jsonl(tmp_path / "train.jsonl", train[:200])
+    model, dataset = tiny_addition(tmp_path)
 
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -79,14 +75,12 @@ def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_br
     server.start()
     out = tmp_path / "run"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={tmp_path / 'train.jsonl'}", "eval.dataset=",
+        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
         "target_accuracy=null", f"steps={STEPS}", "groups_per_step=4", "group_size=4", "max_staleness=1",
         "traces_file=traces.jsonl", "services.rollout.groups_per_ticket=2",
         "services.trainer.checkpoint_every_steps=100",
     ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = run_command(RECIPE, sets)
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
         "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200",

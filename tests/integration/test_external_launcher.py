@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,11 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tauflow.controller.config import ROLES, RunConfig
 from tauflow.controller.run import Run
 from tauflow.core.config import load_config
+from tests.runs import run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
-sys.path.insert(0, str(RECIPE))
-import task
 
 STEPS = 6
 
@@ -28,16 +26,12 @@ STEPS = 6
 def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
     tmp_path: Path, service_process
 ) -> None:  # type: ignore[no-untyped-def]
-    model = tmp_path / "model"
-    task.build_model(model, hidden=32, layers=1, heads=2)
-    task.build_tokenizer(model)
-    train, _ = task.problems()
-    task.write_jsonl(tmp_path / "train.jsonl", train[:200])
+    model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [
         # A prepare step that fails: the services are deployed with their model already, nothing is prepared.
         'prepare=[python, -c, "raise SystemExit(5)"]', f"out_dir={out}", f"model={model}",
-        f"dataset={tmp_path / 'train.jsonl'}", "eval.dataset=", "target_accuracy=null", f"steps={STEPS}",
+        f"dataset={dataset}", "eval.dataset=", "target_accuracy=null", f"steps={STEPS}",
         "groups_per_step=4", "group_size=4", "max_staleness=1", "services.rollout.groups_per_ticket=2",
         "services.trainer.checkpoint_every_steps=100",
     ]
@@ -49,9 +43,8 @@ def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
         services[role] = service_process(role, run._settings(role, addresses))
         addresses[role] = services[role].address
 
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(RECIPE), "--launcher", "external"]
-    for s in [*sets, *(f"external.{role}={address}" for role, address in addresses.items())]:
-        cmd += ["--set", s]
+    cmd = run_command(RECIPE, [*sets, *(f"external.{role}={address}" for role, address in addresses.items())],
+                      "--launcher", "external")
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,13 +14,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.observability import Prometheus
+from tests.runs import run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]
 ADDITION = ROOT / "examples" / "addition"
@@ -34,25 +34,16 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_prometheus_scrapes_every_service_and_the_key_series_move(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ADDITION))
-    import task
-
-    model = tmp_path / "model"
-    task.build_model(model, hidden=32, layers=1, heads=2)
-    task.build_tokenizer(model)
-    train, _ = task.problems()
-    task.write_jsonl(tmp_path / "train.jsonl", train[:400])
+    model, dataset = tiny_addition(tmp_path, problems=400)
     out = tmp_path / "run"
     out.mkdir()
     prometheus = Prometheus(tmp_path, out / "prometheus-targets.json")
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={tmp_path / 'train.jsonl'}", "eval.dataset=",
+        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
         "target_accuracy=null", f"steps={STEPS}", f"max_staleness={TAU}", f"groups_per_step={GROUPS_PER_STEP}",
         "group_size=4", "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=100",
     ]
-    cmd = [sys.executable, "-m", "tauflow.controller.cli", "run", str(ADDITION)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = run_command(ADDITION, sets)
     start = time.time()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,

@@ -22,7 +22,7 @@ from tests.conftest import queue_stub
 
 ADDITION = Path(__file__).resolve().parents[2] / "examples" / "addition"
 sys.path.insert(0, str(ADDITION))
-import task  # noqa: E402
+import task
 
 
 def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_path) -> None:  # type: ignore[no-untyped-def]
