@@ -11,6 +11,7 @@ import textwrap
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -66,8 +67,8 @@ ENTRY_POINTS = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def start_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServiceProcess, Path]:
+    """A reward service with the test plug-ins (MODULE) installed in a site folder; (service, site)."""
     site = tmp_path_factory.mktemp("site")
     (site / "tauflow_test_rewards.py").write_text(MODULE)
     dist = site / "tauflow_test_rewards-0.0.1.dist-info"
@@ -82,6 +83,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess
     }
     proc = ServiceProcess("reward", tmp_path_factory.mktemp("svc"), settings, env={"PYTHONPATH": str(site)})
     proc.start()
+    return proc, site
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    proc, _ = start_service(tmp_path_factory)
     yield proc
     proc.stop()
 
@@ -262,3 +269,44 @@ def test_a_missing_reference_is_a_per_sample_error(stub: reward_pb2_grpc.RewardS
     assert scores(resp)[0] == [1.0]
     (missing,) = resp.groups[1].samples
     assert missing.reward.status == ERROR and "no reference answer" in missing.reward.message
+
+
+def _pool_processes(marker: str) -> dict[int, int]:
+    """pid -> parent pid of the processes whose command line names ``marker`` (the pool's fork server and
+    its workers: the fork server is started with the service's import path)."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                out[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_workers_end_when_the_service_is_killed_even_inside_a_function_that_never_returns(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import os
+    import signal
+
+    service, site = start_service(tmp_path_factory)
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
+        # A worker spins in `hang` for up to 30 s; the caller gives up after 0.5 s.
+        with pytest.raises(grpc.RpcError):
+            stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("h", "hang")],
+                                               sample_timeout=duration_pb2.Duration(seconds=30)), timeout=0.5)
+        pool = _pool_processes(str(site))
+        workers = {pid for pid, parent in pool.items() if parent in pool}
+        assert len(workers) == 2, pool  # pool.workers: 2, children of the fork server
+    finally:
+        service.stop()  # SIGKILL: no drain, no pool shutdown
+    deadline = time.monotonic() + 10
+    while workers & set(_pool_processes(str(site))):
+        assert time.monotonic() < deadline, f"workers outlived the service: {_pool_processes(str(site))}"
+        time.sleep(0.1)
+    for pid in _pool_processes(str(site)):  # the idle fork server (it starts no more workers)
+        os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class Scorer:
             max_workers=self.pool_config.workers,
             max_tasks=self.pool_config.max_tasks_per_worker,
             initializer=worker.init_worker,
-            initargs=(list(sys.path), self.preload_refs),
+            initargs=(list(sys.path), self.preload_refs, os.getpid()),
             context=self._context(),
         )
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -53,8 +55,11 @@ def register_local(ref: str, fn: Any) -> None:
     _resolved[ref] = fn
 
 
-def init_worker(sys_path: Sequence[str], refs: Sequence[str]) -> None:
-    """Pool initializer: mirror the service's import path and load the functions ahead of the first call."""
+def init_worker(sys_path: Sequence[str], refs: Sequence[str], service_pid: int | None = None) -> None:
+    """Pool initializer: mirror the service's import path, load the functions ahead of the first call,
+    and end this worker when the service process is gone (``service_pid``)."""
+    if service_pid is not None:
+        threading.Thread(target=_exit_when_gone, args=(service_pid,), name="service-watch", daemon=True).start()
     for p in reversed(sys_path):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -65,9 +70,31 @@ def init_worker(sys_path: Sequence[str], refs: Sequence[str]) -> None:
             pass
 
 
-def ping() -> int:
-    import os
+def _service_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
+
+def _exit_when_gone(service_pid: int, every_s: float = 1.0) -> None:
+    """A worker's watch on its service. Workers are children of the pool's fork server, not of the service,
+    so a service killed with SIGKILL (OOM, kill -9) would leave them running: one stuck in a reward function
+    that never returns would spin for ever. Python code yields the GIL, so this thread gets to run."""
+    while _service_alive(service_pid):
+        time.sleep(every_s)
+    os._exit(1)
+
+
+def ping() -> int:
     return os.getpid()
 
 
