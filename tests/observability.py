@@ -28,6 +28,7 @@ METRICS_CLASSES = {
     "rollout": ("tauflow.rollout.metrics", "RolloutMetrics"),
     "trainer": ("tauflow.trainer.metrics", "TrainerMetrics"),
     "weights": ("tauflow.weights.metrics", "WeightsMetrics"),
+    "server": ("tauflow.core.metrics", "ServerMetrics"),  # every service's server bootstrap (tauflow-core)
 }
 # Series a query may name besides the services' own: Prometheus' per-target ones.
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
@@ -44,7 +45,7 @@ def registered(service: str) -> list[MetricInfo]:
 
 
 def all_registered() -> dict[str, MetricInfo]:
-    return {m.name: m for service in SERVICES for m in registered(service)}
+    return {m.name: m for service in (*SERVICES, "server") for m in registered(service)}
 
 
 def series_names(metrics: dict[str, MetricInfo]) -> dict[str, MetricInfo]:

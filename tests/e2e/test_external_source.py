@@ -135,8 +135,8 @@ def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp
     assert len(groups) == FIRST + SECOND and all(g["accepted"] for g in groups)
     state = json.loads((out / "checkpoints" / f"v{STEPS:08d}" / "trainer_state.json").read_text())
     assert state["policy_version"] == STEPS
-    # Everything the agent put was trained, and nothing else was.
-    assert sorted(state["trained_group_ids"]) == sorted(g["group_id"] for g in groups)
+    # Everything the agent put was trained, and nothing else was (its ids namespaced by its client name).
+    assert sorted(state["trained_group_ids"]) == sorted(f"calculator-agent/{g['group_id']}" for g in groups)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["staleness_violations"] == 0
     # The tokens trained are the agent's unmasked tokens of the groups with a learning signal (rewards that

@@ -1,23 +1,37 @@
 """The server bootstrap's second face: server interceptors, an extra server on its own port that shares
-the process's state and is reported in the ready file, and TLS credentials from files."""
+the process's state and is reported in the ready file, and TLS credentials from files; what the bootstrap
+refuses (a port in use, TLS files that do not fit), the INTERNAL answer of a handler's bug, reflection v1."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import shutil
 import signal
+import socket
+import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from tauflow.api.info.v1 import info_pb2
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ServerConfig
-from tauflow.core.server import ExtraServer, GrpcServer, ServiceApp, ServiceBinding, serve, tls_server_credentials
+from tauflow.core.server import (
+    INTERNAL_MESSAGE,
+    ExtraServer,
+    GrpcServer,
+    ServiceApp,
+    ServiceBinding,
+    serve,
+    tls_server_credentials,
+)
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import fetch_server_info
 
@@ -121,3 +135,232 @@ def test_tls_credentials_name_the_file_that_cannot_be_read(tmp_path: Path) -> No
     key.write_text("-----BEGIN PRIVATE KEY-----\n")
     with pytest.raises(OSError, match=r"TLS certificate .*missing\.pem"):
         tls_server_credentials(str(tmp_path / "missing.pem"), str(key))
+
+
+# -- refusals: a port in use, bad TLS files, a handler's bug -----------------------------------------
+
+
+async def test_a_port_in_use_is_refused_with_the_port_named() -> None:
+    first = GrpcServer([_binding(Counter())], ServerConfig(port=0))
+    port = await first.start()
+    try:
+        second = GrpcServer([_binding(Counter())], ServerConfig(port=port), key="external")
+        with pytest.raises(OSError, match=rf"^cannot listen on 127.0.0.1:{port} \(external.port\): the port is in use$"):
+            await second.start()
+        # A listener that shares its port (SO_REUSEPORT, gRPC's default) is no exception: before the fix the
+        # second server bound beside it and the kernel split the connections between the two.
+        with socket.socket() as sharing:
+            sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sharing.bind(("127.0.0.1", 0))
+            sharing.listen()
+            with pytest.raises(OSError, match="the port is in use"):
+                await GrpcServer([_binding(Counter())], ServerConfig(port=sharing.getsockname()[1])).start()
+    finally:
+        await first.drain()
+
+
+def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: Path, tls_pair) -> None:  # type: ignore[no-untyped-def]
+    cert, key = tls_pair
+    assert tls_server_credentials(str(cert), str(key)) is not None
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nSECRETSTUFF\n-----END CERTIFICATE-----\n")
+    other_cert, other_key = _self_signed(tmp_path / "other")
+    for c, k in ((garbage, key), (cert, garbage), (cert, other_key), (key, cert)):
+        with pytest.raises(ValueError, match=f"the TLS certificate {c} and private key {k} cannot be used") as e:
+            tls_server_credentials(str(c), str(k))
+        assert "SECRETSTUFF" not in str(e.value) and "PRIVATE" not in str(e.value)
+        assert e.value.__cause__ is None and e.value.__suppress_context__
+    encrypted = tmp_path / "encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-aes128", "-passout", "pass:pw", "-out", str(encrypted)],
+                   check=True, capture_output=True)
+    with pytest.raises(ValueError, match="cannot be used"):
+        tls_server_credentials(str(cert), str(encrypted))  # and no prompt for a pass phrase
+
+
+def _self_signed(prefix: Path) -> tuple[Path, Path]:
+    cert, key = prefix.with_suffix(".crt"), prefix.with_suffix(".key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost"],
+        check=True, capture_output=True,
+    )
+    return cert, key
+
+
+@pytest.fixture
+def tls_pair(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    return _self_signed(tmp_path / "server")
+
+
+BOOM = "tauflow.test.Boom"
+
+
+class Boom:
+    """Handlers of every kind that raise an unexpected exception or abort on purpose."""
+
+    async def unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if request == b"abort":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
+        raise RuntimeError(f"secret internals {request!r}")
+
+    async def server_stream(self, request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        yield b"first"
+        if request == b"abort":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now")
+        raise KeyError("secret internals")
+
+    async def bidi(self, requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        async for request in requests:
+            yield request
+        raise ZeroDivisionError("secret internals")
+
+    async def writer(self, request: bytes, context: grpc.aio.ServicerContext) -> None:  # context.write style
+        await context.write(b"written")
+        raise ValueError("secret internals")
+
+
+def _boom_binding() -> ServiceBinding:
+    boom = Boom()
+
+    def add(servicer: Boom, server: grpc.aio.Server) -> None:
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(Counter(), server)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BOOM, {
+            "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
+            "ServerStream": grpc.unary_stream_rpc_method_handler(servicer.server_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(servicer.bidi),
+            "Writer": grpc.unary_stream_rpc_method_handler(servicer.writer),
+        }),))
+
+    return ServiceBinding(QUEUE, boom, add)
+
+
+def _errors(method: str) -> float:
+    return REGISTRY.get_sample_value("tauflow_server_unexpected_errors_total", {"method": f"{BOOM}/{method}"}) or 0.0
+
+
+async def test_a_handler_that_raises_answers_internal_is_logged_and_counted_and_an_abort_keeps_its_code(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = GrpcServer([_boom_binding()], ServerConfig(port=0), interceptors=[DenyQueue()])
+    port = await server.start()
+    await server.set_serving(True)
+    before = {m: _errors(m) for m in ("Unary", "ServerStream", "Bidi", "Writer")}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            unary = channel.unary_unary(f"/{BOOM}/Unary")
+            with caplog.at_level(logging.ERROR, logger="tauflow.core.server"):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await unary(b"x", timeout=5)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+            [record] = [r for r in caplog.records if r.getMessage().startswith("unexpected error")]
+            assert record.method == f"{BOOM}/Unary" and "secret internals" in str(record.exc_info[1])
+
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await unary(b"abort", timeout=5)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
+
+            stream = channel.unary_stream(f"/{BOOM}/ServerStream")(b"x", timeout=5)
+            assert await stream.read() == b"first"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stream.read()
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+            aborted = channel.unary_stream(f"/{BOOM}/ServerStream")(b"abort", timeout=5)
+            assert await aborted.read() == b"first"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await aborted.read()
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, "not now")
+
+            bidi = channel.stream_stream(f"/{BOOM}/Bidi")(iter([b"1", b"2"]), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                assert [m async for m in bidi] == [b"1", b"2"]
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+            writer = channel.unary_stream(f"/{BOOM}/Writer")(b"x", timeout=5)
+            assert await writer.read() == b"written"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await writer.read()
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+
+            # An interceptor's own refusal (context.abort) is no error; the server still serves.
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await queue_pb2_grpc.QueueServiceStub(channel).Stats(queue_pb2.StatsRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        after = {m: _errors(m) for m in before}
+        assert {m: after[m] - before[m] for m in before} == {"Unary": 1, "ServerStream": 1, "Bidi": 1, "Writer": 1}
+    finally:
+        await server.drain()
+
+
+# -- reflection: v1 (what current grpcurl and buf curl speak) and v1alpha -----------------------------
+
+
+def _reflection_v1_classes() -> tuple[type, type]:
+    """The v1 messages: v1alpha's file renamed to grpc.reflection.v1, in a pool of its own — a client of the
+    v1 protocol as generated from its proto (the two are field for field the same)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:
+                f.type_name = f.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+    del proto.service[:]  # (the client names the method path itself)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    get = message_factory.GetMessageClass
+    return (get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest")),
+            get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse")))
+
+
+async def test_reflection_answers_v1_and_v1alpha() -> None:
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    server = GrpcServer([_binding(Counter())], ServerConfig(port=0))
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for service, (request_cls, response_cls) in (
+                ("grpc.reflection.v1", _reflection_v1_classes()),
+                ("grpc.reflection.v1alpha", (reflection_pb2.ServerReflectionRequest,
+                                             reflection_pb2.ServerReflectionResponse)),
+            ):
+                info = channel.stream_stream(
+                    f"/{service}.ServerReflection/ServerReflectionInfo",
+                    request_serializer=request_cls.SerializeToString, response_deserializer=response_cls.FromString,
+                )
+                answers = [a async for a in info(iter([
+                    request_cls(list_services=""), request_cls(file_containing_symbol=QUEUE.full_name),
+                ]), timeout=5)]
+                names = {s.name for s in answers[0].list_services_response.service}
+                assert {QUEUE.full_name, HEALTH.full_name, INFO_SERVICE.full_name} <= names, service
+                files = answers[1].file_descriptor_response.file_descriptor_proto
+                assert any(b"QueueService" in f for f in files), service
+    finally:
+        await server.drain()
+
+
+async def test_buf_curl_calls_a_method_through_reflection_v1() -> None:
+    if shutil.which("npx") is None:
+        pytest.skip("npx (Node.js) runs buf")
+    state = Counter()
+    state.version = 42
+    server = GrpcServer([_binding(state)], ServerConfig(port=0))
+    port = await server.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "npx", "--yes", "@bufbuild/buf", "curl", "--protocol", "grpc", "--http2-prior-knowledge",
+            "--reflect-protocol", "grpc-v1", "--data", "{}", f"http://127.0.0.1:{port}/{QUEUE.full_name}/Stats",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        if proc.returncode != 0 and b"npm" in err and b"ENOTFOUND" in err:
+            pytest.skip("buf is not in npm's cache and the registry cannot be reached")
+        assert proc.returncode == 0, err.decode()
+        assert json.loads(out)["trainerVersion"] == "42"
+    finally:
+        await server.drain()

@@ -185,3 +185,43 @@ def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> 
     (tmp_path / "checkpoints" / "state").write_text("run 2")
     Run(config).set_aside_previous_run()  # one generation is kept
     assert (tmp_path / "checkpoints.prev" / "state").read_text() == "run 2"
+
+
+class ResumedTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """A trainer (fake) resumed from its checkpoint at version 3, as after `tauflow run --resume`: its first
+    step is step 3 (version 4); it commits one step per ListSteps call and lists, like the real one, every
+    step kept whose number is at least ``from_step``."""
+
+    def __init__(self, resumed_at: int, total: int) -> None:
+        self.version, self.total = resumed_at, total
+        self.history: list[trainer_pb2.StepMetrics] = []
+
+    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+        if self.version < self.total:
+            self.history.append(trainer_pb2.StepMetrics(step=self.version, policy_version=self.version + 1))
+            self.version += 1
+        return trainer_pb2.ListStepsResponse(steps=[m for m in self.history if m.step >= request.from_step])
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_FINISHED, policy_version=self.version)
+
+
+def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async def scenario():  # type: ignore[no-untyped-def]
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(ResumedTrainer(resumed_at=3, total=8), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=8, out_dir=str(tmp_path), resume=True)
+        try:
+            return await asyncio.wait_for(
+                Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                timeout=30,
+            )
+        finally:
+            await server.stop(0)
+
+    summary = asyncio.run(scenario())
+    assert [s.policy_version for s in summary.steps] == [4, 5, 6, 7, 8]

@@ -1,10 +1,15 @@
-"""The local launcher with real services: ready files, health, restart in place, clean stop."""
+"""The local launcher with real services: ready files, health, restart in place, clean stop; a service whose
+controller is killed stops by itself; a new controller waits for the previous run's processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -78,4 +83,72 @@ def test_the_restart_budget_counts_crashes_in_a_row_not_over_the_run(tmp_path) -
         with pytest.raises(ServiceFailed, match="service 'queue' failed: exited with code -9 after 1 restarts"):
             _kill_and_check(launcher, "queue")
     finally:
+        launcher.stop()
+
+
+# A controller in a process of its own: starts a queue through the local launcher, prints its pid, waits.
+CONTROLLER = """
+import sys, time
+from pathlib import Path
+from tauflow.controller.launcher import LocalLauncher, ServiceSpec
+run = Path(sys.argv[1])
+queue = LocalLauncher(run).start(ServiceSpec("queue", {"wal.dir": str(run / "wal"), "server.drain_grace_s": 0.5}))
+print(queue.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_service_stops_by_itself_drained_when_its_controller_is_killed(tmp_path: Path) -> None:
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(controller.stdout.readline())  # type: ignore[union-attr]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"TAUFLOW_PARENT_PID={controller.pid}".encode() in environ  # told whom it belongs to
+    finally:
+        controller.kill()  # SIGKILL: the controller stops nothing
+        controller.wait()
+    deadline = time.monotonic() + 10
+    while _running(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the queue outlived its controller by 10 s")
+        time.sleep(0.05)
+    log = (tmp_path / "logs" / "queue.log").read_text()
+    assert f"controller {controller.pid} gone: stopping" in log and log.rstrip().endswith("stopped")  # drained
+
+
+def test_a_new_controller_waits_for_the_previous_runs_process_to_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # What a previous controller's queue looks like while it drains: a tauflow.queue process named by the
+    # queue's ready file in the run folder. It ends after 1.5 s; the new queue starts only then.
+    previous = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)", "-m", "tauflow.queue"])
+    (tmp_path / "queue.ready.json").write_text(json.dumps({"pid": previous.pid, "grpc_port": 1}))
+    launcher = LocalLauncher(tmp_path)
+    started = time.monotonic()
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        assert previous.poll() is not None and time.monotonic() - started >= 1.0
+        assert queue.info["pid"] != previous.pid
+    finally:
+        launcher.stop()
+        previous.wait()
+    # One that does not stop fails the start, naming it, and starts nothing.
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "tauflow.queue"])
+    (tmp_path / "queue.ready.json").write_text(json.dumps({"pid": stuck.pid, "grpc_port": 1}))
+    launcher = LocalLauncher(tmp_path)
+    launcher.previous_wait_s = 0.5
+    try:
+        with pytest.raises(ServiceFailed, match=f"service 'queue' failed: its process {stuck.pid} from a previous "
+                           "run in .* still runs after 0.5s: is another tauflow run using this out_dir"):
+            launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        assert launcher.services["queue"].proc is None
+    finally:
+        stuck.kill()
+        stuck.wait()
         launcher.stop()

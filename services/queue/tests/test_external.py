@@ -19,32 +19,14 @@ from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.core.config import ConfigError, load_config
 from tauflow.queue import wire
 from tauflow.queue.config import QueueConfig
-from tauflow.queue.external import bearer_token
-from tauflow.queue.tokens import TokensError, TokenTable, parse_tokens
+from tauflow.queue.external import bearer_token, with_client_identity
+from tauflow.queue.tokens import TokensError, TokenTable
 from tests.conftest import ServiceProcess, make_group
 
 A_TOKEN, B_TOKEN, C_TOKEN = "a" * 24, "b" * 24, "c" * 24
 
 
 # -- the tokens file -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "words"),
-    [
-        ("- a\n- b\n", "must hold `client_name: token` lines"),
-        ("agent: short\n", "at least 16 characters"),
-        ("agent: 'with space in it, long enough'\n", "without spaces"),
-        ("'bad name!': aaaaaaaaaaaaaaaaaaaa\n", "client name 'bad name!'"),
-        ("unknown: aaaaaaaaaaaaaaaaaaaa\n", "client name 'unknown'"),
-        ("one: aaaaaaaaaaaaaaaaaaaa\ntwo: aaaaaaaaaaaaaaaaaaaa\n", "'two' and 'one' share a token"),
-        ("agent: [not, a, string]\n", "the token of 'agent'"),
-    ],
-)
-def test_a_bad_tokens_file_is_refused_with_the_entry_named(text: str, words: str) -> None:
-    with pytest.raises(TokensError, match="tokens.yaml") as e:
-        parse_tokens(text, "tokens.yaml")
-    assert words in str(e.value)
 
 
 def test_the_token_table_follows_its_file_and_keeps_its_tokens_when_an_edit_is_bad(tmp_path: Path) -> None:
@@ -90,16 +72,18 @@ def test_bearer_token_reading(metadata: tuple[tuple[str, str], ...], token: str,
     assert got == token and why in reason and bool(reason) == bool(why)
 
 
-def test_the_client_name_replaces_the_producer_id_without_decoding_the_group() -> None:
+def test_the_client_name_namespaces_the_group_id_and_replaces_the_producer_id() -> None:
     group = make_group("g1")
     group.producer_id = "someone-else"
-    raw = wire.with_producer_id(group.SerializeToString(), "agent-a")
+    raw = with_client_identity(group.SerializeToString(), "agent-a")
     decoded = common_pb2.Group.FromString(raw)
-    assert decoded.producer_id == "agent-a"
-    decoded.producer_id = group.producer_id
+    assert (decoded.group_id, decoded.producer_id) == ("agent-a/g1", "agent-a")
+    decoded.group_id, decoded.producer_id = group.group_id, group.producer_id
     assert decoded == group  # nothing else changed
-    record = wire.group_record(raw, 1 << 20)  # still a valid group, on the fast path or the full decode
-    assert record.payload == raw and record.group_id == "g1"
+    record = wire.group_record(raw, 1 << 20)
+    assert record.payload == raw and record.group_id == "agent-a/g1"
+    assert wire.group_record_fast(raw, 1 << 20) is not None  # re-encoded canonically: the fast path reads it
+    assert with_client_identity(b"\xff\xff", "agent-a") == b"\xff\xff"  # left for Put to refuse
 
 
 # -- the port, in a real queue process -------------------------------------------------------------
@@ -159,7 +143,9 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         claimed = make_group("ext-1")
         claimed.producer_id = "agent-b"
         assert stub.Put(q.PutRequest(group=claimed), metadata=a, timeout=5).outcome == q.PUT_OUTCOME_ACCEPTED
-        assert stub.Put(q.PutRequest(group=claimed), metadata=b, timeout=5).outcome == q.PUT_OUTCOME_DUPLICATE
+        assert stub.Put(q.PutRequest(group=claimed), metadata=a, timeout=5).outcome == q.PUT_OUTCOME_DUPLICATE
+        # Another client's group of the same id is its own group, not a duplicate that would be dropped.
+        assert stub.Put(q.PutRequest(group=claimed), metadata=b, timeout=5).outcome == q.PUT_OUTCOME_ACCEPTED
 
         # Reservations: a client's request id is its own (a repeat is the same ticket, another client's
         # same id is not), and its ticket takes its put.
@@ -167,9 +153,16 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         again = stub.Reserve(q.ReserveRequest(request_id="r1", n_groups=1), metadata=a, timeout=5).ticket
         other = stub.Reserve(q.ReserveRequest(request_id="r1", n_groups=1), metadata=b, timeout=5).ticket
         assert t1.ticket_id == again.ticket_id != other.ticket_id
+        # A client can neither release another's ticket nor put on it.
+        assert _code(stub.ReleaseReservation, q.ReleaseReservationRequest(ticket_id=t1.ticket_id), metadata=b) == (
+            grpc.StatusCode.NOT_FOUND, f"ticket {t1.ticket_id!r} is unknown")
         assert stub.ReleaseReservation(q.ReleaseReservationRequest(ticket_id=other.ticket_id), metadata=b,
                                        timeout=5).released_groups == 1
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1  # a's ticket is still held
+        stub.Put(q.PutRequest(group=make_group("ext-b"), ticket_id=t1.ticket_id), metadata=b, timeout=5)
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1  # b's put did not use it
         stub.Put(q.PutRequest(group=make_group("ext-2"), ticket_id=t1.ticket_id), metadata=a, timeout=5)
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 0
 
         # A malformed group: INVALID_ARGUMENT naming the field; nothing accepted.
         before = internal.Stats(q.StatsRequest(), timeout=5)
@@ -179,7 +172,7 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "samples[1].loss_mask has 2 entries for 8 completion tokens" in details
         after = internal.Stats(q.StatsRequest(), timeout=5)
-        assert (after.accepted_groups, after.depth_groups) == (before.accepted_groups, before.depth_groups) == (2, 2)
+        assert (after.accepted_groups, after.depth_groups) == (before.accepted_groups, before.depth_groups) == (4, 4)
 
         # The external port can neither consume nor steer the training, even with a valid token.
         for method, request in [
@@ -194,15 +187,17 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
 
         delivered = internal.Get(q.GetRequest(consumer_id="trainer", max_groups=8), timeout=5)
         assert [(d.group.group_id, d.group.producer_id) for d in delivered.groups] == [
-            ("ext-1", "agent-a"), ("ext-2", "agent-a")]
+            ("agent-a/ext-1", "agent-a"), ("agent-b/ext-1", "agent-b"), ("agent-b/ext-b", "agent-b"),
+            ("agent-a/ext-2", "agent-a")]
 
         metrics = _metrics(proc)
         put, rejected = "tauflow_queue_external_put_groups_total", "tauflow_queue_external_rejected_requests_total"
-        assert metrics[(put, (("client", "agent-a"),))] == 2
-        assert metrics[(put, (("client", "agent-b"),))] == 0  # a duplicate is not a new group
+        assert metrics[(put, (("client", "agent-a"),))] == 2  # a duplicate is not a new group
+        assert metrics[(put, (("client", "agent-b"),))] == 2
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Stats")))] == 2
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
         assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
+        assert metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 1
         assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 6
     finally:
         proc.stop()
@@ -222,5 +217,32 @@ def test_a_client_added_to_the_tokens_file_is_admitted_without_a_restart(tmp_pat
             time.sleep(0.2)
         assert _code(stub.Stats, q.StatsRequest(), metadata=b)[0] == grpc.StatusCode.UNAUTHENTICATED
         assert proc.proc is not None and proc.proc.poll() is None and proc.starts == 1
+    finally:
+        proc.stop()
+
+
+def test_reflection_on_the_external_port_needs_no_token(tmp_path: Path) -> None:
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha import reflection_pb2
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\n")
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}")
+        database = ProtoReflectionDescriptorDatabase(channel)  # v1alpha, as grpcurl used to speak it
+        assert "tauflow.api.queue.v1.QueueService" in set(database.get_services())
+        put = DescriptorPool(database).FindServiceByName("tauflow.api.queue.v1.QueueService").FindMethodByName("Put")
+        assert put.input_type.full_name == "tauflow.api.queue.v1.PutRequest"
+        # v1 (current grpcurl and buf curl): the same messages under the v1 name
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        [answer] = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        assert "tauflow.api.queue.v1.QueueService" in {s.name for s in answer.list_services_response.service}
+        # the producer's methods still need a token
+        stub = queue_pb2_grpc.QueueServiceStub(channel)
+        assert _code(stub.Stats, q.StatsRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
     finally:
         proc.stop()

@@ -469,9 +469,9 @@ def test_invalid_get(kwargs: dict) -> None:
 
 def test_stale_groups_are_evicted_never_delivered() -> None:
     q, _ = make(max_staleness=1)
+    q.set_trainer_version(3)
     for g, bv in (("v0", 0), ("v2", 2), ("v1", 1), ("v3", 3)):
         q.put(rec(g, bv=bv))
-    q.set_trainer_version(3)
     res = q.get("c", max_groups=10)
     assert res.evicted_stale == 2  # staleness 3 and 2 > tau = 1
     assert res.lease is not None
@@ -485,6 +485,7 @@ def test_stale_groups_are_evicted_never_delivered() -> None:
 
 def test_staleness_exactly_tau_is_delivered() -> None:
     q, _ = make(max_staleness=2)
+    q.set_trainer_version(3)
     q.put(rec("a", bv=3))
     q.set_trainer_version(5)
     res = q.get("c", max_groups=1)
@@ -493,9 +494,9 @@ def test_staleness_exactly_tau_is_delivered() -> None:
 
 def test_eviction_happens_even_when_min_groups_is_not_met() -> None:
     q, _ = make(max_staleness=0)
+    q.set_trainer_version(1)
     q.put(rec("old", bv=0))
     q.put(rec("new", bv=1))
-    q.set_trainer_version(1)
     res = q.get("c", max_groups=5, min_groups=2)
     assert res.lease is None and res.evicted_stale == 1
     assert pending(q) == ["new"] and q.stats().evicted_groups == {"stale": 1}
@@ -503,20 +504,22 @@ def test_eviction_happens_even_when_min_groups_is_not_met() -> None:
 
 def test_consumer_version_overrides_trainer_version() -> None:
     q, _ = make(max_staleness=1)
+    q.set_trainer_version(2)
     q.put(rec("a", bv=0))
     q.put(rec("b", bv=2))
-    res = q.get("c", max_groups=5, consumer_version=3)  # trainer is at 0, consumer at 3
+    res = q.get("c", max_groups=5, consumer_version=3)  # trainer is at 2, consumer at 3
     assert res.evicted_stale == 1
     assert res.lease is not None and res.lease.consumer_version == 3
     assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("b", 1)]
-    q.put(rec("c", bv=0))
-    res = q.get("c", max_groups=5)  # default: the trainer's version (0)
-    assert res.lease is not None and res.lease.consumer_version == 0
+    q.put(rec("c", bv=2))
+    res = q.get("c", max_groups=5)  # default: the trainer's version (2)
+    assert res.lease is not None and res.lease.consumer_version == 2
     assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("c", 0)]
 
 
 def test_newer_than_consumer_has_staleness_zero() -> None:
     q, _ = make(max_staleness=0)
+    q.set_trainer_version(4)
     q.put(rec("a", bv=4))
     res = q.get("c", max_groups=1, consumer_version=2)
     assert [d.staleness for d in res.deliveries] == [0]
@@ -699,9 +702,9 @@ def test_set_max_staleness() -> None:
     assert q.set_max_staleness(0) == 0
     with pytest.raises(InvalidRequest):
         q.reserve("r2", "p", 3)  # (0 + 1) * 2 is the most ever grantable now
+    q.set_trainer_version(1)
     q.put(rec("a", bv=0))
     q.put(rec("b", bv=1))
-    q.set_trainer_version(1)
     res = q.get("c", max_groups=5)
     assert res.evicted_stale == 1 and [d.group.group_id for d in res.deliveries] == ["b"]
     q.set_max_staleness(-1)

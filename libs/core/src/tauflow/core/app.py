@@ -4,6 +4,11 @@
 loads the typed config (file, then ``TAUFLOW_<SERVICE>_*`` environment, then
 ``--set``), sets up logs, tracing and metrics, builds the service and serves it
 until SIGTERM.
+
+Exit codes: 0 after a drain, 2 when the service cannot start (any exception before it serves: the
+config, the metrics port, ``build``, binding), 1 when it fails while serving. A failure to start is one
+line on stderr, ``tauflow-<service>: <why>``, with the traceback only at ``log.level=DEBUG``: it is an
+operator's mistake to fix (a port in use, a missing file), not a bug to report.
 """
 
 from __future__ import annotations
@@ -50,21 +55,32 @@ def service_main(
                 overrides=args.set,
             )
         except ConfigError as e:
-            print(f"tauflow-{service}: {e}", file=sys.stderr)
+            print(f"tauflow-{service}: {one_line(e)}", file=sys.stderr)
             return 2
         if args.print_config:
             print(config.model_dump_json(indent=2))
             return 0
         setup_logging(service, config.log.level, config.log.format)
-        setup_telemetry(service, version)
-        ready_info = {"service": service, "version": version}
-        if config.metrics.enabled:
-            ready_info["metrics_port"] = start_metrics_server(config.metrics.host, config.metrics.port)
+        log = logging.getLogger(f"tauflow.{service}")
+        serving = False
+
+        def started() -> None:
+            nonlocal serving
+            serving = True
+
         try:
-            asyncio.run(_run(build, config, ready_info, args.ready_file))
-        except Exception:
-            logging.getLogger(f"tauflow.{service}").exception("service failed")
-            return 1
+            setup_telemetry(service, version)  # (OTEL_* variables can be wrong too)
+            ready_info = {"service": service, "version": version}
+            if config.metrics.enabled:
+                ready_info["metrics_port"] = start_metrics_server(config.metrics.host, config.metrics.port)
+            asyncio.run(_run(build, config, ready_info, args.ready_file, started))
+        except Exception as e:
+            if serving:
+                log.exception("service failed")
+                return 1
+            log.debug("cannot start", exc_info=True)
+            print(f"tauflow-{service}: {one_line(e)}", file=sys.stderr)
+            return 2
         finally:
             shutdown_telemetry()
         return 0
@@ -72,6 +88,26 @@ def service_main(
     return main
 
 
-async def _run(build, config, ready_info, ready_file) -> None:  # type: ignore[no-untyped-def]
+# Exceptions whose message is the whole story (a file, a port, a value); another type is named, as it is
+# likely a bug — unless tauflow defined it (e.g. the queue's WalCorrupt): then it explains itself too.
+_SELF_EXPLAINED = (OSError, ValueError)
+MAX_LINE_CHARS = 1000
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as one bounded line: its message, prefixed by its type unless it explains itself."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        text = f"{error.strerror}: {error.filename}"  # not "[Errno 17] File exists: 'x'"
+    else:
+        text = " ".join(str(error).split())
+    explained = isinstance(error, _SELF_EXPLAINED) or type(error).__module__.startswith("tauflow.")
+    if not explained or not text:
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if len(text) > MAX_LINE_CHARS:
+        text = text[: MAX_LINE_CHARS - 3] + "..."
+    return text
+
+
+async def _run(build, config, ready_info, ready_file, started) -> None:  # type: ignore[no-untyped-def]
     app = await build(config)
-    await serve(app, config.server, ready_info=ready_info, ready_file=ready_file)
+    await serve(app, config.server, ready_info=ready_info, ready_file=ready_file, started=started)

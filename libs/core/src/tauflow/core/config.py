@@ -5,11 +5,14 @@ environment variables ``<PREFIX>SECTION__KEY=value``, and ``key.sub=value``
 command-line overrides. Values from the environment and the command line are
 parsed as YAML scalars, so ``8`` is an int and ``true`` a bool. Every model
 forbids unknown keys, and the error names the key and the source it came from.
+A service's config also refuses two listening sockets on one port (``ServiceConfig``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -30,13 +33,18 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+MIN_MESSAGE_BYTES = 64 * 1024  # below this, health and reflection answers (a file descriptor each) may not fit
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC's channel arguments are int32
+
+
 class ServerConfig(StrictModel):
     """Where and how a service's gRPC server listens."""
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
     max_message_bytes: int = Field(
-        256 * 1024 * 1024, gt=0, description="largest message received or sent"
+        256 * 1024 * 1024, ge=MIN_MESSAGE_BYTES, le=MAX_MESSAGE_BYTES,
+        description="largest message received or sent (64 KiB to 2 GiB - 1: gRPC's limit is an int32)",
     )
     drain_grace_s: float = Field(10.0, ge=0, description="time in-flight calls get on SIGTERM")
 
@@ -50,8 +58,21 @@ class MetricsConfig(StrictModel):
 
 
 class LogConfig(StrictModel):
-    level: str = "INFO"
+    level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (DEBUG: start-up failures "
+                       "print their traceback)")
     format: str = Field("text", pattern="^(text|json)$")
+
+    @field_validator("level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.strip().upper()
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return level
+
+    @property
+    def debug(self) -> bool:
+        return logging.getLevelName(self.level) <= logging.DEBUG
 
 
 class ServiceConfig(StrictModel):
@@ -61,8 +82,61 @@ class ServiceConfig(StrictModel):
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
 
+    @model_validator(mode="after")
+    def _one_socket_per_port(self) -> ServiceConfig:
+        # gRPC binds with SO_REUSEPORT off (tauflow.core.server), so a clash would fail at start anyway;
+        # refusing it here names both keys, and catches a clash between sockets bound at different times.
+        seen: dict[int, list[tuple[str, str]]] = {}
+        for key, host, port in listening_sockets(self):
+            for other_key, other_host in seen.get(port, []):
+                if _same_interface(host, other_host):
+                    raise ValueError(
+                        f"{other_key} and {key} are both {port} on "
+                        f"{host if other_host == host else f'{other_host} and {host}'}: "
+                        "every listening socket needs its own port (0 picks a free one)"
+                    )
+            seen.setdefault(port, []).append((key, host))
+        return self
+
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def listening_sockets(config: BaseModel, prefix: str = "") -> list[tuple[str, str, int]]:
+    """``(key, host, port)`` of every section of ``config`` that listens on a fixed port: any section with a
+    ``host`` and a non-zero ``port`` (server, metrics, the queue's external port, the weights' store...),
+    unless its ``enabled`` is false. A nested ServiceConfig is another process and is not searched."""
+    found = []
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if not isinstance(value, BaseModel) or isinstance(value, ServiceConfig):
+            continue
+        key = f"{prefix}{name}"
+        host, port = getattr(value, "host", None), getattr(value, "port", None)
+        if isinstance(host, str) and isinstance(port, int) and port and getattr(value, "enabled", True) is not False:
+            found.append((f"{key}.port", host, port))
+        found += listening_sockets(value, f"{key}.")
+    return found
+
+
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]", "*"}
+
+
+def _same_interface(a: str, b: str) -> bool:
+    """Whether sockets on hosts ``a`` and ``b`` would take the same port: the same address, or a wildcard."""
+    if a in _WILDCARDS or b in _WILDCARDS:
+        return True
+
+    def norm(host: str) -> str:
+        host = host.strip("[]").lower()
+        if host == "localhost":
+            return "127.0.0.1"
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            return host
+
+    return norm(a) == norm(b)
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -157,7 +231,9 @@ def _explain(error: ValidationError, origin: Mapping[tuple[str, ...], str], path
         loc = tuple(str(p) for p in err["loc"])
         key = ".".join(loc) or "<top>"
         where = origin.get(loc) or (f"config file {path}" if path else "defaults")
-        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        if not loc and err["type"] == "value_error":  # a check across sections: its message names the keys
+            lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+        elif err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             lines.append(f"unknown config key '{key}' (from {where})")
         else:
             lines.append(f"config key '{key}' (from {where}): {err['msg']}")

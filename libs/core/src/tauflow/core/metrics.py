@@ -4,6 +4,8 @@
   can be closed, for processes that serve metrics only for a while, like ``tauflow run``).
 - ``ScrapeCollector``: metrics read from a service's own objects when Prometheus scrapes (an engine's
   counters, a launcher's processes), so the code that does the work needs no metric calls.
+- ``ServerMetrics``: what the server bootstrap counts in every service (``tauflow_server_*``: handlers that
+  raised an unexpected exception).
 - ``catalog``: every metric a registry holds, as exposed (name, type, labels, help). docs/metrics.md and
   the dashboards are checked against it (tests/contract/test_metrics_catalog.py).
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -47,14 +49,29 @@ class MetricsServer:
 
 
 def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
-    """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free port (read it from the handle)."""
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free port (read it from the handle).
+    A port that cannot be bound raises OSError naming the address (and no traceback is needed to see why)."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise OSError(f"cannot serve /metrics on {host}:{port}: {e.strerror or e}") from e
     return MetricsServer(int(server.server_address[1]), server, thread)
 
 
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> int:
     """Serves ``/metrics`` on a daemon thread for the life of the process; returns the bound port."""
     return serve_metrics(host, port, registry).port
+
+
+class ServerMetrics:
+    """Counted by the server bootstrap (``tauflow.core.server``) for every service and every server of it."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.unexpected_errors = Counter(
+            "tauflow_server_unexpected_errors",
+            "calls whose handler raised an unexpected exception (a bug), answered INTERNAL, by method",
+            ["method"], registry=registry,
+        )
 
 
 @dataclass(frozen=True)

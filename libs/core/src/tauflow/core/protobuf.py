@@ -22,3 +22,18 @@ def duration(seconds: float) -> Duration:
 def seconds(value: Duration | Timestamp) -> float:
     """Seconds of a Duration, or Unix seconds of a Timestamp."""
     return value.seconds + value.nanos / 1e9
+
+
+MAX_DURATION_SECONDS = 315_576_000_000  # google.protobuf.Duration's own range: +-10,000 years
+
+
+def duration_seconds(value: Duration, field: str) -> float:
+    """Seconds of a Duration a client sent, refused (ValueError naming ``field``) unless it is a valid
+    Duration (seconds within +-10,000 years, |nanos| < 1e9, both of one sign) and not negative; the
+    caller bounds it from above."""
+    s, n = value.seconds, value.nanos
+    if abs(s) > MAX_DURATION_SECONDS or abs(n) > 999_999_999 or (s > 0 > n) or (s < 0 < n):
+        raise ValueError(f"{field} is not a valid google.protobuf.Duration (seconds={s}, nanos={n})")
+    if s < 0 or n < 0:
+        raise ValueError(f"{field} must not be negative")
+    return s + n / 1e9

@@ -2,10 +2,15 @@
 
 It registers the service's servicers, the standard health service (every
 service NOT_SERVING until the app says it is ready), ``info.v1.ServerInfoService``
-(role, build version, contract revisions: ``tauflow.core.serverinfo``) and server reflection,
-applies the message-size limits, and drains gracefully: on SIGTERM or SIGINT
-health turns NOT_SERVING, new calls are refused, in-flight calls get
+(role, build version, contract revisions: ``tauflow.core.serverinfo``) and server reflection
+(``grpc.reflection.v1`` and ``v1alpha``), applies the message-size limits, and drains gracefully: on
+SIGTERM or SIGINT health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_grace_s`` to finish, then the app's shutdown hooks run.
+
+A port in use is an error (SO_REUSEPORT off: gRPC's default would let a second process share the port and
+the kernel split the connections between them). A handler that raises an unexpected exception answers
+INTERNAL with a neutral message, is logged with its traceback and counted
+(``tauflow_server_unexpected_errors_total``): never gRPC's UNKNOWN carrying the exception's text.
 
 A service may serve a second face on its own port (``ServiceApp.extra_servers``,
 e.g. the queue's authenticated external port): the same bootstrap with its own
@@ -16,10 +21,14 @@ the ready file (``<name>_port``) and drained together with the main server.
 from __future__ import annotations
 
 import asyncio
+import errno
+import inspect
 import json
 import logging
 import os
 import signal
+import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +37,31 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from tauflow.api.info.v1 import info_pb2_grpc
 from tauflow.core.config import ServerConfig
+from tauflow.core.metrics import ServerMetrics
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import ServerInfoServicer, server_info
 
 log = logging.getLogger(__name__)
+
+# grpcio-reflection ships only v1alpha; v1 is the same protocol (same messages, field for field) under a
+# new name, which current grpcurl and buf curl try first. It is served, not listed: the default descriptor
+# pool holds no v1 file, and a listed service that cannot be described breaks `grpcurl describe`.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+REFLECTION_SERVICES = (reflection.SERVICE_NAME, REFLECTION_V1)
+INTERNAL_MESSAGE = "internal error; the server logged it"
+_server_metrics: ServerMetrics | None = None
+
+
+def server_metrics() -> ServerMetrics:
+    """The process's ``tauflow_server_*`` metrics (on the default registry, created once)."""
+    global _server_metrics
+    if _server_metrics is None:
+        _server_metrics = ServerMetrics()
+    return _server_metrics
 
 
 def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -84,14 +110,131 @@ class ServiceApp:
 
 def tls_server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
     """TLS credentials from a PEM certificate chain and its private key (files, so that a mounted
-    secret can hold them)."""
+    secret can hold them). Both are checked here (they parse, the key is the certificate's, the key is
+    not encrypted): gRPC would only fail to bind, saying nothing of why. Errors name the files, never
+    their content."""
     pems = []
     for what, path in (("certificate", cert_file), ("private key", key_file)):
         try:
             pems.append(Path(path).read_bytes())
         except OSError as e:
             raise OSError(f"cannot read the TLS {what} {path}: {e.strerror}") from e
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=_no_password)
+    except (ssl.SSLError, ValueError, TypeError) as e:
+        reason = getattr(e, "reason", None)  # OpenSSL's, e.g. KEY_VALUES_MISMATCH
+        why = reason.lower().replace("_", " ") if reason else "not a PEM certificate chain and its unencrypted key"
+        raise ValueError(f"the TLS certificate {cert_file} and private key {key_file} cannot be used: {why}") from None  # (OpenSSL's messages name no content; the chained exception is left out all the same)
     return grpc.ssl_server_credentials([(pems[1], pems[0])])
+
+
+def _no_password() -> bytes:
+    raise ValueError("the private key is encrypted; gRPC needs it unencrypted")
+
+
+class CatchAll(grpc.aio.ServerInterceptor):
+    """Turns an unexpected exception of any handler, unary or streaming, into INTERNAL with a neutral
+    message, logged with its traceback and counted. ``context.abort`` (which raises ``AbortError``) and
+    cancellation pass through untouched, so an aborted call keeps its code."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        method = details.method.lstrip("/")
+        try:
+            handler = await continuation(details)
+        except Exception:  # a later interceptor failed: the call cannot be routed
+            self._record(method)
+            return grpc.unary_unary_rpc_method_handler(self._abort_internal)
+        if handler is None:
+            return None  # UNIMPLEMENTED; ``method`` (the caller's choice) is never a label of an unknown method
+        for kind, make in _HANDLER_KINDS.items():
+            behaviour = getattr(handler, kind)
+            if behaviour is not None:
+                return make(
+                    self._guard(behaviour, method),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _guard(self, behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behaviour):
+            async def stream(request, context):  # type: ignore[no-untyped-def]
+                try:
+                    async for item in behaviour(request, context):
+                        yield item
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    await self._internal(method, context)
+
+            return stream
+        if inspect.iscoroutinefunction(behaviour):
+            async def call(request, context):  # type: ignore[no-untyped-def]
+                try:
+                    return await behaviour(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception:
+                    await self._internal(method, context)
+
+            return call
+        return behaviour  # a synchronous handler (none in tauflow): gRPC's own handling applies
+
+    def _record(self, method: str) -> None:
+        log.exception("unexpected error in a handler; answered INTERNAL", extra={"method": method})
+        self.metrics.unexpected_errors.labels(method).inc()
+
+    async def _internal(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        self._record(method)
+        await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+    @staticmethod
+    async def _abort_internal(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+_HANDLER_KINDS = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _add_reflection_v1(servicer: Any, server: grpc.aio.Server) -> None:
+    """The v1alpha servicer under the v1 name (wire-identical messages)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
+def _bind_check(host: str, port: int, key: str) -> None:
+    """Raises OSError naming the port when something already listens on it. gRPC's own failure says only
+    "failed to bind" (and logs a multi-line error first); a plain bind tells why."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port} ({key}): {e.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no clash
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(f"cannot listen on {host}:{port} ({key}): the port is in use") from None
+                if e.errno != errno.EAFNOSUPPORT:  # (an IPv6 address on a host without IPv6: gRPC skips it too)
+                    raise OSError(f"cannot listen on {host}:{port} ({key}): {e.strerror}") from None
 
 
 class GrpcServer:
@@ -104,18 +247,23 @@ class GrpcServer:
         version: str = "",
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        key: str = "server",
     ) -> None:
         self.config = config
         self.credentials = credentials
+        self.key = key  # the config section, named in errors ("server.port")
         info = server_info(role, version, [b.descriptor for b in bindings])
         self.bindings = [
             *bindings,
             ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server),
         ]
         self.server = grpc.aio.server(
-            interceptors=list(interceptors) or None,  # a keyword: telemetry's instrumentation adds its own
+            # First, so that it guards what the others return too. A keyword: telemetry's instrumentation
+            # adds its own.
+            interceptors=[CatchAll(server_metrics()), *interceptors],
             options=[
                 *message_size_options(config.max_message_bytes),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a port shared with another process
                 # Accept the keepalive pings our channels send (every 30 s, also when idle); gRPC's
                 # default policy answers them with GOAWAY "too_many_pings".
                 ("grpc.keepalive_permit_without_calls", 1),
@@ -128,20 +276,25 @@ class GrpcServer:
             b.add_to_server(b.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [b.descriptor.full_name for b in self.bindings]
-        reflection.enable_server_reflection(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
+        reflector = reflection.aio.ReflectionServicer(
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         )
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflector, self.server)
+        _add_reflection_v1(reflector, self.server)
         self.port: int | None = None
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
-        if self.credentials is not None:
-            self.port = self.server.add_secure_port(address, self.credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        _bind_check(self.config.host, self.config.port, f"{self.key}.port")
+        try:
+            if self.credentials is not None:
+                self.port = self.server.add_secure_port(address, self.credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind to address ..."
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            raise OSError(f"cannot listen on {address} ({self.key}.port): the port is in use or the host is not local")
         await self.set_serving(False)
         await self.server.start()
         return self.port
@@ -174,20 +327,27 @@ async def serve(
     *,
     ready_info: dict[str, Any] | None = None,
     ready_file: str | None = None,
+    started: Callable[[], None] | None = None,
 ) -> None:
-    """Serves ``app`` until SIGTERM/SIGINT, then drains and closes it."""
+    """Serves ``app`` until SIGTERM/SIGINT, then drains and closes it. ``started`` is called once every
+    server serves and the ready file is written: an exception before it is a failure to start."""
     ready_info = ready_info or {}
     role, version = ready_info.get("service", ""), ready_info.get("version", "")
     server = GrpcServer(app.bindings, config, role=role, version=version)
     extras = {
         extra.name: GrpcServer(
             extra.bindings, extra.config, role=role, version=version,
-            interceptors=extra.interceptors, credentials=extra.credentials,
+            interceptors=extra.interceptors, credentials=extra.credentials, key=extra.name,
         )
         for extra in app.extra_servers
     }
-    port = await server.start()
-    extra_ports = {f"{name}_port": await s.start() for name, s in extras.items()}
+    try:
+        port = await server.start()
+        extra_ports = {f"{name}_port": await s.start() for name, s in extras.items()}
+    except BaseException:
+        # Stopped now: a gRPC server left to the garbage collector after the loop closed prints a traceback.
+        await asyncio.gather(*(s.server.stop(None) for s in (server, *extras.values())), return_exceptions=True)
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,6 +355,9 @@ async def serve(
     if app.on_serving is not None:
         app.on_serving(port)
     tasks = [asyncio.create_task(job(), name=getattr(job, "__name__", "background")) for job in app.background]
+    from tauflow.core.lifeline import watch_parent  # TAUFLOW_PARENT_PID: drain as on SIGTERM once the launcher is gone
+
+    tasks.append(asyncio.create_task(watch_parent(stop, config.drain_grace_s), name="lifeline"))
     servers = [server, *extras.values()]
     for s in servers:
         await s.set_serving(True)
@@ -202,6 +365,8 @@ async def serve(
     log.info("serving", extra={"host": config.host, "port": port, **extra_ports})
     if ready_file:
         write_ready_file(ready_file, info)
+    if started is not None:
+        started()
     failed = asyncio.create_task(_first_failure(tasks))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([failed, stopped], return_when=asyncio.FIRST_COMPLETED)

@@ -15,6 +15,11 @@ tauflow.<name> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; i
 from the ready file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
 unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
 (``max_restarts``) fails the run with a message that names it and quotes the end of its log.
+
+Every service is told who started it (``TAUFLOW_PARENT_PID``: the controller, or the Ray actor hosting it)
+and stops by itself, draining as on SIGTERM, once that process is gone: a controller killed with SIGKILL
+leaves no service behind (``tauflow.core.lifeline``). A new controller on the same ``out_dir`` (``tauflow
+run --resume``) waits for the previous run's processes to be gone before it starts their successors.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +296,13 @@ class ProcessLauncher:
 class LocalLauncher(ProcessLauncher):
     """``launcher: local``: every service a subprocess of the controller, on loopback."""
 
+    # How long a process of a previous controller on this out_dir may take to stop: it notices within a
+    # second that its controller is gone, drains (10 s by default) and exits hard after a margin.
+    previous_wait_s = 15.0 + HARD_EXIT_MARGIN_S
+
     def _spawn(self, svc: ManagedService) -> None:
+        if svc.starts == 0:
+            self._wait_for_previous(svc)
         svc.ready_file.unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
         command = service_command(sys.executable, svc.name, svc.ready_file, self._settings(svc))
@@ -301,6 +314,25 @@ class LocalLauncher(ProcessLauncher):
 
     def _kill(self, svc: ManagedService) -> None:
         os.killpg(svc.proc.pid, signal.SIGKILL)
+
+    def _wait_for_previous(self, svc: ManagedService) -> None:
+        """The previous controller's process of this role (its ready file names it) may still be draining
+        after that controller died: two queues on one log, or two trainers on one checkpoint folder,
+        would lose what the run had. Waits until it is gone; one that stays fails the start, naming it."""
+        try:
+            pid = int(json.loads(svc.ready_file.read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if not is_service_process(pid, svc.name):
+            return
+        log.warning("a previous process of this service is still running; waiting for it to stop",
+                    extra={"service": svc.name, "pid": pid})
+        deadline = time.monotonic() + self.previous_wait_s
+        while is_service_process(pid, svc.name):
+            if time.monotonic() > deadline:
+                raise ServiceFailed(svc.name, f"its process {pid} from a previous run in {self.run_dir} still runs "
+                                    f"after {self.previous_wait_s:g}s: is another tauflow run using this out_dir?")
+            time.sleep(0.1)
 
 
 # -- one service process: the local launcher and each Ray actor start it the same way ----------------
@@ -321,24 +353,24 @@ def spawn_service(
     command: list[str], env: Mapping[str, str], log_file: Path | str, header: str, cwd: str | None = None
 ) -> subprocess.Popen[bytes]:
     """Starts a service process in its own session (its group is killed as one), its output appended to
-    ``log_file``; it gets SIGTERM when the process that started it dies."""
+    ``log_file``; it stops by itself once the process that started it (this one) is gone."""
     with open(log_file, "ab") as out:
         out.write(header.encode())
         out.flush()
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd, start_new_session=True,
-            # prctl only, no Python-level locks: safe between fork and exec even with threads
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            command, stdout=out, stderr=subprocess.STDOUT, env={**env, PARENT_PID_ENV: str(os.getpid())},
+            cwd=cwd, start_new_session=True,
         )
 
 
-def _die_with_parent() -> None:
-    """A service gets SIGTERM (graceful drain) when the controller dies, even by SIGKILL (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def is_service_process(pid: int, role: str) -> bool:
+    """Whether ``pid`` is a live ``tauflow.<role>`` process on this machine (not a pid reused by another)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z" and (
+            f"tauflow.{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes())
+    except (OSError, IndexError):
+        return False
 
 
 def _format(value: Any) -> str:

@@ -9,8 +9,12 @@ actor, on the same ports, with backoff, and a crash loop fails the run naming th
 
 - The trainer's actor goes on the weight sidecar's node: they hand the weights over in ``/dev/shm``.
 - An actor that is lost (its worker or its node died) is created again on the same node, and its new
-  process takes the same ports once the old one (SIGTERM when its actor died) has exited. A node that
-  is gone fails the run, naming the role that cannot be placed: its peers hold its address.
+  process takes the same ports once the old one (it stops by itself when its actor is gone) has exited.
+  A node that is gone fails the run, naming the role that cannot be placed: its peers hold its address.
+- The actors belong to the controller's job: when the controller dies (even by SIGKILL) Ray ends them,
+  and each service, whose ``TAUFLOW_PARENT_PID`` is its actor, drains and exits (``tauflow.core.lifeline``).
+  Ray's own clean-up, which SIGKILLs an exiting worker's children (``kill_child_processes_on_worker_exit``),
+  is turned off for these actors: it would kill the services without their drain.
 - Paths (model, dataset, and out_dir: logs, ready files, checkpoints, queue log) are used as they are on
   every node, relative ones from the controller's working directory: on a cluster of several machines
   they must be on a file system that every node mounts at the same path.
@@ -41,6 +45,7 @@ from tauflow.controller.launcher import (
     ManagedService,
     ProcessLauncher,
     ServiceFailed,
+    is_service_process,
     log_header,
     service_command,
     spawn_service,
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 FORWARDED_ENV = ("OTEL_", "TAUFLOW_")
 COLOCATED = {"trainer": "weights"}  # role -> the role whose node it shares (the /dev/shm weight hand-off)
 LOST = -1  # what poll() says of a process whose actor was lost
+# Ray SIGKILLs the children of a worker that exits; a service ends by itself, drained, when its actor is gone.
+HOST_RUNTIME_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "0"}}
 
 
 def role_resources(role: str, settings: Mapping[str, Any], config: RayConfig) -> dict[str, float]:
@@ -131,7 +138,8 @@ class RayLauncher(ProcessLauncher):
         self._started(svc)
 
     def _create_actor(self, svc: ManagedService, node_id: str) -> Any:
-        options: dict[str, Any] = role_resources(svc.name, svc.spec.settings, self.config)
+        options: dict[str, Any] = {**role_resources(svc.name, svc.spec.settings, self.config),
+                                   "runtime_env": HOST_RUNTIME_ENV}
         if node_id:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -278,26 +286,18 @@ class ServiceHost:
 
 
 def _end_previous(pid: int, role: str, grace_s: float) -> None:
-    """A lost actor's process got SIGTERM when its actor died; its ports are free once it has exited
-    (SIGKILL after ``grace_s``)."""
+    """A lost actor's process stops by itself when its actor is gone (its lifeline); its ports are free once
+    it has exited (SIGKILL after ``grace_s``)."""
     for wait_s, then in ((grace_s, signal.SIGKILL), (5.0, None)):
         deadline = time.monotonic() + wait_s
-        while _is_service(pid, role) and time.monotonic() < deadline:
+        while is_service_process(pid, role) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if then is None or not _is_service(pid, role):
+        if then is None or not is_service_process(pid, role):
             return
         try:
             os.killpg(pid, then)
         except ProcessLookupError:
             return
-
-
-def _is_service(pid: int, role: str) -> bool:
-    """Whether ``pid`` is still a live ``tauflow.<role>`` process (not a pid reused by another)."""
-    try:
-        return f"tauflow.{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 def _probe(address: str) -> None:

@@ -169,6 +169,8 @@ class Run:
             self.on_progress(self.progress)
             svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=self.trace_env()))
             addresses[role] = svc.address
+            if role == "trainer" and svc.info.get("resumed_from"):  # its first step is the one after this version
+                self.summary.extra["resumed_from_version"] = svc.info.get("policy_version")
             asyncio.run(check_peer(role, svc.address, self.summary.services))  # (launch runs in a thread)
             self._write_targets()
         return addresses
@@ -192,6 +194,9 @@ class Run:
         tokens = 0
         last_step_at, last_marker = time.monotonic(), (0, -1)
         eval_failures = 0
+        # The next step to list, by step number, not by count: a trainer resumed from a checkpoint (--resume)
+        # starts at its version, and its history holds no step before it.
+        next_step = 0
         while True:
             restarted = await asyncio.to_thread(self.launcher.check)
             for role in restarted:  # a restart is how a rolling upgrade replaces a role: check the new build
@@ -201,7 +206,7 @@ class Run:
                 self.progress.message = f"restarted {', '.join(restarted)}"
                 last_step_at = time.monotonic()  # a restarted role needs time to catch up
             try:
-                steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=len(self.summary.steps)))
+                steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=next_step))
                 stats = await queue.Stats(queue_pb2.StatsRequest())
             except grpc.aio.AioRpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -219,6 +224,7 @@ class Run:
             elif time.monotonic() - last_step_at > self.c.stall_timeout_s:
                 raise RunStalled(await self._stall_report(trainer, queue))
             for m in steps.steps:
+                next_step = m.step + 1
                 self.summary.steps.append(StepRecord(
                     m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
                     m.trained_tokens, m.groups, dict(m.metrics),

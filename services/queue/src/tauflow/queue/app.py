@@ -10,7 +10,9 @@ from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.queue import __version__
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.external import external_server
+from tauflow.queue import wire
 from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.quarantine import QuarantineFolder
 from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.state import QueueState, Settings
 from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
@@ -25,15 +27,21 @@ def settings_from(config: QueueConfig) -> Settings:
         default_lease_s=config.default_lease_s,
         reservation_ttl_s=config.reservation_ttl_s,
         dedup_window=config.dedup_window,
+        max_lease_s=config.max_lease_s,
     )
 
 
 async def build(config: QueueConfig) -> ServiceApp:
-    wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync)
-    queue = QueueState(settings_from(config), wal)
+    wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync, config.wal.on_corruption)
+    group_limit = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
+    queue = QueueState(
+        settings_from(config), wal,
+        validate=lambda payload: wire.invalid_reason(payload, group_limit),
+        quarantine=QuarantineFolder(Path(config.wal.dir) / "quarantine"),
+    )
     metrics = QueueMetrics()
     servicer = QueueServicer(queue, config, metrics)
-    background = [servicer.sweep_forever]
+    background = [servicer.sweep_forever, servicer.watch_log]
     if config.wal.fsync is FsyncPolicy.INTERVAL:
         interval = config.wal.fsync_interval_s
         background.append(lambda: wal.sync_every(interval))

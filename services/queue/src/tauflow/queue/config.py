@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
-from tauflow.queue.wal import FsyncPolicy
+from tauflow.queue.wal import FsyncPolicy, OnCorruption
 
 GiB = 1024**3
 MiB = 1024**2
@@ -15,8 +15,13 @@ class WalConfig(StrictModel):
     dir: str = Field("./tauflow-queue-data", description="directory of the write-ahead log")
     fsync: FsyncPolicy = Field(
         FsyncPolicy.ALWAYS,
-        description="always: fsync before Put returns; interval/never: written before Put returns "
-        "(survives SIGKILL, not a power loss)",
+        description="always: fsync before Put, Ack and SetTrainerVersion return; interval/never: written before "
+        "they return (survives SIGKILL, not a power loss)",
+    )
+    on_corruption: OnCorruption = Field(
+        OnCorruption.REFUSE,
+        description="records lost to damage before the log's last record: refuse to start (changing nothing), "
+        "or proceed with every intact record (the damaged file is kept as queue.wal.corrupt-<UTC time>)",
     )
     fsync_interval_s: float = Field(0.05, gt=0, description="period of the 'interval' policy")
     compact_min_bytes: int = Field(64 * MiB, ge=0, description="compact once this many bytes are dead")
@@ -55,6 +60,10 @@ class QueueConfig(ServiceConfig):
     capacity_bytes: int = Field(8 * GiB, ge=1)
     max_group_bytes: int = Field(64 * MiB, ge=1, description="largest group Put accepts")
     default_lease_s: float = Field(600.0, gt=0)
+    max_lease_s: float = Field(
+        7 * 86400.0, gt=0, description="longest lease_duration a Get or RenewLease may ask for (longer: "
+        "INVALID_ARGUMENT)",
+    )
     reservation_ttl_s: float = Field(600.0, gt=0, description="unused tickets are released after this")
     max_wait_s: float = Field(60.0, ge=0, description="cap on the long-poll of Reserve and Get")
     sweep_interval_s: float = Field(0.5, gt=0, description="how often expired leases are redelivered")

@@ -1,6 +1,9 @@
 """Protobuf <-> domain conversion for the queue, with the validation of incoming groups.
 
 Imports the generated messages but never grpc: tested without a server.
+
+The bounds below are the contract's (written in the comments of common.v1 and queue.v1): every string
+and list a client sends has one, checked before anything is stored.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
 from tauflow.queue import state
 
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = state.MAX_ID_CHARS  # group, prompt, sample, request, producer, consumer, ticket and lease ids
+MAX_SAMPLES = 4096  # samples in one group
+MAX_METADATA_ENTRIES = 64  # entries of each metadata map, and of a reward's components
+MAX_KEY_CHARS = 256  # a metadata key or a component name
+MAX_TRACEPARENT_CHARS = 128  # W3C: 55 for version 00
+MAX_TRACESTATE_CHARS = 512  # W3C: at most 32 list members of 256 characters; 512 is what is propagated
+MAX_REWARD_MESSAGE_CHARS = 4096
+MAX_LOGPROB = 1e-3  # log-probabilities are <= 0; a little float noise above 0 is allowed
 
 
 class InvalidGroup(ValueError):
@@ -23,22 +33,70 @@ class GroupTooLarge(InvalidGroup):
     """A group over the per-group byte limit (RESOURCE_EXHAUSTED, like an oversized message)."""
 
 
-def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.GroupRecord:
-    """Validates ``group`` and turns it into what the queue stores."""
+def check_id(value: str, field: str, *, required: bool = True) -> None:
+    """Raises InvalidGroup when ``value`` (the field ``field``) is empty (if required) or too long."""
+    if required and not value:
+        raise InvalidGroup(f"{field} must be set")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidGroup(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
+
+
+def _check_map(entries, where: str, *, max_value_chars: int | None = None) -> None:  # type: ignore[no-untyped-def]
+    if len(entries) > MAX_METADATA_ENTRIES:
+        raise InvalidGroup(f"{where} has {len(entries)} entries, more than {MAX_METADATA_ENTRIES}")
+    for key in entries:
+        if len(key) > MAX_KEY_CHARS:
+            raise InvalidGroup(f"{where} has a key of {len(key)} characters, longer than {MAX_KEY_CHARS}")
+
+
+def check_structure(group: common_pb2.Group) -> None:
+    """The checks that do not read token arrays: ids, bounds, maps, trace context, reward parts.
+
+    Cheap (per sample, not per token), so both the wire fast path and the full decode run it."""
     if not group.group_id:
         raise InvalidGroup("group.group_id must be set")
     if len(group.group_id) > MAX_ID_CHARS:
         raise InvalidGroup(f"group.group_id is longer than {MAX_ID_CHARS} characters")
     if not group.samples:
         raise InvalidGroup(f"group {group.group_id}: group.samples is empty (a group has at least one sample)")
-    behaviour = None
-    n_tokens = 0
+    where = f"group {group.group_id}"
+    if len(group.samples) > MAX_SAMPLES:
+        raise InvalidGroup(f"{where}: group.samples has {len(group.samples)} samples, more than {MAX_SAMPLES}")
+    check_id(group.prompt_id, f"{where}: group.prompt_id", required=False)
+    check_id(group.producer_id, f"{where}: group.producer_id", required=False)
+    if len(group.trace_context.traceparent) > MAX_TRACEPARENT_CHARS:
+        raise InvalidGroup(f"{where}: group.trace_context.traceparent is longer than {MAX_TRACEPARENT_CHARS} characters")
+    if len(group.trace_context.tracestate) > MAX_TRACESTATE_CHARS:
+        raise InvalidGroup(f"{where}: group.trace_context.tracestate is longer than {MAX_TRACESTATE_CHARS} characters")
+    _check_map(group.metadata, f"{where}: group.metadata")
     seen_ids: set[str] = set()
     for i, s in enumerate(group.samples):
-        where = f"group {group.group_id}: samples[{i}]"
+        at = f"{where}: samples[{i}]"
+        if len(s.sample_id) > MAX_ID_CHARS:
+            raise InvalidGroup(f"{at}.sample_id is longer than {MAX_ID_CHARS} characters")
         if s.sample_id in seen_ids:
-            raise InvalidGroup(f"{where}.sample_id {s.sample_id!r} repeats within the group")
+            raise InvalidGroup(f"{at}.sample_id {s.sample_id!r} repeats within the group")
         seen_ids.add(s.sample_id)
+        _check_map(s.metadata, f"{at}.metadata")
+        reward = s.reward
+        if not math.isfinite(reward.score):
+            raise InvalidGroup(f"{at}.reward.score is not finite")
+        _check_map(reward.components, f"{at}.reward.components")
+        for name, value in reward.components.items():
+            if not math.isfinite(value):
+                raise InvalidGroup(f"{at}.reward.components[{name[:64]!r}] is not finite")
+        if len(reward.message) > MAX_REWARD_MESSAGE_CHARS:
+            raise InvalidGroup(f"{at}.reward.message is longer than {MAX_REWARD_MESSAGE_CHARS} characters")
+
+
+def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.GroupRecord:
+    """Validates ``group`` and turns it into what the queue stores."""
+    check_structure(group)
+    behaviour = None
+    newest = 0
+    n_tokens = 0
+    for i, s in enumerate(group.samples):
+        where = f"group {group.group_id}: samples[{i}]"
         n = len(s.completion_token_ids)
         if not s.prompt_token_ids:
             raise InvalidGroup(f"{where}.prompt_token_ids is empty")
@@ -53,10 +111,9 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.Grou
                 raise InvalidGroup(
                     f"{where}.{name} has {len(field)} entries for {n} completion tokens"
                 )
-        if s.behaviour_logprobs:
-            total = math.fsum(s.behaviour_logprobs)
-            if not math.isfinite(total) or max(s.behaviour_logprobs) > 1e-3:
-                raise InvalidGroup(f"{where}.behaviour_logprobs must be finite log-probabilities (<= 0)")
+        # (no sum: fsum of [inf, -inf] raises instead of saying which field is wrong)
+        if s.behaviour_logprobs and not all(math.isfinite(x) and x <= MAX_LOGPROB for x in s.behaviour_logprobs):
+            raise InvalidGroup(f"{where}.behaviour_logprobs must be finite log-probabilities (<= 0)")
         if s.token_versions:
             oldest = min(s.token_versions)
             if s.behaviour_version and s.behaviour_version != oldest:
@@ -64,10 +121,10 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.Grou
                     f"{where}.behaviour_version={s.behaviour_version} differs from "
                     f"min(token_versions)={oldest}"
                 )
+            newest = max(newest, max(s.token_versions))
         else:
             oldest = s.behaviour_version
-        if not math.isfinite(s.reward.score):
-            raise InvalidGroup(f"{where}.reward.score is not finite")
+            newest = max(newest, oldest)
         behaviour = oldest if behaviour is None else min(behaviour, oldest)
         n_tokens += len(s.prompt_token_ids) + n
     payload = group.SerializeToString()
@@ -76,7 +133,7 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.Grou
             f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}"
         )
     assert behaviour is not None
-    return state.GroupRecord(group.group_id, payload, behaviour, n_tokens)
+    return state.GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest)
 
 
 def ticket_to_proto(ticket: state.Ticket) -> queue_pb2.Ticket:

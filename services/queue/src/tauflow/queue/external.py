@@ -3,10 +3,13 @@
 It serves the producer's half of QueueService (Reserve, ReleaseReservation, Put, Stats) on the same
 state as the internal server; Get, Ack, Nack, RenewLease, SetTrainerVersion and SetMaxStaleness are not
 registered there (UNIMPLEMENTED), so a client of this port can neither consume nor steer the training.
-Every call but gRPC health and ServerInfo needs ``authorization: Bearer <token>`` metadata with a token
+Every call but gRPC health, ServerInfo and server reflection (they reveal nothing that the published
+contracts do not) needs ``authorization: Bearer <token>`` metadata with a token
 of the tokens file; the client it names is recorded on what it does: the ``producer_id`` of its groups
-and reservations, its request ids (namespaced, so that one client cannot read another's ticket by
-replaying a request id) and the per-client metrics. Decisions: docs/external-sources.md.
+and reservations, and the per-client metrics. Clients cannot interfere with each other: group ids and
+request ids are namespaced by the client's name (``<client>/<id>``: one client's ``episode-1`` is not
+another's), and a ticket can be used or released only by the client that reserved it.
+Decisions: docs/external-sources.md.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
-from tauflow.queue import wire
 from tauflow.queue.config import ExternalConfig
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
@@ -36,7 +39,9 @@ log = logging.getLogger(__name__)
 PRODUCER_METHODS = ("Reserve", "ReleaseReservation", "Put", "Stats")
 # Answered without a token: probes (Kubernetes' gRPC probes send none) and the version check a client
 # makes before it trusts a server.
-PUBLIC_SERVICES = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, INFO_SERVICE.full_name})
+PUBLIC_SERVICES = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, INFO_SERVICE.full_name,
+                             # reflection (both protocols) tells what the published contracts tell
+                             "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"})
 CLIENT: ContextVar[str] = ContextVar("tauflow_queue_external_client", default="")
 _WARN_EVERY_S = 10.0
 
@@ -121,12 +126,17 @@ def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, messa
     async def refuse(request, context):  # type: ignore[no-untyped-def]
         await context.abort(code, message)
 
+    async def refuse_stream(request, context):  # type: ignore[no-untyped-def]
+        # (a response-streaming handler must be an async generator, or grpc.aio answers UNKNOWN)
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
     if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
     if handler is not None and handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(refuse)
     if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_stream_rpc_method_handler(refuse_stream)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -146,19 +156,33 @@ class ProducerServicer:
         return await self.queue.Reserve(request, context)
 
     async def ReleaseReservation(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.queue.ReleaseReservation(request, context)
+        return await self.queue.ReleaseReservation(request, context, owner=CLIENT.get())
 
     async def Put(self, request, context):  # type: ignore[no-untyped-def]
         client = CLIENT.get()
         if request.group:  # (an empty one is refused as on the internal port)
-            request.group = wire.with_producer_id(request.group, client)
-        response = await self.queue.Put(request, context)
+            request.group = with_client_identity(request.group, client)
+        response = await self.queue.Put(request, context, owner=client)
         if response.outcome == queue_pb2.PUT_OUTCOME_ACCEPTED:
             self.metrics.external_put_groups.labels(client).inc()
         return response
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         return await self.queue.Stats(request, context)
+
+
+def with_client_identity(raw: bytes, client: str) -> bytes:
+    """The serialized Group ``raw`` as ``client`` put it: its group_id namespaced (``<client>/<id>``) and
+    its producer_id set to the client. Bytes that do not decode are returned as they are, for Put to
+    refuse them like any other malformed group (the queue decodes every group in full anyway)."""
+    try:
+        group = common_pb2.Group.FromString(raw)
+    except Exception:  # noqa: BLE001 - refused by Put with the field named
+        return raw
+    if group.group_id:  # (an empty one stays empty: refused as on the internal port)
+        group.group_id = f"{client}/{group.group_id}"
+    group.producer_id = client
+    return group.SerializeToString()
 
 
 def external_server(config: ExternalConfig, queue: QueueServicer, metrics: QueueMetrics) -> ExtraServer:

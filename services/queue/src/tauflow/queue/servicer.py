@@ -1,26 +1,34 @@
 """The thin gRPC layer of the queue: protobuf in, domain calls, protobuf out.
 
-Long polls (Reserve and Get with ``wait``) sleep on a change event that every
-state change sets, capped by ``max_wait_s`` and by the caller's deadline, so a
-poll returns an empty answer rather than DEADLINE_EXCEEDED.
+Long polls (Reserve and Get with ``wait``) wait in a FIFO of waiters, capped by
+``max_wait_s`` and by the caller's deadline, so a poll returns an empty answer
+rather than DEADLINE_EXCEEDED. A state change wakes only the waiters it can
+serve: Get waiters while the groups waiting cover their ``min_groups``, Reserve
+waiters while the pacing rule has room for them, in arrival order (so 200
+waiting consumers cost a Put one comparison, not 200 rescans of the queue).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import errno
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.core.protobuf import seconds
+from tauflow.core.protobuf import duration_seconds
 from tauflow.core.status import error_info_trailer
 from tauflow.queue import convert, state, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.wal import WalWriteError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,24 +42,53 @@ _MARGIN_S = 0.05  # answer this long before the caller's deadline
 _DOMAIN = queue_pb2.DESCRIPTOR.package
 
 
+class _Wants(enum.Enum):
+    GROUPS = "groups"  # a Get: waits for `need` groups to be waiting
+    ROOM = "room"  # a Reserve: waits for room for `need` groups
+
+
+@dataclass(eq=False)
+class _Waiter:
+    wants: _Wants
+    need: int
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _seconds(value: Any, name: str) -> float:
+    try:
+        return duration_seconds(value, name)
+    except ValueError as e:
+        raise state.InvalidRequest(str(e)) from None
+
+
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     def __init__(self, queue: state.QueueState, config: QueueConfig, metrics: QueueMetrics) -> None:
         self.q = queue
         self.config = config
         self.metrics = metrics
-        self._changed = asyncio.Event()
-        # A group must fit a Get response on its own, or it could be accepted and never delivered.
-        self.max_group_bytes = min(
-            config.max_group_bytes, wire.deliverable_group_bytes(config.server.max_message_bytes)
-        )
+        self._waiters: deque[_Waiter] = deque()
+        self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
         metrics.observe(queue.stats())
 
     # -- plumbing ----------------------------------------------------------------------
 
     def _notify(self) -> None:
+        """After a state change: updates the gauges and wakes the waiters that it may serve."""
         self.metrics.observe(self.q.stats())
-        self._changed.set()
-        self._changed = asyncio.Event()
+        groups = self.q.depth_groups  # groups waiting, not yet promised to a woken Get
+        room = 0  # groups promised to the Reserve waiters woken so far
+        for w in self._waiters:
+            if groups <= 0 and not self.q.has_room(room + 1):
+                break  # nothing left to serve anyone with
+            if w.woken.is_set():
+                continue
+            if w.wants is _Wants.GROUPS:
+                if groups >= w.need:
+                    w.woken.set()
+                    groups -= w.need
+            elif self.q.has_room(room + w.need):
+                w.woken.set()
+                room += w.need
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
         reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
@@ -59,6 +96,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
         elif isinstance(err, state.QueueFull):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_QUEUE_FULL
+        elif isinstance(err, WalWriteError):
+            # A full disk is worth retrying once space returns (the failed record was rolled back);
+            # any other write error makes the queue unavailable until it is restarted.
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if err.disk_full else grpc.StatusCode.UNAVAILABLE
+            if err.disk_full:
+                reason = queue_pb2.ERROR_REASON_QUEUE_FULL
+            log.error("the write-ahead log refused a write", extra={"method": method, "error": str(err)})
         elif isinstance(err, convert.InvalidGroup):
             code = grpc.StatusCode.INVALID_ARGUMENT
         else:
@@ -71,36 +115,45 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         await context.abort(code, message, trailing_metadata=trailer)
 
     async def _poll(
-        self, context: grpc.aio.ServicerContext, wait_s: float, attempt: Callable[[], T | None]
+        self, context: grpc.aio.ServicerContext, wait_s: float, attempt: Callable[[], T | None],
+        wants: _Wants, need: int,
     ) -> T | None:
-        """Calls ``attempt`` until it returns a value or the wait runs out."""
+        """Calls ``attempt`` until it returns a value or the wait runs out; between attempts the call
+        waits in line until a change may serve it (``wants`` ``need`` groups or room)."""
         loop = asyncio.get_running_loop()
-        wait_s = min(max(wait_s, 0.0), self.config.max_wait_s)
+        wait_s = min(wait_s, self.config.max_wait_s)
         remaining = context.time_remaining()
         if remaining is not None:
             wait_s = min(wait_s, remaining - _MARGIN_S)
         until = loop.time() + wait_s
-        while True:
-            changed = self._changed
-            result = attempt()
-            if result is not None:
-                return result
-            left = until - loop.time()
-            if left <= 0:
-                return None
-            deadline = self.q.next_deadline()  # wake for a lease or ticket expiry too
-            if deadline is not None:
-                left = min(left, max(deadline - self.q.clock(), 0.0) + 0.01)
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except TimeoutError:
-                pass
+        waiter = _Waiter(wants, max(need, 1))
+        try:
+            while True:
+                result = attempt()
+                if result is not None:
+                    return result
+                left = until - loop.time()
+                if left <= 0:
+                    return None
+                deadline = self.q.next_deadline()  # wake for a lease or ticket expiry too
+                if deadline is not None:
+                    left = min(left, max(deadline - self.q.clock(), 0.0) + 0.01)
+                waiter.woken.clear()
+                if waiter not in self._waiters:
+                    self._waiters.append(waiter)
+                try:
+                    await asyncio.wait_for(waiter.woken.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
         with self.metrics.rpc_duration.labels(method).time():
             try:
                 return await fn()
-            except (state.QueueError, convert.InvalidGroup) as err:
+            except (state.QueueError, convert.InvalidGroup, WalWriteError) as err:
                 await self._refuse(context, method, err)
                 raise AssertionError("unreachable") from err
 
@@ -114,7 +167,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     self._notify()
                 return ticket
 
-            ticket = await self._poll(context, seconds(request.wait), attempt)
+            wait_s = _seconds(request.wait, "wait")
+            ticket = await self._poll(context, wait_s, attempt, _Wants.ROOM, request.n_groups)
             resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.q.trainer_version)
             if ticket is not None:
                 resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
@@ -122,20 +176,23 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Reserve", run)
 
-    async def ReleaseReservation(self, request, context):  # type: ignore[no-untyped-def]
+    async def ReleaseReservation(self, request, context, owner: str | None = None):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.ReleaseReservationResponse:
-            released = self.q.release_reservation(request.ticket_id)
+            released = self.q.release_reservation(request.ticket_id, owner)
             self._notify()
             return queue_pb2.ReleaseReservationResponse(released_groups=released)
 
         return await self._call(context, "ReleaseReservation", run)
 
-    async def Put(self, request, context):  # type: ignore[no-untyped-def]
+    async def Put(self, request, context, owner: str | None = None):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.PutResponse:
             if not request.group:
                 raise convert.InvalidGroup("group must be set")
             record = wire.group_record(request.group, self.max_group_bytes)
-            accepted, depth = self.q.put(record, request.ticket_id)
+            if self.q.wal is not None and self.q.wal.broken is not None:
+                # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
+                raise WalWriteError(errno.EIO, self.q.wal.broken)
+            accepted, depth = self.q.put(record, request.ticket_id, owner)
             if accepted:
                 if self.q.wal is not None:
                     await self.q.wal.commit()
@@ -150,6 +207,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def Get(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> bytes:
             consumer_version = request.consumer_version if request.HasField("consumer_version") else None
+            lease_s = _seconds(request.lease_duration, "lease_duration")
+            wait_s = _seconds(request.wait, "wait")
             evicted = 0
 
             def attempt() -> state.GetResult | None:
@@ -159,7 +218,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     request.max_groups,
                     request.min_groups,
                     request.max_tokens,
-                    seconds(request.lease_duration),
+                    lease_s,
                     consumer_version,
                     # the batch must fit the response message (the groups are spliced in as they are)
                     max_bytes=self.config.server.max_message_bytes - wire.RESPONSE_HEAD_BYTES,
@@ -168,10 +227,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 evicted += result.evicted_stale
                 if result.evicted_stale:
                     self.metrics.evicted.labels("stale").inc(result.evicted_stale)
+                if result.quarantined:
+                    self.metrics.evicted.labels("invalid").inc(result.quarantined)
+                if result.evicted_stale or result.quarantined:
                     self._notify()
                 return result if result.lease is not None else None
 
-            result = await self._poll(context, seconds(request.wait), attempt)
+            result = await self._poll(context, wait_s, attempt, _Wants.GROUPS, request.min_groups)
             if result is None:
                 empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.q.trainer_version)
                 return empty.SerializeToString()
@@ -187,6 +249,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def Ack(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.AckResponse:
             n = self.q.ack(request.lease_id)
+            if n and self.q.wal is not None:
+                await self.q.wal.commit()  # durable before the answer: docs/reliability.md says why
             if n:
                 self.metrics.acked_groups.inc(n)
                 self._notify()
@@ -205,7 +269,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def RenewLease(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.RenewLeaseResponse:
-            lease = self.q.renew(request.lease_id, seconds(request.lease_duration))
+            lease = self.q.renew(request.lease_id, _seconds(request.lease_duration, "lease_duration"))
             return queue_pb2.RenewLeaseResponse(lease=convert.lease_to_proto(lease))
 
         return await self._call(context, "RenewLease", run)
@@ -213,6 +277,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def SetTrainerVersion(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.SetTrainerVersionResponse:
             version = self.q.set_trainer_version(request.policy_version, request.rebase)
+            if self.q.wal is not None:
+                # Durable before the answer: a version lost at a power cut would make the queue refuse
+                # the groups of the weights the trainer already published (from the future, to it).
+                await self.q.wal.commit()
             self._notify()
             return queue_pb2.SetTrainerVersionResponse(trainer_version=version)
 
@@ -248,11 +316,24 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 )
                 self._notify()
 
+    async def watch_log(self) -> None:
+        """Ends the service once the log is broken (a failed rollback or fsync): what memory holds may
+        then be ahead of the disk, and only a restart, recovering from the file, is sure of it. The
+        launcher restarts the queue; callers see UNAVAILABLE meanwhile and retry."""
+        wal = self.q.wal
+        while wal is not None:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            if wal.broken is not None:
+                raise RuntimeError(f"the write-ahead log is broken ({wal.broken}): stopping so that a restart recovers it")
+
     async def _maybe_compact(self) -> None:
         if self.q.compaction_due(self.config.wal.compact_min_bytes):
             assert self.q.wal is not None
             await self.q.wal.idle()
-            self.q.compact()
+            try:
+                self.q.compact()
+            except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
+                log.error("compaction failed; the log stays as it is", extra={"error": str(e)})
             self.metrics.observe(self.q.stats())
 
 

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 # Record kinds in the write-ahead log.
 PUT, LEASE, ACK, RELEASE, EVICT, VERSION, RESERVE, UNRESERVE, RENEW, SNAPSHOT = range(1, 11)
 
+MAX_VERSION = 2**53  # policy versions and tau: exact in a double (metrics) and in any JSON reader of the log
+
 
 class QueueError(Exception):
     """A request the queue refuses; the servicer maps the subclass to a gRPC status."""
@@ -63,6 +65,7 @@ class Settings:
     reservation_ttl_s: float = 600.0
     dedup_window: int = 1_000_000  # ids of acked/evicted groups remembered for idempotent Put
     outcome_window: int = 100_000  # lease and ticket outcomes remembered for idempotent Ack/Nack
+    max_lease_s: float = 7 * 86400.0  # longest lease a consumer may ask for (Get, RenewLease)
 
     @property
     def bounded(self) -> bool:
@@ -78,6 +81,8 @@ class GroupRecord:
     accepted_at: float = 0.0
     deliveries: int = 0
     wal_bytes: int = 0
+    newest_version: int = 0  # newest policy version of any token (Put refuses one from the future)
+    checked: bool = False  # validated by this build (groups recovered from a log are checked at Get)
 
     @property
     def size(self) -> int:
@@ -116,6 +121,7 @@ class GetResult:
     lease: Lease | None
     deliveries: list[Delivery]
     evicted_stale: int
+    quarantined: int = 0  # stored groups that no consumer could decode, set aside (``Quarantine``)
 
 
 @dataclass
@@ -141,6 +147,14 @@ class Stats:
     capacity_groups: int
     capacity_bytes: int
     wal_bytes: int
+
+
+MAX_ID_CHARS = 256  # every id a request carries (the contract's bound)
+
+
+def _check_id(value: str, field: str) -> None:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequest(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
 
 
 def _bounded_put(d: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
@@ -179,25 +193,43 @@ class QueueState:
         settings: Settings,
         wal: WriteAheadLog | None = None,
         clock: Callable[[], float] = time.time,
+        validate: Callable[[bytes], str | None] | None = None,
+        quarantine: Callable[[GroupRecord, str], None] | None = None,
     ) -> None:
+        """``validate`` says why a stored payload cannot be delivered (None: it can); groups recovered
+        from the log are checked with it before their first delivery, and ``quarantine`` is given each
+        one that fails (to keep it aside) before it is evicted, so that no consumer is ever blocked by it."""
         self.settings = settings
         self.clock = clock
+        self.validate = validate
+        self.quarantine = quarantine
         self.m = _Memory()
         self.wal: WriteAheadLog | None = None
         if wal is not None:
+            skipped = 0
             for kind, meta, blob, size in wal.replay():
+                if wal.losses and not self._still_applies(kind, meta):
+                    skipped += 1  # it needed a record lost to damage (wal.on_corruption: proceed)
+                    continue
                 self._apply(kind, meta, blob, size)
             log.info(
                 "recovered",
                 extra={"groups": len(self.m.groups), "leases": len(self.m.leases), "version": self.m.trainer_version},
             )
         self.wal = wal
+        if wal is not None and wal.losses:
+            log.error("recovered past damage in the log", extra={"records_needing_lost_ones_skipped": skipped})
+            self.compact()  # the log then holds exactly the recovered state
 
     # -- reading ---------------------------------------------------------------------------
 
     @property
     def trainer_version(self) -> int:
         return self.m.trainer_version
+
+    @property
+    def depth_groups(self) -> int:
+        return len(self.m.pending)
 
     def stats(self) -> Stats:
         m, s = self.m, self.settings
@@ -238,6 +270,8 @@ class QueueState:
         s = self.settings
         if not request_id:
             raise InvalidRequest("request_id must be set (it makes Reserve idempotent)")
+        _check_id(request_id, "request_id")
+        _check_id(producer_id, "producer_id")
         if n_groups < 1:
             raise InvalidRequest("n_groups must be at least 1")
         if s.bounded and n_groups > (s.max_staleness + 1) * s.groups_per_step:
@@ -265,8 +299,13 @@ class QueueState:
         self._log(RESERVE, meta)
         return self._ticket_from_meta(meta)
 
-    def release_reservation(self, ticket_id: str) -> int:
+    def release_reservation(self, ticket_id: str, owner: str | None = None) -> int:
+        """Gives back a ticket's unused room. With ``owner`` (an authenticated client) only that
+        producer's tickets are found: another client's ticket is as unknown as a made-up one."""
+        _check_id(ticket_id, "ticket_id")
         ticket = self.m.tickets.get(ticket_id)
+        if ticket is not None and owner is not None and ticket.producer_id != owner:
+            raise NotFound(f"ticket {ticket_id!r} is unknown")
         if ticket is None:
             if ticket_id in self.m.outcomes:
                 return 0
@@ -274,17 +313,28 @@ class QueueState:
         self._log(UNRESERVE, {"t": ticket_id, "why": "released"})
         return ticket.remaining
 
-    def put(self, group: GroupRecord, ticket_id: str = "") -> tuple[bool, int]:
-        """Accepts ``group``; returns (newly accepted, depth). A known group id is a no-op."""
+    def put(self, group: GroupRecord, ticket_id: str = "", owner: str | None = None) -> tuple[bool, int]:
+        """Accepts ``group``; returns (newly accepted, depth). A known group id is a no-op. With ``owner``
+        (an authenticated client) a ticket of another producer is ignored, as an unknown one is."""
         m, s = self.m, self.settings
+        _check_id(ticket_id, "ticket_id")
         if group.group_id in m.groups or group.group_id in m.done_ids:
             return False, len(m.pending)
+        newest = max(group.behaviour_version, group.newest_version)
+        if newest > m.trainer_version:
+            raise FailedPrecondition(
+                f"group {group.group_id}: a sample claims policy version {newest} (behaviour_version or "
+                f"token_versions), newer than the trainer's version {m.trainer_version}: a group can only "
+                "come from weights the trainer has published"
+            )
         if group.size > s.capacity_bytes:
             raise GroupOverCapacity(
                 f"group {group.group_id} is {group.size} bytes, larger than the queue's capacity of "
                 f"{s.capacity_bytes} bytes: it can never fit"
             )
         ticket = m.tickets.get(ticket_id) if ticket_id else None
+        if ticket is not None and owner is not None and ticket.producer_id != owner:
+            ticket = None
         if ticket is not None and ticket.expires_at <= self.clock():
             ticket = None  # an expired ticket's room was given back; the group comes in untickted
         own_room = 1 if ticket is not None and ticket.remaining > 0 else 0
@@ -307,6 +357,7 @@ class QueueState:
             "d": 0,
         }
         self._log(PUT, meta, group.payload)
+        m.groups[group.group_id].checked = True  # validated on its way in
         return True, len(m.pending)
 
     # -- consumers -------------------------------------------------------------------------
@@ -332,11 +383,14 @@ class QueueState:
             raise InvalidRequest("set max_groups or max_tokens (both are 0)")
         if max_groups and min_groups > max_groups:
             raise InvalidRequest(f"min_groups={min_groups} is larger than max_groups={max_groups}")
-        if lease_s < 0:
-            raise InvalidRequest("lease_duration must not be negative")
+        _check_id(consumer_id, "consumer_id")
+        self._check_lease_s(lease_s)
+        if consumer_version is not None and consumer_version > MAX_VERSION:
+            raise InvalidRequest(f"consumer_version={consumer_version} is above the largest version {MAX_VERSION}")
         self.sweep()
         version = m.trainer_version if consumer_version is None else consumer_version
         stale: list[str] = []
+        invalid: list[tuple[str, str]] = []
         batch: list[str] = []
         tokens = nbytes = 0
         cut_by_bytes = False
@@ -347,6 +401,12 @@ class QueueState:
                 continue
             if max_groups and len(batch) >= max_groups:
                 break
+            if not rec.checked and self.validate is not None:
+                reason = self.validate(rec.payload)
+                if reason is not None:
+                    invalid.append((gid, reason))
+                    continue
+                rec.checked = True
             if max_tokens and batch and tokens + rec.n_tokens > max_tokens:
                 break
             if max_bytes and batch and nbytes + rec.size + overhead_bytes > max_bytes:
@@ -357,10 +417,12 @@ class QueueState:
             nbytes += rec.size + overhead_bytes
         if stale:
             self._log(EVICT, {"gs": stale, "why": "stale"})
+        if invalid:
+            self._quarantine(invalid)
         if not batch or (
             len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))
         ):
-            return GetResult(None, [], len(stale))
+            return GetResult(None, [], len(stale), len(invalid))
         deadline = self.clock() + (lease_s or s.default_lease_s)
         meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": deadline, "c": consumer_id, "cv": version}
         self._log(LEASE, meta)
@@ -369,7 +431,22 @@ class QueueState:
             Delivery(m.groups[g], max(0, version - m.groups[g].behaviour_version), m.groups[g].deliveries - 1)
             for g in batch
         ]
-        return GetResult(lease, deliveries, len(stale))
+        return GetResult(lease, deliveries, len(stale), len(invalid))
+
+    def _quarantine(self, invalid: list[tuple[str, str]]) -> None:
+        """Sets aside stored groups that no consumer can decode, so that they never block a Get again."""
+        for gid, reason in invalid:
+            log.error("a stored group cannot be delivered: quarantined", extra={"group_id": gid, "why": reason})
+            if self.quarantine is not None:
+                self.quarantine(self.m.groups[gid], reason)
+        self._log(EVICT, {"gs": [gid for gid, _ in invalid], "why": "invalid"})
+
+    def _check_lease_s(self, lease_s: float) -> None:
+        if not 0 <= lease_s <= self.settings.max_lease_s:
+            raise InvalidRequest(
+                f"lease_duration={lease_s:g}s must be between 0 (the default of "
+                f"{self.settings.default_lease_s:g}s) and {self.settings.max_lease_s:g}s"
+            )
 
     def _deliverable(self, n: int, version: int) -> bool:
         """Whether at least ``n`` waiting groups are fresh enough for ``version``."""
@@ -382,6 +459,7 @@ class QueueState:
         return False
 
     def ack(self, lease_id: str) -> int:
+        _check_id(lease_id, "lease_id")
         self.sweep()
         lease = self.m.leases.get(lease_id)
         if lease is not None:
@@ -397,6 +475,7 @@ class QueueState:
         raise NotFound(f"lease {lease_id!r} is unknown")
 
     def nack(self, lease_id: str) -> int:
+        _check_id(lease_id, "lease_id")
         self.sweep()
         lease = self.m.leases.get(lease_id)
         if lease is not None:
@@ -410,9 +489,9 @@ class QueueState:
         raise NotFound(f"lease {lease_id!r} is unknown")
 
     def renew(self, lease_id: str, lease_s: float = 0.0) -> Lease:
+        _check_id(lease_id, "lease_id")
+        self._check_lease_s(lease_s)
         self.sweep()
-        if lease_s < 0:
-            raise InvalidRequest("lease_duration must not be negative")
         lease = self.m.leases.get(lease_id)
         if lease is None:
             outcome = self.m.outcomes.get(lease_id)
@@ -423,16 +502,18 @@ class QueueState:
         return lease
 
     def set_trainer_version(self, version: int, rebase: bool = False) -> int:
-        if version < 0:
-            raise InvalidRequest("policy_version must not be negative")
+        if not 0 <= version <= MAX_VERSION:
+            raise InvalidRequest(f"policy_version={version} must be between 0 and {MAX_VERSION}")
         if version > self.m.trainer_version or (rebase and version != self.m.trainer_version):
             self._log(VERSION, {"v": version, "rb": rebase})
         return self.m.trainer_version
 
     def set_max_staleness(self, max_staleness: int) -> int:
         """Changes tau for deliveries and reservations from now on (not logged: config wins on restart)."""
-        if max_staleness < -1:
-            raise InvalidRequest(f"max_staleness={max_staleness} must be -1 (unbounded) or at least 0")
+        if not -1 <= max_staleness <= MAX_VERSION:
+            raise InvalidRequest(
+                f"max_staleness={max_staleness} must be -1 (unbounded) or between 0 and {MAX_VERSION}"
+            )
         self.settings.max_staleness = max_staleness
         return max_staleness
 
@@ -506,6 +587,17 @@ class QueueState:
             "out": dict(m.outcomes),
             "res": dict(m.reservations),
         }
+
+    def _still_applies(self, kind: int, meta: dict[str, Any]) -> bool:
+        """Whether a record recovered after lost ones applies: a lost one may have made what it refers to."""
+        m = self.m
+        if kind in (LEASE, EVICT):
+            return all(g in m.pending for g in meta["gs"])
+        if kind in (ACK, RELEASE, RENEW):
+            return meta["l"] in m.leases
+        if kind == UNRESERVE:
+            return meta["t"] in m.tickets
+        return kind != PUT or meta["g"] not in m.groups
 
     # -- the one place state changes -------------------------------------------------------
 

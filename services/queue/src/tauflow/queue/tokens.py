@@ -5,6 +5,10 @@ a process's environment is readable in /proc and inherited by its children, whil
 mounted secret readable by the queue alone. It is re-read when it changes (checked at most once per
 ``reload_interval_s``), so a client is added or a token rotated without restarting the queue; an edit
 that does not parse is logged and ignored, the tokens in force stay. No grpc here.
+
+No error quotes the file: a YAML error's usual excerpt, or a value in the wrong place (a token where a
+name belongs, names and tokens swapped), would put a token in a log or on a terminal. Errors say the
+file, line and column instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ log = logging.getLogger(__name__)
 
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 1024
+MAX_FILE_BYTES = 1024 * 1024
+MAX_CLIENTS = 10_000
+_STR = "tag:yaml.org,2002:str"
 UNKNOWN_CLIENT = "unknown"  # the metrics' client label for a missing or unknown token: no client may be named so
 
 
@@ -35,32 +43,52 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def _where(source: str, mark: yaml.Mark | None) -> str:
+    return f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else source
+
+
 def parse_tokens(text: str, source: str) -> dict[bytes, str]:
     """``{sha256(token): client name}`` from the file's text."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise TokensError(f"{source} does not parse as `client_name: token` lines: {e}") from e
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise TokensError(f"{source} must hold `client_name: token` lines, not a {type(data).__name__}")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # nodes, not values: each knows its line
+    except yaml.MarkedYAMLError as e:
+        raise TokensError(
+            f"{_where(source, e.problem_mark or e.context_mark)}: does not parse as YAML `client_name: token` lines"
+        ) from None
+    except (yaml.YAMLError, RecursionError):
+        raise TokensError(f"{source} does not parse as YAML") from None
+    if root is None:
+        return {}
+    if not isinstance(root, yaml.MappingNode):
+        raise TokensError(f"{source} must hold `client_name: token` lines, not a YAML {root.id}")
+    if len(root.value) > MAX_CLIENTS:
+        raise TokensError(f"{source} holds {len(root.value)} entries; at most {MAX_CLIENTS}")
     table: dict[bytes, str] = {}
-    for name, token in data.items():
-        if not isinstance(name, str) or not CLIENT_NAME.fullmatch(name) or name == UNKNOWN_CLIENT:
+    lines: dict[str, int] = {}  # client name -> its line
+    token_lines: dict[bytes, int] = {}
+    for key, value in root.value:
+        line = key.start_mark.line + 1
+        name = key.value if isinstance(key, yaml.ScalarNode) and key.tag == _STR else None
+        if name is None or not CLIENT_NAME.fullmatch(name) or name == UNKNOWN_CLIENT:
             raise TokensError(
-                f"{source}: client name {name!r} must be 1-64 letters, digits, '.', '_' or '-' (and not "
-                f"{UNKNOWN_CLIENT!r})"
+                f"{_where(source, key.start_mark)}: a client name must be 1-64 letters, digits, '.', '_' or '-' "
+                f"(and not {UNKNOWN_CLIENT!r})"
             )
-        if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        if name in lines:
+            raise TokensError(f"{source}: lines {lines[name]} and {line} name the same client")
+        token = value.value if isinstance(value, yaml.ScalarNode) and value.tag == _STR else None
+        if (token is None or not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS
+                or any(c.isspace() for c in token)):
             raise TokensError(
-                f"{source}: the token of {name!r} must be a string of at least {MIN_TOKEN_CHARS} characters "
-                "without spaces (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+                f"{_where(source, value.start_mark)}: a token must be a string of {MIN_TOKEN_CHARS} to "
+                f"{MAX_TOKEN_CHARS} characters without spaces "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
             )
         digest = _digest(token)
         if digest in table:
-            raise TokensError(f"{source}: {name!r} and {table[digest]!r} share a token; each client needs its own")
-        table[digest] = name
+            raise TokensError(f"{source}: lines {token_lines[digest]} and {line} share a token; each client "
+                              "needs its own")
+        table[digest], lines[name], token_lines[digest] = name, line, line
     return table
 
 
@@ -96,9 +124,16 @@ class TokenTable:
 
     def _read(self) -> str:
         try:
-            return self.path.read_text()
+            with self.path.open("rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)
         except OSError as e:
             raise TokensError(f"cannot read the tokens file {self.path}: {e.strerror}") from e
+        if len(data) > MAX_FILE_BYTES:
+            raise TokensError(f"the tokens file {self.path} is larger than {MAX_FILE_BYTES} bytes")
+        try:
+            return data.decode()
+        except UnicodeDecodeError as e:
+            raise TokensError(f"the tokens file {self.path} is not UTF-8 text (byte {e.start})") from None
 
     def _maybe_reload(self) -> None:
         now = self.clock()

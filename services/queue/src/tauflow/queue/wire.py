@@ -1,20 +1,25 @@
 """The queue's fast paths over the protobuf wire format.
 
-A group is opaque to the queue once validated, so the queue never decodes it
-into Python objects and never encodes it again:
+A group is opaque to the queue once validated, so the queue never encodes it
+again:
 
 - ``Put`` reads its request through a *view* whose ``group`` field is plain
   bytes (a message field is always length-delimited on the wire, so the view
   is exact) and stores those bytes as received.
-- Validation reads the group through a view whose packed repeated fields are
-  bytes, and checks them with numpy. Anything the view cannot read exactly
-  (an unpacked encoding, a packed field split in two, non-canonical bytes)
-  falls back to the full decode in ``convert.group_to_record``, which also
-  writes the error messages: the fast path only ever accepts.
+- Validation first decodes the group in full (upb, in C: UTF-8 of every
+  string, nested messages, packed varints), so the queue accepts exactly what
+  every consumer can decode (a group that no consumer can read would block
+  training). Then it reads the token arrays through a view whose packed
+  repeated fields are bytes and checks them with numpy. Anything the view
+  cannot read exactly (an unpacked encoding, a packed field split in two,
+  non-canonical bytes) falls back to ``convert.group_to_record`` on the
+  decoded group, which also writes the error messages: the fast path only
+  ever accepts.
 - ``Get`` writes its response by concatenating the stored group bytes with
   the small fields around them.
 
-Per 1 MB group this removes tens of milliseconds of CPU (see bench/README.md).
+Per 1 MB group this removes tens of milliseconds of CPU (see bench/README.md);
+the full decode costs about 2 ms.
 """
 
 from __future__ import annotations
@@ -85,26 +90,22 @@ def _varint_count(raw: bytes) -> int:
 
 
 def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | None:
-    """Validates a serialized Group without decoding it; None means "use the full decode"."""
+    """Checks the token arrays of a serialized Group without decoding them; None means "use the full
+    decode". The checks that do not read token arrays are ``convert.check_structure``'s."""
     if len(raw) > max_group_bytes:
         return None
     try:
         view = GroupView.FromString(raw)
     except Exception:  # noqa: BLE001 - the full decode reports it properly
         return None
-    if view.ByteSize() != len(raw) or not view.group_id or len(view.group_id) > convert.MAX_ID_CHARS:
-        return None
-    if not view.samples:
+    if view.ByteSize() != len(raw) or not view.group_id or not view.samples:
         return None
     behaviour: int | None = None
+    newest = 0
     n_tokens = 0
-    sample_ids: set[str] = set()
     for s in view.samples:
         if any(f.field_number in _PACKED for f in unknown_fields.UnknownFieldSet(s)):
             return None  # an unpacked repeated field: only the full decode reads it right
-        if s.sample_id in sample_ids:
-            return None
-        sample_ids.add(s.sample_id)
         n = _varint_count(s.completion_token_ids)
         n_prompt = _varint_count(s.prompt_token_ids)
         if n == 0 or n_prompt == 0:
@@ -114,7 +115,7 @@ def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | N
             if len(logprobs) != 4 * n:
                 return None
             lp = np.frombuffer(logprobs, dtype="<f4")
-            if not (np.isfinite(lp).all() and (lp <= 1e-3).all()):
+            if not (np.isfinite(lp).all() and (lp <= convert.MAX_LOGPROB).all()):
                 return None
         mask = s.loss_mask
         if mask and (len(mask) != n or _bytes_of(mask).max() > 1):
@@ -127,28 +128,49 @@ def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | N
             oldest = int(v.min())
             if s.behaviour_version and s.behaviour_version != oldest:
                 return None
+            newest = max(newest, int(v.max()))
         else:
             oldest = s.behaviour_version
-        if not np.isfinite(s.reward.score):
-            return None
+            newest = max(newest, oldest)
         behaviour = oldest if behaviour is None else min(behaviour, oldest)
         n_tokens += n_prompt + n
     assert behaviour is not None
-    return state.GroupRecord(view.group_id, raw, behaviour, n_tokens)
+    return state.GroupRecord(view.group_id, raw, behaviour, n_tokens, newest_version=newest)
+
+
+def decode_group(raw: bytes) -> common_pb2.Group:
+    """The full decode of a serialized Group, as every consumer decodes it."""
+    try:
+        return common_pb2.Group.FromString(raw)
+    except Exception as e:  # noqa: BLE001 - upb raises DecodeError; say what it is, not where in Python
+        raise convert.InvalidGroup(
+            "group does not decode as tauflow.api.common.v1.Group (malformed wire bytes, a string that is "
+            "not UTF-8, or a malformed nested message)"
+        ) from e
 
 
 def group_record(raw: bytes, max_group_bytes: int) -> state.GroupRecord:
-    """The stored form of a serialized Group: fast path first, full decode and its errors otherwise."""
+    """The stored form of a serialized Group: accepted only if it decodes in full and validates."""
+    if len(raw) > max_group_bytes:  # before decoding it: an oversized group costs no decode
+        raise convert.GroupTooLarge(f"the group is {len(raw)} bytes, over the limit of {max_group_bytes}")
+    group = decode_group(raw)
     record = group_record_fast(raw, max_group_bytes)
     if record is not None:
+        convert.check_structure(group)
         return record
-    try:
-        group = common_pb2.Group.FromString(raw)
-    except Exception as e:  # noqa: BLE001
-        raise convert.InvalidGroup(f"group does not decode as tauflow.api.common.v1.Group: {e}") from e
     record = convert.group_to_record(group, max_group_bytes)
     record.payload = raw  # keep the producer's bytes: the full decode only validated them
     return record
+
+
+def invalid_reason(raw: bytes, max_group_bytes: int) -> str | None:
+    """Why a stored group could not be delivered (it does not decode or validate); None if it can.
+    Recovery runs it over groups written by an earlier build that validated less."""
+    try:
+        group_record(raw, max_group_bytes)
+    except convert.InvalidGroup as e:
+        return str(e)
+    return None
 
 
 # -- encoding a GetResponse from stored bytes ------------------------------------------------
@@ -182,14 +204,10 @@ def deliverable_group_bytes(max_message_bytes: int) -> int:
     return max_message_bytes - RESPONSE_HEAD_BYTES - DELIVERY_OVERHEAD_BYTES
 
 
-_PRODUCER_FIELD = common_pb2.Group.DESCRIPTOR.fields_by_name["producer_id"].number
-
-
-def with_producer_id(raw: bytes, producer_id: str) -> bytes:
-    """The serialized Group ``raw`` with its producer_id set to ``producer_id``, without decoding it: for a
-    singular field the last occurrence on the wire wins (protobuf's merge rule), so appending the field
-    overrides whatever the producer wrote there."""
-    return b"".join([raw, *_length_delimited(_PRODUCER_FIELD, producer_id.encode())])
+def group_limit(max_group_bytes: int, max_message_bytes: int) -> int:
+    """The largest group Put accepts: a group must fit a Get response on its own, or it could be
+    accepted and never delivered."""
+    return min(max_group_bytes, deliverable_group_bytes(max_message_bytes))
 
 
 _GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].number

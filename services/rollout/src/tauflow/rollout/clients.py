@@ -68,6 +68,10 @@ class GrpcQueue:
         except grpc.aio.AioRpcError as e:
             if _never_fits(e):
                 raise GroupRejected("too_large", f"{request.ByteSize()} bytes: {e.details()}") from None
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # Weights newer than the trainer's version: the trainer was resumed from an older
+                # checkpoint, and this group comes from a line of weights it abandoned.
+                raise GroupRejected("future_version", e.details() or "") from None
             raise
 
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:

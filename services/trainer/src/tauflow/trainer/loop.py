@@ -100,7 +100,9 @@ class TrainerLoop:
 
     async def run(self) -> None:
         try:
-            # The queue re-bases on our version: after a restart from a checkpoint it may be ahead.
+            # The queue re-bases on our version: after a restart from a checkpoint it may be ahead. The
+            # queue learns a version before any engine can generate with it: it refuses groups of
+            # versions it has not heard of (from the future, to it).
             await self.queue.set_version(self.version, rebase=True)
             await self._publish(rebase=True)
             waited_from = time.monotonic()  # since the last step: a wait spans several long polls
@@ -121,6 +123,7 @@ class TrainerLoop:
                     # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
                     self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
                 if result.committed:
+                    await self.queue.set_version(self.version)  # before the weights: see run()'s start
                     published_from = time.monotonic()
                     await self._publish()
                     # Where a step's time goes: waiting for data, training, and the hand-off to the
@@ -141,7 +144,6 @@ class TrainerLoop:
                         self.staleness.pop(min(self.staleness))
                     result.committed_at = time.time()
                     self.history.append(result)
-                    await self.queue.set_version(self.version)
                     if self.on_step is not None:
                         self.on_step(result)
                 self._close_step_span(result)
@@ -245,13 +247,15 @@ class TrainerLoop:
         async with self._lock:
             previous = self.state
             self.state = State.CHECKPOINTING
-            root = directory or self.s.checkpoint_dir
-            info = await asyncio.to_thread(self.backend.save_checkpoint, root)
-            self.last_checkpoint = info
-            held, self._held = self._held, []
-            for lease in held:
-                await self.queue.ack(lease.lease_id)
-            self.state = previous
+            try:  # a failed write (a bad directory, a full disk) leaves the state as it was
+                root = directory or self.s.checkpoint_dir
+                info = await asyncio.to_thread(self.backend.save_checkpoint, root)
+                self.last_checkpoint = info
+                held, self._held = self._held, []
+                for lease in held:
+                    await self.queue.ack(lease.lease_id)
+            finally:
+                self.state = previous
             return info
 
     async def _renew(self, leases: list[HeldLease]) -> None:

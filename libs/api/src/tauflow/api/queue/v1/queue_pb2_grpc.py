@@ -34,6 +34,15 @@ class QueueServiceStub:
     The staleness bound tau (max_staleness) is the queue's one dial: the trainer
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    request_id, producer_id, consumer_id, ticket_id and lease_id at most 256
+    characters; policy versions, consumer_version and max_staleness at most
+    2^53; a Duration must be valid (seconds within +-10,000 years, nanos of the
+    same sign and below 1e9) and not negative; lease_duration at most the
+    queue's max_lease_s (7 days by default); `wait` is capped at the queue's
+    max_wait_s (60 s by default) and by the call's deadline. Groups: see
+    tauflow.api.common.v1.
     """
 
     def __init__(self, channel):
@@ -103,6 +112,15 @@ class QueueServiceServicer:
     The staleness bound tau (max_staleness) is the queue's one dial: the trainer
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    request_id, producer_id, consumer_id, ticket_id and lease_id at most 256
+    characters; policy versions, consumer_version and max_staleness at most
+    2^53; a Duration must be valid (seconds within +-10,000 years, nanos of the
+    same sign and below 1e9) and not negative; lease_duration at most the
+    queue's max_lease_s (7 days by default); `wait` is capped at the queue's
+    max_wait_s (60 s by default) and by the call's deadline. Groups: see
+    tauflow.api.common.v1.
     """
 
     def Reserve(self, request, context):
@@ -135,9 +153,13 @@ class QueueServiceServicer:
         call returns OK. Putting a group id that the queue has already accepted
         returns OK with outcome DUPLICATE and changes nothing.
         Retry class: idempotent (by group_id).
-        Status: INVALID_ARGUMENT when the group is malformed (the message names
-        the field); RESOURCE_EXHAUSTED when the queue is full (groups or bytes) or
-        the group exceeds the per-group byte limit; UNAVAILABLE while draining.
+        Status: INVALID_ARGUMENT when the group is malformed or does not decode in
+        full (the message names the field); FAILED_PRECONDITION when a sample's
+        version is newer than the trainer's version (the group cannot come from
+        published weights); RESOURCE_EXHAUSTED when the queue is full (groups or
+        bytes), its disk is full (the write was rolled back: worth retrying) or the
+        group exceeds the per-group byte limit; UNAVAILABLE while draining or when
+        the write-ahead log cannot be written.
         A RESOURCE_EXHAUSTED status carries a google.rpc.ErrorInfo detail whose
         reason is an ErrorReason name: ERROR_REASON_QUEUE_FULL is worth retrying,
         ERROR_REASON_GROUP_TOO_LARGE never succeeds.
@@ -152,8 +174,11 @@ class QueueServiceServicer:
         delivered. Waits up to `wait` for at least `min_groups` groups.
         Retry class: not idempotent (each call creates a lease; a lost response
         costs only a lease expiry, the groups are then redelivered).
-        Status: INVALID_ARGUMENT when max_groups and max_tokens are both 0 or
-        min_groups > max_groups; OK with no groups when none arrived in time.
+        Status: INVALID_ARGUMENT when max_groups and max_tokens are both 0,
+        min_groups > max_groups, or a bound is exceeded (lease_duration); OK with no
+        groups when none arrived in time. A stored group that does not decode or
+        validate (written by an older build) is never delivered: it is evicted with
+        reason "invalid" and kept aside in the queue's quarantine folder.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -293,6 +318,15 @@ class QueueService:
     The staleness bound tau (max_staleness) is the queue's one dial: the trainer
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    request_id, producer_id, consumer_id, ticket_id and lease_id at most 256
+    characters; policy versions, consumer_version and max_staleness at most
+    2^53; a Duration must be valid (seconds within +-10,000 years, nanos of the
+    same sign and below 1e9) and not negative; lease_duration at most the
+    queue's max_lease_s (7 days by default); `wait` is capped at the queue's
+    max_wait_s (60 s by default) and by the call's deadline. Groups: see
+    tauflow.api.common.v1.
     """
 
     @staticmethod

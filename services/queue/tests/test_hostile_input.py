@@ -1,0 +1,300 @@
+"""What a hostile producer or consumer can send the queue, without a server: Put accepts exactly what a
+full decode accepts, refused requests change nothing, and stored groups no consumer can read are set
+aside instead of blocking every Get (issue #11, defects 1, 6, 8, 9, 10, 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.queue import convert, state, wire
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.quarantine import QuarantineFolder
+from tauflow.queue.servicer import QueueServicer
+from tauflow.queue.wal import WriteAheadLog
+from tests.conftest import make_group
+
+LIMIT = 1 << 22
+
+
+def _reference_accepts(raw: bytes) -> bool:
+    """What every consumer can read: protobuf's full decode, then the contract's validation."""
+    try:
+        group = common_pb2.Group.FromString(raw)
+    except Exception:  # noqa: BLE001
+        return False
+    try:
+        convert.group_to_record(group, LIMIT)
+    except convert.InvalidGroup:
+        return False
+    return True
+
+
+def _put_accepts(raw: bytes) -> bool:
+    try:
+        record = wire.group_record(raw, LIMIT)
+    except convert.InvalidGroup:
+        return False
+    assert record.payload == raw
+    common_pb2.Group.FromString(record.payload)  # what is stored decodes
+    return True
+
+
+def _valid_group(versions: int = 0) -> bytes:
+    g = make_group("g1", version=versions, payload_tokens=6, samples=2)
+    g.samples[0].completion_text = "hello"
+    g.samples[0].metadata["answer"] = "42"
+    g.samples[1].reward.components["format"] = 1.0
+    g.metadata["dataset"] = "addition"
+    g.created_at.seconds = 1_700_000_000
+    return g.SerializeToString()
+
+
+_VALID = [_valid_group(0), _valid_group(3), make_group("other", payload_tokens=40).SerializeToString()]
+
+mutations = st.lists(
+    st.tuples(st.sampled_from(["flip", "set", "insert", "delete"]), st.integers(0, 10_000), st.integers(0, 255)),
+    min_size=1, max_size=4,
+)
+
+
+def _mutate(raw: bytes, ops: list[tuple[str, int, int]]) -> bytes:
+    b = bytearray(raw)
+    for op, at, value in ops:
+        i = at % (len(b) + 1)
+        if op == "insert":
+            b.insert(i, value)
+        elif b and i < len(b):
+            if op == "flip":
+                b[i] ^= 1 << (value % 8)
+            elif op == "set":
+                b[i] = value
+            else:
+                del b[i]
+    return bytes(b)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(st.sampled_from(_VALID), mutations)
+def test_put_accepts_a_mutated_group_exactly_when_protobuf_decodes_and_validation_passes(raw, ops) -> None:  # type: ignore[no-untyped-def]
+    mutated = _mutate(raw, ops)
+    assert _put_accepts(mutated) == _reference_accepts(mutated)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return wire._varint(number << 3 | 2) + wire._varint(len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    "what, extra",
+    [
+        # (each is appended to a valid group: a later occurrence of a field merges into or overrides it)
+        ("invalid UTF-8 in prompt_id", _field(2, b"\xff\xfe")),
+        ("invalid UTF-8 in a sample's completion_text", _field(3, _field(1, b"0") + _field(10, b"\xc3\x28"))),
+        ("invalid UTF-8 in a metadata value", _field(7, _field(1, b"k") + _field(2, b"\xe2\x82"))),
+        ("a malformed trace context", _field(4, b"\x0a\x05ab")),
+        ("malformed reward components", _field(3, _field(1, b"0") + _field(8, _field(2, b"\x0a\x09")))),
+        ("a corrupt packed varint", _field(3, _field(1, b"0") + _field(3, b"\x80\x80"))),
+    ],
+)
+def test_groups_that_no_consumer_can_decode_are_refused(what: str, extra: bytes) -> None:
+    raw = _valid_group() + extra
+    with pytest.raises(Exception):  # noqa: B017 - protobuf's own DecodeError
+        common_pb2.Group.FromString(raw)
+    with pytest.raises(convert.InvalidGroup, match="does not decode"):
+        wire.group_record(raw, LIMIT)
+
+
+def test_bad_numbers_are_invalid_arguments_naming_the_field() -> None:
+    g = make_group("g", payload_tokens=2)
+    g.samples[1].behaviour_logprobs[:] = [math.inf, -math.inf]  # fsum raised here, answered as UNKNOWN
+    with pytest.raises(convert.InvalidGroup, match=r"samples\[1\]\.behaviour_logprobs"):
+        wire.group_record(g.SerializeToString(), LIMIT)
+    g = make_group("g", payload_tokens=2)
+    g.samples[0].reward.components["correct"] = math.nan
+    with pytest.raises(convert.InvalidGroup, match=r"samples\[0\]\.reward\.components\['correct'\] is not finite"):
+        wire.group_record(g.SerializeToString(), LIMIT)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda g: setattr(g, "prompt_id", "p" * 300), "group.prompt_id"),
+        (lambda g: setattr(g, "producer_id", "p" * 300), "group.producer_id"),
+        (lambda g: setattr(g.trace_context, "tracestate", "t" * 600), "group.trace_context.tracestate"),
+        (lambda g: g.metadata.update({f"k{i}": "v" for i in range(65)}), "group.metadata"),
+        (lambda g: g.samples[0].metadata.update({"k" * 300: "v"}), "samples[0].metadata"),
+        (lambda g: setattr(g.samples[1].reward, "message", "m" * 5000), "samples[1].reward.message"),
+        (lambda g: setattr(g.samples[1], "sample_id", "s" * 300), "samples[1].sample_id"),
+    ],
+)
+def test_every_string_and_list_of_a_group_has_a_bound(mutate, field: str) -> None:  # type: ignore[no-untyped-def]
+    g = make_group("g")
+    mutate(g)
+    with pytest.raises(convert.InvalidGroup) as err:
+        wire.group_record(g.SerializeToString(), LIMIT)
+    assert field in str(err.value)
+
+
+def test_a_group_from_the_future_is_refused_and_changes_nothing() -> None:
+    q_ = state.QueueState(state.Settings(max_staleness=1))
+    q_.set_trainer_version(3)
+    future = wire.group_record(make_group("f", version=2**64 - 1).SerializeToString(), LIMIT)
+    with pytest.raises(state.FailedPrecondition, match="newer than the trainer's version 3"):
+        q_.put(future)
+    one_ahead = wire.group_record(make_group("g", version=4).SerializeToString(), LIMIT)
+    with pytest.raises(state.FailedPrecondition):
+        q_.put(one_ahead)
+    assert q_.stats().accepted_groups == 0 and q_.depth_groups == 0
+    mixed = make_group("m", version=3)
+    mixed.samples[0].token_versions[-1] = 9  # its newest token is from the future, its oldest is not
+    with pytest.raises(state.FailedPrecondition):
+        q_.put(wire.group_record(mixed.SerializeToString(), LIMIT))
+    assert q_.put(wire.group_record(make_group("ok", version=3).SerializeToString(), LIMIT))[0]
+
+
+def test_refused_requests_change_no_state(tmp_path: Path) -> None:
+    wal = WriteAheadLog(tmp_path / "q.wal")
+    q_ = state.QueueState(state.Settings(max_staleness=-1, max_lease_s=3600), wal)
+    q_.put(wire.group_record(make_group("a").SerializeToString(), LIMIT))
+    size = wal.size
+    for call in (
+        lambda: q_.get("c", max_groups=1, lease_s=1e11),  # the year-12027 lease
+        lambda: q_.get("c", max_groups=1, lease_s=-1),
+        lambda: q_.get("c" * 300, max_groups=1),
+        lambda: q_.get("c", max_groups=1, consumer_version=2**64 - 1),
+        lambda: q_.reserve("r" * (3 << 20), "p", 1),  # 3 MiB request id
+        lambda: q_.reserve("r", "p" * 300, 1),
+        lambda: q_.set_trainer_version(2**64 - 1),
+        lambda: q_.set_max_staleness(2**62),
+        lambda: q_.release_reservation("t" * 300),
+        lambda: q_.ack("l" * 300),
+    ):
+        with pytest.raises(state.InvalidRequest):
+            call()
+    assert wal.size == size and q_.stats().leased_groups == 0 and q_.stats().reserved_groups == 0
+    assert q_.trainer_version == 0 and q_.settings.max_staleness == -1
+    lease = q_.get("c", max_groups=1, lease_s=3600).lease
+    assert lease is not None
+    with pytest.raises(state.InvalidRequest, match="lease_duration"):
+        q_.renew(lease.lease_id, 3601)
+
+
+# -- groups stored by a build that validated less ----------------------------------------------------
+
+
+def _old_build_log(path: Path) -> list[str]:
+    """A log as an older queue would have left it: good groups with poison ones among them."""
+    wal = WriteAheadLog(path)
+    old = state.QueueState(state.Settings(max_staleness=-1), wal)  # (no validation at all)
+    ids = []
+    for i in range(6):
+        raw = make_group(f"g{i}").SerializeToString()
+        if i in (1, 4):
+            raw += _field(3, _field(1, b"0") + _field(10, b"\xff"))  # a completion_text that is not UTF-8
+        old.put(state.GroupRecord(f"g{i}", raw, 0, 10))
+        ids.append(f"g{i}")
+    wal.close()
+    return ids
+
+
+def test_a_stored_group_no_consumer_can_decode_is_quarantined_not_delivered(tmp_path: Path) -> None:
+    _old_build_log(tmp_path / "q.wal")
+    folder = QuarantineFolder(tmp_path / "quarantine")
+    wal = WriteAheadLog(tmp_path / "q.wal")
+    q_ = state.QueueState(
+        state.Settings(max_staleness=-1), wal, validate=lambda p: wire.invalid_reason(p, LIMIT), quarantine=folder
+    )
+    first = q_.get("c", max_groups=3)
+    assert [d.group.group_id for d in first.deliveries] == ["g0", "g2", "g3"] and first.quarantined == 1
+    for d in first.deliveries:
+        common_pb2.Group.FromString(d.group.payload)
+    second = q_.get("c", max_groups=3)
+    assert [d.group.group_id for d in second.deliveries] == ["g5"] and second.quarantined == 1
+    assert q_.stats().evicted_groups == {"invalid": 2} and q_.depth_groups == 0
+    assert [e["group_id"] for e in folder.entries()] == ["g1", "g4"]
+    kept = folder.path / str(folder.entries()[0]["file"])
+    assert kept.read_bytes().startswith(make_group("g1").SerializeToString())
+    wal.close()
+    # Recorded: after a restart the quarantined groups are gone for good, the leased ones still leased.
+    again = state.QueueState(state.Settings(max_staleness=-1), WriteAheadLog(tmp_path / "q.wal"))
+    assert set(again.m.groups) == {"g0", "g2", "g3", "g5"} and again.stats().leased_groups == 4
+
+
+# -- waiting consumers do not slow producers -----------------------------------------------------------
+
+
+class _Context:
+    def time_remaining(self) -> None:
+        return None
+
+    async def abort(self, code: Any, message: str, trailing_metadata: Any = ()) -> None:
+        raise AssertionError(f"aborted: {code} {message}")
+
+
+async def test_waiting_consumers_are_woken_only_when_they_can_be_served() -> None:
+    config = QueueConfig(max_staleness=-1, max_wait_s=30)
+    q_ = state.QueueState(state.Settings(max_staleness=-1))
+    calls = {"get": 0}
+    real_get = q_.get
+
+    def counting_get(*args: Any, **kwargs: Any) -> state.GetResult:
+        calls["get"] += 1
+        return real_get(*args, **kwargs)
+
+    q_.get = counting_get  # type: ignore[method-assign]
+    from prometheus_client import CollectorRegistry
+
+    servicer = QueueServicer(q_, config, QueueMetrics(CollectorRegistry()))
+    ctx = _Context()
+    wait = q.GetRequest(consumer_id="c", max_groups=1000, min_groups=1000)
+    wait.wait.seconds = 30
+    waiters = [asyncio.create_task(servicer.Get(wait, ctx)) for _ in range(200)]
+    await asyncio.sleep(0.1)
+    assert calls["get"] == 200  # each tried once, then waits
+    for i in range(999):
+        await servicer.Put(wire.PutRequestView(group=make_group(f"g{i}").SerializeToString()), ctx)
+    # 999 groups can serve none of them: before the fix each Put woke all 200 (199,800 scans).
+    assert calls["get"] == 200
+    await servicer.Put(wire.PutRequestView(group=make_group("g999").SerializeToString()), ctx)
+    await asyncio.sleep(0.1)
+    assert calls["get"] == 201  # the 1000th woke exactly the first waiter
+    done = [w for w in waiters if w.done()]
+    assert len(done) == 1 and len(q.GetResponse.FromString(done[0].result()).groups) == 1000
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert not servicer._waiters
+
+
+async def test_a_broken_log_refuses_even_duplicates_and_ends_the_service(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    wal = WriteAheadLog(tmp_path / "q.wal")
+    q_ = state.QueueState(state.Settings(max_staleness=-1), wal)
+    config = QueueConfig(max_staleness=-1, sweep_interval_s=0.01)
+    servicer = QueueServicer(q_, config, QueueMetrics(CollectorRegistry()))
+    aborted: list[Any] = []
+
+    class Ctx(_Context):
+        async def abort(self, code: Any, message: str, trailing_metadata: Any = ()) -> None:
+            aborted.append(code)
+            raise RuntimeError("aborted")
+
+    raw = make_group("g").SerializeToString()
+    await servicer.Put(wire.PutRequestView(group=raw), Ctx())
+    wal.broken = "fsync failed: EIO"  # (as WriteAheadLog sets it)
+    with pytest.raises(RuntimeError, match="aborted"):
+        await servicer.Put(wire.PutRequestView(group=raw), Ctx())  # a retry of an accepted group
+    assert [c.name for c in aborted] == ["UNAVAILABLE"]
+    with pytest.raises(RuntimeError, match="write-ahead log is broken"):
+        await asyncio.wait_for(servicer.watch_log(), 5)
