@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -100,6 +101,59 @@ def test_format_rejects_bad_config_naming_the_key(overrides: dict[str, Any], key
     with pytest.raises(ConfigInvalid) as e:
         Format.validate_config({**Format.default_config, **overrides})
     assert e.value.key == key
+
+
+def _timed(fn: Any, s: SampleInput, **overrides: Any) -> tuple[float, float]:
+    start = time.perf_counter()
+    score = run(fn, s, **overrides)
+    return score, time.perf_counter() - start
+
+
+def test_patterns_that_backtrack_catastrophically_in_python_re_match_in_linear_time() -> None:
+    # Python's re takes minutes on both (the nested quantifier; the default pattern over a completion of
+    # 40,000 '</think><answer>' junctions is quadratic: 13.7 s at 10,000 of them): RE2 never backtracks.
+    fmt = Format()
+    assert _timed(fmt, sample("a" * 40), pattern="(a+)+$")[0] == 1.0
+    score, took = _timed(fmt, sample("a" * 40 + "b"), pattern="(a+)+$", mode="search")
+    assert score == 0.0 and took < 0.05
+    score, took = _timed(fmt, sample("<think></think><answer>" * 40_000))
+    assert score == 0.0 and took < 0.5
+    em = ExactMatch()
+    score, took = _timed(em, sample("a" * 5000 + "!", "x"), extract_pattern="(a|aa)+$")
+    assert score == 0.0 and took < 0.5
+
+
+@pytest.mark.parametrize(
+    ("fn", "overrides", "key", "message"),
+    [
+        (Format, {"pattern": r"(a)\1"}, "pattern", "RE2 syntax"),  # a backreference
+        (Format, {"pattern": r"(?=a)"}, "pattern", "RE2 syntax"),  # look-ahead
+        (Format, {"pattern": "x" * 2049}, "pattern", "at most 2048 characters"),
+        (Format, {"pattern": r"(x|y|\pL){1000}"}, "pattern", "pattern too large"),  # over RE2's memory budget
+        (Format, {"match_score": float("nan")}, "match_score", "finite number"),
+        (Format, {"flags": ["DOTALL"] * 5}, "flags", "at most 4 items"),
+        (ExactMatch, {"extract_pattern": r"(\w+)\1"}, "extract_pattern", "RE2 syntax"),
+        (ExactMatch, {"correct_score": float("inf")}, "correct_score", "finite number"),
+        (ExactMatch, {"answer_key": "k" * 257}, "answer_key", "at most 256 characters"),
+        (Math, {"incorrect_score": float("-inf")}, "incorrect_score", "finite number"),
+        (Math, {"boxed_match_priority": 1e300}, "boxed_match_priority", ""),
+    ],
+)
+def test_configs_refuse_unsafe_patterns_non_finite_scores_and_oversized_values(
+    fn: Any, overrides: dict[str, Any], key: str, message: str
+) -> None:
+    with pytest.raises(ConfigInvalid) as e:
+        fn.validate_config({**fn.default_config, **overrides})
+    assert e.value.key == key and message in e.value.problem
+
+
+def test_format_flags_map_to_re2_options() -> None:
+    fmt = Format()
+    assert run(fmt, sample("a\nb"), pattern="a.b") == 1.0  # DOTALL, the default
+    assert run(fmt, sample("a\nb"), pattern="a.b", flags=[]) == 0.0
+    assert run(fmt, sample("x\nanswer: 4"), pattern=r"^answer: \d$", mode="search", flags=["MULTILINE"]) == 1.0
+    assert run(fmt, sample("x\nanswer: 4"), pattern=r"^answer: \d$", mode="search", flags=[]) == 0.0
+    assert run(fmt, sample("Ünïcode"), pattern=r"\pL+", flags=["ASCII"]) == 1.0  # \pL: Unicode letters
 
 
 # -- math ---------------------------------------------------------------------------------------

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import re
+from typing import Any
+
+import pytest
+from google.protobuf import duration_pb2, struct_pb2
+
 from tauflow.api.common.v1 import common_pb2
 from tauflow.reward import convert
-from tauflow.reward.config import RewardConfig
+from tauflow.reward.config import LimitsConfig, RewardConfig
+from tauflow.reward.errors import InvalidRequest
+from tauflow.reward.metrics import field_label
 from tauflow.reward.registry import build_registry
 from tauflow.reward.runner import SampleResult, Status
 
@@ -43,3 +52,145 @@ def test_response_keeps_order_status_components_message_and_duration() -> None:
     assert (sr.reward.score, sr.reward.status, sr.reward.message) == (-1.0, common_pb2.REWARD_STATUS_TIMEOUT, "too slow")
     assert dict(sr.reward.components) == {"x": 0.5}
     assert (sr.duration.seconds, sr.duration.nanos) == (1, 250_000_000)
+
+
+# -- bounds and refusals (issue #11: every string and list bounded, bad input named) ------------------------
+
+LIMITS = LimitsConfig(max_id_chars=8, max_text_chars=16, max_map_entries=2, max_tokens_per_sample=4,
+                      max_config_bytes=64)
+
+
+def _with(**edit: Any) -> list[common_pb2.Group]:
+    """request_groups() with one field of the group (``group__*``) or of its sample (``sample__*``) replaced."""
+    groups = request_groups()
+    for key, value in edit.items():
+        where, _, name = key.partition("__")
+        target = groups[0] if where == "group" else groups[0].samples[0]
+        path = name.split("__")
+        for part in path[:-1]:
+            target = getattr(target, part)
+        field = getattr(target, path[-1])
+        if isinstance(value, dict):
+            field.update(value)
+        elif isinstance(value, list):
+            field.extend(value)
+        else:
+            setattr(target, path[-1], value)
+    return groups
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "key"),
+    [
+        ({"group__group_id": "g" * 9}, "groups[0].group_id", "max_id_chars"),
+        ({"group__prompt_id": "p" * 9}, "groups[0].prompt_id", "max_id_chars"),
+        ({"group__producer_id": "p" * 9}, "groups[0].producer_id", "max_id_chars"),
+        ({"group__metadata": {"a": "1", "b": "2"}}, "groups[0].metadata", "max_map_entries"),  # 3 entries
+        ({"group__metadata": {"k" * 9: "1"}}, "groups[0].metadata['kkkkkkkkk']", "max_id_chars"),
+        ({"group__metadata": {"answer": "4" * 17}}, "groups[0].metadata['answer']", "max_text_chars"),
+        ({"sample__sample_id": "s" * 9}, "groups[0].samples[0].sample_id", "max_id_chars"),
+        ({"sample__completion_text": "x" * 17}, "groups[0].samples[0].completion_text", "max_text_chars"),
+        ({"sample__metadata": {"v": "x" * 17}}, "groups[0].samples[0].metadata['v']", "max_text_chars"),
+        ({"sample__prompt_token_ids": [1, 2, 3]}, "groups[0].samples[0].prompt_token_ids", "max_tokens_per_sample"),
+        ({"sample__completion_token_ids": [1] * 4}, "groups[0].samples[0].completion_token_ids",
+         "max_tokens_per_sample"),
+        ({"sample__behaviour_logprobs": [0.0] * 5}, "groups[0].samples[0].behaviour_logprobs",
+         "max_tokens_per_sample"),
+        ({"sample__token_versions": [0] * 5}, "groups[0].samples[0].token_versions", "max_tokens_per_sample"),
+        ({"sample__loss_mask": [True] * 5}, "groups[0].samples[0].loss_mask", "max_tokens_per_sample"),
+        ({"sample__reward__components": {"a": 1.0, "b": 2.0, "c": 3.0}}, "groups[0].samples[0].reward.components",
+         "max_map_entries"),
+    ],
+)
+def test_every_string_and_list_of_a_group_is_bounded(edit: dict[str, Any], field: str, key: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        convert.groups_from_proto(_with(**edit), uses_token_ids=False, limits=LIMITS)
+    assert e.value.field == field and f"(limits.{key})" in str(e.value) and str(e.value).startswith(field + ": ")
+    convert.groups_from_proto(request_groups(), uses_token_ids=False, limits=LIMITS)  # the unedited groups pass
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda g: setattr(g.trace_context, "traceparent", "0" * 129), "groups[0].trace_context.traceparent"),
+        (lambda g: setattr(g.trace_context, "tracestate", "k=" + "v" * 511), "groups[0].trace_context.tracestate"),
+        (lambda g: setattr(g.samples[0].reward, "message", "m" * 4097), "groups[0].samples[0].reward.message"),
+        (lambda g: g.samples.extend([common_pb2.Sample(sample_id=str(i)) for i in range(4096)]), "groups[0].samples"),
+    ],
+)
+def test_the_bounds_common_proto_fixes_for_every_group(edit: Any, field: str) -> None:
+    groups = request_groups()
+    edit(groups[0])
+    with pytest.raises(InvalidRequest) as e:
+        convert.groups_from_proto(groups, uses_token_ids=False)
+    assert e.value.field == field and "over the limit of" in str(e.value)
+
+
+def test_a_refusal_quotes_a_hostile_name_cut_short() -> None:
+    groups = request_groups() * 2
+    groups[0].group_id = groups[1].group_id = "g" * 200
+    with pytest.raises(InvalidRequest) as e:
+        convert.groups_from_proto(groups, uses_token_ids=False)
+    assert e.value.field == "groups[1].group_id" and len(str(e.value)) < 200 and "(200 characters)" in str(e.value)
+
+
+def _struct(**values: Any) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(values)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"correct_score": math.nan}, "config.correct_score"),
+        ({"x": math.inf}, "config.x"),
+        ({"nested": {"deep": [1.0, -math.inf]}}, "config.nested.deep[1]"),
+    ],
+)
+def test_config_refuses_nan_and_infinities_naming_the_key(values: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        convert.config_from_proto(_struct(**values), max_bytes=1024)
+    assert e.value.field == field and "not a finite number" in str(e.value)
+
+
+def test_config_is_bounded_and_read_as_plain_values() -> None:
+    with pytest.raises(InvalidRequest, match=r"^config: 115 bytes, over .* \(limits.max_config_bytes\)"):
+        convert.config_from_proto(_struct(pattern="x" * 100), max_bytes=64)
+    config = _struct(a=1.0, b="s", c=True, d=None, e=[1.0, "x"], f={"g": False})
+    config.fields["unset"].CopyFrom(struct_pb2.Value())
+    assert convert.config_from_proto(config, max_bytes=1024) == {
+        "a": 1.0, "b": "s", "c": True, "d": None, "e": [1.0, "x"], "f": {"g": False}, "unset": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nanos", "message"),
+    [
+        (0, 0, "sample_timeout: must be positive"),
+        (1, -1, "sample_timeout: must be positive"),
+        (0, 1_000_000_000, "sample_timeout.nanos: 1000000000 is outside"),
+        (-5, 0, "sample_timeout: must be positive"),
+        (2**40, 0, "sample_timeout: 1.09951e+12 s is over this service's limit of 600 s"),
+    ],
+)
+def test_sample_timeout_is_a_positive_bounded_duration(seconds: int, nanos: int, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        convert.sample_timeout_s(duration_pb2.Duration(seconds=seconds, nanos=nanos), 600.0)
+    assert convert.sample_timeout_s(duration_pb2.Duration(seconds=1, nanos=500_000_000), 600.0) == 1.5
+
+
+@pytest.mark.parametrize(
+    ("field", "label"),
+    [
+        ("groups[3].samples[0].completion_text", "groups.samples.completion_text"),
+        ("groups[0].metadata['a.b[1]']", "groups.metadata"),
+        ("groups[0].samples[2].reward.components['x']", "groups.samples.reward.components"),
+        ("config.anything_a_client_sends", "config"),
+        ("config", "config"),
+        ("sample_timeout.nanos", "sample_timeout.nanos"),
+        ("request", "request"),
+    ],
+)
+def test_metric_labels_name_the_field_not_the_clients_values(field: str, label: str) -> None:
+    assert field_label(field) == label

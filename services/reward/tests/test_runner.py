@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from tauflow.reward import worker
 from tauflow.reward.api import GroupInput, SampleInput
-from tauflow.reward.config import Executor, PoolConfig
+from tauflow.reward.config import Executor, PoolConfig, RewardConfig
 from tauflow.reward.errors import DeadlineExceeded
-from tauflow.reward.registry import Registry, RewardFunction
+from tauflow.reward.registry import Registry, RewardFunction, build_registry
 from tauflow.reward.runner import Scorer, Status
 from tauflow.reward.worker import load_object
 
@@ -32,6 +34,10 @@ FUNCTIONS = textwrap.dedent(
             os._exit(3)
         if text.startswith("sleep"):
             time.sleep(float(text.split()[1]))
+        if text.startswith("spin"):  # pure Python, holding the GIL but for the interpreter's switches
+            end = time.monotonic() + float(text.split()[1])
+            while time.monotonic() < end:
+                pass
         return float(len(text))
 
     picky.fallback_score = -1.0
@@ -139,3 +145,68 @@ def test_a_passed_deadline_cancels_the_work(env: tuple[Scorer, Registry]) -> Non
         score(scorer, reg.get("picky"), groups(["sleep 3", "a"]), timeout_s=10, deadline_s=0.3)
     (r,), = score(scorer, reg.get("picky"), groups(["abcd"]))  # still serving
     assert r.score == 4.0
+
+
+async def _ticks_while(work, every_s: float = 0.01) -> tuple[object, list[float]]:  # type: ignore[no-untyped-def]
+    """Runs ``work`` while a task on the same event loop records the gaps between its wake-ups."""
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while not done:
+            await asyncio.sleep(every_s)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        result = await work
+    finally:
+        done = True
+        await ticker
+    return result, gaps
+
+
+def test_inline_functions_run_off_the_event_loop(env: tuple[Scorer, Registry]) -> None:
+    scorer, reg = env
+    fn = reg.get("inline_picky")
+    (results,), gaps = asyncio.run(_ticks_while(scorer.score(fn, groups(["spin 0.4", "spin 0.4", "ab"]), {}, 1.0)))
+    assert [r.score for r in results] == [8.0, 8.0, 2.0]
+    # 0.8 s of pure-Python work, and the loop still woke up every ~10 ms (on the loop: one gap of 0.8 s)
+    assert len(gaps) > 20 and max(gaps) < 0.2, gaps
+
+
+def test_an_inline_call_past_its_deadline_is_refused_and_stops_between_samples(env: tuple[Scorer, Registry]) -> None:
+    scorer, reg = env
+    fn = reg.get("inline_picky")
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="deadline passed after 0.3 s"):
+        score(scorer, fn, groups(["spin 0.5"] * 10), deadline_s=0.3)
+    assert time.monotonic() - start < 1.0
+    time.sleep(0.4)  # the sample in progress ends; the thread sees the stop and scores no more
+    assert not [t for t in threading.enumerate() if t.name == "inline-inline_picky"]
+
+
+def test_a_request_pattern_moves_an_inline_builtin_into_the_pool() -> None:
+    reg = build_registry(RewardConfig(load_entry_points=False))
+    fmt, em, math = reg.get("format"), reg.get("exact_match"), reg.get("math")
+    assert fmt.executor_for({}) is Executor.INLINE and fmt.executor_for({"mode": "search"}) is Executor.INLINE
+    assert fmt.executor_for({"pattern": "x"}) is Executor.PROCESS
+    assert em.executor_for({"extract_pattern": "(x)"}) is Executor.PROCESS
+    assert math.executor_for({}) is Executor.PROCESS
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        ({"score": 1.0, "components": {"x": float("nan")}}, "non-finite component 'x'"),
+        ({"score": 1.0, "components": {f"c{i}": 1.0 for i in range(65)}}, "65 components"),
+        ({"score": 1.0, "components": {"": 1.0}}, "component name of 0 characters"),
+        ({"score": float("inf")}, "non-finite score"),
+    ],
+)
+def test_non_finite_or_oversized_results_are_errors(result: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        worker.to_score(result)

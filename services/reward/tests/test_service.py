@@ -8,10 +8,12 @@ A tiny distribution (a module plus a ``.dist-info`` whose ``entry_points.txt`` d
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import grpc
 import pytest
@@ -252,6 +254,15 @@ def _config(**kw: object) -> struct_pb2.Struct:
         ({"sample_timeout": duration_pb2.Duration(seconds=-1)}, "INVALID_ARGUMENT", "sample_timeout: must be positive"),
         ({"sample_timeout": duration_pb2.Duration(seconds=3600)}, "INVALID_ARGUMENT", "max_sample_timeout_s"),
         ({"groups": [group(f"g{i}", *["x"] * 8) for i in range(76)]}, "RESOURCE_EXHAUSTED", "608 samples"),
+        ({"config": _config(correct_score=float("nan"))}, "INVALID_ARGUMENT",
+         "config.correct_score: nan is not a finite number"),
+        ({"reward_fn": "format", "config": _config(pattern=r"(\w)\1")}, "INVALID_ARGUMENT",
+         "config.pattern: not a valid regular expression (RE2 syntax"),
+        ({"reward_fn": "f" * 300}, "INVALID_ARGUMENT", "reward_fn: 300 characters, over this service's limit of 256"),
+        ({"groups": [group("a", "x" * (1 << 20 + 1))]}, "INVALID_ARGUMENT",
+         "groups[0].samples[0].completion_text: 2097152 characters"),
+        ({"sample_timeout": duration_pb2.Duration(seconds=1, nanos=-5)}, "INVALID_ARGUMENT",
+         "sample_timeout: must be positive"),
     ],
 )
 def test_bad_requests_get_a_status_naming_the_field(
@@ -262,6 +273,33 @@ def test_bad_requests_get_a_status_naming_the_field(
         stub.Score(req)
     assert e.value.code() == getattr(grpc.StatusCode, code)
     assert message in e.value.details()
+
+
+def test_bytes_that_are_no_request_are_invalid_argument_and_counted(
+    stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess
+) -> None:
+    channel = grpc.insecure_channel(service.address)
+    before = metric(service, "tauflow_reward_invalid_requests_total", field="request", method="Score")
+    for method, raw in [("Score", b"\x0a\xff"), ("Score", b"\x12\x02\xff\xfe"), ("ListRewardFunctions", b"\x0b")]:
+        call = channel.unary_unary(f"/tauflow.api.reward.v1.RewardService/{method}")
+        with pytest.raises(grpc.RpcError) as e:
+            call(raw, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert e.value.details().startswith(f"request: not a valid tauflow.api.reward.v1.{method}Request: ")
+    # corrupt wire format; a string that is not UTF-8 (protobuf refuses it, gRPC would say UNKNOWN)
+    assert metric(service, "tauflow_reward_invalid_requests_total", field="request", method="Score") == before + 2
+    channel.close()
+
+
+def test_refusals_are_counted_by_field(stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess) -> None:
+    labels = {"field": "groups.samples.sample_id", "method": "Score"}
+    before = metric(service, "tauflow_reward_invalid_requests_total", **labels)
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError):
+            stub.Score(reward_pb2.ScoreRequest(groups=[
+                group("a", "x", "y", answer="x"), common_pb2.Group(samples=[common_pb2.Sample(sample_id="s" * 257)])
+            ]))
+    assert metric(service, "tauflow_reward_invalid_requests_total", **labels) == before + 2
 
 
 def test_a_missing_reference_is_a_per_sample_error(stub: reward_pb2_grpc.RewardServiceStub) -> None:
@@ -299,9 +337,15 @@ def test_workers_end_when_the_service_is_killed_even_inside_a_function_that_neve
         with pytest.raises(grpc.RpcError):
             stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("h", "hang")],
                                                sample_timeout=duration_pb2.Duration(seconds=30)), timeout=0.5)
-        pool = _pool_processes(str(site))
-        workers = {pid for pid, parent in pool.items() if parent in pool}
-        assert len(workers) == 2, pool  # pool.workers: 2, children of the fork server
+        # pool.workers: 2, children of the fork server (the cancelled task's worker is being replaced: wait)
+        deadline = time.monotonic() + 10
+        while True:
+            pool = _pool_processes(str(site))
+            workers = {pid for pid, parent in pool.items() if parent in pool}
+            if len(workers) == 2:
+                break
+            assert time.monotonic() < deadline, pool
+            time.sleep(0.05)
     finally:
         service.stop()  # SIGKILL: no drain, no pool shutdown
     deadline = time.monotonic() + 10
@@ -310,3 +354,102 @@ def test_workers_end_when_the_service_is_killed_even_inside_a_function_that_neve
         time.sleep(0.1)
     for pid in _pool_processes(str(site)):  # the idle fork server (it starts no more workers)
         os.kill(pid, signal.SIGKILL)
+
+
+class HealthWatch:
+    """Checks health every 50 ms on its own channel, in a thread; ``worst_s`` is the slowest answer, and a
+    check that did not answer SERVING within 1 s is kept in ``failures``."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = health_pb2_grpc.HealthStub(self.channel)
+        self.worst_s, self.checks, self.failures = 0.0, 0, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            start = time.monotonic()
+            try:
+                status = self.stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status != health_pb2.HealthCheckResponse.SERVING:
+                    self.failures.append(status)
+            except grpc.RpcError as e:
+                self.failures.append(e.code())
+            self.checks += 1
+            self.worst_s = max(self.worst_s, time.monotonic() - start)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.channel.close()
+
+
+def _random_text(chars: str, n: int) -> str:
+    import random
+
+    rng = random.Random(0)
+    return "".join(rng.choice(chars) for _ in range(n))
+
+
+# RE2 never backtracks, but its cost is linear in the text times the pattern's program: this one, over
+# 512 KiB of random a/b, takes RE2 about 7 s (the DFA gives up, the NFA tracks 2,000 states per byte).
+SLOW_FOR_RE2 = r"(?:[ab]*a[ab]{999}c|[ab]*b[ab]{999}c)"
+
+
+def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Issue #11, defect 5: `(a+)+$` on 40 "a"s hung the event loop (Python's re, inline): health checks
+    timed out and SIGTERM was ignored."""
+    import signal
+
+    service = ServiceProcess(
+        "reward", tmp_path_factory.mktemp("hostile"),
+        {"pool.workers": 2, "pool.preload": "[]", "server.drain_grace_s": 1, "load_entry_points": "false"},
+    ).start()
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
+        with HealthWatch(service.address) as health:
+            start = time.monotonic()
+            resp = stub.Score(reward_pb2.ScoreRequest(
+                reward_fn="format", config=_config(pattern="(a+)+$"), groups=[group("a", "a" * 40, "a" * 40 + "b")]
+            ), timeout=10)
+            assert time.monotonic() - start < 1.0  # format's timeout: 1 s
+            assert [(s.reward.status, s.reward.score) for s in resp.groups[0].samples] == [(OK, 1.0), (OK, 0.0)]
+            # A pattern whose work is large even for RE2: stopped at format's 1 s timeout, in the pool.
+            start = time.monotonic()
+            resp = stub.Score(reward_pb2.ScoreRequest(
+                reward_fn="format", config=_config(pattern=SLOW_FOR_RE2, mode="search"),
+                groups=[group("b", _random_text("ab", 1 << 19), "ab")],
+            ), timeout=10)
+            took = time.monotonic() - start
+            slow, fast = resp.groups[0].samples
+            assert slow.reward.status == TIMEOUT and "within 1 s" in slow.reward.message
+            assert (fast.reward.status, fast.reward.score) == (OK, 0.0) and took < 3.0
+            # The default pattern over a completion that makes Python's re quadratic (minutes): inline, fast.
+            start = time.monotonic()
+            resp = stub.Score(reward_pb2.ScoreRequest(
+                reward_fn="format", groups=[group("c", "<think></think><answer>" * 40_000)]
+            ), timeout=10)
+            assert resp.groups[0].samples[0].reward.status == OK and time.monotonic() - start < 1.0
+        assert health.checks >= 10 and not health.failures and health.worst_s < 0.5, vars(health)
+
+        # SIGTERM while a hostile pattern runs (its timeout raised to 60 s): the process drains for
+        # server.drain_grace_s (1 s), stops its pool and exits.
+        pending = stub.Score.future(reward_pb2.ScoreRequest(
+            reward_fn="format", config=_config(pattern=SLOW_FOR_RE2, mode="search"),
+            groups=[group("d", _random_text("ab", 1 << 20))], sample_timeout=duration_pb2.Duration(seconds=60),
+        ), timeout=30)
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert service.kill(signal.SIGTERM, timeout_s=10) == 0
+        assert time.monotonic() - start < 5.0
+        with pytest.raises(grpc.RpcError):
+            pending.result()
+    finally:
+        service.stop()

@@ -49,6 +49,19 @@ class PoolConfig(StrictModel):
     )
 
 
+class LimitsConfig(StrictModel):
+    """Bounds of a Score request's fields (every string and list; see the README's table). A request over
+    one is refused with INVALID_ARGUMENT naming the field and the key."""
+
+    max_id_chars: int = Field(256, ge=1, description="group_id, prompt_id, producer_id, sample_id, reward_fn, "
+                              "metadata and component keys")
+    max_text_chars: int = Field(1 << 20, ge=1, description="completion_text and metadata values")
+    max_map_entries: int = Field(64, ge=0, description="entries of each metadata map and of reward.components")
+    max_tokens_per_sample: int = Field(1 << 20, ge=0, description="each per-token list of a sample (token ids, "
+                                       "log-probs, versions, loss mask)")
+    max_config_bytes: int = Field(64 * 1024, ge=0, description="ScoreRequest.config, serialized")
+
+
 class RewardConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50053)
     metrics: MetricsConfig = MetricsConfig(port=9463)
@@ -60,5 +73,6 @@ class RewardConfig(ServiceConfig):
     max_sample_timeout_s: float = Field(600.0, gt=0, description="largest ScoreRequest.sample_timeout accepted")
     max_samples_per_request: int = Field(65_536, ge=1, description="more samples in one Score: RESOURCE_EXHAUSTED")
     max_concurrent_requests: int = Field(64, ge=1, description="more Score calls in flight: RESOURCE_EXHAUSTED")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     functions: dict[str, FunctionSettings] = Field(default_factory=dict)

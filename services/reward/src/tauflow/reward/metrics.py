@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter as Tally
 from collections.abc import Iterable, Sequence
 
@@ -42,11 +43,20 @@ class RewardMetrics:
             "tauflow_reward_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
             registry=registry,
         )
+        self.invalid_requests = Counter(
+            "tauflow_reward_invalid_requests",
+            "Requests refused with INVALID_ARGUMENT, by method and the field at fault (its path without indices "
+            "or keys, e.g. groups.samples.completion_text; config for any key of ScoreRequest.config)",
+            ["method", "field"], registry=registry,
+        )
         self.inflight = Gauge("tauflow_reward_inflight_requests", "Score calls in progress", registry=registry)
         self.pool_workers = Gauge(
             "tauflow_reward_pool_workers", "Worker processes of the pool that runs process functions",
             registry=registry,
         )
+
+    def count_invalid(self, method: str, field: str) -> None:
+        self.invalid_requests.labels(method, field_label(field)).inc()
 
     def observe(self, fn: str, results: Iterable[Sequence[SampleResult]]) -> None:
         statuses: Tally[Status] = Tally()
@@ -65,3 +75,16 @@ class RewardMetrics:
             self.scored_samples.labels(fn, status.value).inc(n)
         for reason, n in reasons.items():
             self.failures.labels(fn, reason).inc(n)
+
+
+_INDEX = re.compile(r"\[\d+\]")
+_SCHEMA_PATH = re.compile(r"[a-z_.]*")
+
+
+def field_label(field: str) -> str:
+    """``groups[3].samples[0].metadata['k']`` → ``groups.samples.metadata``: no index, map key or config key
+    (a client's choice), so that the label takes only as many values as the contract has fields."""
+    if field == "config" or field.startswith(("config.", "config[")):
+        return "config"
+    match = _SCHEMA_PATH.match(_INDEX.sub("", field))
+    return (match.group(0) if match else "").strip(".") or "request"

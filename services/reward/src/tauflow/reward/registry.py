@@ -18,7 +18,7 @@ from typing import Any
 from tauflow.reward import builtins, worker
 from tauflow.reward.api import ENTRY_POINT_GROUP
 from tauflow.reward.config import Executor, FunctionSettings, RewardConfig
-from tauflow.reward.errors import InvalidRequest, NotFound
+from tauflow.reward.errors import InvalidRequest, NotFound, cut, shown
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class RewardFunction:
     uses_token_ids: bool
     executor: Executor
     source: str
+    isolated_keys: frozenset[str] = frozenset()
     validate: Callable[[dict[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
 
     def resolve_config(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -54,7 +55,8 @@ class RewardFunction:
         if unknown:
             keys = ", ".join(sorted(self.default_config)) or "none"
             raise InvalidRequest(
-                f"config.{unknown[0]}: unknown key for reward function {self.name!r} (its keys: {keys})"
+                f"config.{cut(unknown[0])}",
+                f"unknown key for reward function {self.name!r} (its keys: {keys})",
             )
         merged = {**self.default_config, **overrides}
         if self.validate is None:
@@ -62,11 +64,19 @@ class RewardFunction:
         try:
             result = self.validate(merged)
         except builtins.ConfigInvalid as e:
-            raise InvalidRequest(f"config.{e.key}: {str(e).partition(': ')[2] or e} "
-                                 f"(reward function {self.name!r})") from None
+            raise InvalidRequest(
+                f"config.{e.key}" if e.key else "config", f"{e.problem} (reward function {self.name!r})"
+            ) from None
         except (ValueError, TypeError) as e:
-            raise InvalidRequest(f"config: {e} (reward function {self.name!r})") from None
+            raise InvalidRequest("config", f"{str(e)[:500]} (reward function {self.name!r})") from None
         return merged if result is None else dict(result)
+
+    def executor_for(self, overrides: Mapping[str, Any]) -> Executor:
+        """Where a call with these request ``overrides`` runs: in the pool when the request sets one of the
+        function's ``isolated_keys`` (e.g. a regular expression), whose work only a killable process bounds."""
+        if self.executor is Executor.INLINE and not self.isolated_keys.isdisjoint(overrides):
+            return Executor.PROCESS
+        return self.executor
 
 
 def _first_line(doc: str | None) -> str:
@@ -107,6 +117,7 @@ def describe(
         uses_token_ids=bool(getattr(obj, "uses_token_ids", False)),
         executor=executor,
         source=source,
+        isolated_keys=frozenset(getattr(obj, "isolated_keys", None) or ()),
         validate=validate if callable(validate) else None,
     )
 
@@ -155,13 +166,13 @@ class Registry:
     def get(self, name: str) -> RewardFunction:
         if not name:
             if not self.default_name:
-                raise InvalidRequest("reward_fn: empty, and this service has no default_reward_fn")
+                raise InvalidRequest("reward_fn", "empty, and this service has no default_reward_fn")
             name = self.default_name
         fn = self._fns.get(name)
         if fn is None:
             known = ", ".join(sorted(self._fns)) or "none"
             why = f" (it failed to load: {self.load_errors[name]})" if name in self.load_errors else ""
-            raise NotFound(f"reward_fn {name!r} is not a registered reward function{why}; registered: {known}")
+            raise NotFound(f"reward_fn {shown(name)} is not a registered reward function{why}; registered: {known}")
         return fn
 
     def __contains__(self, name: object) -> bool:

@@ -1,8 +1,10 @@
 """Runs a reward function over groups: inline, or in a pool of worker processes that can be killed.
 
-Inline functions are called on the event loop, one after another: no hop, no pickling, which is what
-cheap built-ins want (``exact_match`` and ``format``); their timeout is not enforced, since a thread
-cannot be interrupted. Process functions run in a ``pebble.ProcessPool``: one task per sample (or per
+Inline functions are called in the service process, one sample after another, on a thread of their own
+per call: no pickling, which is what cheap built-ins want (``exact_match`` and ``format``), and never on
+the event loop, so that a large request or a slow sample cannot hold up other calls, health checks or
+SIGTERM. Their timeout is not enforced (a thread cannot be interrupted); the caller's deadline stops the
+call between samples. Process functions run in a ``pebble.ProcessPool``: one task per sample (or per
 group, for group-level functions) with the per-sample timeout, measured from the moment a worker
 starts the task. A task that runs past it is stopped by terminating its worker process, which the pool
 replaces; a worker that dies (a segfault, ``os._exit``) fails only its own task. Either way the sample
@@ -16,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -115,19 +118,69 @@ class Scorer:
         config: dict[str, Any],
         timeout_s: float,
         deadline_s: float | None = None,
+        executor: Executor | None = None,
     ) -> list[list[SampleResult]]:
         """One list of results per group, in order. ``deadline_s`` (seconds from now) bounds the call:
-        past it the unfinished work is cancelled and ``DeadlineExceeded`` raised."""
-        if fn.executor is Executor.INLINE:
-            return self._inline(fn, groups, config)
+        past it the unfinished work is cancelled and ``DeadlineExceeded`` raised. ``executor`` replaces the
+        function's for this call (``RewardFunction.executor_for``)."""
+        if (executor or fn.executor) is Executor.INLINE:
+            return await self._inline_off_loop(fn, groups, config, deadline_s)
         return await self._in_pool(fn, groups, config, timeout_s, deadline_s)
 
-    def _inline(self, fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any]) -> list[list[SampleResult]]:
+    async def _inline_off_loop(
+        self, fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any], deadline_s: float | None
+    ) -> list[list[SampleResult]]:
+        # A daemon thread, not an executor's: a thread stuck in a function that never returns must not keep
+        # the process from exiting after SIGTERM (executor threads are joined at exit).
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[list[SampleResult]]] = loop.create_future()
+        stop = threading.Event()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if done.done():  # the caller left (its deadline, or a cancelled call)
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = self._inline(fn, groups, config, stop), None
+            except worker.Stopped:
+                return
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, whatever it is
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is closed: the service stopped meanwhile
+                pass
+
+        threading.Thread(target=run, name=f"inline-{fn.name}", daemon=True).start()
+        try:
+            return await asyncio.wait_for(done, deadline_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the call's deadline passed after {deadline_s:.3g} s before reward function {fn.name!r} "
+                "had scored every sample"
+            ) from None
+        finally:
+            stop.set()  # a deadline or a cancelled call: the thread stops at its next sample
+
+    @staticmethod
+    def _inline(
+        fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any], stop: threading.Event | None = None
+    ) -> list[list[SampleResult]]:
         fallback = fn.fallback_score
         if fn.group_level:
-            return [[from_outcome(o, fallback) for o in worker.call_group(fn.ref, g, config)] for g in groups]
+            out = []
+            for g in groups:
+                if stop is not None and stop.is_set():
+                    raise worker.Stopped
+                out.append([from_outcome(o, fallback) for o in worker.call_group(fn.ref, g, config)])
+            return out
         return [
-            [from_outcome(o, fallback) for o in worker.call_samples(fn.ref, g.samples, config)] for g in groups
+            [from_outcome(o, fallback) for o in worker.call_samples(fn.ref, g.samples, config, stop)] for g in groups
         ]
 
     async def _in_pool(

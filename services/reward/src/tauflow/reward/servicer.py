@@ -1,8 +1,17 @@
-"""The thin gRPC layer of the reward service: protobuf in, domain calls, protobuf out."""
+"""The thin gRPC layer of the reward service: protobuf in, domain calls, protobuf out.
+
+Requests are registered with a parser that cannot fail (``add_reward_servicer_to_server``): bytes that are
+not the method's message (corrupt wire format, a string that is not UTF-8, nesting past protobuf's limit)
+reach the handler as ``Undecodable`` and are refused with INVALID_ARGUMENT naming ``request``, where
+gRPC's own parsing would answer UNKNOWN with the exception's text.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -25,7 +34,44 @@ _STATUS = {
 _MARGIN_S = 0.05  # answer this long before the caller's deadline
 
 SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
-add_reward_servicer_to_server = reward_pb2_grpc.add_RewardServiceServicer_to_server
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes did not parse as ``message`` (protobuf's reason in ``reason``)."""
+
+    message: str
+    reason: str
+
+
+def _lenient(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_class.FromString(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or whatever else a hostile payload provokes
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e).rpartition(": ")[2][:200])
+
+    return parse
+
+
+def add_reward_servicer_to_server(servicer: Any, server: Any) -> None:
+    """What the generated ``add_RewardServiceServicer_to_server`` does, with ``_lenient`` parsing."""
+    handlers = {
+        method.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(reward_pb2, method.input_type.name)),
+            response_serializer=getattr(reward_pb2, method.output_type.name).SerializeToString,
+        )
+        for method in SERVICE.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, Undecodable):
+        raise InvalidRequest("request", f"not a valid {request.message}: {request.reason}")
+    return request
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -39,11 +85,16 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def Score(self, request, context):  # type: ignore[no-untyped-def]
         with self.metrics.rpc_duration.labels("Score").time():
             try:
-                return await self._score(request, context)
+                return await self._score(_decoded(request), context)
             except RewardError as err:
-                code = _STATUS[type(err)]
-                self.metrics.rejected.labels("Score", code.name).inc()
-                await context.abort(code, str(err))
+                await self._refuse("Score", err, context)
+
+    async def _refuse(self, method: str, err: RewardError, context: grpc.aio.ServicerContext) -> None:
+        code = _STATUS[type(err)]
+        self.metrics.rejected.labels(method, code.name).inc()
+        if isinstance(err, InvalidRequest):
+            self.metrics.count_invalid(method, err.field)
+        await context.abort(code, str(err))
 
     async def _score(self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
@@ -53,14 +104,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 "retry later"
             )
         n = convert.count_samples(request, self.config.max_samples_per_request)
-        fn = self.registry.get(request.reward_fn)
-        job = convert.score_job(request, fn, self.config.max_sample_timeout_s, n)
+        fn = self.registry.get(convert.reward_fn_name(request.reward_fn, self.config.limits))
+        job = convert.score_job(request, fn, self.config, n)
         remaining = context.time_remaining()
         deadline_s = None if remaining is None else max(remaining - _MARGIN_S, 0.0)
         self.inflight += 1
         self.metrics.inflight.inc()
         try:
-            results = await self.scorer.score(fn, job.groups, job.config, job.timeout_s, deadline_s)
+            results = await self.scorer.score(fn, job.groups, job.config, job.timeout_s, deadline_s, job.executor)
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
@@ -81,6 +132,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     async def ListRewardFunctions(self, request, context):  # type: ignore[no-untyped-def]
         with self.metrics.rpc_duration.labels("ListRewardFunctions").time():
+            try:
+                _decoded(request)
+            except RewardError as err:
+                await self._refuse("ListRewardFunctions", err, context)
             return reward_pb2.ListRewardFunctionsResponse(
                 reward_functions=[convert.function_info(fn) for fn in self.registry.functions()],
                 default_reward_fn=self.registry.default_name,

@@ -13,6 +13,7 @@ import importlib
 import math
 import numbers
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,6 +28,8 @@ Outcome = tuple[bool, float, dict[str, float], str, str, float]
 
 _MESSAGE_CHARS = 500
 _DETAIL_CHARS = 4000
+MAX_COMPONENTS = 64  # what a function may return: the bounds of a request's reward.components (limits.*)
+MAX_COMPONENT_NAME_CHARS = 256
 _resolved: dict[str, Any] = {}
 
 
@@ -58,6 +61,10 @@ def register_local(ref: str, fn: Any) -> None:
 def init_worker(sys_path: Sequence[str], refs: Sequence[str], service_pid: int | None = None) -> None:
     """Pool initializer: mirror the service's import path, load the functions ahead of the first call,
     and end this worker when the service process is gone (``service_pid``)."""
+    # SIGTERM (how the pool stops a task past its timeout) ends the worker at once. Pebble's own handler is
+    # Python, which runs only between bytecodes: a task inside C code (an RE2 match, a C extension) lived on
+    # until the SIGKILL 3 s later, and the pool's manager thread, waiting for it, held back every result.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if service_pid is not None:
         threading.Thread(target=_exit_when_gone, args=(service_pid,), name="service-watch", daemon=True).start()
     for p in reversed(sys_path):
@@ -122,11 +129,19 @@ def to_score(result: Any) -> tuple[float, dict[str, float]]:
         raise ValueError(f"returned a non-finite score {score}")
     if not isinstance(components, Mapping):
         raise TypeError(f"returned components of type {type(components).__name__}; expected a mapping")
+    if len(components) > MAX_COMPONENTS:
+        raise ValueError(f"returned {len(components)} components; at most {MAX_COMPONENTS} are kept")
     parts: dict[str, float] = {}
     for name, value in components.items():
         if not isinstance(name, str) or not isinstance(value, numbers.Real):
-            raise TypeError(f"returned component {name!r}: {value!r:.80}; expected str → real number")
-        parts[name] = float(value)
+            raise TypeError(f"returned component {name!r:.80}: {value!r:.80}; expected str → real number")
+        if not 0 < len(name) <= MAX_COMPONENT_NAME_CHARS:
+            raise ValueError(f"returned a component name of {len(name)} characters; expected 1 to "
+                             f"{MAX_COMPONENT_NAME_CHARS}")
+        part = float(value)
+        if not math.isfinite(part):
+            raise ValueError(f"returned a non-finite component {name!r:.80}: {part}")
+        parts[name] = part
     return score, parts
 
 
@@ -140,9 +155,21 @@ def call_sample(ref: str, sample: SampleInput, config: dict[str, Any]) -> Outcom
     return True, score, parts, "", "", time.perf_counter() - start
 
 
-def call_samples(ref: str, samples: Sequence[SampleInput], config: dict[str, Any]) -> list[Outcome]:
-    """Inline fast path: one call per sample, one function look-up for all."""
-    return [call_sample(ref, s, config) for s in samples]
+class Stopped(Exception):
+    """An inline call's caller gave up (its deadline passed): the samples left are not scored."""
+
+
+def call_samples(
+    ref: str, samples: Sequence[SampleInput], config: dict[str, Any], stop: threading.Event | None = None
+) -> list[Outcome]:
+    """Inline fast path: one call per sample, one function look-up for all; ``stop`` is checked between
+    samples (a call in progress cannot be interrupted)."""
+    out = []
+    for s in samples:
+        if stop is not None and stop.is_set():
+            raise Stopped
+        out.append(call_sample(ref, s, config))
+    return out
 
 
 def call_group(ref: str, group: GroupInput, config: dict[str, Any]) -> list[Outcome]:

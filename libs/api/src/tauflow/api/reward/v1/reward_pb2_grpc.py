@@ -79,13 +79,18 @@ class RewardServiceServicer:
         Retry class: idempotent (by input: scoring changes no state in the
         service, so a retry scores the same groups again; a function that calls an
         external judge may return a different score, and is paid for again).
-        Status: INVALID_ARGUMENT when `groups` is empty, a group has no samples,
-        group ids repeat within the request, sample ids repeat within a group, or
-        `config` does not fit the function; NOT_FOUND when `reward_fn` names no
-        registered function; RESOURCE_EXHAUSTED when the request holds more
-        samples than the service's per-request limit or its concurrency limit is
-        reached; DEADLINE_EXCEEDED when the call's deadline passes before every
-        sample is scored (per-sample timeouts are reported per sample instead).
+        Status: INVALID_ARGUMENT when the request bytes do not decode, `groups` is
+        empty, a group has no samples, group ids repeat within the request, sample
+        ids repeat within a group, a string or list is over its bound (below and
+        in common.proto), `config` holds a NaN or an infinity or does not fit the
+        function, or `sample_timeout` is not positive or over the service's
+        limit; the message starts with the field at fault (e.g.
+        `groups[3].samples[0].completion_text: ...`). NOT_FOUND when `reward_fn`
+        names no registered function; RESOURCE_EXHAUSTED when the request holds
+        more samples than the service's per-request limit or its concurrency
+        limit is reached; DEADLINE_EXCEEDED when the call's deadline passes
+        before every sample is scored (per-sample timeouts are reported per sample
+        instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +99,8 @@ class RewardServiceServicer:
     def ListRewardFunctions(self, request, context):
         """Lists the registered reward functions and their defaults.
 
-        Retry class: no side effects. Status: OK always.
+        Retry class: no side effects. Status: OK, or INVALID_ARGUMENT when the
+        request bytes do not decode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
