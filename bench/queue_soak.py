@@ -183,9 +183,11 @@ def main() -> int:
                     with lock:
                         counts["nacks"] += 1
                     continue
-                stub.Ack(q.AckRequest(lease_id=resp.lease.lease_id), timeout=5)
+                # Retried until the queue answers: an Ack applied just before a kill loses only its answer,
+                # and acking an acked lease is OK (Ack is idempotent).
+                _retrying(stub.Ack, q.AckRequest(lease_id=resp.lease.lease_id), stop=threading.Event())
             except grpc.RpcError:
-                continue  # (expired, or the queue restarted: the groups come back)
+                continue  # (expired: FAILED_PRECONDITION, the groups come back)
             with lock:
                 counts["acks"] += 1
                 counts["duplicate_deliveries"] += len(acked.intersection(ids))
@@ -199,14 +201,15 @@ def main() -> int:
             stub = queue_pb2_grpc.QueueServiceStub(channel)
             put = channel.unary_unary("/tauflow.api.queue.v1.QueueService/Put")
             calls = [
-                lambda: put(b"".join(wire._length_delimited(1, poison)), timeout=5),
-                lambda: stub.Reserve(q.ReserveRequest(request_id="r" * (3 << 20), n_groups=1), timeout=5),
-                lambda: stub.Get(q.GetRequest(max_groups=1, lease_duration=Duration(seconds=10**11)), timeout=5),
-                lambda: stub.Get(q.GetRequest(max_groups=10**6, min_groups=10**6, wait=Duration(seconds=30)),
-                                 timeout=0.3),  # an abandoned long poll
+                (put, b"".join(wire._length_delimited(1, poison)), 5),
+                (stub.Reserve, q.ReserveRequest(request_id="r" * (3 << 20), n_groups=1), 5),
+                (stub.Get, q.GetRequest(max_groups=1, lease_duration=Duration(seconds=10**11)), 5),
+                (stub.Get, q.GetRequest(max_groups=10**6, min_groups=10**6, wait=Duration(seconds=30)),
+                 0.3),  # an abandoned long poll
             ]
             try:
-                hrng.choice(calls)()
+                call, request, timeout = hrng.choice(calls)
+                call(request, timeout=timeout)
             except grpc.RpcError as e:
                 with lock:
                     counts["hostile"] += 1

@@ -14,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.queue import state, wire
 from tauflow.queue.wal import WriteAheadLog
 from tests.conftest import make_group, queue_stub

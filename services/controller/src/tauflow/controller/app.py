@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
+from tauflow.api.controller.v1 import controller_pb2
 from tauflow.controller import __version__
 from tauflow.controller.config import ControllerConfig
 from tauflow.controller.run import Run
 from tauflow.controller.servicer import ControllerServicer
 from tauflow.core.app import service_main
+from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 
 
@@ -20,7 +21,12 @@ async def build(config: ControllerConfig) -> ServiceApp:
 
     async def execute() -> None:
         servicer.task = asyncio.current_task()
-        await run.execute()
+        try:
+            await run.execute()
+        except asyncio.CancelledError:
+            if not servicer.stop_requested:
+                raise  # the service is draining
+            servicer.task.uncancel()  # StopRun ended the run, not the service
         await asyncio.Event().wait()  # keep serving the summary until stopped
 
     return ServiceApp(
@@ -28,7 +34,8 @@ async def build(config: ControllerConfig) -> ServiceApp:
             ServiceBinding(
                 controller_pb2.DESCRIPTOR.services_by_name["ControllerService"],
                 servicer,
-                controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+                # (a request that does not decode in full is INVALID_ARGUMENT, not UNKNOWN)
+                servicer_adder(controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]),
             )
         ],
         background=[execute],

@@ -9,6 +9,7 @@ import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.run import Run
+from tauflow.core.protobuf import duration_seconds
 
 _STATES = {
     "running": controller_pb2.RUN_STATE_RUNNING,
@@ -23,6 +24,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def __init__(self, run: Run, task: asyncio.Task[object] | None = None) -> None:
         self.run = run
         self.task = task
+        self.stop_requested = False
 
     async def GetRun(self, request, context):  # type: ignore[no-untyped-def]
         s = self.run.summary
@@ -45,7 +47,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.GetRunResponse(run=summary)
 
     async def StopRun(self, request, context):  # type: ignore[no-untyped-def]
-        if self.task is not None and not self.task.done():
+        if request.HasField("grace_period"):
+            try:
+                duration_seconds(request.grace_period, "grace_period")
+            except ValueError as e:  # refused before anything stops
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.task is not None and not self.task.done() and not self.stop_requested:
+            self.stop_requested = True  # once: the service goes on serving the stopped run's summary
             self.task.cancel()
         return controller_pb2.StopRunResponse()
 

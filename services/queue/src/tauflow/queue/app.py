@@ -7,10 +7,9 @@ from pathlib import Path
 
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
-from tauflow.queue import __version__
+from tauflow.queue import __version__, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.external import external_server
-from tauflow.queue import wire
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.quarantine import QuarantineFolder
 from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server

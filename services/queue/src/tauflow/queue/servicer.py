@@ -23,6 +23,7 @@ import grpc
 from google.protobuf import message_factory
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.decoding import checked_deserializer, refusing_undecodable
 from tauflow.core.protobuf import duration_seconds
 from tauflow.core.status import error_info_trailer
 from tauflow.queue import convert, state, wire
@@ -350,14 +351,19 @@ def add_queue_servicer_to_server(
     for method in SERVICE.methods:
         if methods is not None and method.name not in methods:
             continue
-        deserialize = message_factory.GetMessageClass(method.input_type).FromString
+        request_class: Any = message_factory.GetMessageClass(method.input_type)
         serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        limits = None
         if method.name == "Put":
-            deserialize = wire.PutRequestView.FromString
+            request_class = wire.PutRequestView
+            limits = {"group": 2**31}  # (the group's own bounds are the queue's: convert.py)
         if method.name == "Get":
             serialize = bytes
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize
+            # A request that does not decode in full is INVALID_ARGUMENT, not UNKNOWN (tauflow.core.decoding).
+            refusing_undecodable(getattr(servicer, method.name), limits),
+            request_deserializer=checked_deserializer(request_class),
+            response_serializer=serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)

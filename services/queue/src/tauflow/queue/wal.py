@@ -296,8 +296,7 @@ class WriteAheadLog:
         if data is not None:
             mm, start = data
             with open(aside, "wb") as f:
-                for at in range(start, len(mm), 1 << 24):
-                    f.write(mm[at : at + (1 << 24)])
+                f.writelines(mm[at : at + (1 << 24)] for at in range(start, len(mm), 1 << 24))
         else:
             try:
                 os.link(self.path, aside)

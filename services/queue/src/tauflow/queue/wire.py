@@ -142,7 +142,7 @@ def decode_group(raw: bytes) -> common_pb2.Group:
     """The full decode of a serialized Group, as every consumer decodes it."""
     try:
         return common_pb2.Group.FromString(raw)
-    except Exception as e:  # noqa: BLE001 - upb raises DecodeError; say what it is, not where in Python
+    except Exception as e:  # upb raises DecodeError; say what it is, not where in Python
         raise convert.InvalidGroup(
             "group does not decode as tauflow.api.common.v1.Group (malformed wire bytes, a string that is "
             "not UTF-8, or a malformed nested message)"

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+from tauflow.core.decoding import Undecodable, checked_deserializer
 from tauflow.reward import convert
 from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
@@ -36,30 +37,13 @@ _MARGIN_S = 0.05  # answer this long before the caller's deadline
 SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
 
 
-@dataclass(frozen=True)
-class Undecodable:
-    """A request whose bytes did not parse as ``message`` (protobuf's reason in ``reason``)."""
-
-    message: str
-    reason: str
-
-
-def _lenient(message_class: Any) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
-        try:
-            return message_class.FromString(raw)
-        except Exception as e:  # noqa: BLE001 - DecodeError, or whatever else a hostile payload provokes
-            return Undecodable(message_class.DESCRIPTOR.full_name, str(e).rpartition(": ")[2][:200])
-
-    return parse
-
-
 def add_reward_servicer_to_server(servicer: Any, server: Any) -> None:
-    """What the generated ``add_RewardServiceServicer_to_server`` does, with ``_lenient`` parsing."""
+    """What the generated ``add_RewardServiceServicer_to_server`` does, with requests that do not decode in full
+    handed to the handler as ``Undecodable`` (tauflow.core.decoding), which refuses and counts them."""
     handlers = {
         method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(getattr(reward_pb2, method.input_type.name)),
+            request_deserializer=checked_deserializer(getattr(reward_pb2, method.input_type.name)),
             response_serializer=getattr(reward_pb2, method.output_type.name).SerializeToString,
         )
         for method in SERVICE.methods

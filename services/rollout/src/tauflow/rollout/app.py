@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.api.rollout.v1 import rollout_pb2
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
 from tauflow.core.app import service_main
 from tauflow.core.channel import create_channel
+from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.rollout import __version__
 from tauflow.rollout.clients import GrpcQueue, GrpcReward, GrpcSidecar
@@ -19,7 +20,7 @@ from tauflow.rollout.engine import SamplingParams, engine_class
 from tauflow.rollout.membership import SidecarMembership
 from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.producer import Producer, ProducerSettings
-from tauflow.rollout.servicer import RolloutServicer
+from tauflow.rollout.servicer import Limits, RolloutServicer
 
 
 def _tokenizer(model_path: str):  # type: ignore[no-untyped-def]
@@ -69,7 +70,8 @@ async def build(config: RolloutConfig) -> ServiceApp:
             metrics=metrics,
         )
     servicer = RolloutServicer(
-        config.server_id, engine, encode, decode, config.sampling.max_new_tokens, sidecar, producer
+        config.server_id, engine, encode, decode, config.sampling.max_new_tokens, sidecar, producer,
+        limits=Limits(max_n=config.max_n, max_in_flight=config.max_in_flight, max_wait_s=config.max_wait_s),
     )
     metrics.watch(engine, servicer, producer)
     port_holder: dict[str, int] = {}
@@ -108,11 +110,9 @@ async def build(config: RolloutConfig) -> ServiceApp:
                 await client.close()
         engine.close()
 
-    def add(servicer_, server) -> None:  # type: ignore[no-untyped-def]
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer_, server)
-
+    service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     return ServiceApp(
-        bindings=[ServiceBinding(rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"], servicer, add)],
+        bindings=[ServiceBinding(service, servicer, servicer_adder(service))],
         background=background,
         close=close,
         info={"policy_version": engine.policy_version},

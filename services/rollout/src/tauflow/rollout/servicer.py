@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -13,6 +15,7 @@ from opentelemetry import trace
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
+from tauflow.core.protobuf import seconds
 from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
 from tauflow.rollout.convert import sample_to_proto, sampling_from_proto
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, WeightUpdateError
@@ -35,6 +38,15 @@ _RECEIVE_STATUS = {
 }
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one client may ask of the server: completions per call, calls at once, and the longest wait."""
+
+    max_n: int = 64
+    max_in_flight: int = 64
+    max_wait_s: float = 600.0
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
@@ -45,7 +57,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         default_max_new_tokens: int,
         sidecar: weights_pb2_grpc.WeightsServiceStub | None,
         producer: Producer | None = None,
+        limits: Limits = Limits(),
     ) -> None:
+        self.limits = limits
+        # The receiver's calls are serialized by its lock and may block for a whole rendezvous: on a thread of
+        # their own they never take the default pool's threads, which Generate's waits need.
+        self._weights_thread = ThreadPoolExecutor(1, thread_name_prefix="weights")
         self.server_id = server_id
         self.engine = engine
         self.encode = encode
@@ -68,13 +85,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
         if request.prompt_text and self.encode is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
+        if request.sampling.n > self.limits.max_n:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"sampling.n {request.sampling.n} is over this server's maximum of {self.limits.max_n}")
+        if self.in_flight >= self.limits.max_in_flight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.in_flight} Generate calls in flight, this server's maximum")
         prompt = list(request.prompt_token_ids) or self.encode(request.prompt_text)
         started = time.monotonic()
         self.in_flight += 1
         try:
             params = sampling_from_proto(request.sampling, self.default_max_new_tokens)
             if self.engine.policy_version < request.min_policy_version:
-                remaining = context.time_remaining()
+                remaining = min(context.time_remaining() or self.limits.max_wait_s, self.limits.max_wait_s)
                 ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
                 if not ok:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
@@ -130,10 +153,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             code = grpc.StatusCode.INVALID_ARGUMENT
         await context.abort(code, str(err))
 
+    async def _on_weights_thread(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._weights_thread, fn, *args)
+
     async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
-        spec = group_spec_from_proto(request)
+        if request.HasField("timeout") and not 0 < seconds(request.timeout) <= self.limits.max_wait_s:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout must be positive and at most {self.limits.max_wait_s:g}s")
+        spec = group_spec_from_proto(request, default_timeout_s=min(60.0, self.limits.max_wait_s))
         try:
-            n = await asyncio.to_thread(self.receiver.init_group, spec)
+            n = await self._on_weights_thread(self.receiver.init_group, spec)
         except (ReceiveError, PhaseError) as e:
             await self._refuse(context, e)
         return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=n)
@@ -153,7 +182,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             bucket = bucket_request_from_proto(
                 request, await self._checksum_algorithm(request.policy_version, request.manifest_checksum)
             )
-            version = await asyncio.to_thread(self.receiver.receive_bucket, bucket)
+            version = await self._on_weights_thread(self.receiver.receive_bucket, bucket)
             if version is not None:
                 # Swapped in at the engine's next safe point, between two decoding steps (a re-base drops
                 # what was staged after it: see stage_broadcast).
@@ -210,7 +239,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
         try:
-            destroyed = await asyncio.to_thread(self.receiver.destroy_group, request.group_name)
+            destroyed = await self._on_weights_thread(self.receiver.destroy_group, request.group_name)
         except ReceiveError as e:
             await self._refuse(context, e)
         return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.api.trainer.v1 import trainer_pb2
 from tauflow.core.app import service_main
+from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.trainer import __version__
 from tauflow.trainer.backend import TorchBackend, latest_checkpoint
@@ -14,6 +15,8 @@ from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.loop import LoopSettings, TrainerLoop
 from tauflow.trainer.metrics import TrainerMetrics
 from tauflow.trainer.servicer import TrainerServicer
+
+SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
 
 
 async def build(config: TrainerConfig) -> ServiceApp:
@@ -58,11 +61,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
 
     return ServiceApp(
         bindings=[
-            ServiceBinding(
-                trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"],
-                servicer,
-                trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
-            )
+            ServiceBinding(SERVICE, servicer, servicer_adder(SERVICE))
         ],
         background=[train],
         close=close,

@@ -63,13 +63,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
         if self.loop.state in (State.STARTING, State.FAILED):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
-        directory = Path(request.directory) if request.directory else None
+        try:
+            directory = self._directory(request.directory)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             info = await self.loop.checkpoint(directory)
         except OSError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno == 28 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, f"cannot write a checkpoint to {request.directory!r}: {e.strerror}")
         return trainer_pb2.SaveCheckpointResponse(checkpoint=checkpoint_to_proto(info))
+
+    def _directory(self, requested: str) -> Path | None:
+        """The parent directory a client asked for, which must lie inside the one that holds the configured
+        checkpoint directory: a client chooses it, and the trainer must not write wherever it is told."""
+        if not requested:
+            return None
+        area = self.loop.s.checkpoint_dir.resolve().parent
+        try:
+            path = (area / requested).resolve()  # relative: inside the area; ".." and links are resolved first
+        except (ValueError, OSError) as e:  # e.g. an embedded NUL byte
+            raise ValueError(f"directory {requested!r} is not a usable path: {e}") from None
+        if not path.is_relative_to(area):
+            raise ValueError(f"directory {requested!r} is outside {str(area)!r}, where checkpoints may be written")
+        return path
 
     async def Pause(self, request, context):  # type: ignore[no-untyped-def]
         if self.loop.state in (State.FAILED, State.STOPPING):

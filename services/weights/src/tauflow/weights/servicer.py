@@ -10,6 +10,7 @@ import grpc
 
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
+from tauflow.core.decoding import servicer_adder
 from tauflow.core.protobuf import duration, seconds
 from tauflow.weights import convert, sidecar
 from tauflow.weights.metrics import WeightsMetrics
@@ -105,5 +106,4 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         return await self._call(context, "GetStatus", run)
 
 
-def add_weights_servicer_to_server(servicer: WeightsServicer, server: grpc.aio.Server) -> None:
-    weights_pb2_grpc.add_WeightsServiceServicer_to_server(servicer, server)
+add_weights_servicer_to_server = servicer_adder(SERVICE)  # undecodable requests: INVALID_ARGUMENT

@@ -69,6 +69,9 @@ class WeightsError(Exception):
     pass
 
 
+MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
+
+
 class InvalidRequest(WeightsError):
     pass
 
@@ -411,8 +414,8 @@ class Sidecar:
         """Adds (or re-adds) a member; returns the epoch from which it takes part."""
         if not member_id or not address:
             raise InvalidRequest("member_id and address must be set")
-        if num_ranks == 0:
-            raise InvalidRequest("num_ranks must be at least 1")
+        if not 1 <= num_ranks <= MAX_RANKS_PER_MEMBER:
+            raise InvalidRequest(f"num_ranks must be in 1..{MAX_RANKS_PER_MEMBER}, not {num_ranks}")
         if self.settings.backend not in backends:
             raise FailedPrecondition(
                 f"member {member_id!r} supports backends {list(backends)}, the sidecar uses {self.settings.backend!r}"

@@ -1,0 +1,158 @@
+"""Registers a servicer so that a request that does not decode in full (corrupt wire bytes, a string that is not
+UTF-8, a malformed nested message) is answered INVALID_ARGUMENT naming the message type. With the generated
+``add_*Servicer_to_server`` the decode error escapes into gRPC, which answers UNKNOWN with Python's text.
+
+It also checks the generic bounds of every request before the handler sees it (:func:`check_bounds`): each
+string and list is bounded, each Duration and Timestamp is one the well-known type allows; a breach is
+INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import FieldDescriptor, ServiceDescriptor
+from google.protobuf.message import Message
+
+from tauflow.core.protobuf import MAX_DURATION_SECONDS
+
+MAX_STRING = 4096  # characters of any string field, unless the service names a field's own bound
+MAX_ITEMS = 100_000  # elements of any repeated or map field, likewise
+TIMESTAMP_SECONDS = (-62_135_596_800, 253_402_300_799)  # google.protobuf.Timestamp: years 1..9999
+
+
+def check_bounds(
+    msg: Message, limits: dict[str, int] | None = None, path: str = "",
+    max_string: int = MAX_STRING, max_items: int = MAX_ITEMS,
+) -> None:
+    """Raises ValueError naming the field (``a.b[3].c``) of the first breach in ``msg``: a string longer than its
+    bound, a repeated or map field with more elements, an invalid Duration or Timestamp. ``limits`` maps a
+    field path without indices (``sampling.stop``, ``names``) to its own bound (characters or elements)."""
+    limits = limits or {}
+    name = msg.DESCRIPTOR.full_name
+    if name == "google.protobuf.Duration":
+        s, n = msg.seconds, msg.nanos  # type: ignore[attr-defined]
+        if abs(s) > MAX_DURATION_SECONDS or abs(n) > 999_999_999 or (s > 0 > n) or (s < 0 < n):
+            raise ValueError(f"{path} is not a valid google.protobuf.Duration (seconds={s}, nanos={n})")
+        return
+    if name == "google.protobuf.Timestamp":
+        s, n = msg.seconds, msg.nanos  # type: ignore[attr-defined]
+        if not TIMESTAMP_SECONDS[0] <= s <= TIMESTAMP_SECONDS[1] or not 0 <= n <= 999_999_999:
+            raise ValueError(f"{path} is not a valid google.protobuf.Timestamp (seconds={s}, nanos={n})")
+        return
+    for f, value in msg.ListFields():
+        where = f"{path}.{f.name}" if path else f.name
+        key = _unindexed(where)
+        if f.is_repeated:
+            bound = limits.get(key, max_items)
+            if len(value) > bound:
+                raise ValueError(f"{where} has {len(value)} elements, over the limit of {bound}")
+            items = value.values() if f.message_type is not None and f.message_type.GetOptions().map_entry else value
+            if f.message_type is not None and f.message_type.GetOptions().map_entry:
+                if f.message_type.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING:
+                    for k in value:
+                        _check_string(k, f"{where} key", limits.get(key + ".key", max_string))
+                vf = f.message_type.fields_by_name["value"]
+                if vf.message_type is None:
+                    if vf.type == FieldDescriptor.TYPE_STRING:
+                        for v in items:
+                            _check_string(v, f"{where} value", limits.get(key + ".value", max_string))
+                    continue
+            elif f.message_type is None:
+                if f.type == FieldDescriptor.TYPE_STRING:
+                    bound = limits.get(key + "[]", max_string)
+                    for i, v in enumerate(items):
+                        _check_string(v, f"{where}[{i}]", bound)
+                continue
+            for i, v in enumerate(items):
+                check_bounds(v, limits, f"{where}[{i}]", max_string, max_items)
+        elif f.message_type is not None:
+            check_bounds(value, limits, where, max_string, max_items)
+        elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+            _check_string(value, where, limits.get(key, max_string))
+
+
+def _check_string(value: str | bytes, where: str, bound: int) -> None:
+    if len(value) > bound:
+        raise ValueError(f"{where} is {len(value)} long, over the limit of {bound}")
+
+
+def _unindexed(path: str) -> str:
+    out, depth = [], 0
+    for ch in path:
+        depth += ch == "["
+        if not depth:
+            out.append(ch)
+        depth -= ch == "]"
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes did not parse as ``message`` (a full name); ``reason`` is protobuf's."""
+
+    message: str
+    reason: str
+
+
+def checked_deserializer(message_class: Any) -> Callable[[bytes], Any]:
+    """``message_class.FromString`` that returns an :class:`Undecodable` instead of raising."""
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_class.FromString(raw)
+        except Exception as e:  # noqa: BLE001 - upb's DecodeError, or whatever else hostile bytes provoke
+            # protobuf's message ends with the reason ("... 'pkg.Type': String field had bad UTF-8"); it
+            # quotes no request bytes.
+            return Undecodable(message_class.DESCRIPTOR.full_name, str(e).rpartition(": ")[2][:200])
+
+    return parse
+
+
+def refusing_undecodable(behaviour: Callable[..., Any], limits: dict[str, int] | None = None) -> Callable[..., Any]:
+    """The handler ``behaviour`` behind checks that answer INVALID_ARGUMENT for an :class:`Undecodable` and for a
+    request out of its bounds (:func:`check_bounds` with ``limits``)."""
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request does not decode as {request.message}: {request.reason}"
+            )
+        try:
+            check_bounds(request, limits)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        result = behaviour(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+def servicer_adder(
+    service: ServiceDescriptor, limits: dict[str, dict[str, int]] | None = None
+) -> Callable[[Any, grpc.aio.Server], None]:
+    """A drop-in for the generated ``add_<Service>Servicer_to_server`` of a service of unary methods, whose
+    requests are decoded by :func:`checked_deserializer` and bounded by :func:`check_bounds` (``limits``: per
+    method name, the field bounds that differ from the defaults)."""
+    limits = limits or {}
+    streaming = [m.name for m in service.methods if m.client_streaming or m.server_streaming]
+    if streaming:
+        raise ValueError(f"{service.full_name} has streaming methods {streaming}: only unary methods are handled")
+
+    def add(servicer: Any, server: grpc.aio.Server) -> None:
+        handlers = {
+            m.name: grpc.unary_unary_rpc_method_handler(
+                refusing_undecodable(getattr(servicer, m.name), limits.get(m.name)),
+                request_deserializer=checked_deserializer(message_factory.GetMessageClass(m.input_type)),
+                response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
+            )
+            for m in service.methods
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+    return add

@@ -1,0 +1,68 @@
+"""Fuzzes every RolloutService RPC of a real rollout server (the tiny model of the embedded task) (issue #11):
+generated and mutated requests get OK or a documented code, never UNKNOWN or INTERNAL; a refused one changes
+neither the served version nor the weight group. InitWeightsUpdateGroup comes last: a request that names a
+store nobody serves waits out its own timeout on the weight thread, which the other weight RPCs queue on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from google.protobuf.duration_pb2 import Duration
+
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.rollout.v1 import rollout_pb2 as pb
+from tauflow.api.rollout.v1 import rollout_pb2_grpc
+from tauflow.core.channel import ChannelConfig, create_sync_channel
+from tests.fuzz import C, Fuzzer, Method, budget
+from tests.runs import ADDITION, tiny_addition
+
+SERVICE = pb.DESCRIPTOR.services_by_name["RolloutService"]
+
+
+def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, _ = tiny_addition(tmp_path, problems=10)
+    sys.path.insert(0, str(ADDITION))
+    import task
+
+    server = service_process("rollout", {"model_path": model, "max_n": 8, "max_wait_s": 1})
+    stub = rollout_pb2_grpc.RolloutServiceStub(
+        create_sync_channel(server.address, [SERVICE], ChannelConfig(default_timeout_s=10))
+    )
+
+    def observe() -> tuple[object, ...]:
+        s = stub.GetStatus(pb.GetStatusRequest())
+        e = s.engines[0]
+        return s.membership_epoch, s.weights_group_name, e.state, e.policy_version, e.weight_update_in_progress
+
+    sampling = pb.SamplingParams(n=2, max_new_tokens=4, seed=1, temperature=0.7)
+    init = pb.InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2,
+                                            group_name="g1", backend="gloo", membership_epoch=1,
+                                            timeout=Duration(seconds=1))
+    update = pb.UpdateWeightsFromDistributedRequest(
+        names=["model.embed_tokens.weight"], dtypes=["float32"], shapes=[pb.TensorShape(dims=[16, 32])],
+        group_name="g1", policy_version=1, membership_epoch=1, bucket_index=0, bucket_count=1,
+        manifest_checksum="ab", trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
+    )
+    methods = [
+        Method("GetStatus", set(), [pb.GetStatusRequest()]),
+        # DEADLINE_EXCEEDED: waiting for a min_policy_version the server never reaches (it has no sidecar).
+        Method("Generate", {C.UNAVAILABLE, C.DEADLINE_EXCEEDED},
+               [pb.GenerateRequest(request_id="r", prompt_token_ids=task.prompt_ids(1, 2), sampling=sampling),
+                pb.GenerateRequest(prompt_text="12+34=", sampling=sampling)], timeout_s=3, waits=True),
+        Method("DestroyWeightsUpdateGroup", {C.DEADLINE_EXCEEDED}, [pb.DestroyWeightsUpdateGroupRequest(group_name="g1")]),
+        Method("UpdateWeightsFromDistributed",
+               {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.ABORTED, C.UNAVAILABLE, C.DATA_LOSS}, [update]),
+        Method("InitWeightsUpdateGroup",
+               {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.UNAVAILABLE, C.ABORTED},
+               [init], timeout_s=3, waits=True),
+    ]
+    fuzzer = Fuzzer(server.address, SERVICE, observe, server.log_text)
+    try:
+        for method in methods:
+            fuzzer.fuzz(method, budget(40 if method.name == "InitWeightsUpdateGroup" else 120))
+        print(fuzzer.summary())
+    finally:
+        fuzzer.close()
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log_text(), server.log_text()[-5000:]
