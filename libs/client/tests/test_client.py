@@ -253,7 +253,8 @@ def test_a_multi_turn_group_sampled_scored_and_put_arrives_whole(
         assert len(delivered) == 1 and delivered[0].behaviour_version == 0
         got = delivered[0].group
         assert got.producer_id == "agent-a"  # the client the token names, set by the queue
-        got.producer_id = group.producer_id
+        assert got.group_id == f"agent-a/{group.group_id}"  # namespaced by it
+        got.producer_id, got.group_id = group.producer_id, group.group_id
         assert got == group  # everything else as sent: tokens, masks, versions, log-probs, rewards
         for s, (first_len, second_len) in zip(got.samples, turns, strict=True):
             assert list(s.loss_mask) == [True] * first_len + [False, False] + [True] * second_len
