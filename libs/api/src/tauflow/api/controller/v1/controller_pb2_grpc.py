@@ -30,6 +30,12 @@ class ControllerServiceStub:
     the services (launcher `local`, `ray` or `external`), checks their health
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def __init__(self, channel):
@@ -70,6 +76,12 @@ class ControllerServiceServicer:
     the services (launcher `local`, `ray` or `external`), checks their health
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def GetRun(self, request, context):
@@ -178,6 +190,12 @@ class ControllerService:
     the services (launcher `local`, `ray` or `external`), checks their health
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     @staticmethod

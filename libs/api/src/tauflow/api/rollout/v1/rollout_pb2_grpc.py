@@ -52,6 +52,12 @@ class RolloutServiceStub:
     The rollout server hosts the engines as one member of the weight group; a
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def __init__(self, channel):
@@ -114,6 +120,12 @@ class RolloutServiceServicer:
     The rollout server hosts the engines as one member of the weight group; a
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def Generate(self, request, context):
@@ -282,6 +294,12 @@ class RolloutService:
     The rollout server hosts the engines as one member of the weight group; a
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     @staticmethod

@@ -34,6 +34,12 @@ class TrainerServiceStub:
     the new version to the weight sidecar. This service lets the controller and
     operators read its state, checkpoint it, pause it, and set the staleness
     bound it enforces.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def __init__(self, channel):
@@ -83,6 +89,12 @@ class TrainerServiceServicer:
     the new version to the weight sidecar. This service lets the controller and
     operators read its state, checkpoint it, pause it, and set the staleness
     bound it enforces.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def GetStatus(self, request, context):
@@ -217,6 +229,12 @@ class TrainerService:
     the new version to the weight sidecar. This service lets the controller and
     operators read its state, checkpoint it, pause it, and set the staleness
     bound it enforces.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     @staticmethod

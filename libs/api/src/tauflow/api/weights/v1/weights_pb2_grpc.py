@@ -51,6 +51,12 @@ class WeightsServiceStub:
     on, in a rebuilt group, from the same version. When a newer version is
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def __init__(self, channel):
@@ -117,6 +123,12 @@ class WeightsServiceServicer:
     on, in a rebuilt group, from the same version. When a newer version is
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     def Publish(self, request, context):
@@ -279,6 +291,12 @@ class WeightsService:
     on, in a rebuilt group, from the same version. When a newer version is
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
+
+    Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
+    a request that does not decode in full is refused; every string is at most
+    4096 characters and every repeated or map field at most 100000 elements
+    unless a field's comment says less; every Duration and Timestamp must be
+    one the well-known type allows.
     """
 
     @staticmethod
