@@ -69,6 +69,7 @@ def open_channel(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _service_config(services)),
+        ("grpc.max_reconnect_backoff_ms", 5_000),  # (gRPC's default grows to 120 s: blind long after a restart)
     ]
     if tls is None:
         return grpc.insecure_channel(address, options=options)

@@ -64,6 +64,9 @@ def service_config_json(services: Sequence[ServiceDescriptor], config: ChannelCo
     return json.dumps({"methodConfig": method_config})
 
 
+RECONNECT_BACKOFF_MAX_MS = 5_000
+
+
 def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig) -> list[tuple[str, Any]]:
     return [
         *message_size_options(config.max_message_bytes),
@@ -73,6 +76,9 @@ def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", service_config_json(services, config)),
+        # A restarted service is back in seconds: gRPC's default backoff grows to 120 s between attempts, so a
+        # client could stay blind for minutes after an outage (seen in the chaos test).
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
     ]
 
 
