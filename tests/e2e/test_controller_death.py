@@ -15,7 +15,7 @@ from pathlib import Path
 from tauflow.controller.config import ROLES
 from tests.runs import ADDITION, ROOT, run_command, tiny_addition
 
-STEPS, GROUPS_PER_STEP = 24, 4  # about 0.7 s a step here: killed at step 6 or so, resumed for the rest
+STEPS, GROUPS_PER_STEP = 24, 4  # killed at step 6 or so (the run frozen first: a step takes 0.08-0.7 s), resumed
 EXIT_BOUND_S = 15.0  # a second to notice, the drain (10 s grace at most), the exit
 
 
@@ -71,16 +71,21 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 300
     # Kill the controller once the trainer has checkpointed version 6 (the newest three are kept) and trains on.
+    # The services are frozen (SIGSTOP) around the kill so that a fast machine cannot finish the run in the
+    # second their lifelines take to notice: on SIGCONT each sees at once that its controller is gone.
     while not any(int(c.name[1:]) >= 6 for c in checkpoints.glob("v*")) or not (out / "rollout.ready.json").exists():
         assert controller.poll() is None, controller.stderr.read()  # type: ignore[union-attr]
         assert time.monotonic() < deadline, "no checkpoint of version 6 within 300 s"
         time.sleep(0.05)
-    time.sleep(0.5)
     pids = {role: json.loads((out / f"{role}.ready.json").read_text())["pid"] for role in ROLES}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
     for role, pid in pids.items():  # each service is the controller's child
         assert int(_stat(pid)[1]) == controller.pid, role  # type: ignore[index]
     controller.kill()
     controller.wait()
+    for pid in pids.values():
+        os.kill(pid, signal.SIGCONT)
     controller.stderr.close()  # type: ignore[union-attr]
     killed_at = time.monotonic()
     left = dict(pids)
