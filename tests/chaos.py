@@ -184,6 +184,7 @@ class Report:
     refused_external: dict[str, int] = field(default_factory=dict)
     producer_retries: int = 0
     restarts: dict[str, float] = field(default_factory=dict)  # the controller's counter, by role
+    unanswered: dict[str, float] = field(default_factory=dict)  # the controller's health-probe counter, by role
     problems: list[str] = field(default_factory=list)  # what the accounting found wrong: none, or a bug
 
     def as_dict(self) -> dict:  # type: ignore[type-arg]
@@ -229,6 +230,7 @@ class ChaosRun:
                     raise producer.error
             expected = Counter(f.role for f in self.faults if f.kind == "kill")
             report.restarts = self._wait_restarts(expected)
+            report.unanswered = self._controller_metric("tauflow_controller_service_unanswered_total")
             self._wait("the last step", lambda: self._version() >= self.steps or self.proc.poll() is not None)
             producer.stop()
             code = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
@@ -301,16 +303,19 @@ class ChaosRun:
 
     def _wait_restarts(self, expected: Counter[str]) -> dict[str, float]:
         """The controller's restart counters, once each killed role's reads its kills (bounded wait)."""
-        port = json.loads((self.out / "controller.ready.json").read_text())["metrics_port"]
         seen: dict[str, float] = {}
 
         def counted() -> bool:
             seen.clear()
-            seen.update(scrape(port, "tauflow_controller_service_restarts_total", "service"))
+            seen.update(self._controller_metric("tauflow_controller_service_restarts_total"))
             return all(seen.get(role, 0) >= n for role, n in expected.items())
 
         self._wait("the controller's restart counters", counted)
         return dict(seen)
+
+    def _controller_metric(self, name: str) -> dict[str, float]:
+        port = json.loads((self.out / "controller.ready.json").read_text())["metrics_port"]
+        return scrape(port, name, "service")
 
     # -- reading the run -----------------------------------------------------------------
 

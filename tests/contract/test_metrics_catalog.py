@@ -79,6 +79,7 @@ def test_the_key_series_of_issue_4_exist() -> None:
         "tauflow_trainer_trained_tokens_total", "tauflow_weights_broadcast_bytes_total",
         "tauflow_weights_broadcast_duration_seconds", "tauflow_weights_broadcasts_total",
         "tauflow_controller_service_up", "tauflow_controller_service_restarts_total",
+        "tauflow_controller_service_answering", "tauflow_controller_service_unanswered_total",
     ):
         assert name in code, name
 

@@ -5,7 +5,8 @@ outside producer keeps putting groups through the queue's external port. The run
 is exact: every group the queue accepted (its log) was trained once (the last checkpoint), is still in the
 queue, or was evicted by the queue as stale (and never trained); every group the outside producer was told was accepted is
 among them; 0 staleness violations. Each kill is in the controller's log and its restart counter, the stop
-in the sidecar's failed broadcasts and the rollout's re-join. The long version: bench/chaos.py."""
+in the sidecar's failed broadcasts, the rollout's re-join and the controller's health probe (its log and
+counter). The long version: bench/chaos.py."""
 
 from __future__ import annotations
 
@@ -40,4 +41,8 @@ def test_every_role_killed_and_the_rollout_stopped_mid_run_loses_nothing(tmp_pat
     [stop] = [f for f in faults if f.kind == "stop"]
     assert stop.back_after_s >= 12, stop  # 3 x the sidecar's broadcast deadlines (4 s)
     assert stop.evidence["weights_failed_broadcasts"] >= 1 and stop.evidence["rollout_sidecar_rejoins"] >= 1, stop
+    # The stop in the controller's log and its counter: alive, so not restarted, but not answering its health.
+    assert "service not answering health service=rollout" in log, log[-3000:]
+    assert "service answers health again service=rollout" in log, log[-3000:]
+    assert report.unanswered.get("rollout", 0) >= 1 and report.restarts.get("rollout", 0) == 1, report
     assert all(f.at_version >= f.after_version for f in faults), faults

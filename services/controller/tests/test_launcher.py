@@ -51,6 +51,34 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[n
     assert codes == {"queue": 0}  # SIGTERM drains and exits cleanly
 
 
+def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A SIGSTOPped process is alive (no restart), but no longer serves: the health probe logs and counts
+    it, and logs its return; nothing is restarted."""
+    launcher = LocalLauncher(tmp_path, health_timeout_s=0.5, health_every_s=0.0)
+    caplog.set_level("WARNING", logger="tauflow.controller.health")
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        assert launcher.check() == [] and launcher.health.answering("queue")
+        os.kill(queue.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            assert launcher.check() == []  # alive: nothing to restart
+            assert not launcher.health.answering("queue") and launcher.health.unanswered("queue") == 1
+            assert "DEADLINE_EXCEEDED" in launcher.health.roles["queue"].answer
+            launcher.check()  # still stopped: counted once per outage
+            assert launcher.health.unanswered("queue") == 1
+        finally:
+            os.kill(queue.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while not launcher.health.answering("queue") and time.monotonic() < deadline:
+            launcher.check()
+        assert launcher.health.answering("queue") and queue.starts == 1
+        said = [r.getMessage() for r in caplog.records]
+        assert said == ["service not answering health", "service answers health again"], said
+    finally:
+        codes = launcher.stop()
+    assert codes == {"queue": 0}
+
+
 def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
     launcher = LocalLauncher(tmp_path, max_restarts=0, backoff_s=0.1)
     with pytest.raises(ServiceFailed, match="service 'queue' failed: exited with code 2 while starting") as err:

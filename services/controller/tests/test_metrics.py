@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
+from tauflow.controller.health import Answering, HealthProbe
 from tauflow.controller.launcher import ManagedService, ServiceSpec
 from tauflow.controller.metrics import ControllerMetrics, serve, write_targets
 
@@ -28,9 +29,11 @@ def _service(tmp_path: Path, name: str, alive: bool, starts: int, metrics_port: 
 def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
     services = {"queue": _service(tmp_path, "queue", True, 1, 9101),
                 "trainer": _service(tmp_path, "trainer", False, 3, 9102)}
+    health = HealthProbe()
+    health.roles["queue"] = Answering(answering=False, unanswered=2)  # stopped now, and once before
     try:
         run = SimpleNamespace(
-            launcher=SimpleNamespace(services=services), progress=SimpleNamespace(version=7),
+            launcher=SimpleNamespace(services=services, health=health), progress=SimpleNamespace(version=7),
             c=SimpleNamespace(steps=20, max_staleness=1),
             summary=SimpleNamespace(evals=[SimpleNamespace(accuracy=0.4, engine_version=6)]),
         )
@@ -41,6 +44,10 @@ def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
         assert v("tauflow_controller_service_up", {"service": "trainer"}) == 0
         assert v("tauflow_controller_service_restarts_total", {"service": "queue"}) == 0
         assert v("tauflow_controller_service_restarts_total", {"service": "trainer"}) == 2
+        assert v("tauflow_controller_service_answering", {"service": "queue"}) == 0
+        assert v("tauflow_controller_service_answering", {"service": "trainer"}) == 1  # never probed: no news
+        assert v("tauflow_controller_service_unanswered_total", {"service": "queue"}) == 2
+        assert v("tauflow_controller_service_unanswered_total", {"service": "trainer"}) == 0
         assert v("tauflow_controller_policy_version") == 7
         assert v("tauflow_controller_target_steps") == 20
         assert v("tauflow_controller_heldout_accuracy_ratio") == 0.4

@@ -41,7 +41,9 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
         "groups": {
             g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries) for g, r in m.groups.items()
         },
-        "leases": {i: (x.group_ids, x.deadline, x.consumer_id, x.consumer_version) for i, x in m.leases.items()},
+        "leases": {
+            i: (x.group_ids, x.deadline, x.duration_s, x.consumer_id, x.consumer_version) for i, x in m.leases.items()
+        },
         "tickets": {
             i: (t.request_id, t.n_groups, t.remaining, t.min_policy_version, t.expires_at) for i, t in m.tickets.items()
         },
@@ -85,7 +87,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.deliveries: dict[str, int] = {}
         self.tickets: dict[str, list[Any]] = {}  # ticket id -> [min version, groups left, expires_at]
         self.requests: dict[str, tuple[int, str]] = {}  # request id -> (n, ticket id)
-        self.leases: dict[str, tuple[list[str], float]] = {}  # held by the trainer: ids, deadline
+        self.leases: dict[str, tuple[list[str], float, float]] = {}  # held by the trainer: ids, deadline, duration
         self.done_leases: list[str] = []  # acked by the trainer
         self.counter = 0
 
@@ -248,7 +250,7 @@ class QueueMachine(RuleBasedStateMachine):
     # -- the trainer ---------------------------------------------------------------------
 
     def _live_leases(self) -> list[str]:
-        return [i for i, (_, dl) in self.leases.items() if self.now < dl]
+        return [i for i, (_, dl, _) in self.leases.items() if self.now < dl]
 
     def _can_get(self) -> bool:
         if self.q is None or (self.exact and self._live_leases()):
@@ -284,7 +286,7 @@ class QueueMachine(RuleBasedStateMachine):
         else:
             min_groups = min(min_frac, max_groups)
         version = q.trainer_version
-        expired = [i for i, (_, dl) in self.leases.items() if dl <= self.now]
+        expired = [i for i, (_, dl, _) in self.leases.items() if dl <= self.now]
         candidates = list(q.m.pending)
         for i in expired:
             candidates += self.leases.pop(i)[0]
@@ -333,7 +335,7 @@ class QueueMachine(RuleBasedStateMachine):
             self.deliveries[g] = self.deliveries.get(g, 0) + 1
         if max_tokens and len(delivered) > 1:
             assert sum(d.group.n_tokens for d in res.deliveries) <= max_tokens
-        self.leases[res.lease.lease_id] = (delivered, res.lease.deadline)
+        self.leases[res.lease.lease_id] = (delivered, res.lease.deadline, lease_s or LEASE_S)
         return res.lease.lease_id
 
     @precondition(lambda self: self.q is not None and self.leases)
@@ -346,7 +348,7 @@ class QueueMachine(RuleBasedStateMachine):
     def _ack(self, lid: str, step: bool) -> None:
         q = self.q
         assert q is not None
-        gids, deadline = self.leases.pop(lid)
+        gids, deadline, _ = self.leases.pop(lid)
         if deadline <= self.now:
             try:
                 q.ack(lid)
@@ -387,7 +389,7 @@ class QueueMachine(RuleBasedStateMachine):
         q = self.q
         assert q is not None
         lid = data.draw(st.sampled_from(list(self.leases)))
-        gids, deadline = self.leases.pop(lid)
+        gids, deadline, _ = self.leases.pop(lid)
         if deadline <= self.now:
             assert q.nack(lid) == 0
             return
@@ -401,7 +403,7 @@ class QueueMachine(RuleBasedStateMachine):
         q = self.q
         assert q is not None
         lid = data.draw(st.sampled_from(list(self.leases)))
-        gids, deadline = self.leases[lid]
+        gids, deadline, _ = self.leases[lid]
         if deadline <= self.now:
             del self.leases[lid]
             try:
@@ -411,7 +413,7 @@ class QueueMachine(RuleBasedStateMachine):
             raise AssertionError("renew of an expired lease succeeded")
         lease = q.renew(lid, lease_s)
         assert lease.deadline == self.now + (lease_s or LEASE_S)
-        self.leases[lid] = (gids, lease.deadline)
+        self.leases[lid] = (gids, lease.deadline, lease_s or LEASE_S)
 
     # -- time and restarts ---------------------------------------------------------------
 
@@ -425,7 +427,7 @@ class QueueMachine(RuleBasedStateMachine):
     def sweep(self) -> None:
         assert self.q is not None
         res = self.q.sweep()
-        expired = [i for i, (_, dl) in self.leases.items() if dl <= self.now]
+        expired = [i for i, (_, dl, _) in self.leases.items() if dl <= self.now]
         assert res.expired_leases <= len(expired)
         for i in self.leases:
             assert (i in self.q.m.leases) == (i not in expired)
@@ -441,6 +443,15 @@ class QueueMachine(RuleBasedStateMachine):
         before = fingerprint(q)
         q.wal.close()
         self.q = self._open()
+        # Every lease the queue still held gets its duration anew from the restart (expired ones too, if no
+        # call had swept them yet); the rest of the state is exactly what it was.
+        for i in q.m.leases:
+            gids, dl, duration = self.leases[i]
+            self.leases[i] = (gids, max(dl, self.now + duration), duration)
+        before["leases"] = {
+            i: (gids, max(dl, self.now + duration), duration, *rest)
+            for i, (gids, dl, duration, *rest) in before["leases"].items()
+        }
         assert fingerprint(self.q) == before
         assert self.q.stats().wal_bytes == os.path.getsize(self.path)
 
@@ -485,7 +496,7 @@ class QueueMachine(RuleBasedStateMachine):
         if q is None:
             return
         assert set(q.m.leases) <= set(self.leases)
-        for i, (gids, dl) in self.leases.items():
+        for i, (gids, dl, _) in self.leases.items():
             if self.now < dl:
                 assert i in q.m.leases and q.m.leases[i].group_ids == gids and q.m.leases[i].deadline == dl
         assert set(q.m.tickets) <= set(self.tickets)

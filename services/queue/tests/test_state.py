@@ -63,7 +63,8 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
             g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries) for g, r in m.groups.items()
         },
         "leases": {
-            lid: (x.group_ids, x.deadline, x.consumer_id, x.consumer_version) for lid, x in m.leases.items()
+            lid: (x.group_ids, x.deadline, x.duration_s, x.consumer_id, x.consumer_version)
+            for lid, x in m.leases.items()
         },
         "tickets": {
             tid: (t.request_id, t.producer_id, t.n_groups, t.remaining, t.min_policy_version, t.expires_at)
@@ -79,6 +80,17 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
         "reservations": sorted(m.reservations),
         "next_deadline": q.next_deadline(),
     }
+
+
+def recovered(before: dict[str, Any], now: float) -> dict[str, Any]:
+    """What ``before`` becomes once recovered at ``now``: each held lease gets its duration anew (a deadline
+    of at least now + its duration); everything else is exactly as it was."""
+    leases = {
+        lid: (gids, max(deadline, now + duration), duration, *rest)
+        for lid, (gids, deadline, duration, *rest) in before["leases"].items()
+    }
+    deadlines = [x[1] for x in leases.values()] + [t[5] for t in before["tickets"].values()]
+    return {**before, "leases": leases, "next_deadline": min(deadlines, default=None)}
 
 
 def open_wal(path: Path) -> WriteAheadLog:
@@ -768,7 +780,7 @@ def test_recovery_reproduces_the_state(tmp_path: Path) -> None:
     assert before["groups"]["t2"][4] == 2  # delivered twice (nacked, then expired)
 
     q2 = restart(q, path, c)
-    assert fingerprint(q2) == before
+    assert fingerprint(q2) == recovered(before, c())
 
     # Idempotency survives the restart.
     for gid in ("t0", "t1", "e0"):  # acked, acked, evicted
@@ -784,15 +796,47 @@ def test_recovery_reproduces_the_state(tmp_path: Path) -> None:
     # The ticket still works for its remaining room.
     assert q2.put(rec("t3", bv=2), h["t1"].ticket_id)[0]
     assert h["t1"].ticket_id not in q2.m.tickets
-    # Leases keep their deadlines: `open` (deadline 1051) is still held, and expires on time.
-    assert q2.m.leases[h["open"]].deadline == 1051.0
+    # Each held lease gets its duration anew from the restart: `open` (50 s, deadline 1051 before) is held
+    # to 1004 + 50 = 1054, and expires then.
+    assert c() == 1004.0 and q2.m.leases[h["open"]].deadline == 1054.0
     assert q2.renew(h["renewed"], 100.0).deadline == c() + 100.0
-    c.advance(46.0)  # t = 1050
+    c.advance(49.0)  # t = 1053
     assert q2.sweep().expired_leases == 0
     c.advance(1.0)
     assert q2.sweep().expired_leases == 1
     assert h["open"] not in q2.m.leases and pending(q2)[:2] == ["e1", "e3"]
     assert q2.ack(h["renewed"]) == 1
+
+
+def test_a_recovered_lease_gets_its_duration_anew(tmp_path: Path) -> None:
+    """A queue down longer than what was left of a lease must not expire it at once on restart: its holder
+    could not renew meanwhile (the chaos test's trainer had trained the groups; they went round again)."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), default_lease_s=30.0)
+    for g in ("a", "b", "c"):
+        q.put(rec(g))
+    short = _leased(q, 1, lease_s=4.0)  # a
+    renewed = _leased(q, 1, lease_s=4.0)  # b, renewed to 8 s
+    q.renew(renewed, 8.0)
+    c.advance(3.0)
+    q.wal.close()  # type: ignore[union-attr]
+    c.advance(10.0)  # down for 10 s: both deadlines passed
+    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    assert q2.m.leases[short].deadline == c() + 4.0 and q2.m.leases[renewed].deadline == c() + 8.0
+    assert q2.sweep().expired_leases == 0
+    c.advance(4.5)
+    assert q2.sweep().expired_leases == 1 and pending(q2) == ["a", "c"]  # `short`, after 4 s anew
+    assert q2.ack(renewed) == 1
+    # A lease from a log that records no duration (format 1) gets the default.
+    q3, c3 = make(wal=open_wal(tmp_path / "old.wal"), default_lease_s=30.0)
+    q3.put(rec("x"))
+    lid = _leased(q3, 1, lease_s=4.0)
+    q3.m.leases[lid].duration_s = 0.0
+    q3.compact()
+    q3.wal.close()  # type: ignore[union-attr]
+    c3.advance(100.0)
+    q4 = QueueState(q3.settings, open_wal(tmp_path / "old.wal"), clock=c3)
+    assert q4.m.leases[lid].deadline == c3() + 30.0
 
 
 def test_recovery_after_restart_then_more_work(tmp_path: Path) -> None:
@@ -807,7 +851,7 @@ def test_recovery_after_restart_then_more_work(tmp_path: Path) -> None:
     q.sweep()  # every remaining lease and ticket expires
     before = fingerprint(q)
     q2 = restart(q, path, c)
-    assert fingerprint(q2) == before
+    assert fingerprint(q2) == recovered(before, c())
     assert q2.stats().leased_groups == 0 and q2.stats().reserved_groups == 0
 
 
@@ -835,7 +879,7 @@ def test_recovery_replays_rebase(tmp_path: Path) -> None:
     q.set_trainer_version(1, rebase=True)
     before = fingerprint(q)
     assert before["stats"].accepted_groups == 3 and before["stats"].trainer_version == 1
-    assert fingerprint(restart(q, path, c)) == before
+    assert fingerprint(restart(q, path, c)) == recovered(before, c())
 
 
 def _three_puts(path: Path) -> tuple[QueueState, Clock, list[int]]:
@@ -861,7 +905,7 @@ def test_torn_tail_is_cut_and_earlier_records_survive(tmp_path: Path, cut: int) 
     q2.put(rec("d", size=40))
     before = fingerprint(q2)
     q3 = restart(q2, path, c)
-    assert fingerprint(q3) == before
+    assert fingerprint(q3) == recovered(before, c())
     assert pending(q3) == ["a", "b", "c", "d"]
 
 
@@ -885,7 +929,7 @@ def test_garbage_tail_is_cut(tmp_path: Path, garbage: bytes) -> None:
     with open(path, "ab") as f:
         f.write(garbage)
     q2 = QueueState(q.settings, open_wal(path), clock=c)
-    assert fingerprint(q2) == before
+    assert fingerprint(q2) == recovered(before, c())
     assert path.stat().st_size == sizes[-1]
     q2.put(rec("d"))
     assert pending(restart(q2, path, c)) == ["a", "b", "c", "d"]
@@ -954,7 +998,7 @@ def test_compaction_keeps_the_state_and_shrinks_the_log(tmp_path: Path) -> None:
     assert not (tmp_path / "q.wal.compact").exists()
 
     q2 = restart(q, path, c)
-    assert fingerprint(q2) == after
+    assert fingerprint(q2) == recovered(after, c())
 
     # Everything still behaves after compaction + recovery.
     assert q2.put(rec("t0", bv=2))[0] is False  # acked before compaction
@@ -989,13 +1033,15 @@ def test_work_after_compaction_recovers_identically(tmp_path: Path) -> None:
     q.get("c", max_groups=1)
     before = fingerprint(q)
     q2 = restart(q, path, c)
-    assert fingerprint(q2) == before
+    assert fingerprint(q2) == recovered(before, c())
     # A second compaction of the recovered state, then recovery again.
     q2.compact()
     again = fingerprint(q2)
     q3 = restart(q2, path, c)
-    assert fingerprint(q3) == again
-    assert {**again, "stats": None, "live_wal_bytes": None} == {**before, "stats": None, "live_wal_bytes": None}
+    assert fingerprint(q3) == recovered(again, c())
+    assert {**again, "stats": None, "live_wal_bytes": None} == {
+        **recovered(before, c()), "stats": None, "live_wal_bytes": None
+    }
 
 
 def test_compaction_drops_dead_bytes_and_counts_live_ones(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tauflow.controller.health import probe
 from tauflow.controller.launcher import ServiceFailed, ServiceSpec
 from tauflow.core.healthcheck import check as health_check
 
@@ -80,11 +80,9 @@ class ExternalLauncher:
         if time.monotonic() - self._checked_at < self.check_every_s or not self.services:
             return []
         self._checked_at = time.monotonic()
-        services = list(self.services.values())
-        with ThreadPoolExecutor(len(services)) as pool:  # at once: one role that hangs delays none of the others
-            answers = list(pool.map(lambda s: health_check(s.address, timeout_s=self.health_timeout_s), services))
+        answers = probe({name: svc.address for name, svc in self.services.items()}, self.health_timeout_s)
         back = []
-        for svc, (serving, answer) in zip(services, answers, strict=True):
+        for svc, (serving, answer) in zip(self.services.values(), answers.values(), strict=True):
             if serving and not svc.up:
                 svc.starts += 1
                 back.append(svc.name)

@@ -14,7 +14,9 @@ The first two share :class:`ProcessLauncher`, the supervision: each service runs
 tauflow.<name> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; its ports are read back
 from the ready file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
 unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
-(``max_restarts``) fails the run with a message that names it and quotes the end of its log.
+(``max_restarts``) fails the run with a message that names it and quotes the end of its log. One that is
+alive but does not answer its gRPC health check (stopped, hung) is logged and counted
+(``tauflow.controller.health``).
 
 Every service is told who started it (``TAUFLOW_PARENT_PID``: the controller, or the Ray actor hosting it)
 and stops by itself, draining as on SIGTERM, once that process is gone: a controller killed with SIGKILL
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from tauflow.controller.health import HealthProbe
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -161,6 +164,8 @@ class ProcessLauncher:
         backoff_s: float = 1.0,
         start_timeout_s: float = 120.0,
         stop_grace_s: float = 15.0,
+        health_timeout_s: float = 3.0,
+        health_every_s: float = 2.0,
     ) -> None:
         self.run_dir = run_dir
         self.max_restarts = max_restarts
@@ -168,6 +173,7 @@ class ProcessLauncher:
         self.backoff_s = backoff_s
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.health = HealthProbe(timeout_s=health_timeout_s, every_s=health_every_s)
         self.services: dict[str, ManagedService] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -236,7 +242,8 @@ class ProcessLauncher:
     def check(self) -> list[str]:
         """Restarts services that died; returns the names restarted. Raises ServiceFailed
         when one died more than ``max_restarts`` times in a row; a service that stayed up for
-        ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop)."""
+        ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop).
+        Then probes the health of those that are up (every ``health_every_s``)."""
         restarted = []
         now = time.monotonic()
         for svc in self.services.values():
@@ -260,7 +267,9 @@ class ProcessLauncher:
                 svc.next_restart_at = 0.0
                 self._spawn(svc)
                 self._wait_ready(svc)
+                self.health.restarted(svc.name)
                 restarted.append(svc.name)
+        self.health.check({name: svc.address for name, svc in self.services.items() if svc.up})
         return restarted
 
     # -- stopping ------------------------------------------------------------------------

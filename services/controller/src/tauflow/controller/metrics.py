@@ -37,6 +37,11 @@ class ControllerMetrics:
         c.counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process "
                   "(launcher external: times the role served again after an outage)", self._restarts,
                   labels=["service"])
+        c.gauge("tauflow_controller_service_answering", "1 while the role answers its gRPC health check within the "
+                "probe's deadline, 0 while its process is alive but does not (stopped, hung); launchers local "
+                "and ray", self._answering, labels=["service"])
+        c.counter("tauflow_controller_service_unanswered_total", "Times the role's live process stopped answering "
+                  "its gRPC health check (launchers local and ray)", self._unanswered, labels=["service"])
         c.gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
                 lambda: None if self._run is None else self._run.progress.version)
         c.gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
@@ -63,6 +68,21 @@ class ControllerMetrics:
 
     def _restarts(self) -> Reading:
         return {(role,): max(0, svc.starts - 1) for role, svc in self._services().items()}
+
+    def _health(self) -> Any:
+        return None if self._run is None else getattr(self._run.launcher, "health", None)
+
+    def _answering(self) -> Reading:
+        health = self._health()
+        if health is None:
+            return None
+        return {(role,): 1 if health.answering(role) else 0 for role in self._services()}
+
+    def _unanswered(self) -> Reading:
+        health = self._health()
+        if health is None:
+            return None
+        return {(role,): health.unanswered(role) for role in self._services()}
 
     def _last_eval(self, field: str) -> Reading:
         if self._run is None or not self._run.summary.evals:

@@ -107,6 +107,7 @@ class Lease:
     deadline: float
     consumer_id: str
     consumer_version: int
+    duration_s: float = 0.0  # its last Get's or RenewLease's lease_s: what recovery grants it anew
 
 
 @dataclass(frozen=True)
@@ -217,9 +218,26 @@ class QueueState:
                 extra={"groups": len(self.m.groups), "leases": len(self.m.leases), "version": self.m.trainer_version},
             )
         self.wal = wal
+        if wal is not None:
+            self._grant_recovered_leases()
         if wal is not None and wal.losses:
             log.error("recovered past damage in the log", extra={"records_needing_lost_ones_skipped": skipped})
             self.compact()  # the log then holds exactly the recovered state
+
+    def _grant_recovered_leases(self) -> None:
+        """Gives each recovered lease its duration anew from now (in memory: the next recovery does the same).
+        Its holder could not renew while the queue was down, and it reconnects with a backoff; a lease kept
+        to its old deadline would expire at once after a long restart, its groups going round again after
+        the trainer had trained them (found by the chaos test)."""
+        now = self.clock()
+        granted = 0
+        for lease in self.m.leases.values():
+            duration = lease.duration_s or self.settings.default_lease_s  # format-1 logs say no duration
+            if lease.deadline < now + duration:
+                lease.deadline = now + duration
+                granted += 1
+        if granted:
+            log.info("recovered leases get their duration anew", extra={"leases": granted})
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -423,8 +441,9 @@ class QueueState:
             len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))
         ):
             return GetResult(None, [], len(stale), len(invalid))
-        deadline = self.clock() + (lease_s or s.default_lease_s)
-        meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": deadline, "c": consumer_id, "cv": version}
+        duration = lease_s or s.default_lease_s
+        meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": self.clock() + duration, "ls": duration, "c": consumer_id,
+                "cv": version}
         self._log(LEASE, meta)
         lease = m.leases[meta["l"]]
         deliveries = [
@@ -498,7 +517,8 @@ class QueueState:
             if outcome is not None:
                 raise FailedPrecondition(f"lease {lease_id} is no longer held: it was {outcome}")
             raise NotFound(f"lease {lease_id!r} is unknown")
-        self._log(RENEW, {"l": lease_id, "dl": self.clock() + (lease_s or self.settings.default_lease_s)})
+        duration = lease_s or self.settings.default_lease_s
+        self._log(RENEW, {"l": lease_id, "dl": self.clock() + duration, "ls": duration})
         return lease
 
     def set_trainer_version(self, version: int, rebase: bool = False) -> int:
@@ -561,7 +581,7 @@ class QueueState:
             for r in (m.groups[g],)
         ]
         records += [
-            (LEASE, {"l": x.lease_id, "gs": x.group_ids, "dl": x.deadline, "c": x.consumer_id, "cv": x.consumer_version, "re": 1}, b"")
+            (LEASE, {"l": x.lease_id, "gs": x.group_ids, "dl": x.deadline, "ls": x.duration_s, "c": x.consumer_id, "cv": x.consumer_version, "re": 1}, b"")
             for x in m.leases.values()
         ]
         records += [
@@ -623,7 +643,7 @@ class QueueState:
                     del m.tickets[ticket.ticket_id]
                     _bounded_put(m.outcomes, ticket.ticket_id, "used", s.outcome_window)
         elif kind == LEASE:
-            lease = Lease(meta["l"], list(meta["gs"]), meta["dl"], meta["c"], meta["cv"])
+            lease = Lease(meta["l"], list(meta["gs"]), meta["dl"], meta["c"], meta["cv"], meta.get("ls", 0.0))
             for g in lease.group_ids:
                 del m.pending[g]
                 m.pending_bytes -= m.groups[g].size
@@ -632,7 +652,8 @@ class QueueState:
             m.leases[lease.lease_id] = lease
             m.leased_groups += len(lease.group_ids)
         elif kind == RENEW:
-            m.leases[meta["l"]].deadline = meta["dl"]
+            lease = m.leases[meta["l"]]
+            lease.deadline, lease.duration_s = meta["dl"], meta.get("ls", lease.duration_s)
         elif kind == ACK:
             lease = m.leases.pop(meta["l"])
             m.leased_groups -= len(lease.group_ids)
