@@ -16,23 +16,11 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions
-from pydantic import Field
 
-from tauflow.core.config import StrictModel
+from tauflow.core.config import ChannelConfig
 from tauflow.core.server import message_size_options
 
 _RETRYABLE_LEVELS = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
-
-
-class ChannelConfig(StrictModel):
-    default_timeout_s: float = Field(30.0, gt=0, description="deadline of calls that set none")
-    max_message_bytes: int = Field(256 * 1024 * 1024, gt=0)
-    keepalive_time_s: float = Field(30.0, gt=0)
-    keepalive_timeout_s: float = Field(10.0, gt=0)
-    retry_max_attempts: int = Field(5, ge=2, le=5, description="gRPC caps attempts at 5")
-    retry_initial_backoff_s: float = Field(0.1, gt=0)
-    retry_max_backoff_s: float = Field(2.0, gt=0)
-    retry_status_codes: list[str] = ["UNAVAILABLE"]
 
 
 def is_retryable(method: MethodDescriptor) -> bool:

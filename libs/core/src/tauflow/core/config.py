@@ -238,3 +238,16 @@ def _explain(error: ValidationError, origin: Mapping[tuple[str, ...], str], path
         else:
             lines.append(f"config key '{key}' (from {where}): {err['msg']}")
     return "invalid configuration: " + "; ".join(lines)
+
+
+class ChannelConfig(StrictModel):
+    """A client channel's settings (tauflow.core.channel builds the channel)."""
+
+    default_timeout_s: float = Field(30.0, gt=0, description="deadline of calls that set none")
+    max_message_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    keepalive_time_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+    retry_max_attempts: int = Field(5, ge=2, le=5, description="gRPC caps attempts at 5")
+    retry_initial_backoff_s: float = Field(0.1, gt=0)
+    retry_max_backoff_s: float = Field(2.0, gt=0)
+    retry_status_codes: list[str] = ["UNAVAILABLE"]

@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from tauflow.api.info.v1 import info_pb2_grpc
 from tauflow.core.config import ServerConfig
+from tauflow.core.files import write_atomic
 from tauflow.core.metrics import ServerMetrics
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import ServerInfoServicer, server_info
@@ -317,10 +318,7 @@ class GrpcServer:
 
 def write_ready_file(path: str | os.PathLike[str], info: dict[str, Any]) -> None:
     """Writes ``info`` as JSON atomically, so a launcher never reads half a file."""
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, target)
+    write_atomic(path, json.dumps(info))
 
 
 async def serve(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,9 +51,10 @@ class HealthProbe:
         self.roles: dict[str, Answering] = {}
         self._probed_at = 0.0
 
-    def check(self, addresses: Mapping[str, str]) -> list[str]:
+    def check(self, addresses: Mapping[str, str], alive: Callable[[str], bool] = lambda name: True) -> list[str]:
         """Probes the roles at ``addresses`` (those whose process is up) once ``every_s`` has passed; returns
-        the roles that stopped answering at this probe."""
+        the roles that stopped answering at this probe. A role whose process is found dead (``alive``) once
+        the probe is answered is left to the exit check: its silence was its death, not a hang."""
         now = time.monotonic()
         if now - self._probed_at < self.every_s or not addresses:
             return []
@@ -62,7 +63,7 @@ class HealthProbe:
         for name, (serving, answer) in probe(addresses, self.timeout_s).items():
             role = self.roles.setdefault(name, Answering(since=now))
             role.answer = answer
-            if role.answering and not serving:
+            if role.answering and not serving and alive(name):
                 role.answering, role.since = False, now
                 role.unanswered += 1
                 gone.append(name)

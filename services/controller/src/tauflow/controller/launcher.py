@@ -269,7 +269,8 @@ class ProcessLauncher:
                 self._wait_ready(svc)
                 self.health.restarted(svc.name)
                 restarted.append(svc.name)
-        self.health.check({name: svc.address for name, svc in self.services.items() if svc.up})
+        self.health.check({name: svc.address for name, svc in self.services.items() if svc.up},
+                          alive=lambda name: self.services[name].up)
         return restarted
 
     # -- stopping ------------------------------------------------------------------------

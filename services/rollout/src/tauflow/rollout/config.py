@@ -6,8 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from tauflow.core.channel import ChannelConfig
-from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
 
 
 class SamplingConfig(StrictModel):

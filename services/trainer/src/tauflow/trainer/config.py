@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tauflow.core.channel import ChannelConfig
-from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig
+from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig
 from tauflow.trainer.backend import TorchBackendConfig
 
 
