@@ -2,68 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-
-class ServiceProcess:
-    """One tauflow service in its own process (``python -m tauflow.<name>``), on a free port."""
-
-    def __init__(
-        self, name: str, workdir: Path, settings: dict[str, object], env: dict[str, str] | None = None
-    ) -> None:
-        self.name = name
-        self.env = env or {}
-        self.workdir = workdir
-        self.settings = {"server.port": 0, "metrics.port": 0, **settings}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.info: dict[str, object] = {}
-        self.starts = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.info['grpc_port']}"
-
-    def start(self, timeout_s: float = 30.0) -> ServiceProcess:
-        self.starts += 1
-        ready = self.workdir / f"{self.name}.ready.json"
-        ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", f"tauflow.{self.name}", "--ready-file", str(ready)]
-        for key, value in self.settings.items():
-            args += ["--set", f"{key}={value}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env}
-        log = open(self.workdir / f"{self.name}.{self.starts}.log", "wb")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout_s}s:\n{self.log_text()}")
-            time.sleep(0.05)
-        self.info = json.loads(ready.read_text())
-        return self
-
-    def log_text(self) -> str:
-        return (self.workdir / f"{self.name}.{self.starts}.log").read_text(errors="replace")
-
-    def kill(self, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout_s)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+from tauflow.core.testing import ServiceProcess
 
 
 @pytest.fixture
@@ -79,38 +23,3 @@ def service_process(tmp_path: Path) -> Iterator[object]:
     yield make
     for proc in started:
         proc.stop()
-
-
-def queue_stub(address: str, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-    """A blocking QueueService client made by the project's one channel factory."""
-    from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-    from tauflow.core.channel import ChannelConfig, create_sync_channel
-
-    channel = create_sync_channel(
-        address,
-        [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]],
-        ChannelConfig(default_timeout_s=timeout_s),
-    )
-    return queue_pb2_grpc.QueueServiceStub(channel)
-
-
-def make_group(group_id: str, version: int = 0, payload_tokens: int = 8, samples: int = 2):  # type: ignore[no-untyped-def]
-    """A well-formed group whose samples were generated at ``version``."""
-    from tauflow.api.common.v1 import common_pb2
-
-    return common_pb2.Group(
-        group_id=group_id,
-        prompt_id=group_id,
-        samples=[
-            common_pb2.Sample(
-                sample_id=str(i),
-                prompt_token_ids=[1, 2, 3],
-                completion_token_ids=list(range(4, 4 + payload_tokens)),
-                behaviour_logprobs=[-0.5] * payload_tokens,
-                token_versions=[version] * payload_tokens,
-                reward=common_pb2.Reward(score=float(i % 2)),
-            )
-            for i in range(samples)
-        ],
-        trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
-    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ServiceProcess
+from tauflow.core.testing import ServiceProcess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -29,8 +29,8 @@ from tauflow.client import (
 )
 from tauflow.client.channel import retryable_methods
 from tauflow.client.client import QUEUE, REWARD, ROLLOUT
-from tests.conftest import ServiceProcess
-from tests.conftest import make_group as wire_group
+from tauflow.core.testing import ServiceProcess
+from tauflow.core.testing import make_group as wire_group
 
 from .conftest import TOKENS
 

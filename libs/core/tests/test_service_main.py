@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ServiceProcess
+from tauflow.core.testing import ServiceProcess
 
 TOKEN = "tok-" + "k" * 28
 

@@ -17,11 +17,11 @@ from tauflow.api.info.v1 import info_pb2, info_pb2_grpc
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.core.config import ConfigError, load_config
+from tauflow.core.testing import ServiceProcess, make_group
 from tauflow.queue import wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.external import bearer_token, with_client_identity
 from tauflow.queue.tokens import TokensError, TokenTable
-from tests.conftest import ServiceProcess, make_group
 
 A_TOKEN, B_TOKEN, C_TOKEN = "a" * 24, "b" * 24, "c" * 24
 

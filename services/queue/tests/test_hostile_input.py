@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.core.testing import make_group
 from tauflow.queue import convert, state, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.quarantine import QuarantineFolder
 from tauflow.queue.servicer import QueueServicer
 from tauflow.queue.wal import WriteAheadLog
-from tests.conftest import make_group
 
 LIMIT = 1 << 22
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.reward.v1 import reward_pb2
-from tests.conftest import ServiceProcess
+from tauflow.core.testing import ServiceProcess
 
 LONG_RUN = int(os.environ.get("TAUFLOW_FUZZ_EXAMPLES", "0"))
 SETTINGS = settings(

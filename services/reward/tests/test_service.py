@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
-from tests.conftest import ServiceProcess
+from tauflow.core.testing import ServiceProcess
 
 OK, ERROR, TIMEOUT = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR, common_pb2.REWARD_STATUS_TIMEOUT
 

@@ -19,9 +19,9 @@ import torch
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
+from tauflow.core.testing import ServiceProcess
 from tauflow.weights.convert import manifest_to_proto
 from tauflow.weightsync import Manifest, Stager
-from tests.conftest import ServiceProcess
 
 FAKE = Path(__file__).with_name("fake_rollout.py")
 
