@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tauflow.core.channel import is_retryable
+from tauflow.api.retry import is_retryable
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"

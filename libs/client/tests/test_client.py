@@ -16,6 +16,7 @@ import pytest
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
+from tauflow.api.retry import retryable_methods
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.client import (
     Completion,
@@ -27,7 +28,6 @@ from tauflow.client import (
     Trajectory,
     make_group,
 )
-from tauflow.client.channel import retryable_methods
 from tauflow.client.client import QUEUE, REWARD, ROLLOUT
 from tauflow.core.testing import ServiceProcess
 from tauflow.core.testing import make_group as wire_group

@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.core.channel import ChannelConfig, create_channel, create_sync_channel, is_retryable
+from tauflow.api.retry import is_retryable
+from tauflow.core.channel import ChannelConfig, create_channel, create_sync_channel
 
 SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
 

@@ -1,25 +1,24 @@
 """The client's channels: message-size limits, keepalive, TLS, and gRPC retries for idempotent methods only.
 
 tauflow's services build their channels with ``tauflow.core.channel``; this package cannot depend on
-tauflow-core (pydantic, OpenTelemetry, Prometheus: more than an agent should install), so it keeps its own
-few lines with the same policy: the retry class of each method is read from the contract
-(``idempotency_level``), and only ``IDEMPOTENT`` and ``NO_SIDE_EFFECTS`` methods are retried, on
-``UNAVAILABLE``. Deadlines are not set here: every call of the clients passes its own.
+tauflow-core (pydantic, OpenTelemetry, Prometheus: more than an agent should install), so it builds its
+channel here, with the one retry policy both share (``tauflow.api.retry``): the retry class of each method
+is read from the contract (``idempotency_level``), and only ``IDEMPOTENT`` and ``NO_SIDE_EFFECTS`` methods
+are retried, on ``UNAVAILABLE``. Deadlines are not set here: every call of the clients passes its own.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.descriptor_pb2 import MethodOptions
+
+from tauflow.api.retry import service_config_json
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the services' default limit
-_RETRYABLE = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
 
 
 @dataclass(frozen=True)
@@ -34,23 +33,6 @@ class Tls:
     @classmethod
     def from_file(cls, ca_file: str | Path, server_name: str = "") -> Tls:
         return cls(Path(ca_file).read_bytes(), server_name)
-
-
-def retryable_methods(services: Sequence[ServiceDescriptor]) -> list[tuple[str, str]]:
-    """(service, method) of every method the contracts mark safe to send again."""
-    return [(s.full_name, m.name) for s in services for m in s.methods if m.GetOptions().idempotency_level in _RETRYABLE]
-
-
-def _service_config(services: Sequence[ServiceDescriptor]) -> str:
-    names = [{"service": service, "method": method} for service, method in retryable_methods(services)]
-    policy = {
-        "maxAttempts": 5,
-        "initialBackoff": "0.1s",
-        "maxBackoff": "2s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": ["UNAVAILABLE"],
-    }
-    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": policy}] if names else []})
 
 
 def open_channel(
@@ -68,7 +50,7 @@ def open_channel(
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", _service_config(services)),
+        ("grpc.service_config", service_config_json(services)),
         ("grpc.max_reconnect_backoff_ms", 5_000),  # (gRPC's default grows to 120 s: blind long after a restart)
     ]
     if tls is None:

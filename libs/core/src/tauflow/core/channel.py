@@ -8,48 +8,21 @@ for the methods whose contract declares ``idempotency_level = IDEMPOTENT`` or
 
 from __future__ import annotations
 
-import json
 from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
-from google.protobuf.descriptor_pb2 import MethodOptions
+from google.protobuf.descriptor import ServiceDescriptor
 
+from tauflow.api.retry import RetryPolicy, service_config_json
 from tauflow.core.config import ChannelConfig
 from tauflow.core.server import message_size_options
 
-_RETRYABLE_LEVELS = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
 
-
-def is_retryable(method: MethodDescriptor) -> bool:
-    """Whether the contract marks ``method`` safe to send again."""
-    return method.GetOptions().idempotency_level in _RETRYABLE_LEVELS
-
-
-def service_config_json(services: Sequence[ServiceDescriptor], config: ChannelConfig) -> str:
-    names = [
-        {"service": s.full_name, "method": m.name}
-        for s in services
-        for m in s.methods
-        if is_retryable(m)
-    ]
-    method_config = []
-    if names:
-        method_config.append(
-            {
-                "name": names,
-                "retryPolicy": {
-                    "maxAttempts": config.retry_max_attempts,
-                    "initialBackoff": f"{config.retry_initial_backoff_s}s",
-                    "maxBackoff": f"{config.retry_max_backoff_s}s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": config.retry_status_codes,
-                },
-            }
-        )
-    return json.dumps({"methodConfig": method_config})
+def retry_policy(config: ChannelConfig) -> RetryPolicy:
+    return RetryPolicy(config.retry_max_attempts, config.retry_initial_backoff_s, config.retry_max_backoff_s,
+                       tuple(config.retry_status_codes))
 
 
 RECONNECT_BACKOFF_MAX_MS = 5_000
@@ -63,7 +36,7 @@ def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1),
-        ("grpc.service_config", service_config_json(services, config)),
+        ("grpc.service_config", service_config_json(services, retry_policy(config))),
         # A restarted service is back in seconds: gRPC's default backoff grows to 120 s between attempts, so a
         # client could stay blind for minutes after an outage (seen in the chaos test).
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MAX_MS),
