@@ -18,7 +18,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tauflow.core.config import ConfigError, ServiceConfig, load_config
 from tauflow.core.logs import setup_logging
@@ -70,7 +70,7 @@ def service_main(
 
         try:
             setup_telemetry(service, version)  # (OTEL_* variables can be wrong too)
-            ready_info = {"service": service, "version": version}
+            ready_info: dict[str, Any] = {"service": service, "version": version}
             if config.metrics.enabled:
                 ready_info["metrics_port"] = start_metrics_server(config.metrics.host, config.metrics.port)
             asyncio.run(_run(build, config, ready_info, args.ready_file, started))
@@ -108,6 +108,6 @@ def one_line(error: BaseException) -> str:
     return text
 
 
-async def _run(build, config, ready_info, ready_file, started) -> None:  # type: ignore[no-untyped-def]
+async def _run(build, config, ready_info, ready_file, started) -> None:
     app = await build(config)
     await serve(app, config.server, ready_info=ready_info, ready_file=ready_file, started=started)

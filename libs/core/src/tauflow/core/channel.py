@@ -74,34 +74,34 @@ class _SyncDefaultDeadline(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
 
     intercept_unary_stream = intercept_unary_unary
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_unary(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
 
     intercept_stream_stream = intercept_stream_unary
 
 
 class _AioUnaryUnary(_DefaultDeadline, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
 class _AioUnaryStream(_DefaultDeadline, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
 class _AioStreamUnary(_DefaultDeadline, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 
 class _AioStreamStream(_DefaultDeadline, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
 

@@ -35,12 +35,12 @@ def check_bounds(
     limits = limits or {}
     name = msg.DESCRIPTOR.full_name
     if name == "google.protobuf.Duration":
-        s, n = msg.seconds, msg.nanos  # type: ignore[attr-defined]
+        s, n = msg.seconds, msg.nanos
         if abs(s) > MAX_DURATION_SECONDS or abs(n) > 999_999_999 or (s > 0 > n) or (s < 0 < n):
             raise ValueError(f"{path} is not a valid google.protobuf.Duration (seconds={s}, nanos={n})")
         return
     if name == "google.protobuf.Timestamp":
-        s, n = msg.seconds, msg.nanos  # type: ignore[attr-defined]
+        s, n = msg.seconds, msg.nanos
         if not TIMESTAMP_SECONDS[0] <= s <= TIMESTAMP_SECONDS[1] or not 0 <= n <= 999_999_999:
             raise ValueError(f"{path} is not a valid google.protobuf.Timestamp (seconds={s}, nanos={n})")
         return

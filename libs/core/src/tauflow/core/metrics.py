@@ -156,11 +156,11 @@ def _info_of(collector: object) -> list[MetricInfo]:
     if isinstance(collector, ScrapeCollector):
         return collector.infos()
     if isinstance(collector, MetricWrapperBase):
-        kind = collector._type  # private in prometheus_client, and stable
+        kind = collector._type or ""  # private in prometheus_client, and stable (set by every subclass)
         name = collector._name
         if kind == "counter":
             name += "_total"
-        return [MetricInfo(name, kind, tuple(collector._labelnames), collector._documentation)]
+        return [MetricInfo(name, kind, tuple(collector._labelnames), collector._documentation or "")]
     describe = getattr(collector, "describe", None)
     families = describe() if describe else []
     return [MetricInfo(f.name + ("_total" if f.type == "counter" else ""), f.type, (), f.documentation)

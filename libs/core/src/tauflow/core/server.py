@@ -29,7 +29,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,7 @@ class ServiceApp:
     """
 
     bindings: Sequence[ServiceBinding]
-    background: Sequence[Callable[[], Awaitable[None]]] = ()
+    background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()
     close: Callable[[], Awaitable[None] | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     on_serving: Callable[[int], None] | None = None  # told the bound port (e.g. to register with a peer)
@@ -141,7 +141,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, details):
         method = details.method.lstrip("/")
         try:
             handler = await continuation(details)
@@ -162,7 +162,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
 
     def _guard(self, behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behaviour):
-            async def stream(request, context):  # type: ignore[no-untyped-def]
+            async def stream(request, context):
                 try:
                     async for item in behaviour(request, context):
                         yield item
@@ -173,7 +173,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
 
             return stream
         if inspect.iscoroutinefunction(behaviour):
-            async def call(request, context):  # type: ignore[no-untyped-def]
+            async def call(request, context):
                 try:
                     return await behaviour(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -380,8 +380,8 @@ async def serve(
         if asyncio.iscoroutine(result):
             await result
     log.info("stopped")
-    if failed.done() and not failed.cancelled() and failed.exception() is not None:
-        raise failed.exception()  # a background job died: the process must exit non-zero
+    if failed.done() and not failed.cancelled() and (error := failed.exception()) is not None:
+        raise error  # a background job died: the process must exit non-zero
 
 
 async def _first_failure(tasks: Sequence[asyncio.Task[Any]]) -> None:

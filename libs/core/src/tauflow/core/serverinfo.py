@@ -40,7 +40,7 @@ class ServerInfoServicer(info_pb2_grpc.ServerInfoServiceServicer):
     def __init__(self, info: info_pb2.GetServerInfoResponse) -> None:
         self.info = info
 
-    async def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetServerInfo(self, request, context):
         return self.info
 
 
@@ -92,7 +92,7 @@ def check_compatible(
         raise IncompatibleService(f"{server} does not serve {package}, which {peer} speaks")
 
 
-async def fetch_server_info(channel, address: str, timeout_s: float = 30.0) -> info_pb2.GetServerInfoResponse:  # type: ignore[no-untyped-def]
+async def fetch_server_info(channel, address: str, timeout_s: float = 30.0) -> info_pb2.GetServerInfoResponse:
     """``GetServerInfo`` on ``channel`` (a channel from ``tauflow.core.channel`` to ``address``), waiting
     up to ``timeout_s`` for the server to accept connections (a peer just restarted may not yet). A server
     that answers UNIMPLEMENTED predates the info contract: IncompatibleService."""

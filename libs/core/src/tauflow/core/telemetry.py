@@ -172,7 +172,7 @@ def setup_telemetry(service: str, version: str) -> None:
     GrpcAioInstrumentorClient(filter_=traced).instrument()
 
 
-def _traced_methods_filter():  # type: ignore[no-untyped-def]
+def _traced_methods_filter():
     """The instrumentation's filter: True for the calls that get spans (see ``UNTRACED_METHODS``)."""
     from opentelemetry.instrumentation.grpc import filters
 
