@@ -35,7 +35,7 @@ from google.protobuf.duration_pb2 import Duration
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
-from tauflow.queue import wire
+from tauflow.queue.adapters import wire
 
 HOST = "127.0.0.1"
 

@@ -376,7 +376,9 @@ def account(out: Path, copy: Path, steps: int, external_acked: set[str], report:
     The log holds a PUT record for every group the queue accepted (a Put is answered only once its record
     is written), and an EVICT record naming each group evicted; the state it recovers to holds the groups
     still in the queue. Each log is read from a copy: opening one may cut a torn tail."""
-    from tauflow.queue.state import EVICT, PUT, SNAPSHOT, QueueState, Settings
+    from tauflow.queue.config import QueueConfig
+    from tauflow.queue.records import EVICT, PUT, SNAPSHOT
+    from tauflow.queue.state import QueueState
     from tauflow.queue.wal import WriteAheadLog
 
     problems = report.problems
@@ -395,7 +397,7 @@ def account(out: Path, copy: Path, steps: int, external_acked: set[str], report:
             problems.append("the log was compacted: the Puts before the snapshot cannot be counted")
     wal.close()
     wal = WriteAheadLog(copy / "state" / "queue.wal")
-    left = set(QueueState(Settings(), wal).m.groups)
+    left = set(QueueState(QueueConfig(), wal).memory.groups)
     wal.close()
 
     acknowledged = set(puts)

@@ -34,7 +34,7 @@ def _running(pid: int) -> bool:
 def _acked_group_ids(wal_dir: Path, copy: Path) -> set[str]:
     """The groups whose leases the queue acknowledged, from its write-ahead log (replayed from a copy: reading
     a log may cut a torn tail)."""
-    from tauflow.queue.state import ACK, LEASE, SNAPSHOT
+    from tauflow.queue.records import ACK, LEASE, SNAPSHOT
     from tauflow.queue.wal import WriteAheadLog
 
     shutil.copytree(wal_dir, copy)

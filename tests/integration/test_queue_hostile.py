@@ -14,9 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tauflow.queue import state, wire
+from tauflow.core.testing import make_group, queue_stub
+from tauflow.queue import model
+from tauflow.queue.adapters import wire
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import WriteAheadLog
-from tests.conftest import make_group, queue_stub
 
 TOKEN = "t" * 32
 
@@ -98,10 +101,10 @@ def test_poison_groups_are_refused_on_both_ports_and_training_goes_on(service_pr
 def test_a_stored_group_no_consumer_can_decode_is_quarantined(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # The log of an older build that accepted a poison group between two good ones.
     wal = WriteAheadLog(tmp_path / "wal" / "queue.wal")
-    old = state.QueueState(state.Settings(max_staleness=-1), wal)
+    old = QueueState(QueueConfig(max_staleness=-1), wal)
     for gid, raw in (("a", make_group("a").SerializeToString()), ("bad", _poison("bad")),
                      ("b", make_group("b").SerializeToString())):
-        old.put(state.GroupRecord(gid, raw, 0, 10))
+        old.put(model.GroupRecord(gid, raw, 0, 10))
     wal.close()
     queue = service_process("queue", {"max_staleness": -1, "wal.dir": "wal"})
     stub = queue_stub(queue.address)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.core.status import error_reason
-from tests.conftest import make_group, queue_stub
+from tauflow.core.testing import make_group, queue_stub
 
 
 def _duration(seconds: float) -> Duration:
@@ -251,18 +252,21 @@ def test_health_reflection_and_graceful_drain(service_process) -> None:  # type:
     put = pool.FindServiceByName("tauflow.api.queue.v1.QueueService").FindMethodByName("Put")
     assert put.input_type.fields_by_name["group"].message_type.full_name == "tauflow.api.common.v1.Group"
 
-    # A long poll in flight when SIGTERM arrives still gets its answer, and the process exits 0.
+    # A long poll in flight when SIGTERM arrives still gets its answer, and the process exits 0. The poll
+    # is seen in flight by its first attempt: it evicts a group too stale for its consumer_version (tau=1).
     stub = queue_stub(queue.address)
+    stub.Put(q.PutRequest(group=make_group("old", version=0)))
     answers: list[object] = []
     poll = threading.Thread(
         target=lambda: answers.append(
-            stub.Get(q.GetRequest(consumer_id="t", max_groups=1, wait=Duration(seconds=2)))
+            stub.Get(q.GetRequest(consumer_id="t", max_groups=1, consumer_version=2, wait=Duration(seconds=2)))
         )
     )
     poll.start()
-    import time
-
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while stub.Stats(q.StatsRequest()).evicted_groups.get("stale", 0) == 0:
+        assert time.monotonic() < deadline, "the long poll did not reach the queue within 10 s"
+        time.sleep(0.01)
     assert queue.kill(signal.SIGTERM) == 0
     poll.join(15)
-    assert len(answers) == 1 and not answers[0].groups
+    assert len(answers) == 1 and not answers[0].groups and answers[0].evicted_stale == 1

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tauflow.api.common.v1 import common_pb2
-from tauflow.queue import convert
+from tauflow.queue.adapters import convert
 
 LIMIT = 1 << 20
 

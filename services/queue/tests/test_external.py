@@ -18,9 +18,9 @@ from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.testing import ServiceProcess, make_group
-from tauflow.queue import wire
+from tauflow.queue.adapters import wire
+from tauflow.queue.adapters.external import bearer_token, with_client_identity
 from tauflow.queue.config import QueueConfig
-from tauflow.queue.external import bearer_token, with_client_identity
 from tauflow.queue.tokens import TokensError, TokenTable
 
 A_TOKEN, B_TOKEN, C_TOKEN = "a" * 24, "b" * 24, "c" * 24

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ from hypothesis import strategies as st
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.core.testing import make_group
-from tauflow.queue import convert, state, wire
+from tauflow.queue import model
+from tauflow.queue.adapters import convert, wire
+from tauflow.queue.adapters.servicer import QueueServicer
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.quarantine import QuarantineFolder
-from tauflow.queue.servicer import QueueServicer
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import WriteAheadLog
 
 LIMIT = 1 << 22
@@ -146,25 +149,25 @@ def test_every_string_and_list_of_a_group_has_a_bound(mutate, field: str) -> Non
 
 
 def test_a_group_from_the_future_is_refused_and_changes_nothing() -> None:
-    q_ = state.QueueState(state.Settings(max_staleness=1))
+    q_ = QueueState(QueueConfig(max_staleness=1))
     q_.set_trainer_version(3)
     future = wire.group_record(make_group("f", version=2**64 - 1).SerializeToString(), LIMIT)
-    with pytest.raises(state.FailedPrecondition, match="newer than the trainer's version 3"):
+    with pytest.raises(model.FailedPrecondition, match="newer than the trainer's version 3"):
         q_.put(future)
     one_ahead = wire.group_record(make_group("g", version=4).SerializeToString(), LIMIT)
-    with pytest.raises(state.FailedPrecondition):
+    with pytest.raises(model.FailedPrecondition):
         q_.put(one_ahead)
     assert q_.stats().accepted_groups == 0 and q_.depth_groups == 0
     mixed = make_group("m", version=3)
     mixed.samples[0].token_versions[-1] = 9  # its newest token is from the future, its oldest is not
-    with pytest.raises(state.FailedPrecondition):
+    with pytest.raises(model.FailedPrecondition):
         q_.put(wire.group_record(mixed.SerializeToString(), LIMIT))
     assert q_.put(wire.group_record(make_group("ok", version=3).SerializeToString(), LIMIT))[0]
 
 
 def test_refused_requests_change_no_state(tmp_path: Path) -> None:
     wal = WriteAheadLog(tmp_path / "q.wal")
-    q_ = state.QueueState(state.Settings(max_staleness=-1, max_lease_s=3600), wal)
+    q_ = QueueState(QueueConfig(max_staleness=-1, max_lease_s=3600), wal)
     q_.put(wire.group_record(make_group("a").SerializeToString(), LIMIT))
     size = wal.size
     for call in (
@@ -179,13 +182,13 @@ def test_refused_requests_change_no_state(tmp_path: Path) -> None:
         lambda: q_.release_reservation("t" * 300),
         lambda: q_.ack("l" * 300),
     ):
-        with pytest.raises(state.InvalidRequest):
+        with pytest.raises(model.InvalidRequest):
             call()
     assert wal.size == size and q_.stats().leased_groups == 0 and q_.stats().reserved_groups == 0
-    assert q_.trainer_version == 0 and q_.settings.max_staleness == -1
+    assert q_.trainer_version == 0 and q_.max_staleness == -1
     lease = q_.get("c", max_groups=1, lease_s=3600).lease
     assert lease is not None
-    with pytest.raises(state.InvalidRequest, match="lease_duration"):
+    with pytest.raises(model.InvalidRequest, match="lease_duration"):
         q_.renew(lease.lease_id, 3601)
 
 
@@ -195,13 +198,13 @@ def test_refused_requests_change_no_state(tmp_path: Path) -> None:
 def _old_build_log(path: Path) -> list[str]:
     """A log as an older queue would have left it: good groups with poison ones among them."""
     wal = WriteAheadLog(path)
-    old = state.QueueState(state.Settings(max_staleness=-1), wal)  # (no validation at all)
+    old = QueueState(QueueConfig(max_staleness=-1), wal)  # (no validation at all)
     ids = []
     for i in range(6):
         raw = make_group(f"g{i}").SerializeToString()
         if i in (1, 4):
             raw += _field(3, _field(1, b"0") + _field(10, b"\xff"))  # a completion_text that is not UTF-8
-        old.put(state.GroupRecord(f"g{i}", raw, 0, 10))
+        old.put(model.GroupRecord(f"g{i}", raw, 0, 10))
         ids.append(f"g{i}")
     wal.close()
     return ids
@@ -211,8 +214,8 @@ def test_a_stored_group_no_consumer_can_decode_is_quarantined_not_delivered(tmp_
     _old_build_log(tmp_path / "q.wal")
     folder = QuarantineFolder(tmp_path / "quarantine")
     wal = WriteAheadLog(tmp_path / "q.wal")
-    q_ = state.QueueState(
-        state.Settings(max_staleness=-1), wal, validate=lambda p: wire.invalid_reason(p, LIMIT), quarantine=folder
+    q_ = QueueState(
+        QueueConfig(max_staleness=-1), wal, validate=lambda p: wire.invalid_reason(p, LIMIT), quarantine=folder
     )
     first = q_.get("c", max_groups=3)
     assert [d.group.group_id for d in first.deliveries] == ["g0", "g2", "g3"] and first.quarantined == 1
@@ -226,8 +229,8 @@ def test_a_stored_group_no_consumer_can_decode_is_quarantined_not_delivered(tmp_
     assert kept.read_bytes().startswith(make_group("g1").SerializeToString())
     wal.close()
     # Recorded: after a restart the quarantined groups are gone for good, the leased ones still leased.
-    again = state.QueueState(state.Settings(max_staleness=-1), WriteAheadLog(tmp_path / "q.wal"))
-    assert set(again.m.groups) == {"g0", "g2", "g3", "g5"} and again.stats().leased_groups == 4
+    again = QueueState(QueueConfig(max_staleness=-1), WriteAheadLog(tmp_path / "q.wal"))
+    assert set(again.memory.groups) == {"g0", "g2", "g3", "g5"} and again.stats().leased_groups == 4
 
 
 # -- waiting consumers do not slow producers -----------------------------------------------------------
@@ -241,13 +244,21 @@ class _Context:
         raise AssertionError(f"aborted: {code} {message}")
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Lets the event loop run until ``condition`` holds (fails after ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.001)
+
+
 async def test_waiting_consumers_are_woken_only_when_they_can_be_served() -> None:
     config = QueueConfig(max_staleness=-1, max_wait_s=30)
-    q_ = state.QueueState(state.Settings(max_staleness=-1))
+    q_ = QueueState(QueueConfig(max_staleness=-1))
     calls = {"get": 0}
     real_get = q_.get
 
-    def counting_get(*args: Any, **kwargs: Any) -> state.GetResult:
+    def counting_get(*args: Any, **kwargs: Any) -> model.GetResult:
         calls["get"] += 1
         return real_get(*args, **kwargs)
 
@@ -259,14 +270,16 @@ async def test_waiting_consumers_are_woken_only_when_they_can_be_served() -> Non
     wait = q.GetRequest(consumer_id="c", max_groups=1000, min_groups=1000)
     wait.wait.seconds = 30
     waiters = [asyncio.create_task(servicer.Get(wait, ctx)) for _ in range(200)]
-    await asyncio.sleep(0.1)
+    await _until(lambda: len(servicer._waiters) == 200)
     assert calls["get"] == 200  # each tried once, then waits
     for i in range(999):
         await servicer.Put(wire.PutRequestView(group=make_group(f"g{i}").SerializeToString()), ctx)
     # 999 groups can serve none of them: before the fix each Put woke all 200 (199,800 scans).
     assert calls["get"] == 200
     await servicer.Put(wire.PutRequestView(group=make_group("g999").SerializeToString()), ctx)
-    await asyncio.sleep(0.1)
+    await _until(lambda: any(w.done() for w in waiters))
+    # No other waiter was woken (Put wakes them at once, so one woken too would show here).
+    assert not any(w.woken.is_set() for w in servicer._waiters)
     assert calls["get"] == 201  # the 1000th woke exactly the first waiter
     done = [w for w in waiters if w.done()]
     assert len(done) == 1 and len(q.GetResponse.FromString(done[0].result()).groups) == 1000
@@ -280,7 +293,7 @@ async def test_a_broken_log_refuses_even_duplicates_and_ends_the_service(tmp_pat
     from prometheus_client import CollectorRegistry
 
     wal = WriteAheadLog(tmp_path / "q.wal")
-    q_ = state.QueueState(state.Settings(max_staleness=-1), wal)
+    q_ = QueueState(QueueConfig(max_staleness=-1), wal)
     config = QueueConfig(max_staleness=-1, sweep_interval_s=0.01)
     servicer = QueueServicer(q_, config, QueueMetrics(CollectorRegistry()))
     aborted: list[Any] = []

@@ -17,14 +17,10 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tauflow.queue.state import (
-    FailedPrecondition,
-    GroupRecord,
-    InvalidRequest,
-    QueueFull,
-    QueueState,
-    Settings,
-)
+from tauflow.core.staleness import is_bounded
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.model import FailedPrecondition, GroupRecord, InvalidRequest, QueueFull
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
 
 LEASE_S = 10.0
@@ -32,7 +28,7 @@ TICKET_TTL_S = 15.0
 
 
 def fingerprint(q: QueueState) -> dict[str, Any]:
-    m = q.m
+    m = q.memory
     stats = vars(q.stats()).copy()
     stats.pop("wal_bytes")
     return {
@@ -72,7 +68,7 @@ class QueueMachine(RuleBasedStateMachine):
     )
     def setup(self, tau: int, gps: int, honest: bool, exact: bool, capacity: int) -> None:
         self.tau, self.gps, self.honest, self.exact = tau, gps, honest, exact
-        self.settings = Settings(
+        self.config = QueueConfig(
             max_staleness=tau,
             groups_per_step=gps,
             capacity_groups=capacity,
@@ -92,7 +88,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.counter = 0
 
     def _open(self) -> QueueState:
-        return QueueState(self.settings, WriteAheadLog(self.path, FsyncPolicy.NEVER), clock=lambda: self.t[0])
+        return QueueState(self.config, WriteAheadLog(self.path, FsyncPolicy.NEVER), clock=lambda: self.t[0])
 
     def teardown(self) -> None:
         if self.q is not None and self.q.wal is not None:
@@ -137,10 +133,11 @@ class QueueMachine(RuleBasedStateMachine):
                 self._put_ticketed(tid, self.q.trainer_version)
 
     def _reserve(self, n: int) -> str | None:
-        q, s = self.q, self.settings
+        q, config = self.q, self.config
         assert q is not None
         rid = self._new_id("r")
-        if (s.bounded and n > (s.max_staleness + 1) * s.groups_per_step) or n > s.capacity_groups:
+        bounded = is_bounded(config.max_staleness)
+        if (bounded and n > (config.max_staleness + 1) * config.groups_per_step) or n > config.capacity_groups:
             try:
                 q.reserve(rid, "p", n)
             except InvalidRequest:
@@ -148,11 +145,11 @@ class QueueMachine(RuleBasedStateMachine):
             raise AssertionError("an ungrantable reservation was not refused")
         q.sweep()  # what reserve does first; makes the expected answer computable here
         st_ = q.stats()
-        room = len(q.m.groups) + st_.reserved_groups + n <= s.capacity_groups
-        if s.bounded:
+        room = len(q.memory.groups) + st_.reserved_groups + n <= config.capacity_groups
+        if bounded:
             room = room and st_.accepted_groups + st_.reserved_groups + n <= (
-                st_.trainer_version + s.max_staleness + 1
-            ) * s.groups_per_step
+                st_.trainer_version + config.max_staleness + 1
+            ) * config.groups_per_step
         ticket = q.reserve(rid, "p", n)
         assert (ticket is not None) == room
         if ticket is None:
@@ -201,7 +198,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.tickets[tid][1] -= 1
         if self.tickets[tid][1] == 0:
             del self.tickets[tid]
-            assert tid not in q.m.tickets
+            assert tid not in q.memory.tickets
 
     @precondition(lambda self: self.q is not None and not self.honest)
     @rule(back=st.integers(0, 4))
@@ -211,13 +208,13 @@ class QueueMachine(RuleBasedStateMachine):
         assert q is not None
         bv = max(0, q.trainer_version - back)
         group = self._group(bv)
-        full = len(q.m.groups) + q.m.in_flight + 1 > self.settings.capacity_groups
+        full = len(q.memory.groups) + q.memory.in_flight + 1 > self.config.capacity_groups
         try:
             new, _ = q.put(group)
         except QueueFull:
             event("put: queue full")
             assert full
-            assert group.group_id not in q.m.groups
+            assert group.group_id not in q.memory.groups
             return
         assert new and not full
         self.accepted[group.group_id] = bv
@@ -230,7 +227,7 @@ class QueueMachine(RuleBasedStateMachine):
         gid = data.draw(st.sampled_from(list(self.accepted)))
         before = fingerprint(q)
         new, depth = q.put(GroupRecord(gid, b"other", q.trainer_version, 1))
-        assert not new and depth == len(q.m.pending)
+        assert not new and depth == len(q.memory.pending)
         assert fingerprint(q) == before
 
     @precondition(lambda self: self.q is not None and self.tickets)
@@ -244,7 +241,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert got == left
         else:
             assert got in (0, left)
-        assert tid not in self.q.m.tickets
+        assert tid not in self.q.memory.tickets
         assert self.q.release_reservation(tid) == 0
 
     # -- the trainer ---------------------------------------------------------------------
@@ -255,7 +252,7 @@ class QueueMachine(RuleBasedStateMachine):
     def _can_get(self) -> bool:
         if self.q is None or (self.exact and self._live_leases()):
             return False  # an exact-batch trainer holds one batch at a time
-        return bool(self.q.m.pending) or len(self._live_leases()) < len(self.leases)
+        return bool(self.q.memory.pending) or len(self._live_leases()) < len(self.leases)
 
     @precondition(lambda self: self._can_get())
     @rule(
@@ -287,10 +284,10 @@ class QueueMachine(RuleBasedStateMachine):
             min_groups = min(min_frac, max_groups)
         version = q.trainer_version
         expired = [i for i, (_, dl, _) in self.leases.items() if dl <= self.now]
-        candidates = list(q.m.pending)
+        candidates = list(q.memory.pending)
         for i in expired:
             candidates += self.leases.pop(i)[0]
-        pending_before = list(q.m.pending)
+        pending_before = list(q.memory.pending)
 
         res = q.get(
             "trainer",
@@ -302,7 +299,7 @@ class QueueMachine(RuleBasedStateMachine):
         )
 
         delivered = [d.group.group_id for d in res.deliveries]
-        evicted = set(candidates) - set(q.m.pending) - set(delivered)
+        evicted = set(candidates) - set(q.memory.pending) - set(delivered)
         assert res.evicted_stale == len(evicted)
         for g in evicted:
             assert self.tau >= 0 and version - self.accepted[g] > self.tau, "evicted a fresh group"
@@ -312,7 +309,7 @@ class QueueMachine(RuleBasedStateMachine):
         if res.lease is None:
             assert delivered == []
             if not max_tokens or min_groups <= 1:  # the whole queue was scanned: not enough fresh groups
-                assert len(q.m.pending) < max(min_groups, 1)
+                assert len(q.memory.pending) < max(min_groups, 1)
             return None
         assert res.lease.group_ids == delivered
         assert min_groups <= len(delivered) <= max_groups
@@ -359,7 +356,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert q.ack(lid) == len(gids)
         for g in gids:
             assert g not in self.acked, f"group {g} acked twice"
-            assert g not in q.m.groups
+            assert g not in q.memory.groups
         self.acked.update(gids)
         self.done_leases.append(lid)
         if step or self.exact:  # the optimizer step is committed: the trainer's version moves on
@@ -394,7 +391,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert q.nack(lid) == 0
             return
         assert q.nack(lid) == len(gids)
-        assert list(q.m.pending)[: len(gids)] == gids  # back at the head, in their order
+        assert list(q.memory.pending)[: len(gids)] == gids  # back at the head, in their order
         assert q.nack(lid) == 0
 
     @precondition(lambda self: self.q is not None and self.leases)
@@ -430,8 +427,8 @@ class QueueMachine(RuleBasedStateMachine):
         expired = [i for i, (_, dl, _) in self.leases.items() if dl <= self.now]
         assert res.expired_leases <= len(expired)
         for i in self.leases:
-            assert (i in self.q.m.leases) == (i not in expired)
-        assert all(t.expires_at > self.now for t in self.q.m.tickets.values())
+            assert (i in self.q.memory.leases) == (i not in expired)
+        assert all(t.expires_at > self.now for t in self.q.memory.tickets.values())
 
     @precondition(lambda self: self.q is not None)
     @rule(compact=st.booleans())
@@ -445,7 +442,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.q = self._open()
         # Every lease the queue still held gets its duration anew from the restart (expired ones too, if no
         # call had swept them yet); the rest of the state is exactly what it was.
-        for i in q.m.leases:
+        for i in q.memory.leases:
             gids, dl, duration = self.leases[i]
             self.leases[i] = (gids, max(dl, self.now + duration), duration)
         before["leases"] = {
@@ -476,11 +473,11 @@ class QueueMachine(RuleBasedStateMachine):
         q = self.q
         if q is None:
             return
-        pending = list(q.m.pending)
-        leased = [g for lease in q.m.leases.values() for g in lease.group_ids]
+        pending = list(q.memory.pending)
+        leased = [g for lease in q.memory.leases.values() for g in lease.group_ids]
         assert len(set(pending)) == len(pending) and len(set(leased)) == len(leased)
         p, ls = set(pending), set(leased)
-        assert not (p & ls) and p | ls == set(q.m.groups)
+        assert not (p & ls) and p | ls == set(q.memory.groups)
         assert not (self.acked & self.evicted) and not ((p | ls) & (self.acked | self.evicted))
         assert p | ls | self.acked | self.evicted == set(self.accepted), "an accepted group went missing"
         s = q.stats()
@@ -488,21 +485,21 @@ class QueueMachine(RuleBasedStateMachine):
         assert s.acked_groups == len(self.acked)
         assert s.evicted_groups.get("stale", 0) == len(self.evicted)
         assert s.accepted_groups == len(self.accepted) - len(self.evicted)
-        assert s.depth_bytes == sum(q.m.groups[g].size for g in p)
+        assert s.depth_bytes == sum(q.memory.groups[g].size for g in p)
 
     @invariant()
     def leases_and_tickets_agree(self) -> None:
         q = self.q
         if q is None:
             return
-        assert set(q.m.leases) <= set(self.leases)
+        assert set(q.memory.leases) <= set(self.leases)
         for i, (gids, dl, _) in self.leases.items():
             if self.now < dl:
-                assert i in q.m.leases and q.m.leases[i].group_ids == gids and q.m.leases[i].deadline == dl
-        assert set(q.m.tickets) <= set(self.tickets)
+                assert i in q.memory.leases and q.memory.leases[i].group_ids == gids and q.memory.leases[i].deadline == dl
+        assert set(q.memory.tickets) <= set(self.tickets)
         for tid in self._usable_tickets():
-            assert q.m.tickets[tid].remaining == self.tickets[tid][1]
-        assert q.stats().reserved_groups == sum(t.remaining for t in q.m.tickets.values())
+            assert q.memory.tickets[tid].remaining == self.tickets[tid][1]
+        assert q.stats().reserved_groups == sum(t.remaining for t in q.memory.tickets.values())
 
     @invariant()
     def bounds_hold(self) -> None:
@@ -510,7 +507,7 @@ class QueueMachine(RuleBasedStateMachine):
         if q is None:
             return
         s = q.stats()
-        assert len(q.m.groups) + s.reserved_groups <= self.settings.capacity_groups
+        assert len(q.memory.groups) + s.reserved_groups <= self.config.capacity_groups
         if self.honest and self.tau >= 0:
             # Pacing: with honest producers the rule holds at all times, not only when granting.
             limit = (s.trainer_version + self.tau + 1) * self.gps

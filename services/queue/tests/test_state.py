@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from tauflow.queue.state import (
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.model import (
     FailedPrecondition,
     GroupOverCapacity,
     GroupRecord,
     InvalidRequest,
     NotFound,
     QueueFull,
-    QueueState,
-    Settings,
 )
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, WalCorrupt, WriteAheadLog
 
 
@@ -46,16 +46,16 @@ def make(clock: Clock | None = None, wal: WriteAheadLog | None = None, **kw: Any
     clock = clock or Clock()
     kw.setdefault("default_lease_s", 10.0)
     kw.setdefault("reservation_ttl_s", 20.0)
-    return QueueState(Settings(**kw), wal, clock=clock), clock
+    return QueueState(QueueConfig(**kw), wal, clock=clock), clock
 
 
 def pending(q: QueueState) -> list[str]:
-    return list(q.m.pending)
+    return list(q.memory.pending)
 
 
 def fingerprint(q: QueueState) -> dict[str, Any]:
     """Everything observable about the state (and the bookkeeping that pacing/dedup depend on)."""
-    m = q.m
+    m = q.memory
     return {
         "stats": q.stats(),
         "pending": list(m.pending),
@@ -100,7 +100,7 @@ def open_wal(path: Path) -> WriteAheadLog:
 def restart(q: QueueState, path: Path, clock: Clock) -> QueueState:
     assert q.wal is not None
     q.wal.close()
-    return QueueState(q.settings, open_wal(path), clock=clock)
+    return QueueState(q.config, open_wal(path), clock=clock)
 
 
 # =========================================================================================
@@ -272,7 +272,7 @@ def test_ticketed_put_uses_the_ticket() -> None:
     q.put(rec("b"), t.ticket_id)
     s = q.stats()
     assert (s.accepted_groups, s.reserved_groups) == (2, 0)
-    assert t.ticket_id not in q.m.tickets
+    assert t.ticket_id not in q.memory.tickets
     assert q.release_reservation(t.ticket_id) == 0
     q.put(rec("c"), t.ticket_id)  # a used-up ticket: comes in untickted, reserved stays 0
     s = q.stats()
@@ -300,7 +300,7 @@ def test_put_is_idempotent_by_group_id() -> None:
     assert q.put(rec("a")) == (True, 1)
     assert q.put(rec("a", bv=5)) == (False, 1)
     assert q.stats().accepted_groups == 1
-    assert q.m.groups["a"].behaviour_version == 0  # the first copy stays
+    assert q.memory.groups["a"].behaviour_version == 0  # the first copy stays
 
 
 def test_put_duplicate_while_leased_and_after_ack() -> None:
@@ -331,7 +331,7 @@ def test_queue_full_by_groups() -> None:
         q.put(rec(g))
     with pytest.raises(QueueFull, match="full"):
         q.put(rec("d"))
-    assert q.stats().accepted_groups == 3 and "d" not in q.m.groups
+    assert q.stats().accepted_groups == 3 and "d" not in q.memory.groups
     lease = q.get("c", max_groups=1).lease
     assert lease is not None
     with pytest.raises(QueueFull):  # a leased group still takes room
@@ -491,7 +491,7 @@ def test_stale_groups_are_evicted_never_delivered() -> None:
     s = q.stats()
     assert s.evicted_groups == {"stale": 2}
     assert s.accepted_groups == 2 and s.depth_groups == 0
-    assert "v0" not in q.m.groups and "v1" not in q.m.groups
+    assert "v0" not in q.memory.groups and "v1" not in q.memory.groups
     assert q.stats().depth_bytes == 0
 
 
@@ -556,7 +556,7 @@ def test_ack_removes_groups_and_is_idempotent() -> None:
     assert q.ack(lid) == 2
     s = q.stats()
     assert (s.acked_groups, s.leased_groups, s.depth_groups, s.accepted_groups) == (2, 0, 1, 3)
-    assert q.m.live_bytes == 16
+    assert q.memory.live_bytes == 16
     assert q.ack(lid) == 0
     assert q.stats().acked_groups == 2
     with pytest.raises(FailedPrecondition):
@@ -710,7 +710,7 @@ def test_set_max_staleness() -> None:
     assert q.reserve("r1", "p", 6) is not None
     with pytest.raises(InvalidRequest):
         q.set_max_staleness(-2)
-    assert q.settings.max_staleness == 2
+    assert q.max_staleness == 2
     assert q.set_max_staleness(0) == 0
     with pytest.raises(InvalidRequest):
         q.reserve("r2", "p", 3)  # (0 + 1) * 2 is the most ever grantable now
@@ -795,16 +795,16 @@ def test_recovery_reproduces_the_state(tmp_path: Path) -> None:
     assert q2.stats().reserved_groups == before["stats"].reserved_groups
     # The ticket still works for its remaining room.
     assert q2.put(rec("t3", bv=2), h["t1"].ticket_id)[0]
-    assert h["t1"].ticket_id not in q2.m.tickets
+    assert h["t1"].ticket_id not in q2.memory.tickets
     # Each held lease gets its duration anew from the restart: `open` (50 s, deadline 1051 before) is held
     # to 1004 + 50 = 1054, and expires then.
-    assert c() == 1004.0 and q2.m.leases[h["open"]].deadline == 1054.0
+    assert c() == 1004.0 and q2.memory.leases[h["open"]].deadline == 1054.0
     assert q2.renew(h["renewed"], 100.0).deadline == c() + 100.0
     c.advance(49.0)  # t = 1053
     assert q2.sweep().expired_leases == 0
     c.advance(1.0)
     assert q2.sweep().expired_leases == 1
-    assert h["open"] not in q2.m.leases and pending(q2)[:2] == ["e1", "e3"]
+    assert h["open"] not in q2.memory.leases and pending(q2)[:2] == ["e1", "e3"]
     assert q2.ack(h["renewed"]) == 1
 
 
@@ -821,8 +821,8 @@ def test_a_recovered_lease_gets_its_duration_anew(tmp_path: Path) -> None:
     c.advance(3.0)
     q.wal.close()  # type: ignore[union-attr]
     c.advance(10.0)  # down for 10 s: both deadlines passed
-    q2 = QueueState(q.settings, open_wal(path), clock=c)
-    assert q2.m.leases[short].deadline == c() + 4.0 and q2.m.leases[renewed].deadline == c() + 8.0
+    q2 = QueueState(q.config, open_wal(path), clock=c)
+    assert q2.memory.leases[short].deadline == c() + 4.0 and q2.memory.leases[renewed].deadline == c() + 8.0
     assert q2.sweep().expired_leases == 0
     c.advance(4.5)
     assert q2.sweep().expired_leases == 1 and pending(q2) == ["a", "c"]  # `short`, after 4 s anew
@@ -831,12 +831,12 @@ def test_a_recovered_lease_gets_its_duration_anew(tmp_path: Path) -> None:
     q3, c3 = make(wal=open_wal(tmp_path / "old.wal"), default_lease_s=30.0)
     q3.put(rec("x"))
     lid = _leased(q3, 1, lease_s=4.0)
-    q3.m.leases[lid].duration_s = 0.0
+    q3.memory.leases[lid].duration_s = 0.0
     q3.compact()
     q3.wal.close()  # type: ignore[union-attr]
     c3.advance(100.0)
-    q4 = QueueState(q3.settings, open_wal(tmp_path / "old.wal"), clock=c3)
-    assert q4.m.leases[lid].deadline == c3() + 30.0
+    q4 = QueueState(q3.config, open_wal(tmp_path / "old.wal"), clock=c3)
+    assert q4.memory.leases[lid].deadline == c3() + 30.0
 
 
 def test_recovery_after_restart_then_more_work(tmp_path: Path) -> None:
@@ -897,7 +897,7 @@ def test_torn_tail_is_cut_and_earlier_records_survive(tmp_path: Path, cut: int) 
     q, c, sizes = _three_puts(path)
     q.wal.close()  # type: ignore[union-attr]
     os.truncate(path, sizes[-1] - cut)  # the last record (c) is torn
-    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    q2 = QueueState(q.config, open_wal(path), clock=c)
     assert pending(q2) == ["a", "b"]
     assert path.stat().st_size == sizes[1] == q2.stats().wal_bytes
     # The log keeps working after the cut: appends land after the good records.
@@ -928,7 +928,7 @@ def test_garbage_tail_is_cut(tmp_path: Path, garbage: bytes) -> None:
     q.wal.close()  # type: ignore[union-attr]
     with open(path, "ab") as f:
         f.write(garbage)
-    q2 = QueueState(q.settings, open_wal(path), clock=c)
+    q2 = QueueState(q.config, open_wal(path), clock=c)
     assert fingerprint(q2) == recovered(before, c())
     assert path.stat().st_size == sizes[-1]
     q2.put(rec("d"))
@@ -962,8 +962,8 @@ def test_torn_ack_leaves_the_lease_open(tmp_path: Path) -> None:
     q.ack(lid)
     q.wal.close()  # type: ignore[union-attr]
     os.truncate(path, size + 5)  # the ack was never durable, so never acknowledged
-    q2 = QueueState(q.settings, open_wal(path), clock=c)
-    assert lid in q2.m.leases and q2.stats().acked_groups == 0
+    q2 = QueueState(q.config, open_wal(path), clock=c)
+    assert lid in q2.memory.leases and q2.stats().acked_groups == 0
     assert q2.ack(lid) == 1
 
 
@@ -973,7 +973,7 @@ def _compactable(q: QueueState, c: Clock) -> dict[str, Any]:
         q.put(rec(f"bulk{i}", bv=2, size=200))
     while True:  # ack most of it: lots of dead bytes
         res = q.get("c", max_groups=7)
-        if res.lease is None or len(q.m.pending) < 3:
+        if res.lease is None or len(q.memory.pending) < 3:
             break
         q.ack(res.lease.lease_id)
     return h
@@ -983,7 +983,7 @@ def test_compaction_keeps_the_state_and_shrinks_the_log(tmp_path: Path) -> None:
     path = tmp_path / "q.wal"
     q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
     h = _compactable(q, c)
-    assert q.m.leases and q.m.tickets and q.m.pending
+    assert q.memory.leases and q.memory.tickets and q.memory.pending
     assert not q.compaction_due(10**9)
     assert q.compaction_due(1024)
     before = fingerprint(q)
@@ -1057,7 +1057,7 @@ def test_compaction_drops_dead_bytes_and_counts_live_ones(tmp_path: Path) -> Non
     assert q.stats().depth_groups == 2
     # Acking the survivors makes their bytes dead: compaction is due again.
     q.ack(_leased(q, 2))
-    assert q.m.live_wal_bytes == 0
+    assert q.memory.live_wal_bytes == 0
     assert q.compaction_due(1)
     q.compact()
     q2 = restart(q, path, c)

@@ -21,7 +21,10 @@ from typing import Any
 
 import pytest
 
-from tauflow.queue.state import ACK, LEASE, PUT, GroupRecord, QueueState, Settings
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.model import GroupRecord
+from tauflow.queue.records import ACK, LEASE, PUT
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, OnCorruption, WalCorrupt, WalDamaged, WalWriteError, WriteAheadLog
 from tauflow.queue.wal_frames import FRAME_BYTES, MAGIC_V1, MAGIC_V2, FormatV2
 
@@ -42,7 +45,7 @@ def group(gid: str, payload: bytes | None = None, size: int = 100) -> GroupRecor
 
 def open_state(path: Path, on_corruption: OnCorruption = OnCorruption.REFUSE) -> QueueState:
     wal = WriteAheadLog(path, FsyncPolicy.NEVER, on_corruption)
-    return QueueState(Settings(max_staleness=-1, default_lease_s=10.0), wal, clock=Clock())
+    return QueueState(QueueConfig(max_staleness=-1, default_lease_s=10.0), wal, clock=Clock())
 
 
 def close(q: QueueState) -> None:
@@ -51,7 +54,7 @@ def close(q: QueueState) -> None:
 
 
 def summary(q: QueueState) -> dict[str, Any]:
-    m = q.m
+    m = q.memory
     return {
         "pending": list(m.pending),
         "payloads": {g: r.payload for g, r in m.groups.items()},
@@ -184,7 +187,7 @@ def test_a_zeroed_page_in_the_middle_loses_only_the_records_it_held(tmp_path: Pa
     [loss] = q2.wal.losses
     assert (loss.first_seq, loss.last_seq, loss.count) == (hit[0], hit[-1], len(hit))
     expected = [f"g{i:05d}" for i in range(3000) if i not in hit]
-    assert list(q2.m.pending) == expected
+    assert list(q2.memory.pending) == expected
 
 
 def test_two_damaged_stretches_are_both_reported(tmp_path: Path) -> None:
@@ -200,7 +203,7 @@ def test_two_damaged_stretches_are_both_reported(tmp_path: Path) -> None:
         open_state(path)
     q2 = open_state(path, OnCorruption.PROCEED)
     assert q2.wal is not None and [(x.first_seq, x.last_seq) for x in q2.wal.losses] == [(50, 50), (150, 150)]
-    assert len(q2.m.pending) == 198 and "g050" not in q2.m.pending and "g150" not in q2.m.pending
+    assert len(q2.memory.pending) == 198 and "g050" not in q2.memory.pending and "g150" not in q2.memory.pending
 
 
 def test_a_damaged_file_header_is_refused_even_when_told_to_proceed(tmp_path: Path) -> None:
@@ -246,7 +249,7 @@ def test_a_fake_frame_in_a_payload_is_not_taken_for_a_record(tmp_path: Path) -> 
     with pytest.raises(WalDamaged, match="1 records lost"):
         open_state(path)
     q2 = open_state(path, OnCorruption.PROCEED)
-    assert list(q2.m.pending) == ["first", "after"] and "evil" not in q2.m.groups
+    assert list(q2.memory.pending) == ["first", "after"] and "evil" not in q2.memory.groups
 
 
 def test_a_torn_record_whose_payload_holds_fake_frames_is_a_torn_tail(tmp_path: Path) -> None:
@@ -259,7 +262,7 @@ def test_a_torn_record_whose_payload_holds_fake_frames_is_a_torn_tail(tmp_path: 
     os.truncate(path, path.stat().st_size - 10)  # the carrier's put was torn by a crash: never acknowledged
     q2 = open_state(path)
     assert q2.wal is not None and not q2.wal.losses and not q2.wal.kept
-    assert list(q2.m.pending) == ["first"]
+    assert list(q2.memory.pending) == ["first"]
 
 
 # =========================================================================================
@@ -308,7 +311,7 @@ def test_a_torn_tail_is_cut_and_kept_unless_it_is_a_partial_record_or_zeros(
     close(q2)
     q3 = open_state(path)
     assert q3.wal is not None and not q3.wal.losses
-    assert list(q3.m.pending) == (["a", "b", "d"] if cut < size else ["a", "b", "c", "d"])
+    assert list(q3.memory.pending) == (["a", "b", "d"] if cut < size else ["a", "b", "c", "d"])
 
 
 # =========================================================================================
@@ -359,7 +362,7 @@ def test_a_damaged_format_1_log_is_refused_then_recovered_past(tmp_path: Path) -
     assert path.read_bytes() == damaged
     q2 = open_state(path, OnCorruption.PROCEED)
     assert q2.wal is not None and len(q2.wal.losses) == 1 and q2.wal.kept[0].read_bytes() == damaged
-    assert list(q2.m.pending) == [f"g{i:03d}" for i in range(500) if i != 250]
+    assert list(q2.memory.pending) == [f"g{i:03d}" for i in range(500) if i != 250]
     assert path.read_bytes().startswith(MAGIC_V2)
 
 
@@ -408,7 +411,7 @@ def test_a_failed_write_is_rolled_back_and_later_puts_survive(
     close(q)
     q2 = open_state(path)
     assert q2.wal is not None and not q2.wal.losses and not q2.wal.kept
-    assert list(q2.m.pending) == acked
+    assert list(q2.memory.pending) == acked
 
 
 def test_a_failed_rollback_breaks_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,10 +430,10 @@ def test_a_failed_rollback_breaks_the_log(tmp_path: Path, monkeypatch: pytest.Mo
     assert q.wal is not None and q.wal.broken is not None and "rolled back" in q.wal.broken
     with pytest.raises(WalWriteError, match="restart the queue"):
         q.put(group("c"))  # the partial record is still there: nothing may follow it
-    assert list(q.m.pending) == ["a"]
+    assert list(q.memory.pending) == ["a"]
     close(q)
     q2 = open_state(path)  # after a restart the partial record is a torn tail
-    assert q2.wal is not None and not q2.wal.losses and list(q2.m.pending) == ["a"]
+    assert q2.wal is not None and not q2.wal.losses and list(q2.memory.pending) == ["a"]
     assert q2.put(group("b"))[0]
 
 
@@ -439,7 +442,7 @@ def test_a_failed_fsync_breaks_the_log(tmp_path: Path, monkeypatch: pytest.Monke
 
     path = tmp_path / "queue.wal"
     wal = WriteAheadLog(path, FsyncPolicy.ALWAYS)
-    q = QueueState(Settings(max_staleness=-1), wal, clock=Clock())
+    q = QueueState(QueueConfig(max_staleness=-1), wal, clock=Clock())
     q.put(group("a"))
     asyncio.run(wal.commit())
 
@@ -458,7 +461,7 @@ def test_a_failed_fsync_breaks_the_log(tmp_path: Path, monkeypatch: pytest.Monke
         q.put(group("c"))
     with pytest.raises(WalWriteError):
         wal.rewrite([])
-    assert "c" not in q.m.groups
+    assert "c" not in q.memory.groups
 
 
 def test_a_failed_compaction_keeps_the_old_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -479,12 +482,14 @@ _FSIZE_CHILD = """
 import json, resource, signal, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from tauflow.queue.state import GroupRecord, QueueState, Settings
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.model import GroupRecord
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, WalWriteError, WriteAheadLog
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 path = Path(sys.argv[1])
-q = QueueState(Settings(max_staleness=-1), WriteAheadLog(path, FsyncPolicy.ALWAYS))
+q = QueueState(QueueConfig(max_staleness=-1), WriteAheadLog(path, FsyncPolicy.ALWAYS))
 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 acked, failed = [], []
 for i in range(60):
@@ -514,7 +519,7 @@ def test_a_real_file_size_limit_mid_record_loses_no_acknowledged_put(tmp_path: P
     assert len(result["acked"]) == 40
     q = open_state(path)
     assert q.wal is not None and not q.wal.losses and not q.wal.kept
-    assert list(q.m.pending) == result["acked"]  # every acknowledged put, nothing else
+    assert list(q.memory.pending) == result["acked"]  # every acknowledged put, nothing else
 
 
 # =========================================================================================
@@ -563,4 +568,4 @@ def test_the_service_refuses_a_damaged_log_in_one_line_and_proceeds_when_told(tm
     assert len(list(tmp_path.glob("queue.wal.corrupt-*"))) == 1
     q2 = open_state(path)
     assert q2.wal is not None and not q2.wal.losses
-    assert list(q2.m.pending) == [f"g{i:03d}" for i in range(100) if i != 40]
+    assert list(q2.memory.pending) == [f"g{i:03d}" for i in range(100) if i != 40]

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
-from tauflow.queue import convert, state, wire
+from tauflow.queue import model
+from tauflow.queue.adapters import convert, wire
 
 LIMIT = 1 << 24
 
@@ -103,8 +104,8 @@ def test_spliced_get_response_decodes_like_a_built_one() -> None:
     records = [wire.group_record(g.SerializeToString(), LIMIT) for g in groups]
     for i, r in enumerate(records):
         r.accepted_at = 1700000000.25 + i
-    lease = state.Lease("lease-1", [r.group_id for r in records], 1700000100.5, "t", 4)
-    result = state.GetResult(lease, [state.Delivery(r, 2, i) for i, r in enumerate(records)], evicted_stale=5)
+    lease = model.Lease("lease-1", [r.group_id for r in records], 1700000100.5, "t", 4)
+    result = model.GetResult(lease, [model.Delivery(r, 2, i) for i, r in enumerate(records)], evicted_stale=5)
     decoded = queue_pb2.GetResponse.FromString(wire.encode_get_response(result, trainer_version=4))
     assert decoded.lease.lease_id == "lease-1" and decoded.evicted_stale == 5 and decoded.trainer_version == 4
     assert [d.group for d in decoded.groups] == groups
@@ -120,11 +121,11 @@ def test_get_response_overhead_stays_within_the_budget_get_counts() -> None:
     # length prefixes of 1, 2 and 3 bytes
     payloads = [common_pb2.Group(group_id="g", prompt_id="p" * n).SerializeToString() for n in (5, 300, 70_000)]
     records = [
-        state.GroupRecord(f"g{i}", p, 2**64 - 1, 1, accepted_at=253402300798.999) for i, p in enumerate(payloads)
+        model.GroupRecord(f"g{i}", p, 2**64 - 1, 1, accepted_at=253402300798.999) for i, p in enumerate(payloads)
     ]
-    lease = state.Lease("f" * 32, [r.group_id for r in records], 253402300798.999, "consumer", 2**64 - 1)
-    deliveries = [state.Delivery(r, 2**64 - 1, 2**32 - 1) for r in records]
-    result = state.GetResult(lease, deliveries, evicted_stale=2**32 - 1)
+    lease = model.Lease("f" * 32, [r.group_id for r in records], 253402300798.999, "consumer", 2**64 - 1)
+    deliveries = [model.Delivery(r, 2**64 - 1, 2**32 - 1) for r in records]
+    result = model.GetResult(lease, deliveries, evicted_stale=2**32 - 1)
     encoded = wire.encode_get_response(result, trainer_version=2**64 - 1)
     budget = wire.RESPONSE_HEAD_BYTES + sum(len(p) + wire.DELIVERY_OVERHEAD_BYTES for p in payloads)
     assert len(encoded) <= budget

@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import duration_pb2, struct_pb2
 
 from tauflow.api.common.v1 import common_pb2
-from tauflow.reward import convert
+from tauflow.reward.adapters import convert
 from tauflow.reward.config import LimitsConfig, RewardConfig
 from tauflow.reward.errors import InvalidRequest
 from tauflow.reward.metrics import field_label

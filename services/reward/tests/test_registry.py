@@ -164,7 +164,7 @@ def test_accepted_results(result: object, score: float, parts: dict[str, float])
 )
 def test_bad_results_are_errors_not_crashes(result: object, message: str) -> None:
     worker.register_local("t:bad", lambda s, c: result)
-    ok, score, _, got, detail, _ = worker.call_sample("t:bad", S, {})
+    ok, score, _, got, _, _ = worker.call_sample("t:bad", S, {})
     assert not ok and score == 0.0 and message in got
 
 

@@ -445,7 +445,10 @@ def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
             reward_fn="format", config=_config(pattern=SLOW_FOR_RE2, mode="search"),
             groups=[group("d", _random_text("ab", 1 << 20))], sample_timeout=duration_pb2.Duration(seconds=60),
         ), timeout=30)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # the call is in progress once its sample is handed to the pool
+        while metric(service, "tauflow_reward_inflight_requests") < 1:
+            assert time.monotonic() < deadline, "the Score call never started"
+            time.sleep(0.02)
         start = time.monotonic()
         assert service.kill(signal.SIGTERM, timeout_s=10) == 0
         assert time.monotonic() - start < 5.0

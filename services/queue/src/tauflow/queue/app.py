@@ -7,34 +7,23 @@ from pathlib import Path
 
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
-from tauflow.queue import __version__, wire
+from tauflow.queue import __version__
+from tauflow.queue.adapters import wire
+from tauflow.queue.adapters.external import external_server
+from tauflow.queue.adapters.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.config import QueueConfig
-from tauflow.queue.external import external_server
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.quarantine import QuarantineFolder
-from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
-from tauflow.queue.state import QueueState, Settings
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
-
-
-def settings_from(config: QueueConfig) -> Settings:
-    return Settings(
-        max_staleness=config.max_staleness,
-        groups_per_step=config.groups_per_step,
-        capacity_groups=config.capacity_groups,
-        capacity_bytes=config.capacity_bytes,
-        default_lease_s=config.default_lease_s,
-        reservation_ttl_s=config.reservation_ttl_s,
-        dedup_window=config.dedup_window,
-        max_lease_s=config.max_lease_s,
-    )
 
 
 async def build(config: QueueConfig) -> ServiceApp:
     wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync, config.wal.on_corruption)
     group_limit = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
     queue = QueueState(
-        settings_from(config), wal,
+        config, wal,
+        # the domain cannot decode protobuf: a stored group is checked by the wire's full decode
         validate=lambda payload: wire.invalid_reason(payload, group_limit),
         quarantine=QuarantineFolder(Path(config.wal.dir) / "quarantine"),
     )
@@ -45,9 +34,7 @@ async def build(config: QueueConfig) -> ServiceApp:
         interval = config.wal.fsync_interval_s
         background.append(lambda: wal.sync_every(interval))
     return ServiceApp(
-        bindings=[
-            ServiceBinding(SERVICE, servicer, add_queue_servicer_to_server)
-        ],
+        bindings=[ServiceBinding(SERVICE, servicer, add_queue_servicer_to_server)],
         background=background,
         close=wal.close,
         info={"wal": str(wal.path)},

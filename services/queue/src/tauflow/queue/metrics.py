@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from tauflow.queue.state import Stats
+from tauflow.core.staleness import pacing_limit
+from tauflow.queue.model import Stats
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32, float("inf"))
 
@@ -69,19 +70,17 @@ class QueueMetrics:
             ["method"], registry=registry,
         )
 
-    def observe(self, s: Stats) -> None:
-        self.depth_groups.set(s.depth_groups)
-        self.depth_bytes.set(s.depth_bytes)
-        self.leased_groups.set(s.leased_groups)
-        self.reserved_groups.set(s.reserved_groups)
-        self.accepted_groups.set(s.accepted_groups)
-        self.trainer_version.set(s.trainer_version)
-        self.wal_bytes.set(s.wal_bytes)
-        self.max_staleness.set(s.max_staleness)
-        self.groups_per_step.set(s.groups_per_step)
-        bounded = s.max_staleness >= 0
-        self.pacing_limit.set(
-            (s.trainer_version + s.max_staleness + 1) * s.groups_per_step if bounded else s.capacity_groups
-        )
-        self.capacity_groups.set(s.capacity_groups)
-        self.capacity_bytes.set(s.capacity_bytes)
+    def observe(self, stats: Stats) -> None:
+        self.depth_groups.set(stats.depth_groups)
+        self.depth_bytes.set(stats.depth_bytes)
+        self.leased_groups.set(stats.leased_groups)
+        self.reserved_groups.set(stats.reserved_groups)
+        self.accepted_groups.set(stats.accepted_groups)
+        self.trainer_version.set(stats.trainer_version)
+        self.wal_bytes.set(stats.wal_bytes)
+        self.max_staleness.set(stats.max_staleness)
+        self.groups_per_step.set(stats.groups_per_step)
+        limit = pacing_limit(stats.trainer_version, stats.max_staleness, stats.groups_per_step)
+        self.pacing_limit.set(stats.capacity_groups if limit is None else limit)
+        self.capacity_groups.set(stats.capacity_groups)
+        self.capacity_bytes.set(stats.capacity_bytes)

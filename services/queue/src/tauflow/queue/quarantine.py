@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from tauflow.queue.state import GroupRecord
+from tauflow.queue.model import GroupRecord
 
 log = logging.getLogger(__name__)
 

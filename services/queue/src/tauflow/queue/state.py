@@ -1,14 +1,13 @@
-"""The queue's domain: pacing, leases, stale eviction and durability, without gRPC.
+"""The queue's live operations: pacing, leases, stale eviction and durability, without gRPC.
 
-Every change is a record: it is appended to the write-ahead log first and then
-applied to memory by ``_apply``. Recovery replays the same records through the
-same ``_apply``, so the state after a restart is the state before it.
+Every change is a record (records.py): it is appended to the write-ahead log first and then applied
+to memory by ``records.apply``. Recovery replays the same records through the same ``apply``, so the
+state after a restart is the state before it.
 
-Pacing (design.md §2): a reservation of ``n`` groups is granted only while
-``accepted + in_flight + n <= (trainer_version + tau + 1) * groups_per_step``,
-where ``accepted`` counts every group accepted since the run began minus those
-evicted, and ``in_flight`` the reserved groups not yet put. The safety net
-evicts, at ``get`` time, any group whose staleness for the consumer exceeds tau.
+Pacing (design.md §2, tauflow.core.staleness): a reservation of ``n`` groups is granted only while
+``accepted + in_flight + n <= (trainer_version + tau + 1) * groups_per_step``, where ``accepted``
+counts every group accepted since the run began minus those evicted, and ``in_flight`` the reserved
+groups not yet put. The safety net evicts, at ``get`` time, any group too stale for the consumer.
 """
 
 from __future__ import annotations
@@ -16,211 +15,77 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from tauflow.queue.wal import Record, WriteAheadLog
+from tauflow.core import staleness
+from tauflow.queue import records
+from tauflow.queue.config import QueueConfig
+from tauflow.queue.model import (
+    MAX_VERSION,
+    Delivery,
+    FailedPrecondition,
+    GetResult,
+    GroupOverCapacity,
+    GroupRecord,
+    InvalidRequest,
+    Lease,
+    NotFound,
+    QueueFull,
+    Stats,
+    SweepResult,
+    Ticket,
+    check_id,
+)
+from tauflow.queue.records import ACK, EVICT, LEASE, PUT, RELEASE, RENEW, RESERVE, UNRESERVE, VERSION, Memory, Meta
+from tauflow.queue.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 
-# Record kinds in the write-ahead log.
-PUT, LEASE, ACK, RELEASE, EVICT, VERSION, RESERVE, UNRESERVE, RENEW, SNAPSHOT = range(1, 11)
-
-MAX_VERSION = 2**53  # policy versions and tau: exact in a double (metrics) and in any JSON reader of the log
-
-
-class QueueError(Exception):
-    """A request the queue refuses; the servicer maps the subclass to a gRPC status."""
-
-
-class InvalidRequest(QueueError):
-    pass
-
-
-class NotFound(QueueError):
-    pass
-
-
-class FailedPrecondition(QueueError):
-    pass
-
-
-class QueueFull(QueueError):
-    """No room now; the same request can succeed once groups are taken out."""
-
-
-class GroupOverCapacity(QueueFull):
-    """A group larger than the queue's whole byte capacity: no amount of waiting makes room."""
-
-
-@dataclass
-class Settings:
-    max_staleness: int = 1  # tau; -1 is unbounded
-    groups_per_step: int = 8
-    capacity_groups: int = 100_000
-    capacity_bytes: int = 8 * 1024**3
-    default_lease_s: float = 600.0
-    reservation_ttl_s: float = 600.0
-    dedup_window: int = 1_000_000  # ids of acked/evicted groups remembered for idempotent Put
-    outcome_window: int = 100_000  # lease and ticket outcomes remembered for idempotent Ack/Nack
-    max_lease_s: float = 7 * 86400.0  # longest lease a consumer may ask for (Get, RenewLease)
-
-    @property
-    def bounded(self) -> bool:
-        return self.max_staleness >= 0
-
-
-@dataclass
-class GroupRecord:
-    group_id: str
-    payload: bytes  # the serialized tauflow.api.common.v1.Group
-    behaviour_version: int
-    n_tokens: int
-    accepted_at: float = 0.0
-    deliveries: int = 0
-    wal_bytes: int = 0
-    newest_version: int = 0  # newest policy version of any token (Put refuses one from the future)
-    checked: bool = False  # validated by this build (groups recovered from a log are checked at Get)
-
-    @property
-    def size(self) -> int:
-        return len(self.payload)
-
-
-@dataclass
-class Ticket:
-    ticket_id: str
-    request_id: str
-    producer_id: str
-    n_groups: int
-    min_policy_version: int
-    expires_at: float
-    remaining: int = 0
-
-
-@dataclass
-class Lease:
-    lease_id: str
-    group_ids: list[str]
-    deadline: float
-    consumer_id: str
-    consumer_version: int
-    duration_s: float = 0.0  # its last Get's or RenewLease's lease_s: what recovery grants it anew
-
-
-@dataclass(frozen=True)
-class Delivery:
-    group: GroupRecord
-    staleness: int
-    redeliveries: int
-
-
-@dataclass
-class GetResult:
-    lease: Lease | None
-    deliveries: list[Delivery]
-    evicted_stale: int
-    quarantined: int = 0  # stored groups that no consumer could decode, set aside (``Quarantine``)
-
-
-@dataclass
-class SweepResult:
-    expired_leases: int = 0
-    expired_groups: int = 0
-    expired_tickets: int = 0
-
-
-@dataclass
-class Stats:
-    trainer_version: int
-    max_staleness: int
-    groups_per_step: int
-    depth_groups: int
-    depth_bytes: int
-    leased_groups: int
-    reserved_groups: int
-    accepted_groups: int
-    acked_groups: int
-    evicted_groups: dict[str, int]
-    expired_leases: int
-    capacity_groups: int
-    capacity_bytes: int
-    wal_bytes: int
-
-
-MAX_ID_CHARS = 256  # every id a request carries (the contract's bound)
-
-
-def _check_id(value: str, field: str) -> None:
-    if len(value) > MAX_ID_CHARS:
-        raise InvalidRequest(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
-
-
-def _bounded_put(d: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
-    d[key] = value
-    d.move_to_end(key)
-    while len(d) > limit:
-        d.popitem(last=False)
-
-
-@dataclass
-class _Memory:
-    """Everything ``_apply`` changes; kept apart so a snapshot is easy to write."""
-
-    trainer_version: int = 0
-    accepted: int = 0
-    in_flight: int = 0
-    acked_total: int = 0
-    expired_leases: int = 0
-    evicted: dict[str, int] = field(default_factory=dict)
-    groups: dict[str, GroupRecord] = field(default_factory=dict)
-    pending: OrderedDict[str, None] = field(default_factory=OrderedDict)  # delivery order, head first
-    pending_bytes: int = 0
-    live_bytes: int = 0
-    live_wal_bytes: int = 0
-    leases: dict[str, Lease] = field(default_factory=dict)
-    leased_groups: int = 0
-    tickets: dict[str, Ticket] = field(default_factory=dict)
-    done_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)  # acked or evicted groups
-    outcomes: OrderedDict[str, str] = field(default_factory=OrderedDict)  # lease/ticket id -> outcome
-    reservations: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # request id -> ticket
+# Why a stored payload cannot be delivered (None: it can): app.py wires the wire's full decode.
+Validate = Callable[[bytes], str | None]
+# Keeps a group that failed ``Validate`` aside, with the reason, before it is evicted.
+Quarantine = Callable[[GroupRecord, str], None]
 
 
 class QueueState:
     def __init__(
         self,
-        settings: Settings,
+        config: QueueConfig,
         wal: WriteAheadLog | None = None,
         clock: Callable[[], float] = time.time,
-        validate: Callable[[bytes], str | None] | None = None,
-        quarantine: Callable[[GroupRecord, str], None] | None = None,
+        validate: Validate | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         """``validate`` says why a stored payload cannot be delivered (None: it can); groups recovered
         from the log are checked with it before their first delivery, and ``quarantine`` is given each
         one that fails (to keep it aside) before it is evicted, so that no consumer is ever blocked by it."""
-        self.settings = settings
+        self.config = config
+        self.max_staleness = config.max_staleness  # tau in force (SetMaxStaleness; the config's at a restart)
         self.clock = clock
         self.validate = validate
         self.quarantine = quarantine
-        self.m = _Memory()
+        self.memory = Memory()
         self.wal: WriteAheadLog | None = None
         if wal is not None:
-            skipped = 0
-            for kind, meta, blob, size in wal.replay():
-                if wal.losses and not self._still_applies(kind, meta):
-                    skipped += 1  # it needed a record lost to damage (wal.on_corruption: proceed)
-                    continue
-                self._apply(kind, meta, blob, size)
-            log.info(
-                "recovered",
-                extra={"groups": len(self.m.groups), "leases": len(self.m.leases), "version": self.m.trainer_version},
-            )
+            self._recover(wal)
+
+    def _recover(self, wal: WriteAheadLog) -> None:
+        skipped = 0
+        for kind, meta, blob, size in wal.replay():
+            if wal.losses and not records.still_applies(self.memory, kind, meta):
+                skipped += 1  # it needed a record lost to damage (wal.on_corruption: proceed)
+                continue
+            records.apply(self.memory, self.config, kind, meta, blob, size)
+        log.info(
+            "recovered",
+            extra={
+                "groups": len(self.memory.groups), "leases": len(self.memory.leases),
+                "version": self.memory.trainer_version,
+            },
+        )
         self.wal = wal
-        if wal is not None:
-            self._grant_recovered_leases()
-        if wal is not None and wal.losses:
+        self._grant_recovered_leases()
+        if wal.losses:
             log.error("recovered past damage in the log", extra={"records_needing_lost_ones_skipped": skipped})
             self.compact()  # the log then holds exactly the recovered state
 
@@ -231,8 +96,8 @@ class QueueState:
         the trainer had trained them (found by the chaos test)."""
         now = self.clock()
         granted = 0
-        for lease in self.m.leases.values():
-            duration = lease.duration_s or self.settings.default_lease_s  # format-1 logs say no duration
+        for lease in self.memory.leases.values():
+            duration = lease.duration_s or self.config.default_lease_s  # format-1 logs say no duration
             if lease.deadline < now + duration:
                 lease.deadline = now + duration
                 granted += 1
@@ -243,140 +108,127 @@ class QueueState:
 
     @property
     def trainer_version(self) -> int:
-        return self.m.trainer_version
+        return self.memory.trainer_version
 
     @property
     def depth_groups(self) -> int:
-        return len(self.m.pending)
+        return len(self.memory.pending)
 
     def stats(self) -> Stats:
-        m, s = self.m, self.settings
+        memory, config = self.memory, self.config
         return Stats(
-            trainer_version=m.trainer_version,
-            max_staleness=s.max_staleness,
-            groups_per_step=s.groups_per_step,
-            depth_groups=len(m.pending),
-            depth_bytes=m.pending_bytes,
-            leased_groups=m.leased_groups,
-            reserved_groups=m.in_flight,
-            accepted_groups=m.accepted,
-            acked_groups=m.acked_total,
-            evicted_groups=dict(m.evicted),
-            expired_leases=m.expired_leases,
-            capacity_groups=s.capacity_groups,
-            capacity_bytes=s.capacity_bytes,
+            trainer_version=memory.trainer_version,
+            max_staleness=self.max_staleness,
+            groups_per_step=config.groups_per_step,
+            depth_groups=len(memory.pending),
+            depth_bytes=memory.pending_bytes,
+            leased_groups=memory.leased_groups,
+            reserved_groups=memory.in_flight,
+            accepted_groups=memory.accepted,
+            acked_groups=memory.acked_total,
+            evicted_groups=dict(memory.evicted),
+            expired_leases=memory.expired_leases,
+            capacity_groups=config.capacity_groups,
+            capacity_bytes=config.capacity_bytes,
             wal_bytes=self.wal.size if self.wal else 0,
         )
 
     def pacing_limit(self) -> int | None:
         """Most groups (accepted + in flight) the rule allows now; None when unbounded."""
-        if not self.settings.bounded:
-            return None
-        return (self.m.trainer_version + self.settings.max_staleness + 1) * self.settings.groups_per_step
+        return staleness.pacing_limit(self.memory.trainer_version, self.max_staleness, self.config.groups_per_step)
 
     def has_room(self, n: int) -> bool:
-        m = self.m
-        if len(m.groups) + m.in_flight + n > self.settings.capacity_groups:
+        memory = self.memory
+        if len(memory.groups) + memory.in_flight + n > self.config.capacity_groups:
             return False
         limit = self.pacing_limit()
-        return limit is None or m.accepted + m.in_flight + n <= limit
+        return limit is None or memory.accepted + memory.in_flight + n <= limit
 
     # -- producers -------------------------------------------------------------------------
 
     def reserve(self, request_id: str, producer_id: str, n_groups: int) -> Ticket | None:
         """A ticket for ``n_groups`` when the pacing rule and capacity allow, else None."""
-        s = self.settings
+        config = self.config
         if not request_id:
             raise InvalidRequest("request_id must be set (it makes Reserve idempotent)")
-        _check_id(request_id, "request_id")
-        _check_id(producer_id, "producer_id")
+        check_id(request_id, "request_id")
+        check_id(producer_id, "producer_id")
         if n_groups < 1:
             raise InvalidRequest("n_groups must be at least 1")
-        if s.bounded and n_groups > (s.max_staleness + 1) * s.groups_per_step:
+        ahead = staleness.most_ahead(self.max_staleness, config.groups_per_step)
+        if ahead is not None and n_groups > ahead:
             raise InvalidRequest(
-                f"n_groups={n_groups} can never be granted: max_staleness={s.max_staleness} and "
-                f"groups_per_step={s.groups_per_step} allow at most "
-                f"{(s.max_staleness + 1) * s.groups_per_step} groups ahead of the trainer"
+                f"n_groups={n_groups} can never be granted: max_staleness={self.max_staleness} and "
+                f"groups_per_step={config.groups_per_step} allow at most {ahead} groups ahead of the trainer"
             )
-        if n_groups > s.capacity_groups:
-            raise InvalidRequest(f"n_groups={n_groups} exceeds the queue capacity of {s.capacity_groups} groups")
-        earlier = self.m.reservations.get(request_id)
+        if n_groups > config.capacity_groups:
+            raise InvalidRequest(f"n_groups={n_groups} exceeds the queue capacity of {config.capacity_groups} groups")
+        earlier = self.memory.reservations.get(request_id)
         if earlier is not None:
-            return self._ticket_from_meta(earlier)
+            return records.ticket_from_meta(earlier)
         self.sweep()
         if not self.has_room(n_groups):
             return None
-        meta = {
-            "t": uuid.uuid4().hex,
-            "r": request_id,
-            "p": producer_id,
-            "n": n_groups,
-            "mv": self.m.trainer_version,
-            "exp": self.clock() + s.reservation_ttl_s,
-        }
-        self._log(RESERVE, meta)
-        return self._ticket_from_meta(meta)
+        ticket = Ticket(
+            uuid.uuid4().hex, request_id, producer_id, n_groups, self.memory.trainer_version,
+            self.clock() + config.reservation_ttl_s, remaining=n_groups,
+        )
+        self._log(RESERVE, records.reserve_meta(ticket))
+        return ticket
 
     def release_reservation(self, ticket_id: str, owner: str | None = None) -> int:
         """Gives back a ticket's unused room. With ``owner`` (an authenticated client) only that
         producer's tickets are found: another client's ticket is as unknown as a made-up one."""
-        _check_id(ticket_id, "ticket_id")
-        ticket = self.m.tickets.get(ticket_id)
+        check_id(ticket_id, "ticket_id")
+        ticket = self.memory.tickets.get(ticket_id)
         if ticket is not None and owner is not None and ticket.producer_id != owner:
             raise NotFound(f"ticket {ticket_id!r} is unknown")
         if ticket is None:
-            if ticket_id in self.m.outcomes:
+            if ticket_id in self.memory.outcomes:
                 return 0
             raise NotFound(f"ticket {ticket_id!r} is unknown")
-        self._log(UNRESERVE, {"t": ticket_id, "why": "released"})
+        self._log(UNRESERVE, records.unreserve_meta(ticket_id, "released"))
         return ticket.remaining
 
     def put(self, group: GroupRecord, ticket_id: str = "", owner: str | None = None) -> tuple[bool, int]:
         """Accepts ``group``; returns (newly accepted, depth). A known group id is a no-op. With ``owner``
         (an authenticated client) a ticket of another producer is ignored, as an unknown one is."""
-        m, s = self.m, self.settings
-        _check_id(ticket_id, "ticket_id")
-        if group.group_id in m.groups or group.group_id in m.done_ids:
-            return False, len(m.pending)
+        memory, config = self.memory, self.config
+        check_id(ticket_id, "ticket_id")
+        if group.group_id in memory.groups or group.group_id in memory.done_ids:
+            return False, len(memory.pending)
         newest = max(group.behaviour_version, group.newest_version)
-        if newest > m.trainer_version:
+        if newest > memory.trainer_version:
             raise FailedPrecondition(
                 f"group {group.group_id}: a sample claims policy version {newest} (behaviour_version or "
-                f"token_versions), newer than the trainer's version {m.trainer_version}: a group can only "
+                f"token_versions), newer than the trainer's version {memory.trainer_version}: a group can only "
                 "come from weights the trainer has published"
             )
-        if group.size > s.capacity_bytes:
+        if group.size > config.capacity_bytes:
             raise GroupOverCapacity(
                 f"group {group.group_id} is {group.size} bytes, larger than the queue's capacity of "
-                f"{s.capacity_bytes} bytes: it can never fit"
+                f"{config.capacity_bytes} bytes: it can never fit"
             )
-        ticket = m.tickets.get(ticket_id) if ticket_id else None
+        ticket = memory.tickets.get(ticket_id) if ticket_id else None
         if ticket is not None and owner is not None and ticket.producer_id != owner:
             ticket = None
         if ticket is not None and ticket.expires_at <= self.clock():
             ticket = None  # an expired ticket's room was given back; the group comes in untickted
         own_room = 1 if ticket is not None and ticket.remaining > 0 else 0
-        if len(m.groups) + m.in_flight - own_room + 1 > s.capacity_groups:
+        if len(memory.groups) + memory.in_flight - own_room + 1 > config.capacity_groups:
             raise QueueFull(
-                f"queue is full: {len(m.groups)} groups stored and {m.in_flight} reserved "
-                f"of capacity {s.capacity_groups}"
+                f"queue is full: {len(memory.groups)} groups stored and {memory.in_flight} reserved "
+                f"of capacity {config.capacity_groups}"
             )
-        if m.live_bytes + group.size > s.capacity_bytes:
+        if memory.live_bytes + group.size > config.capacity_bytes:
             raise QueueFull(
-                f"queue is full: {m.live_bytes} bytes stored, group of {group.size} bytes "
-                f"exceeds capacity {s.capacity_bytes}"
+                f"queue is full: {memory.live_bytes} bytes stored, group of {group.size} bytes "
+                f"exceeds capacity {config.capacity_bytes}"
             )
-        meta = {
-            "g": group.group_id,
-            "bv": group.behaviour_version,
-            "nt": group.n_tokens,
-            "at": self.clock(),
-            "tk": ticket.ticket_id if own_room else "",
-            "d": 0,
-        }
-        self._log(PUT, meta, group.payload)
-        m.groups[group.group_id].checked = True  # validated on its way in
-        return True, len(m.pending)
+        used_ticket = ticket.ticket_id if ticket is not None and own_room else ""
+        self._log(PUT, records.put_meta(group, self.clock(), used_ticket, 0), group.payload)
+        memory.groups[group.group_id].checked = True  # validated on its way in
+        return True, len(memory.pending)
 
     # -- consumers -------------------------------------------------------------------------
 
@@ -396,58 +248,60 @@ class QueueState:
         least one group. A batch cut by ``max_bytes`` is delivered below ``min_groups`` once at least
         ``min_groups`` deliverable groups are waiting: the rest stays at the head for the next Get, so
         waiting would never make this batch larger, and the consumer completes its step at once."""
-        s, m = self.settings, self.m
+        memory = self.memory
         if max_groups == 0 and max_tokens == 0:
             raise InvalidRequest("set max_groups or max_tokens (both are 0)")
         if max_groups and min_groups > max_groups:
             raise InvalidRequest(f"min_groups={min_groups} is larger than max_groups={max_groups}")
-        _check_id(consumer_id, "consumer_id")
+        check_id(consumer_id, "consumer_id")
         self._check_lease_s(lease_s)
         if consumer_version is not None and consumer_version > MAX_VERSION:
             raise InvalidRequest(f"consumer_version={consumer_version} is above the largest version {MAX_VERSION}")
         self.sweep()
-        version = m.trainer_version if consumer_version is None else consumer_version
+        version = memory.trainer_version if consumer_version is None else consumer_version
         stale: list[str] = []
         invalid: list[tuple[str, str]] = []
         batch: list[str] = []
         tokens = nbytes = 0
         cut_by_bytes = False
-        for gid in m.pending:
-            rec = m.groups[gid]
-            if s.bounded and version - rec.behaviour_version > s.max_staleness:
+        for gid in memory.pending:
+            group = memory.groups[gid]
+            if staleness.too_stale(version, group.behaviour_version, self.max_staleness):
                 stale.append(gid)
                 continue
             if max_groups and len(batch) >= max_groups:
                 break
-            if not rec.checked and self.validate is not None:
-                reason = self.validate(rec.payload)
+            if not group.checked and self.validate is not None:
+                reason = self.validate(group.payload)
                 if reason is not None:
                     invalid.append((gid, reason))
                     continue
-                rec.checked = True
-            if max_tokens and batch and tokens + rec.n_tokens > max_tokens:
+                group.checked = True
+            if max_tokens and batch and tokens + group.n_tokens > max_tokens:
                 break
-            if max_bytes and batch and nbytes + rec.size + overhead_bytes > max_bytes:
+            if max_bytes and batch and nbytes + group.size + overhead_bytes > max_bytes:
                 cut_by_bytes = True
                 break
             batch.append(gid)
-            tokens += rec.n_tokens
-            nbytes += rec.size + overhead_bytes
+            tokens += group.n_tokens
+            nbytes += group.size + overhead_bytes
         if stale:
-            self._log(EVICT, {"gs": stale, "why": "stale"})
+            self._log(EVICT, records.evict_meta(stale, "stale"))
         if invalid:
             self._quarantine(invalid)
         if not batch or (
             len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))
         ):
             return GetResult(None, [], len(stale), len(invalid))
-        duration = lease_s or s.default_lease_s
-        meta = {"l": uuid.uuid4().hex, "gs": batch, "dl": self.clock() + duration, "ls": duration, "c": consumer_id,
-                "cv": version}
-        self._log(LEASE, meta)
-        lease = m.leases[meta["l"]]
+        duration = lease_s or self.config.default_lease_s
+        granted = Lease(uuid.uuid4().hex, batch, self.clock() + duration, consumer_id, version, duration)
+        self._log(LEASE, records.lease_meta(granted))
+        lease = memory.leases[granted.lease_id]
         deliveries = [
-            Delivery(m.groups[g], max(0, version - m.groups[g].behaviour_version), m.groups[g].deliveries - 1)
+            Delivery(
+                memory.groups[g], staleness.staleness(version, memory.groups[g].behaviour_version),
+                memory.groups[g].deliveries - 1,
+            )
             for g in batch
         ]
         return GetResult(lease, deliveries, len(stale), len(invalid))
@@ -457,34 +311,34 @@ class QueueState:
         for gid, reason in invalid:
             log.error("a stored group cannot be delivered: quarantined", extra={"group_id": gid, "why": reason})
             if self.quarantine is not None:
-                self.quarantine(self.m.groups[gid], reason)
-        self._log(EVICT, {"gs": [gid for gid, _ in invalid], "why": "invalid"})
+                self.quarantine(self.memory.groups[gid], reason)
+        self._log(EVICT, records.evict_meta([gid for gid, _ in invalid], "invalid"))
 
     def _check_lease_s(self, lease_s: float) -> None:
-        if not 0 <= lease_s <= self.settings.max_lease_s:
+        if not 0 <= lease_s <= self.config.max_lease_s:
             raise InvalidRequest(
                 f"lease_duration={lease_s:g}s must be between 0 (the default of "
-                f"{self.settings.default_lease_s:g}s) and {self.settings.max_lease_s:g}s"
+                f"{self.config.default_lease_s:g}s) and {self.config.max_lease_s:g}s"
             )
 
     def _deliverable(self, n: int, version: int) -> bool:
         """Whether at least ``n`` waiting groups are fresh enough for ``version``."""
-        s, count = self.settings, 0
-        for gid in self.m.pending:
-            if not (s.bounded and version - self.m.groups[gid].behaviour_version > s.max_staleness):
+        count = 0
+        for gid in self.memory.pending:
+            if not staleness.too_stale(version, self.memory.groups[gid].behaviour_version, self.max_staleness):
                 count += 1
                 if count >= n:
                     return True
         return False
 
     def ack(self, lease_id: str) -> int:
-        _check_id(lease_id, "lease_id")
+        check_id(lease_id, "lease_id")
         self.sweep()
-        lease = self.m.leases.get(lease_id)
+        lease = self.memory.leases.get(lease_id)
         if lease is not None:
-            self._log(ACK, {"l": lease_id})
+            self._log(ACK, records.ack_meta(lease_id))
             return len(lease.group_ids)
-        outcome = self.m.outcomes.get(lease_id)
+        outcome = self.memory.outcomes.get(lease_id)
         if outcome == "acked":
             return 0
         if outcome is not None:
@@ -494,13 +348,13 @@ class QueueState:
         raise NotFound(f"lease {lease_id!r} is unknown")
 
     def nack(self, lease_id: str) -> int:
-        _check_id(lease_id, "lease_id")
+        check_id(lease_id, "lease_id")
         self.sweep()
-        lease = self.m.leases.get(lease_id)
+        lease = self.memory.leases.get(lease_id)
         if lease is not None:
-            self._log(RELEASE, {"l": lease_id, "why": "nacked"})
+            self._log(RELEASE, records.release_meta(lease_id, "nacked"))
             return len(lease.group_ids)
-        outcome = self.m.outcomes.get(lease_id)
+        outcome = self.memory.outcomes.get(lease_id)
         if outcome == "acked":
             raise FailedPrecondition(f"lease {lease_id} was already acked; its groups are gone")
         if outcome is not None:
@@ -508,33 +362,32 @@ class QueueState:
         raise NotFound(f"lease {lease_id!r} is unknown")
 
     def renew(self, lease_id: str, lease_s: float = 0.0) -> Lease:
-        _check_id(lease_id, "lease_id")
+        check_id(lease_id, "lease_id")
         self._check_lease_s(lease_s)
         self.sweep()
-        lease = self.m.leases.get(lease_id)
+        lease = self.memory.leases.get(lease_id)
         if lease is None:
-            outcome = self.m.outcomes.get(lease_id)
+            outcome = self.memory.outcomes.get(lease_id)
             if outcome is not None:
                 raise FailedPrecondition(f"lease {lease_id} is no longer held: it was {outcome}")
             raise NotFound(f"lease {lease_id!r} is unknown")
-        duration = lease_s or self.settings.default_lease_s
-        self._log(RENEW, {"l": lease_id, "dl": self.clock() + duration, "ls": duration})
+        duration = lease_s or self.config.default_lease_s
+        self._log(RENEW, records.renew_meta(lease_id, self.clock() + duration, duration))
         return lease
 
     def set_trainer_version(self, version: int, rebase: bool = False) -> int:
         if not 0 <= version <= MAX_VERSION:
             raise InvalidRequest(f"policy_version={version} must be between 0 and {MAX_VERSION}")
-        if version > self.m.trainer_version or (rebase and version != self.m.trainer_version):
-            self._log(VERSION, {"v": version, "rb": rebase})
-        return self.m.trainer_version
+        if version > self.memory.trainer_version or (rebase and version != self.memory.trainer_version):
+            self._log(VERSION, records.version_meta(version, rebase))
+        return self.memory.trainer_version
 
     def set_max_staleness(self, max_staleness: int) -> int:
         """Changes tau for deliveries and reservations from now on (not logged: config wins on restart)."""
-        if not -1 <= max_staleness <= MAX_VERSION:
-            raise InvalidRequest(
-                f"max_staleness={max_staleness} must be -1 (unbounded) or between 0 and {MAX_VERSION}"
-            )
-        self.settings.max_staleness = max_staleness
+        try:
+            self.max_staleness = staleness.check_tau(max_staleness, largest=MAX_VERSION)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         return max_staleness
 
     # -- time ------------------------------------------------------------------------------
@@ -544,17 +397,18 @@ class QueueState:
         now = self.clock()
         result = SweepResult()
         # Newest first, so that the oldest expired lease ends up at the very head.
-        for lease in reversed([x for x in self.m.leases.values() if x.deadline <= now]):
-            self._log(RELEASE, {"l": lease.lease_id, "why": "expired"})
+        for lease in reversed([x for x in self.memory.leases.values() if x.deadline <= now]):
+            self._log(RELEASE, records.release_meta(lease.lease_id, "expired"))
             result.expired_leases += 1
             result.expired_groups += len(lease.group_ids)
-        for ticket in [t for t in self.m.tickets.values() if t.expires_at <= now]:
-            self._log(UNRESERVE, {"t": ticket.ticket_id, "why": "expired"})
+        for ticket in [t for t in self.memory.tickets.values() if t.expires_at <= now]:
+            self._log(UNRESERVE, records.unreserve_meta(ticket.ticket_id, "expired"))
             result.expired_tickets += 1
         return result
 
     def next_deadline(self) -> float | None:
-        deadlines = [x.deadline for x in self.m.leases.values()] + [t.expires_at for t in self.m.tickets.values()]
+        deadlines = [x.deadline for x in self.memory.leases.values()]
+        deadlines += [t.expires_at for t in self.memory.tickets.values()]
         return min(deadlines, default=None)
 
     # -- durability ------------------------------------------------------------------------
@@ -562,155 +416,20 @@ class QueueState:
     def compaction_due(self, min_bytes: int) -> bool:
         if self.wal is None:
             return False
-        dead = self.wal.size - self.m.live_wal_bytes
-        return dead >= min_bytes and dead >= self.m.live_wal_bytes
+        dead = self.wal.size - self.memory.live_wal_bytes
+        return dead >= min_bytes and dead >= self.memory.live_wal_bytes
 
     def compact(self) -> None:
         """Rewrites the log as a snapshot of the live state (call ``wal.idle()`` first)."""
         assert self.wal is not None
-        m = self.m
-        order = list(m.pending) + [g for lease in m.leases.values() for g in lease.group_ids]
-        records: list[Record] = [(SNAPSHOT, self._snapshot_meta(), b"")]
-        records += [
-            (
-                PUT,
-                {"g": g, "bv": r.behaviour_version, "nt": r.n_tokens, "at": r.accepted_at, "tk": "", "d": r.deliveries},
-                r.payload,
-            )
-            for g in order
-            for r in (m.groups[g],)
-        ]
-        records += [
-            (LEASE, {"l": x.lease_id, "gs": x.group_ids, "dl": x.deadline, "ls": x.duration_s, "c": x.consumer_id, "cv": x.consumer_version, "re": 1}, b"")
-            for x in m.leases.values()
-        ]
-        records += [
-            (RESERVE, {"t": t.ticket_id, "r": t.request_id, "p": t.producer_id, "n": t.remaining, "mv": t.min_policy_version, "exp": t.expires_at, "n0": t.n_groups}, b"")
-            for t in m.tickets.values()
-        ]
+        order, snapshot = records.compaction_records(self.memory)
         before = self.wal.size
-        sizes = self.wal.rewrite(records)
+        sizes = self.wal.rewrite(snapshot)
         for g, size in zip(order, sizes[1 : 1 + len(order)], strict=True):
-            m.groups[g].wal_bytes = size
-        m.live_wal_bytes = sum(sizes[1 : 1 + len(order)])
+            self.memory.groups[g].wal_bytes = size
+        self.memory.live_wal_bytes = sum(sizes[1 : 1 + len(order)])
         log.info("compacted the log", extra={"bytes_before": before, "bytes_after": self.wal.size})
 
-    def _snapshot_meta(self) -> dict[str, Any]:
-        m = self.m
-        return {
-            "v": m.trainer_version,
-            "acc": m.accepted - len(m.groups),  # the PUT records that follow add the live groups back
-            "ackd": m.acked_total,
-            "ev": m.evicted,
-            "exl": m.expired_leases,
-            "done": list(m.done_ids),
-            "out": dict(m.outcomes),
-            "res": dict(m.reservations),
-        }
-
-    def _still_applies(self, kind: int, meta: dict[str, Any]) -> bool:
-        """Whether a record recovered after lost ones applies: a lost one may have made what it refers to."""
-        m = self.m
-        if kind in (LEASE, EVICT):
-            return all(g in m.pending for g in meta["gs"])
-        if kind in (ACK, RELEASE, RENEW):
-            return meta["l"] in m.leases
-        if kind == UNRESERVE:
-            return meta["t"] in m.tickets
-        return kind != PUT or meta["g"] not in m.groups
-
-    # -- the one place state changes -------------------------------------------------------
-
-    def _log(self, kind: int, meta: dict[str, Any], blob: bytes = b"") -> None:
+    def _log(self, kind: int, meta: Meta, blob: bytes = b"") -> None:
         size = self.wal.append(kind, meta, blob) if self.wal is not None else 0
-        self._apply(kind, meta, blob, size)
-
-    def _apply(self, kind: int, meta: dict[str, Any], blob: bytes, size: int) -> None:
-        m, s = self.m, self.settings
-        if kind == PUT:
-            rec = GroupRecord(meta["g"], blob, meta["bv"], meta["nt"], meta["at"], meta.get("d", 0), size)
-            m.groups[rec.group_id] = rec
-            m.pending[rec.group_id] = None
-            m.pending_bytes += rec.size
-            m.live_bytes += rec.size
-            m.live_wal_bytes += size
-            m.accepted += 1
-            ticket = m.tickets.get(meta["tk"]) if meta["tk"] else None
-            if ticket is not None and ticket.remaining > 0:
-                ticket.remaining -= 1
-                m.in_flight -= 1
-                if ticket.remaining == 0:
-                    del m.tickets[ticket.ticket_id]
-                    _bounded_put(m.outcomes, ticket.ticket_id, "used", s.outcome_window)
-        elif kind == LEASE:
-            lease = Lease(meta["l"], list(meta["gs"]), meta["dl"], meta["c"], meta["cv"], meta.get("ls", 0.0))
-            for g in lease.group_ids:
-                del m.pending[g]
-                m.pending_bytes -= m.groups[g].size
-                if not meta.get("re"):
-                    m.groups[g].deliveries += 1
-            m.leases[lease.lease_id] = lease
-            m.leased_groups += len(lease.group_ids)
-        elif kind == RENEW:
-            lease = m.leases[meta["l"]]
-            lease.deadline, lease.duration_s = meta["dl"], meta.get("ls", lease.duration_s)
-        elif kind == ACK:
-            lease = m.leases.pop(meta["l"])
-            m.leased_groups -= len(lease.group_ids)
-            for g in lease.group_ids:
-                rec = m.groups.pop(g)
-                m.live_bytes -= rec.size
-                m.live_wal_bytes -= rec.wal_bytes
-                _bounded_put(m.done_ids, g, None, s.dedup_window)
-            m.acked_total += len(lease.group_ids)
-            _bounded_put(m.outcomes, lease.lease_id, "acked", s.outcome_window)
-        elif kind == RELEASE:
-            lease = m.leases.pop(meta["l"])
-            m.leased_groups -= len(lease.group_ids)
-            for g in reversed(lease.group_ids):  # back to the head, in their original order
-                m.pending[g] = None
-                m.pending.move_to_end(g, last=False)
-                m.pending_bytes += m.groups[g].size
-            if meta["why"] == "expired":
-                m.expired_leases += 1
-            _bounded_put(m.outcomes, lease.lease_id, meta["why"], s.outcome_window)
-        elif kind == EVICT:
-            for g in meta["gs"]:
-                del m.pending[g]
-                rec = m.groups.pop(g)
-                m.pending_bytes -= rec.size
-                m.live_bytes -= rec.size
-                m.live_wal_bytes -= rec.wal_bytes
-                _bounded_put(m.done_ids, g, None, s.dedup_window)
-            m.accepted -= len(meta["gs"])
-            m.evicted[meta["why"]] = m.evicted.get(meta["why"], 0) + len(meta["gs"])
-        elif kind == VERSION:
-            m.trainer_version = meta["v"]
-            if meta["rb"]:
-                # A trainer resumed from an older checkpoint: pace as if every step so far
-                # consumed one batch, plus what is stored now.
-                m.accepted = m.trainer_version * s.groups_per_step + len(m.groups)
-        elif kind == RESERVE:
-            ticket = Ticket(meta["t"], meta["r"], meta["p"], meta.get("n0", meta["n"]), meta["mv"], meta["exp"], meta["n"])
-            m.tickets[ticket.ticket_id] = ticket
-            m.in_flight += ticket.remaining
-            _bounded_put(m.reservations, ticket.request_id, meta, s.outcome_window)
-        elif kind == UNRESERVE:
-            ticket = m.tickets.pop(meta["t"])
-            m.in_flight -= ticket.remaining
-            _bounded_put(m.outcomes, ticket.ticket_id, meta["why"], s.outcome_window)
-        elif kind == SNAPSHOT:
-            m.trainer_version = meta["v"]
-            m.accepted = meta["acc"]
-            m.acked_total = meta["ackd"]
-            m.evicted = dict(meta["ev"])
-            m.expired_leases = meta["exl"]
-            m.done_ids = OrderedDict.fromkeys(meta["done"])
-            m.outcomes = OrderedDict(meta["out"])
-            m.reservations = OrderedDict(meta["res"])
-        else:
-            raise ValueError(f"unknown log record kind {kind}")
-
-    @staticmethod
-    def _ticket_from_meta(meta: dict[str, Any]) -> Ticket:
-        return Ticket(meta["t"], meta["r"], meta["p"], meta.get("n0", meta["n"]), meta["mv"], meta["exp"], meta["n"])
+        records.apply(self.memory, self.config, kind, meta, blob, size)

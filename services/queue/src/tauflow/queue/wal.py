@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tauflow.core.files import fsync_dir
 from tauflow.queue.wal_frames import (
     Bad,
     BadHeader,
@@ -42,7 +43,6 @@ from tauflow.queue.wal_frames import (
     FrameWriter,
     all_zeros,
     frame_size,
-    fsync_dir,
     open_format,
     resync,
     write_all,

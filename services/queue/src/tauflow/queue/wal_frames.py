@@ -244,11 +244,3 @@ def all_zeros(mm: mmap.mmap, start: int, end: int) -> bool:
     """Whether ``mm[start:end]`` is all zero bytes (e.g. a file extended but never written before a crash)."""
     step = 1 << 20
     return all(mm[at : min(at + step, end)].count(0) == min(step, end - at) for at in range(start, end, step))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

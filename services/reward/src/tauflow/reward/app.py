@@ -7,11 +7,11 @@ import logging
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.reward import __version__
+from tauflow.reward.adapters.servicer import SERVICE, RewardServicer, add_reward_servicer_to_server
 from tauflow.reward.config import Executor, RewardConfig
 from tauflow.reward.metrics import RewardMetrics
 from tauflow.reward.registry import build_registry
 from tauflow.reward.runner import Scorer
-from tauflow.reward.servicer import SERVICE, RewardServicer, add_reward_servicer_to_server
 
 log = logging.getLogger(__name__)
 

@@ -134,7 +134,7 @@ class ExactMatch:
 
 def _last_match(pattern: Any, text: str) -> str | None:
     last = None
-    for last in pattern.finditer(text):  # noqa: B007
+    for last in pattern.finditer(text):
         pass
     if last is None:
         return None

@@ -14,7 +14,7 @@ from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, Stri
 class Executor(str, Enum):
     """Where a reward function runs."""
 
-    INLINE = "inline"  # in the service process, on the event loop: cheapest, but a hang is not interrupted
+    INLINE = "inline"  # in the service process, on a thread of the call: cheapest, but a hang is not interrupted
     PROCESS = "process"  # in the killable worker pool: per-sample timeout enforced by killing the worker
 
 

@@ -204,7 +204,7 @@ class Scorer:
             ]
         waiting = [asyncio.wrap_future(t) for t in tasks]
         try:
-            done, pending = await asyncio.wait(waiting, timeout=deadline_s)
+            _, pending = await asyncio.wait(waiting, timeout=deadline_s)
         finally:
             for t in tasks:  # a cancelled call (or a deadline) stops its queued and running tasks
                 if not t.done():

@@ -73,7 +73,7 @@ def init_worker(sys_path: Sequence[str], refs: Sequence[str], service_pid: int |
     for ref in refs:
         try:
             resolve(ref)
-        except Exception:  # noqa: BLE001 - reported per sample when the function is called
+        except Exception:  # noqa: BLE001, S110 - reported per sample when the function is called
             pass
 
 

@@ -26,18 +26,29 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.decoding import checked_deserializer, refusing_undecodable
 from tauflow.core.protobuf import duration_seconds
 from tauflow.core.status import error_info_trailer
-from tauflow.queue import convert, state, wire
+from tauflow.queue.adapters import convert, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.model import (
+    FailedPrecondition,
+    GetResult,
+    GroupOverCapacity,
+    InvalidRequest,
+    NotFound,
+    QueueError,
+    QueueFull,
+    Ticket,
+)
+from tauflow.queue.state import QueueState
 from tauflow.queue.wal import WalWriteError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _STATUS = {
-    state.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    state.NotFound: grpc.StatusCode.NOT_FOUND,
-    state.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 _MARGIN_S = 0.05  # answer this long before the caller's deadline
 _DOMAIN = queue_pb2.DESCRIPTOR.package
@@ -59,12 +70,12 @@ def _seconds(value: Any, name: str) -> float:
     try:
         return duration_seconds(value, name)
     except ValueError as e:
-        raise state.InvalidRequest(str(e)) from None
+        raise InvalidRequest(str(e)) from None
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
-    def __init__(self, queue: state.QueueState, config: QueueConfig, metrics: QueueMetrics) -> None:
-        self.q = queue
+    def __init__(self, queue: QueueState, config: QueueConfig, metrics: QueueMetrics) -> None:
+        self.state = queue
         self.config = config
         self.metrics = metrics
         self._waiters: deque[_Waiter] = deque()
@@ -75,11 +86,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     def _notify(self) -> None:
         """After a state change: updates the gauges and wakes the waiters that it may serve."""
-        self.metrics.observe(self.q.stats())
-        groups = self.q.depth_groups  # groups waiting, not yet promised to a woken Get
+        self.metrics.observe(self.state.stats())
+        groups = self.state.depth_groups  # groups waiting, not yet promised to a woken Get
         room = 0  # groups promised to the Reserve waiters woken so far
         for w in self._waiters:
-            if groups <= 0 and not self.q.has_room(room + 1):
+            if groups <= 0 and not self.state.has_room(room + 1):
                 break  # nothing left to serve anyone with
             if w.woken.is_set():
                 continue
@@ -87,15 +98,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 if groups >= w.need:
                     w.woken.set()
                     groups -= w.need
-            elif self.q.has_room(room + w.need):
+            elif self.state.has_room(room + w.need):
                 w.woken.set()
                 room += w.need
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
         reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
-        if isinstance(err, (convert.GroupTooLarge, state.GroupOverCapacity)):
+        if isinstance(err, (convert.GroupTooLarge, GroupOverCapacity)):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
-        elif isinstance(err, state.QueueFull):
+        elif isinstance(err, QueueFull):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_QUEUE_FULL
         elif isinstance(err, WalWriteError):
             # A full disk is worth retrying once space returns (the failed record was rolled back);
@@ -136,9 +147,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 left = until - loop.time()
                 if left <= 0:
                     return None
-                deadline = self.q.next_deadline()  # wake for a lease or ticket expiry too
+                deadline = self.state.next_deadline()  # wake for a lease or ticket expiry too
                 if deadline is not None:
-                    left = min(left, max(deadline - self.q.clock(), 0.0) + 0.01)
+                    left = min(left, max(deadline - self.state.clock(), 0.0) + 0.01)
                 waiter.woken.clear()
                 if waiter not in self._waiters:
                     self._waiters.append(waiter)
@@ -154,7 +165,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         with self.metrics.rpc_duration.labels(method).time():
             try:
                 return await fn()
-            except (state.QueueError, convert.InvalidGroup, WalWriteError) as err:
+            except (QueueError, convert.InvalidGroup, WalWriteError) as err:
                 await self._refuse(context, method, err)
                 raise AssertionError("unreachable") from err
 
@@ -162,15 +173,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def Reserve(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.ReserveResponse:
-            def attempt() -> state.Ticket | None:
-                ticket = self.q.reserve(request.request_id, request.producer_id, request.n_groups)
+            def attempt() -> Ticket | None:
+                ticket = self.state.reserve(request.request_id, request.producer_id, request.n_groups)
                 if ticket is not None:
                     self._notify()
                 return ticket
 
             wait_s = _seconds(request.wait, "wait")
             ticket = await self._poll(context, wait_s, attempt, _Wants.ROOM, request.n_groups)
-            resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.q.trainer_version)
+            resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.state.trainer_version)
             if ticket is not None:
                 resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
             return resp
@@ -179,7 +190,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def ReleaseReservation(self, request, context, owner: str | None = None):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.ReleaseReservationResponse:
-            released = self.q.release_reservation(request.ticket_id, owner)
+            released = self.state.release_reservation(request.ticket_id, owner)
             self._notify()
             return queue_pb2.ReleaseReservationResponse(released_groups=released)
 
@@ -190,13 +201,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             if not request.group:
                 raise convert.InvalidGroup("group must be set")
             record = wire.group_record(request.group, self.max_group_bytes)
-            if self.q.wal is not None and self.q.wal.broken is not None:
+            if self.state.wal is not None and self.state.wal.broken is not None:
                 # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
-                raise WalWriteError(errno.EIO, self.q.wal.broken)
-            accepted, depth = self.q.put(record, request.ticket_id, owner)
+                raise WalWriteError(errno.EIO, self.state.wal.broken)
+            accepted, depth = self.state.put(record, request.ticket_id, owner)
             if accepted:
-                if self.q.wal is not None:
-                    await self.q.wal.commit()
+                if self.state.wal is not None:
+                    await self.state.wal.commit()
                 self.metrics.put_groups.inc()
                 self.metrics.put_bytes.inc(record.size)
                 self._notify()
@@ -212,9 +223,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             wait_s = _seconds(request.wait, "wait")
             evicted = 0
 
-            def attempt() -> state.GetResult | None:
+            def attempt() -> GetResult | None:
                 nonlocal evicted
-                result = self.q.get(
+                result = self.state.get(
                     request.consumer_id,
                     request.max_groups,
                     request.min_groups,
@@ -236,22 +247,22 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
             result = await self._poll(context, wait_s, attempt, _Wants.GROUPS, request.min_groups)
             if result is None:
-                empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.q.trainer_version)
+                empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.state.trainer_version)
                 return empty.SerializeToString()
             result.evicted_stale = evicted
             self.metrics.delivered_groups.inc(len(result.deliveries))
             for d in result.deliveries:
                 self.metrics.delivered_staleness.observe(d.staleness)
             self._notify()
-            return wire.encode_get_response(result, self.q.trainer_version)
+            return wire.encode_get_response(result, self.state.trainer_version)
 
         return await self._call(context, "Get", run)
 
     async def Ack(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.AckResponse:
-            n = self.q.ack(request.lease_id)
-            if n and self.q.wal is not None:
-                await self.q.wal.commit()  # durable before the answer: docs/reliability.md says why
+            n = self.state.ack(request.lease_id)
+            if n and self.state.wal is not None:
+                await self.state.wal.commit()  # durable before the answer: docs/reliability.md says why
             if n:
                 self.metrics.acked_groups.inc(n)
                 self._notify()
@@ -262,7 +273,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def Nack(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.NackResponse:
-            n = self.q.nack(request.lease_id)
+            n = self.state.nack(request.lease_id)
             self._notify()
             return queue_pb2.NackResponse(requeued_groups=n)
 
@@ -270,18 +281,18 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def RenewLease(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.RenewLeaseResponse:
-            lease = self.q.renew(request.lease_id, _seconds(request.lease_duration, "lease_duration"))
+            lease = self.state.renew(request.lease_id, _seconds(request.lease_duration, "lease_duration"))
             return queue_pb2.RenewLeaseResponse(lease=convert.lease_to_proto(lease))
 
         return await self._call(context, "RenewLease", run)
 
     async def SetTrainerVersion(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.SetTrainerVersionResponse:
-            version = self.q.set_trainer_version(request.policy_version, request.rebase)
-            if self.q.wal is not None:
+            version = self.state.set_trainer_version(request.policy_version, request.rebase)
+            if self.state.wal is not None:
                 # Durable before the answer: a version lost at a power cut would make the queue refuse
                 # the groups of the weights the trainer already published (from the future, to it).
-                await self.q.wal.commit()
+                await self.state.wal.commit()
             self._notify()
             return queue_pb2.SetTrainerVersionResponse(trainer_version=version)
 
@@ -289,7 +300,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.SetMaxStalenessResponse:
-            tau = self.q.set_max_staleness(request.max_staleness)
+            tau = self.state.set_max_staleness(request.max_staleness)
             log.info("max_staleness set", extra={"max_staleness": tau})
             self._notify()
             return queue_pb2.SetMaxStalenessResponse(max_staleness=tau)
@@ -298,7 +309,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def Stats(self, request, context):  # type: ignore[no-untyped-def]
         async def run() -> queue_pb2.StatsResponse:
-            return convert.stats_to_proto(self.q.stats())
+            return convert.stats_to_proto(self.state.stats())
 
         return await self._call(context, "Stats", run)
 
@@ -308,7 +319,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """Redelivers expired leases and releases expired tickets between calls."""
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            result = self.q.sweep()
+            result = self.state.sweep()
             if result.expired_leases or result.expired_tickets:
                 self.metrics.lease_expired.inc(result.expired_leases)
                 log.info(
@@ -321,21 +332,21 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """Ends the service once the log is broken (a failed rollback or fsync): what memory holds may
         then be ahead of the disk, and only a restart, recovering from the file, is sure of it. The
         launcher restarts the queue; callers see UNAVAILABLE meanwhile and retry."""
-        wal = self.q.wal
+        wal = self.state.wal
         while wal is not None:
             await asyncio.sleep(self.config.sweep_interval_s)
             if wal.broken is not None:
                 raise RuntimeError(f"the write-ahead log is broken ({wal.broken}): stopping so that a restart recovers it")
 
     async def _maybe_compact(self) -> None:
-        if self.q.compaction_due(self.config.wal.compact_min_bytes):
-            assert self.q.wal is not None
-            await self.q.wal.idle()
+        if self.state.compaction_due(self.config.wal.compact_min_bytes):
+            assert self.state.wal is not None
+            await self.state.wal.idle()
             try:
-                self.q.compact()
+                self.state.compact()
             except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
                 log.error("compaction failed; the log stays as it is", extra={"error": str(e)})
-            self.metrics.observe(self.q.stats())
+            self.metrics.observe(self.state.stats())
 
 
 SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]

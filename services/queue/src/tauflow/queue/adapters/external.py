@@ -29,9 +29,9 @@ from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
+from tauflow.queue.adapters.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.config import ExternalConfig
 from tauflow.queue.metrics import QueueMetrics
-from tauflow.queue.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.tokens import UNKNOWN_CLIENT, TokenTable
 
 log = logging.getLogger(__name__)

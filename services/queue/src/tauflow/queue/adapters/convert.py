@@ -13,9 +13,8 @@ import math
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
-from tauflow.queue import state
+from tauflow.queue.model import MAX_ID_CHARS, GroupRecord, Lease, Stats, Ticket
 
-MAX_ID_CHARS = state.MAX_ID_CHARS  # group, prompt, sample, request, producer, consumer, ticket and lease ids
 MAX_SAMPLES = 4096  # samples in one group
 MAX_METADATA_ENTRIES = 64  # entries of each metadata map, and of a reward's components
 MAX_KEY_CHARS = 256  # a metadata key or a component name
@@ -89,7 +88,7 @@ def check_structure(group: common_pb2.Group) -> None:
             raise InvalidGroup(f"{at}.reward.message is longer than {MAX_REWARD_MESSAGE_CHARS} characters")
 
 
-def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.GroupRecord:
+def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecord:
     """Validates ``group`` and turns it into what the queue stores."""
     check_structure(group)
     behaviour = None
@@ -133,10 +132,10 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> state.Grou
             f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}"
         )
     assert behaviour is not None
-    return state.GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest)
+    return GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest)
 
 
-def ticket_to_proto(ticket: state.Ticket) -> queue_pb2.Ticket:
+def ticket_to_proto(ticket: Ticket) -> queue_pb2.Ticket:
     return queue_pb2.Ticket(
         ticket_id=ticket.ticket_id,
         n_groups=ticket.n_groups,
@@ -145,24 +144,24 @@ def ticket_to_proto(ticket: state.Ticket) -> queue_pb2.Ticket:
     )
 
 
-def lease_to_proto(lease: state.Lease) -> queue_pb2.Lease:
+def lease_to_proto(lease: Lease) -> queue_pb2.Lease:
     return queue_pb2.Lease(lease_id=lease.lease_id, deadline=timestamp(lease.deadline))
 
 
-def stats_to_proto(s: state.Stats) -> queue_pb2.StatsResponse:
+def stats_to_proto(stats: Stats) -> queue_pb2.StatsResponse:
     return queue_pb2.StatsResponse(
-        trainer_version=s.trainer_version,
-        max_staleness=s.max_staleness,
-        groups_per_step=s.groups_per_step,
-        depth_groups=s.depth_groups,
-        depth_bytes=s.depth_bytes,
-        leased_groups=s.leased_groups,
-        reserved_groups=s.reserved_groups,
-        accepted_groups=s.accepted_groups,
-        acked_groups=s.acked_groups,
-        evicted_groups=s.evicted_groups,
-        expired_leases=s.expired_leases,
-        capacity_groups=s.capacity_groups,
-        capacity_bytes=s.capacity_bytes,
-        wal_bytes=s.wal_bytes,
+        trainer_version=stats.trainer_version,
+        max_staleness=stats.max_staleness,
+        groups_per_step=stats.groups_per_step,
+        depth_groups=stats.depth_groups,
+        depth_bytes=stats.depth_bytes,
+        leased_groups=stats.leased_groups,
+        reserved_groups=stats.reserved_groups,
+        accepted_groups=stats.accepted_groups,
+        acked_groups=stats.acked_groups,
+        evicted_groups=stats.evicted_groups,
+        expired_leases=stats.expired_leases,
+        capacity_groups=stats.capacity_groups,
+        capacity_bytes=stats.capacity_bytes,
+        wal_bytes=stats.wal_bytes,
     )

@@ -30,7 +30,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, un
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
-from tauflow.queue import convert, state
+from tauflow.queue.adapters import convert
+from tauflow.queue.model import GetResult, GroupRecord
 
 _F = descriptor_pb2.FieldDescriptorProto
 _PACKED = (2, 3, 4, 5, 6)  # Sample fields the view reads as bytes
@@ -89,7 +90,7 @@ def _varint_count(raw: bytes) -> int:
     return int(np.count_nonzero(_bytes_of(raw) < 0x80))
 
 
-def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | None:
+def group_record_fast(raw: bytes, max_group_bytes: int) -> GroupRecord | None:
     """Checks the token arrays of a serialized Group without decoding them; None means "use the full
     decode". The checks that do not read token arrays are ``convert.check_structure``'s."""
     if len(raw) > max_group_bytes:
@@ -135,7 +136,7 @@ def group_record_fast(raw: bytes, max_group_bytes: int) -> state.GroupRecord | N
         behaviour = oldest if behaviour is None else min(behaviour, oldest)
         n_tokens += n_prompt + n
     assert behaviour is not None
-    return state.GroupRecord(view.group_id, raw, behaviour, n_tokens, newest_version=newest)
+    return GroupRecord(view.group_id, raw, behaviour, n_tokens, newest_version=newest)
 
 
 def decode_group(raw: bytes) -> common_pb2.Group:
@@ -149,7 +150,7 @@ def decode_group(raw: bytes) -> common_pb2.Group:
         ) from e
 
 
-def group_record(raw: bytes, max_group_bytes: int) -> state.GroupRecord:
+def group_record(raw: bytes, max_group_bytes: int) -> GroupRecord:
     """The stored form of a serialized Group: accepted only if it decodes in full and validates."""
     if len(raw) > max_group_bytes:  # before decoding it: an oversized group costs no decode
         raise convert.GroupTooLarge(f"the group is {len(raw)} bytes, over the limit of {max_group_bytes}")
@@ -214,7 +215,7 @@ _GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].numbe
 _GROUPS_FIELD = queue_pb2.GetResponse.DESCRIPTOR.fields_by_name["groups"].number
 
 
-def encode_get_response(result: state.GetResult, trainer_version: int) -> bytes:
+def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
     """The serialized GetResponse, with each stored group spliced in as is."""
     head = queue_pb2.GetResponse(evicted_stale=result.evicted_stale, trainer_version=trainer_version)
     if result.lease is not None:

@@ -9,15 +9,13 @@ gRPC's own parsing would answer UNKNOWN with the exception's text.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.decoding import Undecodable, checked_deserializer
-from tauflow.reward import convert
+from tauflow.reward.adapters import convert
 from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
 from tauflow.reward.metrics import RewardMetrics
