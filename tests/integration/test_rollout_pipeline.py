@@ -13,12 +13,12 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tauflow.core.channel import ChannelConfig
-from tauflow.rollout.clients import GrpcQueue
+from tauflow.core.config import ChannelConfig
+from tauflow.core.testing import queue_stub
+from tauflow.rollout.adapters.queue_client import GrpcQueue
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, FinishReason
-from tauflow.rollout.producer import GroupRejected, ProducedGroup
-from tests.conftest import queue_stub
+from tauflow.rollout.ports import GroupRejected, ProducedGroup
 
 ADDITION = Path(__file__).resolve().parents[2] / "examples" / "addition"
 sys.path.insert(0, str(ADDITION))
@@ -100,6 +100,27 @@ def _produced(group_id: str, tokens: int) -> ProducedGroup:
     )
 
 
+class CountingStub:
+    """The queue client's stub, counting the Put attempts that reach the queue."""
+
+    def __init__(self, stub) -> None:  # type: ignore[no-untyped-def]
+        self.stub = stub
+        self.puts = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.stub, name)
+
+    async def Put(self, request, **kwargs):  # type: ignore[no-untyped-def]
+        self.puts += 1
+        return await self.stub.Put(request, **kwargs)
+
+
+async def eventually(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.05)
+
+
 def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(service_process) -> None:  # type: ignore[no-untyped-def]
     queue = service_process(
         "queue", {"wal.dir": "wal", "max_staleness": -1, "capacity_groups": 1, "max_group_bytes": 4000}
@@ -108,14 +129,16 @@ def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(serv
 
     async def scenario() -> None:
         client = GrpcQueue(queue.address, "r0", ChannelConfig(default_timeout_s=10))
+        client.stub = stub_calls = CountingStub(client.stub)
         try:
             started = time.monotonic()
             with pytest.raises(GroupRejected) as rejected:  # not retried like a full queue
                 await asyncio.wait_for(client.put(_produced("long", 2000), ""), 10)
             assert rejected.value.reason == "too_large" and time.monotonic() - started < 3
             await client.put(_produced("first", 8), "")
+            before = stub_calls.puts
             second = asyncio.create_task(client.put(_produced("second", 8), ""))  # the queue is full
-            await asyncio.sleep(1.5)
+            await eventually(lambda: stub_calls.puts >= before + 3)  # refused, and retried twice
             assert not second.done()  # retried, never dropped
             got = await asyncio.to_thread(stub.Get, q.GetRequest(consumer_id="t", max_groups=1))
             await asyncio.to_thread(stub.Ack, q.AckRequest(lease_id=got.lease.lease_id))

@@ -13,8 +13,8 @@ from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
-from tauflow.weights.convert import manifest_to_proto
 from tauflow.weightsync import Stager
+from tauflow.weightsync.wire import manifest_to_proto
 
 TINY = {
     "vocab_size": 16,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tauflow.rollout.convert import sample_to_proto
+from tauflow.rollout.adapters.convert import sample_to_proto
 from tauflow.rollout.engine.base import Completion, FinishReason
 
 

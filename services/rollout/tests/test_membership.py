@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tauflow.rollout.membership import SidecarMembership, SidecarUnavailable
+from tauflow.rollout.membership import SidecarMembership
 from tauflow.rollout.metrics import RolloutMetrics
+from tauflow.rollout.ports import SidecarUnavailable
 
 
 class FakeSidecar:
@@ -18,14 +19,19 @@ class FakeSidecar:
         self.down = False
         self.refuse: Exception | None = None
         self.log: list[tuple[str, ...]] = []  # what happened, in order (the server's resets too)
+        self.checks = 0  # is_member calls answered
+        self.refused = 0  # calls refused while down
 
     async def is_member(self, member_id: str, address: str) -> bool:
         if self.down:
+            self.refused += 1
             raise SidecarUnavailable("GetStatus: UNAVAILABLE")
+        self.checks += 1
         return self.members.get(member_id) == address
 
     async def join(self, member_id: str, address: str, loaded_version: int) -> None:
         if self.down:
+            self.refused += 1
             raise SidecarUnavailable("Join: UNAVAILABLE")
         if self.refuse is not None:
             raise self.refuse
@@ -60,7 +66,8 @@ async def test_rejoins_a_sidecar_that_forgot_or_dropped_it(setup) -> None:  # ty
     try:
         await eventually(lambda: membership.joins == 1)
         assert sidecar.log == [("forget",), ("join", "rollout-0", "127.0.0.1:7000", "3")]
-        await asyncio.sleep(0.1)
+        checks = sidecar.checks
+        await eventually(lambda: sidecar.checks >= checks + 3)
         assert membership.joins == 1  # still listed: no re-join
 
         version[0] = 5
@@ -82,12 +89,13 @@ async def test_rides_out_a_sidecar_outage_and_joins_when_it_is_back(setup) -> No
     sidecar.down = True
     task = asyncio.create_task(membership.run())
     try:
-        await asyncio.sleep(0.1)
+        await eventually(lambda: sidecar.refused >= 3)  # it keeps trying
         assert not task.done() and membership.joins == 0
         sidecar.down = False
         await eventually(lambda: membership.joins == 1)
         sidecar.down = True  # the sidecar goes away and comes back without its members
-        await asyncio.sleep(0.1)
+        refused = sidecar.refused
+        await eventually(lambda: sidecar.refused > refused)
         sidecar.members.clear()
         sidecar.down = False
         await eventually(lambda: membership.joins == 2)

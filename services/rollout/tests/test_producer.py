@@ -10,10 +10,12 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tauflow.rollout.config import RolloutConfig, SamplingConfig
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, FinishReason, SamplingParams
 from tauflow.rollout.metrics import RolloutMetrics
-from tauflow.rollout.producer import GroupRejected, ProducedGroup, Producer, ProducerSettings, Ticket
+from tauflow.rollout.ports import GroupRejected, ProducedGroup, Ticket
+from tauflow.rollout.producer import Producer
 
 
 class FakeEngine:
@@ -65,15 +67,17 @@ def producer(
 ) -> tuple[Producer, CollectorRegistry]:
     registry = CollectorRegistry()
     prompts = itertools.cycle([Prompt(p, [1, 2]) for p in prompt_ids])
-    settings = ProducerSettings(
-        producer_id="r0",
+    config = RolloutConfig(
+        model_path="unused",
+        server_id="r0",
         group_size=2,
         groups_per_ticket=2,
         tickets_in_flight=kw.pop("tickets", 1),  # type: ignore[arg-type]
-        sampling=SamplingParams(max_new_tokens=1),
-        **kw,  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_new_tokens=1),
     )
-    return Producer(engine, prompts, queue, FakeReward(), settings, metrics=RolloutMetrics(registry)), registry
+    return Producer(
+        engine, prompts, queue, FakeReward(), config, metrics=RolloutMetrics(registry), **kw  # type: ignore[arg-type]
+    ), registry
 
 
 async def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
@@ -139,7 +143,7 @@ async def test_each_ticket_is_one_trace_generate_score_and_a_put_per_group_whose
 
     from opentelemetry.trace import StatusCode
 
-    from tauflow.rollout.convert import group_to_proto
+    from tauflow.rollout.adapters.convert import group_to_proto
 
     exporter = _memory_exporter()
 

@@ -9,7 +9,7 @@ server would keep generating with its old weights and the run would stall.
 Before a re-join the server forgets its weight group: the sidecar that built it is gone or has dropped
 this server, and a restarted sidecar counts its membership epochs from 1 again, on a new store.
 
-No grpc here: the sidecar is reached through ``SidecarPort`` (``clients.GrpcSidecar``).
+No grpc here: the sidecar is reached through ``ports.SidecarPort`` (``adapters/weights_client.py``).
 """
 
 from __future__ import annotations
@@ -17,22 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 from tauflow.rollout.metrics import RolloutMetrics
+from tauflow.rollout.ports import SidecarPort, SidecarUnavailable
 
 log = logging.getLogger(__name__)
-
-
-class SidecarUnavailable(Exception):
-    """The sidecar did not answer in time, is down, or has no room for a member: try again later."""
-
-
-class SidecarPort(Protocol):
-    async def is_member(self, member_id: str, address: str) -> bool:
-        """Whether the sidecar lists ``member_id`` at ``address`` as joining or active."""
-
-    async def join(self, member_id: str, address: str, loaded_version: int) -> None: ...
 
 
 class SidecarMembership:

@@ -14,108 +14,34 @@ the scoring that made it. (A span per group per phase cost 9 % of a step on 2 co
 
 Several tickets are worked on at once, so generation overlaps scoring and puts. A group the queue can
 never take (larger than its bounds) is dropped, logged and counted, and the rest of its ticket released;
-production goes on. When the producer stops, the tickets it has not filled are released at once, so
-their room does not wait for the queue's ticket TTL. The loop never imports grpc: it talks to the queue
-and the reward service through the ports below.
+production goes on. A ticket that fails otherwise is released and stops the loop (the service exits and
+is restarted). When the producer stops, the tickets it has not filled are released at once, so their
+room does not wait for the queue's ticket TTL. The loop never imports grpc: it talks to the queue and
+the reward service through ``ports.QueuePort`` and ``ports.RewardPort``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any
 
 from opentelemetry import trace
 
 from tauflow.core.telemetry import set_error, traceparent_of
+from tauflow.rollout.config import RolloutConfig, SamplingConfig
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams
 from tauflow.rollout.metrics import RolloutMetrics
+from tauflow.rollout.ports import GroupRejected, ProducedGroup, QueuePort, RewardPort, Ticket
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tauflow.rollout")
-
-
-@contextlib.contextmanager
-def _child(name: str, parent: trace.Span, **attributes: object) -> Iterator[trace.Span]:
-    """A span ``name`` under ``parent``, current meanwhile (so a gRPC call made inside lands in the
-    ticket's trace); an error sets its status."""
-    with tracer.start_as_current_span(
-        name, context=trace.set_span_in_context(parent), attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except Exception as e:
-            set_error(span, e)
-            raise
-
-
-class GroupRejected(Exception):
-    """The queue refused a group for good (``reason``, e.g. ``too_large``): sending it again cannot help."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class Ticket:
-    ticket_id: str
-    n_groups: int
-    min_policy_version: int
-
-
-@dataclass
-class ProducedGroup:
-    group_id: str
-    prompt: Prompt
-    completions: list[Completion]
-    texts: list[str]
-    rewards: list = field(default_factory=list)  # type: ignore[type-arg]  # filled by the reward port
-    producer_id: str = ""
-    created_at: float = 0.0
-    traceparent: str = ""  # W3C context of the group's `queue.put` span, stored with the group
-    tracestate: str = ""
-
-    @property
-    def behaviour_version(self) -> int:
-        """The oldest policy version of any token of the group (0 when it has none)."""
-        return min((v for c in self.completions for v in c.versions), default=0)
-
-
-class QueuePort(Protocol):
-    async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None: ...
-
-    async def put(self, group: ProducedGroup, ticket_id: str) -> None:
-        """Returns once the queue holds the group (retrying while it is unavailable or full); raises
-        GroupRejected when the queue can never take it."""
-
-    async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
-        """Gives back the unused part of a ticket; best effort (an unreleased ticket expires by itself)."""
-
-
-class RewardPort(Protocol):
-    async def score(self, groups: Sequence[ProducedGroup]) -> None:
-        """Fills ``rewards`` of every group."""
-
-
-@dataclass
-class ProducerSettings:
-    producer_id: str
-    group_size: int
-    groups_per_ticket: int
-    tickets_in_flight: int
-    sampling: SamplingParams
-    reserve_wait_s: float = 5.0
-    release_timeout_s: float = 2.0  # deadline of the releases on shutdown, which must not hold the stop up
 
 
 class Producer:
@@ -125,17 +51,26 @@ class Producer:
         prompts: Iterator[Prompt],
         queue: QueuePort,
         reward: RewardPort,
-        settings: ProducerSettings,
+        config: RolloutConfig,
+        *,
         decode=None,  # type: ignore[no-untyped-def]
         metrics: RolloutMetrics | None = None,
+        reserve_wait_s: float = 5.0,
+        release_timeout_s: float = 2.0,  # deadline of the releases on shutdown, which must not hold the stop up
     ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.queue = queue
         self.reward = reward
-        self.s = settings
+        self.producer_id = config.server_id
+        self.group_size = config.group_size
+        self.groups_per_ticket = config.groups_per_ticket
+        self.tickets_in_flight = config.tickets_in_flight
+        self.sampling = sampling_params(config.sampling, n=config.group_size)
         self.decode = decode or (lambda ids: "")
         self.metrics = metrics or RolloutMetrics.null()
+        self.reserve_wait_s = reserve_wait_s
+        self.release_timeout_s = release_timeout_s
         self.groups_produced = 0
         self.groups_dropped = 0
         self.groups_in_flight = 0
@@ -143,86 +78,30 @@ class Producer:
         self._open_tickets: set[str] = set()  # granted and not yet filled or released
 
     async def run(self) -> None:
-        slots = asyncio.Semaphore(self.s.tickets_in_flight)
-        tasks: set[asyncio.Task[None]] = set()
-        failures: list[BaseException] = []
-
-        def done(task: asyncio.Task[None]) -> None:
-            tasks.discard(task)
-            slots.release()
-            if not task.cancelled() and task.exception() is not None:
-                failures.append(task.exception())  # type: ignore[arg-type]
-
+        """Works on ``tickets_in_flight`` tickets at once until cancelled, or until a ticket fails."""
+        workers = _Workers(self.tickets_in_flight)
         try:
             while True:
-                await slots.acquire()
-                if failures:
-                    raise failures[0]  # a ticket failed: stop, so the service exits and is restarted
-                ticket = await self.queue.reserve(uuid.uuid4().hex, self.s.groups_per_ticket, self.s.reserve_wait_s)
+                await workers.free_slot()
+                ticket = await self.queue.reserve(uuid.uuid4().hex, self.groups_per_ticket, self.reserve_wait_s)
                 if ticket is None:
-                    slots.release()
+                    workers.slot_unused()
                     continue
                 self._open_tickets.add(ticket.ticket_id)
-                task = asyncio.create_task(self._produce(ticket))
-                tasks.add(task)
-                task.add_done_callback(done)
+                workers.start(self._produce(ticket))
         finally:
-            for t in tasks:
-                t.cancel()
             # Runs while the producer is being cancelled (the service stops): shielded, so that a second
             # cancellation does not cut the releases short.
-            await asyncio.shield(self._stop(list(tasks)))
-
-    async def _stop(self, tasks: list[asyncio.Task[None]]) -> None:
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self._release_open_tickets()
-
-    async def _release_open_tickets(self) -> None:
-        """Gives the queue back the room of the tickets not filled, each under a short deadline so that an
-        unreachable queue does not hold the stop up (an unreleased ticket expires by its TTL)."""
-        open_tickets, self._open_tickets = sorted(self._open_tickets), set()
-        if not open_tickets:
-            return
-        await asyncio.gather(
-            *(self.queue.release(t, self.s.release_timeout_s) for t in open_tickets), return_exceptions=True
-        )
-        self.metrics.released_tickets.labels("stopped").inc(len(open_tickets))
-        log.info("released the unfilled tickets", extra={"tickets": len(open_tickets)})
+            await asyncio.shield(self._stop(workers.cancel_all()))
 
     async def _produce(self, ticket: Ticket) -> None:
         prompts = [next(self.prompts) for _ in range(ticket.n_groups)]
-        self.groups_in_flight += len(prompts)
-        root = tracer.start_span(
-            "rollout.ticket", context=trace.set_span_in_context(trace.INVALID_SPAN),
-            attributes={"rl.ticket_id": ticket.ticket_id, "rl.producer_id": self.s.producer_id,
-                        "rl.groups": len(prompts), "rl.group_size": self.s.group_size,
-                        "rl.ticket_min_policy_version": ticket.min_policy_version},
-        )
-        try:
-            # The ticket's version: data generated with older weights could be too stale to train on.
-            # (in short waits, so that a shutdown never waits on a blocked worker thread)
-            while not await asyncio.to_thread(self.engine.wait_for_version, ticket.min_policy_version, 1.0):
-                pass
-            params = dataclasses.replace(self.s.sampling, n=self.s.group_size)
+        async with self._working_on(ticket, prompts) as root:
+            await self._wait_for_version(ticket.min_policy_version)
             with _child("rollout.generate", root) as span:
-                completions = await self.engine.generate([p.token_ids for p in prompts], params)
-                span.set_attributes({
-                    "rl.samples": sum(len(cs) for cs in completions),
-                    "rl.completion_tokens": sum(len(c.token_ids) for cs in completions for c in cs),
-                    "rl.policy_version": min((v for cs in completions for c in cs for v in c.versions), default=0),
-                })
-            now = time.time()
-            groups = [
-                ProducedGroup(
-                    group_id=f"{self.s.producer_id}-{ticket.ticket_id[:12]}-{next(self._serial)}",
-                    prompt=p,
-                    completions=cs,
-                    texts=[self.decode(c.token_ids) for c in cs],
-                    producer_id=self.s.producer_id,
-                    created_at=now,
-                )
-                for p, cs in zip(prompts, completions, strict=True)
-            ]
+                completions = await self.engine.generate([p.token_ids for p in prompts], self.sampling)
+                span.set_attributes(_generation_attributes(completions))
+            groups = self._groups(ticket, prompts, completions)
             with _child("reward.score", root, **{"rl.groups": len(groups)}):
                 await self.reward.score(groups)
             accepted = await asyncio.gather(*(self._put(g, ticket.ticket_id, root) for g in groups))
@@ -231,9 +110,20 @@ class Producer:
                 await self.queue.release(ticket.ticket_id)
                 self.metrics.released_tickets.labels("dropped").inc()
             self._open_tickets.discard(ticket.ticket_id)
-        except asyncio.CancelledError:
-            raise  # the producer stops; run() releases the open tickets
-        except Exception as e:
+
+    @contextlib.asynccontextmanager
+    async def _working_on(self, ticket: Ticket, prompts: list[Prompt]) -> AsyncIterator[trace.Span]:
+        """The ticket's root span and in-flight count, meanwhile; a ticket that fails is released."""
+        self.groups_in_flight += len(prompts)
+        root = tracer.start_span(
+            "rollout.ticket", context=trace.set_span_in_context(trace.INVALID_SPAN),
+            attributes={"rl.ticket_id": ticket.ticket_id, "rl.producer_id": self.producer_id,
+                        "rl.groups": len(prompts), "rl.group_size": self.group_size,
+                        "rl.ticket_min_policy_version": ticket.min_policy_version},
+        )
+        try:
+            yield root
+        except Exception as e:  # (not a cancellation: the producer stops, and run() releases the open tickets)
             set_error(root, e)
             log.exception("a ticket failed; releasing it", extra={"ticket": ticket.ticket_id})
             self._open_tickets.discard(ticket.ticket_id)
@@ -242,6 +132,28 @@ class Producer:
         finally:
             self.groups_in_flight -= len(prompts)
             root.end()
+
+    async def _wait_for_version(self, version: int) -> None:
+        """Until the engine serves the ticket's version: data generated with older weights could be too
+        stale to train on. In short waits, so that a shutdown never waits on a blocked worker thread."""
+        while not await asyncio.to_thread(self.engine.wait_for_version, version, 1.0):
+            pass
+
+    def _groups(
+        self, ticket: Ticket, prompts: list[Prompt], completions: list[list[Completion]]
+    ) -> list[ProducedGroup]:
+        now = time.time()
+        return [
+            ProducedGroup(
+                group_id=f"{self.producer_id}-{ticket.ticket_id[:12]}-{next(self._serial)}",
+                prompt=prompt,
+                completions=group,
+                texts=[self.decode(c.token_ids) for c in group],
+                producer_id=self.producer_id,
+                created_at=now,
+            )
+            for prompt, group in zip(prompts, completions, strict=True)
+        ]
 
     async def _put(self, group: ProducedGroup, ticket_id: str, root: trace.Span = trace.INVALID_SPAN) -> bool:
         """Puts one group; False when the queue refused it for good (dropped: production goes on). The
@@ -259,6 +171,87 @@ class Producer:
             )
             return False
         return True
+
+    async def _stop(self, tasks: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._release_open_tickets()
+
+    async def _release_open_tickets(self) -> None:
+        """Gives the queue back the room of the tickets not filled, each under a short deadline so that an
+        unreachable queue does not hold the stop up (an unreleased ticket expires by its TTL)."""
+        open_tickets, self._open_tickets = sorted(self._open_tickets), set()
+        if not open_tickets:
+            return
+        await asyncio.gather(
+            *(self.queue.release(t, self.release_timeout_s) for t in open_tickets), return_exceptions=True
+        )
+        self.metrics.released_tickets.labels("stopped").inc(len(open_tickets))
+        log.info("released the unfilled tickets", extra={"tickets": len(open_tickets)})
+
+
+def sampling_params(config: SamplingConfig, n: int = 1) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
+        top_k=config.top_k, stop_token_ids=tuple(config.stop_token_ids), n=n,
+    )
+
+
+class _Workers:
+    """The tickets worked on, at most ``limit`` at once. The first that failed is raised by the next
+    ``free_slot``: the producer stops, so that the service exits and is restarted."""
+
+    def __init__(self, limit: int) -> None:
+        self._slots = asyncio.Semaphore(limit)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failures: list[BaseException] = []
+
+    async def free_slot(self) -> None:
+        await self._slots.acquire()
+        if self._failures:
+            raise self._failures[0]
+
+    def slot_unused(self) -> None:
+        self._slots.release()
+
+    def start(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            self._failures.append(task.exception())  # type: ignore[arg-type]
+
+    def cancel_all(self) -> list[asyncio.Task[None]]:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+
+@contextlib.contextmanager
+def _child(name: str, parent: trace.Span, **attributes: object) -> Iterator[trace.Span]:
+    """A span ``name`` under ``parent``, current meanwhile (so a gRPC call made inside lands in the
+    ticket's trace); an error sets its status."""
+    with tracer.start_as_current_span(
+        name, context=trace.set_span_in_context(parent), attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except Exception as e:
+            set_error(span, e)
+            raise
+
+
+def _generation_attributes(completions: list[list[Completion]]) -> dict[str, object]:
+    return {
+        "rl.samples": sum(len(group) for group in completions),
+        "rl.completion_tokens": sum(len(c.token_ids) for group in completions for c in group),
+        "rl.policy_version": min((v for group in completions for c in group for v in c.versions), default=0),
+    }
 
 
 def _group_attributes(g: ProducedGroup) -> dict[str, object]:

@@ -12,6 +12,9 @@ left-padded KV cache (``DynamicCache``), a 2-D attention mask and per-row positi
 3. runs one decoding step for all rows: one forward pass of one token per row, then sampling as tensor ops
    (rows that finished are masked, not looped over);
 4. hands finished sequences back to their requests, and drops finished rows from the batch when worthwhile.
+
+(Over 450 lines: the loop, the running batch it owns and the cache surgery on it are one state machine on
+one thread; split, each part would need the others' invariants.)
 """
 
 from __future__ import annotations
@@ -85,12 +88,11 @@ def _map_cache(cache: Any, fn: Any, other: Any = None) -> None:
 
 
 class _Request:
-    __slots__ = ("counted", "future", "n", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
+    __slots__ = ("counted", "future", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
 
     def __init__(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], stop_ids: list[int]):
         self.prompts = prompts
         self.params = params
-        self.n = params.n
         self.seeds = seeds
         self.stop_ids = stop_ids
         self.results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]

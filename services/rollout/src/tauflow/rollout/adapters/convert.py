@@ -6,8 +6,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2
-from tauflow.rollout.engine.base import Completion, SamplingParams
-from tauflow.rollout.producer import ProducedGroup
+from tauflow.rollout.engine.base import Completion, EngineStats, SamplingParams
+from tauflow.rollout.ports import ProducedGroup
 
 
 def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str = "") -> common_pb2.Sample:
@@ -53,3 +53,16 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams, default_max_new_tokens: i
         ignore_eos=p.ignore_eos,
         seed=p.seed if p.HasField("seed") else None,
     )
+
+
+def engine_status_to_proto(stats: EngineStats, receiving_version: int | None) -> rollout_pb2.EngineStatus:
+    engine = rollout_pb2.EngineStatus(
+        engine_id=stats.engine_id, backend=stats.backend, model=stats.model, state=int(stats.state),
+        policy_version=stats.policy_version, in_flight_requests=stats.in_flight_requests,
+        running_sequences=stats.running_sequences, waiting_sequences=stats.waiting_sequences,
+        last_error=stats.last_error or "", num_ranks=1,
+    )
+    if receiving_version is not None:
+        engine.weight_update_in_progress = True
+        engine.receiving_policy_version = receiving_version
+    return engine

@@ -1,0 +1,73 @@
+"""The queue, as the producer's ``QueuePort``: reserve and put retried while the queue is down or full
+(both idempotent), release best effort."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.channel import create_channel
+from tauflow.core.config import ChannelConfig
+from tauflow.core.protobuf import duration
+from tauflow.core.status import error_reason
+from tauflow.rollout.adapters.convert import group_to_proto
+from tauflow.rollout.adapters.retry import over_message_limit, until_it_works
+from tauflow.rollout.ports import GroupRejected, ProducedGroup, Ticket
+
+log = logging.getLogger(__name__)
+_TOO_LARGE = queue_pb2.ErrorReason.Name(queue_pb2.ERROR_REASON_GROUP_TOO_LARGE)
+
+
+def _never_fits(e: grpc.aio.AioRpcError) -> bool:
+    """A RESOURCE_EXHAUSTED that no retry can cure: the queue says the group is too large, or gRPC's own
+    message-size limit refused it."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    reason = error_reason(e)
+    return reason == _TOO_LARGE if reason else over_message_limit(e)
+
+
+class GrpcQueue:
+    def __init__(self, address: str, producer_id: str, channel: ChannelConfig) -> None:
+        self.channel = create_channel(address, [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]], channel)
+        self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
+        self.producer_id = producer_id
+
+    async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None:
+        request = queue_pb2.ReserveRequest(
+            request_id=request_id, producer_id=self.producer_id, n_groups=n_groups, wait=duration(wait_s)
+        )
+        async for attempt in until_it_works(_never_fits):
+            with attempt:
+                resp = await self.stub.Reserve(request, timeout=wait_s + 30)
+        if not resp.granted:
+            return None
+        return Ticket(resp.ticket.ticket_id, resp.ticket.n_groups, resp.ticket.min_policy_version)
+
+    async def put(self, group: ProducedGroup, ticket_id: str) -> None:
+        request = queue_pb2.PutRequest(group=group_to_proto(group), ticket_id=ticket_id)
+        try:
+            async for attempt in until_it_works(_never_fits):
+                with attempt:
+                    await self.stub.Put(request)
+        except grpc.aio.AioRpcError as e:
+            if _never_fits(e):
+                raise GroupRejected("too_large", f"{request.ByteSize()} bytes: {e.details()}") from None
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # Weights newer than the trainer's version: the trainer was resumed from an older
+                # checkpoint, and this group comes from a line of weights it abandoned.
+                raise GroupRejected("future_version", e.details() or "") from None
+            raise
+
+    async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
+        try:
+            await self.stub.ReleaseReservation(
+                queue_pb2.ReleaseReservationRequest(ticket_id=ticket_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not release a ticket; it expires by itself", extra={"code": e.code().name})
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,143 @@
+"""The rollout service's gRPC layer: Generate for outside programs, status, and the weight-receiving
+control plane the sidecar drives (SGLang's init_weights_update_group / update_weights_from_distributed),
+which ``tauflow.rollout.weights.WeightLoader`` serves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+
+from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from tauflow.core.protobuf import seconds
+from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
+from tauflow.rollout.config import RolloutConfig
+from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError
+from tauflow.rollout.producer import Producer
+from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
+from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
+from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
+
+_RECEIVE_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "exists": grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def _refusal_code(err: Exception) -> grpc.StatusCode:
+    if isinstance(err, ReceiveError):
+        return _RECEIVE_STATUS[err.kind]
+    if isinstance(err, PhaseError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED if err.timed_out else grpc.StatusCode.ABORTED
+    if isinstance(err, ChecksumMismatch):
+        return grpc.StatusCode.DATA_LOSS
+    return grpc.StatusCode.INVALID_ARGUMENT  # WeightUpdateError: a version the engine refuses
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        engine: GenerationEngine,
+        weights: WeightLoader,
+        producer: Producer | None,
+        encode: Callable[[str], list[int]] | None,
+        decode: Callable[[list[int]], str] | None,
+    ) -> None:
+        self.config = config  # max_n, max_in_flight, max_wait_s: what one client may ask of the server
+        self.engine = engine
+        self.weights = weights
+        self.producer = producer
+        self.encode = encode
+        self.decode = decode or (lambda ids: "")  # a model folder without a tokenizer: token ids only
+        self.in_flight = 0
+
+    # -- data plane ------------------------------------------------------------------------
+
+    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        if bool(request.prompt_token_ids) == bool(request.prompt_text):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt_token_ids and prompt_text")
+        if request.sampling.stop:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
+        if request.prompt_text and self.encode is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
+        if request.sampling.n > self.config.max_n:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}")
+        if self.in_flight >= self.config.max_in_flight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.in_flight} Generate calls in flight, this server's maximum")
+        prompt = list(request.prompt_token_ids) or self.encode(request.prompt_text)
+        started = time.monotonic()
+        self.in_flight += 1
+        try:
+            params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
+            if self.engine.policy_version < request.min_policy_version:
+                remaining = min(context.time_remaining() or self.config.max_wait_s, self.config.max_wait_s)
+                ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
+                if not ok:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
+            queued = time.monotonic()
+            [completions] = await self.engine.generate([prompt], params)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineClosedError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            self.in_flight -= 1
+        resp = rollout_pb2.GenerateResponse(
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
+            samples=[sample_to_proto(i, prompt, c, self.decode(c.token_ids)) for i, c in enumerate(completions)],
+            engine_id=self.engine.stats().engine_id,
+        )
+        resp.queue_duration.FromNanoseconds(int((queued - started) * 1e9))
+        resp.generation_duration.FromNanoseconds(int((time.monotonic() - queued) * 1e9))
+        return resp
+
+    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        group = self.weights.group
+        return rollout_pb2.GetStatusResponse(
+            server_id=self.config.server_id,
+            engines=[engine_status_to_proto(self.engine.stats(), self.weights.receiving_version)],
+            in_flight_requests=self.in_flight,
+            in_flight_groups=self.producer.groups_in_flight if self.producer else 0,
+            groups_produced=self.producer.groups_produced if self.producer else 0,
+            membership_epoch=group.spec.membership_epoch if group else 0,
+            weights_group_name=group.name if group else "",
+        )
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        max_wait_s = self.config.max_wait_s
+        if request.HasField("timeout") and not 0 < seconds(request.timeout) <= max_wait_s:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout must be positive and at most {max_wait_s:g}s")
+        spec = group_spec_from_proto(request, default_timeout_s=min(60.0, max_wait_s))
+        try:
+            num_ranks = await self.weights.init_group(spec)
+        except (ReceiveError, PhaseError) as e:
+            await context.abort(_refusal_code(e), str(e))
+        return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=num_ranks)
+
+    async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            # (the checksum algorithm is the manifest's: the loader asks the sidecar for it)
+            version = await self.weights.receive(bucket_request_from_proto(request, checksum_algorithm=""))
+        except LOAD_ERRORS as e:
+            await context.abort(_refusal_code(e), str(e))
+        return rollout_pb2.UpdateWeightsFromDistributedResponse(
+            policy_version=request.policy_version, bucket_index=request.bucket_index,
+            version_complete=version is not None,
+        )
+
+    async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            destroyed = await self.weights.destroy_group(request.group_name)
+        except ReceiveError as e:
+            await context.abort(_refusal_code(e), str(e))
+        return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)

@@ -1,0 +1,138 @@
+"""Receiving new weights from the weight sidecar: the control plane it drives on this server (SGLang's
+init_weights_update_group / update_weights_from_distributed / destroy_weights_update_group).
+
+A version arrives in buckets over the weight group; the receiver verifies it against the manifest's
+checksum (whose algorithm the sidecar's manifest names), the engine swaps it in at its next safe point,
+and the sidecar is told (confirm). Each version's load is one ``weights.load`` span, linked to the
+trainer's ``weights.publish`` of it. No grpc here: the sidecar is reached through ``SidecarPort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+
+from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
+from tauflow.rollout.engine.base import GenerationEngine, WeightUpdateError
+from tauflow.rollout.ports import SidecarPort
+from tauflow.weightsync import (
+    BucketRequest,
+    ChecksumMismatch,
+    GroupSpec,
+    PhaseError,
+    ReceivedVersion,
+    ReceiveError,
+    WeightGroup,
+    WeightReceiver,
+)
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tauflow.rollout")
+T = TypeVar("T")
+
+LOAD_ERRORS = (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError)  # what refuses a bucket
+
+
+class WeightLoader:
+    """The weight group of this server and the versions received over it, swapped into ``engine``.
+    Without a sidecar (``None``: weights never change) buckets carry no checksum algorithm and nothing
+    is confirmed."""
+
+    def __init__(self, engine: GenerationEngine, member_id: str, sidecar: SidecarPort | None) -> None:
+        self.engine = engine
+        self.member_id = member_id
+        self.sidecar = sidecar
+        self.receiver = WeightReceiver(label=member_id)
+        # The receiver's calls are serialized by its lock and may block for a whole rendezvous: on a thread
+        # of their own they never take the default pool's threads, which Generate's waits need.
+        self._receiver_thread = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self._checksum_algorithms: dict[tuple[int, str], str] = {}  # (version, manifest checksum) -> name
+        self._load_started: dict[tuple[int, int], int] = {}  # (version, epoch) -> first bucket's time, ns
+        self._confirms: set[asyncio.Task[None]] = set()
+
+    @property
+    def group(self) -> WeightGroup | None:
+        return self.receiver.group
+
+    @property
+    def receiving_version(self) -> int | None:
+        return self.receiver.receiving_version
+
+    def forget_group(self) -> None:
+        """Drops the weight group (before a re-join); blocking: it waits for a receive in progress."""
+        self.receiver.reset()
+
+    async def init_group(self, spec: GroupSpec) -> int:
+        """Joins the weight group ``spec`` names; the number of ranks this server holds in it."""
+        return await self._on_receiver_thread(self.receiver.init_group, spec)
+
+    async def destroy_group(self, group_name: str) -> bool:
+        return await self._on_receiver_thread(self.receiver.destroy_group, group_name)
+
+    async def receive(self, bucket: BucketRequest) -> ReceivedVersion | None:
+        """Receives one bucket; the version once its last bucket is in, verified and swapped in (then it
+        is confirmed in the background), else None. Raises one of LOAD_ERRORS when refused."""
+        self._load_started.setdefault((bucket.policy_version, bucket.membership_epoch), time.time_ns())
+        try:
+            algorithm = await self._checksum_algorithm(bucket.policy_version, bucket.manifest_checksum)
+            bucket = dataclasses.replace(bucket, checksum_algorithm=algorithm)
+            version = await self._on_receiver_thread(self.receiver.receive_bucket, bucket)
+            if version is not None:
+                # Swapped in at the engine's next safe point, between two decoding steps (a re-base drops
+                # what was staged after it: see stage_broadcast).
+                await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
+        except LOAD_ERRORS as e:
+            self._load_span(bucket, None, e)
+            raise
+        if version is not None:
+            self._confirm_in_background(version, *self._load_span(bucket, version))
+        return version
+
+    async def _on_receiver_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._receiver_thread, fn, *args)
+
+    async def _checksum_algorithm(self, version: int, checksum: str) -> str:
+        key = (version, checksum)
+        if key not in self._checksum_algorithms and self.sidecar is not None:
+            self._checksum_algorithms[key] = await self.sidecar.checksum_algorithm(version)
+        return self._checksum_algorithms.get(key, "")
+
+    def _load_span(
+        self, bucket: BucketRequest, version: ReceivedVersion | None, error: BaseException | None = None
+    ) -> tuple[str, str]:
+        """Records ``weights.load`` (first bucket received -> version swapped in, or the failure) with a
+        link to the trainer's ``weights.publish`` of the version; returns its trace context."""
+        key = (bucket.policy_version, bucket.membership_epoch)
+        started = self._load_started.pop(key, None) or time.time_ns()
+        for older in [k for k in self._load_started if k[0] <= key[0]]:  # older or failed versions' leftovers
+            del self._load_started[older]
+        publish = span_context_of(bucket.traceparent, bucket.tracestate)
+        span = tracer.start_span(
+            "weights.load", start_time=started, links=[trace.Link(publish)] if publish is not None else [],
+            attributes={"rl.policy_version": bucket.policy_version, "weights.member_id": self.member_id,
+                        "weights.membership_epoch": bucket.membership_epoch,
+                        "weights.buckets": bucket.bucket_count},
+        )
+        if version is not None:
+            span.set_attribute("weights.bytes", version.nbytes)
+        if error is not None:
+            set_error(span, error)
+        span.end()
+        return traceparent_of(span)
+
+    def _confirm_in_background(self, version: ReceivedVersion, traceparent: str, tracestate: str) -> None:
+        # Off the reply's path: the sidecar is waiting for this bucket's reply, and a confirm is best effort.
+        if self.sidecar is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.sidecar.confirm(self.member_id, version, traceparent, tracestate)
+        )
+        self._confirms.add(task)
+        task.add_done_callback(self._confirms.discard)
