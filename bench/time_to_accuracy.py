@@ -26,8 +26,8 @@ import os
 import statistics
 from pathlib import Path
 
+from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
 from tauflow.controller.config import RunConfig
-from tauflow.controller.run import Run
 from tauflow.core.config import load_config
 
 
@@ -41,7 +41,7 @@ def run_one(recipe: Path, tau: int, out: Path, steps: int, target: float, extra:
         *extra,
     ]
     config = load_config(RunConfig, path=recipe, env_prefix="TAUFLOW_RUN_", overrides=overrides)
-    summary = asyncio.run(Run(config).execute())
+    summary = asyncio.run(build_run(config).execute())
     return summary.to_json()
 
 

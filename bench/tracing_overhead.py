@@ -144,8 +144,8 @@ class ServiceCpu:
 def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, str], extra: list[str],
             warmup: int) -> dict:  # type: ignore[type-arg]
     """One run; its summary, with ``cpu_per_step_s``: the services' CPU seconds per step after ``warmup``."""
+    from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
     from tauflow.controller.config import RunConfig
-    from tauflow.controller.run import Run
     from tauflow.core.config import load_config
 
     for key in OTEL_KEYS:  # the launcher passes this process's environment to every service
@@ -156,7 +156,7 @@ def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, 
         "eval.dataset=", "target_accuracy=null", f"steps={steps}", *extra,
     ]
     config = load_config(RunConfig, path=recipe, env_prefix="TAUFLOW_RUN_", overrides=overrides)
-    run = Run(config)
+    run = build_run(config)
     cpu = ServiceCpu(out)
     try:
         summary = asyncio.run(run.execute()).to_json()

@@ -108,12 +108,12 @@ def test_the_deployed_services_train_the_embedded_default_recipe(tmp_path: Path)
     """Under launcher external the controller applies no settings: each service's file must carry what the
     controller would give it locally for examples/addition (paths and addresses aside), and the run config
     must be the example's."""
+    from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
     from tauflow.controller.config import ROLES as RUN_ROLES
     from tauflow.controller.config import RunConfig, flatten
-    from tauflow.controller.run import Run
 
     example = yaml.safe_load((ROOT / "examples" / "addition" / "config.yaml").read_text())
-    run = Run(RunConfig.model_validate({**example, "out_dir": str(tmp_path)}))
+    run = build_run(RunConfig.model_validate({**example, "out_dir": str(tmp_path)}))
     external = config("controller")["run"]["external"]
     for role in RUN_ROLES:
         expected = run._settings(role, dict(external))

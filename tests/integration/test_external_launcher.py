@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
 from tauflow.controller.config import ROLES, RunConfig
-from tauflow.controller.run import Run
 from tauflow.core.config import load_config
 from tests.runs import run_command, tiny_addition
 
@@ -37,7 +37,7 @@ def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
     ]
     # The deployment: each role configured with what the run derives for it.
     config = load_config(RunConfig, path=RECIPE / "config.yaml", overrides=sets)
-    run = Run(config)
+    run = build_run(config)
     services, addresses = {}, {}
     for role in ROLES:
         services[role] = service_process(role, run._settings(role, addresses))

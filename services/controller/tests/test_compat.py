@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.controller.compat import IncompatiblePeer, check_peer
+from tauflow.controller.adapters.compat import IncompatiblePeer, check_peer
 from tauflow.core.config import ServerConfig
 from tauflow.core.server import GrpcServer, ServiceBinding
 
 
-async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_role_needs() -> None:
+async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_role_needs(channels) -> None:  # type: ignore[no-untyped-def]
     binding = ServiceBinding(queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
                              queue_pb2_grpc.QueueServiceServicer(), queue_pb2_grpc.add_QueueServiceServicer_to_server)
     server = GrpcServer([binding], ServerConfig(host="127.0.0.1", port=0), role="queue", version="0.1.0")
@@ -25,5 +25,6 @@ async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_ro
         with pytest.raises(IncompatiblePeer, match=r"the queue service at .* \(build 0.1.0\) is not a reward service"):
             await check_peer("reward", address, records)
         assert "reward" not in records
+        assert len(channels) == 3 and all(channel.closed for channel in channels)  # one per check, refused or not
     finally:
         await server.drain()

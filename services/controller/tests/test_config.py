@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from tauflow.controller.app import build_run
 from tauflow.controller.config import RunConfig
-from tauflow.controller.run import Run
 
 
 def test_the_run_temperature_reaches_the_sampler_and_the_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    run = Run(RunConfig(model="m", dataset="d", steps=1, temperature=1.2, out_dir=str(tmp_path)))
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, temperature=1.2, out_dir=str(tmp_path)))
     assert run._settings("rollout", {})["sampling.temperature"] == 1.2
     assert run._settings("trainer", {})["backend.temperature"] == 1.2
 

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tauflow.controller.adapters.health_client import check_health
 from tauflow.controller.external import ExternalLauncher
 from tauflow.controller.launcher import ServiceFailed, ServiceSpec
 
@@ -44,17 +45,17 @@ def test_a_role_that_never_serves_fails_naming_role_address_and_last_answer() ->
         started = time.monotonic()
         with pytest.raises(ServiceFailed, match=rf"service 'queue' failed: not SERVING at {server.address} "
                            r"\(external.queue\) within 1s; last answer: .*server is NOT_SERVING"):
-            ExternalLauncher({"queue": server.address}, start_timeout_s=1.0).start(ServiceSpec("queue"))
+            ExternalLauncher({"queue": server.address}, check_health, start_timeout_s=1.0).start(ServiceSpec("queue"))
         assert time.monotonic() - started < 5  # the deadline holds
     finally:
         server.stop()
     with pytest.raises(ServiceFailed, match=rf"not SERVING at {server.address} .*UNAVAILABLE"):  # nothing listens
-        ExternalLauncher({"queue": server.address}, start_timeout_s=0.5).start(ServiceSpec("queue"))
+        ExternalLauncher({"queue": server.address}, check_health, start_timeout_s=0.5).start(ServiceSpec("queue"))
 
 
 def test_waits_for_serving_reports_a_role_back_after_an_outage_and_stops_nothing() -> None:
     server = HealthServer()
-    launcher = ExternalLauncher({"reward": server.address}, start_timeout_s=30, check_every_s=0.0)
+    launcher = ExternalLauncher({"reward": server.address}, check_health, start_timeout_s=30, check_every_s=0.0)
     threading.Timer(1.0, server.health.set, ("", SERVING)).start()  # ready a moment after the controller asks
     svc = launcher.start(ServiceSpec("reward", {"default_reward_fn": "exact_match"}))
     assert svc.address == server.address and svc.up and svc.starts == 1

@@ -1,5 +1,6 @@
 """How the controller follows a run, against in-process fakes of the services' contracts: a stalled
-run fails with a report instead of waiting forever; ``stop_at_target`` ends a run early."""
+run fails with a report instead of waiting forever; ``stop_at_target`` ends a run early; however the follow
+ends, every channel it opened is closed."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.controller.app import build_run
 from tauflow.controller.config import RunConfig
-from tauflow.controller.run import Run, RunStalled
+from tauflow.controller.run import RunStalled
 
 
 class StuckTrainer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -32,7 +34,11 @@ class EmptyQueue(queue_pb2_grpc.QueueServiceServicer):
         return queue_pb2.StatsResponse(depth_groups=0, reserved_groups=16)
 
 
-def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _all_closed(channels) -> bool:  # type: ignore[no-untyped-def]
+    return len(channels) >= 4 and all(channel.closed for channel in channels)
+
+
+def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> str:
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
@@ -44,7 +50,7 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path) -> 
         try:
             with pytest.raises(RunStalled) as err:
                 await asyncio.wait_for(
-                    Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
                     timeout=30,
                 )
             return str(err.value)
@@ -52,6 +58,7 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path) -> 
             await server.stop(0)
 
     message = asyncio.run(scenario())
+    assert _all_closed(channels)  # the trainer's, queue's, rollout's and reward's, on the way out of a failure
     assert "no training step for 1s" in message
     assert "trainer TRAINER_STATE_WAITING_FOR_DATA at version 7" in message
     assert "queue depth 0 groups, 16 reserved" in message
@@ -88,7 +95,7 @@ class AlwaysRight(rollout_pb2_grpc.RolloutServiceServicer, reward_pb2_grpc.Rewar
         )
 
 
-def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text('{"id": "1", "prompt": "1+1=", "answer": "2"}\n')
 
@@ -112,13 +119,14 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
         )
         try:
             return await asyncio.wait_for(
-                Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
                 timeout=30,
             )
         finally:
             await server.stop(0)
 
     summary = asyncio.run(scenario())
+    assert _all_closed(channels)
     assert summary.final_accuracy == 1.0
     assert summary.extra["stopped_at_target_version"] == summary.evals[0].policy_version
     assert len(summary.steps) < 10  # stopped, not run to 1000 steps
@@ -135,7 +143,7 @@ def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path
         out_dir=str(tmp_path),
         prepare=["python", "prep.py", "--seed", "{seed}", "--out", "runs/s{seed}"],
     )
-    assert Run(config).prepare_command() == [sys.executable, "prep.py", "--seed", "7", "--out", "runs/s7"]
+    assert build_run(config).prepare_command() == [sys.executable, "prep.py", "--seed", "7", "--out", "runs/s7"]
 
 
 class AdvancingQueue(queue_pb2_grpc.QueueServiceServicer):
@@ -150,7 +158,7 @@ class AdvancingQueue(queue_pb2_grpc.QueueServiceServicer):
         return queue_pb2.StatsResponse(trainer_version=self.version)
 
 
-def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> None:
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
@@ -162,13 +170,14 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
         try:
             with pytest.raises(TimeoutError):  # still following after 3 stall timeouts
                 await asyncio.wait_for(
-                    Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
                     timeout=3,
                 )
         finally:
             await server.stop(0)
 
     asyncio.run(scenario())
+    assert _all_closed(channels)  # a follow cancelled (StopRun, Ctrl-C) closes them too
 
 
 def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -176,14 +185,14 @@ def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> 
         (tmp_path / name).mkdir()
         (tmp_path / name / "state").write_text("run 1")
     config = RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), resume=True)
-    assert Run(config).set_aside_previous_run() == []
+    assert build_run(config).set_aside_previous_run() == []
     assert (tmp_path / "checkpoints" / "state").read_text() == "run 1"
     config = RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path))
-    assert Run(config).set_aside_previous_run() == ["checkpoints", "queue-wal"]
+    assert build_run(config).set_aside_previous_run() == ["checkpoints", "queue-wal"]
     assert not (tmp_path / "checkpoints").exists() and (tmp_path / "checkpoints.prev" / "state").read_text() == "run 1"
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "state").write_text("run 2")
-    Run(config).set_aside_previous_run()  # one generation is kept
+    build_run(config).set_aside_previous_run()  # one generation is kept
     assert (tmp_path / "checkpoints.prev" / "state").read_text() == "run 2"
 
 
@@ -206,7 +215,7 @@ class ResumedTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_FINISHED, policy_version=self.version)
 
 
-def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
     async def scenario():  # type: ignore[no-untyped-def]
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(ResumedTrainer(resumed_at=3, total=8), server)
@@ -217,11 +226,12 @@ def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path) -> 
         config = RunConfig(model="m", dataset="d", steps=8, out_dir=str(tmp_path), resume=True)
         try:
             return await asyncio.wait_for(
-                Run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
                 timeout=30,
             )
         finally:
             await server.stop(0)
 
     summary = asyncio.run(scenario())
+    assert _all_closed(channels)
     assert [s.policy_version for s in summary.steps] == [4, 5, 6, 7, 8]

@@ -15,7 +15,21 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tauflow.controller.adapters.health_client import check_health
 from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
+
+
+class Clock:
+    """The launcher's supervision time, moved on by the test: the real time, plus what the test skipped."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def advance(self, seconds: float) -> None:
+        self.skipped += seconds
 
 
 def _serving(address: str) -> bool:
@@ -54,7 +68,7 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[n
 def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """A SIGSTOPped process is alive (no restart), but no longer serves: the health probe logs and counts
     it, and logs its return; nothing is restarted."""
-    launcher = LocalLauncher(tmp_path, health_timeout_s=0.5, health_every_s=0.0)
+    launcher = LocalLauncher(tmp_path, health_check=check_health, health_timeout_s=0.5, health_every_s=0.0)
     caplog.set_level("WARNING", logger="tauflow.controller.health")
     try:
         queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
@@ -101,13 +115,14 @@ def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
 
 
 def test_the_restart_budget_counts_crashes_in_a_row_not_over_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    launcher = LocalLauncher(tmp_path, max_restarts=1, backoff_s=0.05, restart_window_s=1.0)
+    clock = Clock()
+    launcher = LocalLauncher(tmp_path, max_restarts=1, backoff_s=0.05, restart_window_s=600.0, clock=clock)
     try:
         launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
         assert _kill_and_check(launcher, "queue") == ["queue"]
-        time.sleep(1.2)  # up for longer than the window: the next crash is not part of a loop
+        clock.advance(600.0)  # up for the whole window: the next crash is not part of a loop
         assert _kill_and_check(launcher, "queue") == ["queue"]
-        launcher.restart_window_s = 3600.0
+        # Within the window of its last start: the second crash in a row, past the budget.
         with pytest.raises(ServiceFailed, match="service 'queue' failed: exited with code -9 after 1 restarts"):
             _kill_and_check(launcher, "queue")
     finally:

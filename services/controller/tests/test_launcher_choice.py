@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from tauflow.controller.adapters.health_client import check_health
+from tauflow.controller.app import build_run, create_launcher
 from tauflow.controller.cli import build_parser, run_config
 from tauflow.controller.config import RayConfig, RunConfig
 from tauflow.controller.external import ExternalLauncher
 from tauflow.controller.launcher import LaunchFailed, LocalLauncher, ServiceSpec
 from tauflow.controller.raylauncher import RayLauncher, role_resources
-from tauflow.controller.run import Run
 from tauflow.core.config import ConfigError
 
 BASE = {"model": "m", "dataset": "d", "steps": 1}
@@ -34,9 +35,11 @@ def _args(tmp_path: Path, *argv: str):  # type: ignore[no-untyped-def]
 def test_launcher_and_address_on_the_command_line_become_the_config(tmp_path: Path) -> None:
     config = run_config(_args(tmp_path, "--launcher", "ray", "--address", "10.1.2.3:6379"))
     assert config.launcher == "ray" and config.ray.address == "10.1.2.3:6379"
-    assert isinstance(Run(config.model_copy(update={"out_dir": str(tmp_path)})).launcher, RayLauncher)
+    ray = create_launcher(config.model_copy(update={"out_dir": str(tmp_path)}))
+    assert isinstance(ray, RayLauncher) and ray.health is not None  # it probes its roles' health
     assert run_config(_args(tmp_path)).launcher == "local"
-    assert isinstance(Run(RunConfig(**BASE, out_dir=str(tmp_path))).launcher, LocalLauncher)
+    local = create_launcher(RunConfig(**BASE, out_dir=str(tmp_path)))
+    assert isinstance(local, LocalLauncher) and local.health is not None
 
 
 def test_an_address_without_the_ray_launcher_is_refused(tmp_path: Path) -> None:
@@ -53,14 +56,14 @@ def test_the_external_launcher_needs_an_address_for_every_role_and_knows_only_ro
     with pytest.raises(ValidationError, match=r"ray.num_gpus: unknown role\(s\) \['gpu'\]"):
         RunConfig(**BASE, ray={"num_gpus": {"gpu": 1}})
     config = RunConfig(**BASE, launcher="external", external=ADDRESSES)
-    assert isinstance(Run(config).launcher, ExternalLauncher)
+    assert isinstance(create_launcher(config), ExternalLauncher)
 
 
 def test_a_cpu_run_asks_ray_for_no_gpu_and_a_gpu_run_for_one_per_gpu_role(tmp_path: Path) -> None:
-    cpu = Run(RunConfig(**BASE, out_dir=str(tmp_path)))
+    cpu = build_run(RunConfig(**BASE, out_dir=str(tmp_path)))
     for role in ("queue", "reward", "weights", "trainer", "rollout"):
         assert role_resources(role, cpu._settings(role, {}), RayConfig()) == {"num_cpus": 1.0, "num_gpus": 0.0}
-    gpu = Run(RunConfig(**BASE, out_dir=str(tmp_path), services={
+    gpu = build_run(RunConfig(**BASE, out_dir=str(tmp_path), services={
         "trainer": {"backend": {"device": "cuda"}}, "rollout": {"engine_options": {"device": "cuda:0"}},
         "weights": {"backend": "nccl"}}))
     wanted = {"queue": 0.0, "reward": 0.0, "weights": 1.0, "trainer": 1.0, "rollout": 1.0}
@@ -91,4 +94,4 @@ def test_no_cluster_at_the_address_fails_at_once_naming_it(tmp_path: Path) -> No
 def test_an_external_role_without_an_address_is_named(tmp_path: Path) -> None:
     with pytest.raises(LaunchFailed, match="service 'trainer' failed: launcher 'external' has no address for it: "
                        "set external.trainer"):
-        ExternalLauncher({"queue": "127.0.0.1:1"}).start(ServiceSpec("trainer"))
+        ExternalLauncher({"queue": "127.0.0.1:1"}, check_health).start(ServiceSpec("trainer"))

@@ -122,17 +122,17 @@ def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, 
 
 
 def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tauflow.controller.app import build_run
     from tauflow.controller.config import RunConfig
-    from tauflow.controller.run import Run
 
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     base = {"model": "m", "dataset": "d", "steps": 1, "out_dir": str(tmp_path / "run")}
-    assert Run(RunConfig(**base)).trace_env() == {}
+    assert build_run(RunConfig(**base)).trace_env() == {}
     (tmp_path / "run").mkdir(exist_ok=True)
     (tmp_path / "run" / "traces.jsonl").write_text("old run\n")
-    run = Run(RunConfig(**base, traces_file="traces.jsonl"))
+    run = build_run(RunConfig(**base, traces_file="traces.jsonl"))
     env = run.trace_env()
     assert env == {"OTEL_TRACES_EXPORTER": "file", "TAUFLOW_TRACES_FILE": str((tmp_path / "run" / "traces.jsonl").resolve())}
     assert (tmp_path / "run" / "traces.jsonl.prev").read_text() == "old run\n"  # a new run starts a new file

@@ -1,22 +1,62 @@
-"""``tauflow-controller``: a run as a service — it runs ``run`` from its config and serves ControllerService
-(``tauflow run`` is the same run with a terminal view)."""
+"""The controller's wiring: ``build_run`` makes a run with its launcher and the gRPC adapters as its ports
+(``tauflow run`` and the service use it); ``main`` is ``tauflow-controller``, the run as a service."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping
 
 from tauflow.api.controller.v1 import controller_pb2
 from tauflow.controller import __version__
-from tauflow.controller.config import ControllerConfig
+from tauflow.controller.adapters.compat import check_peer
+from tauflow.controller.adapters.health_client import check_health
+from tauflow.controller.adapters.queue_client import QueueClient
+from tauflow.controller.adapters.reward_client import RewardClient
+from tauflow.controller.adapters.rollout_client import RolloutClient
+from tauflow.controller.adapters.servicer import ControllerServicer
+from tauflow.controller.adapters.trainer_client import TrainerClient
+from tauflow.controller.config import ControllerConfig, RunConfig
+from tauflow.controller.external import ExternalLauncher
+from tauflow.controller.launcher import Launcher, LocalLauncher
+from tauflow.controller.ports import Peers
+from tauflow.controller.progress import Progress
 from tauflow.controller.run import Run
-from tauflow.controller.servicer import ControllerServicer
 from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 
+DESCRIPTION = """``tauflow-controller``: a run as a service — it runs ``run`` from its config and serves ControllerService
+(``tauflow run`` is the same run with a terminal view)."""
+
+
+def create_launcher(config: RunConfig) -> Launcher:
+    """The run's launcher (``launcher``); Ray is imported only for ``ray``."""
+    if config.launcher == "external":
+        return ExternalLauncher(config.external, check_health, start_timeout_s=config.start_timeout_s)
+    supervision = {"max_restarts": config.max_restarts, "restart_window_s": config.restart_window_s,
+                   "start_timeout_s": config.start_timeout_s, "health_check": check_health}
+    if config.launcher == "ray":
+        from tauflow.controller.raylauncher import RayLauncher
+
+        return RayLauncher(config.run_dir, config.ray, **supervision)  # type: ignore[arg-type]
+    return LocalLauncher(config.run_dir, **supervision)  # type: ignore[arg-type]
+
+
+def connect(addresses: Mapping[str, str]) -> Peers:
+    """gRPC clients of the roles the run follows (each opens its channel; ``Peers.close`` closes them)."""
+    return Peers(trainer=TrainerClient(addresses["trainer"]), queue=QueueClient(addresses["queue"]),
+                 rollout=RolloutClient(addresses["rollout"]), reward=RewardClient(addresses["reward"]))
+
+
+def build_run(
+    config: RunConfig, *, on_progress: Callable[[Progress], None] | None = None, serve_metrics: bool = True
+) -> Run:
+    return Run(config, launcher=create_launcher(config), connect=connect, check_peer=check_peer,
+               on_progress=on_progress, serve_metrics=serve_metrics)
+
 
 async def build(config: ControllerConfig) -> ServiceApp:
-    run = Run(config.run, serve_metrics=False)  # its metrics are on this service's /metrics
+    run = build_run(config.run, serve_metrics=False)  # its metrics are on this service's /metrics
     servicer = ControllerServicer(run)
 
     async def execute() -> None:
@@ -42,4 +82,4 @@ async def build(config: ControllerConfig) -> ServiceApp:
     )
 
 
-main = service_main("controller", ControllerConfig, build, __version__, description=__doc__ or "")
+main = service_main("controller", ControllerConfig, build, __version__, description=DESCRIPTION)

@@ -1,5 +1,8 @@
 """``tauflow``: the command line. ``tauflow run CONFIG`` trains, with live progress and a summary;
-``tauflow trace RUN_DIR_OR_FILE`` turns a run's spans into its rollout-to-update latency breakdown."""
+``tauflow trace RUN_DIR_OR_FILE`` turns a run's spans into its rollout-to-update latency breakdown.
+
+The command wires its run as the service does, through app.build_run: it is the ``tauflow`` program's
+wiring, as app.py is ``tauflow-controller``'s."""
 
 from __future__ import annotations
 
@@ -13,29 +16,16 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
+from tauflow.controller.app import build_run
 from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LaunchFailed
-from tauflow.controller.run import Progress, Run, RunStalled
+from tauflow.controller.progress import progress_view
+from tauflow.controller.run import RunStalled
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
 
 console = Console(stderr=True)
-
-
-def _table(run: Run, p: Progress) -> Table:
-    t = Table(title=f"tauflow run {run.c.name}  (max_staleness={run.c.max_staleness})", show_header=False)
-    t.add_row("step", f"{p.version} / {run.c.steps}")
-    t.add_row("batch reward", f"{p.reward:.3f}")
-    t.add_row("held-out accuracy", "-" if p.accuracy is None else f"{p.accuracy:.1%}")
-    t.add_row("staleness (last batch, max)", str(p.staleness))
-    t.add_row("trained tokens/s", f"{p.tokens_per_s:,.0f}")
-    t.add_row("queue depth (groups)", str(p.queue_depth))
-    if p.message:
-        t.add_row("", p.message)
-    return t
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -63,19 +53,20 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
-    run = Run(config)
+    run = build_run(config)
     (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     setup_logging("controller", "WARNING")
-    with Live(_table(run, run.progress), console=console, refresh_per_second=4, transient=False) as live:
-        run.on_progress = lambda p: live.update(_table(run, p))
-        try:
+    # A live table on a terminal; plain lines every few seconds elsewhere (a log file shows how far it is).
+    try:
+        with progress_view(console, config, run.progress) as view:
+            run.on_progress = view.update
             summary = asyncio.run(run.execute())
-        except (LaunchFailed, RunStalled) as e:
-            console.print(f"[red]tauflow run: {e}")
-            return 1
-        except KeyboardInterrupt:
-            console.print("[yellow]tauflow run: interrupted; services stopped")
-            return 130
+    except (LaunchFailed, RunStalled) as e:  # said after the view's last state
+        console.print(f"[red]tauflow run: {e}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]tauflow run: interrupted; services stopped")
+        return 130
     acc = summary.final_accuracy
     console.print(
         f"run {config.name}: {len(summary.steps)} steps in {summary.wall_s:.0f}s, final held-out accuracy "

@@ -8,6 +8,7 @@ service itself.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -83,6 +84,11 @@ class RunConfig(StrictModel):
         "", description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "
         "`tauflow trace` reads it"
     )
+
+    @property
+    def run_dir(self) -> Path:
+        """``out_dir``, or ``runs/<name>`` where it is not set."""
+        return Path(self.out_dir or f"runs/{self.name}")
 
     def model_post_init(self, _: Any) -> None:
         for key, by_role in (("services", self.services), ("external", self.external),

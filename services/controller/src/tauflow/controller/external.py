@@ -21,7 +21,7 @@ from typing import Any
 
 from tauflow.controller.health import probe
 from tauflow.controller.launcher import ServiceFailed, ServiceSpec
-from tauflow.core.healthcheck import check as health_check
+from tauflow.controller.ports import HealthCheck
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +37,19 @@ class ExternalService:
 
 class ExternalLauncher:
     starts_services = False
+    health = None  # no probe of live processes: ``check`` asks every role's health itself (``up``)
 
     def __init__(
         self,
         addresses: Mapping[str, str],
+        health_check: HealthCheck,
         *,
         start_timeout_s: float = 120.0,
         health_timeout_s: float = 2.0,
         check_every_s: float = 2.0,
     ) -> None:
         self._addresses = dict(addresses)
+        self.health_check = health_check  # app.py wires the gRPC one
         self.start_timeout_s = start_timeout_s
         self.health_timeout_s = health_timeout_s  # the deadline of each health check
         self.check_every_s = check_every_s
@@ -60,7 +63,7 @@ class ExternalLauncher:
             raise ServiceFailed(spec.name, f"launcher 'external' has no address for it: set external.{spec.name}")
         deadline = time.monotonic() + self.start_timeout_s
         while True:
-            serving, answer = health_check(address, timeout_s=self.health_timeout_s)
+            serving, answer = self.health_check(address, self.health_timeout_s)
             if serving:
                 break
             if time.monotonic() > deadline:
@@ -80,7 +83,8 @@ class ExternalLauncher:
         if time.monotonic() - self._checked_at < self.check_every_s or not self.services:
             return []
         self._checked_at = time.monotonic()
-        answers = probe({name: svc.address for name, svc in self.services.items()}, self.health_timeout_s)
+        answers = probe(self.health_check, {name: svc.address for name, svc in self.services.items()},
+                        self.health_timeout_s)
         back = []
         for svc, (serving, answer) in zip(self.services.values(), answers.values(), strict=True):
             if serving and not svc.up:

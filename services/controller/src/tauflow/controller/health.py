@@ -2,8 +2,8 @@
 
 A process that is alive is not always serving: a stopped (SIGSTOP), hung or swapped-out process keeps its
 pid, so the process launchers' exit check cannot see it. Every ``every_s`` the launcher asks each role's
-gRPC health (``tauflow.core.healthcheck``, one deadline of ``timeout_s`` per call, all roles at once so one
-that hangs delays none of the others) and records what changed: a role that stops answering is logged
+gRPC health (the ``HealthCheck`` port; app.py wires adapters/health_client.py: one deadline of ``timeout_s``
+per call, all roles at once so one that hangs delays none of the others) and records what changed: a role that stops answering is logged
 once (``service not answering health``, with the probe's answer) and counted
 (``tauflow_controller_service_unanswered_total``); when it answers again, that is logged with how long it
 was away. The probe restarts nothing: a role that never answers again ends the run through the run's
@@ -19,18 +19,18 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tauflow.core.healthcheck import check as health_check
+from tauflow.controller.ports import HealthCheck
 
 log = logging.getLogger(__name__)
 
 
-def probe(addresses: Mapping[str, str], timeout_s: float) -> dict[str, tuple[bool, str]]:
+def probe(check: HealthCheck, addresses: Mapping[str, str], timeout_s: float) -> dict[str, tuple[bool, str]]:
     """``{role: (serving, answer)}`` for each role's address, asked at once, each within ``timeout_s``."""
     if not addresses:
         return {}
     names = list(addresses)
     with ThreadPoolExecutor(len(names)) as pool:
-        answers = list(pool.map(lambda name: health_check(addresses[name], timeout_s=timeout_s), names))
+        answers = list(pool.map(lambda name: check(addresses[name], timeout_s), names))
     return dict(zip(names, answers, strict=True))
 
 
@@ -45,7 +45,8 @@ class Answering:
 
 
 class HealthProbe:
-    def __init__(self, *, timeout_s: float = 3.0, every_s: float = 2.0) -> None:
+    def __init__(self, check: HealthCheck, *, timeout_s: float = 3.0, every_s: float = 2.0) -> None:
+        self.health_check = check
         self.timeout_s = timeout_s
         self.every_s = every_s
         self.roles: dict[str, Answering] = {}
@@ -60,7 +61,7 @@ class HealthProbe:
             return []
         self._probed_at = now
         gone = []
-        for name, (serving, answer) in probe(addresses, self.timeout_s).items():
+        for name, (serving, answer) in probe(self.health_check, addresses, self.timeout_s).items():
             role = self.roles.setdefault(name, Answering(since=now))
             role.answer = answer
             if role.answering and not serving and alive(name):

@@ -33,12 +33,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tauflow.controller.health import HealthProbe
+from tauflow.controller.ports import HealthCheck
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Service(Protocol):
 class Launcher(Protocol):
     services: Mapping[str, Service]
     starts_services: bool  # False: the services belong to someone else (nothing to prepare, set aside or stop)
+    health: HealthProbe | None  # the health probe of live processes (launchers local and ray); None: none
 
     def start(self, spec: ServiceSpec) -> Service: ...
 
@@ -95,23 +97,11 @@ class Launcher(Protocol):
     def addresses(self) -> Mapping[str, str]: ...
 
 
-class ServiceProcess(Protocol):
-    """A started service process as the supervision sees it: ``subprocess.Popen``'s, or a Ray actor's."""
-
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...  # raises subprocess.TimeoutExpired
-
-    def send_signal(self, sig: int) -> None: ...
-
-
 @dataclass
 class ManagedService:
     spec: ServiceSpec
     run_dir: Path
-    proc: Any = None  # a ServiceProcess
+    proc: Any = None  # its process: a subprocess.Popen, or a RayProcess (pid, poll, wait, send_signal)
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     starts: int = 0  # processes started, restarts included (never reset: the restarts metric)
@@ -150,7 +140,9 @@ class ProcessLauncher:
     """The supervision shared by the launchers that start the service processes themselves.
 
     Subclasses say how a process starts (``_spawn``: sets ``svc.proc``), how its ready info is read
-    (``_read_ready``) and how its process group is killed (``_kill``).
+    (``_read_ready``) and how its process group is killed (``_kill``). ``health_check`` (app.py wires the
+    gRPC one) lets it probe the live processes; without one it probes nothing. ``clock`` is the time the
+    restart budget is counted in (a test moves it on).
     """
 
     starts_services = True
@@ -164,8 +156,10 @@ class ProcessLauncher:
         backoff_s: float = 1.0,
         start_timeout_s: float = 120.0,
         stop_grace_s: float = 15.0,
+        health_check: HealthCheck | None = None,
         health_timeout_s: float = 3.0,
         health_every_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.run_dir = run_dir
         self.max_restarts = max_restarts
@@ -173,7 +167,10 @@ class ProcessLauncher:
         self.backoff_s = backoff_s
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
-        self.health = HealthProbe(timeout_s=health_timeout_s, every_s=health_every_s)
+        self.clock = clock
+        self.health = (
+            HealthProbe(health_check, timeout_s=health_timeout_s, every_s=health_every_s) if health_check else None
+        )
         self.services: dict[str, ManagedService] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -214,7 +211,7 @@ class ProcessLauncher:
         return settings
 
     def _started(self, svc: ManagedService) -> None:
-        svc.started_at = time.monotonic()
+        svc.started_at = self.clock()
         svc.starts += 1
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
@@ -245,7 +242,7 @@ class ProcessLauncher:
         ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop).
         Then probes the health of those that are up (every ``health_every_s``)."""
         restarted = []
-        now = time.monotonic()
+        now = self.clock()
         for svc in self.services.values():
             if svc.proc is None:
                 continue
@@ -267,10 +264,12 @@ class ProcessLauncher:
                 svc.next_restart_at = 0.0
                 self._spawn(svc)
                 self._wait_ready(svc)
-                self.health.restarted(svc.name)
+                if self.health is not None:
+                    self.health.restarted(svc.name)
                 restarted.append(svc.name)
-        self.health.check({name: svc.address for name, svc in self.services.items() if svc.up},
-                          alive=lambda name: self.services[name].up)
+        if self.health is not None:
+            self.health.check({name: svc.address for name, svc in self.services.items() if svc.up},
+                              alive=lambda name: self.services[name].up)
         return restarted
 
     # -- stopping ------------------------------------------------------------------------

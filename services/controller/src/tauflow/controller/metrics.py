@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from tauflow.core.files import write_atomic
 from tauflow.core.metrics import MetricsServer, Reading, ScrapeCollector, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -30,31 +31,31 @@ READY_FILE = "controller.ready.json"
 class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self._run: Any = None
-        c = ScrapeCollector()
-        c.gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is "
-                "dead or restarting (launcher external: while it answers health SERVING)", self._up,
+        collector = ScrapeCollector()
+        gauge, counter = collector.gauge, collector.counter
+        gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is dead or "
+              "restarting (launcher external: while it answers health SERVING)", self._up, labels=["service"])
+        counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process "
+                "(launcher external: times the role served again after an outage)", self._restarts,
                 labels=["service"])
-        c.counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process "
-                  "(launcher external: times the role served again after an outage)", self._restarts,
-                  labels=["service"])
-        c.gauge("tauflow_controller_service_answering", "1 while the role answers its gRPC health check within the "
-                "probe's deadline, 0 while its process is alive but does not (stopped, hung); launchers local "
-                "and ray", self._answering, labels=["service"])
-        c.counter("tauflow_controller_service_unanswered_total", "Times the role's live process stopped answering "
-                  "its gRPC health check (launchers local and ray)", self._unanswered, labels=["service"])
-        c.gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
-                lambda: None if self._run is None else self._run.progress.version)
-        c.gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
-                lambda: None if self._run is None else self._run.c.steps)
-        c.gauge("tauflow_controller_max_staleness_steps", "The run's staleness bound tau (-1: unbounded)",
-                lambda: None if self._run is None else self._run.c.max_staleness)
-        c.gauge("tauflow_controller_heldout_accuracy_ratio", "Greedy held-out accuracy of the last evaluation",
-                lambda: self._last_eval("accuracy"))
-        c.gauge("tauflow_controller_heldout_policy_version", "Policy version the last evaluation's engine answered "
-                "with", lambda: self._last_eval("engine_version"))
-        c.counter("tauflow_controller_evaluations_total", "Held-out evaluations completed",
-                  lambda: None if self._run is None else len(self._run.summary.evals))
-        registry.register(c)
+        gauge("tauflow_controller_service_answering", "1 while the role answers its gRPC health check within the "
+              "probe's deadline, 0 while its process is alive but does not (stopped, hung); launchers local "
+              "and ray", self._answering, labels=["service"])
+        counter("tauflow_controller_service_unanswered_total", "Times the role's live process stopped answering "
+                "its gRPC health check (launchers local and ray)", self._unanswered, labels=["service"])
+        gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
+              lambda: None if self._run is None else self._run.progress.version)
+        gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
+              lambda: None if self._run is None else self._run.config.steps)
+        gauge("tauflow_controller_max_staleness_steps", "The run's staleness bound tau (-1: unbounded)",
+              lambda: None if self._run is None else self._run.config.max_staleness)
+        gauge("tauflow_controller_heldout_accuracy_ratio", "Greedy held-out accuracy of the last evaluation",
+              lambda: self._last_eval("accuracy"))
+        gauge("tauflow_controller_heldout_policy_version", "Policy version the last evaluation's engine answered "
+              "with", lambda: self._last_eval("engine_version"))
+        counter("tauflow_controller_evaluations_total", "Held-out evaluations completed",
+                lambda: None if self._run is None else len(self._run.summary.evals))
+        registry.register(collector)
 
     def watch(self, run: Any) -> None:
         """Report ``run`` (a controller.run.Run) from now on."""
@@ -70,7 +71,7 @@ class ControllerMetrics:
         return {(role,): max(0, svc.starts - 1) for role, svc in self._services().items()}
 
     def _health(self) -> Any:
-        return None if self._run is None else getattr(self._run.launcher, "health", None)
+        return None if self._run is None else self._run.launcher.health
 
     def _answering(self) -> Reading:
         health = self._health()
@@ -132,6 +133,4 @@ def write_targets(out_dir: Path, run_name: str, services: dict[str, Any], contro
 
 
 def _write_json(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)  # atomic: Prometheus never reads half a file
+    write_atomic(path, json.dumps(data, indent=1))  # Prometheus never reads half a file

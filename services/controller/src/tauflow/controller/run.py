@@ -1,40 +1,47 @@
 """A run from start to summary: prepare, launch every role, follow the training, evaluate, stop.
 
-The controller is a client of the services' public contracts only: it reads the trainer's steps
-(`ListSteps`), the queue's counters (`Stats`), and measures held-out accuracy by sampling greedily
-from the rollout service (`Generate`) and scoring with the reward service (`Score`), exactly as an
-outside program would.
+The controller is a client of the services' public contracts only, through its ports (ports.py; app.py
+wires the gRPC clients): it reads the trainer's steps and the queue's counters, and measures held-out
+accuracy through the rollout and reward services (evaluation.py), exactly as an outside program would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
-import grpc
-
-from tauflow.api.common.v1 import common_pb2
-from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
-from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tauflow.controller.compat import check_peer
 from tauflow.controller.config import ROLES, RunConfig, flatten
-from tauflow.controller.launcher import Launcher, LaunchFailed, LocalLauncher, ServiceSpec
+from tauflow.controller.evaluation import evaluate, read_heldout
+from tauflow.controller.launcher import Launcher, LaunchFailed, ServiceSpec
 from tauflow.controller.metrics import controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
+from tauflow.controller.ports import (
+    CheckPeer,
+    Connect,
+    PeerError,
+    Peers,
+    PeerUnavailable,
+    QueueStats,
+    TrainerPort,
+    TrainerStep,
+)
+from tauflow.controller.progress import Progress
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
-from tauflow.core.channel import create_channel
 from tauflow.core.telemetry import configured_exporters
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # between two looks at the trainer and the queue
+EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
+STOP_ORDER = ["rollout", "trainer", "weights", "reward", "queue"]
 
 
 class RunStalled(RuntimeError):
@@ -42,96 +49,96 @@ class RunStalled(RuntimeError):
 
 
 @dataclass
-class Progress:
-    """What the terminal shows; updated after every poll."""
+class Poll:
+    """One look at the run: the trainer's new steps, the queue's counters, and when (since the start)."""
 
-    version: int = 0
-    steps: int = 0
-    reward: float = 0.0
-    accuracy: float | None = None
-    staleness: int = 0
-    tokens_per_s: float = 0.0
-    queue_depth: int = 0
-    message: str = ""
+    steps: list[TrainerStep]
+    stats: QueueStats
+    at_s: float
 
 
-def create_launcher(config: RunConfig, out_dir: Path) -> Launcher:
-    """The run's launcher (``launcher``); Ray is imported only for ``ray``."""
-    if config.launcher == "external":
-        from tauflow.controller.external import ExternalLauncher
+@dataclass
+class Following:
+    """What the follow loop carries from one poll to the next."""
 
-        return ExternalLauncher(config.external, start_timeout_s=config.start_timeout_s)
-    supervision = {"max_restarts": config.max_restarts, "restart_window_s": config.restart_window_s,
-                   "start_timeout_s": config.start_timeout_s}
-    if config.launcher == "ray":
-        from tauflow.controller.raylauncher import RayLauncher
+    progressed_at: float  # monotonic time of the last progress (or restart)
+    # (steps seen, trainer version at the queue) then: progress is a change of either
+    marker: tuple[int, int] = (0, -1)
+    # The next step to list, by number, not by count: a trainer resumed from a checkpoint (--resume) starts
+    # at its version, and its history holds no step before it.
+    next_step: int = 0
+    next_eval: int = 0  # the version due for evaluation
+    eval_failures: int = 0  # failed attempts at the evaluation due, in a row
+    tokens: int = 0  # trained in the steps seen
 
-        return RayLauncher(out_dir, config.ray, **supervision)  # type: ignore[arg-type]
-    return LocalLauncher(out_dir, **supervision)  # type: ignore[arg-type]
 
-
-def _read_jsonl(path: str, limit: int) -> list[dict]:  # type: ignore[type-arg]
-    import json
-
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()][:limit]
+class Evaluated(enum.Enum):
+    DONE = enum.auto()  # recorded, or given up: the run goes on
+    RETRY = enum.auto()  # a service did not answer: again at the next poll
+    STOP = enum.auto()  # reached the target, with stop_at_target
 
 
 class Run:
     def __init__(
-        self, config: RunConfig, on_progress: Callable[[Progress], None] | None = None, serve_metrics: bool = True
+        self,
+        config: RunConfig,
+        *,
+        launcher: Launcher,
+        connect: Connect,
+        check_peer: CheckPeer,
+        on_progress: Callable[[Progress], None] | None = None,
+        serve_metrics: bool = True,
     ) -> None:
-        self.c = config
-        self.out_dir = Path(config.out_dir or f"runs/{config.name}")
-        self.on_progress = on_progress or (lambda p: None)
+        self.config = config
+        self.out_dir = config.run_dir
+        self.launcher = launcher
+        self.connect = connect
+        self.check_peer = check_peer
+        self.on_progress = on_progress or (lambda progress: None)
         self.summary = RunSummary(config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy)
         self.progress = Progress()
-        self.launcher = create_launcher(config, self.out_dir)
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
-        self._stubs: dict[str, object] = {}
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
         self.metrics_port: int | None = None
 
     # -- launch --------------------------------------------------------------------------
 
-    def _settings(self, role: str, addresses: dict[str, str]) -> dict[str, object]:
-        c, out = self.c, self.out_dir
+    def _settings(self, role: str, addresses: Mapping[str, str]) -> dict[str, object]:
+        config, out = self.config, self.out_dir
         base: dict[str, dict[str, object]] = {
-            "queue": {"wal.dir": out / "queue-wal", "max_staleness": c.max_staleness,
-                      "groups_per_step": c.groups_per_step},
-            "reward": {"default_reward_fn": c.reward_fn},
+            "queue": {"wal.dir": out / "queue-wal", "max_staleness": config.max_staleness,
+                      "groups_per_step": config.groups_per_step},
+            "reward": {"default_reward_fn": config.reward_fn},
             "weights": {},
-            "trainer": {"backend.model_path": c.model, "backend.seed": c.seed,
+            "trainer": {"backend.model_path": config.model, "backend.seed": config.seed,
                         "queue_address": addresses.get("queue", ""), "weights_address": addresses.get("weights", ""),
-                        "groups_per_step": c.groups_per_step, "max_staleness": c.max_staleness,
-                        "total_steps": c.steps, "checkpoint_dir": out / "checkpoints",
-                        "backend.optim.total_steps": c.steps,  # where a cosine schedule ends
-                        "backend.temperature": c.temperature},
-            "rollout": {"model_path": c.model, "dataset": c.dataset, "group_size": c.group_size, "seed": c.seed,
-                        "queue_address": addresses.get("queue", ""), "reward_address": addresses.get("reward", ""),
-                        "weights_address": addresses.get("weights", ""), "reward_fn": c.reward_fn,
-                        "sampling.temperature": c.temperature},
+                        "groups_per_step": config.groups_per_step, "max_staleness": config.max_staleness,
+                        "total_steps": config.steps, "checkpoint_dir": out / "checkpoints",
+                        "backend.optim.total_steps": config.steps,  # where a cosine schedule ends
+                        "backend.temperature": config.temperature},
+            "rollout": {"model_path": config.model, "dataset": config.dataset, "group_size": config.group_size,
+                        "seed": config.seed, "queue_address": addresses.get("queue", ""),
+                        "reward_address": addresses.get("reward", ""), "weights_address": addresses.get("weights", ""),
+                        "reward_fn": config.reward_fn, "sampling.temperature": config.temperature},
         }
-        extra = {k: v for k, v in flatten(c.services.get(role, {})).items()}
-        return {**base[role], **extra}
+        return {**base[role], **flatten(config.services.get(role, {}))}
 
     def trace_env(self) -> dict[str, str]:
         """With ``traces_file`` set, every service also writes its spans there (OTLP export, when an
-        endpoint is set, goes on as well)."""
-        if not self.c.traces_file:
+        endpoint is set, goes on as well). A new run sets the previous run's file aside: call it before the
+        first role starts."""
+        if not self.config.traces_file:
             return {}
-        path = Path(self.c.traces_file)
-        path = (path if path.is_absolute() else self.out_dir / path).resolve()
+        path = (self.out_dir / self.config.traces_file).resolve()  # an absolute traces_file stays as it is
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.c.resume and path.exists() and not getattr(self, "_traces_set_aside", False):
+        if not self.config.resume and path.exists():
             path.rename(path.with_name(path.name + ".prev"))  # a new run's spans only, as with checkpoints
-        self._traces_set_aside = True
         exporters = [e for e in configured_exporters() if e != "file"]
         return {"OTEL_TRACES_EXPORTER": ",".join([*exporters, "file"]), "TAUFLOW_TRACES_FILE": str(path)}
 
     def prepare_command(self) -> list[str]:
         # "{seed}" in the command is the run's seed: a warm start per seed, as the recipe wants.
-        command = [arg.replace("{seed}", str(self.c.seed)) for arg in self.c.prepare]
+        command = [arg.replace("{seed}", str(self.config.seed)) for arg in self.config.prepare]
         if command and command[0] in ("python", "python3"):
             command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
         return command
@@ -143,7 +150,7 @@ class Run:
         moved = []
         for name in ("checkpoints", "queue-wal"):
             path = self.out_dir / name
-            if self.c.resume or not path.exists():
+            if self.config.resume or not path.exists():
                 continue
             previous = self.out_dir / f"{name}.prev"
             if previous.exists():
@@ -152,185 +159,184 @@ class Run:
             moved.append(name)
         return moved
 
+    def _prepare(self) -> None:
+        moved = self.set_aside_previous_run()
+        if moved:
+            log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
+        if self.config.prepare:
+            command = self.prepare_command()
+            log.info("prepare", extra={"command": " ".join(command)})
+            subprocess.run(command, check=True)
+
     def launch(self) -> dict[str, str]:
+        """Starts every role in order (each learns its peers' addresses) and checks what it is; runs in a
+        thread."""
         # With launcher external the services, their state and their model are their deployment's: nothing
         # to set aside or prepare here.
         if self.launcher.starts_services:
-            moved = self.set_aside_previous_run()
-            if moved:
-                log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
-            if self.c.prepare:
-                command = self.prepare_command()
-                log.info("prepare", extra={"command": " ".join(command)})
-                subprocess.run(command, check=True)
+            self._prepare()
+        env = self.trace_env()
         addresses: dict[str, str] = {}
         for role in ROLES:
             self.progress.message = f"starting {role}"
             self.on_progress(self.progress)
-            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=self.trace_env()))
+            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=dict(env)))
             addresses[role] = svc.address
             if role == "trainer" and svc.info.get("resumed_from"):  # its first step is the one after this version
                 self.summary.extra["resumed_from_version"] = svc.info.get("policy_version")
-            asyncio.run(check_peer(role, svc.address, self.summary.services))  # (launch runs in a thread)
+            asyncio.run(self.check_peer(role, svc.address, self.summary.services))
             self._write_targets()
         return addresses
 
     # -- follow --------------------------------------------------------------------------
 
-    def _channel(self, address: str, descriptor) -> grpc.aio.Channel:  # type: ignore[no-untyped-def]
-        return create_channel(address, [descriptor])
-
-    async def follow(self, addresses: dict[str, str]) -> RunSummary:
-        trainer = trainer_pb2_grpc.TrainerServiceStub(
-            self._channel(addresses["trainer"], trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]))
-        queue = queue_pb2_grpc.QueueServiceStub(
-            self._channel(addresses["queue"], queue_pb2.DESCRIPTOR.services_by_name["QueueService"]))
-        rollout = rollout_pb2_grpc.RolloutServiceStub(
-            self._channel(addresses["rollout"], rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]))
-        reward = reward_pb2_grpc.RewardServiceStub(
-            self._channel(addresses["reward"], reward_pb2.DESCRIPTOR.services_by_name["RewardService"]))
-        heldout = _read_jsonl(self.c.eval.dataset, self.c.eval.max_prompts) if self.c.eval.dataset else []
-        next_eval = 0
-        tokens = 0
-        last_step_at, last_marker = time.monotonic(), (0, -1)
-        eval_failures = 0
-        # The next step to list, by step number, not by count: a trainer resumed from a checkpoint (--resume)
-        # starts at its version, and its history holds no step before it.
-        next_step = 0
-        while True:
-            restarted = await asyncio.to_thread(self.launcher.check)
-            for role in restarted:  # a restart is how a rolling upgrade replaces a role: check the new build
-                await check_peer(role, self.launcher.addresses()[role], self.summary.services)
-            if restarted:
-                self._write_targets()
-                self.progress.message = f"restarted {', '.join(restarted)}"
-                last_step_at = time.monotonic()  # a restarted role needs time to catch up
-            try:
-                steps = await trainer.ListSteps(trainer_pb2.ListStepsRequest(from_step=next_step))
-                stats = await queue.Stats(queue_pb2.StatsRequest())
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-                if time.monotonic() - last_step_at > self.c.stall_timeout_s:
-                    raise RunStalled(await self._stall_report(trainer, queue)) from e
-                await asyncio.sleep(0.5)  # a service is restarting: the launcher brings it back
-                continue
-            now = time.monotonic() - self._t0
-            # Progress is a new step, or a new version at the queue: a trainer resumed from its
-            # checkpoint re-trains steps already listed, and reports each version to the queue.
-            marker = (len(self.summary.steps) + len(steps.steps), stats.trainer_version)
-            if marker != last_marker:
-                last_step_at, last_marker = time.monotonic(), marker
-            elif time.monotonic() - last_step_at > self.c.stall_timeout_s:
-                raise RunStalled(await self._stall_report(trainer, queue))
-            for m in steps.steps:
-                next_step = m.step + 1
-                self.summary.steps.append(StepRecord(
-                    m.step, m.policy_version, now, m.mean_reward, m.max_staleness, m.mean_staleness, m.loss,
-                    m.trained_tokens, m.groups, dict(m.metrics),
-                    m.committed_at.ToNanoseconds() / 1e9 - self._wall0 if m.HasField("committed_at") else now))
-                for staleness, n in m.groups_by_staleness.items():
-                    self.summary.staleness_histogram[staleness] = self.summary.staleness_histogram.get(staleness, 0) + n
-                tokens += m.trained_tokens
-            version = self.summary.steps[-1].policy_version if self.summary.steps else 0
-            p = self.progress
-            p.version, p.steps, p.queue_depth = version, len(self.summary.steps), stats.depth_groups
-            if self.summary.steps:
-                last = self.summary.steps[-1]
-                p.reward, p.staleness = last.mean_reward, last.max_staleness
-                p.tokens_per_s = tokens / max(now, 1e-9)
-            done = version >= self.c.steps
-            if heldout and (version >= next_eval or done):
-                p.message = f"evaluating version {version}"
-                self.on_progress(p)
-                try:
-                    accuracy, engine_version = await self.evaluate(rollout, reward, heldout)
-                    eval_failures = 0
-                except grpc.aio.AioRpcError as e:
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        raise
-                    eval_failures += 1
-                    log.warning("evaluation failed", extra={"code": e.code().name, "attempt": eval_failures})
-                    if eval_failures < 3:
-                        await asyncio.sleep(0.5)
-                        continue  # a service is restarting: evaluate again at the next poll
-                    eval_failures, accuracy = 0, None  # give this evaluation up; the run goes on
-                if accuracy is None:
-                    next_eval = version + self.c.eval.every_steps
-                    p.message = f"evaluation of version {version} failed 3 times; skipped"
-                else:
-                    self.summary.evals.append(EvalRecord(
-                        version, time.monotonic() - self._t0, accuracy, len(heldout), engine_version))
-                    p.accuracy, p.message = accuracy, ""
-                    next_eval = version + self.c.eval.every_steps
-                    target = self.c.target_accuracy
-                    if self.c.stop_at_target and target is not None and accuracy >= target and not done:
-                        self.summary.extra["stopped_at_target_version"] = version
+    async def follow(self, addresses: Mapping[str, str]) -> RunSummary:
+        heldout = read_heldout(self.config.eval)
+        following = Following(progressed_at=time.monotonic())
+        async with self.connect(addresses) as peers:
+            while True:
+                await self._check_restarts(following)
+                poll = await self._poll(peers, following)
+                if poll is None:  # a service is restarting: the launcher brings it back
+                    await asyncio.sleep(POLL_S)
+                    continue
+                await self._check_stall(peers, following, poll)
+                self._record_steps(following, poll)
+                version = self._show_progress(following, poll)
+                done = version >= self.config.steps
+                if heldout and (version >= following.next_eval or done):
+                    evaluated = await self._evaluate(peers, heldout, version, done, following)
+                    if evaluated is Evaluated.RETRY:
+                        await asyncio.sleep(POLL_S)
+                        continue
+                    if evaluated is Evaluated.STOP:
                         break  # the services are stopped (drained) by execute(); the last checkpoint stays
-            else:
-                p.message = ""
-            self.on_progress(p)
-            if done:
-                await self._until_trainer_finished(trainer)
-                break
-            await asyncio.sleep(0.5)
-        self.summary.wall_s = time.monotonic() - self._t0
-        self.summary.tokens_per_s = tokens / max(self.summary.wall_s, 1e-9)
+                else:
+                    self.progress.message = ""
+                self.on_progress(self.progress)
+                if done:
+                    await self._until_trainer_finished(peers.trainer)
+                    break
+                await asyncio.sleep(POLL_S)
+        self._record_timing(following)
         return self.summary
 
-    async def _stall_report(self, trainer, queue) -> str:  # type: ignore[no-untyped-def]
-        """What a stalled run looks like from outside: the trainer's state and the queue's counters."""
-        parts = [f"no training step for {self.c.stall_timeout_s:.0f}s"]
+    async def _check_restarts(self, following: Following) -> None:
+        restarted = await asyncio.to_thread(self.launcher.check)
+        for role in restarted:  # a restart is how a rolling upgrade replaces a role: check the new build
+            await self.check_peer(role, self.launcher.addresses()[role], self.summary.services)
+        if restarted:
+            self._write_targets()
+            self.progress.message = f"restarted {', '.join(restarted)}"
+            following.progressed_at = time.monotonic()  # a restarted role needs time to catch up
+
+    def _stalled(self, following: Following) -> bool:
+        return time.monotonic() - following.progressed_at > self.config.stall_timeout_s
+
+    async def _poll(self, peers: Peers, following: Following) -> Poll | None:
+        """The trainer's new steps and the queue's counters; None while either does not answer (the run
+        stalls once that has lasted ``stall_timeout_s``)."""
         try:
-            status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
-            parts.append(f"trainer {trainer_pb2.TrainerState.Name(status.state)} at version {status.policy_version}")
-            stats = await queue.Stats(queue_pb2.StatsRequest())
+            steps = await peers.trainer.list_steps(following.next_step)
+            stats = await peers.queue.stats()
+        except PeerUnavailable as e:
+            if self._stalled(following):
+                raise RunStalled(await self._stall_report(peers)) from e
+            return None
+        return Poll(steps, stats, time.monotonic() - self._t0)
+
+    async def _check_stall(self, peers: Peers, following: Following, poll: Poll) -> None:
+        # Progress is a new step, or a new version at the queue: a trainer resumed from its checkpoint
+        # re-trains steps already listed, and reports each version to the queue.
+        marker = (len(self.summary.steps) + len(poll.steps), poll.stats.trainer_version)
+        if marker != following.marker:
+            following.progressed_at, following.marker = time.monotonic(), marker
+        elif self._stalled(following):
+            raise RunStalled(await self._stall_report(peers))
+
+    def _record_steps(self, following: Following, poll: Poll) -> None:
+        histogram = self.summary.staleness_histogram
+        for step in poll.steps:
+            following.next_step = step.step + 1
+            committed_s = step.committed_at - self._wall0 if step.committed_at is not None else poll.at_s
+            self.summary.steps.append(StepRecord(
+                step.step, step.policy_version, poll.at_s, step.mean_reward, step.max_staleness, step.mean_staleness,
+                step.loss, step.trained_tokens, step.groups, dict(step.metrics), committed_s))
+            for staleness, groups in step.groups_by_staleness.items():
+                histogram[staleness] = histogram.get(staleness, 0) + groups
+            following.tokens += step.trained_tokens
+
+    def _show_progress(self, following: Following, poll: Poll) -> int:
+        """Updates the progress from what the poll brought; returns the newest policy version."""
+        steps, progress = self.summary.steps, self.progress
+        version = steps[-1].policy_version if steps else 0
+        progress.version, progress.steps, progress.queue_depth = version, len(steps), poll.stats.depth_groups
+        if steps:
+            progress.reward, progress.staleness = steps[-1].mean_reward, steps[-1].max_staleness
+            progress.tokens_per_s = following.tokens / max(poll.at_s, 1e-9)
+        return version
+
+    async def _evaluate(
+        self, peers: Peers, heldout: list[dict[str, Any]], version: int, done: bool, following: Following
+    ) -> Evaluated:
+        progress = self.progress
+        progress.message = f"evaluating version {version}"
+        self.on_progress(progress)
+        try:
+            accuracy, engine_version = await evaluate(peers.rollout, peers.reward, heldout, self.config.eval.reward_fn)
+            following.eval_failures = 0
+        except PeerUnavailable as e:
+            following.eval_failures += 1
+            log.warning("evaluation failed", extra={"code": e.code, "attempt": following.eval_failures})
+            if following.eval_failures < EVAL_ATTEMPTS:
+                return Evaluated.RETRY
+            following.eval_failures = 0  # give this evaluation up; the run goes on
+            following.next_eval = version + self.config.eval.every_steps
+            progress.message = f"evaluation of version {version} failed {EVAL_ATTEMPTS} times; skipped"
+            return Evaluated.DONE
+        following.next_eval = version + self.config.eval.every_steps
+        self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout), engine_version))
+        progress.accuracy, progress.message = accuracy, ""
+        target = self.config.target_accuracy
+        if self.config.stop_at_target and target is not None and accuracy >= target and not done:
+            self.summary.extra["stopped_at_target_version"] = version
+            return Evaluated.STOP
+        return Evaluated.DONE
+
+    def _record_timing(self, following: Following) -> None:
+        self.summary.wall_s = time.monotonic() - self._t0
+        self.summary.tokens_per_s = following.tokens / max(self.summary.wall_s, 1e-9)
+
+    async def _stall_report(self, peers: Peers) -> str:
+        """What a stalled run looks like from outside: the trainer's state and the queue's counters."""
+        parts = [f"no training step for {self.config.stall_timeout_s:.0f}s"]
+        try:
+            status = await peers.trainer.status()
+            parts.append(f"trainer {status.state} at version {status.policy_version}")
+            stats = await peers.queue.stats()
             parts.append(f"queue depth {stats.depth_groups} groups, {stats.reserved_groups} reserved")
-        except grpc.aio.AioRpcError as e:
-            parts.append(f"status unavailable ({e.code().name})")
+        except PeerError as e:
+            parts.append(f"status unavailable ({e.code})")
         parts.append(f"logs in {self.out_dir / 'logs'}")
         return "; ".join(parts)
 
-    async def _until_trainer_finished(self, trainer, timeout_s: float = 300.0) -> None:  # type: ignore[no-untyped-def]
+    async def _until_trainer_finished(self, trainer: TrainerPort, timeout_s: float = 300.0) -> None:
         """The last step shows up before its checkpoint is written: stop nothing until the trainer says
         FINISHED (its final checkpoint holds every step, and its leases are acked)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
-                if status.state == trainer_pb2.TRAINER_STATE_FINISHED:
+                if (await trainer.status()).finished:
                     return
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
+            except PeerUnavailable:
+                pass
             await asyncio.sleep(0.2)
         raise TimeoutError(f"the trainer did not finish within {timeout_s:.0f}s of its last step")
-
-    async def evaluate(self, rollout, reward, rows: list[dict]) -> tuple[float, int]:  # type: ignore[no-untyped-def, type-arg]
-        """Greedy held-out accuracy through the public APIs (Generate, then Score), and the oldest version the
-        engine answered with (it may lag or, with tau > 0, differ from the trainer's)."""
-        sampling = rollout_pb2.SamplingParams(n=1, temperature=0.0)
-
-        async def one(row: dict) -> common_pb2.Group:  # type: ignore[type-arg]
-            # A deadline of its own: 64 prompts at once on a rollout server that is also generating.
-            resp = await rollout.Generate(
-                rollout_pb2.GenerateRequest(prompt_text=row["prompt"], sampling=sampling), timeout=120
-            )
-            return common_pb2.Group(group_id=f"eval-{row['id']}", samples=resp.samples,
-                                    metadata={"answer": str(row["answer"])})
-
-        groups = []
-        for i in range(0, len(rows), 64):
-            groups += await asyncio.gather(*(one(r) for r in rows[i : i + 64]))
-        scored = await reward.Score(reward_pb2.ScoreRequest(groups=groups, reward_fn=self.c.eval.reward_fn), timeout=120)
-        scores = [s.reward.score for g in scored.groups for s in g.samples]
-        engine_version = min((s.behaviour_version for g in groups for s in g.samples), default=0)
-        return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1), engine_version
 
     # -- all of it -----------------------------------------------------------------------
 
     def _write_targets(self) -> None:
-        write_targets(self.out_dir, self.c.name, self.launcher.services, self.metrics_port)
+        write_targets(self.out_dir, self.config.name, self.launcher.services, self.metrics_port)
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)
@@ -340,7 +346,7 @@ class Run:
             addresses = await asyncio.to_thread(self.launch)
             await self.follow(addresses)
             self.summary.status = "completed"
-            target = self.c.target_accuracy
+            target = self.config.target_accuracy
             if target is not None and (self.summary.final_accuracy or 0.0) < target:
                 self.summary.status = "below_target"
         except LaunchFailed as e:  # a service that failed (ServiceFailed), or a launcher that cannot launch
@@ -354,7 +360,7 @@ class Run:
             raise
         finally:
             self.summary.wall_s = time.monotonic() - self._t0
-            self.launcher.stop(order=["rollout", "trainer", "weights", "reward", "queue"])
+            self.launcher.stop(order=STOP_ORDER)
             self.summary.write(self.out_dir)
             if metrics_server is not None:
                 metrics_server.close()

@@ -4,10 +4,11 @@ with the histogram of delivered staleness."""
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tauflow.core.staleness import is_bounded
 
 
 @dataclass
@@ -58,7 +59,7 @@ class RunSummary:
 
     @property
     def staleness_violations(self) -> int:
-        if self.max_staleness < 0:
+        if not is_bounded(self.max_staleness):
             return 0
         return sum(n for s, n in self.staleness_histogram.items() if s > self.max_staleness)
 
@@ -80,10 +81,6 @@ class RunSummary:
         png_path = out_dir / "summary.png"
         plot(self, png_path)
         return json_path, png_path
-
-
-def staleness_counts(values: list[int]) -> dict[int, int]:
-    return dict(Counter(values))
 
 
 def plot(summary: RunSummary, path: Path) -> None:

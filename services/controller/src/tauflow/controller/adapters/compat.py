@@ -37,9 +37,10 @@ class IncompatiblePeer(LaunchFailed):
 
 
 async def check_peer(role: str, address: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Asks the service of ``role`` at ``address`` what it is; raises IncompatiblePeer when this
-    controller cannot talk to it. Records the answer in ``records[role]`` (the run summary's
-    ``services``): build_version, contracts (package -> revision), checks (how often it was checked)."""
+    """The run's CheckPeer port: asks the service of ``role`` at ``address`` what it is; raises
+    IncompatiblePeer when this controller cannot talk to it. Records the answer in ``records[role]`` (the
+    run summary's ``services``): build_version, contracts (package -> revision), checks (how often it was
+    checked)."""
     try:
         async with create_channel(address, [SERVICE]) as channel:
             info = await fetch_server_info(channel, address)

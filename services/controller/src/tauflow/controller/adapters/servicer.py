@@ -27,24 +27,25 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.stop_requested = False
 
     async def GetRun(self, request, context):  # type: ignore[no-untyped-def]
-        s = self.run.summary
-        summary = controller_pb2.RunSummary(
-            name=s.name, state=_STATES.get(s.status, controller_pb2.RUN_STATE_RUNNING), launcher=self.run.c.launcher,
-            policy_version=self.run.progress.version, total_steps=s.steps_planned, max_staleness=s.max_staleness,
-            tokens_trained=sum(x.trained_tokens for x in s.steps), groups_trained=sum(x.groups for x in s.steps),
-            message=s.message,
+        summary = self.run.summary
+        reply = controller_pb2.RunSummary(
+            name=summary.name, state=_STATES.get(summary.status, controller_pb2.RUN_STATE_RUNNING),
+            launcher=self.run.config.launcher, policy_version=self.run.progress.version,
+            total_steps=summary.steps_planned, max_staleness=summary.max_staleness,
+            tokens_trained=sum(step.trained_tokens for step in summary.steps),
+            groups_trained=sum(step.groups for step in summary.steps), message=summary.message,
         )
-        summary.staleness.violations = s.staleness_violations
-        for k, v in s.staleness_histogram.items():
-            summary.staleness.histogram[k] = v
-        if s.staleness_histogram:
-            summary.staleness.max_observed = max(s.staleness_histogram)
-        if s.steps:
-            summary.last_step_metrics["mean_reward"] = s.steps[-1].mean_reward
-            summary.last_step_metrics["loss"] = s.steps[-1].loss
-        if s.final_accuracy is not None:
-            summary.last_step_metrics["heldout_accuracy"] = s.final_accuracy
-        return controller_pb2.GetRunResponse(run=summary)
+        reply.staleness.violations = summary.staleness_violations
+        for staleness, groups in summary.staleness_histogram.items():
+            reply.staleness.histogram[staleness] = groups
+        if summary.staleness_histogram:
+            reply.staleness.max_observed = max(summary.staleness_histogram)
+        if summary.steps:
+            reply.last_step_metrics["mean_reward"] = summary.steps[-1].mean_reward
+            reply.last_step_metrics["loss"] = summary.steps[-1].loss
+        if summary.final_accuracy is not None:
+            reply.last_step_metrics["heldout_accuracy"] = summary.final_accuracy
+        return controller_pb2.GetRunResponse(run=reply)
 
     async def StopRun(self, request, context):  # type: ignore[no-untyped-def]
         if request.HasField("grace_period"):

@@ -1,0 +1,30 @@
+"""The controller's client of the trainer (TrainerService): the steps it committed, and its state."""
+
+from __future__ import annotations
+
+from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tauflow.controller.adapters import convert
+from tauflow.controller.adapters.errors import peer_errors
+from tauflow.controller.ports import TrainerStatus, TrainerStep
+from tauflow.core.channel import create_channel
+
+SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+
+
+class TrainerClient:
+    def __init__(self, address: str) -> None:
+        self._channel = create_channel(address, [SERVICE])
+        self._stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
+
+    async def list_steps(self, from_step: int) -> list[TrainerStep]:
+        with peer_errors("trainer"):
+            reply = await self._stub.ListSteps(trainer_pb2.ListStepsRequest(from_step=from_step))
+        return [convert.trainer_step(m) for m in reply.steps]
+
+    async def status(self) -> TrainerStatus:
+        with peer_errors("trainer"):
+            reply = await self._stub.GetStatus(trainer_pb2.GetStatusRequest())
+        return convert.trainer_status(reply)
+
+    async def close(self) -> None:
+        await self._channel.close()

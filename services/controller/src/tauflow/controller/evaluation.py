@@ -1,0 +1,40 @@
+"""Held-out accuracy, measured as an outside program would: greedy answers from the rollout service, scored
+by the reward service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from tauflow.controller.config import EvalConfig
+from tauflow.controller.ports import RewardPort, RolloutPort, ToScore
+
+BATCH = 64  # prompts asked at once
+CALL_TIMEOUT_S = 120.0  # each call's own deadline: the rollout server is generating for training meanwhile
+
+
+def read_heldout(config: EvalConfig) -> list[dict[str, Any]]:
+    """The held-out rows (``id``, ``prompt``, ``answer``), at most ``max_prompts``; none without a dataset."""
+    if not config.dataset:
+        return []
+    with open(config.dataset) as f:
+        return [json.loads(line) for line in f if line.strip()][: config.max_prompts]
+
+
+async def evaluate(
+    rollout: RolloutPort, reward: RewardPort, rows: list[dict[str, Any]], reward_fn: str
+) -> tuple[float, int]:
+    """The share of greedy answers scored 1, and the oldest version the engine answered with (it may lag
+    or, with tau > 0, differ from the trainer's)."""
+
+    async def one(row: dict[str, Any]) -> ToScore:
+        completion = await rollout.generate_greedy(row["prompt"], timeout_s=CALL_TIMEOUT_S)
+        return ToScore(f"eval-{row['id']}", str(row["answer"]), completion)
+
+    groups: list[ToScore] = []
+    for i in range(0, len(rows), BATCH):
+        groups += await asyncio.gather(*(one(row) for row in rows[i : i + BATCH]))
+    scores = await reward.score(groups, reward_fn, timeout_s=CALL_TIMEOUT_S)
+    engine_version = min((v for g in groups for v in g.completion.behaviour_versions), default=0)
+    return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1), engine_version

@@ -1,0 +1,140 @@
+"""What the controller needs of the outside, as interfaces; app.py wires the gRPC clients of adapters/.
+
+The run follows four services (the trainer's steps and state, the queue's counters, greedy answers from the
+rollout engine and their scores from the reward service), checks each role's build and contracts when it
+is up (``CheckPeer``), and the launchers ask a role's gRPC health (``HealthCheck``). A call that fails
+raises :class:`PeerError`; :class:`PeerUnavailable` when the service did not answer (it may be restarting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Self
+
+
+class PeerError(RuntimeError):
+    """A call to a service failed; ``code`` is the gRPC status code's name."""
+
+    def __init__(self, role: str, code: str, details: str = "") -> None:
+        super().__init__(f"{role}: {code}" + (f": {details}" if details else ""))
+        self.role, self.code, self.details = role, code, details
+
+
+class PeerUnavailable(PeerError):
+    """The service did not answer in time (UNAVAILABLE, DEADLINE_EXCEEDED): ask again later."""
+
+
+@dataclass(frozen=True)
+class TrainerStep:
+    """One optimizer step as the trainer lists it."""
+
+    step: int
+    policy_version: int
+    mean_reward: float
+    max_staleness: int
+    mean_staleness: float
+    loss: float
+    trained_tokens: int
+    groups: int
+    metrics: dict[str, float]
+    groups_by_staleness: dict[int, int]
+    committed_at: float | None  # Unix time the trainer committed it; None where it did not say
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    state: str  # the TrainerState's name, e.g. TRAINER_STATE_WAITING_FOR_DATA
+    policy_version: int
+    finished: bool  # its last step is committed and checkpointed, its leases acked
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    depth_groups: int
+    reserved_groups: int
+    trainer_version: int  # the version the trainer last reported to the queue
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The rollout engine's greedy answer to one prompt."""
+
+    behaviour_versions: tuple[int, ...]  # the policy version of each of its samples
+    samples: Any  # the samples as the engine sent them: the reward service scores them unchanged
+
+
+@dataclass(frozen=True)
+class ToScore:
+    """A held-out prompt's completion, with the answer it should give."""
+
+    group_id: str
+    answer: str
+    completion: Completion
+
+
+class TrainerPort(Protocol):
+    async def list_steps(self, from_step: int) -> list[TrainerStep]: ...
+
+    async def status(self) -> TrainerStatus: ...
+
+    async def close(self) -> None: ...
+
+
+class QueuePort(Protocol):
+    async def stats(self) -> QueueStats: ...
+
+    async def close(self) -> None: ...
+
+
+class RolloutPort(Protocol):
+    async def generate_greedy(self, prompt: str, timeout_s: float) -> Completion: ...
+
+    async def close(self) -> None: ...
+
+
+class RewardPort(Protocol):
+    async def score(self, groups: Sequence[ToScore], reward_fn: str, timeout_s: float) -> list[float]:
+        """The score of every sample, group after group."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Peers:
+    """The clients of one follow of the run, closed together (``async with``)."""
+
+    trainer: TrainerPort
+    queue: QueuePort
+    rollout: RolloutPort
+    reward: RewardPort
+
+    async def close(self) -> None:
+        for client in (self.trainer, self.queue, self.rollout, self.reward):
+            await client.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Connect(Protocol):
+    def __call__(self, addresses: Mapping[str, str]) -> Peers:
+        """Clients of the roles at ``addresses`` (role -> host:port)."""
+        ...
+
+
+class CheckPeer(Protocol):
+    async def __call__(self, role: str, address: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Asks the service of ``role`` at ``address`` what it is, records it in ``records[role]``, and raises
+        a LaunchFailed when this controller cannot talk to it."""
+        ...
+
+
+class HealthCheck(Protocol):
+    def __call__(self, address: str, timeout_s: float) -> tuple[bool, str]:
+        """``(serving, answer)``: whether the server at ``address`` answers SERVING within ``timeout_s``."""
+        ...

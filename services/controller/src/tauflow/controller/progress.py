@@ -1,0 +1,118 @@
+"""What ``tauflow run`` shows while the run goes on: on a terminal, a live table redrawn as the run moves;
+anywhere else (a log file, a pipe, CI), a plain line every few seconds and at each news (a role starting,
+an evaluation), so that a log says how far the run is."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Self, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from tauflow.controller.config import RunConfig
+
+PLAIN_EVERY_S = 5.0
+
+
+@dataclass
+class Progress:
+    """What the run shows; updated after every poll."""
+
+    version: int = 0
+    steps: int = 0
+    reward: float = 0.0
+    accuracy: float | None = None
+    staleness: int = 0
+    tokens_per_s: float = 0.0
+    queue_depth: int = 0
+    message: str = ""
+
+
+def _accuracy(progress: Progress) -> str:
+    return "-" if progress.accuracy is None else f"{progress.accuracy:.1%}"
+
+
+class LiveTable:
+    """The terminal's view: one table, redrawn (rich)."""
+
+    def __init__(self, console: Console, config: RunConfig, progress: Progress) -> None:
+        self.config = config
+        self._live = Live(self._table(progress), console=console, refresh_per_second=4, transient=False)
+
+    def _table(self, progress: Progress) -> Table:
+        table = Table(title=f"tauflow run {self.config.name}  (max_staleness={self.config.max_staleness})",
+                      show_header=False)
+        table.add_row("step", f"{progress.version} / {self.config.steps}")
+        table.add_row("batch reward", f"{progress.reward:.3f}")
+        table.add_row("held-out accuracy", _accuracy(progress))
+        table.add_row("staleness (last batch, max)", str(progress.staleness))
+        table.add_row("trained tokens/s", f"{progress.tokens_per_s:,.0f}")
+        table.add_row("queue depth (groups)", str(progress.queue_depth))
+        if progress.message:
+            table.add_row("", progress.message)
+        return table
+
+    def update(self, progress: Progress) -> None:
+        self._live.update(self._table(progress))
+
+    def __enter__(self) -> Self:
+        self._live.start(refresh=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.stop()
+
+
+class PlainLines:
+    """The view off a terminal: a line at most every ``every_s``, one at each new message, and the last
+    state when the run ends."""
+
+    def __init__(
+        self, stream: TextIO, config: RunConfig, *, every_s: float = PLAIN_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream, self.config, self.every_s, self.clock = stream, config, every_s, clock
+        self._written_at: float | None = None
+        self._message = ""
+        self._last: Progress | None = None
+
+    def line(self, progress: Progress) -> str:
+        text = (f"tauflow run {self.config.name}: step {progress.version}/{self.config.steps}, "
+                f"reward {progress.reward:.3f}, accuracy {_accuracy(progress)}, staleness {progress.staleness}, "
+                f"{progress.tokens_per_s:,.0f} tokens/s, queue {progress.queue_depth} groups")
+        return f"{text}; {progress.message}" if progress.message else text
+
+    def _write(self, progress: Progress) -> None:
+        self.stream.write(self.line(progress) + "\n")
+        self.stream.flush()  # a log file shows it now, not when a buffer fills
+        self._written_at = self.clock()
+
+    def update(self, progress: Progress) -> None:
+        news = bool(progress.message) and progress.message != self._message
+        self._message, self._last = progress.message, progress
+        if news or self._written_at is None or self.clock() - self._written_at >= self.every_s:
+            self._write(progress)
+
+    def __enter__(self) -> Self:
+        self.stream.write(f"tauflow run {self.config.name} (max_staleness={self.config.max_staleness}): "
+                          f"{self.config.steps} steps; progress every {self.every_s:g}s\n")
+        self.stream.flush()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._last is not None:
+            self._write(self._last)
+
+
+def progress_view(
+    console: Console, config: RunConfig, progress: Progress, *, every_s: float = PLAIN_EVERY_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> LiveTable | PlainLines:
+    """The live table where ``console`` is a terminal, plain lines on its stream otherwise."""
+    if console.is_terminal:
+        return LiveTable(console, config, progress)
+    return PlainLines(console.file, config, every_s=every_s, clock=clock)

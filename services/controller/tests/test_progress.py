@@ -1,0 +1,63 @@
+"""What `tauflow run` shows: off a terminal (a log file, a pipe) plain lines every few seconds and at each news,
+so that a log says how far the run is; on a terminal the live table."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from tauflow.controller.config import RunConfig
+from tauflow.controller.progress import LiveTable, PlainLines, Progress, progress_view
+
+CONFIG = RunConfig(name="addition", model="m", dataset="d", steps=100, max_staleness=2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_off_a_terminal_the_progress_is_plain_lines_every_few_seconds() -> None:
+    stream, clock = io.StringIO(), Clock()
+    progress = Progress()
+    view = progress_view(Console(file=stream), CONFIG, progress, every_s=5.0, clock=clock)
+    assert isinstance(view, PlainLines)  # a StringIO is no terminal, as a log file is not
+    with view:
+        progress.message = "starting queue"
+        view.update(progress)
+        progress.message = "starting reward"  # news: said at once
+        view.update(progress)
+        progress.message = ""
+        progress.version, progress.steps, progress.reward, progress.staleness = 3, 3, 0.25, 1
+        progress.tokens_per_s, progress.queue_depth = 1234.4, 16
+        clock.now = 1.0
+        view.update(progress)  # nothing new within the 5 s
+        clock.now = 5.0
+        view.update(progress)
+        progress.version, progress.accuracy = 4, 0.412
+        clock.now = 6.0
+        view.update(progress)
+    lines = stream.getvalue().splitlines()
+    starting = "tauflow run addition: step 0/100, reward 0.000, accuracy -, staleness 0, 0 tokens/s, queue 0 groups"
+    assert lines == [
+        "tauflow run addition (max_staleness=2): 100 steps; progress every 5s",
+        f"{starting}; starting queue",
+        f"{starting}; starting reward",
+        "tauflow run addition: step 3/100, reward 0.250, accuracy -, staleness 1, 1,234 tokens/s, queue 16 groups",
+        # the run's end: its last state
+        "tauflow run addition: step 4/100, reward 0.250, accuracy 41.2%, staleness 1, 1,234 tokens/s, queue 16 groups",
+    ]
+
+
+def test_on_a_terminal_the_progress_is_the_live_table() -> None:
+    stream = io.StringIO()
+    progress = Progress(version=7)
+    view = progress_view(Console(file=stream, force_terminal=True, width=100), CONFIG, progress)
+    assert isinstance(view, LiveTable)
+    with view:
+        view.update(progress)
+    assert "tauflow run addition  (max_staleness=2)" in stream.getvalue() and "7 / 100" in stream.getvalue()
