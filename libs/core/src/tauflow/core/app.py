@@ -18,7 +18,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tauflow.core.config import ConfigError, ServiceConfig, load_config
 from tauflow.core.logs import setup_logging
@@ -29,13 +29,19 @@ from tauflow.core.telemetry import setup_telemetry, shutdown_telemetry
 ConfigT = TypeVar("ConfigT", bound=ServiceConfig)
 
 
+class ServiceMain(Protocol):
+    """A service's ``main``: argv (None: ``sys.argv[1:]``) in, exit code out."""
+
+    def __call__(self, argv: list[str] | None = None) -> int: ...
+
+
 def service_main(
     service: str,
     config_cls: type[ConfigT],
     build: Callable[[ConfigT], Awaitable[ServiceApp]],
     version: str,
     description: str = "",
-) -> Callable[[list[str] | None], int]:
+) -> ServiceMain:
     def main(argv: list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog=f"tauflow-{service}", description=description)
         parser.add_argument("--config", "-c", help="YAML, TOML or JSON config file")

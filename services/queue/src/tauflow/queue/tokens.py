@@ -60,7 +60,8 @@ def parse_tokens(text: str, source: str) -> dict[bytes, str]:
     if root is None:
         return {}
     if not isinstance(root, yaml.MappingNode):
-        raise TokensError(f"{source} must hold `client_name: token` lines, not a YAML {root.id}")
+        kind = "sequence" if isinstance(root, yaml.SequenceNode) else "scalar"  # (a document's other roots)
+        raise TokensError(f"{source} must hold `client_name: token` lines, not a YAML {kind}")
     if len(root.value) > MAX_CLIENTS:
         raise TokensError(f"{source} holds {len(root.value)} entries; at most {MAX_CLIENTS}")
     table: dict[bytes, str] = {}
@@ -140,6 +141,7 @@ class TokenTable:
         if now - self._checked < self.reload_interval_s:
             return
         self._checked = now
+        error: TokensError | None = None
         try:
             stamp = self._stat()
         except TokensError as e:
@@ -149,7 +151,6 @@ class TokenTable:
                 return
             try:
                 table = parse_tokens(self._read(), str(self.path))
-                error = None
             except TokensError as e:
                 error = e
         if error is not None:

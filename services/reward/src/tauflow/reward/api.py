@@ -77,15 +77,18 @@ def reward(
     """
 
     def mark(fn: F) -> F:
-        if description is not None:
-            fn.description = description  # type: ignore[attr-defined]
-        fn.default_config = dict(default_config or {})  # type: ignore[attr-defined]
-        fn.timeout_s = timeout_s  # type: ignore[attr-defined]
-        fn.fallback_score = fallback_score  # type: ignore[attr-defined]
-        fn.group_level = group_level  # type: ignore[attr-defined]
-        fn.uses_token_ids = uses_token_ids  # type: ignore[attr-defined]
+        attributes: dict[str, Any] = {} if description is None else {"description": description}
+        attributes |= {
+            "default_config": dict(default_config or {}),
+            "timeout_s": timeout_s,
+            "fallback_score": fallback_score,
+            "group_level": group_level,
+            "uses_token_ids": uses_token_ids,
+        }
         if validate_config is not None:
-            fn.validate_config = validate_config  # type: ignore[attr-defined]
+            attributes["validate_config"] = validate_config
+        for name, value in attributes.items():  # (setattr: a type checker knows no attributes of a function)
+            setattr(fn, name, value)
         return fn
 
     return mark

@@ -241,7 +241,7 @@ def _parse_reference(reference: str) -> list[Any]:
     """The parsed reference, cached per process: a group's samples share their reference."""
     from math_verify import parse
 
-    return parse(reference, parsing_timeout=None)  # type: ignore[arg-type,no-any-return]
+    return parse(reference, parsing_timeout=None)
 
 
 class Math:
@@ -273,7 +273,7 @@ class Math:
             sample.completion_text,
             extraction_config=extraction,
             extraction_mode=config["extraction_mode"],
-            parsing_timeout=None,  # type: ignore[arg-type]
+            parsing_timeout=None,
         )
         if not answer:
             return Score(config["incorrect_score"], {"answer_found": 0.0})

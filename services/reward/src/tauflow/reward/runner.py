@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from pebble import ProcessExpired, ProcessPool
+from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
 from tauflow.reward import worker
 from tauflow.reward.api import GroupInput
@@ -194,6 +194,7 @@ class Scorer:
         if not groups:
             return []
         pool = self.pool()
+        tasks: list[ProcessFuture[list[worker.Outcome]]] | list[ProcessFuture[worker.Outcome]]
         if fn.group_level:
             tasks = [pool.schedule(worker.call_group, (fn.ref, g, config), timeout=timeout_s) for g in groups]
         else:

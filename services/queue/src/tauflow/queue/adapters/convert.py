@@ -9,6 +9,7 @@ and list a client sends has one, checked before anything is stored.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
@@ -40,7 +41,7 @@ def check_id(value: str, field: str, *, required: bool = True) -> None:
         raise InvalidGroup(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
 
 
-def _check_map(entries, where: str, *, max_value_chars: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def _check_map(entries: Mapping[str, object], where: str) -> None:
     if len(entries) > MAX_METADATA_ENTRIES:
         raise InvalidGroup(f"{where} has {len(entries)} entries, more than {MAX_METADATA_ENTRIES}")
     for key in entries:

@@ -18,7 +18,7 @@ import functools
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -29,6 +29,7 @@ from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
+from tauflow.queue.adapters import wire
 from tauflow.queue.adapters.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.config import ExternalConfig
 from tauflow.queue.metrics import QueueMetrics
@@ -69,7 +70,11 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         self._warned_at = -_WARN_EVERY_S
         self._unwarned = 0
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         service, _, method = details.method.lstrip("/").rpartition("/")
         if service in PUBLIC_SERVICES:
             return await continuation(details)
@@ -97,7 +102,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     def _as_client(
         self, behaviour: Callable[[Any, Any], Awaitable[Any]], client: str, method: str
     ) -> Callable[[Any, Any], Awaitable[Any]]:
-        async def call(request, context):  # type: ignore[no-untyped-def]
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             reset = CLIENT.set(client)
             try:
                 return await behaviour(request, context)
@@ -123,10 +128,10 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
 def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as ``handler`` that answers ``code`` without reading the request."""
 
-    async def refuse(request, context):  # type: ignore[no-untyped-def]
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def refuse_stream(request, context):  # type: ignore[no-untyped-def]
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         # (a response-streaming handler must be an async generator, or grpc.aio answers UNKNOWN)
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises
@@ -148,17 +153,21 @@ class ProducerServicer:
         self.queue = queue
         self.metrics = metrics
 
-    async def Reserve(self, request, context):  # type: ignore[no-untyped-def]
+    async def Reserve(
+        self, request: queue_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.ReserveResponse:
         client = CLIENT.get()
         request.producer_id = client
         if request.request_id:  # (an empty one stays empty: INVALID_ARGUMENT as on the internal port)
             request.request_id = f"{client}/{request.request_id}"
         return await self.queue.Reserve(request, context)
 
-    async def ReleaseReservation(self, request, context):  # type: ignore[no-untyped-def]
+    async def ReleaseReservation(
+        self, request: queue_pb2.ReleaseReservationRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.ReleaseReservationResponse:
         return await self.queue.ReleaseReservation(request, context, owner=CLIENT.get())
 
-    async def Put(self, request, context):  # type: ignore[no-untyped-def]
+    async def Put(self, request: wire.RawPutRequest, context: grpc.aio.ServicerContext) -> queue_pb2.PutResponse:
         client = CLIENT.get()
         if request.group:  # (an empty one is refused as on the internal port)
             request.group = with_client_identity(request.group, client)
@@ -167,7 +176,7 @@ class ProducerServicer:
             self.metrics.external_put_groups.labels(client).inc()
         return response
 
-    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    async def Stats(self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> queue_pb2.StatsResponse:
         return await self.queue.Stats(request, context)
 
 

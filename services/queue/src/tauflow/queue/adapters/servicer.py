@@ -102,7 +102,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 w.woken.set()
                 room += w.need
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, err: Exception) -> None:
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, err: QueueError | convert.InvalidGroup | WalWriteError,
+    ) -> None:
         reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
         if isinstance(err, (convert.GroupTooLarge, GroupOverCapacity)):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
@@ -171,7 +173,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     # -- RPCs --------------------------------------------------------------------------
 
-    async def Reserve(self, request, context):  # type: ignore[no-untyped-def]
+    async def Reserve(
+        self, request: queue_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.ReserveResponse:
         async def run() -> queue_pb2.ReserveResponse:
             def attempt() -> Ticket | None:
                 ticket = self.state.reserve(request.request_id, request.producer_id, request.n_groups)
@@ -188,7 +192,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Reserve", run)
 
-    async def ReleaseReservation(self, request, context, owner: str | None = None):  # type: ignore[no-untyped-def]
+    async def ReleaseReservation(
+        self, request: queue_pb2.ReleaseReservationRequest, context: grpc.aio.ServicerContext, owner: str | None = None,
+    ) -> queue_pb2.ReleaseReservationResponse:
         async def run() -> queue_pb2.ReleaseReservationResponse:
             released = self.state.release_reservation(request.ticket_id, owner)
             self._notify()
@@ -196,7 +202,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "ReleaseReservation", run)
 
-    async def Put(self, request, context, owner: str | None = None):  # type: ignore[no-untyped-def]
+    async def Put(
+        self, request: wire.RawPutRequest, context: grpc.aio.ServicerContext, owner: str | None = None
+    ) -> queue_pb2.PutResponse:
         async def run() -> queue_pb2.PutResponse:
             if not request.group:
                 raise convert.InvalidGroup("group must be set")
@@ -216,7 +224,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Put", run)
 
-    async def Get(self, request, context):  # type: ignore[no-untyped-def]
+    async def Get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
         async def run() -> bytes:
             consumer_version = request.consumer_version if request.HasField("consumer_version") else None
             lease_s = _seconds(request.lease_duration, "lease_duration")
@@ -258,7 +266,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Get", run)
 
-    async def Ack(self, request, context):  # type: ignore[no-untyped-def]
+    async def Ack(self, request: queue_pb2.AckRequest, context: grpc.aio.ServicerContext) -> queue_pb2.AckResponse:
         async def run() -> queue_pb2.AckResponse:
             n = self.state.ack(request.lease_id)
             if n and self.state.wal is not None:
@@ -271,7 +279,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Ack", run)
 
-    async def Nack(self, request, context):  # type: ignore[no-untyped-def]
+    async def Nack(self, request: queue_pb2.NackRequest, context: grpc.aio.ServicerContext) -> queue_pb2.NackResponse:
         async def run() -> queue_pb2.NackResponse:
             n = self.state.nack(request.lease_id)
             self._notify()
@@ -279,14 +287,18 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Nack", run)
 
-    async def RenewLease(self, request, context):  # type: ignore[no-untyped-def]
+    async def RenewLease(
+        self, request: queue_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.RenewLeaseResponse:
         async def run() -> queue_pb2.RenewLeaseResponse:
             lease = self.state.renew(request.lease_id, _seconds(request.lease_duration, "lease_duration"))
             return queue_pb2.RenewLeaseResponse(lease=convert.lease_to_proto(lease))
 
         return await self._call(context, "RenewLease", run)
 
-    async def SetTrainerVersion(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetTrainerVersion(
+        self, request: queue_pb2.SetTrainerVersionRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.SetTrainerVersionResponse:
         async def run() -> queue_pb2.SetTrainerVersionResponse:
             version = self.state.set_trainer_version(request.policy_version, request.rebase)
             if self.state.wal is not None:
@@ -298,7 +310,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "SetTrainerVersion", run)
 
-    async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetMaxStaleness(
+        self, request: queue_pb2.SetMaxStalenessRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.SetMaxStalenessResponse:
         async def run() -> queue_pb2.SetMaxStalenessResponse:
             tau = self.state.set_max_staleness(request.max_staleness)
             log.info("max_staleness set", extra={"max_staleness": tau})
@@ -307,7 +321,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "SetMaxStaleness", run)
 
-    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    async def Stats(self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> queue_pb2.StatsResponse:
         async def run() -> queue_pb2.StatsResponse:
             return convert.stats_to_proto(self.state.stats())
 

@@ -24,8 +24,11 @@ the full decode costs about 2 ms.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
+from google.protobuf.message import Message
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
@@ -37,7 +40,7 @@ _F = descriptor_pb2.FieldDescriptorProto
 _PACKED = (2, 3, 4, 5, 6)  # Sample fields the view reads as bytes
 
 
-def _build_views() -> dict[str, type]:
+def _build_views() -> dict[str, type[Message]]:
     fdp = descriptor_pb2.FileDescriptorProto(
         name="tauflow/queue/wire_views.proto", package="tauflow.queue.wire", syntax="proto3"
     )
@@ -81,6 +84,15 @@ def _build_views() -> dict[str, type]:
 _VIEWS = _build_views()
 GroupView = _VIEWS["GroupView"]
 PutRequestView = _VIEWS["PutRequestView"]
+
+
+class RawPutRequest(Protocol):
+    """A PutRequest as Put reads it, through ``PutRequestView``: the group is the serialized bytes received."""
+
+    group: bytes
+    ticket_id: str
+
+
 def _bytes_of(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8)
 

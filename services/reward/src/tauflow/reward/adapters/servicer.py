@@ -9,7 +9,7 @@ gRPC's own parsing would answer UNKNOWN with the exception's text.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -20,9 +20,10 @@ from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
 from tauflow.reward.metrics import RewardMetrics
 from tauflow.reward.registry import Registry
-from tauflow.reward.runner import Scorer, Status
+from tauflow.reward.runner import SampleResult, Scorer, Status
 
 log = logging.getLogger(__name__)
+Request = TypeVar("Request")
 
 _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -50,7 +51,7 @@ def add_reward_servicer_to_server(servicer: Any, server: Any) -> None:
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
-def _decoded(request: Any) -> Any:
+def _decoded(request: Request | Undecodable) -> Request:
     if isinstance(request, Undecodable):
         raise InvalidRequest("request", f"not a valid {request.message}: {request.reason}")
     return request
@@ -64,19 +65,22 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.metrics = metrics
         self.inflight = 0
 
-    async def Score(self, request, context):  # type: ignore[no-untyped-def]
+    async def Score(
+        self, request: reward_pb2.ScoreRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.ScoreResponse:
         with self.metrics.rpc_duration.labels("Score").time():
             try:
                 return await self._score(_decoded(request), context)
             except RewardError as err:
                 await self._refuse("Score", err, context)
 
-    async def _refuse(self, method: str, err: RewardError, context: grpc.aio.ServicerContext) -> None:
+    async def _refuse(self, method: str, err: RewardError, context: grpc.aio.ServicerContext) -> NoReturn:
         code = _STATUS[type(err)]
         self.metrics.rejected.labels(method, code.name).inc()
         if isinstance(err, InvalidRequest):
             self.metrics.count_invalid(method, err.field)
         await context.abort(code, str(err))
+        raise AssertionError("unreachable: abort raises") from err
 
     async def _score(self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
@@ -101,7 +105,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._log_failures(fn.name, results)
         return convert.score_response(fn, job.groups, results)
 
-    def _log_failures(self, fn: str, results) -> None:  # type: ignore[no-untyped-def]
+    def _log_failures(self, fn: str, results: list[list[SampleResult]]) -> None:
         """One log line per call that had failures (the first one's detail), not one per sample."""
         failed = [r for group in results for r in group if r.status is not Status.OK]
         if failed:
@@ -112,7 +116,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 extra={"fn": fn, "failed": len(failed), "reason": first.reason, "detail": first.detail[-2000:]},
             )
 
-    async def ListRewardFunctions(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListRewardFunctions(
+        self, request: reward_pb2.ListRewardFunctionsRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.ListRewardFunctionsResponse:
         with self.metrics.rpc_duration.labels("ListRewardFunctions").time():
             try:
                 _decoded(request)
