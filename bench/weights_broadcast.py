@@ -202,7 +202,7 @@ class Sidecar:
 
     def publish(self, sd: dict[str, torch.Tensor]) -> tuple[float, float, float]:
         """One version: (stage seconds, Publish seconds, seconds from Publish's answer to every confirm)."""
-        from tauflow.weights.convert import manifest_to_proto
+        from tauflow.weightsync.wire import manifest_to_proto
 
         self.version += 1
         t0 = time.perf_counter()

@@ -75,5 +75,6 @@ def answer_ids(a: int, b: int) -> list[int]:
 
 def write_jsonl(path: Path, pairs: list[tuple[int, int]]) -> None:
     with open(path, "w") as f:
-        for a, b in pairs:
-            f.write(json.dumps({"id": f"{a}+{b}", "prompt": prompt_text(a, b), "answer": str(a + b)}) + "\n")
+        f.writelines(
+            json.dumps({"id": f"{a}+{b}", "prompt": prompt_text(a, b), "answer": str(a + b)}) + "\n" for a, b in pairs
+        )

@@ -15,7 +15,7 @@ from tauflow.api.retry import is_retryable
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"
 PROTOS = sorted(PROTO.glob("tauflow/api/*/v1/*.proto"))
-RPC = re.compile(r"((?:^[ \t]*//.*\n)+)[ \t]*rpc (\w+)\(", re.M)
+RPC = re.compile(r"((?:^[ \t]*//.*\n)+)[ \t]*rpc (\w+)\(", re.MULTILINE)
 
 
 def _module(proto: Path) -> str:

@@ -164,7 +164,7 @@ def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: P
     assert tls_server_credentials(str(cert), str(key)) is not None
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("-----BEGIN CERTIFICATE-----\nSECRETSTUFF\n-----END CERTIFICATE-----\n")
-    other_cert, other_key = _self_signed(tmp_path / "other")
+    _, other_key = _self_signed(tmp_path / "other")
     for c, k in ((garbage, key), (cert, garbage), (cert, other_key), (key, cert)):
         with pytest.raises(ValueError, match=f"the TLS certificate {c} and private key {k} cannot be used") as e:
             tls_server_credentials(str(c), str(k))
@@ -250,9 +250,8 @@ async def test_a_handler_that_raises_answers_internal_is_logged_and_counted_and_
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             unary = channel.unary_unary(f"/{BOOM}/Unary")
-            with caplog.at_level(logging.ERROR, logger="tauflow.core.server"):
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await unary(b"x", timeout=5)
+            with caplog.at_level(logging.ERROR, logger="tauflow.core.server"), pytest.raises(grpc.aio.AioRpcError) as e:
+                await unary(b"x", timeout=5)
             assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
             [record] = [r for r in caplog.records if r.getMessage().startswith("unexpected error")]
             assert record.method == f"{BOOM}/Unary" and "secret internals" in str(record.exc_info[1])

@@ -115,7 +115,7 @@ def test_one_damaged_byte_in_the_middle_refuses_then_recovers_every_later_record
     assert len(recs) > 2900  # puts, leases, acks
     # a PUT about half way whose group was later leased and acked
     k = next(i for i, r in enumerate(recs) if i > len(recs) // 2 and r[0] == PUT)
-    kind, meta, _, offset, size = recs[k]
+    _, meta, _, offset, size = recs[k]
     lost_gid = meta["g"]
     at = {
         "blob": offset + size - 3,

@@ -145,7 +145,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
         method = details.method.lstrip("/")
         try:
             handler = await continuation(details)
-        except Exception:  # a later interceptor failed: the call cannot be routed
+        except Exception:  # noqa: BLE001 - a later interceptor failed: the call cannot be routed
             self._record(method)
             return grpc.unary_unary_rpc_method_handler(self._abort_internal)
         if handler is None:
@@ -168,7 +168,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
                         yield item
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
                     await self._failed(method, context, e)
 
             return stream
@@ -178,7 +178,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
                     return await behaviour(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
                     await self._failed(method, context, e)
 
             return call

@@ -23,9 +23,9 @@ UNBOUNDED = -1  # τ = -1: no bound on staleness, no pacing limit
 
 
 def check_tau(tau: int, *, largest: int | None = None, name: str = "max_staleness") -> int:
-    """``tau`` when it is a τ (:data:`UNBOUNDED`, or 0 … ``largest``); raises ValueError naming ``name``."""
+    """``tau`` when it is a τ (:data:`UNBOUNDED`, or 0 … ``largest``); raises ValueError (TypeError for a non-integer) naming ``name``."""
     if isinstance(tau, bool) or not isinstance(tau, int):
-        raise ValueError(f"{name} must be an integer, got {type(tau).__name__}")
+        raise TypeError(f"{name} must be an integer, got {type(tau).__name__}")
     if tau < UNBOUNDED or (largest is not None and tau > largest):
         upper = "" if largest is None else f" and {largest}"
         between = f"between 0{upper}" if largest is not None else "at least 0"
