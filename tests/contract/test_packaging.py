@@ -1,5 +1,6 @@
 """House rules of the repository, checked: lockstep versions, one namespace, no cross-service imports, every
-import declared, and each role installed alone starts (the last is slow: TAUFLOW_SKIP_SOLO_INSTALLS=1 skips it)."""
+import declared, and each role installed alone starts (the last is slow: TAUFLOW_SKIP_SOLO_INSTALLS=1 skips it).
+The layering inside a service (domain vs adapters) is tests/contract/test_layering.py."""
 
 from __future__ import annotations
 
@@ -69,23 +70,6 @@ def test_services_import_no_other_service(role: str) -> None:
             parts = name.split(".")
             if parts[0] == "tauflow" and len(parts) > 1 and parts[1] in ROLES:
                 assert parts[1] == role, f"{path.relative_to(ROOT)} imports {name}"
-
-
-DOMAIN = {
-    "queue": ["state.py", "wal.py", "convert.py", "config.py", "metrics.py", "wire.py"],
-    "reward": ["api.py", "builtins.py", "worker.py", "registry.py", "runner.py", "convert.py", "config.py",
-               "metrics.py", "errors.py"],
-    "trainer": ["algorithms.py", "backend.py", "batch.py", "convert.py", "loop.py", "ports.py", "config.py"],
-    "rollout": ["engine/base.py", "engine/hf.py", "engine/sampling.py", "producer.py", "dataset.py", "convert.py"],
-    "weights": ["sidecar.py", "convert.py", "config.py", "metrics.py"],
-    "controller": ["config.py", "summary.py", "launcher.py"],
-}
-
-
-@pytest.mark.parametrize(("role", "module"), [(r, m) for r, ms in DOMAIN.items() for m in ms])
-def test_domain_modules_never_import_grpc(role: str, module: str) -> None:
-    names = _imports(ROOT / "services" / role / "src" / "tauflow" / role / module)
-    assert not any(n == "grpc" or n.startswith("grpc.") or n.endswith("_pb2_grpc") for n in names)
 
 
 # -- every distribution declares what it imports, and each role starts from a solo install ------------
