@@ -33,13 +33,14 @@ def create_launcher(config: RunConfig) -> Launcher:
     """The run's launcher (``launcher``); Ray is imported only for ``ray``."""
     if config.launcher == "external":
         return ExternalLauncher(config.external, check_health, start_timeout_s=config.start_timeout_s)
-    supervision = {"max_restarts": config.max_restarts, "restart_window_s": config.restart_window_s,
-                   "start_timeout_s": config.start_timeout_s, "health_check": check_health}
     if config.launcher == "ray":
         from tauflow.controller.raylauncher import RayLauncher
 
-        return RayLauncher(config.run_dir, config.ray, **supervision)  # type: ignore[arg-type]
-    return LocalLauncher(config.run_dir, **supervision)  # type: ignore[arg-type]
+        return RayLauncher(config.run_dir, config.ray, max_restarts=config.max_restarts,
+                           restart_window_s=config.restart_window_s, start_timeout_s=config.start_timeout_s,
+                           health_check=check_health)
+    return LocalLauncher(config.run_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s,
+                         start_timeout_s=config.start_timeout_s, health_check=check_health)
 
 
 def connect(addresses: Mapping[str, str]) -> Peers:
@@ -60,13 +61,15 @@ async def build(config: ControllerConfig) -> ServiceApp:
     servicer = ControllerServicer(run)
 
     async def execute() -> None:
-        servicer.task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None  # a coroutine the service runs as a background task
+        servicer.task = task
         try:
             await run.execute()
         except asyncio.CancelledError:
             if not servicer.stop_requested:
                 raise  # the service is draining
-            servicer.task.uncancel()  # StopRun ended the run, not the service
+            task.uncancel()  # StopRun ended the run, not the service
         await asyncio.Event().wait()  # keep serving the summary until stopped
 
     return ServiceApp(

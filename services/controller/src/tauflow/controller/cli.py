@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 from rich.console import Console
 
@@ -95,7 +96,7 @@ def trace_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(signum, frame) -> None:  # type: ignore[no-untyped-def]
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 

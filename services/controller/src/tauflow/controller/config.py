@@ -8,6 +8,7 @@ service itself.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,16 +105,16 @@ class RunConfig(StrictModel):
         # importance ratio wrong without any error.
         for role, key in (("rollout", "sampling.temperature"), ("trainer", "backend.temperature")):
             value = flatten(self.services.get(role, {})).get(key)
-            if value is not None and float(value) != self.temperature:  # type: ignore[arg-type]
+            if value is not None and float(value) != self.temperature:
                 raise ValueError(
                     f"services.{role}.{key} is {value} but the run's temperature is {self.temperature}; "
                     "set `temperature` once, at the top level"
                 )
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, object]:  # type: ignore[type-arg]
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the dotted keys a service's config takes."""
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):

@@ -84,9 +84,16 @@ class Service(Protocol):
 
 
 class Launcher(Protocol):
-    services: Mapping[str, Service]
-    starts_services: bool  # False: the services belong to someone else (nothing to prepare, set aside or stop)
-    health: HealthProbe | None  # the health probe of live processes (launchers local and ray); None: none
+    # Properties, read-only: a launcher's own kind of service (ManagedService, ExternalService) is a Service,
+    # but a mutable attribute typed Mapping[str, Service] would not take it.
+    @property
+    def services(self) -> Mapping[str, Service]: ...
+
+    @property
+    def starts_services(self) -> bool: ...  # False: someone else's services (nothing to prepare, set aside or stop)
+
+    @property
+    def health(self) -> HealthProbe | None: ...  # the probe of live processes (local, ray); None: none
 
     def start(self, spec: ServiceSpec) -> Service: ...
 

@@ -14,13 +14,19 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from tauflow.controller.health import HealthProbe
+from tauflow.controller.launcher import Service
 from tauflow.core.files import write_atomic
 from tauflow.core.metrics import MetricsServer, Reading, ScrapeCollector, serve_metrics
+
+if TYPE_CHECKING:
+    from tauflow.controller.run import Run  # run.py imports this module
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +36,7 @@ READY_FILE = "controller.ready.json"
 
 class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self._run: Any = None
+        self._run: Run | None = None
         collector = ScrapeCollector()
         gauge, counter = collector.gauge, collector.counter
         gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is dead or "
@@ -57,11 +63,11 @@ class ControllerMetrics:
                 lambda: None if self._run is None else len(self._run.summary.evals))
         registry.register(collector)
 
-    def watch(self, run: Any) -> None:
-        """Report ``run`` (a controller.run.Run) from now on."""
+    def watch(self, run: Run) -> None:
+        """Report ``run`` from now on."""
         self._run = run
 
-    def _services(self) -> dict[str, Any]:
+    def _services(self) -> dict[str, Service]:
         return {} if self._run is None else dict(self._run.launcher.services)
 
     def _up(self) -> Reading:
@@ -70,7 +76,7 @@ class ControllerMetrics:
     def _restarts(self) -> Reading:
         return {(role,): max(0, svc.starts - 1) for role, svc in self._services().items()}
 
-    def _health(self) -> Any:
+    def _health(self) -> HealthProbe | None:
         return None if self._run is None else self._run.launcher.health
 
     def _answering(self) -> Reading:
@@ -115,7 +121,7 @@ def serve(out_dir: Path) -> MetricsServer:
     return server
 
 
-def write_targets(out_dir: Path, run_name: str, services: dict[str, Any], controller_port: int | None) -> None:
+def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service], controller_port: int | None) -> None:
     """``<out_dir>/prometheus-targets.json``: every role's /metrics endpoint as a Prometheus file_sd list,
     labelled with ``job="tauflow-<role>"``, ``role`` and ``run`` (rewritten when a role restarts). A role's
     host is its node's with the Ray launcher, loopback with the local one; roles deployed elsewhere

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self, TextIO
+from typing import IO, Self
 
 from rich.console import Console
 from rich.live import Live
@@ -72,7 +72,7 @@ class PlainLines:
     state when the run ends."""
 
     def __init__(
-        self, stream: TextIO, config: RunConfig, *, every_s: float = PLAIN_EVERY_S,
+        self, stream: IO[str], config: RunConfig, *, every_s: float = PLAIN_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream, self.config, self.every_s, self.clock = stream, config, every_s, clock

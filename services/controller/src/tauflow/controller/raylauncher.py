@@ -151,7 +151,7 @@ class RayLauncher(ProcessLauncher):
         return other.proc.node_id if other is not None and other.proc is not None else ""
 
     def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
-        return svc.proc.ready()  # type: ignore[no-any-return]
+        return svc.proc.ready()
 
     def _kill(self, svc: ManagedService) -> None:
         svc.proc.kill_group()
@@ -228,7 +228,7 @@ class RayProcess:
         self._call("kill_group")
 
     def ready(self) -> dict[str, Any] | None:
-        return self._call("ready")  # type: ignore[no-any-return]
+        return self._call("ready")
 
 
 class ServiceHost:

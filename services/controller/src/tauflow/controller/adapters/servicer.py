@@ -4,6 +4,7 @@ SetMaxStaleness and ScaleRollout answer UNIMPLEMENTED until the controller can c
 from __future__ import annotations
 
 import asyncio
+from typing import NoReturn
 
 import grpc
 
@@ -26,7 +27,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.task = task
         self.stop_requested = False
 
-    async def GetRun(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetRun(
+        self, request: controller_pb2.GetRunRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.GetRunResponse:
         summary = self.run.summary
         reply = controller_pb2.RunSummary(
             name=summary.name, state=_STATES.get(summary.status, controller_pb2.RUN_STATE_RUNNING),
@@ -47,7 +50,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             reply.last_step_metrics["heldout_accuracy"] = summary.final_accuracy
         return controller_pb2.GetRunResponse(run=reply)
 
-    async def StopRun(self, request, context):  # type: ignore[no-untyped-def]
+    async def StopRun(
+        self, request: controller_pb2.StopRunRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.StopRunResponse:
         if request.HasField("grace_period"):
             try:
                 duration_seconds(request.grace_period, "grace_period")
@@ -58,9 +63,20 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             self.task.cancel()
         return controller_pb2.StopRunResponse()
 
-    async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "changing max_staleness of a live run is not built yet")
+    async def SetMaxStaleness(
+        self, request: controller_pb2.SetMaxStalenessRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.SetMaxStalenessResponse:
+        await _unimplemented(context, "changing max_staleness of a live run is not built yet")
 
-    async def ScaleRollout(self, request, context):  # type: ignore[no-untyped-def]
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "scaling rollout is not built yet: set the rollout replicas of the deployment "
-                            "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar on its own")
+    async def ScaleRollout(
+        self, request: controller_pb2.ScaleRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.ScaleRolloutResponse:
+        await _unimplemented(context, "scaling rollout is not built yet: set the rollout replicas of the deployment "
+                             "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar "
+                             "on its own")
+
+
+async def _unimplemented(context: grpc.aio.ServicerContext, details: str) -> NoReturn:
+    """Ends the call UNIMPLEMENTED (``context.abort`` raises; grpc has no type stubs to say so)."""
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+    raise AssertionError("unreachable: abort raises")
