@@ -4,6 +4,7 @@ data set is configured, the RolloutService API, the weight loader, and membershi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from tauflow.api.rollout.v1 import rollout_pb2
@@ -24,13 +25,22 @@ from tauflow.rollout.producer import Producer
 from tauflow.rollout.weights import WeightLoader
 
 
-def _tokenizer(model_path: str):  # type: ignore[no-untyped-def]
+def _tokenizer(
+    model_path: str,
+) -> tuple[Callable[[str], list[int]] | None, Callable[[list[int]], str] | None]:
+    """(encode, decode) with the model folder's tokenizer; (None, None) for a folder without one."""
     if not (Path(model_path) / "tokenizer_config.json").exists():
         return None, None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return (lambda text: list(tok.encode(text))), (lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+    def decode(ids: list[int]) -> str:
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string (decode also takes a batch)
+        return text
+
+    return (lambda text: list(tok.encode(text))), decode
 
 
 async def build(config: RolloutConfig) -> ServiceApp:

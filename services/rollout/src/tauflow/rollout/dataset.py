@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class Prompt:
     metadata: dict[str, str] = field(default_factory=dict)  # e.g. {"answer": "46"} for the reward
 
 
-def read_rows(path: str | Path) -> list[dict]:  # type: ignore[type-arg]
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq

@@ -7,6 +7,7 @@ they happen; everything else is read from the engine, the servicer and the produ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -81,7 +82,7 @@ class RolloutMetrics:
             return None
         return int(getattr(self._engine.stats(), field))
 
-    def _engine_counter(self, key: str):  # type: ignore[no-untyped-def]
+    def _engine_counter(self, key: str) -> Callable[[], Reading]:
         def read() -> Reading:
             if self._engine is None:
                 return None

@@ -30,13 +30,21 @@ class Ticket:
     min_policy_version: int
 
 
+class Reward(Protocol):
+    """A sample's reward as the reward port fills it in (the adapters' ``common.v1.Reward``, handed to the
+    queue as is); the domain reads only its score. A plain number stands for one in test doubles."""
+
+    @property
+    def score(self) -> float: ...
+
+
 @dataclass
 class ProducedGroup:
     group_id: str
     prompt: Prompt
     completions: list[Completion]
     texts: list[str]
-    rewards: list = field(default_factory=list)  # type: ignore[type-arg]  # filled by the reward port
+    rewards: list[Reward | float] = field(default_factory=list)  # filled by the reward port, one per completion
     producer_id: str = ""
     created_at: float = 0.0
     traceparent: str = ""  # W3C context of the group's `queue.put` span, stored with the group

@@ -28,10 +28,11 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from tauflow.core.telemetry import set_error, traceparent_of
 from tauflow.rollout.config import RolloutConfig, SamplingConfig
@@ -53,7 +54,7 @@ class Producer:
         reward: RewardPort,
         config: RolloutConfig,
         *,
-        decode=None,  # type: ignore[no-untyped-def]
+        decode: Callable[[list[int]], str] | None = None,
         metrics: RolloutMetrics | None = None,
         reserve_wait_s: float = 5.0,
         release_timeout_s: float = 2.0,  # deadline of the releases on shutdown, which must not hold the stop up
@@ -221,8 +222,11 @@ class _Workers:
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            self._failures.append(task.exception())  # type: ignore[arg-type]
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            self._failures.append(failure)
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         tasks = list(self._tasks)
@@ -232,7 +236,7 @@ class _Workers:
 
 
 @contextlib.contextmanager
-def _child(name: str, parent: trace.Span, **attributes: object) -> Iterator[trace.Span]:
+def _child(name: str, parent: trace.Span, **attributes: AttributeValue) -> Iterator[trace.Span]:
     """A span ``name`` under ``parent``, current meanwhile (so a gRPC call made inside lands in the
     ticket's trace); an error sets its status."""
     with tracer.start_as_current_span(
@@ -246,7 +250,7 @@ def _child(name: str, parent: trace.Span, **attributes: object) -> Iterator[trac
             raise
 
 
-def _generation_attributes(completions: list[list[Completion]]) -> dict[str, object]:
+def _generation_attributes(completions: list[list[Completion]]) -> dict[str, AttributeValue]:
     return {
         "rl.samples": sum(len(group) for group in completions),
         "rl.completion_tokens": sum(len(c.token_ids) for group in completions for c in group),
@@ -254,8 +258,8 @@ def _generation_attributes(completions: list[list[Completion]]) -> dict[str, obj
     }
 
 
-def _group_attributes(g: ProducedGroup) -> dict[str, object]:
-    attributes: dict[str, object] = {
+def _group_attributes(g: ProducedGroup) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
         "rl.group_id": g.group_id,
         "rl.prompt_id": g.prompt.prompt_id,
         "rl.policy_version": g.behaviour_version,
@@ -264,6 +268,6 @@ def _group_attributes(g: ProducedGroup) -> dict[str, object]:
         "rl.completion_tokens": sum(len(c.token_ids) for c in g.completions),
     }
     if g.rewards:
-        scores = [float(getattr(r, "score", r)) for r in g.rewards]  # common.v1.Reward (or a number)
+        scores = [float(r) if isinstance(r, int | float) else r.score for r in g.rewards]
         attributes["rl.reward_mean"] = sum(scores) / len(scores)
     return attributes

@@ -6,8 +6,21 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2
-from tauflow.rollout.engine.base import Completion, EngineStats, SamplingParams
+from tauflow.rollout.engine.base import Completion, EngineState, EngineStats, FinishReason, SamplingParams
 from tauflow.rollout.ports import ProducedGroup
+
+_FINISH_REASON = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_ENGINE_STATE = {
+    EngineState.STARTING: rollout_pb2.ENGINE_STATE_STARTING,
+    EngineState.WAITING_FOR_WEIGHTS: rollout_pb2.ENGINE_STATE_WAITING_FOR_WEIGHTS,
+    EngineState.SERVING: rollout_pb2.ENGINE_STATE_SERVING,
+    EngineState.DRAINING: rollout_pb2.ENGINE_STATE_DRAINING,
+    EngineState.FAILED: rollout_pb2.ENGINE_STATE_FAILED,
+}
 
 
 def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str = "") -> common_pb2.Sample:
@@ -18,7 +31,7 @@ def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str 
         behaviour_logprobs=c.logprobs,
         token_versions=c.versions,
         behaviour_version=c.behaviour_version or 0,  # the contract: min(token_versions) when those are set
-        finish_reason=int(c.finish_reason),
+        finish_reason=_FINISH_REASON[c.finish_reason],
         completion_text=text,
     )
 
@@ -57,7 +70,7 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams, default_max_new_tokens: i
 
 def engine_status_to_proto(stats: EngineStats, receiving_version: int | None) -> rollout_pb2.EngineStatus:
     engine = rollout_pb2.EngineStatus(
-        engine_id=stats.engine_id, backend=stats.backend, model=stats.model, state=int(stats.state),
+        engine_id=stats.engine_id, backend=stats.backend, model=stats.model, state=_ENGINE_STATE[stats.state],
         policy_version=stats.policy_version, in_flight_requests=stats.in_flight_requests,
         running_sequences=stats.running_sequences, waiting_sequences=stats.waiting_sequences,
         last_error=stats.last_error or "", num_ranks=1,

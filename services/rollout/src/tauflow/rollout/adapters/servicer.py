@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
 
@@ -37,6 +38,12 @@ def _refusal_code(err: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT  # WeightUpdateError: a version the engine refuses
 
 
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """Ends the call with ``code`` (``context.abort`` raises; grpc has no type stubs to say so)."""
+    await context.abort(code, details)
+    raise AssertionError("unreachable: abort raises")
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
@@ -57,20 +64,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     # -- data plane ------------------------------------------------------------------------
 
-    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
         if bool(request.prompt_token_ids) == bool(request.prompt_text):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt_token_ids and prompt_text")
+            await _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt_token_ids and prompt_text"
+            )
         if request.sampling.stop:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
         if request.prompt_text and self.encode is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
         if request.sampling.n > self.config.max_n:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}")
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}")
         if self.in_flight >= self.config.max_in_flight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{self.in_flight} Generate calls in flight, this server's maximum")
-        prompt = list(request.prompt_token_ids) or self.encode(request.prompt_text)
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{self.in_flight} Generate calls in flight, this server's maximum")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            assert self.encode is not None  # prompt_text without a tokenizer was refused above
+            prompt = self.encode(request.prompt_text)
         started = time.monotonic()
         self.in_flight += 1
         try:
@@ -79,13 +93,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 remaining = min(context.time_remaining() or self.config.max_wait_s, self.config.max_wait_s)
                 ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
                 if not ok:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
+                    await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
             queued = time.monotonic()
             [completions] = await self.engine.generate([prompt], params)
         except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineClosedError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             self.in_flight -= 1
         resp = rollout_pb2.GenerateResponse(
@@ -98,7 +112,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         resp.generation_duration.FromNanoseconds(int((time.monotonic() - queued) * 1e9))
         return resp
 
-    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetStatus(
+        self, request: rollout_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetStatusResponse:
         group = self.weights.group
         return rollout_pb2.GetStatusResponse(
             server_id=self.config.server_id,
@@ -112,32 +128,39 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     # -- weights -----------------------------------------------------------------------------
 
-    async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+    async def InitWeightsUpdateGroup(
+        self, request: rollout_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.InitWeightsUpdateGroupResponse:
         max_wait_s = self.config.max_wait_s
         if request.HasField("timeout") and not 0 < seconds(request.timeout) <= max_wait_s:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"timeout must be positive and at most {max_wait_s:g}s")
+            await _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout must be positive and at most {max_wait_s:g}s"
+            )
         spec = group_spec_from_proto(request, default_timeout_s=min(60.0, max_wait_s))
         try:
             num_ranks = await self.weights.init_group(spec)
         except (ReceiveError, PhaseError) as e:
-            await context.abort(_refusal_code(e), str(e))
+            await _abort(context, _refusal_code(e), str(e))
         return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=num_ranks)
 
-    async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+    async def UpdateWeightsFromDistributed(
+        self, request: rollout_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpdateWeightsFromDistributedResponse:
         try:
             # (the checksum algorithm is the manifest's: the loader asks the sidecar for it)
             version = await self.weights.receive(bucket_request_from_proto(request, checksum_algorithm=""))
         except LOAD_ERRORS as e:
-            await context.abort(_refusal_code(e), str(e))
+            await _abort(context, _refusal_code(e), str(e))
         return rollout_pb2.UpdateWeightsFromDistributedResponse(
             policy_version=request.policy_version, bucket_index=request.bucket_index,
             version_complete=version is not None,
         )
 
-    async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+    async def DestroyWeightsUpdateGroup(
+        self, request: rollout_pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.DestroyWeightsUpdateGroupResponse:
         try:
             destroyed = await self.weights.destroy_group(request.group_name)
         except ReceiveError as e:
-            await context.abort(_refusal_code(e), str(e))
+            await _abort(context, _refusal_code(e), str(e))
         return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)

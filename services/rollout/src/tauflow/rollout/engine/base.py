@@ -14,12 +14,13 @@ import asyncio
 import enum
 import logging
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -212,6 +213,12 @@ class GenerationEngine(ABC):
         self._version_cv = threading.Condition()
         self._version_listeners: list[Callable[[int], None]] = []
 
+    @classmethod
+    @abstractmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], **options: Any) -> GenerationEngine:
+        """Load a Hugging Face checkpoint folder and start an engine on it (how the service builds its engine);
+        ``options`` are the backend's own (the config's ``engine_options``, ``engine_id``, ``seed``)."""
+
     # -- generation ---------------------------------------------------------------------------------------------
 
     @abstractmethod
@@ -291,7 +298,7 @@ class GenerationEngine(ABC):
         """Stop the engine. Requests still in flight resolve with ABORT completions (the tokens so far);
         staged versions not yet loaded fail with EngineClosedError. Idempotent."""
 
-    def __enter__(self) -> GenerationEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

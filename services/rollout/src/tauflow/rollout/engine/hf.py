@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from tauflow.rollout.engine.base import (
     check_weight_specs,
 )
 from tauflow.rollout.engine.sampling import counter_uniforms, row_keys, sample_tokens
+
+if TYPE_CHECKING:  # transformers loads when a model does (from_pretrained), not with this module
+    from transformers import PreTrainedModel
 
 __all__ = ["HFEngine"]
 
@@ -220,7 +223,7 @@ class HFEngine(GenerationEngine):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         engine_id: str = "hf-0",
         policy_version: int = 0,
@@ -311,7 +314,8 @@ class HFEngine(GenerationEngine):
             kwargs["attn_implementation"] = attn_implementation
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         kwargs[dtype_kw] = dtype
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' @wraps'd .to: typeshed binds no self
         tokenizer = None
         if load_tokenizer:
             from transformers import AutoTokenizer
@@ -670,7 +674,7 @@ class HFEngine(GenerationEngine):
         req.remaining -= 1
         if req.remaining == 0:
             self._uncount(req)  # before the caller wakes up, so that stats() never shows it in flight after
-            req.future.set_result(req.results)  # type: ignore[arg-type]
+            req.future.set_result([[c for c in group if c is not None] for group in req.results])  # all are in
 
     # -- failure and shutdown --
 
