@@ -180,6 +180,7 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
             ("Nack", q.NackRequest(lease_id="x")), ("RenewLease", q.RenewLeaseRequest(lease_id="x")),
             ("SetTrainerVersion", q.SetTrainerVersionRequest(policy_version=99)),
             ("SetMaxStaleness", q.SetMaxStalenessRequest(max_staleness=-1)),
+            ("ReleaseProducerReservations", q.ReleaseProducerReservationsRequest(producer_id="agent-b")),
         ]:
             assert _code(getattr(stub, method), request, metadata=a)[0] == grpc.StatusCode.UNIMPLEMENTED, method
         stats = internal.Stats(q.StatsRequest(), timeout=5)
@@ -198,7 +199,30 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
         assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
         assert metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 1
-        assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 6
+        assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 7
+    finally:
+        proc.stop()
+
+
+def test_a_restarted_producer_gives_back_its_predecessors_tickets(tmp_path: Path) -> None:
+    """On the internal port only: the tickets of a killed producer hold pacing room until their TTL; its
+    successor releases them by producer id (the chaos run's stall, docs/reliability.md)."""
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\n")
+    try:
+        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
+        for request_id in ("r1", "r2"):
+            assert internal.Reserve(q.ReserveRequest(request_id=request_id, producer_id="rollout-0", n_groups=2),
+                                    timeout=5).granted
+        full = internal.Reserve(q.ReserveRequest(request_id="r3", producer_id="rollout-0", n_groups=1), timeout=5)
+        assert not full.granted  # (0 + 1 + 1) x 2 groups: the pacing limit
+        released = internal.ReleaseProducerReservations(
+            q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5)
+        assert (released.released_tickets, released.released_groups) == (2, 4)
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 0
+        assert internal.Reserve(q.ReserveRequest(request_id="r4", producer_id="rollout-0", n_groups=2),
+                                timeout=5).granted
+        assert _code(internal.ReleaseProducerReservations, q.ReleaseProducerReservationsRequest()) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "producer_id must be set")
     finally:
         proc.stop()
 

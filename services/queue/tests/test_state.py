@@ -262,6 +262,28 @@ def test_release_reservation() -> None:
         q.release_reservation("no-such-ticket")
 
 
+def test_a_restarted_producer_releases_its_predecessors_tickets(tmp_path: Path) -> None:
+    """The tickets of a SIGKILLed producer hold pacing room until their TTL; its successor (same producer id)
+    gives them back at once, and only its own: another producer's ticket stays. Durable across a restart."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=2)
+    mine = [q.reserve("r1", "rollout-0", 2), q.reserve("r2", "rollout-0", 1)]
+    theirs = q.reserve("r3", "agent", 1)
+    assert all(mine) and theirs is not None
+    q.put(rec("a"), mine[0].ticket_id)  # type: ignore[union-attr]
+    assert q.reserve("r4", "rollout-0", 1) is None  # the pacing limit: (0 + 1 + 1) * 2 = 4 groups
+    assert q.release_producer("rollout-0") == (2, 2)  # 1 + 1 unused groups, two tickets
+    assert set(q.memory.tickets) == {theirs.ticket_id}
+    assert q.release_producer("rollout-0") == (0, 0)  # idempotent
+    assert q.reserve("r5", "rollout-0", 2) is not None  # the room is back
+    with pytest.raises(InvalidRequest, match="producer_id must be set"):
+        q.release_producer("")
+    with pytest.raises(InvalidRequest, match="producer_id"):
+        q.release_producer("p" * 10_000)
+    before = fingerprint(q)
+    assert fingerprint(restart(q, path, c)) == recovered(before, c())
+
+
 def test_ticketed_put_uses_the_ticket() -> None:
     q, _ = make(max_staleness=0, groups_per_step=2)
     t = q.reserve("r1", "p", 2)

@@ -40,6 +40,7 @@ class FakeQueue:
         self.tickets: list[str] = []
         self.puts: list[tuple[str, str]] = []  # (prompt id, ticket id)
         self.released: list[tuple[str, float | None]] = []
+        self.predecessors_released: int | None = None  # tickets reserved when release_predecessors was called
 
     async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None:
         await asyncio.sleep(0)
@@ -54,6 +55,10 @@ class FakeQueue:
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
         await asyncio.sleep(self.release_s)
         self.released.append((ticket_id, timeout_s))
+
+    async def release_predecessors(self) -> int:
+        self.predecessors_released = len(self.tickets)  # before any Reserve of this producer
+        return 0
 
 
 class FakeReward:
@@ -96,6 +101,7 @@ async def test_a_group_the_queue_can_never_take_is_dropped_and_production_goes_o
     with pytest.raises(asyncio.CancelledError):
         await task
     assert "big" not in {pid for pid, _ in queue.puts}
+    assert queue.predecessors_released == 0  # asked before the first Reserve
     assert {"a", "b", "c"} <= {pid for pid, _ in queue.puts}  # the loop did not stop at the first refusal
     dropped = registry.get_sample_value("tauflow_rollout_dropped_groups_total", {"reason": "too_large"})
     assert dropped == p.groups_dropped >= 2

@@ -190,6 +190,17 @@ class QueueState:
         self._log(UNRESERVE, records.unreserve_meta(ticket_id, "released"))
         return ticket.remaining
 
+    def release_producer(self, producer_id: str) -> tuple[int, int]:
+        """Gives back every ticket ``producer_id`` holds (a restarted producer's predecessor's); returns
+        (tickets, groups) released."""
+        if not producer_id:
+            raise InvalidRequest("producer_id must be set")
+        check_id(producer_id, "producer_id")
+        held = [t for t in self.memory.tickets.values() if t.producer_id == producer_id]
+        for ticket in held:
+            self._log(UNRESERVE, records.unreserve_meta(ticket.ticket_id, "released"))
+        return len(held), sum(t.remaining for t in held)
+
     def put(self, group: GroupRecord, ticket_id: str = "", owner: str | None = None) -> tuple[bool, int]:
         """Accepts ``group``; returns (newly accepted, depth). A known group id is a no-op. With ``owner``
         (an authenticated client) a ticket of another producer is ignored, as an unknown one is."""

@@ -66,6 +66,10 @@ class QueuePort(Protocol):
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
         """Gives back the unused part of a ticket; best effort (an unreleased ticket expires by itself)."""
 
+    async def release_predecessors(self) -> int:
+        """Gives back the tickets an earlier process with this producer id held (it was killed, and they
+        would hold pacing room until their TTL); returns how many. Best effort."""
+
 
 class RewardPort(Protocol):
     async def score(self, groups: Sequence[ProducedGroup]) -> None:

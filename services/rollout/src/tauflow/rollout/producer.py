@@ -81,6 +81,8 @@ class Producer:
     async def run(self) -> None:
         """Works on ``tickets_in_flight`` tickets at once until cancelled, or until a ticket fails."""
         workers = _Workers(self.tickets_in_flight)
+        # A process with this producer id that was killed left its tickets behind: give them back first.
+        await self.queue.release_predecessors()
         try:
             while True:
                 await workers.free_slot()

@@ -202,6 +202,19 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "ReleaseReservation", run)
 
+    async def ReleaseProducerReservations(
+        self, request: queue_pb2.ReleaseProducerReservationsRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.ReleaseProducerReservationsResponse:
+        async def run() -> queue_pb2.ReleaseProducerReservationsResponse:
+            tickets, groups = self.state.release_producer(request.producer_id)
+            if tickets:
+                log.info("released a producer's tickets", extra={"producer_id": request.producer_id,
+                                                                 "tickets": tickets, "groups": groups})
+            self._notify()
+            return queue_pb2.ReleaseProducerReservationsResponse(released_tickets=tickets, released_groups=groups)
+
+        return await self._call(context, "ReleaseProducerReservations", run)
+
     async def Put(
         self, request: wire.RawPutRequest, context: grpc.aio.ServicerContext, owner: str | None = None
     ) -> queue_pb2.PutResponse:

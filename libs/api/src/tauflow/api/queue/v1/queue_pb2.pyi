@@ -83,6 +83,20 @@ class ReleaseReservationResponse(_message.Message):
     released_groups: int
     def __init__(self, released_groups: _Optional[int] = ...) -> None: ...
 
+class ReleaseProducerReservationsRequest(_message.Message):
+    __slots__ = ("producer_id",)
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    producer_id: str
+    def __init__(self, producer_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseProducerReservationsResponse(_message.Message):
+    __slots__ = ("released_tickets", "released_groups")
+    RELEASED_TICKETS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    released_tickets: int
+    released_groups: int
+    def __init__(self, released_tickets: _Optional[int] = ..., released_groups: _Optional[int] = ...) -> None: ...
+
 class PutRequest(_message.Message):
     __slots__ = ("group", "ticket_id")
     GROUP_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class QueueServiceStub:
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationResponse.FromString,
                 _registered_method=True)
+        self.ReleaseProducerReservations = channel.unary_unary(
+                '/tauflow.api.queue.v1.QueueService/ReleaseProducerReservations',
+                request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsResponse.FromString,
+                _registered_method=True)
         self.Put = channel.unary_unary(
                 '/tauflow.api.queue.v1.QueueService/Put',
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutRequest.SerializeToString,
@@ -143,6 +148,19 @@ class QueueServiceServicer:
         its room can be granted to others.
         Retry class: idempotent.
         Status: NOT_FOUND when the ticket is unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseProducerReservations(self, request, context):
+        """Gives back every ticket a producer holds. A producer that was restarted
+        calls it before its first Reserve: the tickets of its killed predecessor
+        (same producer_id) could not be released by it, and would hold pacing room
+        until their TTL. Only one process may use a producer_id. Internal port only
+        (revision 2).
+        Retry class: idempotent.
+        Status: INVALID_ARGUMENT when producer_id is empty or too long.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,6 +279,11 @@ def add_QueueServiceServicer_to_server(servicer, server):
                     request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationResponse.SerializeToString,
             ),
+            'ReleaseProducerReservations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseProducerReservations,
+                    request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsResponse.SerializeToString,
+            ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutRequest.FromString,
@@ -373,6 +396,33 @@ class QueueService:
             '/tauflow.api.queue.v1.QueueService/ReleaseReservation',
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationRequest.SerializeToString,
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseReservationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseProducerReservations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tauflow.api.queue.v1.QueueService/ReleaseProducerReservations',
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsRequest.SerializeToString,
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.ReleaseProducerReservationsResponse.FromString,
             options,
             channel_credentials,
             insecure,
