@@ -10,8 +10,8 @@ import torch
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
-from tauflow.weights.convert import manifest_to_proto
 from tauflow.weightsync import Stager
+from tauflow.weightsync.wire import manifest_to_proto
 from tests.fuzz import C, Fuzzer, Method, budget
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]

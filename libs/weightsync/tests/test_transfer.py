@@ -44,7 +44,8 @@ class Cluster:
         self.procs = {
             label: subprocess.Popen(
                 [sys.executable, str(WORKER), "--port", str(self.host.port), "--label", label, "--out", str(tmp)],
-                env=env, stdout=open(tmp / f"{label}.log", "wb"), stderr=subprocess.STDOUT,
+                # the child's log stays open for the child's whole life
+                env=env, stdout=open(tmp / f"{label}.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
             )
             for label in LABELS
         }

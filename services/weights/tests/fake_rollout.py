@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import torch
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
 from tauflow.core.channel import create_channel
+from tauflow.core.files import write_atomic
 from tauflow.weightsync import (
     ChecksumMismatch,
     PhaseError,
@@ -54,7 +56,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         self.keep = keep
         self.out = out
         self.sidecar = sidecar
-        self.rx = WeightReceiver(label=member_id)
+        self.receiver = WeightReceiver(label=member_id)
         self.algorithms: dict[tuple[int, str], str] = {}
         self.served_version: int | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -73,7 +75,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
     async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
         spec = group_spec_from_proto(request)
         try:
-            n = await asyncio.to_thread(self.rx.init_group, spec)
+            n = await asyncio.to_thread(self.receiver.init_group, spec)
         except (ReceiveError, PhaseError) as e:
             await self._abort(context, e)
         return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=n)
@@ -92,7 +94,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             req = bucket_request_from_proto(
                 request, await self._algorithm(request.policy_version, request.manifest_checksum)
             )
-            version = await asyncio.to_thread(self.rx.receive_bucket, req)
+            version = await asyncio.to_thread(self.receiver.receive_bucket, req)
         except (ReceiveError, PhaseError, ChecksumMismatch) as e:
             await self._abort(context, e)
         if version is not None:
@@ -108,10 +110,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _keep(self, v: ReceivedVersion) -> None:
         tensors = {k: t.clone() for k, t in v.tensors.items()}
-        tmp = self.out / f".{self.member_id}-v{v.policy_version}.pt"
+        data = io.BytesIO()
         torch.save({"tensors": tensors, "loaded_checksum": v.loaded_checksum,
-                    "membership_epoch": v.membership_epoch}, tmp)
-        os.replace(tmp, self.out / f"{self.member_id}-v{v.policy_version}.pt")
+                    "membership_epoch": v.membership_epoch}, data)
+        write_atomic(self.out / f"{self.member_id}-v{v.policy_version}.pt", data.getvalue())
 
     async def _confirm(self, v: ReceivedVersion) -> None:
         self.served_version = v.policy_version  # the "swap at a safe point"
@@ -124,13 +126,13 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
 
     async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
         try:
-            destroyed = await asyncio.to_thread(self.rx.destroy_group, request.group_name)
+            destroyed = await asyncio.to_thread(self.receiver.destroy_group, request.group_name)
         except ReceiveError as e:
             await self._abort(context, e)
         return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)
 
     async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
-        g = self.rx.group
+        g = self.receiver.group
         return rollout_pb2.GetStatusResponse(
             server_id=self.member_id,
             membership_epoch=g.spec.membership_epoch if g else 0,
@@ -149,10 +151,7 @@ async def serve(args: argparse.Namespace) -> None:
     await sidecar.Join(weights_pb2.JoinRequest(
         member_id=args.member_id, address=f"127.0.0.1:{port}", num_ranks=1, backends=["gloo"], model=args.model,
     ), timeout=10)
-    ready = Path(args.ready_file)
-    tmp = ready.with_name(ready.name + ".tmp")
-    tmp.write_text(json.dumps({"grpc_port": port, "pid": os.getpid()}))
-    os.replace(tmp, ready)
+    write_atomic(args.ready_file, json.dumps({"grpc_port": port, "pid": os.getpid()}))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

@@ -20,8 +20,8 @@ from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.api.weights.v1 import weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
 from tauflow.core.testing import ServiceProcess
-from tauflow.weights.convert import manifest_to_proto
 from tauflow.weightsync import Manifest, Stager
+from tauflow.weightsync.wire import manifest_to_proto
 
 FAKE = Path(__file__).with_name("fake_rollout.py")
 
@@ -45,7 +45,7 @@ class FakeRollout:
         self.proc = subprocess.Popen(
             [sys.executable, str(FAKE), "--sidecar", sidecar, "--member-id", member_id, "--out", str(workdir),
              "--ready-file", str(ready), "--port", str(port)],
-            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115 - open for the child's life
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         deadline = time.monotonic() + 60
@@ -267,7 +267,7 @@ def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) ->
     assert code == C.FAILED_PRECONDITION and "older than the newest accepted version 5" in msg
     rebased = stub.Publish(pb.PublishRequest(manifest=manifest_to_proto(older), staging_uri=stager.uri, rebase=True))
     assert rebased.policy_version == 4
-    _, m6 = publish(stub, stager, 6)
+    publish(stub, stager, 6)
     resp, _ = publish(stub, stager, 7)
     assert resp.superseded_policy_version == 6  # no member: 6 was never broadcast, 7 replaces it
     assert stub.GetManifest(pb.GetManifestRequest()).manifest.policy_version == 7

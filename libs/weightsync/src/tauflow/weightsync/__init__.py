@@ -5,6 +5,8 @@
 * ``group``: process groups per membership epoch on a TCPStore (``StoreHost``, ``WeightGroup``).
 * ``transfer``: bucket broadcast (``send_bucket``) and the receiver (``WeightReceiver``).
 * ``errors``: ``PhaseError`` names the phase and the peer of every failure.
+* ``wire``: the protobuf messages of the above, for the services' adapters; the only module that
+  touches the wire (not imported here, so that the rest stays wire-free).
 
 No gRPC here: the services wrap these in their own RPCs.
 """

@@ -71,7 +71,7 @@ def connect_store(address: str, port: int, timeout_s: float, *, label: str = "")
     """A client of the TCPStore at ``address:port``; a failure is a GROUP_INIT error naming it."""
     try:
         return dist.TCPStore(address, port, is_master=False, timeout=_td(timeout_s))
-    except Exception as e:  # noqa: BLE001 - torch raises several types here
+    except Exception as e:  # torch raises several types here
         raise PhaseError(
             Phase.GROUP_INIT, f"store {address}:{port}", f"{label + ': ' if label else ''}cannot connect: {e}",
             deadline_s=timeout_s, timed_out=looks_like_timeout(e),
@@ -108,7 +108,7 @@ class WeightGroup:
             self._meta.set(f"joined/{spec.rank}", str(spec.membership_epoch))
             backend_store = dist.PrefixStore(f"{spec.group_name}/{self.device.type}/", store)
             self._pg = _make_backend(spec, backend_store)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             peer, ranks = self._peers_missing("joined", None)
             raise PhaseError(
                 Phase.GROUP_INIT, peer,
@@ -137,9 +137,9 @@ class WeightGroup:
         missing = []
         for r in self._others():
             try:
-                if not self._meta.check([f"{key}/{r}"]):
-                    missing.append(r)
-                elif value is not None and self._meta.get(f"{key}/{r}").decode() != value:
+                if not self._meta.check([f"{key}/{r}"]) or (
+                    value is not None and self._meta.get(f"{key}/{r}").decode() != value
+                ):
                     missing.append(r)
             except Exception:  # noqa: BLE001 - the store itself may be gone; name everyone
                 missing.append(r)
@@ -165,7 +165,7 @@ class WeightGroup:
             works = [self._pg.broadcast([t], opts) for t in tensors]
             for w in works:
                 w.wait()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             peer, ranks = self._peers_missing("posted", f"{policy_version}:{bucket_index}")
             raise PhaseError(
                 Phase.TRANSFER, peer, f"broadcast in group {self.name!r} failed: {e}",
@@ -181,7 +181,7 @@ class WeightGroup:
             return
         try:
             pg.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; dropping the reference closes it too
+        except Exception:  # best effort; dropping the reference closes it too
             log.debug("shutdown of group %s failed", self.name, exc_info=True)
 
     @property
@@ -195,7 +195,7 @@ def _make_backend(spec: GroupSpec, store: dist.Store):  # type: ignore[no-untype
         return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
     if spec.backend == "nccl":
         # Same code path on GPUs; imported lazily so CPU builds of torch never touch it.
-        from torch.distributed import ProcessGroupNCCL  # noqa: PLC0415
+        from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout

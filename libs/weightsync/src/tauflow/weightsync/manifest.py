@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -85,17 +85,10 @@ class Manifest:
     model: str = ""
     created_at: float | None = field(default=None, compare=False)
 
-    @property
-    def tensor_count(self) -> int:
-        return sum(len(b.tensors) for b in self.buckets)
-
     def tensors(self) -> Iterable[tuple[BucketSpec, TensorSpec]]:
         for b in self.buckets:
             for t in b.tensors:
                 yield b, t
-
-    def with_version(self, policy_version: int) -> Manifest:
-        return replace(self, policy_version=policy_version)
 
 
 def canonical_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[list[tuple[int, int]], int]:

@@ -222,7 +222,7 @@ def read_staged(
         raise StagingError(f"buffer of {out.numel()} bytes cannot hold {manifest.total_bytes} bytes")
     start = time.monotonic()
     try:
-        f = open(path, "rb", buffering=0)
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - the with block below; opened apart to map its errors
     except FileNotFoundError:
         raise StagingNotFound(f"staging area {uri!r} does not exist ({path})") from None
     except OSError as e:

@@ -188,7 +188,6 @@ class WeightReceiver:
         self._group: WeightGroup | None = None
         self._partial: _Partial | None = None
         self._stores: dict[tuple[str, int], dist.Store] = {}
-        self.last_version: ReceivedVersion | None = None
 
     # -- group --
 
@@ -292,13 +291,14 @@ class WeightReceiver:
                 f"membership_epoch {req.membership_epoch} is not group {g.name!r}'s epoch {g.spec.membership_epoch}",
             )
         p = self._partial
-        if req.bucket_index != 0:
-            if p is None or p.policy_version != req.policy_version or p.next_bucket != req.bucket_index:
-                expected = "bucket 0" if p is None or p.policy_version != req.policy_version else f"bucket {p.next_bucket}"
-                raise ReceiveError(
-                    "precondition",
-                    f"bucket {req.bucket_index} of version {req.policy_version} arrived out of order (expected {expected})",
-                )
+        if req.bucket_index != 0 and (
+            p is None or p.policy_version != req.policy_version or p.next_bucket != req.bucket_index
+        ):
+            expected = "bucket 0" if p is None or p.policy_version != req.policy_version else f"bucket {p.next_bucket}"
+            raise ReceiveError(
+                "precondition",
+                f"bucket {req.bucket_index} of version {req.policy_version} arrived out of order (expected {expected})",
+            )
         return g
 
     def receive_bucket(self, req: BucketRequest) -> ReceivedVersion | None:
@@ -342,7 +342,6 @@ class WeightReceiver:
                 nbytes=p.nbytes,
                 flush_cache=req.flush_cache,
             )
-            self.last_version = version
         if self.on_version is not None:
             self.on_version(version)
         return version

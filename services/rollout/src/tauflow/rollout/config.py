@@ -14,7 +14,7 @@ class SamplingConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[int] = Field(default_factory=list)
 
 
 class RolloutConfig(ServiceConfig):
@@ -27,7 +27,7 @@ class RolloutConfig(ServiceConfig):
     dataset: str = Field("", description="training prompts (JSONL/Parquet); empty: serve Generate only")
     prompt_field: str = "prompt"
     id_field: str = "id"
-    metadata_fields: list[str] = ["answer"]
+    metadata_fields: list[str] = Field(default_factory=lambda: ["answer"])
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
     tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")

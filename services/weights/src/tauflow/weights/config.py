@@ -31,6 +31,10 @@ class StoreConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     advertise_host: str = Field("", description="address members connect to; empty means `host`")
 
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
+
 
 class WeightsConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50055)

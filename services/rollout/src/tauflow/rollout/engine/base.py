@@ -284,7 +284,7 @@ class GenerationEngine(ABC):
         for callback in listeners:
             try:
                 callback(version)
-            except Exception:  # a listener's failure must not stop the engine
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
                 _log.exception("version listener failed for version %d", version)
 
     # -- life cycle ---------------------------------------------------------------------------------------------

@@ -463,7 +463,7 @@ class HFEngine(GenerationEngine):
                     admit = self._take_rows_locked()
                 try:
                     self._turn(staged, cancel, admit)
-                except Exception as exc:  # keep serving: fail what was in flight, go on with the next requests
+                except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on with the next
                     _log.exception("hf engine %s: generation failed", self.engine_id)
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     self._fail_in_flight(exc, admit, staged)

@@ -1,12 +1,13 @@
-"""Protobuf <-> domain conversion for the sidecar. Imports the generated messages, never grpc."""
+"""Protobuf <-> domain conversion for the sidecar's status. Imports the generated messages, never grpc;
+the manifest's conversion is tauflow.weightsync.wire's."""
 
 from __future__ import annotations
 
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.core.protobuf import duration, timestamp
-from tauflow.weights.sidecar import Member, MemberState, Sidecar
+from tauflow.weights.membership import Member, MemberState
+from tauflow.weights.sidecar import Status
 from tauflow.weightsync import Phase, PhaseError
-from tauflow.weightsync.wire import manifest_from_proto, manifest_to_proto  # noqa: F401 - re-exported
 
 PHASES = {
     Phase.HANDOFF: pb.BROADCAST_PHASE_HANDOFF,
@@ -39,8 +40,8 @@ def phase_error_to_proto(err: PhaseError, at: float | None) -> pb.PhaseError:
     return out
 
 
-def phase_deadlines(s: Sidecar) -> list[pb.PhaseDeadline]:
-    return [pb.PhaseDeadline(phase=PHASES[p], deadline=duration(d)) for p, d in s.settings.deadlines().items()]
+def phase_deadlines(deadlines: dict[Phase, float]) -> list[pb.PhaseDeadline]:
+    return [pb.PhaseDeadline(phase=PHASES[p], deadline=duration(d)) for p, d in deadlines.items()]
 
 
 def member_to_proto(m: Member) -> pb.Member:
@@ -59,26 +60,26 @@ def member_to_proto(m: Member) -> pb.Member:
     return out
 
 
-def status_to_proto(s: Sidecar) -> pb.GetStatusResponse:
+def status_to_proto(status: Status) -> pb.GetStatusResponse:
     out = pb.GetStatusResponse(
-        membership_epoch=s.epoch,
-        members=[member_to_proto(m) for m in s.members.values()],
-        backend=s.settings.backend,
-        phase_deadlines=phase_deadlines(s),
+        membership_epoch=status.membership_epoch,
+        members=[member_to_proto(m) for m in status.members],
+        backend=status.backend,
+        phase_deadlines=phase_deadlines(status.phase_deadlines),
     )
-    if s.latest is not None:
-        out.latest_policy_version = s.latest.manifest.policy_version
-    if s.confirmed_version is not None:
-        out.confirmed_policy_version = s.confirmed_version
-    p = s.progress
-    if p is not None:
+    if status.latest_version is not None:
+        out.latest_policy_version = status.latest_version
+    if status.confirmed_version is not None:
+        out.confirmed_policy_version = status.confirmed_version
+    progress = status.progress
+    if progress is not None:
         out.broadcast.CopyFrom(pb.BroadcastProgress(
-            policy_version=p.policy_version, membership_epoch=p.membership_epoch, phase=PHASES[p.phase],
-            buckets_sent=p.buckets_sent, bucket_count=p.bucket_count, bytes_sent=p.bytes_sent,
-            started_at=timestamp(p.started_at),
+            policy_version=progress.policy_version, membership_epoch=progress.membership_epoch,
+            phase=PHASES[progress.phase], buckets_sent=progress.buckets_sent, bucket_count=progress.bucket_count,
+            bytes_sent=progress.bytes_sent, started_at=timestamp(progress.started_at),
         ))
-        if p.phase_deadline is not None:
-            out.broadcast.phase_deadline.CopyFrom(timestamp(p.phase_deadline))
-    if s.last_error is not None:
-        out.last_error.CopyFrom(phase_error_to_proto(s.last_error, s.last_error_at))
+        if progress.phase_deadline is not None:
+            out.broadcast.phase_deadline.CopyFrom(timestamp(progress.phase_deadline))
+    if status.last_error is not None:
+        out.last_error.CopyFrom(phase_error_to_proto(status.last_error, status.last_error_at))
     return out

@@ -1,4 +1,5 @@
-"""The gRPC side of ``MemberClient``: the sidecar drives each rollout server's weight-receiving RPCs."""
+"""The rollout servers' side of the ``MemberClient`` port (ports.py): the sidecar drives each server's
+weight-receiving RPCs."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.protobuf import duration
-from tauflow.weights.sidecar import MemberCallFailed
-from tauflow.weightsync import GroupSpec
-from tauflow.weightsync.transfer import BucketRequest
+from tauflow.weights.ports import MemberCallFailed
+from tauflow.weightsync import BucketRequest, GroupSpec
 
 ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 
@@ -23,7 +23,7 @@ class RolloutMemberClient:
         self.channel = create_channel(address, [ROLLOUT])
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
-    async def _call(self, method: str, request, timeout_s: float):  # type: ignore[no-untyped-def]
+    async def _call(self, method: str, request, timeout_s: float):
         started = time.monotonic()
         try:
             return await getattr(self.stub, method)(request, timeout=timeout_s)

@@ -1,0 +1,354 @@
+"""The broadcast loop: sends the newest accepted version to every member that has not confirmed it.
+
+Each round, for the newest version:
+
+1. group init, when membership changed since the group was built (a member joined, left or failed):
+   DestroyWeightsUpdateGroup of the old group on its members, a new membership epoch,
+   InitWeightsUpdateGroup on every member (rank offsets 1, 1+k1, …) while the sidecar joins the same
+   group as rank 0 on its own TCPStore;
+2. transfer: for each bucket, UpdateWeightsFromDistributed on all members at once while the sidecar
+   broadcasts the bucket;
+3. confirm: every member's ConfirmVersion (membership.py records them), within the confirm deadline.
+
+A member that fails a phase is dropped (state FAILED, with the error) and the others go on from the
+same version in a rebuilt group. Failed rounds are retried with a backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict, Unpack
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tauflow.weights.config import DeadlinesConfig, WeightsConfig
+from tauflow.weights.events import Events, log
+from tauflow.weights.membership import Member, Membership, MemberState
+from tauflow.weights.metrics import WeightsMetrics
+from tauflow.weights.retention import Retention, Version
+from tauflow.weightsync import GroupSpec, Phase, PhaseError, StoreHost, WeightGroup, bucket_requests, send_bucket
+
+tracer = trace.get_tracer("tauflow.weights")
+
+_KEEP_SENT = 8  # versions per member whose checksum a late ConfirmVersion is checked against
+
+
+def phase_deadlines(deadlines: DeadlinesConfig) -> dict[Phase, float]:
+    return {
+        Phase.HANDOFF: deadlines.handoff_s,
+        Phase.GROUP_INIT: deadlines.group_s,
+        Phase.TRANSFER: deadlines.group_s,
+        Phase.CONFIRM: deadlines.confirm_s,
+        Phase.GROUP_DESTROY: deadlines.destroy_s,
+    }
+
+
+class FailureContext(TypedDict, total=False):
+    """Where a phase failed, as PhaseError takes it."""
+
+    policy_version: int
+    membership_epoch: int
+    bucket_index: int
+
+
+@dataclass
+class Progress:
+    policy_version: int
+    membership_epoch: int
+    phase: Phase
+    bucket_count: int
+    started_at: float
+    buckets_sent: int = 0
+    bytes_sent: int = 0
+    phase_deadline: float | None = None
+
+
+class Broadcast:
+    def __init__(
+        self,
+        config: WeightsConfig,
+        store: StoreHost,
+        retention: Retention,
+        membership: Membership,
+        events: Events,
+        metrics: WeightsMetrics,
+    ) -> None:
+        self.config = config
+        self.deadlines = config.deadlines
+        self.store = store
+        self.retention = retention
+        self.membership = membership
+        self.events = events
+        self.metrics = metrics
+        self.confirmed_version: int | None = None  # the newest version every active member confirmed
+        self.progress: Progress | None = None
+        self._group: WeightGroup | None = None
+
+    def _needs_rebuild(self) -> bool:
+        return self._group is None or self.membership.group_outdated()
+
+    def _work(self) -> bool:
+        latest = self.retention.latest
+        return latest is not None and any(not m.has(latest) for m in self.membership.eligible())
+
+    async def run(self) -> None:
+        """The broadcast loop (a background job of the service)."""
+        backoff = 0.2
+        try:
+            while True:
+                if not self._work():
+                    self.events.wake.clear()
+                    try:
+                        await asyncio.wait_for(self.events.wake.wait(), 1.0)
+                    except TimeoutError:
+                        pass
+                    continue
+                started = time.monotonic()
+                ok = await self._broadcast_latest()
+                self.metrics.broadcast_done(ok, time.monotonic() - started)
+                if ok:
+                    backoff = 0.2
+                else:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._group is not None:
+            self._group.destroy()
+            self._group = None
+        for m in self.membership.members.values():
+            await m.client.close()
+
+    async def _broadcast_latest(self) -> bool:
+        version = self.retention.start_broadcast()
+        manifest = version.manifest
+        links = []
+        if version.traceparent:
+            carrier = {"traceparent": version.traceparent, "tracestate": version.tracestate}
+            span_context = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier)).get_span_context()
+            if span_context.is_valid:
+                links.append(trace.Link(span_context))
+        try:
+            with tracer.start_as_current_span("weights.broadcast", links=links) as span:
+                span.set_attribute("rl.policy_version", manifest.policy_version)
+                span.set_attribute("weights.bytes", manifest.total_bytes)
+                if self._needs_rebuild() and not await self._rebuild():
+                    span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                                 str(self.events.last_error or "group init failed")))
+                    return False
+                members = [self.membership.members[i] for i in self.membership.group_ids]
+                if not members or all(m.has(version) for m in members):
+                    return True
+                span.set_attribute("weights.membership_epoch", self.membership.epoch)
+                span.set_attribute("weights.members", len(members))
+                ok = await self._transfer(version, members) and await self._confirm(version, members)
+                if not ok:  # a member failed a phase; the others get the version again in a rebuilt group
+                    span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                                 str(self.events.last_error or "broadcast failed")))
+                return ok
+        finally:
+            self.progress = None
+            self.retention.end_broadcast(version)
+            self.events.refresh_gauges()
+
+    def _set_phase(self, phase: Phase, deadline_s: float | None) -> None:
+        if self.progress is not None:
+            self.progress.phase = phase
+            self.progress.phase_deadline = self.events.clock() + deadline_s if deadline_s else None
+
+    def _member_error(self, phase: Phase, m: Member, e: BaseException, **ctx: Unpack[FailureContext]) -> PhaseError:
+        detail = e.detail if isinstance(e, PhaseError) else str(e)
+        timed_out = getattr(e, "timed_out", False)
+        return PhaseError(phase, m.member_id, detail, deadline_s=phase_deadlines(self.deadlines)[phase],
+                          timed_out=timed_out, **ctx)
+
+    def _culprits(
+        self,
+        phase: Phase,
+        members: list[Member],
+        results: Sequence[object],
+        own: object,
+        **ctx: Unpack[FailureContext],
+    ) -> dict[str, PhaseError]:
+        """The members to drop after a failed phase: those that failed on their own (unreachable,
+        refused, hung past the call's deadline); when every failure is collateral, the ranks the
+        sidecar's own error names (those that never arrived)."""
+        culprits = {
+            m.member_id: self._member_error(phase, m, r, **ctx)
+            for m, r in zip(members, results, strict=True)
+            if isinstance(r, BaseException) and not getattr(r, "collateral", False)
+        }
+        if not culprits and isinstance(own, PhaseError) and own.ranks:
+            for m in members:
+                if any(m.rank_offset <= r < m.rank_offset + m.num_ranks for r in own.ranks):
+                    culprits[m.member_id] = PhaseError(phase, m.member_id, own.detail, deadline_s=own.deadline_s,
+                                                       timed_out=own.timed_out, **ctx)
+        if not culprits:
+            failures = [r for r in (own, *results) if isinstance(r, BaseException)]
+            if failures:
+                first = failures[0]
+                self.events.record(
+                    first if isinstance(first, PhaseError) else PhaseError(phase, "sidecar", str(first), **ctx)
+                )
+        return culprits
+
+    def _drop_culprits(
+        self, phase: Phase, members: list[Member], results: Sequence[object], **ctx: Unpack[FailureContext]
+    ) -> None:
+        """After a failed phase (``results``: the sidecar's own outcome, then each member's)."""
+        for member_id, err in self._culprits(phase, members, results[1:], results[0], **ctx).items():
+            self.membership.drop(self.membership.members[member_id], err)
+        self.membership.group_broken = True
+
+    async def _destroy_old(self) -> None:
+        group, ids = self._group, self.membership.forget_group()
+        self._group = None
+        if group is None:
+            return
+        destroy_s = self.deadlines.destroy_s
+        self._set_phase(Phase.GROUP_DESTROY, destroy_s)
+        started = time.monotonic()
+        old_members = [self.membership.members[i] for i in ids if i in self.membership.members]
+        calls = [m.client.destroy_group(group.name, destroy_s) for m in old_members]
+        results = await asyncio.gather(asyncio.to_thread(group.destroy), *calls, return_exceptions=True)
+        for m, r in zip(old_members, results[1:], strict=True):
+            if isinstance(r, BaseException) and m.state is not MemberState.FAILED:  # keep a failure's first cause
+                err = self._member_error(Phase.GROUP_DESTROY, m, r, membership_epoch=group.spec.membership_epoch)
+                if m.state in (MemberState.ACTIVE, MemberState.JOINING) and getattr(r, "code", "") == "UNAVAILABLE":
+                    self.membership.drop(m, err)  # unreachable: it would fail the next group's rendezvous anyway
+                else:
+                    m.last_error, m.error_at = err, self.events.clock()
+        self.membership.settle_destroyed(old_members)
+        self.metrics.phase_seconds.labels(Phase.GROUP_DESTROY.value).observe(time.monotonic() - started)
+
+    async def _rebuild(self) -> bool:
+        """Builds the group of a new membership epoch; False when a member failed (dropped)."""
+        await self._destroy_old()
+        members = self.membership.eligible()
+        if not members:
+            self.events.notify()
+            return True
+        epoch = self.membership.next_epoch()
+        offsets, world_size = {}, 1
+        for m in members:
+            offsets[m.member_id] = world_size
+            world_size += m.num_ranks
+        name = f"tauflow-weights-e{epoch}"
+        group_s = self.deadlines.group_s
+        spec = GroupSpec(self.config.store.advertised_host, self.store.port, name, world_size, 0,
+                         self.config.backend, epoch, group_s)
+        labels = {rank: m.member_id for m in members
+                  for rank in range(offsets[m.member_id], offsets[m.member_id] + m.num_ranks)}
+        latest = self.retention.latest
+        self.progress = Progress(latest.manifest.policy_version if latest else 0, epoch, Phase.GROUP_INIT,
+                                 len(latest.manifest.buckets) if latest else 0, self.events.clock())
+        self._set_phase(Phase.GROUP_INIT, group_s)
+        log.info("building weight group", extra={"group": name, "world_size": world_size, "members": len(members)})
+        started = time.monotonic()
+        timeout = group_s + self.deadlines.rpc_margin_s
+        calls = [m.client.init_group(dataclasses.replace(spec, rank=offsets[m.member_id]), timeout) for m in members]
+        results = await asyncio.gather(
+            asyncio.to_thread(WeightGroup, self.store.store, spec, labels), *calls, return_exceptions=True
+        )
+        own = results[0]
+        for m in members:
+            m.rank_offset = offsets[m.member_id]
+        if not isinstance(own, BaseException):
+            self._group = own
+        self.membership.group_ids = [m.member_id for m in members]
+        if any(isinstance(r, BaseException) for r in results):
+            self._drop_culprits(Phase.GROUP_INIT, members, results, membership_epoch=epoch)
+            return False
+        for m in members:
+            m.state = MemberState.ACTIVE
+        self.metrics.phase_seconds.labels(Phase.GROUP_INIT.value).observe(time.monotonic() - started)
+        self.events.notify()
+        return True
+
+    async def _transfer(self, version: Version, members: list[Member]) -> bool:
+        group = self._group
+        assert group is not None
+        manifest = version.manifest
+        epoch = self.membership.epoch
+        group_s = self.deadlines.group_s
+        load_format = self.config.load_format
+        self.progress = Progress(manifest.policy_version, epoch, Phase.TRANSFER, len(manifest.buckets),
+                                 self.events.clock())
+        self._set_phase(Phase.TRANSFER, group_s)
+        requests = bucket_requests(manifest, group_name=group.name, membership_epoch=epoch,
+                                   load_format=load_format, flush_cache=self.config.flush_cache)
+        # Each member's `weights.load` links to the trainer's `weights.publish` of the version, as this
+        # broadcast does.
+        requests = [dataclasses.replace(r, traceparent=version.traceparent, tracestate=version.tracestate)
+                    for r in requests]
+        for m in members:
+            m.sent[manifest.policy_version] = manifest.checksum
+            while len(m.sent) > _KEEP_SENT:
+                m.sent.popitem(last=False)
+        timeout = group_s + self.deadlines.rpc_margin_s
+        started = time.monotonic()
+        for bucket, request in zip(manifest.buckets, requests, strict=True):
+            if any(m.state is not MemberState.ACTIVE for m in members):
+                log.info("membership changed during the transfer; resending in a rebuilt group",
+                         extra={"policy_version": manifest.policy_version})
+                self.membership.group_broken = True
+                return False
+            self._set_phase(Phase.TRANSFER, group_s)
+            data = version.buffer[bucket.offset_bytes : bucket.offset_bytes + bucket.size_bytes]
+            send = asyncio.to_thread(send_bucket, group, bucket, data, policy_version=manifest.policy_version,
+                                     load_format=load_format)
+            calls = [m.client.update_bucket(request, timeout) for m in members]
+            results = await asyncio.gather(send, *calls, return_exceptions=True)
+            if any(isinstance(r, BaseException) for r in results):
+                self._drop_culprits(Phase.TRANSFER, members, results, policy_version=manifest.policy_version,
+                                    membership_epoch=epoch, bucket_index=bucket.index)
+                return False
+            self.progress.buckets_sent += 1
+            self.progress.bytes_sent += bucket.size_bytes
+            self.metrics.broadcast_bytes.inc(bucket.size_bytes)
+        took = time.monotonic() - started
+        self.metrics.phase_seconds.labels(Phase.TRANSFER.value).observe(took)
+        if took > 0:
+            self.metrics.bandwidth.set(manifest.total_bytes / took)
+        log.info("broadcast version", extra={"policy_version": manifest.policy_version, "members": len(members),
+                                             "seconds": round(took, 3)})
+        return True
+
+    async def _confirm(self, version: Version, members: list[Member]) -> bool:
+        confirm_s = self.deadlines.confirm_s
+        policy_version = version.manifest.policy_version
+        self._set_phase(Phase.CONFIRM, confirm_s)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        until = started + confirm_s
+        while True:
+            pending = [m for m in members if m.state is MemberState.ACTIVE and not m.has(version)]
+            if not pending:
+                break
+            left = until - loop.time()
+            if left <= 0:
+                for m in pending:
+                    self.membership.drop(m, PhaseError(
+                        Phase.CONFIRM, m.member_id, f"no ConfirmVersion for version {policy_version}",
+                        deadline_s=confirm_s, timed_out=True,
+                        policy_version=policy_version, membership_epoch=self.membership.epoch,
+                    ))
+                return False
+            changed = self.events.changed
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                pass
+        self.metrics.phase_seconds.labels(Phase.CONFIRM.value).observe(loop.time() - started)
+        if all(m.has(version) for m in members if m.state is MemberState.ACTIVE):
+            self.confirmed_version = policy_version
+            self.metrics.versions_broadcast.inc()
+        self.events.notify()
+        return True

@@ -1,0 +1,214 @@
+"""The members (rollout servers) of the sidecar: Join, Leave, ConfirmVersion, and dropping a failed one.
+
+A member joins JOINING, becomes ACTIVE in the next group built, LEAVING when it leaves while in the
+group (removed when the next group is built), FAILED when dropped after a failed phase (it must Join
+again). The membership epoch counts the groups built; the ids of the current group's members, in rank
+order, tell the broadcast loop when the group must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tauflow.weights.config import WeightsConfig
+from tauflow.weights.errors import DataLoss, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
+from tauflow.weights.events import Events, log
+from tauflow.weights.metrics import WeightsMetrics
+from tauflow.weights.ports import MemberClient, MemberClientFactory
+from tauflow.weights.retention import Retention, Version
+from tauflow.weightsync import Phase, PhaseError
+
+MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
+
+
+class MemberState(enum.Enum):
+    JOINING = 1
+    ACTIVE = 2
+    LEAVING = 3
+    FAILED = 4
+
+
+@dataclass
+class Member:
+    member_id: str
+    address: str
+    num_ranks: int
+    backends: tuple[str, ...]
+    model: str
+    joined_at: float
+    client: MemberClient
+    state: MemberState = MemberState.JOINING
+    rank_offset: int = 0
+    confirmed_version: int | None = None
+    confirmed_checksum: str | None = None
+    sent: OrderedDict[int, str] = field(default_factory=OrderedDict)  # version -> checksum broadcast to it
+    last_error: PhaseError | None = None
+    error_at: float | None = None
+
+    def has(self, version: Version) -> bool:
+        return self.confirmed_version == version.manifest.policy_version and (
+            self.confirmed_checksum is None or self.confirmed_checksum == version.manifest.checksum
+        )
+
+
+class Membership:
+    def __init__(
+        self,
+        config: WeightsConfig,
+        retention: Retention,
+        clients: MemberClientFactory,
+        events: Events,
+        metrics: WeightsMetrics,
+    ) -> None:
+        self.config = config
+        self.retention = retention
+        self.clients = clients
+        self.events = events
+        self.metrics = metrics
+        self.members: dict[str, Member] = {}
+        self.epoch = 0
+        self.group_ids: list[str] = []  # the members of the current group, in rank order
+        self.group_broken = False  # a member of the current group failed or rejoined: rebuild it
+
+    def eligible(self) -> list[Member]:
+        """The members the next group is built of, in rank order."""
+        return sorted(
+            (m for m in self.members.values() if m.state in (MemberState.JOINING, MemberState.ACTIVE)),
+            key=lambda m: (m.joined_at, m.member_id),
+        )
+
+    def group_outdated(self) -> bool:
+        return self.group_broken or self.group_ids != [m.member_id for m in self.eligible()]
+
+    def counts(self) -> dict[str, int]:
+        counts = {state: 0 for state in MemberState}
+        for m in self.members.values():
+            counts[m.state] += 1
+        return {state.name.lower(): n for state, n in counts.items()}
+
+    # -- the group's roster, as the broadcast loop rebuilds it --
+
+    def forget_group(self) -> list[str]:
+        """The current group is being destroyed: returns the ids of its members."""
+        ids, self.group_ids, self.group_broken = self.group_ids, [], False
+        return ids
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def settle_destroyed(self, old_members: list[Member]) -> None:
+        """After the old group's destroy: members that left are removed, active ones join the next group."""
+        for m in old_members:
+            if m.state is MemberState.LEAVING:
+                del self.members[m.member_id]
+                self.events.spawn(m.client.close())
+            elif m.state is MemberState.ACTIVE:
+                m.state = MemberState.JOINING
+
+    def drop(self, m: Member, err: PhaseError) -> None:
+        """A member that failed a phase leaves the membership; it must Join again."""
+        m.state = MemberState.FAILED
+        m.last_error = err
+        m.error_at = self.events.clock()
+        self.events.record(err)
+        if m.member_id in self.group_ids:
+            self.group_broken = True
+        self.events.notify()
+
+    def join(
+        self,
+        member_id: str,
+        address: str,
+        num_ranks: int,
+        backends: tuple[str, ...],
+        loaded_version: int | None,
+        model: str,
+    ) -> int:
+        """Adds (or re-adds) a member; returns the epoch from which it takes part."""
+        backend = self.config.backend
+        if not member_id or not address:
+            raise InvalidRequest("member_id and address must be set")
+        if not 1 <= num_ranks <= MAX_RANKS_PER_MEMBER:
+            raise InvalidRequest(f"num_ranks must be in 1..{MAX_RANKS_PER_MEMBER}, not {num_ranks}")
+        if backend not in backends:
+            raise FailedPrecondition(
+                f"member {member_id!r} supports backends {list(backends)}, the sidecar uses {backend!r}"
+            )
+        latest = self.retention.latest
+        if model and latest is not None and latest.manifest.model and model != latest.manifest.model:
+            raise FailedPrecondition(
+                f"member {member_id!r} serves model {model!r}, the published weights are for {latest.manifest.model!r}"
+            )
+        old = self.members.get(member_id)
+        # A Join repeated by a live member changes nothing. A LEAVING member said it was going: a Join under its
+        # id is its restarted process (a rolling restart reuses the id and the port), a new member to bring up
+        # to date, which must not be mistaken for the old one (it would never get a broadcast).
+        if old is not None and old.state in (MemberState.JOINING, MemberState.ACTIVE) and old.address == address:
+            return self.epoch if old.state is MemberState.ACTIVE else self.epoch + 1
+        live = [m for m in self.members.values() if m.state is not MemberState.FAILED and m.member_id != member_id]
+        if len(live) >= self.config.max_members:
+            raise ResourceExhausted(f"the membership is at its maximum of {self.config.max_members} members")
+        if old is not None:
+            self.events.spawn(old.client.close())
+            if old.member_id in self.group_ids:
+                self.group_broken = True
+        self.members[member_id] = Member(
+            member_id, address, num_ranks, tuple(backends), model, self.events.clock(), self.clients(address),
+            confirmed_version=loaded_version,
+        )
+        log.info("member joined", extra={"member_id": member_id, "address": address, "num_ranks": num_ranks})
+        self.events.notify()
+        return self.epoch + 1
+
+    def leave(self, member_id: str, reason: str = "") -> int:
+        if not member_id:
+            raise InvalidRequest("member_id must be set")
+        m = self.members.get(member_id)
+        if m is None:
+            return self.epoch
+        log.info("member leaves", extra={"member_id": member_id, "reason": reason})
+        if m.member_id in self.group_ids and m.state is MemberState.ACTIVE:
+            m.state = MemberState.LEAVING  # removed when the next group is built
+        else:
+            del self.members[member_id]
+            self.events.spawn(m.client.close())
+        self.events.notify()
+        return self.epoch
+
+    def confirm(
+        self, member_id: str, version: int, manifest_checksum: str, loaded_checksum: str, load_s: float | None = None
+    ) -> int | None:
+        """Records that a member swapped ``version`` in; returns the newest accepted version."""
+        if not member_id:
+            raise InvalidRequest("member_id must be set")
+        m = self.members.get(member_id)
+        if m is None:
+            raise NotFound(f"{member_id!r} is not a member (Join first)")
+        if m.state is MemberState.FAILED:
+            raise NotFound(f"{member_id!r} was dropped ({m.last_error}); Join again")
+        latest = self.retention.latest_version
+        sent = m.sent.get(version)
+        if sent is None:
+            raise FailedPrecondition(f"version {version} was never broadcast to {member_id!r}")
+        if m.confirmed_version == version and m.confirmed_checksum == sent:
+            return latest
+        if manifest_checksum != sent or (loaded_checksum and loaded_checksum != sent):
+            err = PhaseError(
+                Phase.CONFIRM, member_id,
+                f"checksum mismatch: the manifest of version {version} has {sent}, the member reports "
+                f"manifest_checksum {manifest_checksum!r} and loaded_checksum {loaded_checksum!r}",
+                policy_version=version, membership_epoch=self.epoch,
+            )
+            self.drop(m, err)
+            raise DataLoss(str(err))
+        if m.confirmed_version is not None and version < m.confirmed_version and version != latest:
+            raise FailedPrecondition(f"version {version} is older than version {m.confirmed_version} it confirmed")
+        m.confirmed_version = version
+        m.confirmed_checksum = sent
+        if load_s is not None:
+            self.metrics.load_seconds.observe(load_s)
+        self.events.notify()
+        return latest

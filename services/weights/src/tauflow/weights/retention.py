@@ -1,0 +1,199 @@
+"""The versions the sidecar holds, and Publish: the hand-off of a staged version, idempotent per version.
+
+The sidecar retains the newest accepted version and the one being broadcast (the same one, or an
+older one while a newer waits); a newer publish supersedes a version whose broadcast has not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tauflow.weights.config import WeightsConfig
+from tauflow.weights.errors import (
+    DataLoss,
+    FailedPrecondition,
+    HandoffDeadline,
+    InvalidRequest,
+    NotFound,
+    ResourceExhausted,
+)
+from tauflow.weights.events import Events, log
+from tauflow.weights.metrics import WeightsMetrics
+from tauflow.weightsync import (
+    ChecksumMismatch,
+    Manifest,
+    ManifestError,
+    PhaseError,
+    StagingError,
+    StagingNotFound,
+    read_staged,
+    staging_path,
+    validate,
+)
+
+_KEEP_OUTCOMES = 32  # versions whose Publish outcome a repeat gets back
+
+
+@dataclass
+class Version:
+    manifest: Manifest
+    buffer: torch.Tensor
+    accepted_at: float
+    handoff_s: float
+    traceparent: str = ""
+    tracestate: str = ""
+    broadcast_started: bool = False
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    policy_version: int
+    superseded_policy_version: int | None
+    handoff_s: float
+
+
+class BufferPool:
+    """Spare version buffers, reused so that a hand-off does not fault fresh pages in."""
+
+    def __init__(self, pin: bool, spare: int = 2) -> None:
+        self.pin = pin
+        self.spare = spare
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self._free):
+            if buf.numel() == nbytes:
+                return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+        del self._free[: -self.spare]
+
+
+class Retention:
+    def __init__(self, config: WeightsConfig, events: Events, metrics: WeightsMetrics) -> None:
+        self.config = config
+        self.events = events
+        self.metrics = metrics
+        self.latest: Version | None = None
+        self.broadcasting: Version | None = None
+        self._outcomes: OrderedDict[int, tuple[str, PublishOutcome]] = OrderedDict()  # version -> (checksum, outcome)
+        self._pool = BufferPool(pin=config.backend == "nccl" and torch.cuda.is_available())
+        self._publish_lock = asyncio.Lock()
+
+    @property
+    def latest_version(self) -> int | None:
+        return self.latest.manifest.policy_version if self.latest else None
+
+    def retained_bytes(self) -> int:
+        versions = {id(v): v for v in (self.latest, self.broadcasting) if v is not None}
+        return sum(v.manifest.total_bytes for v in versions.values())
+
+    def _release(self, version: Version | None) -> None:
+        if version is not None and version is not self.latest and version is not self.broadcasting:
+            self._pool.give(version.buffer)
+
+    # -- the broadcast holds the version it sends --
+
+    def start_broadcast(self) -> Version:
+        """The newest version, now being broadcast (a later publish no longer supersedes it)."""
+        version = self.latest
+        assert version is not None
+        self.broadcasting = version
+        version.broadcast_started = True
+        return version
+
+    def end_broadcast(self, version: Version) -> None:
+        self.broadcasting = None
+        self._release(version)
+
+    # -- Publish / GetManifest --
+
+    async def publish(
+        self, manifest: Manifest, staging_uri: str, rebase: bool = False, traceparent: str = "", tracestate: str = ""
+    ) -> PublishOutcome:
+        try:
+            validate(manifest)
+            staging_path(staging_uri)
+        except (ManifestError, StagingError) as e:
+            raise InvalidRequest(str(e)) from None
+        version = manifest.policy_version
+        async with self._publish_lock:
+            prior = self._outcomes.get(version)
+            if prior is not None and prior[0] == manifest.checksum and not rebase:
+                return prior[1]
+            latest = self.latest
+            if latest is not None and not rebase:
+                newest = latest.manifest.policy_version
+                if version < newest:
+                    raise FailedPrecondition(
+                        f"version {version} is older than the newest accepted version {newest} "
+                        "(set rebase to replace it)"
+                    )
+                if version == newest and manifest.checksum != latest.manifest.checksum:
+                    raise FailedPrecondition(
+                        f"version {version} was accepted with checksum {latest.manifest.checksum}, this one has "
+                        f"{manifest.checksum} (set rebase to replace it)"
+                    )
+            held = self.broadcasting.manifest.total_bytes if self.broadcasting is not None else 0
+            limit = self.config.max_retained_bytes
+            if held + manifest.total_bytes > limit:
+                raise ResourceExhausted(
+                    f"version {version} needs {manifest.total_bytes} bytes; with the {held} bytes of the version "
+                    f"being broadcast that exceeds max_retained_bytes {limit}"
+                )
+            buf = self._pool.take(manifest.total_bytes)
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(
+                    read_staged, staging_uri, manifest, buf, deadline_s=self.config.deadlines.handoff_s
+                )
+            except BaseException as e:
+                self._pool.give(buf)
+                self.metrics.handoff_failures.inc()
+                if isinstance(e, StagingNotFound):
+                    raise NotFound(str(e)) from None
+                if isinstance(e, ChecksumMismatch):
+                    raise DataLoss(str(e)) from None
+                if isinstance(e, PhaseError):
+                    self.events.record(e)
+                    raise HandoffDeadline(str(e)) from None
+                if isinstance(e, StagingError):
+                    raise InvalidRequest(str(e)) from None
+                raise
+            handoff_s = time.monotonic() - started
+            superseded = None
+            if latest is not None and not latest.broadcast_started and latest.manifest.policy_version < version:
+                superseded = latest.manifest.policy_version
+                self.metrics.superseded_versions.inc()
+            if rebase:
+                for k in [k for k in self._outcomes if k >= version]:
+                    del self._outcomes[k]
+            self.latest = Version(manifest, buf, self.events.clock(), handoff_s, traceparent, tracestate)
+            self._release(latest)
+            outcome = PublishOutcome(version, superseded, handoff_s)
+            self._outcomes[version] = (manifest.checksum, outcome)
+            while len(self._outcomes) > _KEEP_OUTCOMES:
+                self._outcomes.popitem(last=False)
+            self.metrics.handoff_seconds.observe(handoff_s)
+            self.metrics.published_bytes.inc(manifest.total_bytes)
+            log.info("accepted version", extra={"policy_version": version, "bytes": manifest.total_bytes,
+                                                "handoff_ms": round(handoff_s * 1000, 1), "superseded": superseded})
+            self.events.notify()
+            return outcome
+
+    def manifest(self, version: int | None) -> Manifest:
+        if version is None:
+            if self.latest is None:
+                raise NotFound("no version has been published yet")
+            return self.latest.manifest
+        for held in (self.latest, self.broadcasting):
+            if held is not None and held.manifest.policy_version == version:
+                return held.manifest
+        raise NotFound(f"version {version} was never published or is no longer retained")
