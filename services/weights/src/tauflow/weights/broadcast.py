@@ -263,6 +263,12 @@ class Broadcast:
         if not isinstance(own, BaseException):
             self._group = own
         self.membership.group_ids = [m.member_id for m in members]
+        gone = [m.member_id for m in members if self.membership.members.get(m.member_id) is not m]
+        if gone:  # left (or was replaced by a new Join) while the group was built: this group is short of it
+            log.info("a member left while its group was built; rebuilding", extra={"members": gone, "group": name})
+            self.membership.group_ids = [i for i in self.membership.group_ids if i not in gone]
+            self.membership.group_broken = True
+            return False
         if any(isinstance(r, BaseException) for r in results):
             self._drop_culprits(Phase.GROUP_INIT, members, results, membership_epoch=epoch)
             return False

@@ -1,0 +1,69 @@
+"""The broadcast loop's group build, in process (fake members, a fake process group): membership changes
+while a group is being built must not break the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import tauflow.weights.broadcast as broadcast_module
+from tauflow.weights.config import WeightsConfig
+from tauflow.weights.sidecar import Sidecar
+from tauflow.weightsync import GroupSpec
+
+
+class FakeGroup:
+    """Stands in for the torch.distributed group (a TCPStore rendezvous needs the members' ranks)."""
+
+    def __init__(self, store: Any, spec: GroupSpec, labels: dict[int, str]) -> None:
+        self.spec, self.name = spec, spec.group_name
+
+    def destroy(self) -> None:
+        pass
+
+
+class FakeStore:
+    store = None
+    port = 1
+
+
+class FakeMember:
+    def __init__(self, release: asyncio.Event, called: asyncio.Event) -> None:
+        self.release, self.called = release, called
+
+    async def init_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        self.called.set()
+        await self.release.wait()
+
+    async def update_bucket(self, request: Any, timeout_s: float) -> None:
+        pass
+
+    async def destroy_group(self, group_name: str, timeout_s: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_member_that_leaves_while_its_group_is_built_gets_a_rebuild_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(broadcast_module, "WeightGroup", FakeGroup)
+    release, called = asyncio.Event(), asyncio.Event()
+    sidecar = Sidecar(WeightsConfig(), FakeStore(), lambda address: FakeMember(release, called))
+    sidecar.membership.join("a", "127.0.0.1:1", 1, ("gloo",), None, "")
+    building = asyncio.create_task(sidecar.broadcast._rebuild())
+    await asyncio.wait_for(called.wait(), 5)
+    sidecar.membership.leave("a", "stopping")  # JOINING, not yet in a group: removed at once
+    release.set()
+    # Before the fix the build said True with "a" gone, and the loop's next read of its members raised KeyError.
+    assert await asyncio.wait_for(building, 5) is False
+    assert sidecar.membership.group_ids == [] and sidecar.membership.group_outdated()
+    # The next build, with the member that is there, succeeds.
+    sidecar.membership.join("b", "127.0.0.1:2", 1, ("gloo",), None, "")
+    assert await asyncio.wait_for(sidecar.broadcast._rebuild(), 5) is True
+    assert sidecar.membership.group_ids == ["b"]
+    members = [sidecar.membership.members[i] for i in sidecar.membership.group_ids]  # what the loop reads next
+    assert [m.member_id for m in members] == ["b"]
