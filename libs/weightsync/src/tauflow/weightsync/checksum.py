@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 import xxhash
@@ -32,7 +33,7 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
-_FACTORIES = {
+_FACTORIES: dict[str, Callable[[], Hasher]] = {
     "xxh3-64": xxhash.xxh3_64,
     "crc32": _Crc32,
     "sha256": hashlib.sha256,
@@ -43,7 +44,7 @@ ALGORITHMS = tuple(_FACTORIES)
 def new_hasher(algorithm: str = DEFAULT_ALGORITHM) -> Hasher:
     """A streaming hasher for ``algorithm``; ``ValueError`` names the ones supported."""
     try:
-        return _FACTORIES[algorithm]()  # type: ignore[no-any-return]
+        return _FACTORIES[algorithm]()
     except KeyError:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}; supported: {', '.join(ALGORITHMS)}") from None
 

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -189,7 +190,7 @@ class WeightGroup:
         return self._pg is None
 
 
-def _make_backend(spec: GroupSpec, store: dist.Store):  # type: ignore[no-untyped-def]
+def _make_backend(spec: GroupSpec, store: dist.Store) -> Any:  # torch's stubs: no common type with collectives
     timeout = _td(spec.timeout_s)
     if spec.backend == "gloo":
         return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
@@ -206,7 +207,7 @@ def _make_backend(spec: GroupSpec, store: dist.Store):  # type: ignore[no-untype
         o = dist.BroadcastOptions()
         o.rootRank = 0
         o.rootTensor = 0
-        pg.broadcast([probe], o).wait()
+        pg.broadcast([probe], o).wait()  # type: ignore[attr-defined]  # torch's stubs omit the backend's collectives
         torch.cuda.synchronize()
         return pg
     raise ValueError(f"unknown backend {spec.backend!r}; supported: {', '.join(BACKENDS)}")

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -124,8 +125,8 @@ class Stager:
                         _write_zeros(fd, b.offset_bytes + end, pad)
                         update_zeros(hasher, pad)
                     data = tensor_bytes(state_dict[spec.name])
-                    _pwrite_all(fd, memoryview(data), b.offset_bytes + spec.offset_bytes)
-                    hasher.update(memoryview(data))
+                    _pwrite_all(fd, data.data, b.offset_bytes + spec.offset_bytes)
+                    hasher.update(data.data)
                     end = spec.offset_bytes + spec.size_bytes
                 if b.size_bytes > end:
                     _write_zeros(fd, b.offset_bytes + end, b.size_bytes - end)
@@ -150,7 +151,7 @@ class Stager:
             self._file = None
 
 
-def _create_locked(directory: Path):  # type: ignore[no-untyped-def]
+def _create_locked(directory: Path) -> tuple[BinaryIO, Path]:
     """A new staging file of our own in ``directory``, open and locked; returns (file, path)."""
     while True:
         path = directory / f"{OWN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -228,7 +229,7 @@ def read_staged(
     except OSError as e:
         raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
     hasher = new_hasher(manifest.checksum_algorithm)
-    dest = memoryview(out.numpy()[: manifest.total_bytes])
+    dest = out.numpy()[: manifest.total_bytes].data
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < manifest.total_bytes:

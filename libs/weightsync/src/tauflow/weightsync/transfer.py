@@ -358,7 +358,7 @@ class WeightReceiver:
         if req.load_format == LOAD_FORMAT_FLAT:
             group.broadcast([buf], policy_version=req.policy_version, bucket_index=req.bucket_index)
             cpu = buf if buf.device.type == "cpu" else buf.cpu()
-            p.hasher.update(memoryview(cpu.numpy()))
+            p.hasher.update(cpu.numpy().data)
             p.tensors.update(zip(req.names, tensors, strict=True))
         else:
             # SGLang's layout: one broadcast per tensor, received into views of the same bucket buffer
@@ -366,7 +366,7 @@ class WeightReceiver:
             end = 0
             for name, t, (offset, size) in zip(req.names, tensors, layout, strict=True):
                 update_zeros(p.hasher, offset - end)
-                p.hasher.update(memoryview(tensor_bytes(t)))
+                p.hasher.update(tensor_bytes(t).data)
                 end = offset + size
                 p.tensors[name] = t
             update_zeros(p.hasher, bucket_size - end)

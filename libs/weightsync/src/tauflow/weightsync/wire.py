@@ -3,9 +3,16 @@ and the sidecar, which receives. Protobuf only, never grpc."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tauflow.api.weights.v1 import weights_pb2 as pb
 from tauflow.core.protobuf import timestamp
 from tauflow.weightsync.manifest import BucketSpec, Manifest, TensorSpec
+
+if TYPE_CHECKING:  # (imported where used: they bring torch)
+    from tauflow.api.rollout.v1 import rollout_pb2
+    from tauflow.weightsync.group import GroupSpec
+    from tauflow.weightsync.transfer import BucketRequest
 
 
 def manifest_from_proto(m: pb.WeightManifest) -> Manifest:
@@ -57,7 +64,7 @@ def manifest_to_proto(m: Manifest) -> pb.WeightManifest:
 # -- the rollout side of the control plane (tauflow.api.rollout.v1), shared by every receiver ---------
 
 
-def group_spec_from_proto(request, default_timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+def group_spec_from_proto(request: rollout_pb2.InitWeightsUpdateGroupRequest, default_timeout_s: float = 60.0) -> GroupSpec:
     """GroupSpec of an InitWeightsUpdateGroupRequest (SGLang's init_weights_update_group arguments)."""
     from tauflow.weightsync.group import GroupSpec
 
@@ -68,7 +75,7 @@ def group_spec_from_proto(request, default_timeout_s: float = 60.0):  # type: ig
     )
 
 
-def bucket_request_from_proto(request, checksum_algorithm: str):  # type: ignore[no-untyped-def]
+def bucket_request_from_proto(request: rollout_pb2.UpdateWeightsFromDistributedRequest, checksum_algorithm: str) -> BucketRequest:
     """BucketRequest of an UpdateWeightsFromDistributedRequest (SGLang's names/dtypes/shapes and ours)."""
     from tauflow.weightsync.transfer import BucketRequest
 
