@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import task  # noqa: E402
+import task
 
 
 def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -66,7 +66,8 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 1e-3, ba
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
+    from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
+    from tauflow.trainer.optim import OptimConfig
     hf_logging.disable_progress_bar()
     settings = {"recipe": 4, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden,
                 "layers": layers, "heads": heads}

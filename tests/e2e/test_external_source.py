@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.client import QueueClient, TauflowError
-from tests.conftest import make_group
+from tauflow.core.testing import make_group
 from tests.runs import run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]

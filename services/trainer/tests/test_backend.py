@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tauflow.trainer.backend import (
-    STATE_JSON,
-    OptimConfig,
-    TorchBackend,
-    TorchBackendConfig,
-    latest_checkpoint,
-    list_checkpoints,
-    lr_factor,
-)
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample
+from tauflow.trainer.checkpoint import STATE_JSON, latest_checkpoint, list_checkpoints
+from tauflow.trainer.optim import OptimConfig, lr_factor
 
 MakeGroups = Callable[..., list[Group]]
 

@@ -128,7 +128,7 @@ def test_sample_validation_and_versions() -> None:
 
 def test_group_from_proto() -> None:
     from tauflow.api.common.v1 import common_pb2
-    from tauflow.trainer.convert import group_from_proto
+    from tauflow.trainer.adapters.convert import group_from_proto
 
     pb = common_pb2.Group(
         group_id="g1",

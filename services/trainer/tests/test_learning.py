@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample
+from tauflow.trainer.optim import OptimConfig
 
 PROMPT = [1, 2]
 TARGET = 3

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig, latest_checkpoint
-from tauflow.trainer.loop import LoopSettings, State, TrainerLoop
+from tauflow.core.staleness import UNBOUNDED
+from tauflow.trainer.adapters.convert import step_to_proto
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
+from tauflow.trainer.checkpoint import latest_checkpoint
+from tauflow.trainer.config import TrainerConfig
+from tauflow.trainer.loop import State, TrainerLoop
+from tauflow.trainer.optim import OptimConfig
 from tauflow.trainer.ports import Batch
 
 
@@ -58,14 +65,26 @@ class FakePublisher:
         self.versions.append((version, rebase))
 
 
-def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int) -> TrainerLoop:  # type: ignore[no-untyped-def]
-    config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
-    backend = TorchBackend(config, checkpoint=latest_checkpoint(ckpt) if ckpt.exists() else None)
-    settings = LoopSettings(
-        groups_per_step=2, max_staleness=-1, total_steps=total, checkpoint_dir=ckpt,
-        checkpoint_every_steps=2, lease_s=60, get_wait_s=0.1, history_steps=100,
-    )
-    return TrainerLoop(backend, queue, publisher, settings)
+def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides) -> TrainerLoop:  # type: ignore[no-untyped-def]
+    backend_config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
+    backend = TorchBackend(backend_config, checkpoint=latest_checkpoint(ckpt) if ckpt.exists() else None)
+    settings = {
+        "groups_per_step": 2, "max_staleness": UNBOUNDED, "total_steps": total, "checkpoint_dir": str(ckpt),
+        "checkpoint_every_steps": 2, "lease_s": 60, "get_wait_s": 0.1, "history_steps": 100,
+    }
+    return TrainerLoop(backend, queue, publisher, TrainerConfig(backend=backend_config, **{**settings, **overrides}))
+
+
+async def _until(condition: Callable[[], bool], task: asyncio.Task, timeout_s: float = 30.0) -> None:  # type: ignore[type-arg]
+    """Waits until ``condition()`` holds (failing after ``timeout_s``, or with the loop's own error)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if task.done():
+            task.result()  # the loop ended first: raises its error
+            raise AssertionError("the loop finished before the condition held")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s")
+        await asyncio.sleep(0.01)
 
 
 def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -85,14 +104,10 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
         assert all(v >= 0 for v in timing.values()) and timing["time/train_s"] > 0
     commits = [r.committed_at for r in first.history]
     assert None not in commits and commits == sorted(commits)
-    from tauflow.trainer.servicer import step_to_proto
-
     assert step_to_proto(first.history[0]).committed_at.ToNanoseconds() == int(commits[0] * 1e9)
 
     # Now a crash: the trainer trains step 4 (version 4) and dies before its checkpoint.
-    crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4)
-    crashed.s.checkpoint_every_steps = 100
-    crashed.s.total_steps = 4
+    crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4, checkpoint_every_steps=100)
     crashed.checkpoint = _killed  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="killed"):
         asyncio.run(crashed.run())
@@ -114,8 +129,7 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
 
 def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
     queue, publisher = FakeQueue(make_groups(1, 9), max_per_get=1), FakePublisher()
-    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=3)
-    loop.s.groups_per_step = 3
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=3, groups_per_step=3)
     asyncio.run(loop.run())
     assert loop.version == 3 and [r.groups for r in loop.history] == [3, 3, 3]
     assert len(queue.acked) == len(set(queue.acked)) == 9 and not queue.leases  # every part acked
@@ -126,13 +140,12 @@ def test_the_leases_of_a_partial_step_are_renewed_while_the_rest_is_generated(
 ) -> None:  # type: ignore[no-untyped-def]
     groups = make_groups(1, 2)
     queue, publisher = FakeQueue(groups[:1], max_per_get=1), FakePublisher()
-    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1)
-    loop.s.lease_s = 0.1  # renewed at half of it
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1, lease_s=0.1)  # renewed at half
 
     async def scenario() -> None:
         task = asyncio.create_task(loop.run())
-        await asyncio.sleep(0.5)  # the first part is leased; the second group is not there yet
-        assert loop.version == 0 and "lease-1" in queue.renewed
+        await _until(lambda: "lease-1" in queue.renewed, task)  # the first part, leased while the second is missing
+        assert loop.version == 0 and queue.pending == []
         queue.pending.append(groups[1])
         await asyncio.wait_for(task, 30)
 
@@ -142,3 +155,11 @@ def test_the_leases_of_a_partial_step_are_renewed_while_the_rest_is_generated(
 
 async def _killed(directory=None):  # type: ignore[no-untyped-def]
     raise RuntimeError("killed before the checkpoint")
+
+
+def test_the_staleness_dial_takes_only_a_tau(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", FakeQueue([]), None, total=1, max_staleness=1)
+    assert loop.max_staleness == 1 and loop.set_max_staleness(UNBOUNDED) == UNBOUNDED == loop.max_staleness
+    with pytest.raises(ValueError, match=r"max_staleness=-2 must be -1 \(unbounded\) or at least 0"):
+        loop.set_max_staleness(-2)
+    assert loop.max_staleness == UNBOUNDED

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from tauflow.api.common.v1 import common_pb2
-from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
-from tauflow.trainer.convert import group_from_proto
+from tauflow.trainer.adapters.convert import group_from_proto
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
+from tauflow.trainer.optim import OptimConfig
 
 PROMPT = [1, 2, 3]
 # model 4 5 | tool 6 7 | model 8 | tool 9 10

@@ -11,9 +11,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from tauflow.core.staleness import UNBOUNDED
 from tauflow.core.telemetry import traceparent_of
-from tauflow.trainer.backend import OptimConfig, TorchBackend, TorchBackendConfig
-from tauflow.trainer.loop import LoopSettings, TrainerLoop
+from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
+from tauflow.trainer.config import TrainerConfig
+from tauflow.trainer.loop import TrainerLoop
+from tauflow.trainer.optim import OptimConfig
 from tauflow.trainer.ports import Batch
 
 
@@ -72,12 +75,13 @@ def test_a_step_span_links_its_groups_with_their_staleness_and_holds_its_phases(
             roots.append(root)
     queue = TracedQueue(groups, [traceparent_of(r)[0] for r in roots])
     publisher = ContextPublisher()
-    backend = TorchBackend(TorchBackendConfig(model_path=str(tiny_model_dir), optim=OptimConfig(lr=1e-3)))
-    settings = LoopSettings(
-        groups_per_step=2, max_staleness=-1, total_steps=2, checkpoint_dir=tmp_path / "ckpt",
-        checkpoint_every_steps=100, lease_s=60, get_wait_s=0.1, history_steps=100,
+    backend_config = TorchBackendConfig(model_path=str(tiny_model_dir), optim=OptimConfig(lr=1e-3))
+    config = TrainerConfig(
+        backend=backend_config, groups_per_step=2, max_staleness=UNBOUNDED, total_steps=2,
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=100, lease_s=60, get_wait_s=0.1,
+        history_steps=100,
     )
-    asyncio.run(TrainerLoop(backend, queue, publisher, settings).run())
+    asyncio.run(TrainerLoop(TorchBackend(backend_config), queue, publisher, config).run())
 
     spans = exporter.get_finished_spans()
     steps = sorted((s for s in spans if s.name == "trainer.step"), key=lambda s: s.attributes["rl.step"])

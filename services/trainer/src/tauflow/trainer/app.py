@@ -9,19 +9,32 @@ from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.trainer import __version__
-from tauflow.trainer.backend import TorchBackend, latest_checkpoint
-from tauflow.trainer.clients import GrpcQueue, SidecarPublisher
+from tauflow.trainer.adapters.queue_client import GrpcQueue
+from tauflow.trainer.adapters.servicer import TrainerServicer
+from tauflow.trainer.adapters.weights_client import SidecarPublisher
+from tauflow.trainer.backend import TorchBackend
+from tauflow.trainer.checkpoint import latest_checkpoint
 from tauflow.trainer.config import TrainerConfig
-from tauflow.trainer.loop import LoopSettings, TrainerLoop
+from tauflow.trainer.loop import TrainerLoop
 from tauflow.trainer.metrics import TrainerMetrics
-from tauflow.trainer.servicer import TrainerServicer
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+
+
+def quiet_progress_bars() -> None:
+    """No progress bars in a service log: transformers draws one for every load ("Loading weights") and
+    every save ("Writing model shards"), huggingface_hub for every download."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 async def build(config: TrainerConfig) -> ServiceApp:
     import torch
 
+    quiet_progress_bars()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     checkpoint = latest_checkpoint(config.checkpoint_dir) if Path(config.checkpoint_dir).exists() else None
     backend = TorchBackend(config.backend, checkpoint=checkpoint)
@@ -32,22 +45,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
         else None
     )
     metrics = TrainerMetrics()
-    loop = TrainerLoop(
-        backend,
-        queue,
-        publisher,
-        LoopSettings(
-            groups_per_step=config.groups_per_step,
-            max_staleness=config.max_staleness,
-            total_steps=config.total_steps,
-            checkpoint_dir=Path(config.checkpoint_dir),
-            checkpoint_every_steps=config.checkpoint_every_steps,
-            lease_s=config.lease_s,
-            get_wait_s=config.get_wait_s,
-            history_steps=config.history_steps,
-        ),
-        on_step=metrics.observe,
-    )
+    loop = TrainerLoop(backend, queue, publisher, config, on_step=metrics.observe)
     servicer = TrainerServicer(loop, config.backend.algorithm)
 
     async def train() -> None:

@@ -1,5 +1,5 @@
 """The ``torch`` training backend: the policy model, the reference model, the optimizer, one optimizer
-step per batch, and checkpoints.
+step per batch; its state goes to and comes from the checkpoint store (checkpoint.py).
 
 One `train_step` is one optimizer step and one policy version: the step with index k (the current
 version) consumes a batch of groups and turns version k into k + 1. A group is trained at most once: its
@@ -10,15 +10,9 @@ already recorded is skipped (a batch made only of such groups commits no step).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import random
-import re
-import shutil
-import sys
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +21,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
+from tauflow.core.staleness import UNBOUNDED, too_stale
 from tauflow.trainer.algorithms import (
     Algorithm,
     LossInputs,
@@ -43,61 +38,18 @@ from tauflow.trainer.batch import (
     pack,
     split_by_token_budget,
 )
+from tauflow.trainer.checkpoint import (
+    CheckpointInfo,
+    read_checkpoint_info,
+    read_trainer_state,
+    resolve_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from tauflow.trainer.optim import OptimConfig, build_optimizer
 
 tracer = trace.get_tracer("tauflow.trainer")
-SCHEDULES = ("constant", "cosine")
-CHECKPOINT_FORMAT = 1
-STATE_JSON = "trainer_state.json"
-STATE_TENSORS = "trainer_state.pt"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
-_CHECKPOINT_NAME = re.compile(r"^v(\d{8,})$")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with gradient-norm clipping and a learning-rate schedule (stepped once per version)."""
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    """Applied to matrices only (ndim >= 2), not to biases and norm weights."""
-    grad_clip: float | None = 1.0
-    """Max global L2 norm of the gradient; None: no clipping (the norm is still reported)."""
-    schedule: str = "constant"
-    """constant (after warmup) or cosine (after warmup, down to min_lr_ratio * lr at total_steps)."""
-    warmup_steps: int = 0
-    total_steps: int | None = None
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
-        if self.schedule == "cosine" and not self.total_steps:
-            raise ValueError("the cosine schedule needs total_steps")
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError("need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1")
-
-
-def lr_factor(step: int, config: OptimConfig) -> float:
-    """Multiplier of ``lr`` for the optimizer step with index ``step`` (0-based)."""
-    if config.warmup_steps and step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.schedule == "constant":
-        return 1.0
-    assert config.total_steps is not None
-    span = max(1, config.total_steps - config.warmup_steps)
-    progress = min(1.0, max(0.0, (step - config.warmup_steps) / span))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -110,7 +62,7 @@ class TorchBackendConfig:
     algorithm: str = "grpo"
     algorithm_options: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's config (see algorithms.AlgorithmConfig)."""
-    optim: OptimConfig = OptimConfig()
+    optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_tokens: int = 8192
     """Gradient accumulation: each forward/backward holds at most this many padded tokens."""
     temperature: float = 1.0
@@ -163,90 +115,6 @@ class StepResult:
     skipped_stale_group_ids: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    path: Path
-    policy_version: int
-    created_at: float
-    """Unix time at which writing completed."""
-    size_bytes: int
-    trained_groups: int
-
-
-def checkpoint_name(version: int) -> str:
-    return f"v{version:08d}"
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest version first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / STATE_JSON).exists()]
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """``path`` itself when it is a checkpoint folder, else the newest checkpoint in it."""
-    path = Path(path)
-    if (path / STATE_JSON).exists():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"no tauflow trainer checkpoint in {path}")
-    return latest
-
-
-def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
-    path = Path(path)
-    meta = json.loads((path / STATE_JSON).read_text())
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return CheckpointInfo(path, meta["policy_version"], meta["created_at"], size, len(meta["trained_group_ids"]))
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        name, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
 class TorchBackend:
     """Holds the policy (and reference) model and its optimizer; trains on groups; checkpoints.
 
@@ -272,7 +140,7 @@ class TorchBackend:
             if config.pad_token_id is not None
             else (getattr(self.model.config, "pad_token_id", None) or 0)
         )
-        self.optimizer, self.scheduler = self._build_optimizer()
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
         if self.algorithm.config.uses_reference:
             self._ensure_reference()
         if checkpoint is not None:
@@ -301,21 +169,6 @@ class TorchBackend:
             ref.requires_grad_(False)
             self.ref_model = ref
         return self.ref_model
-
-    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        o = self.config.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-
-        def factor(step: int) -> float:
-            return lr_factor(step, o)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return optimizer, scheduler
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.autocast_dtype is None:
@@ -351,13 +204,13 @@ class TorchBackend:
         groups: Sequence[Group],
         algorithm: Algorithm | None = None,
         *,
-        max_staleness: int | None = None,
+        max_staleness: int = UNBOUNDED,
     ) -> StepResult:
         """One optimizer step on a batch of groups (one policy version).
 
         Groups already trained (by id, in this run or before the checkpoint it resumed from) are skipped;
-        when every group is, nothing is committed. With ``max_staleness`` >= 0, groups whose staleness
-        (step − oldest behaviour version) exceeds it are dropped, not trained and not recorded. The step
+        when every group is, nothing is committed. With a bounded ``max_staleness`` (τ), groups too stale
+        for this step (tauflow.core.staleness.too_stale) are dropped, not trained and not recorded. The step
         commits (version + 1) whenever it consumed at least one group, even if no token had a gradient
         (all groups zero-advantage): one batch, one version, as the queue's pacing counts it.
         """
@@ -375,10 +228,8 @@ class TorchBackend:
             else:
                 seen.add(g.group_id)
                 fresh.append(g)
-        stale: list[str] = []
-        if max_staleness is not None and max_staleness >= 0:
-            stale = [g.group_id for g in fresh if g.staleness(step) > max_staleness]
-            fresh = [g for g in fresh if g.staleness(step) <= max_staleness]
+        stale = [g.group_id for g in fresh if too_stale(step, g.oldest_version, max_staleness)]
+        fresh = [g for g in fresh if not too_stale(step, g.oldest_version, max_staleness)]
         if not fresh:
             return StepResult(
                 step=step,
@@ -531,55 +382,27 @@ class TorchBackend:
     # Checkpoints
 
     def save_checkpoint(self, root: str | Path, *, keep: int | None = None) -> CheckpointInfo:
-        """Write ``root/v{version:08d}/``: the weights in Hugging Face format (``from_pretrained`` loads that
-        folder), tokenizer files copied from the source model, and the trainer state (optimizer, schedule,
-        RNG, version, trained group ids). Written into a temporary folder and renamed: a checkpoint folder
-        is complete or absent. A checkpoint of the same version already there is returned as it is.
+        """Write ``root/v{version:08d}/`` (checkpoint.write_checkpoint): the weights in Hugging Face format,
+        tokenizer files copied from the source model, and the trainer state (optimizer, schedule, RNG,
+        version, trained group ids). A checkpoint of the same version already there is returned as it is.
         Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all)."""
-        root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / checkpoint_name(self.version)
-        if (final / STATE_JSON).exists():
-            return read_checkpoint_info(final)
-        for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            self.model.save_pretrained(tmp)
-            for name in TOKENIZER_FILES:
-                src = self._weights_source / name
-                if src.is_file():
-                    shutil.copy2(src, tmp / name)
-            state = {
+        return write_checkpoint(
+            root,
+            self.version,
+            save_weights=self.model.save_pretrained,
+            tokenizer_source=self._weights_source,
+            trainer_state=lambda: {
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
-                "rng": _rng_state(),
-            }
-            torch.save(state, tmp / STATE_TENSORS)
-            meta = {
-                "format": CHECKPOINT_FORMAT,
-                "policy_version": self.version,
-                "created_at": time.time(),
+                "rng": rng_state(),
+            },
+            meta={
                 "algorithm": self.algorithm.name,
                 "algorithm_config": asdict(self.algorithm.config),
                 "trained_group_ids": sorted(self.trained_group_ids),
-            }
-            (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1))
-            _fsync_tree(tmp)
-            if final.exists():  # an incomplete folder of that name (no state file): not ours to trust
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        keep = self.config.keep_checkpoints if keep is None else keep
-        if keep > 0:
-            for old in list_checkpoints(root)[:-keep]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        return read_checkpoint_info(final)
+            },
+            keep=self.config.keep_checkpoints if keep is None else keep,
+        )
 
     def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
         """Restore weights, optimizer, schedule, RNG, version and trained group ids from a checkpoint folder,
@@ -587,17 +410,14 @@ class TorchBackend:
         path = resolve_checkpoint(path)
         self._weights_source = path
         self.model = self._load_policy(path)
-        self.optimizer, self.scheduler = self._build_optimizer()
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
         self._restore_state(path)
         return read_checkpoint_info(path)
 
     def _restore_state(self, path: Path) -> None:
-        meta = json.loads((path / STATE_JSON).read_text())
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        state = torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
+        meta, state = read_trainer_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tauflow.core.staleness import staleness
+
 PADDING_SIDES = ("right", "left")
 
 
@@ -91,8 +93,7 @@ class Group:
 
     def staleness(self, step: int) -> int:
         """``step − oldest behaviour version`` (0 when no version is known; never negative)."""
-        oldest = self.oldest_version
-        return 0 if oldest is None else max(0, step - oldest)
+        return staleness(step, self.oldest_version)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig
+from tauflow.core.staleness import UNBOUNDED
 from tauflow.trainer.backend import TorchBackendConfig
 
 
@@ -16,7 +17,7 @@ class TrainerConfig(ServiceConfig):
     weights_address: str = Field("", description="the weight sidecar; empty: versions are not published")
     consumer_id: str = "trainer-0"
     groups_per_step: int = Field(8, ge=1, description="groups per optimizer step (one batch = one version)")
-    max_staleness: int = Field(1, ge=-1, description="tau: groups staler than this are never trained on")
+    max_staleness: int = Field(1, ge=UNBOUNDED, description="tau: groups staler than this are never trained on")
     total_steps: int = Field(0, ge=0, description="stop after this policy version; 0 runs until stopped")
     checkpoint_dir: str = "./tauflow-trainer-checkpoints"
     checkpoint_every_steps: int = Field(

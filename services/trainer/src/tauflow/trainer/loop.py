@@ -22,12 +22,16 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from tauflow.core.staleness import check_tau
 from tauflow.core.telemetry import set_error, span_context_of
-from tauflow.trainer.backend import CheckpointInfo, StepResult, TorchBackend
+from tauflow.trainer.backend import StepResult, TorchBackend
+from tauflow.trainer.checkpoint import CheckpointInfo
+from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 
 log = logging.getLogger(__name__)
@@ -46,21 +50,34 @@ class State(enum.Enum):
 
 
 @dataclass
-class LoopSettings:
-    groups_per_step: int
-    max_staleness: int
-    total_steps: int  # 0: until stopped
-    checkpoint_dir: Path
-    checkpoint_every_steps: int
-    lease_s: float
-    get_wait_s: float
-    history_steps: int
-
-
-@dataclass
 class HeldLease:
     lease_id: str
     renewed_at: float
+
+
+class QueueGet(NamedTuple):
+    """One Get of a step that brought groups (wall-clock ns, for its ``queue.get`` span)."""
+
+    started_ns: int
+    ended_ns: int
+    groups: int
+
+
+@dataclass
+class StepTiming:
+    """Where a step's time goes (monotonic seconds): waiting for data, training, and the hand-off to the
+    sidecar (the only part of a publish the trainer waits for)."""
+
+    waited_from: float  # since the last step: a wait spans several long polls
+    trained_from: float = 0.0
+    trained_until: float = 0.0
+
+    def metrics(self, publish_s: float) -> dict[str, float]:
+        return {
+            "time/wait_s": self.trained_from - self.waited_from,
+            "time/train_s": self.trained_until - self.trained_from,
+            "time/publish_s": publish_s,
+        }
 
 
 class TrainerLoop:
@@ -69,25 +86,27 @@ class TrainerLoop:
         backend: TorchBackend,
         queue: QueuePort,
         publisher: PublisherPort | None,
-        settings: LoopSettings,
+        config: TrainerConfig,
         on_step=None,  # type: ignore[no-untyped-def]
     ) -> None:
         self.backend = backend
         self.queue = queue
         self.publisher = publisher
-        self.s = settings
+        self.config = config
+        self.checkpoint_dir = Path(config.checkpoint_dir)
+        self.max_staleness = config.max_staleness  # τ: SetMaxStaleness turns it while the loop runs
         self.on_step = on_step
         self.state = State.STARTING
         self.published_version = backend.version if publisher is None else -1
-        self.history: deque[StepResult] = deque(maxlen=settings.history_steps)
-        self.staleness: dict[int, Counter[int]] = {}  # step -> groups by staleness
+        self.history: deque[StepResult] = deque(maxlen=config.history_steps)
+        self.groups_by_staleness: dict[int, Counter[int]] = {}  # step -> its trained groups by staleness
         self.last_checkpoint: CheckpointInfo | None = None
         self.last_error = ""
-        self._held: list[HeldLease] = []
+        self._held: list[HeldLease] = []  # trained, not yet held by a checkpoint: not acked
         self._running = asyncio.Event()
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
-        self._gets: list[tuple[int, int, int]] = []  # (start ns, end ns, groups) of the step's Gets
+        self._gets: list[QueueGet] = []  # the current step's
         self._step_span: trace.Span | None = None
         self._step_token: object = None
 
@@ -96,59 +115,26 @@ class TrainerLoop:
         return self.backend.version
 
     def done(self) -> bool:
-        return bool(self.s.total_steps) and self.version >= self.s.total_steps
+        return bool(self.config.total_steps) and self.version >= self.config.total_steps
 
     async def run(self) -> None:
         try:
-            # The queue re-bases on our version: after a restart from a checkpoint it may be ahead. The
-            # queue learns a version before any engine can generate with it: it refuses groups of
-            # versions it has not heard of (from the future, to it).
-            await self.queue.set_version(self.version, rebase=True)
-            await self._publish(rebase=True)
-            waited_from = time.monotonic()  # since the last step: a wait spans several long polls
+            await self._start()
+            waited_from = time.monotonic()
             while not self.done():
                 await self._running.wait()
                 await self._renew(self._held)
                 self.state = State.WAITING_FOR_DATA
-                parts = await self._step_batch()
+                parts = await self._lease_batch()
                 if not parts:
                     continue
-                groups = [g for part in parts for g in part.groups]
                 self._open_step_span(parts)
-                async with self._lock:
-                    self.state = State.TRAINING
-                    trained_from = time.monotonic()
-                    result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self._tau())
-                    trained_s = time.monotonic() - trained_from
-                    # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
-                    self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
+                result, timing = await self._train(parts, waited_from)
                 if result.committed:
-                    await self.queue.set_version(self.version)  # before the weights: see run()'s start
-                    published_from = time.monotonic()
-                    await self._publish()
-                    # Where a step's time goes: waiting for data, training, and the hand-off to the
-                    # sidecar (the only part of a publish the trainer waits for). Set before the step
-                    # is listed, so ListSteps never shows it without them.
-                    result.metrics.update(
-                        {
-                            "time/wait_s": trained_from - waited_from,
-                            "time/train_s": trained_s,
-                            "time/publish_s": time.monotonic() - published_from,
-                        }
-                    )
-                    trained = set(result.trained_group_ids)
-                    self.staleness[result.step] = Counter(
-                        g.staleness(result.step) for g in groups if g.group_id in trained
-                    )
-                    if len(self.staleness) > self.s.history_steps:
-                        self.staleness.pop(min(self.staleness))
-                    result.committed_at = time.time()
-                    self.history.append(result)
-                    if self.on_step is not None:
-                        self.on_step(result)
+                    await self._commit(result, parts, timing)
                 self._close_step_span(result)
                 waited_from = time.monotonic()
-                if self.version % self.s.checkpoint_every_steps == 0 or self.done():
+                if self._checkpoint_due():
                     await self.checkpoint()
             self.state = State.FINISHED
             log.info("finished", extra={"version": self.version})
@@ -162,30 +148,69 @@ class TrainerLoop:
             self.last_error = f"{type(e).__name__}: {e}"
             raise
 
-    async def _step_batch(self) -> list[Batch]:
+    async def _start(self) -> None:
+        # The queue re-bases on our version: after a restart from a checkpoint it may be ahead. The queue
+        # learns a version before any engine can generate with it: it refuses groups of versions it has
+        # not heard of (from the future, to it).
+        await self.queue.set_version(self.version, rebase=True)
+        await self._publish(rebase=True)
+
+    async def _lease_batch(self) -> list[Batch]:
         """One step's groups, in one lease or several: the queue cuts a batch that would not fit in one
         response (message size limit) and keeps the rest at its head, so further Gets complete the step."""
         parts: list[Batch] = []
         leases: list[HeldLease] = []
-        missing = self.s.groups_per_step
+        missing = self.config.groups_per_step
         self._gets = []
         while missing > 0:
-            get_started = time.time_ns()
-            part = await self.queue.get_batch(missing, self.version, self.s.get_wait_s, self.s.lease_s)
-            if part is not None:
-                self._gets.append((get_started, time.time_ns(), len(part.groups)))
+            started_ns = time.time_ns()
+            part = await self.queue.get_batch(missing, self.version, self.config.get_wait_s, self.config.lease_s)
             if part is None:
                 if not parts:
                     return []
                 await self._renew(self._held + leases)  # the rest may take a while: keep every lease
                 continue
+            self._gets.append(QueueGet(started_ns, time.time_ns(), len(part.groups)))
             parts.append(part)
             leases.append(HeldLease(part.lease_id, time.monotonic()))
             missing -= len(part.groups)
         return parts
 
-    def _tau(self) -> int | None:
-        return None if self.s.max_staleness < 0 else self.s.max_staleness
+    async def _train(self, parts: list[Batch], waited_from: float) -> tuple[StepResult, StepTiming]:
+        """One optimizer step on the groups of ``parts``, in a worker thread; their leases are held from then on."""
+        groups = [g for part in parts for g in part.groups]
+        async with self._lock:
+            self.state = State.TRAINING
+            timing = StepTiming(waited_from, trained_from=time.monotonic())
+            result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self.max_staleness)
+            timing.trained_until = time.monotonic()
+            # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
+            self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
+        return result, timing
+
+    async def _commit(self, result: StepResult, parts: list[Batch], timing: StepTiming) -> None:
+        """A committed step: the queue learns the version, the weights go out, then the step is listed."""
+        await self.queue.set_version(self.version)  # before the weights: see _start
+        published_from = time.monotonic()
+        await self._publish()
+        # Set before the step is listed, so ListSteps never shows it without them.
+        result.metrics.update(timing.metrics(publish_s=time.monotonic() - published_from))
+        self._count_staleness(result, parts)
+        result.committed_at = time.time()
+        self.history.append(result)
+        if self.on_step is not None:
+            self.on_step(result)
+
+    def _count_staleness(self, result: StepResult, parts: list[Batch]) -> None:
+        trained = set(result.trained_group_ids)
+        self.groups_by_staleness[result.step] = Counter(
+            g.staleness(result.step) for part in parts for g in part.groups if g.group_id in trained
+        )
+        if len(self.groups_by_staleness) > self.config.history_steps:
+            self.groups_by_staleness.pop(min(self.groups_by_staleness))
+
+    def _checkpoint_due(self) -> bool:
+        return self.version % self.config.checkpoint_every_steps == 0 or self.done()
 
     async def _publish(self, rebase: bool = False) -> None:
         if self.publisher is None or self.published_version == self.version:
@@ -195,6 +220,14 @@ class TrainerLoop:
         ):
             await self.publisher.publish(self.version, self.backend.state_dict_for_publish(), rebase=rebase)
         self.published_version = self.version
+
+    async def _renew(self, leases: list[HeldLease]) -> None:
+        """Renews each lease held for more than half of its length."""
+        now = time.monotonic()
+        for lease in leases:
+            if now - lease.renewed_at > self.config.lease_s / 2:
+                await self.queue.renew(lease.lease_id, self.config.lease_s)
+                lease.renewed_at = now
 
     # -- tracing -------------------------------------------------------------------------
 
@@ -209,16 +242,16 @@ class TrainerLoop:
                 span_context = span_context_of(traceparent)
                 if span_context is not None:
                     links.append(trace.Link(span_context, {"rl.group_id": g.group_id, "rl.staleness": g.staleness(step)}))
-        start = self._gets[0][0] if self._gets else time.time_ns()
+        start = self._gets[0].started_ns if self._gets else time.time_ns()
         span = tracer.start_span(
             "trainer.step", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links, start_time=start,
             attributes={"rl.step": step, "rl.groups": sum(len(p.groups) for p in parts)},
         )
         ctx = trace.set_span_in_context(span)
-        for get_start, get_end, n in self._gets:
-            tracer.start_span("queue.get", context=ctx, start_time=get_start, attributes={"rl.groups": n}).end(
-                end_time=get_end
-            )
+        for get in self._gets:
+            tracer.start_span(
+                "queue.get", context=ctx, start_time=get.started_ns, attributes={"rl.groups": get.groups}
+            ).end(end_time=get.ended_ns)
         self._step_span, self._step_token = span, otel_context.attach(ctx)
 
     def _close_step_span(self, result: StepResult | None, error: BaseException | None = None) -> None:
@@ -242,14 +275,15 @@ class TrainerLoop:
         otel_context.detach(token)  # type: ignore[arg-type]
         span.end()
 
+    # -- checkpoints and control --------------------------------------------------------
+
     async def checkpoint(self, directory: Path | None = None) -> CheckpointInfo:
         """Writes a checkpoint, then acks every lease whose steps it holds."""
         async with self._lock:
             previous = self.state
             self.state = State.CHECKPOINTING
             try:  # a failed write (a bad directory, a full disk) leaves the state as it was
-                root = directory or self.s.checkpoint_dir
-                info = await asyncio.to_thread(self.backend.save_checkpoint, root)
+                info = await asyncio.to_thread(self.backend.save_checkpoint, directory or self.checkpoint_dir)
                 self.last_checkpoint = info
                 held, self._held = self._held, []
                 for lease in held:
@@ -257,15 +291,6 @@ class TrainerLoop:
             finally:
                 self.state = previous
             return info
-
-    async def _renew(self, leases: list[HeldLease]) -> None:
-        now = time.monotonic()
-        for lease in leases:
-            if now - lease.renewed_at > self.s.lease_s / 2:
-                await self.queue.renew(lease.lease_id, self.s.lease_s)
-                lease.renewed_at = now
-
-    # -- control -------------------------------------------------------------------------
 
     async def pause(self) -> int:
         self._running.clear()
@@ -279,10 +304,8 @@ class TrainerLoop:
         self._running.set()
 
     def set_max_staleness(self, tau: int) -> int:
-        if tau < -1:
-            raise ValueError(f"max_staleness={tau} must be -1 (unbounded) or at least 0")
-        self.s.max_staleness = tau
-        return tau
+        self.max_staleness = check_tau(tau)
+        return self.max_staleness
 
     def steps_from(self, first: int, limit: int) -> tuple[list[StepResult], int]:
         steps = [r for r in self.history if r.step >= first]

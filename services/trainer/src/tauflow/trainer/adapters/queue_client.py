@@ -1,4 +1,5 @@
-"""gRPC implementations of the loop's ports: the queue client (and the weight publisher)."""
+"""The trainer's side of the queue service (implements ports.QueuePort): lease batches, ack and renew
+them, report versions."""
 
 from __future__ import annotations
 
@@ -6,33 +7,19 @@ import asyncio
 import logging
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.core.channel import ChannelConfig, create_channel
+from tauflow.core.channel import create_channel
+from tauflow.core.config import ChannelConfig
 from tauflow.core.protobuf import duration as _duration
-from tauflow.core.telemetry import traceparent_of
-from tauflow.trainer.convert import group_from_proto
+from tauflow.trainer.adapters.convert import group_from_proto
+from tauflow.trainer.adapters.retry import TRANSIENT, until_it_works
 from tauflow.trainer.ports import Batch
 
 log = logging.getLogger(__name__)
 
 
-_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _until_it_works():  # type: ignore[no-untyped-def]
-    """Retries an idempotent call while its service is restarting: the trainer rides it out."""
-    return AsyncRetrying(
-        retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in _TRANSIENT),
-        wait=wait_exponential(0.2, max=5.0),
-        reraise=True,
-    )
-
-
 class GrpcQueue:
-    """The trainer's side of the queue: lease batches, ack them, report versions."""
-
     def __init__(self, address: str, consumer_id: str, channel: ChannelConfig) -> None:
         self.channel = create_channel(address, [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]], channel)
         self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
@@ -40,7 +27,7 @@ class GrpcQueue:
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
         request = queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase)
-        async for attempt in _until_it_works():
+        async for attempt in until_it_works():
             with attempt:
                 await self.stub.SetTrainerVersion(request)
 
@@ -56,7 +43,7 @@ class GrpcQueue:
         try:
             resp = await self.stub.Get(request, timeout=wait_s + 30)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() in TRANSIENT:
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name})
                 await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
@@ -71,7 +58,7 @@ class GrpcQueue:
 
     async def ack(self, lease_id: str) -> None:
         try:
-            async for attempt in _until_it_works():
+            async for attempt in until_it_works():
                 with attempt:
                     await self.stub.Ack(queue_pb2.AckRequest(lease_id=lease_id))
         except grpc.aio.AioRpcError as e:
@@ -84,7 +71,7 @@ class GrpcQueue:
     async def renew(self, lease_id: str, lease_s: float) -> None:
         request = queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s))
         try:
-            async for attempt in _until_it_works():
+            async for attempt in until_it_works():
                 with attempt:
                     await self.stub.RenewLease(request)
         except grpc.aio.AioRpcError as e:
@@ -95,34 +82,4 @@ class GrpcQueue:
             log.warning("lease expired before its renewal", extra={"lease": lease_id})
 
     async def close(self) -> None:
-        await self.channel.close()
-
-
-class SidecarPublisher:
-    """The local hand-off to the weight sidecar: stage the tensors in shared memory, then Publish.
-    Returns once the sidecar has copied them, so the trainer blocks only for two local copies."""
-
-    def __init__(self, address: str, channel: ChannelConfig, model: str = "") -> None:
-        from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
-        from tauflow.weightsync import Stager
-
-        self.pb = weights_pb2
-        self.channel = create_channel(address, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"]], channel)
-        self.stub = weights_pb2_grpc.WeightsServiceStub(self.channel)
-        self.stager = Stager(model=model)
-
-    async def publish(self, version: int, tensors, rebase: bool = False) -> None:  # type: ignore[no-untyped-def]
-        from tauflow.weightsync.wire import manifest_to_proto
-
-        manifest = await asyncio.to_thread(self.stager.stage, tensors, version)
-        request = self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri, rebase=rebase)
-        # The current span is the loop's `weights.publish`: the sidecar's `weights.broadcast` links to it.
-        traceparent, tracestate = traceparent_of()
-        request.trace_context.traceparent, request.trace_context.tracestate = traceparent, tracestate
-        async for attempt in _until_it_works():
-            with attempt:
-                await self.stub.Publish(request)
-
-    async def close(self) -> None:
-        self.stager.close()
         await self.channel.close()

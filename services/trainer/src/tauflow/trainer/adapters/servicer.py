@@ -5,34 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tauflow.core.protobuf import timestamp as _timestamp
-from tauflow.trainer.backend import CheckpointInfo, StepResult
+from tauflow.trainer.adapters.convert import checkpoint_to_proto, step_to_proto
 from tauflow.trainer.loop import State, TrainerLoop
 
 PAGE = 1000
-
-
-def step_to_proto(r: StepResult, staleness: dict[int, int] | None = None) -> trainer_pb2.StepMetrics:
-    duration = Duration()
-    duration.FromNanoseconds(int(r.duration_s * 1e9))
-    return trainer_pb2.StepMetrics(
-        step=r.step, policy_version=r.policy_version, groups=r.groups, samples=r.samples,
-        trained_tokens=r.trained_tokens, max_staleness=r.max_staleness, mean_staleness=r.mean_staleness,
-        mean_reward=r.mean_reward, loss=r.loss, duration=duration,
-        metrics={k: float(v) for k, v in r.metrics.items()},
-        groups_by_staleness={max(0, k): v for k, v in (staleness or {}).items()},
-        committed_at=_timestamp(r.committed_at) if r.committed_at is not None else None,
-    )
-
-
-def checkpoint_to_proto(c: CheckpointInfo) -> trainer_pb2.CheckpointInfo:
-    return trainer_pb2.CheckpointInfo(
-        path=str(c.path), policy_version=c.policy_version, created_at=_timestamp(c.created_at),
-        size_bytes=c.size_bytes, trained_groups=c.trained_groups,
-    )
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -44,12 +22,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         loop = self.loop
         resp = trainer_pb2.GetStatusResponse(
             state=loop.state.value, policy_version=loop.version,
-            published_policy_version=max(loop.published_version, 0), max_staleness=loop.s.max_staleness,
+            published_policy_version=max(loop.published_version, 0), max_staleness=loop.max_staleness,
             backend="torch", algorithm=self.algorithm, world_size=1, last_error=loop.last_error,
         )
         if loop.history:
             last = loop.history[-1]
-            resp.last_step.CopyFrom(step_to_proto(last, loop.staleness.get(last.step)))
+            resp.last_step.CopyFrom(step_to_proto(last, loop.groups_by_staleness.get(last.step)))
         if loop.last_checkpoint is not None:
             resp.last_checkpoint.CopyFrom(checkpoint_to_proto(loop.last_checkpoint))
         return resp
@@ -57,7 +35,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
         steps, dropped = self.loop.steps_from(request.from_step, request.max_steps or PAGE)
         return trainer_pb2.ListStepsResponse(
-            steps=[step_to_proto(r, self.loop.staleness.get(r.step)) for r in steps], dropped_steps=dropped
+            steps=[step_to_proto(r, self.loop.groups_by_staleness.get(r.step)) for r in steps], dropped_steps=dropped
         )
 
     async def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
@@ -79,7 +57,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         checkpoint directory: a client chooses it, and the trainer must not write wherever it is told."""
         if not requested:
             return None
-        area = self.loop.s.checkpoint_dir.resolve().parent
+        area = self.loop.checkpoint_dir.resolve().parent
         try:
             path = (area / requested).resolve()  # relative: inside the area; ".." and links are resolved first
         except (ValueError, OSError) as e:  # e.g. an embedded NUL byte
@@ -100,7 +78,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.ResumeResponse(policy_version=self.loop.version)
 
     async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
-        previous = self.loop.s.max_staleness
+        previous = self.loop.max_staleness
         try:
             tau = self.loop.set_max_staleness(request.max_staleness)
         except ValueError as e:

@@ -1,0 +1,185 @@
+"""The trainer's checkpoint store: one folder per policy version, written atomically, found, read, pruned.
+
+    root/v00000012/
+      config.json, model.safetensors, …   # save_pretrained: from_pretrained(this folder) works
+      tokenizer*.json, …                   # copied from the source model folder, when present
+      trainer_state.pt                     # torch.save: optimizer, LR schedule, RNG states
+      trainer_state.json                   # format, policy_version, created_at, algorithm, trained_group_ids
+
+A folder is written as ``root/.tmp-v…-<random>/``, fsynced, then renamed, so a checkpoint is complete or
+absent; only folders that hold ``trainer_state.json`` count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tauflow.core.files import fsync_dir
+
+CHECKPOINT_FORMAT = 1
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.pt"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+_CHECKPOINT_NAME = re.compile(r"^v(\d{8,})$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    policy_version: int
+    created_at: float
+    """Unix time at which writing completed."""
+    size_bytes: int
+    trained_groups: int
+
+
+def checkpoint_name(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest version first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / STATE_JSON).exists()]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint folder, else the newest checkpoint in it."""
+    path = Path(path)
+    if (path / STATE_JSON).exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no tauflow trainer checkpoint in {path}")
+    return latest
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    path = Path(path)
+    meta = json.loads((path / STATE_JSON).read_text())
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return CheckpointInfo(path, meta["policy_version"], meta["created_at"], size, len(meta["trained_group_ids"]))
+
+
+def write_checkpoint(
+    root: str | Path,
+    version: int,
+    *,
+    save_weights: Callable[[Path], None],
+    tokenizer_source: Path,
+    trainer_state: Callable[[], dict[str, Any]],
+    meta: Mapping[str, Any],
+    keep: int,
+) -> CheckpointInfo:
+    """Writes ``root/v{version:08d}/``: ``save_weights(folder)``, the tokenizer files found in
+    ``tokenizer_source``, ``trainer_state()`` (torch.save) and ``meta`` (JSON, after format, version and
+    creation time). A checkpoint of that version already there is returned as it is. Then keeps the newest
+    ``keep`` checkpoints (0 keeps all)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(version)
+    if (final / STATE_JSON).exists():
+        return read_checkpoint_info(final)
+    for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_weights(tmp)
+        for name in TOKENIZER_FILES:
+            src = tokenizer_source / name
+            if src.is_file():
+                shutil.copy2(src, tmp / name)
+        torch.save(trainer_state(), tmp / STATE_TENSORS)
+        header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
+        (tmp / STATE_JSON).write_text(json.dumps({**header, **meta}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():  # an incomplete folder of that name (no state file): not ours to trust
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(root, keep, spare=final)
+    return read_checkpoint_info(final)
+
+
+def prune(root: Path, keep: int, *, spare: Path) -> None:
+    """Removes all but the newest ``keep`` checkpoints in ``root`` (0 keeps all), never ``spare``."""
+    if keep <= 0:
+        return
+    for old in list_checkpoints(root)[:-keep]:
+        if old != spare:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's JSON metadata and its torch state (on the CPU); refuses another format."""
+    meta = json.loads((path / STATE_JSON).read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    return meta, torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(path)
+
+
+# -- random number generators: part of the state, so that a resumed run draws what the first would have
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        name, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,66 @@
+"""The optimizer: AdamW with gradient-norm clipping, and its learning-rate schedule (stepped once per version)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with gradient-norm clipping and a learning-rate schedule (stepped once per version)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Applied to matrices only (ndim >= 2), not to biases and norm weights."""
+    grad_clip: float | None = 1.0
+    """Max global L2 norm of the gradient; None: no clipping (the norm is still reported)."""
+    schedule: str = "constant"
+    """constant (after warmup) or cosine (after warmup, down to min_lr_ratio * lr at total_steps)."""
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if self.schedule == "cosine" and not self.total_steps:
+            raise ValueError("the cosine schedule needs total_steps")
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError("need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1")
+
+
+def lr_factor(step: int, config: OptimConfig) -> float:
+    """Multiplier of ``lr`` for the optimizer step with index ``step`` (0-based)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    assert config.total_steps is not None
+    span = max(1, config.total_steps - config.warmup_steps)
+    progress = min(1.0, max(0.0, (step - config.warmup_steps) / span))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], config: OptimConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable ``parameters`` (weight decay on matrices only) and its LambdaLR schedule."""
+    params = [p for p in parameters if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+
+    def factor(step: int) -> float:
+        return lr_factor(step, config)
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
