@@ -9,7 +9,7 @@ from pathlib import Path
 from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tests.conftest import make_group, queue_stub
+from tauflow.core.testing import make_group, queue_stub
 from tests.fuzz import C, Fuzzer, Method, budget
 
 SERVICE = q.DESCRIPTOR.services_by_name["QueueService"]

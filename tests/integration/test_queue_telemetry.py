@@ -10,7 +10,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tests.conftest import make_group, queue_stub
+from tauflow.core.testing import make_group, queue_stub
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
