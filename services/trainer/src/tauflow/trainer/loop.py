@@ -103,6 +103,7 @@ class TrainerLoop:
         self.last_checkpoint: CheckpointInfo | None = None
         self.last_error = ""
         self._held: list[HeldLease] = []  # trained, not yet held by a checkpoint: not acked
+        self._since_checkpoint: set[str] = set()  # group ids trained after the last checkpoint
         self._running = asyncio.Event()
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
@@ -164,7 +165,9 @@ class TrainerLoop:
         self._gets = []
         while missing > 0:
             started_ns = time.time_ns()
-            part = await self.queue.get_batch(missing, self.version, self.config.get_wait_s, self.config.lease_s)
+            # While leases are held, a long poll is cut short enough for their renewal to come in time.
+            wait_s = min(self.config.get_wait_s, self.config.lease_s / 4) if self._held or leases else self.config.get_wait_s
+            part = await self.queue.get_batch(missing, self.version, wait_s, self.config.lease_s)
             if part is None:
                 if not parts:
                     return []
@@ -184,8 +187,15 @@ class TrainerLoop:
             timing = StepTiming(waited_from, trained_from=time.monotonic())
             result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self.max_staleness)
             timing.trained_until = time.monotonic()
-            # Held only once trained, so a concurrent checkpoint never acks an untrained lease.
-            self._held += [HeldLease(part.lease_id, time.monotonic()) for part in parts]
+            self._since_checkpoint.update(result.trained_group_ids)
+            # Held only once trained, so a concurrent checkpoint never acks an untrained lease. A part with
+            # nothing to make durable (every group skipped as too stale, or trained before and already in a
+            # checkpoint: redelivered after a restart) is acked now: held, it would wait for a checkpoint that
+            # a step with no new data never brings, and keep its room in the pacing (a stall seen in chaos).
+            done_now = {p.lease_id for p in parts if not any(g.group_id in self._since_checkpoint for g in p.groups)}
+            self._held += [HeldLease(p.lease_id, time.monotonic()) for p in parts if p.lease_id not in done_now]
+        for lease_id in done_now:
+            await self.queue.ack(lease_id)
         return result, timing
 
     async def _commit(self, result: StepResult, parts: list[Batch], timing: StepTiming) -> None:
@@ -286,6 +296,7 @@ class TrainerLoop:
                 info = await asyncio.to_thread(self.backend.save_checkpoint, directory or self.checkpoint_dir)
                 self.last_checkpoint = info
                 held, self._held = self._held, []
+                self._since_checkpoint.clear()
                 for lease in held:
                     await self.queue.ack(lease.lease_id)
             finally:
