@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opentelemetry import trace
@@ -48,6 +48,9 @@ from tauflow.trainer.checkpoint import (
     write_checkpoint,
 )
 from tauflow.trainer.optim import OptimConfig, build_optimizer
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded
+    from transformers import PreTrainedModel
 
 tracer = trace.get_tracer("tauflow.trainer")
 
@@ -130,7 +133,7 @@ class TorchBackend:
         torch.manual_seed(config.seed)
         self.version = 0
         self.trained_group_ids: set[str] = set()
-        self.ref_model: torch.nn.Module | None = None
+        self.ref_model: PreTrainedModel | None = None
         if checkpoint is not None:
             checkpoint = resolve_checkpoint(checkpoint)
         self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
@@ -149,22 +152,22 @@ class TorchBackend:
     # ---------------------------------------------------------------------------------------------
     # Models and optimizer
 
-    def _load_policy(self, path: Path) -> torch.nn.Module:
+    def _load_policy(self, path: Path) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path)
-        model.to(device=self.device, dtype=torch.float32)
+        model.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # transformers' @wraps'd .to: typeshed binds no self
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         return model
 
-    def _ensure_reference(self) -> torch.nn.Module:
+    def _ensure_reference(self) -> PreTrainedModel:
         if self.ref_model is None:
             from transformers import AutoModelForCausalLM
 
             ref = AutoModelForCausalLM.from_pretrained(self.config.ref_model_path or self.config.model_path)
-            ref.to(device=self.device, dtype=torch.float32)
+            ref.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # (as above)
             ref.eval()
             ref.requires_grad_(False)
             self.ref_model = ref

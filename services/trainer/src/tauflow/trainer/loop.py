@@ -20,6 +20,7 @@ import enum
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -87,7 +88,7 @@ class TrainerLoop:
         queue: QueuePort,
         publisher: PublisherPort | None,
         config: TrainerConfig,
-        on_step=None,  # type: ignore[no-untyped-def]
+        on_step: Callable[[StepResult], None] | None = None,
     ) -> None:
         self.backend = backend
         self.queue = queue

@@ -18,10 +18,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self.loop = loop
         self.algorithm = algorithm
 
-    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetStatus(self, request, context):
         loop = self.loop
         resp = trainer_pb2.GetStatusResponse(
-            state=loop.state.value, policy_version=loop.version,
+            state=trainer_pb2.TrainerState.ValueType(loop.state.value), policy_version=loop.version,
             published_policy_version=max(loop.published_version, 0), max_staleness=loop.max_staleness,
             backend="torch", algorithm=self.algorithm, world_size=1, last_error=loop.last_error,
         )
@@ -32,13 +32,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             resp.last_checkpoint.CopyFrom(checkpoint_to_proto(loop.last_checkpoint))
         return resp
 
-    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListSteps(self, request, context):
         steps, dropped = self.loop.steps_from(request.from_step, request.max_steps or PAGE)
         return trainer_pb2.ListStepsResponse(
             steps=[step_to_proto(r, self.loop.groups_by_staleness.get(r.step)) for r in steps], dropped_steps=dropped
         )
 
-    async def SaveCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+    async def SaveCheckpoint(self, request, context):
         if self.loop.state in (State.STARTING, State.FAILED):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
         try:
@@ -66,18 +66,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             raise ValueError(f"directory {requested!r} is outside {str(area)!r}, where checkpoints may be written")
         return path
 
-    async def Pause(self, request, context):  # type: ignore[no-untyped-def]
+    async def Pause(self, request, context):
         if self.loop.state in (State.FAILED, State.STOPPING):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
         return trainer_pb2.PauseResponse(policy_version=await self.loop.pause())
 
-    async def Resume(self, request, context):  # type: ignore[no-untyped-def]
+    async def Resume(self, request, context):
         if self.loop.state in (State.FAILED, State.STOPPING):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"trainer is {self.loop.state.name.lower()}")
         self.loop.resume()
         return trainer_pb2.ResumeResponse(policy_version=self.loop.version)
 
-    async def SetMaxStaleness(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetMaxStaleness(self, request, context):
         previous = self.loop.max_staleness
         try:
             tau = self.loop.set_max_staleness(request.max_staleness)
