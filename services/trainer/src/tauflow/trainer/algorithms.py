@@ -325,7 +325,7 @@ class Algorithm:
 
     def with_options(self, **changes: object) -> Algorithm:
         """The same algorithm with some config fields changed (validated)."""
-        return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))  # type: ignore[arg-type]
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **changes))  # type: ignore[arg-type]  # the fields are checked by AlgorithmConfig
 
 
 ALGORITHMS: dict[str, Algorithm] = {}

@@ -21,12 +21,14 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from contextvars import Token
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from tauflow.core.staleness import check_tau
 from tauflow.core.telemetry import set_error, span_context_of
@@ -110,7 +112,7 @@ class TrainerLoop:
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
         self._gets: list[QueueGet] = []  # the current step's
         self._step_span: trace.Span | None = None
-        self._step_token: object = None
+        self._step_token: Token[Context] | None = None
 
     @property
     def version(self) -> int:
@@ -283,7 +285,8 @@ class TrainerLoop:
             })
         if error is not None:
             set_error(span, error)
-        otel_context.detach(token)  # type: ignore[arg-type]
+        if token is not None:
+            otel_context.detach(token)
         span.end()
 
     # -- checkpoints and control --------------------------------------------------------
