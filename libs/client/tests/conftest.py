@@ -28,10 +28,28 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -45,11 +63,21 @@ def queue_process(tmp_path: Path, tls_files: tuple[Path, Path]) -> Iterator[Call
         tokens = tmp_path / "tokens.yaml"
         tokens.write_text("".join(f"{name}: {token}\n" for name, token in TOKENS.items()))
         cert, key = tls_files
-        proc = ServiceProcess("queue", tmp_path, {
-            "wal.dir": f"wal{len(started)}", "groups_per_step": 2, "max_staleness": 1, "external.enabled": "true",
-            "external.port": 0, "external.tokens_file": tokens, "external.tls_cert_file": cert,
-            "external.tls_key_file": key, **(settings or {}),
-        })
+        proc = ServiceProcess(
+            "queue",
+            tmp_path,
+            {
+                "wal.dir": f"wal{len(started)}",
+                "groups_per_step": 2,
+                "max_staleness": 1,
+                "external.enabled": "true",
+                "external.port": 0,
+                "external.tokens_file": tokens,
+                "external.tls_cert_file": cert,
+                "external.tls_key_file": key,
+                **(settings or {}),
+            },
+        )
         started.append(proc)
         return proc.start()
 

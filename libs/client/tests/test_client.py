@@ -37,7 +37,9 @@ from .conftest import TOKENS
 QueueFactory = Callable[..., ServiceProcess]
 
 
-def _client(proc: ServiceProcess, tls_files: tuple[Path, Path], token: str = TOKENS["agent-a"], **kw: object) -> QueueClient:
+def _client(
+    proc: ServiceProcess, tls_files: tuple[Path, Path], token: str = TOKENS["agent-a"], **kw: object
+) -> QueueClient:
     return QueueClient(f"127.0.0.1:{proc.info['external_port']}", token, tls=Tls.from_file(tls_files[0]), **kw)  # type: ignore[arg-type]
 
 
@@ -60,7 +62,11 @@ def test_a_trajectory_masks_its_observations_and_keeps_the_behaviour_version() -
     assert list(s.behaviour_logprobs) == [-0.5, -1.0, 0.0, 0.0, 0.0, -0.25]
     assert list(s.token_versions) == [3, 3, 3, 3, 3, 4] and s.behaviour_version == 3  # min(token_versions)
     assert (s.reward.score, s.reward.status, s.completion_text, dict(s.metadata)) == (
-        1.0, common_pb2.REWARD_STATUS_OK, "answer", {"k": "v"})
+        1.0,
+        common_pb2.REWARD_STATUS_OK,
+        "answer",
+        {"k": "v"},
+    )
     assert s.finish_reason == common_pb2.FINISH_REASON_STOP
     single = Trajectory([1])
     single.add_model([2, 3], [-1.0, -1.0], [0, 0])
@@ -80,10 +86,21 @@ def test_a_trajectory_refuses_what_the_queue_would() -> None:
 
 
 def test_a_completion_from_the_wire() -> None:
-    sample = common_pb2.Sample(completion_token_ids=[5, 6], behaviour_logprobs=[-1.0, -2.0], behaviour_version=7,
-                               finish_reason=common_pb2.FINISH_REASON_LENGTH, completion_text="ab")
+    sample = common_pb2.Sample(
+        completion_token_ids=[5, 6],
+        behaviour_logprobs=[-1.0, -2.0],
+        behaviour_version=7,
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        completion_text="ab",
+    )
     c = Completion.from_proto(sample)
-    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason, c.text) == ([5, 6], [-1.0, -2.0], [7, 7], "length", "ab")
+    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason, c.text) == (
+        [5, 6],
+        [-1.0, -2.0],
+        [7, 7],
+        "length",
+        "ab",
+    )
 
 
 # -- retries and deadlines -------------------------------------------------------------------------
@@ -133,8 +150,11 @@ def test_only_idempotent_calls_are_retried_and_every_call_has_a_deadline() -> No
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     try:
-        with QueueClient(address, "t0ken", timeout_s=5) as queue, RolloutClient(address, timeout_s=5) as rollout, \
-                QueueClient(address, "t0ken", timeout_s=0.5) as impatient:
+        with (
+            QueueClient(address, "t0ken", timeout_s=5) as queue,
+            RolloutClient(address, timeout_s=5) as rollout,
+            QueueClient(address, "t0ken", timeout_s=0.5) as impatient,
+        ):
             assert queue.put(wire_group("g1")).accepted  # Put is idempotent: retried through two UNAVAILABLEs
             assert servicer.calls["Put"] == 3
             assert all(m["authorization"] == "Bearer t0ken" for m in servicer.metadata)  # on every attempt
@@ -210,25 +230,35 @@ def test_a_full_queue_is_worth_retrying_a_group_too_large_is_not(
         with pytest.raises(TauflowError) as full:
             queue.put(wire_group("g2"))
         assert (full.value.code, full.value.reason, full.value.retryable) == (
-            grpc.StatusCode.RESOURCE_EXHAUSTED, "ERROR_REASON_QUEUE_FULL", True)
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "ERROR_REASON_QUEUE_FULL",
+            True,
+        )
         with pytest.raises(TauflowError) as large:
             queue.put(wire_group("g3", payload_tokens=2000))
         assert (large.value.code, large.value.reason, large.value.retryable) == (
-            grpc.StatusCode.RESOURCE_EXHAUSTED, "ERROR_REASON_GROUP_TOO_LARGE", False)
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "ERROR_REASON_GROUP_TOO_LARGE",
+            False,
+        )
 
 
 # -- sample, score, put: a multi-turn episode end to end ------------------------------------------
 
 
 def test_a_multi_turn_group_sampled_scored_and_put_arrives_whole(
-    rollout_and_reward: tuple[ServiceProcess, ServiceProcess], queue_process: QueueFactory,
+    rollout_and_reward: tuple[ServiceProcess, ServiceProcess],
+    queue_process: QueueFactory,
     tls_files: tuple[Path, Path],
 ) -> None:
     rollout_proc, reward_proc = rollout_and_reward
     proc = queue_process()
     prompt = [1, 4, 5, 13, 6, 7]  # "<s>12+34" in examples/addition's vocabulary
-    with _client(proc, tls_files) as queue, RolloutClient(rollout_proc.address) as rollout, \
-            RewardClient(reward_proc.address) as reward:
+    with (
+        _client(proc, tls_files) as queue,
+        RolloutClient(rollout_proc.address) as rollout,
+        RewardClient(reward_proc.address) as reward,
+    ):
         with queue.reservation(1) as ticket:
             firsts = rollout.generate(prompt, n=2, max_new_tokens=3, min_policy_version=ticket.min_policy_version)
             assert len(firsts) == 2
@@ -258,4 +288,4 @@ def test_a_multi_turn_group_sampled_scored_and_put_arrives_whole(
         assert got == group  # everything else as sent: tokens, masks, versions, log-probs, rewards
         for s, (first_len, second_len) in zip(got.samples, turns, strict=True):
             assert list(s.loss_mask) == [True] * first_len + [False, False] + [True] * second_len
-            assert list(s.behaviour_logprobs)[first_len:first_len + 2] == [0.0, 0.0]
+            assert list(s.behaviour_logprobs)[first_len : first_len + 2] == [0.0, 0.0]

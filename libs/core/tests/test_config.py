@@ -37,7 +37,10 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
     ("kwargs", "needle"),
     [
         ({"overrides": ["inner.sise=3"]}, "unknown config key 'inner.sise' (from override 'inner.sise=3')"),
-        ({"environ": {"TAUFLOW_DEMO_SERVER__PROT": "1"}}, "unknown config key 'server.prot' (from environment variable TAUFLOW_DEMO_SERVER__PROT)"),
+        (
+            {"environ": {"TAUFLOW_DEMO_SERVER__PROT": "1"}},
+            "unknown config key 'server.prot' (from environment variable TAUFLOW_DEMO_SERVER__PROT)",
+        ),
         ({"overrides": ["tau=-2"]}, "config key 'tau' (from override 'tau=-2')"),
         ({"overrides": ["tau"]}, "must look like key.sub=value"),
         ({"overrides": ["tau.x=1"]}, "tau"),

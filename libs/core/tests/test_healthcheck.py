@@ -85,8 +85,15 @@ async def test_the_module_runs_as_a_command_with_docker_healthcheck_exit_codes(s
     await srv.set_serving(True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tauflow.core.healthcheck", address, "--timeout", "5",
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        sys.executable,
+        "-m",
+        "tauflow.core.healthcheck",
+        address,
+        "--timeout",
+        "5",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()

@@ -60,9 +60,13 @@ def _running(pid: int) -> bool:
 def _launch(*child: str, lifeline: bool = True, log: Path | None = None) -> tuple[subprocess.Popen[str], int]:
     """A launcher process and the pid of the child it started."""
     env = {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV}
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, "--lifeline" if lifeline else "--", *child],
-                              stdout=subprocess.PIPE, stderr=log.open("w") if log else subprocess.DEVNULL,
-                              text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, "--lifeline" if lifeline else "--", *child],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w") if log else subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     return parent, int(parent.stdout.readline())  # type: ignore[union-attr]
 
 

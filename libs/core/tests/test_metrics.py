@@ -41,8 +41,11 @@ def test_catalog_lists_names_as_exposed_with_types_and_labels() -> None:
         MetricInfo("tauflow_x_step_seconds", "histogram", ("phase",), "step"),
         MetricInfo("tauflow_x_tokens_total", "counter", (), "tokens"),
     ]
-    assert catalog(registry)[2].series == ("tauflow_x_step_seconds_bucket", "tauflow_x_step_seconds_sum",
-                                           "tauflow_x_step_seconds_count")
+    assert catalog(registry)[2].series == (
+        "tauflow_x_step_seconds_bucket",
+        "tauflow_x_step_seconds_sum",
+        "tauflow_x_step_seconds_count",
+    )
 
 
 def test_a_metrics_server_serves_then_closes() -> None:

@@ -62,6 +62,7 @@ class DenyQueue(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         self.seen.append(details.method)
         if details.method.startswith(f"/{QUEUE.full_name}/"):
+
             async def deny(request, context):  # type: ignore[no-untyped-def]
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on this port")
 
@@ -101,8 +102,12 @@ async def test_an_extra_server_shares_the_state_answers_health_and_info_and_is_i
     )
     ready = tmp_path / "ready.json"
     serving = asyncio.create_task(
-        serve(app, ServerConfig(port=0, drain_grace_s=0.5), ready_info={"service": "queue", "version": "9.9"},
-              ready_file=str(ready))
+        serve(
+            app,
+            ServerConfig(port=0, drain_grace_s=0.5),
+            ready_info={"service": "queue", "version": "9.9"},
+            ready_file=str(ready),
+        )
     )
     try:
         while not ready.exists():
@@ -112,7 +117,9 @@ async def test_an_extra_server_shares_the_state_answers_health_and_info_and_is_i
         assert info["grpc_port"] != info["external_port"] and info["extra"] == "kept"
         main, external = (f"127.0.0.1:{info[k]}" for k in ("grpc_port", "external_port"))
         async with create_channel(main, [QUEUE]) as a, create_channel(external, [QUEUE, HEALTH, INFO_SERVICE]) as b:
-            await queue_pb2_grpc.QueueServiceStub(a).SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(policy_version=7))
+            await queue_pb2_grpc.QueueServiceStub(a).SetTrainerVersion(
+                queue_pb2.SetTrainerVersionRequest(policy_version=7)
+            )
             stats = await queue_pb2_grpc.QueueServiceStub(b).Stats(queue_pb2.StatsRequest())
             assert stats.trainer_version == 7  # one process, one state, two ports
             health = await health_pb2_grpc.HealthStub(b).Check(health_pb2.HealthCheckRequest(service=QUEUE.full_name))
@@ -145,7 +152,9 @@ async def test_a_port_in_use_is_refused_with_the_port_named() -> None:
     port = await first.start()
     try:
         second = GrpcServer([_binding(Counter())], ServerConfig(port=port), key="external")
-        with pytest.raises(OSError, match=rf"^cannot listen on 127.0.0.1:{port} \(external.port\): the port is in use$"):
+        with pytest.raises(
+            OSError, match=rf"^cannot listen on 127.0.0.1:{port} \(external.port\): the port is in use$"
+        ):
             await second.start()
         # A listener that shares its port (SO_REUSEPORT, gRPC's default) is no exception: before the fix the
         # second server bound beside it and the kernel split the connections between the two.
@@ -171,8 +180,11 @@ def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: P
         assert "SECRETSTUFF" not in str(e.value) and "PRIVATE" not in str(e.value)
         assert e.value.__cause__ is None and e.value.__suppress_context__
     encrypted = tmp_path / "encrypted.key"
-    subprocess.run(["openssl", "pkey", "-in", str(key), "-aes128", "-passout", "pass:pw", "-out", str(encrypted)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(key), "-aes128", "-passout", "pass:pw", "-out", str(encrypted)],
+        check=True,
+        capture_output=True,
+    )
     with pytest.raises(ValueError, match="cannot be used"):
         tls_server_credentials(str(cert), str(encrypted))  # and no prompt for a pass phrase
 
@@ -180,9 +192,26 @@ def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: P
 def _self_signed(prefix: Path) -> tuple[Path, Path]:
     cert, key = prefix.with_suffix(".crt"), prefix.with_suffix(".key")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -226,12 +255,19 @@ def _boom_binding() -> ServiceBinding:
 
     def add(servicer: Boom, server: grpc.aio.Server) -> None:
         queue_pb2_grpc.add_QueueServiceServicer_to_server(Counter(), server)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BOOM, {
-            "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
-            "ServerStream": grpc.unary_stream_rpc_method_handler(servicer.server_stream),
-            "Bidi": grpc.stream_stream_rpc_method_handler(servicer.bidi),
-            "Writer": grpc.unary_stream_rpc_method_handler(servicer.writer),
-        }),))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    BOOM,
+                    {
+                        "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
+                        "ServerStream": grpc.unary_stream_rpc_method_handler(servicer.server_stream),
+                        "Bidi": grpc.stream_stream_rpc_method_handler(servicer.bidi),
+                        "Writer": grpc.unary_stream_rpc_method_handler(servicer.writer),
+                    },
+                ),
+            )
+        )
 
     return ServiceBinding(QUEUE, boom, add)
 
@@ -312,8 +348,10 @@ def _reflection_v1_classes() -> tuple[type, type]:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
     get = message_factory.GetMessageClass
-    return (get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest")),
-            get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse")))
+    return (
+        get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest")),
+        get(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse")),
+    )
 
 
 async def test_reflection_answers_v1_and_v1alpha() -> None:
@@ -325,16 +363,28 @@ async def test_reflection_answers_v1_and_v1alpha() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             for service, (request_cls, response_cls) in (
                 ("grpc.reflection.v1", _reflection_v1_classes()),
-                ("grpc.reflection.v1alpha", (reflection_pb2.ServerReflectionRequest,
-                                             reflection_pb2.ServerReflectionResponse)),
+                (
+                    "grpc.reflection.v1alpha",
+                    (reflection_pb2.ServerReflectionRequest, reflection_pb2.ServerReflectionResponse),
+                ),
             ):
                 info = channel.stream_stream(
                     f"/{service}.ServerReflection/ServerReflectionInfo",
-                    request_serializer=request_cls.SerializeToString, response_deserializer=response_cls.FromString,
+                    request_serializer=request_cls.SerializeToString,
+                    response_deserializer=response_cls.FromString,
                 )
-                answers = [a async for a in info(iter([
-                    request_cls(list_services=""), request_cls(file_containing_symbol=QUEUE.full_name),
-                ]), timeout=5)]
+                answers = [
+                    a
+                    async for a in info(
+                        iter(
+                            [
+                                request_cls(list_services=""),
+                                request_cls(file_containing_symbol=QUEUE.full_name),
+                            ]
+                        ),
+                        timeout=5,
+                    )
+                ]
                 names = {s.name for s in answers[0].list_services_response.service}
                 assert {QUEUE.full_name, HEALTH.full_name, INFO_SERVICE.full_name} <= names, service
                 files = answers[1].file_descriptor_response.file_descriptor_proto
@@ -352,9 +402,20 @@ async def test_buf_curl_calls_a_method_through_reflection_v1() -> None:
     port = await server.start()
     try:
         proc = await asyncio.create_subprocess_exec(
-            "npx", "--yes", "@bufbuild/buf", "curl", "--protocol", "grpc", "--http2-prior-knowledge",
-            "--reflect-protocol", "grpc-v1", "--data", "{}", f"http://127.0.0.1:{port}/{QUEUE.full_name}/Stats",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            "npx",
+            "--yes",
+            "@bufbuild/buf",
+            "curl",
+            "--protocol",
+            "grpc",
+            "--http2-prior-knowledge",
+            "--reflect-protocol",
+            "grpc-v1",
+            "--data",
+            "{}",
+            f"http://127.0.0.1:{port}/{QUEUE.full_name}/Stats",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         if proc.returncode != 0 and b"npm" in err and b"ENOTFOUND" in err:

@@ -26,7 +26,9 @@ PEER = "tauflow-controller 0.1.0"
 
 
 async def test_every_server_reports_its_role_build_and_the_revision_of_each_contract_it_serves() -> None:
-    binding = ServiceBinding(QUEUE, queue_pb2_grpc.QueueServiceServicer(), queue_pb2_grpc.add_QueueServiceServicer_to_server)
+    binding = ServiceBinding(
+        QUEUE, queue_pb2_grpc.QueueServiceServicer(), queue_pb2_grpc.add_QueueServiceServicer_to_server
+    )
     server = GrpcServer([binding], ServerConfig(host="127.0.0.1", port=0), role="queue", version="0.1.0")
     port = await server.start()
     try:
@@ -56,14 +58,23 @@ def _info(role: str, build: str, **packages: int) -> info_pb2.GetServerInfoRespo
     ("info", "need", "words"),
     [
         # the queue was upgraded to a v2-only build: the controller is the older side
-        (_info("queue", "0.9.0", tauflow_api_queue_v2=1), {"tauflow.api.queue.v1": 1},
-         ["0.9.0", PEER, "tauflow.api.queue.v2", "speaks tauflow.api.queue.v1", f"upgrade {PEER}"]),
+        (
+            _info("queue", "0.9.0", tauflow_api_queue_v2=1),
+            {"tauflow.api.queue.v1": 1},
+            ["0.9.0", PEER, "tauflow.api.queue.v2", "speaks tauflow.api.queue.v1", f"upgrade {PEER}"],
+        ),
         # the controller speaks v2; the queue is still v1: upgrade the queue
-        (_info("queue", "0.1.0", tauflow_api_queue_v1=3), {"tauflow.api.queue.v2": 1},
-         ["0.1.0", PEER, "tauflow.api.queue.v1", "upgrade the queue service"]),
+        (
+            _info("queue", "0.1.0", tauflow_api_queue_v1=3),
+            {"tauflow.api.queue.v2": 1},
+            ["0.1.0", PEER, "tauflow.api.queue.v1", "upgrade the queue service"],
+        ),
         # same major, but a revision older than the one the peer needs
-        (_info("queue", "0.1.0", tauflow_api_queue_v1=1), {"tauflow.api.queue.v1": 2},
-         ["0.1.0", PEER, "revision 1", "needs revision 2", "upgrade the queue service"]),
+        (
+            _info("queue", "0.1.0", tauflow_api_queue_v1=1),
+            {"tauflow.api.queue.v1": 2},
+            ["0.1.0", PEER, "revision 1", "needs revision 2", "upgrade the queue service"],
+        ),
     ],
 )
 def test_an_incompatible_server_is_refused_with_both_versions_named(info, need, words) -> None:  # type: ignore[no-untyped-def]
@@ -79,8 +90,12 @@ def test_a_newer_revision_and_another_role_are_told_apart() -> None:
     newer = _info("queue", "0.2.0", tauflow_api_queue_v1=5)
     check_compatible(newer, Requirement("queue", {"tauflow.api.queue.v1": 2}), address="a", peer=PEER)  # additive
     with pytest.raises(IncompatibleService, match="is not a queue service"):
-        check_compatible(_info("reward", "0.1.0", tauflow_api_reward_v1=1),
-                         Requirement("queue", {"tauflow.api.queue.v1": 1}), address="a", peer=PEER)
+        check_compatible(
+            _info("reward", "0.1.0", tauflow_api_reward_v1=1),
+            Requirement("queue", {"tauflow.api.queue.v1": 1}),
+            address="a",
+            peer=PEER,
+        )
 
 
 async def test_a_server_without_the_info_contract_is_refused() -> None:

@@ -26,8 +26,14 @@ def _start(tmp_path: Path, *settings: str, timeout_s: float = 60) -> tuple[int, 
         defaults.pop(s.partition("=")[0], None)
     args = [a for s in [*(f"{k}={v}" for k, v in defaults.items()), *settings] for a in ("--set", s)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tauflow.queue", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tauflow.queue", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=tmp_path,
+        env=env,
+    )
     return proc.returncode, proc.stderr
 
 
@@ -43,8 +49,16 @@ def _refused(tmp_path: Path, *settings: str) -> str:
 
 @pytest.fixture
 def running_queue(tmp_path: Path):  # type: ignore[no-untyped-def]
-    proc = ServiceProcess("queue", tmp_path, {"wal.dir": "wal-first", "external.enabled": "true",
-                                               "external.port": 0, "external.tokens_file": _tokens(tmp_path)})
+    proc = ServiceProcess(
+        "queue",
+        tmp_path,
+        {
+            "wal.dir": "wal-first",
+            "external.enabled": "true",
+            "external.port": 0,
+            "external.tokens_file": _tokens(tmp_path),
+        },
+    )
     yield proc.start()
     proc.stop()
 
@@ -59,18 +73,26 @@ def test_a_port_in_use_is_refused_naming_the_port(tmp_path: Path, running_queue:
     info = running_queue.info
     port, metrics, external = info["grpc_port"], info["metrics_port"], info["external_port"]
     assert _refused(tmp_path, f"server.port={port}") == (
-        f"tauflow-queue: cannot listen on 127.0.0.1:{port} (server.port): the port is in use")
+        f"tauflow-queue: cannot listen on 127.0.0.1:{port} (server.port): the port is in use"
+    )
     assert _refused(tmp_path, f"metrics.port={metrics}") == (
-        f"tauflow-queue: cannot serve /metrics on 127.0.0.1:{metrics}: Address already in use")
-    line = _refused(tmp_path, "external.enabled=true", f"external.port={external}",
-                    f"external.tokens_file={_tokens(tmp_path)}")
+        f"tauflow-queue: cannot serve /metrics on 127.0.0.1:{metrics}: Address already in use"
+    )
+    line = _refused(
+        tmp_path, "external.enabled=true", f"external.port={external}", f"external.tokens_file={_tokens(tmp_path)}"
+    )
     assert line == f"tauflow-queue: cannot listen on 127.0.0.1:{external} (external.port): the port is in use"
     assert running_queue.proc is not None and running_queue.proc.poll() is None  # the first one serves on
 
 
 def test_equal_ports_are_refused_by_the_config(tmp_path: Path) -> None:
-    line = _refused(tmp_path, "server.port=50999", "external.enabled=true", "external.port=50999",
-                    f"external.tokens_file={_tokens(tmp_path)}")
+    line = _refused(
+        tmp_path,
+        "server.port=50999",
+        "external.enabled=true",
+        "external.port=50999",
+        f"external.tokens_file={_tokens(tmp_path)}",
+    )
     assert "server.port and external.port are both 50999 on 127.0.0.1" in line
     line = _refused(tmp_path, "server.port=50998", "metrics.port=50998", "metrics.host=0.0.0.0")
     assert "server.port and metrics.port are both 50998 on 127.0.0.1 and 0.0.0.0" in line
@@ -94,24 +116,46 @@ def test_a_missing_or_bad_tokens_file_is_one_line_without_the_token(tmp_path: Pa
         code, stderr = _start(tmp_path, "external.enabled=true", f"external.tokens_file={bad}", f"log.level={level}")
         assert code == 2 and TOKEN not in stderr, stderr
         assert stderr.splitlines()[-1] == (
-            f"tauflow-queue: {bad}, line 3, column 1: does not parse as YAML `client_name: token` lines")
+            f"tauflow-queue: {bad}, line 3, column 1: does not parse as YAML `client_name: token` lines"
+        )
         assert ("Traceback" in stderr) == (level == "DEBUG"), stderr
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
 def test_tls_files_that_do_not_fit_are_one_line(tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     external = ("external.enabled=true", f"external.tokens_file={_tokens(tmp_path)}")
     line = _refused(tmp_path, *external, f"external.tls_cert_file={key}", f"external.tls_key_file={cert}")
     assert f"the TLS certificate {key} and private key {cert} cannot be used" in line
-    code, stderr = _start(tmp_path, *external, f"external.tls_cert_file={cert}", f"external.tls_key_file={key}",
-                          "external.host=192.0.2.1")  # a good pair: on to binding (TEST-NET-1: not ours)
+    code, stderr = _start(
+        tmp_path, *external, f"external.tls_cert_file={cert}", f"external.tls_key_file={key}", "external.host=192.0.2.1"
+    )  # a good pair: on to binding (TEST-NET-1: not ours)
     assert code == 2, stderr
     assert stderr.splitlines()[-1] == (
-        "tauflow-queue: cannot listen on 192.0.2.1:50061 (external.port): Cannot assign requested address")
+        "tauflow-queue: cannot listen on 192.0.2.1:50061 (external.port): Cannot assign requested address"
+    )
     assert "PRIVATE KEY" not in stderr and key.read_text().splitlines()[1] not in stderr
 
 

@@ -42,8 +42,10 @@ def test_pacing_allows_tau_plus_one_steps_of_groups_ahead_of_the_trainer() -> No
 def test_only_minus_one_spells_unbounded() -> None:
     assert UNBOUNDED == -1 and not is_bounded(-1) and is_bounded(0)
     assert check_tau(-1) == -1 and check_tau(0) == 0 and check_tau(5, largest=5) == 5
-    for bad, match in ((-2, "max_staleness=-2 must be -1 \\(unbounded\\) or at least 0"),
-                       (6, "tau=6 must be -1 \\(unbounded\\) or between 0 and 5")):
+    for bad, match in (
+        (-2, "max_staleness=-2 must be -1 \\(unbounded\\) or at least 0"),
+        (6, "tau=6 must be -1 \\(unbounded\\) or between 0 and 5"),
+    ):
         with pytest.raises(ValueError, match=match):
             check_tau(bad, largest=5 if bad == 6 else None, name="tau" if bad == 6 else "max_staleness")
     for bad in (True, 1.0, "1", None):
@@ -52,7 +54,9 @@ def test_only_minus_one_spells_unbounded() -> None:
 
 
 @given(st.integers(0, 50), st.integers(0, 50), st.integers(-1, 5), st.integers(1, 8))
-def test_no_group_that_pacing_admits_is_ever_too_stale_for_its_step(version: int, made_at: int, tau: int, gps: int) -> None:
+def test_no_group_that_pacing_admits_is_ever_too_stale_for_its_step(
+    version: int, made_at: int, tau: int, gps: int
+) -> None:
     """The reason for pacing: the n-th group accepted (0-based) is consumed by step n // gps at the latest
     in FIFO order, so a group admitted while the trainer is at ``made_at`` is within τ of its step."""
     limit = pacing_limit(made_at, tau, gps)

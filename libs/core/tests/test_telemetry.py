@@ -139,6 +139,10 @@ def test_the_grpc_instrumentation_leaves_out_health_checks_and_the_per_group_put
 
     assert not traced(call("/tauflow.api.queue.v1.QueueService/Put"))  # the rollout's queue.put span covers it
     assert not traced(call("/grpc.health.v1.Health/Check"))
-    for method in ("/tauflow.api.queue.v1.QueueService/Get", "/tauflow.api.queue.v1.QueueService/Reserve",
-                   "/tauflow.api.reward.v1.RewardService/Score", "/tauflow.api.queue.v1.QueueService/Ack"):
+    for method in (
+        "/tauflow.api.queue.v1.QueueService/Get",
+        "/tauflow.api.queue.v1.QueueService/Reserve",
+        "/tauflow.api.reward.v1.RewardService/Score",
+        "/tauflow.api.queue.v1.QueueService/Ack",
+    ):
         assert traced(call(method)), method

@@ -48,8 +48,10 @@ def main() -> int:
                     for req in cmd["buckets"]:
                         rx.receive_bucket(BucketRequest(**req))
                     v = received[-1]
-                    torch.save({"tensors": {k: t.clone() for k, t in v.tensors.items()}, "loaded_checksum": v.loaded_checksum},
-                               os.path.join(args.out, f"{args.label}-{cmd['tag']}.pt"))
+                    torch.save(
+                        {"tensors": {k: t.clone() for k, t in v.tensors.items()}, "loaded_checksum": v.loaded_checksum},
+                        os.path.join(args.out, f"{args.label}-{cmd['tag']}.pt"),
+                    )
             elif cmd["op"] == "destroy":
                 rx.destroy_group(cmd["group_name"])
         except Exception as e:  # noqa: BLE001 - reported to the test

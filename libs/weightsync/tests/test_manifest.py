@@ -93,21 +93,41 @@ def _manifest(tmp_path: Path):  # type: ignore[no-untyped-def]
         (lambda m: dataclasses.replace(m, checksum_algorithm="md5"), "unknown checksum_algorithm 'md5'"),
         (lambda m: dataclasses.replace(m, total_bytes=m.total_bytes + 1), "total_bytes"),
         (
-            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
-                m.buckets[0], tensors=(m.buckets[0].tensors[0], dataclasses.replace(m.buckets[0].tensors[0]))),
-                *m.buckets[1:])),
+            lambda m: dataclasses.replace(
+                m,
+                buckets=(
+                    dataclasses.replace(
+                        m.buckets[0], tensors=(m.buckets[0].tensors[0], dataclasses.replace(m.buckets[0].tensors[0]))
+                    ),
+                    *m.buckets[1:],
+                ),
+            ),
             "duplicate tensor name 'a'",
         ),
         (
-            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
-                m.buckets[0], tensors=(dataclasses.replace(m.buckets[0].tensors[0], size_bytes=4),
-                                       *m.buckets[0].tensors[1:])), *m.buckets[1:])),
+            lambda m: dataclasses.replace(
+                m,
+                buckets=(
+                    dataclasses.replace(
+                        m.buckets[0],
+                        tensors=(dataclasses.replace(m.buckets[0].tensors[0], size_bytes=4), *m.buckets[0].tensors[1:]),
+                    ),
+                    *m.buckets[1:],
+                ),
+            ),
             "size_bytes 4 does not match dtype float32 and shape [10]",
         ),
         (
-            lambda m: dataclasses.replace(m, buckets=(dataclasses.replace(
-                m.buckets[0], tensors=(m.buckets[0].tensors[0], dataclasses.replace(
-                    m.buckets[0].tensors[1], offset_bytes=8))), *m.buckets[1:])),
+            lambda m: dataclasses.replace(
+                m,
+                buckets=(
+                    dataclasses.replace(
+                        m.buckets[0],
+                        tensors=(m.buckets[0].tensors[0], dataclasses.replace(m.buckets[0].tensors[1], offset_bytes=8)),
+                    ),
+                    *m.buckets[1:],
+                ),
+            ),
             "offset_bytes 8 overlaps the previous tensor",
         ),
         (

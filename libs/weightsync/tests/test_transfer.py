@@ -45,7 +45,9 @@ class Cluster:
             label: subprocess.Popen(
                 [sys.executable, str(WORKER), "--port", str(self.host.port), "--label", label, "--out", str(tmp)],
                 # the child's log stays open for the child's whole life
-                env=env, stdout=open(tmp / f"{label}.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                env=env,
+                stdout=open(tmp / f"{label}.log", "wb"),  # noqa: SIM115
+                stderr=subprocess.STDOUT,
             )
             for label in LABELS
         }
@@ -73,8 +75,9 @@ class Cluster:
 
     def group(self, ranks: dict[str, int], timeout_s: float = 30.0, idle: tuple[str, ...] = ()) -> WeightGroup:
         self.epoch += 1
-        spec = GroupSpec("127.0.0.1", self.host.port, f"test-e{self.epoch}", len(ranks) + 1, 0, "gloo",
-                         self.epoch, timeout_s)
+        spec = GroupSpec(
+            "127.0.0.1", self.host.port, f"test-e{self.epoch}", len(ranks) + 1, 0, "gloo", self.epoch, timeout_s
+        )
         cmd = {k: v for k, v in dataclasses.asdict(spec).items() if k != "rank"}
         i = self.post({"op": "init", "group": cmd, "ranks": ranks, "idle": list(idle)})
         try:
@@ -125,18 +128,32 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def send_version(cluster: Cluster, group: WeightGroup, labels: list[str], sd: dict[str, torch.Tensor],
-                 version: int, bucket_bytes: int, load_format: str, tag: str) -> str:
+def send_version(
+    cluster: Cluster,
+    group: WeightGroup,
+    labels: list[str],
+    sd: dict[str, torch.Tensor],
+    version: int,
+    bucket_bytes: int,
+    load_format: str,
+    tag: str,
+) -> str:
     stager = Stager(f"file://{cluster.tmp}/staging-{tag}", bucket_bytes=bucket_bytes)
     manifest = stager.stage(sd, version)
     buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
     assert read_staged(stager.uri, manifest, buf) == manifest.checksum
-    reqs = bucket_requests(manifest, group_name=group.name, membership_epoch=group.spec.membership_epoch,
-                           load_format=load_format)
+    reqs = bucket_requests(
+        manifest, group_name=group.name, membership_epoch=group.spec.membership_epoch, load_format=load_format
+    )
     i = cluster.post({"op": "recv", "labels": labels, "tag": tag, "buckets": [dataclasses.asdict(r) for r in reqs]})
     for b in manifest.buckets:
-        send_bucket(group, b, buf[b.offset_bytes : b.offset_bytes + b.size_bytes],
-                    policy_version=version, load_format=load_format)
+        send_bucket(
+            group,
+            b,
+            buf[b.offset_bytes : b.offset_bytes + b.size_bytes],
+            policy_version=version,
+            load_format=load_format,
+        )
     out = cluster.outcome(i)
     assert all(out[label] == "ok" for label in labels), out
     return manifest.checksum
@@ -153,8 +170,12 @@ def check_received(cluster: Cluster, label: str, tag: str, sd: dict[str, torch.T
 def test_versions_reach_both_receivers_bitwise(cluster: Cluster) -> None:
     group = cluster.group({"r1": 1, "r2": 2})
     try:
-        cases = [(1, 1024, LOAD_FORMAT_FLAT), (2, 40_000, LOAD_FORMAT_PER_TENSOR),
-                 (3, 1 << 26, LOAD_FORMAT_FLAT), (4, 1, LOAD_FORMAT_PER_TENSOR)]
+        cases = [
+            (1, 1024, LOAD_FORMAT_FLAT),
+            (2, 40_000, LOAD_FORMAT_PER_TENSOR),
+            (3, 1 << 26, LOAD_FORMAT_FLAT),
+            (4, 1, LOAD_FORMAT_PER_TENSOR),
+        ]
         for version, bucket_bytes, fmt in cases:
             sd = state_dict(version)
             tag = f"v{version}"
@@ -170,8 +191,12 @@ def test_one_sender_holds_independent_groups(cluster: Cluster) -> None:
     """Two groups of one sender process, one per engine, each with its own version."""
     groups: dict[str, WeightGroup] = {}
     cluster.epoch += 1
-    specs = {label: GroupSpec("127.0.0.1", cluster.host.port, f"solo-{label}-e{cluster.epoch}", 2, 0, "gloo",
-                              cluster.epoch, 30.0) for label in LABELS}
+    specs = {
+        label: GroupSpec(
+            "127.0.0.1", cluster.host.port, f"solo-{label}-e{cluster.epoch}", 2, 0, "gloo", cluster.epoch, 30.0
+        )
+        for label in LABELS
+    }
     for label, spec in specs.items():
         cmd = {k: v for k, v in dataclasses.asdict(spec).items() if k != "rank"}
         i = cluster.post({"op": "init", "group": cmd, "ranks": {label: 1}})
@@ -187,7 +212,9 @@ def test_one_sender_holds_independent_groups(cluster: Cluster) -> None:
     finally:
         for label, g in groups.items():
             g.destroy()
-            cluster.outcome(cluster.post({"op": "destroy", "group_name": g.name, "idle": [x for x in LABELS if x != label]}))
+            cluster.outcome(
+                cluster.post({"op": "destroy", "group_name": g.name, "idle": [x for x in LABELS if x != label]})
+            )
 
 
 def test_receiver_that_never_posts_is_a_transfer_error_naming_it(cluster: Cluster) -> None:
@@ -200,8 +227,15 @@ def test_receiver_that_never_posts_is_a_transfer_error_naming_it(cluster: Cluste
         buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
         read_staged(stager.uri, manifest, buf)
         reqs = bucket_requests(manifest, group_name=group.name, membership_epoch=group.spec.membership_epoch)
-        i = cluster.post({"op": "recv", "labels": ["r1"], "tag": "stall", "idle": ["r2"],
-                          "buckets": [dataclasses.asdict(r) for r in reqs]})
+        i = cluster.post(
+            {
+                "op": "recv",
+                "labels": ["r1"],
+                "tag": "stall",
+                "idle": ["r2"],
+                "buckets": [dataclasses.asdict(r) for r in reqs],
+            }
+        )
         b = manifest.buckets[0]
         started = time.monotonic()
         with pytest.raises(PhaseError) as err:

@@ -29,6 +29,11 @@ def test_a_second_temperature_per_service_is_refused_with_both_values(services) 
 
 
 def test_the_same_temperature_repeated_per_service_is_accepted() -> None:
-    config = RunConfig(model="m", dataset="d", steps=1, temperature=1.2,
-                       services={"rollout": {"sampling": {"temperature": 1.2, "max_new_tokens": 4}}})
+    config = RunConfig(
+        model="m",
+        dataset="d",
+        steps=1,
+        temperature=1.2,
+        services={"rollout": {"sampling": {"temperature": 1.2, "max_new_tokens": 4}}},
+    )
     assert config.temperature == 1.2

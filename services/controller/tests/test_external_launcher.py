@@ -43,8 +43,11 @@ def test_a_role_that_never_serves_fails_naming_role_address_and_last_answer() ->
     server = HealthServer()
     try:
         started = time.monotonic()
-        with pytest.raises(ServiceFailed, match=rf"service 'queue' failed: not SERVING at {server.address} "
-                           r"\(external.queue\) within 1s; last answer: .*server is NOT_SERVING"):
+        with pytest.raises(
+            ServiceFailed,
+            match=rf"service 'queue' failed: not SERVING at {server.address} "
+            r"\(external.queue\) within 1s; last answer: .*server is NOT_SERVING",
+        ):
             ExternalLauncher({"queue": server.address}, check_health, start_timeout_s=1.0).start(ServiceSpec("queue"))
         assert time.monotonic() - started < 5  # the deadline holds
     finally:

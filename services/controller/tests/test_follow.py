@@ -50,7 +50,9 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, cha
         try:
             with pytest.raises(RunStalled) as err:
                 await asyncio.wait_for(
-                    build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    build_run(config).follow(
+                        {"trainer": address, "queue": address, "rollout": address, "reward": address}
+                    ),
                     timeout=30,
                 )
             return str(err.value)
@@ -170,7 +172,9 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
         try:
             with pytest.raises(TimeoutError):  # still following after 3 stall timeouts
                 await asyncio.wait_for(
-                    build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                    build_run(config).follow(
+                        {"trainer": address, "queue": address, "rollout": address, "reward": address}
+                    ),
                     timeout=3,
                 )
         finally:

@@ -43,10 +43,17 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[n
     tokens = tmp_path / "tokens"
     tokens.write_text("agent: 0123456789abcdef0123\n")
     try:
-        queue = launcher.start(ServiceSpec("queue", {
-            "wal.dir": str(tmp_path / "wal"), "external.enabled": True, "external.port": 0,
-            "external.tokens_file": str(tokens),
-        }))
+        queue = launcher.start(
+            ServiceSpec(
+                "queue",
+                {
+                    "wal.dir": str(tmp_path / "wal"),
+                    "external.enabled": True,
+                    "external.port": 0,
+                    "external.tokens_file": str(tokens),
+                },
+            )
+        )
         assert _serving(queue.address)
         address, external_port = queue.address, queue.info["external_port"]
         os.kill(queue.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
@@ -187,8 +194,11 @@ def test_a_new_controller_waits_for_the_previous_runs_process_to_stop(tmp_path) 
     launcher = LocalLauncher(tmp_path)
     launcher.previous_wait_s = 0.5
     try:
-        with pytest.raises(ServiceFailed, match=f"service 'queue' failed: its process {stuck.pid} from a previous "
-                           "run in .* still runs after 0.5s: is another tauflow run using this out_dir"):
+        with pytest.raises(
+            ServiceFailed,
+            match=f"service 'queue' failed: its process {stuck.pid} from a previous "
+            "run in .* still runs after 0.5s: is another tauflow run using this out_dir",
+        ):
             launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
         assert launcher.services["queue"].proc is None
     finally:

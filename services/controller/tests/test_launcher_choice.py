@@ -43,13 +43,16 @@ def test_launcher_and_address_on_the_command_line_become_the_config(tmp_path: Pa
 
 
 def test_an_address_without_the_ray_launcher_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"--address is a Ray cluster's address, for --launcher ray \(the launcher is local\)"):
+    with pytest.raises(
+        ConfigError, match=r"--address is a Ray cluster's address, for --launcher ray \(the launcher is local\)"
+    ):
         run_config(_args(tmp_path, "--address", "10.1.2.3:6379"))
 
 
 def test_the_external_launcher_needs_an_address_for_every_role_and_knows_only_roles() -> None:
-    with pytest.raises(ValidationError, match="launcher external needs every role's address .*set external.weights, "
-                       "external.rollout"):
+    with pytest.raises(
+        ValidationError, match="launcher external needs every role's address .*set external.weights, external.rollout"
+    ):
         RunConfig(**BASE, launcher="external", external={"queue": "q:1", "reward": "r:1", "trainer": "t:1"})
     with pytest.raises(ValidationError, match=r"external: unknown role\(s\) \['sampler'\]"):
         RunConfig(**BASE, external={"sampler": "s:1"})
@@ -63,9 +66,17 @@ def test_a_cpu_run_asks_ray_for_no_gpu_and_a_gpu_run_for_one_per_gpu_role(tmp_pa
     cpu = build_run(RunConfig(**BASE, out_dir=str(tmp_path)))
     for role in ("queue", "reward", "weights", "trainer", "rollout"):
         assert role_resources(role, cpu._settings(role, {}), RayConfig()) == {"num_cpus": 1.0, "num_gpus": 0.0}
-    gpu = build_run(RunConfig(**BASE, out_dir=str(tmp_path), services={
-        "trainer": {"backend": {"device": "cuda"}}, "rollout": {"engine_options": {"device": "cuda:0"}},
-        "weights": {"backend": "nccl"}}))
+    gpu = build_run(
+        RunConfig(
+            **BASE,
+            out_dir=str(tmp_path),
+            services={
+                "trainer": {"backend": {"device": "cuda"}},
+                "rollout": {"engine_options": {"device": "cuda:0"}},
+                "weights": {"backend": "nccl"},
+            },
+        )
+    )
     wanted = {"queue": 0.0, "reward": 0.0, "weights": 1.0, "trainer": 1.0, "rollout": 1.0}
     for role, gpus in wanted.items():
         assert role_resources(role, gpu._settings(role, {}), RayConfig())["num_gpus"] == gpus, role
@@ -92,6 +103,7 @@ def test_no_cluster_at_the_address_fails_at_once_naming_it(tmp_path: Path) -> No
 
 
 def test_an_external_role_without_an_address_is_named(tmp_path: Path) -> None:
-    with pytest.raises(LaunchFailed, match="service 'trainer' failed: launcher 'external' has no address for it: "
-                       "set external.trainer"):
+    with pytest.raises(
+        LaunchFailed, match="service 'trainer' failed: launcher 'external' has no address for it: set external.trainer"
+    ):
         ExternalLauncher({"queue": "127.0.0.1:1"}, check_health).start(ServiceSpec("trainer"))

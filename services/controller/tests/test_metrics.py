@@ -27,13 +27,16 @@ def _service(tmp_path: Path, name: str, alive: bool, starts: int, metrics_port: 
 
 
 def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
-    services = {"queue": _service(tmp_path, "queue", True, 1, 9101),
-                "trainer": _service(tmp_path, "trainer", False, 3, 9102)}
+    services = {
+        "queue": _service(tmp_path, "queue", True, 1, 9101),
+        "trainer": _service(tmp_path, "trainer", False, 3, 9102),
+    }
     health = HealthProbe(lambda address, timeout_s: (True, "SERVING"))
     health.roles["queue"] = Answering(answering=False, unanswered=2)  # stopped now, and once before
     try:
         run = SimpleNamespace(
-            launcher=SimpleNamespace(services=services, health=health), progress=SimpleNamespace(version=7),
+            launcher=SimpleNamespace(services=services, health=health),
+            progress=SimpleNamespace(version=7),
             config=SimpleNamespace(steps=20, max_staleness=1),
             summary=SimpleNamespace(evals=[SimpleNamespace(accuracy=0.4, engine_version=6)]),
         )

@@ -17,10 +17,17 @@ _ids = itertools.count(1)
 
 def span(name, start, end, trace_id, parent=None, links=(), status="UNSET", **attributes):  # type: ignore[no-untyped-def]
     return {
-        "name": name, "service": "x", "trace_id": trace_id, "span_id": f"{next(_ids):016x}",
-        "parent_span_id": parent["span_id"] if parent else None, "kind": "INTERNAL",
-        "start_ns": T0 + round(start * 1e9), "end_ns": T0 + round(end * 1e9), "status": status,
-        "status_message": "", "attributes": attributes,
+        "name": name,
+        "service": "x",
+        "trace_id": trace_id,
+        "span_id": f"{next(_ids):016x}",
+        "parent_span_id": parent["span_id"] if parent else None,
+        "kind": "INTERNAL",
+        "start_ns": T0 + round(start * 1e9),
+        "end_ns": T0 + round(end * 1e9),
+        "status": status,
+        "status_message": "",
+        "attributes": attributes,
         "links": [{"trace_id": s["trace_id"], "span_id": s["span_id"], "attributes": {}} for s in links],
     }
 
@@ -29,16 +36,28 @@ def group(trace_id: str, gid: str, gen: tuple[float, float], score: tuple[float,
     """A ticket of one group, as the rollout traces it: the group's span (what a step links to) is its put."""
     root = span("rollout.ticket", gen[0], put[1], trace_id)
     put_span = span("queue.put", *put, trace_id, root, **{"rl.group_id": gid})
-    return put_span, [root, span("rollout.generate", *gen, trace_id, root), span("reward.score", *score, trace_id, root),
-                      put_span]
+    return put_span, [
+        root,
+        span("rollout.generate", *gen, trace_id, root),
+        span("reward.score", *score, trace_id, root),
+        put_span,
+    ]
 
 
 def step(trace_id, k, roots, gets, optimizer_end, publish, committed=True):  # type: ignore[no-untyped-def]
-    s = span("trainer.step", gets[0][0], publish[1], trace_id, links=roots,
-             **{"rl.step": k, "rl.policy_version": k + 1, "rl.committed": committed})
+    s = span(
+        "trainer.step",
+        gets[0][0],
+        publish[1],
+        trace_id,
+        links=roots,
+        **{"rl.step": k, "rl.policy_version": k + 1, "rl.committed": committed},
+    )
     children = [span("queue.get", a, b, trace_id, s) for a, b in gets]
-    children += [span("forward_backward", gets[-1][1], optimizer_end - 0.1, trace_id, s),
-                 span("optimizer.step", optimizer_end - 0.1, optimizer_end, trace_id, s)]
+    children += [
+        span("forward_backward", gets[-1][1], optimizer_end - 0.1, trace_id, s),
+        span("optimizer.step", optimizer_end - 0.1, optimizer_end, trace_id, s),
+    ]
     pub = span("weights.publish", *publish, trace_id, s, **{"rl.policy_version": k + 1})
     return pub, [s, *children, pub]
 
@@ -55,8 +74,12 @@ def spans() -> list[dict]:  # type: ignore[type-arg]
     p1, s1 = step("1" * 32, 0, [a, b], [(1.0, 1.5), (1.5, 2.0)], optimizer_end=3.0, publish=(3.0, 3.2))
     out += s1
     out.append(span("weights.broadcast", 3.2, 4.0, "e" * 32, links=[p1], **{"rl.policy_version": 1}))
-    out.append(span("weights.load", 3.3, 4.1, "e" * 32, links=[p1], **{"rl.policy_version": 1, "weights.member_id": "e1"}))
-    out.append(span("weights.load", 3.3, 4.5, "e" * 32, links=[p1], **{"rl.policy_version": 1, "weights.member_id": "e2"}))
+    out.append(
+        span("weights.load", 3.3, 4.1, "e" * 32, links=[p1], **{"rl.policy_version": 1, "weights.member_id": "e1"})
+    )
+    out.append(
+        span("weights.load", 3.3, 4.5, "e" * 32, links=[p1], **{"rl.policy_version": 1, "weights.member_id": "e2"})
+    )
     # A redelivery of A to a later step that skipped it (not committed) must not count.
     _, s_dup = step("9" * 32, 5, [a], [(8.0, 8.5)], optimizer_end=9.0, publish=(9.0, 9.1), committed=False)
     out += s_dup
@@ -67,7 +90,9 @@ def spans() -> list[dict]:  # type: ignore[type-arg]
     p3, s3 = step("3" * 32, 2, [], [(5.1, 5.9)], optimizer_end=5.95, publish=(5.95, 6.0))
     out += s3
     out.append(span("weights.broadcast", 6.0, 6.5, "0" * 32, links=[p3], **{"rl.policy_version": 3}))
-    out.append(span("weights.load", 6.1, 6.6, "0" * 32, links=[p3], **{"rl.policy_version": 3, "weights.member_id": "e1"}))
+    out.append(
+        span("weights.load", 6.1, 6.6, "0" * 32, links=[p3], **{"rl.policy_version": 3, "weights.member_id": "e1"})
+    )
     return out
 
 
@@ -134,7 +159,10 @@ def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, 
     (tmp_path / "run" / "traces.jsonl").write_text("old run\n")
     run = build_run(RunConfig(**base, traces_file="traces.jsonl"))
     env = run.trace_env()
-    assert env == {"OTEL_TRACES_EXPORTER": "file", "TAUFLOW_TRACES_FILE": str((tmp_path / "run" / "traces.jsonl").resolve())}
+    assert env == {
+        "OTEL_TRACES_EXPORTER": "file",
+        "TAUFLOW_TRACES_FILE": str((tmp_path / "run" / "traces.jsonl").resolve()),
+    }
     assert (tmp_path / "run" / "traces.jsonl.prev").read_text() == "old run\n"  # a new run starts a new file
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     assert run.trace_env()["OTEL_TRACES_EXPORTER"] == "otlp,file"  # the collector keeps getting them

@@ -35,7 +35,11 @@ def test_the_token_table_follows_its_file_and_keeps_its_tokens_when_an_edit_is_b
     now = [0.0]
     table = TokenTable(path, reload_interval_s=1.0, clock=lambda: now[0])
     assert (table.lookup(A_TOKEN), table.lookup(B_TOKEN), table.lookup(C_TOKEN), table.lookup("")) == (
-        "agent-a", "agent-b", None, None)
+        "agent-a",
+        "agent-b",
+        None,
+        None,
+    )
     path.write_text(f"agent-a: {A_TOKEN}\nagent-c: {C_TOKEN}\n")  # agent-b removed, agent-c added
     assert table.lookup(C_TOKEN) is None  # not re-read before the interval
     now[0] = 1.5
@@ -91,8 +95,14 @@ def test_the_client_name_namespaces_the_group_id_and_replaces_the_producer_id() 
 
 def _queue(tmp_path: Path, tokens: str) -> ServiceProcess:
     (tmp_path / "tokens.yaml").write_text(tokens)
-    settings = {"wal.dir": "wal", "groups_per_step": 2, "max_staleness": 1, "external.enabled": "true",
-                "external.port": 0, "external.tokens_file": tmp_path / "tokens.yaml"}
+    settings = {
+        "wal.dir": "wal",
+        "groups_per_step": 2,
+        "max_staleness": 1,
+        "external.enabled": "true",
+        "external.port": 0,
+        "external.tokens_file": tmp_path / "tokens.yaml",
+    }
     return ServiceProcess("queue", tmp_path, settings).start()
 
 
@@ -132,11 +142,15 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
 
         # No token, an unknown one, another scheme: UNAUTHENTICATED, and nothing happens.
         assert _code(stub.Stats, q.StatsRequest()) == (
-            grpc.StatusCode.UNAUTHENTICATED, "missing `authorization: Bearer <token>` metadata")
-        assert _code(stub.Put, q.PutRequest(group=make_group("sneaky")), metadata=(("authorization", f"Bearer {C_TOKEN}"),)) == (
-            grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not one of the queue's client tokens")
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing `authorization: Bearer <token>` metadata",
+        )
+        assert _code(
+            stub.Put, q.PutRequest(group=make_group("sneaky")), metadata=(("authorization", f"Bearer {C_TOKEN}"),)
+        ) == (grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not one of the queue's client tokens")
         assert _code(stub.Stats, q.StatsRequest(), metadata=(("authorization", f"Basic {A_TOKEN}"),))[0] == (
-            grpc.StatusCode.UNAUTHENTICATED)
+            grpc.StatusCode.UNAUTHENTICATED
+        )
 
         # A producer's calls work; the queue records who put the group, whatever it claimed.
         assert stub.Stats(q.StatsRequest(), metadata=a, timeout=5).trainer_version == 0
@@ -155,9 +169,15 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert t1.ticket_id == again.ticket_id != other.ticket_id
         # A client can neither release another's ticket nor put on it.
         assert _code(stub.ReleaseReservation, q.ReleaseReservationRequest(ticket_id=t1.ticket_id), metadata=b) == (
-            grpc.StatusCode.NOT_FOUND, f"ticket {t1.ticket_id!r} is unknown")
-        assert stub.ReleaseReservation(q.ReleaseReservationRequest(ticket_id=other.ticket_id), metadata=b,
-                                       timeout=5).released_groups == 1
+            grpc.StatusCode.NOT_FOUND,
+            f"ticket {t1.ticket_id!r} is unknown",
+        )
+        assert (
+            stub.ReleaseReservation(
+                q.ReleaseReservationRequest(ticket_id=other.ticket_id), metadata=b, timeout=5
+            ).released_groups
+            == 1
+        )
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1  # a's ticket is still held
         stub.Put(q.PutRequest(group=make_group("ext-b"), ticket_id=t1.ticket_id), metadata=b, timeout=5)
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1  # b's put did not use it
@@ -176,8 +196,10 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
 
         # The external port can neither consume nor steer the training, even with a valid token.
         for method, request in [
-            ("Get", q.GetRequest(max_groups=8)), ("Ack", q.AckRequest(lease_id="x")),
-            ("Nack", q.NackRequest(lease_id="x")), ("RenewLease", q.RenewLeaseRequest(lease_id="x")),
+            ("Get", q.GetRequest(max_groups=8)),
+            ("Ack", q.AckRequest(lease_id="x")),
+            ("Nack", q.NackRequest(lease_id="x")),
+            ("RenewLease", q.RenewLeaseRequest(lease_id="x")),
             ("SetTrainerVersion", q.SetTrainerVersionRequest(policy_version=99)),
             ("SetMaxStaleness", q.SetMaxStalenessRequest(max_staleness=-1)),
             ("ReleaseProducerReservations", q.ReleaseProducerReservationsRequest(producer_id="agent-b")),
@@ -188,8 +210,11 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
 
         delivered = internal.Get(q.GetRequest(consumer_id="trainer", max_groups=8), timeout=5)
         assert [(d.group.group_id, d.group.producer_id) for d in delivered.groups] == [
-            ("agent-a/ext-1", "agent-a"), ("agent-b/ext-1", "agent-b"), ("agent-b/ext-b", "agent-b"),
-            ("agent-a/ext-2", "agent-a")]
+            ("agent-a/ext-1", "agent-a"),
+            ("agent-b/ext-1", "agent-b"),
+            ("agent-b/ext-b", "agent-b"),
+            ("agent-a/ext-2", "agent-a"),
+        ]
 
         metrics = _metrics(proc)
         put, rejected = "tauflow_queue_external_put_groups_total", "tauflow_queue_external_rejected_requests_total"
@@ -198,7 +223,9 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Stats")))] == 2
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
         assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
-        assert metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 1
+        assert (
+            metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 1
+        )
         assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 7
     finally:
         proc.stop()
@@ -211,18 +238,23 @@ def test_a_restarted_producer_gives_back_its_predecessors_tickets(tmp_path: Path
     try:
         internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
         for request_id in ("r1", "r2"):
-            assert internal.Reserve(q.ReserveRequest(request_id=request_id, producer_id="rollout-0", n_groups=2),
-                                    timeout=5).granted
+            assert internal.Reserve(
+                q.ReserveRequest(request_id=request_id, producer_id="rollout-0", n_groups=2), timeout=5
+            ).granted
         full = internal.Reserve(q.ReserveRequest(request_id="r3", producer_id="rollout-0", n_groups=1), timeout=5)
         assert not full.granted  # (0 + 1 + 1) x 2 groups: the pacing limit
         released = internal.ReleaseProducerReservations(
-            q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5)
+            q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5
+        )
         assert (released.released_tickets, released.released_groups) == (2, 4)
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 0
-        assert internal.Reserve(q.ReserveRequest(request_id="r4", producer_id="rollout-0", n_groups=2),
-                                timeout=5).granted
+        assert internal.Reserve(
+            q.ReserveRequest(request_id="r4", producer_id="rollout-0", n_groups=2), timeout=5
+        ).granted
         assert _code(internal.ReleaseProducerReservations, q.ReleaseProducerReservationsRequest()) == (
-            grpc.StatusCode.INVALID_ARGUMENT, "producer_id must be set")
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "producer_id must be set",
+        )
     finally:
         proc.stop()
 

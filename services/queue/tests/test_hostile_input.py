@@ -66,7 +66,8 @@ _VALID = [_valid_group(0), _valid_group(3), make_group("other", payload_tokens=4
 
 mutations = st.lists(
     st.tuples(st.sampled_from(["flip", "set", "insert", "delete"]), st.integers(0, 10_000), st.integers(0, 255)),
-    min_size=1, max_size=4,
+    min_size=1,
+    max_size=4,
 )
 
 

@@ -147,9 +147,11 @@ class QueueMachine(RuleBasedStateMachine):
         st_ = q.stats()
         room = len(q.memory.groups) + st_.reserved_groups + n <= config.capacity_groups
         if bounded:
-            room = room and st_.accepted_groups + st_.reserved_groups + n <= (
-                st_.trainer_version + config.max_staleness + 1
-            ) * config.groups_per_step
+            room = (
+                room
+                and st_.accepted_groups + st_.reserved_groups + n
+                <= (st_.trainer_version + config.max_staleness + 1) * config.groups_per_step
+            )
         ticket = q.reserve(rid, "p", n)
         assert (ticket is not None) == room
         if ticket is None:
@@ -495,7 +497,9 @@ class QueueMachine(RuleBasedStateMachine):
         assert set(q.memory.leases) <= set(self.leases)
         for i, (gids, dl, _) in self.leases.items():
             if self.now < dl:
-                assert i in q.memory.leases and q.memory.leases[i].group_ids == gids and q.memory.leases[i].deadline == dl
+                assert (
+                    i in q.memory.leases and q.memory.leases[i].group_ids == gids and q.memory.leases[i].deadline == dl
+                )
         assert set(q.memory.tickets) <= set(self.tickets)
         for tid in self._usable_tickets():
             assert q.memory.tickets[tid].remaining == self.tickets[tid][1]

@@ -1062,7 +1062,9 @@ def test_work_after_compaction_recovers_identically(tmp_path: Path) -> None:
     q3 = restart(q2, path, c)
     assert fingerprint(q3) == recovered(again, c())
     assert {**again, "stats": None, "live_wal_bytes": None} == {
-        **recovered(before, c()), "stats": None, "live_wal_bytes": None
+        **recovered(before, c()),
+        "stats": None,
+        "live_wal_bytes": None,
     }
 
 

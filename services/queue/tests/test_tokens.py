@@ -31,7 +31,7 @@ SECRET = "s3cr3t-" + "x" * 20  # the token that must not appear in any error
         # YAML errors: where, never what (PyYAML's own message quotes the line)
         (f"agent: {SECRET}\nother: [{SECRET}\n", "tokens.yaml, line 3, column 1: does not parse as YAML"),
         (f"agent: {SECRET}\n\t{SECRET}\n", "line 2, column 1: does not parse as YAML"),
-        (f"agent: \"{SECRET}\\q\"\n", "line 1, column "),
+        (f'agent: "{SECRET}\\q"\n', "line 1, column "),
         (f"agent: *{SECRET}\n", "line 1, column 8: does not parse as YAML"),
     ],
 )

@@ -528,8 +528,20 @@ def test_a_real_file_size_limit_mid_record_loses_no_acknowledged_put(tmp_path: P
 
 
 def _start(wal_dir: Path, *extra: str) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "tauflow.queue", "--set", f"wal.dir={wal_dir}", "--set", "server.port=0",
-            "--set", "metrics.port=0", "--ready-file", str(wal_dir / "ready.json"), *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "tauflow.queue",
+        "--set",
+        f"wal.dir={wal_dir}",
+        "--set",
+        "server.port=0",
+        "--set",
+        "metrics.port=0",
+        "--ready-file",
+        str(wal_dir / "ready.json"),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 

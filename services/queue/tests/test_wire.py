@@ -68,7 +68,9 @@ def test_fast_path_agrees_with_full_decode(specs, group_id) -> None:  # type: ig
         return
     got = wire.group_record(raw, LIMIT)
     assert (got.group_id, got.behaviour_version, got.n_tokens) == (
-        expected.group_id, expected.behaviour_version, expected.n_tokens
+        expected.group_id,
+        expected.behaviour_version,
+        expected.n_tokens,
     )
     assert got.payload == raw  # stored as received
 
@@ -99,8 +101,10 @@ def test_garbage_bytes_are_invalid_argument() -> None:
 
 
 def test_spliced_get_response_decodes_like_a_built_one() -> None:
-    groups = [_group([dict(n=3, prompt=[1], versions=2, lp=-0.1, masked=True, bv=0, score=1.0, sid="0")], f"g{i}")
-              for i in range(3)]
+    groups = [
+        _group([dict(n=3, prompt=[1], versions=2, lp=-0.1, masked=True, bv=0, score=1.0, sid="0")], f"g{i}")
+        for i in range(3)
+    ]
     records = [wire.group_record(g.SerializeToString(), LIMIT) for g in groups]
     for i, r in enumerate(records):
         r.accepted_at = 1700000000.25 + i

@@ -94,8 +94,12 @@ def test_format_modes_and_flags() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "key"),
-    [({"pattern": "(("}, "pattern"), ({"pattern": ""}, "pattern"), ({"mode": "sometimes"}, "mode"),
-     ({"flags": ["VERBOSE"]}, "flags.0")],
+    [
+        ({"pattern": "(("}, "pattern"),
+        ({"pattern": ""}, "pattern"),
+        ({"mode": "sometimes"}, "mode"),
+        ({"flags": ["VERBOSE"]}, "flags.0"),
+    ],
 )
 def test_format_rejects_bad_config_naming_the_key(overrides: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigInvalid) as e:

@@ -21,11 +21,17 @@ from tauflow.reward.runner import SampleResult, Status
 def request_groups() -> list[common_pb2.Group]:
     return [
         common_pb2.Group(
-            group_id="g", prompt_id="p", metadata={"answer": "4"},
+            group_id="g",
+            prompt_id="p",
+            metadata={"answer": "4"},
             samples=[
                 common_pb2.Sample(
-                    sample_id="a", completion_text="4", prompt_token_ids=[1, 2], completion_token_ids=[3],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH, metadata={"k": "v"},
+                    sample_id="a",
+                    completion_text="4",
+                    prompt_token_ids=[1, 2],
+                    completion_token_ids=[3],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    metadata={"k": "v"},
                 )
             ],
         )
@@ -49,15 +55,20 @@ def test_response_keeps_order_status_components_message_and_duration() -> None:
     resp = convert.score_response(fn, groups, results)
     (sr,) = resp.groups[0].samples
     assert resp.reward_fn == "exact_match" and resp.groups[0].group_id == "g" and sr.sample_id == "a"
-    assert (sr.reward.score, sr.reward.status, sr.reward.message) == (-1.0, common_pb2.REWARD_STATUS_TIMEOUT, "too slow")
+    assert (sr.reward.score, sr.reward.status, sr.reward.message) == (
+        -1.0,
+        common_pb2.REWARD_STATUS_TIMEOUT,
+        "too slow",
+    )
     assert dict(sr.reward.components) == {"x": 0.5}
     assert (sr.duration.seconds, sr.duration.nanos) == (1, 250_000_000)
 
 
 # -- bounds and refusals (issue #11: every string and list bounded, bad input named) ------------------------
 
-LIMITS = LimitsConfig(max_id_chars=8, max_text_chars=16, max_map_entries=2, max_tokens_per_sample=4,
-                      max_config_bytes=64)
+LIMITS = LimitsConfig(
+    max_id_chars=8, max_text_chars=16, max_map_entries=2, max_tokens_per_sample=4, max_config_bytes=64
+)
 
 
 def _with(**edit: Any) -> list[common_pb2.Group]:
@@ -92,14 +103,19 @@ def _with(**edit: Any) -> list[common_pb2.Group]:
         ({"sample__completion_text": "x" * 17}, "groups[0].samples[0].completion_text", "max_text_chars"),
         ({"sample__metadata": {"v": "x" * 17}}, "groups[0].samples[0].metadata['v']", "max_text_chars"),
         ({"sample__prompt_token_ids": [1, 2, 3]}, "groups[0].samples[0].prompt_token_ids", "max_tokens_per_sample"),
-        ({"sample__completion_token_ids": [1] * 4}, "groups[0].samples[0].completion_token_ids",
-         "max_tokens_per_sample"),
-        ({"sample__behaviour_logprobs": [0.0] * 5}, "groups[0].samples[0].behaviour_logprobs",
-         "max_tokens_per_sample"),
+        (
+            {"sample__completion_token_ids": [1] * 4},
+            "groups[0].samples[0].completion_token_ids",
+            "max_tokens_per_sample",
+        ),
+        ({"sample__behaviour_logprobs": [0.0] * 5}, "groups[0].samples[0].behaviour_logprobs", "max_tokens_per_sample"),
         ({"sample__token_versions": [0] * 5}, "groups[0].samples[0].token_versions", "max_tokens_per_sample"),
         ({"sample__loss_mask": [True] * 5}, "groups[0].samples[0].loss_mask", "max_tokens_per_sample"),
-        ({"sample__reward__components": {"a": 1.0, "b": 2.0, "c": 3.0}}, "groups[0].samples[0].reward.components",
-         "max_map_entries"),
+        (
+            {"sample__reward__components": {"a": 1.0, "b": 2.0, "c": 3.0}},
+            "groups[0].samples[0].reward.components",
+            "max_map_entries",
+        ),
     ],
 )
 def test_every_string_and_list_of_a_group_is_bounded(edit: dict[str, Any], field: str, key: str) -> None:
@@ -160,7 +176,13 @@ def test_config_is_bounded_and_read_as_plain_values() -> None:
     config = _struct(a=1.0, b="s", c=True, d=None, e=[1.0, "x"], f={"g": False})
     config.fields["unset"].CopyFrom(struct_pb2.Value())
     assert convert.config_from_proto(config, max_bytes=1024) == {
-        "a": 1.0, "b": "s", "c": True, "d": None, "e": [1.0, "x"], "f": {"g": False}, "unset": None,
+        "a": 1.0,
+        "b": "s",
+        "c": True,
+        "d": None,
+        "e": [1.0, "x"],
+        "f": {"g": False},
+        "unset": None,
     }
 
 

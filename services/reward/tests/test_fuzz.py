@@ -43,19 +43,37 @@ SETTINGS = settings(
 )
 # Small bounds, so that values just over them are cheap to generate (the defaults are 256 to 1 Mi).
 LIMITS = {
-    "limits.max_id_chars": 32, "limits.max_text_chars": 2048, "limits.max_map_entries": 4,
-    "limits.max_tokens_per_sample": 32, "limits.max_config_bytes": 1024, "max_samples_per_request": 24,
+    "limits.max_id_chars": 32,
+    "limits.max_text_chars": 2048,
+    "limits.max_map_entries": 4,
+    "limits.max_tokens_per_sample": 32,
+    "limits.max_config_bytes": 1024,
+    "max_samples_per_request": 24,
 }
 DOCUMENTED = {  # what a Score or ListRewardFunctions may answer besides OK (reward.proto)
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 SCORE = "/tauflow.api.reward.v1.RewardService/Score"
 LIST = "/tauflow.api.reward.v1.RewardService/ListRewardFunctions"
 CALL_TIMEOUT_S = 20.0
 HOSTILE_PATTERNS = [
-    "(a+)+$", "(a|aa)+$", r"(\w)\1", "(?=a)", "((", "", "x" * 3000, r"(x|y|\pL){1000}", "a{1001}",
-    r"(?:[ab]*a[ab]{999}c|[ab]*b[ab]{999}c)", "<think>.*?</think>", r"\Z", "[", "(?P<n>a)(?P=n)",
+    "(a+)+$",
+    "(a|aa)+$",
+    r"(\w)\1",
+    "(?=a)",
+    "((",
+    "",
+    "x" * 3000,
+    r"(x|y|\pL){1000}",
+    "a{1001}",
+    r"(?:[ab]*a[ab]{999}c|[ab]*b[ab]{999}c)",
+    "<think>.*?</think>",
+    r"\Z",
+    "[",
+    "(?P<n>a)(?P=n)",
 ]
 
 outcomes: Counter[str] = Counter()
@@ -130,8 +148,11 @@ def _check_score(service: ServiceProcess, channel: grpc.Channel, raw: bytes) -> 
             for s in got.samples:
                 assert math.isfinite(s.reward.score), s
                 assert all(math.isfinite(v) for v in s.reward.components.values()), s
-                assert s.reward.status in (common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_ERROR,
-                                           common_pb2.REWARD_STATUS_TIMEOUT)
+                assert s.reward.status in (
+                    common_pb2.REWARD_STATUS_OK,
+                    common_pb2.REWARD_STATUS_ERROR,
+                    common_pb2.REWARD_STATUS_TIMEOUT,
+                )
         assert scored == sum(len(g.samples) for g in request.groups)
     _serving(channel)
 
@@ -139,11 +160,16 @@ def _check_score(service: ServiceProcess, channel: grpc.Channel, raw: bytes) -> 
 # -- strategies from the descriptors --------------------------------------------------------------
 
 _INT_RANGES = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 _LENGTHS = [0, 1, 3, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025, 2047, 2048, 2049, 5000]
 
@@ -160,11 +186,19 @@ def _ints(field: FieldDescriptor) -> st.SearchStrategy[int]:
 
 def _json(words: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
     leaves = st.one_of(
-        st.none(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**60), 2**60),
-        words, st.sampled_from(HOSTILE_PATTERNS), st.sampled_from(["search", "match", "fullmatch", "DOTALL"]),
+        st.none(),
+        st.booleans(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-(2**60), 2**60),
+        words,
+        st.sampled_from(HOSTILE_PATTERNS),
+        st.sampled_from(["search", "match", "fullmatch", "DOTALL"]),
     )
-    return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(words, inner, max_size=4)), max_leaves=8)
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(words, inner, max_size=4)),
+        max_leaves=8,
+    )
 
 
 def _deep_struct(depth: int) -> struct_pb2.Struct:
@@ -225,8 +259,11 @@ class Strategies:
                     entries = draw(st.dictionaries(self.scalar(entry["key"]), self.scalar(entry["value"]), max_size=6))
                     getattr(msg, field.name).update(entries)
                 elif field.is_repeated:
-                    size = draw(st.sampled_from([0, 1, 2, 3, 31, 32, 33]) if field.message_type is None
-                                else st.integers(0, 4 if depth < 1 else 3))
+                    size = draw(
+                        st.sampled_from([0, 1, 2, 3, 31, 32, 33])
+                        if field.message_type is None
+                        else st.integers(0, 4 if depth < 1 else 3)
+                    )
                     target = getattr(msg, field.name)
                     if field.message_type is None:
                         target.extend(draw(st.lists(self.scalar(field), min_size=size, max_size=size)))
@@ -274,11 +311,20 @@ def _message_class(descriptor: Descriptor) -> Any:
 
 def _seeds() -> list[bytes]:
     def group(gid: str, *texts: str) -> common_pb2.Group:
-        return common_pb2.Group(group_id=gid, metadata={"answer": "4"}, samples=[
-            common_pb2.Sample(sample_id=str(i), completion_text=t, completion_token_ids=[1, 2, 3],
-                              behaviour_logprobs=[-0.5, -1.0, -0.1], metadata={"answer": "4"})
-            for i, t in enumerate(texts)
-        ])
+        return common_pb2.Group(
+            group_id=gid,
+            metadata={"answer": "4"},
+            samples=[
+                common_pb2.Sample(
+                    sample_id=str(i),
+                    completion_text=t,
+                    completion_token_ids=[1, 2, 3],
+                    behaviour_logprobs=[-0.5, -1.0, -0.1],
+                    metadata={"answer": "4"},
+                )
+                for i, t in enumerate(texts)
+            ],
+        )
 
     config = struct_pb2.Struct()
     config.update({"pattern": "(a+)+$", "mode": "search", "flags": ["DOTALL"], "match_score": 1.0})
@@ -299,7 +345,7 @@ def _mutate(raw: bytes, ops: list[tuple[str, int, int]]) -> bytes:
         elif op == "truncate":
             del b[i:]
         elif op == "repeat":  # a slice twice: repeated fields, and lengths that no longer fit
-            b[i:i] = b[i:i + value % 16]
+            b[i:i] = b[i : i + value % 16]
         elif i < len(b):
             if op == "flip":
                 b[i] ^= 1 << (value % 8)
@@ -311,9 +357,13 @@ def _mutate(raw: bytes, ops: list[tuple[str, int, int]]) -> bytes:
 
 
 _ops = st.lists(
-    st.tuples(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "repeat"]),
-              st.integers(0, 4096), st.integers(0, 255)),
-    min_size=1, max_size=3,
+    st.tuples(
+        st.sampled_from(["flip", "set", "insert", "delete", "truncate", "repeat"]),
+        st.integers(0, 4096),
+        st.integers(0, 255),
+    ),
+    min_size=1,
+    max_size=3,
 )
 
 
@@ -374,4 +424,4 @@ def test_the_service_still_serves_and_holds_no_call(service: ServiceProcess, cha
     log = Path(service.workdir / "reward.1.log").read_text(errors="replace")
     # (a reward function's own failure is logged with its traceback, by design: that is not what is looked for)
     for sign in ("unexpected error", "Exception calling application", "Exception deserializing", "Unexpected <"):
-        assert sign not in log, log[log.index(sign) - 200:][:3000]
+        assert sign not in log, log[log.index(sign) - 200 :][:3000]

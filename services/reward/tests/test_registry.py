@@ -86,11 +86,13 @@ def test_resolve_config_merges_and_names_the_bad_key() -> None:
 
 def test_settings_override_defaults_and_disable(plugin: list[metadata.EntryPoint]) -> None:
     reg = build_registry(
-        config(functions={
-            "exact_match": {"timeout_s": 0.5, "fallback_score": -2, "config": {"ignore_case": True}},
-            "length": {"executor": "inline"},
-            "format": {"enabled": False},
-        }),
+        config(
+            functions={
+                "exact_match": {"timeout_s": 0.5, "fallback_score": -2, "config": {"ignore_case": True}},
+                "length": {"executor": "inline"},
+                "format": {"enabled": False},
+            }
+        ),
         entry_points=plugin,
     )
     em = reg.get("exact_match")

@@ -20,7 +20,7 @@ from tauflow.reward.runner import Scorer, Status
 from tauflow.reward.worker import load_object
 
 FUNCTIONS = textwrap.dedent(
-    '''
+    """
     import os, time
 
     def picky(sample, config):
@@ -52,7 +52,7 @@ FUNCTIONS = textwrap.dedent(
 
     def pid(sample, config):
         return float(os.getpid())
-    '''
+    """
 )
 
 
@@ -81,8 +81,13 @@ def groups(*texts: list[str], ids: list[str] | None = None) -> list[GroupInput]:
     return out
 
 
-def score(scorer: Scorer, fn: RewardFunction, gs: list[GroupInput], timeout_s: float | None = None,
-          deadline_s: float | None = None):  # type: ignore[no-untyped-def]
+def score(
+    scorer: Scorer,
+    fn: RewardFunction,
+    gs: list[GroupInput],
+    timeout_s: float | None = None,
+    deadline_s: float | None = None,
+):  # type: ignore[no-untyped-def]
     return asyncio.run(scorer.score(fn, gs, {}, timeout_s or fn.timeout_s, deadline_s))
 
 
@@ -96,7 +101,7 @@ def test_results_come_back_per_group_in_order(env: tuple[Scorer, Registry]) -> N
 def test_a_raise_fails_only_its_sample(env: tuple[Scorer, Registry]) -> None:
     scorer, reg = env
     for name in ("picky", "inline_picky"):
-        (ok1, bad, ok2), = score(scorer, reg.get(name), groups(["a", "boom", "cc"]))
+        ((ok1, bad, ok2),) = score(scorer, reg.get(name), groups(["a", "boom", "cc"]))
         assert (ok1.score, ok2.score) == (1.0, 2.0) and ok1.status is Status.OK
         assert bad.status is Status.ERROR and bad.score == -1.0 and bad.reason == "error"
         assert bad.message == "RuntimeError: cannot score boom"
@@ -107,7 +112,7 @@ def test_a_hang_times_out_and_the_pool_recovers(env: tuple[Scorer, Registry]) ->
     scorer, reg = env
     fn = reg.get("picky")
     start = time.monotonic()
-    (hung, fine), = score(scorer, fn, groups(["hang", "abc"]))
+    ((hung, fine),) = score(scorer, fn, groups(["hang", "abc"]))
     assert time.monotonic() - start < 3
     assert hung.status is Status.TIMEOUT and hung.score == -1.0 and hung.reason == "timeout"
     assert "within 0.3 s" in hung.message and "stopped" in hung.message
@@ -119,13 +124,13 @@ def test_a_hang_times_out_and_the_pool_recovers(env: tuple[Scorer, Registry]) ->
 
 def test_the_request_timeout_overrides_the_functions(env: tuple[Scorer, Registry]) -> None:
     scorer, reg = env
-    (r,), = score(scorer, reg.get("picky"), groups(["sleep 0.5"]), timeout_s=2.0)
+    ((r,),) = score(scorer, reg.get("picky"), groups(["sleep 0.5"]), timeout_s=2.0)
     assert r.status is Status.OK and r.score == 9.0 and r.duration_s >= 0.5
 
 
 def test_a_dying_worker_fails_only_its_sample(env: tuple[Scorer, Registry]) -> None:
     scorer, reg = env
-    (died, fine), = score(scorer, reg.get("picky"), groups(["die", "ok"]))
+    ((died, fine),) = score(scorer, reg.get("picky"), groups(["die", "ok"]))
     assert died.status is Status.ERROR and died.reason == "crash" and "exit code 3" in died.message
     assert died.score == -1.0 and fine.score == 2.0
 
@@ -143,7 +148,7 @@ def test_a_passed_deadline_cancels_the_work(env: tuple[Scorer, Registry]) -> Non
     scorer, reg = env
     with pytest.raises(DeadlineExceeded, match="1 of 2 samples"):
         score(scorer, reg.get("picky"), groups(["sleep 3", "a"]), timeout_s=10, deadline_s=0.3)
-    (r,), = score(scorer, reg.get("picky"), groups(["abcd"]))  # still serving
+    ((r,),) = score(scorer, reg.get("picky"), groups(["abcd"]))  # still serving
     assert r.score == 4.0
 
 

@@ -109,7 +109,9 @@ def group(gid: str, *texts: str, answer: str | None = None, answers: list[str] |
         metadata={} if answer is None else {"answer": answer},
         samples=[
             common_pb2.Sample(
-                sample_id=str(i), completion_text=t, metadata={"answer": answers[i]} if answers else {},
+                sample_id=str(i),
+                completion_text=t,
+                metadata={"answer": answers[i]} if answers else {},
                 reward=common_pb2.Reward(score=99.0),  # ignored by Score
             )
             for i, t in enumerate(texts)
@@ -163,13 +165,17 @@ def test_request_config_is_merged_over_the_defaults(stub: reward_pb2_grpc.Reward
 
 
 def test_math_and_format(stub: reward_pb2_grpc.RewardServiceStub) -> None:
-    resp = stub.Score(reward_pb2.ScoreRequest(
-        reward_fn="math", groups=[group("m", "so \\boxed{\\frac{1}{2}}", "it is 0.5", "\\boxed{2}", answer="1/2")]
-    ))
+    resp = stub.Score(
+        reward_pb2.ScoreRequest(
+            reward_fn="math", groups=[group("m", "so \\boxed{\\frac{1}{2}}", "it is 0.5", "\\boxed{2}", answer="1/2")]
+        )
+    )
     assert scores(resp) == [[1.0, 1.0, 0.0]]
-    resp = stub.Score(reward_pb2.ScoreRequest(
-        reward_fn="format", groups=[group("f", "<think>x</think><answer>1</answer>", "<answer>1</answer>")]
-    ))
+    resp = stub.Score(
+        reward_pb2.ScoreRequest(
+            reward_fn="format", groups=[group("f", "<think>x</think><answer>1</answer>", "<answer>1</answer>")]
+        )
+    )
     assert scores(resp) == [[1.0, 0.0]]
 
 
@@ -201,9 +207,13 @@ def test_a_hanging_function_times_out_and_the_service_keeps_serving(
     # the service and its pool still serve: several hangs at once, then normal work
     resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("u", "hang", "hang", "hang", "x")]))
     assert [s.reward.status for s in resp.groups[0].samples] == [TIMEOUT, TIMEOUT, TIMEOUT, OK]
-    resp = stub.Score(reward_pb2.ScoreRequest(
-        reward_fn="math", groups=[group("m", "\\boxed{3}", answer="3")], sample_timeout=duration_pb2.Duration(seconds=5)
-    ))
+    resp = stub.Score(
+        reward_pb2.ScoreRequest(
+            reward_fn="math",
+            groups=[group("m", "\\boxed{3}", answer="3")],
+            sample_timeout=duration_pb2.Duration(seconds=5),
+        )
+    )
     assert scores(resp) == [[1.0]]
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(service.address))
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
@@ -244,25 +254,48 @@ def _config(**kw: object) -> struct_pb2.Struct:
     ("request_kw", "code", "message"),
     [
         ({"groups": []}, "INVALID_ARGUMENT", "groups: must hold at least one group"),
-        ({"groups": [common_pb2.Group(group_id="e")]}, "INVALID_ARGUMENT", "groups[0].samples: group 'e' has no samples"),
-        ({"groups": [group("a", "x"), group("a", "y")]}, "INVALID_ARGUMENT", "groups[1].group_id: 'a' repeats groups[0]"),
-        ({"groups": [common_pb2.Group(group_id="a", samples=[common_pb2.Sample(sample_id="s")] * 2)]},
-         "INVALID_ARGUMENT", "groups[0].samples[1].sample_id: 's' repeats samples[0]"),
+        (
+            {"groups": [common_pb2.Group(group_id="e")]},
+            "INVALID_ARGUMENT",
+            "groups[0].samples: group 'e' has no samples",
+        ),
+        (
+            {"groups": [group("a", "x"), group("a", "y")]},
+            "INVALID_ARGUMENT",
+            "groups[1].group_id: 'a' repeats groups[0]",
+        ),
+        (
+            {"groups": [common_pb2.Group(group_id="a", samples=[common_pb2.Sample(sample_id="s")] * 2)]},
+            "INVALID_ARGUMENT",
+            "groups[0].samples[1].sample_id: 's' repeats samples[0]",
+        ),
         ({"config": _config(ignorecase=True)}, "INVALID_ARGUMENT", "config.ignorecase: unknown key"),
         ({"reward_fn": "format", "config": _config(pattern="((")}, "INVALID_ARGUMENT", "config.pattern:"),
         ({"reward_fn": "spin", "config": _config(bonus=1, extra=2)}, "INVALID_ARGUMENT", "config.extra: unknown key"),
         ({"sample_timeout": duration_pb2.Duration(seconds=-1)}, "INVALID_ARGUMENT", "sample_timeout: must be positive"),
         ({"sample_timeout": duration_pb2.Duration(seconds=3600)}, "INVALID_ARGUMENT", "max_sample_timeout_s"),
         ({"groups": [group(f"g{i}", *["x"] * 8) for i in range(76)]}, "RESOURCE_EXHAUSTED", "608 samples"),
-        ({"config": _config(correct_score=float("nan"))}, "INVALID_ARGUMENT",
-         "config.correct_score: nan is not a finite number"),
-        ({"reward_fn": "format", "config": _config(pattern=r"(\w)\1")}, "INVALID_ARGUMENT",
-         "config.pattern: not a valid regular expression (RE2 syntax"),
+        (
+            {"config": _config(correct_score=float("nan"))},
+            "INVALID_ARGUMENT",
+            "config.correct_score: nan is not a finite number",
+        ),
+        (
+            {"reward_fn": "format", "config": _config(pattern=r"(\w)\1")},
+            "INVALID_ARGUMENT",
+            "config.pattern: not a valid regular expression (RE2 syntax",
+        ),
         ({"reward_fn": "f" * 300}, "INVALID_ARGUMENT", "reward_fn: 300 characters, over this service's limit of 256"),
-        ({"groups": [group("a", "x" * (1 << 20 + 1))]}, "INVALID_ARGUMENT",
-         "groups[0].samples[0].completion_text: 2097152 characters"),
-        ({"sample_timeout": duration_pb2.Duration(seconds=1, nanos=-5)}, "INVALID_ARGUMENT",
-         "sample_timeout: must be positive"),
+        (
+            {"groups": [group("a", "x" * (1 << 20 + 1))]},
+            "INVALID_ARGUMENT",
+            "groups[0].samples[0].completion_text: 2097152 characters",
+        ),
+        (
+            {"sample_timeout": duration_pb2.Duration(seconds=1, nanos=-5)},
+            "INVALID_ARGUMENT",
+            "sample_timeout: must be positive",
+        ),
     ],
 )
 def test_bad_requests_get_a_status_naming_the_field(
@@ -296,9 +329,14 @@ def test_refusals_are_counted_by_field(stub: reward_pb2_grpc.RewardServiceStub, 
     before = metric(service, "tauflow_reward_invalid_requests_total", **labels)
     for _ in range(2):
         with pytest.raises(grpc.RpcError):
-            stub.Score(reward_pb2.ScoreRequest(groups=[
-                group("a", "x", "y", answer="x"), common_pb2.Group(samples=[common_pb2.Sample(sample_id="s" * 257)])
-            ]))
+            stub.Score(
+                reward_pb2.ScoreRequest(
+                    groups=[
+                        group("a", "x", "y", answer="x"),
+                        common_pb2.Group(samples=[common_pb2.Sample(sample_id="s" * 257)]),
+                    ]
+                )
+            )
     assert metric(service, "tauflow_reward_invalid_requests_total", **labels) == before + 2
 
 
@@ -335,8 +373,12 @@ def test_workers_end_when_the_service_is_killed_even_inside_a_function_that_neve
         stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
         # A worker spins in `hang` for up to 30 s; the caller gives up after 0.5 s.
         with pytest.raises(grpc.RpcError):
-            stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("h", "hang")],
-                                               sample_timeout=duration_pb2.Duration(seconds=30)), timeout=0.5)
+            stub.Score(
+                reward_pb2.ScoreRequest(
+                    reward_fn="spin", groups=[group("h", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
+                ),
+                timeout=0.5,
+            )
         # pool.workers: 2, children of the fork server (the cancelled task's worker is being replaced: wait)
         deadline = time.monotonic() + 10
         while True:
@@ -409,42 +451,56 @@ def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
     import signal
 
     service = ServiceProcess(
-        "reward", tmp_path_factory.mktemp("hostile"),
+        "reward",
+        tmp_path_factory.mktemp("hostile"),
         {"pool.workers": 2, "pool.preload": "[]", "server.drain_grace_s": 1, "load_entry_points": "false"},
     ).start()
     try:
         stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
         with HealthWatch(service.address) as health:
             start = time.monotonic()
-            resp = stub.Score(reward_pb2.ScoreRequest(
-                reward_fn="format", config=_config(pattern="(a+)+$"), groups=[group("a", "a" * 40, "a" * 40 + "b")]
-            ), timeout=10)
+            resp = stub.Score(
+                reward_pb2.ScoreRequest(
+                    reward_fn="format", config=_config(pattern="(a+)+$"), groups=[group("a", "a" * 40, "a" * 40 + "b")]
+                ),
+                timeout=10,
+            )
             assert time.monotonic() - start < 1.0  # format's timeout: 1 s
             assert [(s.reward.status, s.reward.score) for s in resp.groups[0].samples] == [(OK, 1.0), (OK, 0.0)]
             # A pattern whose work is large even for RE2: stopped at format's 1 s timeout, in the pool.
             start = time.monotonic()
-            resp = stub.Score(reward_pb2.ScoreRequest(
-                reward_fn="format", config=_config(pattern=SLOW_FOR_RE2, mode="search"),
-                groups=[group("b", _random_text("ab", 1 << 19), "ab")],
-            ), timeout=10)
+            resp = stub.Score(
+                reward_pb2.ScoreRequest(
+                    reward_fn="format",
+                    config=_config(pattern=SLOW_FOR_RE2, mode="search"),
+                    groups=[group("b", _random_text("ab", 1 << 19), "ab")],
+                ),
+                timeout=10,
+            )
             took = time.monotonic() - start
             slow, fast = resp.groups[0].samples
             assert slow.reward.status == TIMEOUT and "within 1 s" in slow.reward.message
             assert (fast.reward.status, fast.reward.score) == (OK, 0.0) and took < 3.0
             # The default pattern over a completion that makes Python's re quadratic (minutes): inline, fast.
             start = time.monotonic()
-            resp = stub.Score(reward_pb2.ScoreRequest(
-                reward_fn="format", groups=[group("c", "<think></think><answer>" * 40_000)]
-            ), timeout=10)
+            resp = stub.Score(
+                reward_pb2.ScoreRequest(reward_fn="format", groups=[group("c", "<think></think><answer>" * 40_000)]),
+                timeout=10,
+            )
             assert resp.groups[0].samples[0].reward.status == OK and time.monotonic() - start < 1.0
         assert health.checks >= 10 and not health.failures and health.worst_s < 0.5, vars(health)
 
         # SIGTERM while a hostile pattern runs (its timeout raised to 60 s): the process drains for
         # server.drain_grace_s (1 s), stops its pool and exits.
-        pending = stub.Score.future(reward_pb2.ScoreRequest(
-            reward_fn="format", config=_config(pattern=SLOW_FOR_RE2, mode="search"),
-            groups=[group("d", _random_text("ab", 1 << 20))], sample_timeout=duration_pb2.Duration(seconds=60),
-        ), timeout=30)
+        pending = stub.Score.future(
+            reward_pb2.ScoreRequest(
+                reward_fn="format",
+                config=_config(pattern=SLOW_FOR_RE2, mode="search"),
+                groups=[group("d", _random_text("ab", 1 << 20))],
+                sample_timeout=duration_pb2.Duration(seconds=60),
+            ),
+            timeout=30,
+        )
         deadline = time.monotonic() + 10  # the call is in progress once its sample is handed to the pool
         while metric(service, "tauflow_reward_inflight_requests") < 1:
             assert time.monotonic() < deadline, "the Score call never started"

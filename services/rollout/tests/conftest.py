@@ -12,8 +12,18 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-TINY = dict(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-            intermediate_size=64, max_position_embeddings=64, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+TINY = dict(
+    vocab_size=16,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
 
 
 def tiny_model(seed: int) -> torch.nn.Module:

@@ -28,8 +28,9 @@ PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 9, 10, 11, 12, 13, 14], [1, 4, 4]]  # diffe
 def _same(a: list[list[Any]], b: list[list[Any]]) -> bool:
     """Same completions: identical tokens, versions and finish reasons; log-probs equal up to float32 rounding
     (the rows of a batch are padded differently, so the matmuls round differently)."""
-    assert [[(c.token_ids, c.versions, c.finish_reason) for c in g] for g in a] == \
-        [[(c.token_ids, c.versions, c.finish_reason) for c in g] for g in b]
+    assert [[(c.token_ids, c.versions, c.finish_reason) for c in g] for g in a] == [
+        [(c.token_ids, c.versions, c.finish_reason) for c in g] for g in b
+    ]
     for ga, gb in zip(a, b, strict=True):
         for ca, cb in zip(ga, gb, strict=True):
             assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-5)
@@ -47,13 +48,18 @@ def _slow_steps(engine: HFEngine, seconds: float) -> None:
     engine._decode_step = slow  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=12, n=4, temperature=1.0, seed=3),
-    SamplingParams(max_new_tokens=12, n=4, temperature=0.7, top_p=0.9, top_k=8, seed=4),
-    SamplingParams(max_new_tokens=12, n=2, temperature=0.0),
-], ids=["t1", "t0.7-p0.9-k8", "greedy"])
-def test_logprobs_equal_a_full_forward_without_cache(engine: HFEngine, reference: Any, full_logprobs: Any,
-                                                     params: SamplingParams) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=12, n=4, temperature=1.0, seed=3),
+        SamplingParams(max_new_tokens=12, n=4, temperature=0.7, top_p=0.9, top_k=8, seed=4),
+        SamplingParams(max_new_tokens=12, n=2, temperature=0.0),
+    ],
+    ids=["t1", "t0.7-p0.9-k8", "greedy"],
+)
+def test_logprobs_equal_a_full_forward_without_cache(
+    engine: HFEngine, reference: Any, full_logprobs: Any, params: SamplingParams
+) -> None:
     out = engine.submit(PROMPTS, params).result(30)
     assert [len(group) for group in out] == [params.n] * len(PROMPTS)
     for prompt, group in zip(PROMPTS, out, strict=True):
@@ -112,7 +118,7 @@ def test_greedy_is_deterministic_and_follows_the_argmax(engine: HFEngine, refere
         for _ in range(len(group[0].token_ids)):
             with torch.no_grad():
                 seq.append(int(reference(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-        assert group[0].token_ids == seq[len(prompt):]
+        assert group[0].token_ids == seq[len(prompt) :]
 
 
 def test_requests_join_a_running_batch(engine: HFEngine) -> None:
@@ -189,16 +195,20 @@ def test_close_with_drain_finishes_what_is_in_flight(model_dir: Path) -> None:
     assert all(g[0].finish_reason is FinishReason.LENGTH for g in future.result(5))
 
 
-@pytest.mark.parametrize(("prompts", "params", "match"), [
-    ([], SamplingParams(), "at least one prompt"),
-    ([[1, 2], []], SamplingParams(), "prompt 1 is empty"),
-    ([[1, 16]], SamplingParams(), "outside"),
-    ([[1, -1]], SamplingParams(), "outside"),
-    ([[1] * 60], SamplingParams(max_new_tokens=5), "context of 64"),
-    ([[1]], SamplingParams(stop_token_ids=(99,)), "stop_token_ids"),
-])
-def test_bad_requests_are_refused_at_once(engine: HFEngine, prompts: list[list[int]], params: SamplingParams,
-                                          match: str) -> None:
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([], SamplingParams(), "at least one prompt"),
+        ([[1, 2], []], SamplingParams(), "prompt 1 is empty"),
+        ([[1, 16]], SamplingParams(), "outside"),
+        ([[1, -1]], SamplingParams(), "outside"),
+        ([[1] * 60], SamplingParams(max_new_tokens=5), "context of 64"),
+        ([[1]], SamplingParams(stop_token_ids=(99,)), "stop_token_ids"),
+    ],
+)
+def test_bad_requests_are_refused_at_once(
+    engine: HFEngine, prompts: list[list[int]], params: SamplingParams, match: str
+) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         engine.submit(prompts, params)
 

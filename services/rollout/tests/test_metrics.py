@@ -13,8 +13,19 @@ class Engine:
         self.tokens = 0
 
     def stats(self) -> EngineStats:
-        return EngineStats("e0", "fake", "m", EngineState.SERVING, 3, 2, 5, 1, False, 0,
-                           counters={"tokens": self.tokens, "sequences": 4, "decode_steps": 9})
+        return EngineStats(
+            "e0",
+            "fake",
+            "m",
+            EngineState.SERVING,
+            3,
+            2,
+            5,
+            1,
+            False,
+            0,
+            counters={"tokens": self.tokens, "sequences": 4, "decode_steps": 9},
+        )
 
 
 class Servicer:

@@ -81,7 +81,13 @@ def producer(
         sampling=SamplingConfig(max_new_tokens=1),
     )
     return Producer(
-        engine, prompts, queue, FakeReward(), config, metrics=RolloutMetrics(registry), **kw  # type: ignore[arg-type]
+        engine,
+        prompts,
+        queue,
+        FakeReward(),
+        config,
+        metrics=RolloutMetrics(registry),
+        **kw,  # type: ignore[arg-type]
     ), registry
 
 
@@ -123,8 +129,12 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     with pytest.raises(asyncio.CancelledError):
         await task
     # (the count follows the last release by one turn of the event loop: wait for both)
-    await wait_until(lambda: len(queue.released) == 2 and registry.get_sample_value(
-        "tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None)
+    await wait_until(
+        lambda: (
+            len(queue.released) == 2
+            and registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None
+        )
+    )
     assert sorted(queue.released) == [("t0", 1.5), ("t1", 1.5)]  # each with the short deadline
     assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 2
     assert p.groups_in_flight == 0

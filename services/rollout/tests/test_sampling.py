@@ -15,12 +15,18 @@ PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.1
 
 def _draw(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, draws: int = 20000):
     rows = logits.expand(draws, -1)
-    return sample_tokens(rows, torch.full((draws,), temperature), torch.full((draws,), top_p),
-                         torch.full((draws,), top_k, dtype=torch.long), torch.rand(draws, dtype=torch.float64))
+    return sample_tokens(
+        rows,
+        torch.full((draws,), temperature),
+        torch.full((draws,), top_p),
+        torch.full((draws,), top_k, dtype=torch.long),
+        torch.rand(draws, dtype=torch.float64),
+    )
 
 
-@pytest.mark.parametrize(("top_p", "nucleus"), [(0.45, {1}), (0.51, {1, 3}), (0.79, {1, 3}), (0.81, {1, 3, 2}),
-                                                (1.0, {0, 1, 2, 3})])
+@pytest.mark.parametrize(
+    ("top_p", "nucleus"), [(0.45, {1}), (0.51, {1, 3}), (0.79, {1, 3}), (0.81, {1, 3, 2}), (1.0, {0, 1, 2, 3})]
+)
 def test_top_p_never_draws_outside_the_nucleus(top_p: float, nucleus: set[int]) -> None:
     torch.manual_seed(0)
     tokens, logprobs = _draw(PROBS.log()[None], top_p=top_p)
@@ -55,8 +61,9 @@ def test_temperature_scales_the_distribution_and_the_logprobs() -> None:
 
 def test_greedy_rows_take_the_argmax_and_report_temperature_one_logprobs() -> None:
     logits = torch.randn(6, 10)
-    tokens, logprobs = sample_tokens(logits, torch.zeros(6), torch.ones(6), torch.zeros(6, dtype=torch.long),
-                                     torch.rand(6, dtype=torch.float64))
+    tokens, logprobs = sample_tokens(
+        logits, torch.zeros(6), torch.ones(6), torch.zeros(6, dtype=torch.long), torch.rand(6, dtype=torch.float64)
+    )
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
 
@@ -70,8 +77,15 @@ def test_rows_with_different_parameters_in_one_batch_and_the_fast_paths_agree() 
     u = torch.rand(5, dtype=torch.float64)
     tokens, logprobs = sample_tokens(logits, temp, top_p, top_k, u)
     for i in range(5):  # each row alone, with the fast paths a lone row allows, draws the same token
-        alone, lp = sample_tokens(logits[i : i + 1], temp[i : i + 1], top_p[i : i + 1], top_k[i : i + 1], u[i : i + 1],
-                                  truncate=bool(top_p[i] < 1 or top_k[i] > 0), any_greedy=bool(temp[i] == 0))
+        alone, lp = sample_tokens(
+            logits[i : i + 1],
+            temp[i : i + 1],
+            top_p[i : i + 1],
+            top_k[i : i + 1],
+            u[i : i + 1],
+            truncate=bool(top_p[i] < 1 or top_k[i] > 0),
+            any_greedy=bool(temp[i] == 0),
+        )
         assert alone.item() == tokens[i].item()
         assert lp.item() == pytest.approx(logprobs[i].item(), abs=1e-6)
     scale = torch.where(temp > 0, temp, 1.0)
@@ -102,9 +116,21 @@ def test_counter_uniforms_are_deterministic_uniform_and_depend_on_every_input() 
     assert row_keys(torch.tensor([7]), torch.tensor([0])) != row_keys(torch.tensor([7 + 2**32]), torch.tensor([0]))
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(n=0), dict(temperature=-1.0),
-                                 dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                 dict(stop_token_ids=(-3,)), dict(seed=-1), dict(seed=2**64)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_new_tokens=0),
+        dict(n=0),
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(stop_token_ids=(-3,)),
+        dict(seed=-1),
+        dict(seed=2**64),
+    ],
+)
 def test_sampling_params_reject_out_of_range_values(bad: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)  # type: ignore[arg-type]

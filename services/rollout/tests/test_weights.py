@@ -138,8 +138,9 @@ def test_a_broadcast_at_or_below_a_staged_version_rebases_and_drops_it(engine: H
     assert engine.stage_broadcast(2, make_model(seed=2).state_dict()).result(10) == 2
 
 
-def test_a_partial_update_replaces_only_the_named_tensors(engine: HFEngine, reference: Any, make_model: Any,
-                                                          full_logprobs: Any) -> None:
+def test_a_partial_update_replaces_only_the_named_tensors(
+    engine: HFEngine, reference: Any, make_model: Any, full_logprobs: Any
+) -> None:
     other = make_model(seed=5)
     engine.stage_weights(1, {"lm_head.weight": other.lm_head.weight}).result(5)
     expected = make_model(seed=0)  # the checkpoint's weights ...
@@ -162,8 +163,9 @@ def _bad_versions(reference: Any) -> list[tuple[int, dict[str, Any], str]]:
     ]
 
 
-def test_bad_versions_are_rejected_and_the_old_weights_keep_serving(engine: HFEngine, reference: Any,
-                                                                    full_logprobs: Any) -> None:
+def test_bad_versions_are_rejected_and_the_old_weights_keep_serving(
+    engine: HFEngine, reference: Any, full_logprobs: Any
+) -> None:
     for version, tensors, match in _bad_versions(reference):
         with pytest.raises(WeightUpdateError, match=match):
             engine.stage_weights(version, tensors)
@@ -187,9 +189,19 @@ def test_weight_spec_names_every_parameter(engine: HFEngine, reference: Any) -> 
 def test_tied_embeddings_answer_to_both_names(tmp_path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     engine = HFEngine.from_pretrained(tmp_path)
     try:

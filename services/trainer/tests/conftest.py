@@ -53,6 +53,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def make_groups() -> Callable[..., list[Group]]:
     """``make_groups(seed, n, size=4, prefix="g", version=0)``: groups of random samples and rewards."""
+
     def make(seed: int, n: int, size: int = 4, prefix: str = "g", version: int = 0) -> list[Group]:
         rng = random.Random(seed)
         groups = []

@@ -106,6 +106,7 @@ def test_micro_batching_is_gradient_accumulation(tiny_model_dir: Path, make_grou
 
 def test_lr_schedule() -> None:
     cos = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+
     # warmup (k+1)/2: 0.5, 1.0; then 0.1 + 0.9·(1 + cos(pi·(k-2)/4))/2 for k = 2..6, flat after
     def cosine(k: int) -> float:
         return 0.1 + 0.9 * (1 + math.cos(math.pi * (k - 2) / 4)) / 2

@@ -69,8 +69,14 @@ def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides
     backend_config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
     backend = TorchBackend(backend_config, checkpoint=latest_checkpoint(ckpt) if ckpt.exists() else None)
     settings = {
-        "groups_per_step": 2, "max_staleness": UNBOUNDED, "total_steps": total, "checkpoint_dir": str(ckpt),
-        "checkpoint_every_steps": 2, "lease_s": 60, "get_wait_s": 0.1, "history_steps": 100,
+        "groups_per_step": 2,
+        "max_staleness": UNBOUNDED,
+        "total_steps": total,
+        "checkpoint_dir": str(ckpt),
+        "checkpoint_every_steps": 2,
+        "lease_s": 60,
+        "get_wait_s": 0.1,
+        "history_steps": 100,
     }
     return TrainerLoop(backend, queue, publisher, TrainerConfig(backend=backend_config, **{**settings, **overrides}))
 

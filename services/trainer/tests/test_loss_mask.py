@@ -26,8 +26,12 @@ def _group(tool_logprob: float, tail: list[int], mask: list[bool] | None) -> com
         group_id="agent-1",
         samples=[
             common_pb2.Sample(
-                sample_id=str(i), prompt_token_ids=PROMPT, completion_token_ids=completion,
-                behaviour_logprobs=logprobs, token_versions=[0] * len(completion), loss_mask=mask or [],
+                sample_id=str(i),
+                prompt_token_ids=PROMPT,
+                completion_token_ids=completion,
+                behaviour_logprobs=logprobs,
+                token_versions=[0] * len(completion),
+                loss_mask=mask or [],
                 reward=common_pb2.Reward(score=score),
             )
             for i, score in enumerate((1.0, 0.0))  # two rewards: a non-zero advantage, a real gradient

@@ -11,12 +11,31 @@ from tauflow.trainer.metrics import TrainerMetrics
 def test_a_step_sets_phase_times_losses_and_counters() -> None:
     registry = CollectorRegistry()
     metrics = TrainerMetrics(registry)
-    metrics.observe(StepResult(
-        step=4, policy_version=5, committed=True, groups=8, samples=64, trained_tokens=300, max_staleness=1,
-        mean_staleness=0.5, mean_reward=0.25, loss=-0.1, duration_s=0.2,
-        metrics={"time/wait_s": 0.05, "time/train_s": 0.2, "time/publish_s": 0.01, "grad_norm": 1.5,
-                 "clip_fraction": 0.02, "kl_behaviour": 0.003, "lr": 1e-3, "skipped_zero_advantage_groups": 2.0},
-    ))
+    metrics.observe(
+        StepResult(
+            step=4,
+            policy_version=5,
+            committed=True,
+            groups=8,
+            samples=64,
+            trained_tokens=300,
+            max_staleness=1,
+            mean_staleness=0.5,
+            mean_reward=0.25,
+            loss=-0.1,
+            duration_s=0.2,
+            metrics={
+                "time/wait_s": 0.05,
+                "time/train_s": 0.2,
+                "time/publish_s": 0.01,
+                "grad_norm": 1.5,
+                "clip_fraction": 0.02,
+                "kl_behaviour": 0.003,
+                "lr": 1e-3,
+                "skipped_zero_advantage_groups": 2.0,
+            },
+        )
+    )
     v = registry.get_sample_value
     assert v("tauflow_trainer_policy_version") == 5
     assert v("tauflow_trainer_steps_total") == 1

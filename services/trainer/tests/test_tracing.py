@@ -77,8 +77,14 @@ def test_a_step_span_links_its_groups_with_their_staleness_and_holds_its_phases(
     publisher = ContextPublisher()
     backend_config = TorchBackendConfig(model_path=str(tiny_model_dir), optim=OptimConfig(lr=1e-3))
     config = TrainerConfig(
-        backend=backend_config, groups_per_step=2, max_staleness=UNBOUNDED, total_steps=2,
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=100, lease_s=60, get_wait_s=0.1,
+        backend=backend_config,
+        groups_per_step=2,
+        max_staleness=UNBOUNDED,
+        total_steps=2,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every_steps=100,
+        lease_s=60,
+        get_wait_s=0.1,
         history_steps=100,
     )
     asyncio.run(TrainerLoop(TorchBackend(backend_config), queue, publisher, config).run())

@@ -104,22 +104,27 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return rollout_pb2.UpdateWeightsFromDistributedResponse(
-            policy_version=request.policy_version, bucket_index=request.bucket_index,
+            policy_version=request.policy_version,
+            bucket_index=request.bucket_index,
             version_complete=version is not None,
         )
 
     def _keep(self, v: ReceivedVersion) -> None:
         tensors = {k: t.clone() for k, t in v.tensors.items()}
         data = io.BytesIO()
-        torch.save({"tensors": tensors, "loaded_checksum": v.loaded_checksum,
-                    "membership_epoch": v.membership_epoch}, data)
+        torch.save(
+            {"tensors": tensors, "loaded_checksum": v.loaded_checksum, "membership_epoch": v.membership_epoch}, data
+        )
         write_atomic(self.out / f"{self.member_id}-v{v.policy_version}.pt", data.getvalue())
 
     async def _confirm(self, v: ReceivedVersion) -> None:
         self.served_version = v.policy_version  # the "swap at a safe point"
         req = weights_pb2.ConfirmVersionRequest(
-            member_id=self.member_id, policy_version=v.policy_version, manifest_checksum=v.manifest_checksum,
-            loaded_checksum=v.loaded_checksum, membership_epoch=v.membership_epoch,
+            member_id=self.member_id,
+            policy_version=v.policy_version,
+            manifest_checksum=v.manifest_checksum,
+            loaded_checksum=v.loaded_checksum,
+            membership_epoch=v.membership_epoch,
         )
         req.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
         await self.sidecar.ConfirmVersion(req, timeout=10)
@@ -148,9 +153,16 @@ async def serve(args: argparse.Namespace) -> None:
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(fake, server)
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
     await server.start()
-    await sidecar.Join(weights_pb2.JoinRequest(
-        member_id=args.member_id, address=f"127.0.0.1:{port}", num_ranks=1, backends=["gloo"], model=args.model,
-    ), timeout=10)
+    await sidecar.Join(
+        weights_pb2.JoinRequest(
+            member_id=args.member_id,
+            address=f"127.0.0.1:{port}",
+            num_ranks=1,
+            backends=["gloo"],
+            model=args.model,
+        ),
+        timeout=10,
+    )
     write_atomic(args.ready_file, json.dumps({"grpc_port": port, "pid": os.getpid()}))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

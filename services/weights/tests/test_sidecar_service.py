@@ -27,8 +27,9 @@ FAKE = Path(__file__).with_name("fake_rollout.py")
 
 
 def weights_stub(address: str) -> weights_pb2_grpc.WeightsServiceStub:
-    channel = create_sync_channel(address, [pb.DESCRIPTOR.services_by_name["WeightsService"]],
-                                  ChannelConfig(default_timeout_s=20))
+    channel = create_sync_channel(
+        address, [pb.DESCRIPTOR.services_by_name["WeightsService"]], ChannelConfig(default_timeout_s=20)
+    )
     return weights_pb2_grpc.WeightsServiceStub(channel)
 
 
@@ -43,9 +44,22 @@ class FakeRollout:
         ready = workdir / f"{member_id}.ready.json"
         self.log = workdir / f"{member_id}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, str(FAKE), "--sidecar", sidecar, "--member-id", member_id, "--out", str(workdir),
-             "--ready-file", str(ready), "--port", str(port)],
-            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115 - open for the child's life
+            [
+                sys.executable,
+                str(FAKE),
+                "--sidecar",
+                sidecar,
+                "--member-id",
+                member_id,
+                "--out",
+                str(workdir),
+                "--ready-file",
+                str(ready),
+                "--port",
+                str(port),
+            ],
+            stdout=open(self.log, "wb"),  # noqa: SIM115 - open for the child's life
+            stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         deadline = time.monotonic() + 60
@@ -151,8 +165,9 @@ def assert_same_weights(fake: FakeRollout, version: int, manifest: Manifest) -> 
 
 
 def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]
-    car = sidecar(**{"deadlines.group_s": 4, "deadlines.confirm_s": 4, "deadlines.destroy_s": 2,
-                     "deadlines.rpc_margin_s": 1})
+    car = sidecar(
+        **{"deadlines.group_s": 4, "deadlines.confirm_s": 4, "deadlines.destroy_s": 2, "deadlines.rpc_margin_s": 1}
+    )
     stub = weights_stub(car.address)
     a, b = fakes("fake-a", car.address), fakes("fake-b", car.address)
 
@@ -202,7 +217,9 @@ def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stage
     (a.workdir / "fake-a-v3.pt").unlink()
     a2 = fakes("fake-a", car.address, port=port)
     assert a2.address == a.address
-    status = wait_status(stub, lambda s: confirmed("fake-a", 3)(s) and member(s, "fake-a").state == pb.MEMBER_STATE_ACTIVE)
+    status = wait_status(
+        stub, lambda s: confirmed("fake-a", 3)(s) and member(s, "fake-a").state == pb.MEMBER_STATE_ACTIVE
+    )
     assert_same_weights(a2, 3, m3)  # the catch-up broadcast reached the new process
 
 
@@ -274,16 +291,19 @@ def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) ->
     code, _ = code_of(stub.GetManifest, pb.GetManifestRequest(policy_version=6))
     assert code == C.NOT_FOUND
     big = Stager(f"file://{tmp_path}/big")
-    code, msg = code_of(stub.Publish, pb.PublishRequest(
-        manifest=manifest_to_proto(big.stage({"w": torch.zeros(40_000)}, 8)), staging_uri=big.uri))
+    code, msg = code_of(
+        stub.Publish,
+        pb.PublishRequest(manifest=manifest_to_proto(big.stage({"w": torch.zeros(40_000)}, 8)), staging_uri=big.uri),
+    )
     assert code == C.RESOURCE_EXHAUSTED and "max_retained_bytes" in msg
 
     code, msg = code_of(stub.Join, pb.JoinRequest(member_id="", address="x:1", num_ranks=1, backends=["gloo"]))
     assert code == C.INVALID_ARGUMENT
     code, msg = code_of(stub.Join, pb.JoinRequest(member_id="m", address="x:1", num_ranks=1, backends=["nccl"]))
     assert code == C.FAILED_PRECONDITION and "gloo" in msg
-    code, msg = code_of(stub.Join, pb.JoinRequest(member_id="m", address="x:1", num_ranks=1, backends=["gloo"],
-                                                  model="other"))
+    code, msg = code_of(
+        stub.Join, pb.JoinRequest(member_id="m", address="x:1", num_ranks=1, backends=["gloo"], model="other")
+    )
     assert code == C.FAILED_PRECONDITION and "model" in msg
     code, _ = code_of(stub.ConfirmVersion, pb.ConfirmVersionRequest(member_id="nobody", policy_version=7))
     assert code == C.NOT_FOUND

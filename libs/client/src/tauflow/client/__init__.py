@@ -1,11 +1,11 @@
 """tauflow-client: feed trajectories from a program outside tauflow (see libs/client/README.md).
 
-    queue = QueueClient("queue-host:50061", token)           # the queue's external port
-    rollout = RolloutClient("rollout-host:50052")
-    with queue.reservation(1) as ticket:
-        [c] = rollout.generate(prompt, max_new_tokens=16, min_policy_version=ticket.min_policy_version)
-        t = Trajectory(prompt); t.add_completion(c)
-        queue.put(make_group([t.to_sample("0", reward=1.0)]), ticket)
+queue = QueueClient("queue-host:50061", token)           # the queue's external port
+rollout = RolloutClient("rollout-host:50052")
+with queue.reservation(1) as ticket:
+    [c] = rollout.generate(prompt, max_new_tokens=16, min_policy_version=ticket.min_policy_version)
+    t = Trajectory(prompt); t.add_completion(c)
+    queue.put(make_group([t.to_sample("0", reward=1.0)]), ticket)
 """
 
 from tauflow.client.channel import Tls, open_channel

@@ -90,7 +90,12 @@ class QueueClient(_Client):
     the client it belongs to); ``tls`` when the port speaks TLS."""
 
     def __init__(
-        self, address: str, token: str, *, tls: Tls | None = None, timeout_s: float = 30.0,
+        self,
+        address: str,
+        token: str,
+        *,
+        tls: Tls | None = None,
+        timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if not token:
@@ -125,7 +130,9 @@ class QueueClient(_Client):
 
     def release(self, ticket: Ticket) -> int:
         """Gives the unused room of ``ticket`` back; returns the groups released."""
-        response = self._queue_call("ReleaseReservation", queue_pb2.ReleaseReservationRequest(ticket_id=ticket.ticket_id))
+        response = self._queue_call(
+            "ReleaseReservation", queue_pb2.ReleaseReservationRequest(ticket_id=ticket.ticket_id)
+        )
         return int(response.released_groups)
 
     @contextmanager
@@ -190,11 +197,18 @@ class RolloutClient(_Client):
         ``min_policy_version``: wait (within the deadline) for an engine with at least that version; pass
         the ticket's. Not retried: a retry would be a new draw."""
         sampling = rollout_pb2.SamplingParams(
-            n=n, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
         )
         request = rollout_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
             min_policy_version=min_policy_version,
         )
         response = self._call("Generate", self._stub.Generate, request, timeout_s)

@@ -28,7 +28,8 @@ class TauflowError(Exception):
         """Whether the same call may succeed later: a full queue, or a service that is not reachable now
         (the channel already retried idempotent calls on UNAVAILABLE)."""
         return self.reason == "ERROR_REASON_QUEUE_FULL" or self.code in (
-            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
         )
 
     @classmethod

@@ -35,8 +35,11 @@ class Completion:
         versions = list(sample.token_versions) or [sample.behaviour_version] * len(sample.completion_token_ids)
         reason = common_pb2.FinishReason.Name(sample.finish_reason).removeprefix("FINISH_REASON_").lower()
         return cls(
-            list(sample.completion_token_ids), list(sample.behaviour_logprobs), versions,
-            "" if reason == "unspecified" else reason, sample.completion_text,
+            list(sample.completion_token_ids),
+            list(sample.behaviour_logprobs),
+            versions,
+            "" if reason == "unspecified" else reason,
+            sample.completion_text,
         )
 
 

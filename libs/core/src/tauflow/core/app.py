@@ -46,7 +46,10 @@ def service_main(
         parser = argparse.ArgumentParser(prog=f"tauflow-{service}", description=description)
         parser.add_argument("--config", "-c", help="YAML, TOML or JSON config file")
         parser.add_argument(
-            "--set", action="append", default=[], metavar="KEY=VALUE",
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
             help="override one config key, e.g. --set server.port=0 (repeatable)",
         )
         parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving")

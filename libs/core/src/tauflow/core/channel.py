@@ -21,8 +21,12 @@ from tauflow.core.server import message_size_options
 
 
 def retry_policy(config: ChannelConfig) -> RetryPolicy:
-    return RetryPolicy(config.retry_max_attempts, config.retry_initial_backoff_s, config.retry_max_backoff_s,
-                       tuple(config.retry_status_codes))
+    return RetryPolicy(
+        config.retry_max_attempts,
+        config.retry_initial_backoff_s,
+        config.retry_max_backoff_s,
+        tuple(config.retry_status_codes),
+    )
 
 
 RECONNECT_BACKOFF_MAX_MS = 5_000
@@ -55,8 +59,12 @@ class _DefaultDeadline:
         if isinstance(details, grpc.aio.ClientCallDetails):
             return details._replace(timeout=self.timeout_s)
         return _SyncCallDetails(
-            details.method, self.timeout_s, details.metadata, details.credentials,
-            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+            details.method,
+            self.timeout_s,
+            details.metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
         )
 
 

@@ -43,7 +43,9 @@ class ServerConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
     max_message_bytes: int = Field(
-        256 * 1024 * 1024, ge=MIN_MESSAGE_BYTES, le=MAX_MESSAGE_BYTES,
+        256 * 1024 * 1024,
+        ge=MIN_MESSAGE_BYTES,
+        le=MAX_MESSAGE_BYTES,
         description="largest message received or sent (64 KiB to 2 GiB - 1: gRPC's limit is an int32)",
     )
     drain_grace_s: float = Field(10.0, ge=0, description="time in-flight calls get on SIGTERM")
@@ -58,8 +60,9 @@ class MetricsConfig(StrictModel):
 
 
 class LogConfig(StrictModel):
-    level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (DEBUG: start-up failures "
-                       "print their traceback)")
+    level: str = Field(
+        "INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (DEBUG: start-up failures print their traceback)"
+    )
     format: str = Field("text", pattern="^(text|json)$")
 
     @field_validator("level")

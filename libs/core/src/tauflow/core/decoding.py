@@ -26,8 +26,11 @@ TIMESTAMP_SECONDS = (-62_135_596_800, 253_402_300_799)  # google.protobuf.Timest
 
 
 def check_bounds(
-    msg: Message, limits: dict[str, int] | None = None, path: str = "",
-    max_string: int = MAX_STRING, max_items: int = MAX_ITEMS,
+    msg: Message,
+    limits: dict[str, int] | None = None,
+    path: str = "",
+    max_string: int = MAX_STRING,
+    max_items: int = MAX_ITEMS,
 ) -> None:
     """Raises ValueError naming the field (``a.b[3].c``) of the first breach in ``msg``: a string longer than its
     bound, a repeated or map field with more elements, an invalid Duration or Timestamp. ``limits`` maps a

@@ -88,7 +88,11 @@ class Lifeline:
         return self._started is not None and _start_time(self.pid) == self._started
 
     def watch(
-        self, on_gone: Callable[[], None], *, every_s: float = CHECK_EVERY_S, exit_after_s: float | None = None,
+        self,
+        on_gone: Callable[[], None],
+        *,
+        every_s: float = CHECK_EVERY_S,
+        exit_after_s: float | None = None,
         what: str = "controller",
     ) -> threading.Event:
         """Calls ``on_gone`` (from a daemon thread) once the process is gone, after one log line; then, with

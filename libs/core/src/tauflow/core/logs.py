@@ -36,9 +36,7 @@ def setup_logging(service: str, level: str = "INFO", fmt: str = "text") -> None:
             )
         )
     else:
-        handler.setFormatter(
-            KeyValueFormatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
-        )
+        handler.setFormatter(KeyValueFormatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -70,7 +70,8 @@ class ServerMetrics:
         self.unexpected_errors = Counter(
             "tauflow_server_unexpected_errors",
             "calls whose handler raised an unexpected exception (a bug), answered INTERNAL, by method",
-            ["method"], registry=registry,
+            ["method"],
+            registry=registry,
         )
 
 
@@ -163,8 +164,9 @@ def _info_of(collector: object) -> list[MetricInfo]:
         return [MetricInfo(name, kind, tuple(collector._labelnames), collector._documentation or "")]
     describe = getattr(collector, "describe", None)
     families = describe() if describe else []
-    return [MetricInfo(f.name + ("_total" if f.type == "counter" else ""), f.type, (), f.documentation)
-            for f in families]
+    return [
+        MetricInfo(f.name + ("_total" if f.type == "counter" else ""), f.type, (), f.documentation) for f in families
+    ]
 
 
 def catalog(registry: CollectorRegistry = REGISTRY, prefix: str = "tauflow_") -> list[MetricInfo]:

@@ -125,7 +125,9 @@ def tls_server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredenti
     except (ssl.SSLError, ValueError, TypeError) as e:
         reason = getattr(e, "reason", None)  # OpenSSL's, e.g. KEY_VALUES_MISMATCH
         why = reason.lower().replace("_", " ") if reason else "not a PEM certificate chain and its unencrypted key"
-        raise ValueError(f"the TLS certificate {cert_file} and private key {key_file} cannot be used: {why}") from None  # (OpenSSL's messages name no content; the chained exception is left out all the same)
+        raise ValueError(
+            f"the TLS certificate {cert_file} and private key {key_file} cannot be used: {why}"
+        ) from None  # (OpenSSL's messages name no content; the chained exception is left out all the same)
     return grpc.ssl_server_credentials([(pems[1], pems[0])])
 
 
@@ -162,6 +164,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
 
     def _guard(self, behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behaviour):
+
             async def stream(request, context):
                 try:
                     async for item in behaviour(request, context):
@@ -173,6 +176,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
 
             return stream
         if inspect.iscoroutinefunction(behaviour):
+
             async def call(request, context):
                 try:
                     return await behaviour(request, context)
@@ -258,7 +262,9 @@ class GrpcServer:
         info = server_info(role, version, [b.descriptor for b in bindings])
         self.bindings = [
             *bindings,
-            ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server),
+            ServiceBinding(
+                INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server
+            ),
         ]
         self.server = grpc.aio.server(
             # First, so that it guards what the others return too. A keyword: telemetry's instrumentation
@@ -272,7 +278,7 @@ class GrpcServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                 ("grpc.http2.max_ping_strikes", 0),
-            ]
+            ],
         )
         self.health = health.aio.HealthServicer()
         for b in self.bindings:
@@ -303,11 +309,7 @@ class GrpcServer:
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *(b.descriptor.full_name for b in self.bindings)):
             await self.health.set(name, status)
 
@@ -336,8 +338,13 @@ async def serve(
     server = GrpcServer(app.bindings, config, role=role, version=version)
     extras = {
         extra.name: GrpcServer(
-            extra.bindings, extra.config, role=role, version=version,
-            interceptors=extra.interceptors, credentials=extra.credentials, key=extra.name,
+            extra.bindings,
+            extra.config,
+            role=role,
+            version=version,
+            interceptors=extra.interceptors,
+            credentials=extra.credentials,
+            key=extra.name,
         )
         for extra in app.extra_servers
     }

@@ -59,14 +59,12 @@ class Requirement:
 
 
 def _major(package: str) -> tuple[str, str]:
-    """"tauflow.api.queue.v1" -> ("tauflow.api.queue", "v1")."""
+    """ "tauflow.api.queue.v1" -> ("tauflow.api.queue", "v1")."""
     base, _, major = package.rpartition(".")
     return base, major
 
 
-def check_compatible(
-    info: info_pb2.GetServerInfoResponse, need: Requirement, *, address: str, peer: str
-) -> None:
+def check_compatible(info: info_pb2.GetServerInfoResponse, need: Requirement, *, address: str, peer: str) -> None:
     """Raises IncompatibleService unless the server ``info`` describes (at ``address``) serves what
     ``need`` asks for; ``peer`` names the asking side and its build, e.g. "tauflow-controller 0.1.0"."""
     server = f"the {info.role or '?'} service at {address} (build {info.build_version or '?'})"

@@ -214,8 +214,9 @@ def span_context_of(traceparent: str, tracestate: str = "") -> trace.SpanContext
     if version == 0xFF or (version == 0 and len(parts) != 4):
         return None
     state = trace.TraceState.from_header([tracestate]) if tracestate else None
-    ctx = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags & 0xFF),
-                            trace_state=state)
+    ctx = trace.SpanContext(
+        trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags & 0xFF), trace_state=state
+    )
     return ctx if ctx.is_valid else None
 
 

@@ -74,8 +74,11 @@ def connect_store(address: str, port: int, timeout_s: float, *, label: str = "")
         return dist.TCPStore(address, port, is_master=False, timeout=_td(timeout_s))
     except Exception as e:  # torch raises several types here
         raise PhaseError(
-            Phase.GROUP_INIT, f"store {address}:{port}", f"{label + ': ' if label else ''}cannot connect: {e}",
-            deadline_s=timeout_s, timed_out=looks_like_timeout(e),
+            Phase.GROUP_INIT,
+            f"store {address}:{port}",
+            f"{label + ': ' if label else ''}cannot connect: {e}",
+            deadline_s=timeout_s,
+            timed_out=looks_like_timeout(e),
         ) from e
 
 
@@ -112,13 +115,18 @@ class WeightGroup:
         except Exception as e:
             peer, ranks = self._peers_missing("joined", None)
             raise PhaseError(
-                Phase.GROUP_INIT, peer,
+                Phase.GROUP_INIT,
+                peer,
                 f"group {spec.group_name!r} ({spec.world_size} ranks, {spec.backend}) did not form: {e}",
-                deadline_s=spec.timeout_s, timed_out=looks_like_timeout(e),
-                membership_epoch=spec.membership_epoch, ranks=ranks,
+                deadline_s=spec.timeout_s,
+                timed_out=looks_like_timeout(e),
+                membership_epoch=spec.membership_epoch,
+                ranks=ranks,
             ) from e
-        log.debug("group formed", extra={"group": spec.group_name, "rank": spec.rank,
-                                         "seconds": round(time.monotonic() - started, 3)})
+        log.debug(
+            "group formed",
+            extra={"group": spec.group_name, "rank": spec.rank, "seconds": round(time.monotonic() - started, 3)},
+        )
 
     @property
     def name(self) -> str:
@@ -169,10 +177,15 @@ class WeightGroup:
         except Exception as e:
             peer, ranks = self._peers_missing("posted", f"{policy_version}:{bucket_index}")
             raise PhaseError(
-                Phase.TRANSFER, peer, f"broadcast in group {self.name!r} failed: {e}",
-                deadline_s=self.spec.timeout_s, timed_out=looks_like_timeout(e),
-                policy_version=policy_version, membership_epoch=self.spec.membership_epoch,
-                bucket_index=bucket_index, ranks=ranks,
+                Phase.TRANSFER,
+                peer,
+                f"broadcast in group {self.name!r} failed: {e}",
+                deadline_s=self.spec.timeout_s,
+                timed_out=looks_like_timeout(e),
+                policy_version=policy_version,
+                membership_epoch=self.spec.membership_epoch,
+                bucket_index=bucket_index,
+                ranks=ranks,
             ) from e
 
     def destroy(self) -> None:

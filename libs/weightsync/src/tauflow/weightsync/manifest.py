@@ -143,9 +143,7 @@ def validate(m: Manifest) -> None:
     if not m.buckets:
         raise ManifestError("manifest has no buckets")
     if m.checksum_algorithm not in ALGORITHMS:
-        raise ManifestError(
-            f"unknown checksum_algorithm {m.checksum_algorithm!r}; supported: {', '.join(ALGORITHMS)}"
-        )
+        raise ManifestError(f"unknown checksum_algorithm {m.checksum_algorithm!r}; supported: {', '.join(ALGORITHMS)}")
     if not m.checksum or not _HEX.match(m.checksum):
         raise ManifestError(f"checksum must be lower-case hex, not {m.checksum!r}")
     names: set[str] = set()
@@ -177,7 +175,9 @@ def validate(m: Manifest) -> None:
                     f"{list(t.shape)} ({expected} bytes)"
                 )
             if t.offset_bytes < end:
-                raise ManifestError(f"{where}: offset_bytes {t.offset_bytes} overlaps the previous tensor (ends at {end})")
+                raise ManifestError(
+                    f"{where}: offset_bytes {t.offset_bytes} overlaps the previous tensor (ends at {end})"
+                )
             if t.offset_bytes != align_up(end):
                 raise ManifestError(
                     f"{where}: offset_bytes {t.offset_bytes} is not the layout's {align_up(end)} "
@@ -185,7 +185,9 @@ def validate(m: Manifest) -> None:
                 )
             end = t.offset_bytes + t.size_bytes
         if b.size_bytes != align_up(end):
-            raise ManifestError(f"bucket {i}: size_bytes {b.size_bytes}, expected {align_up(end)} (last tensor end, aligned)")
+            raise ManifestError(
+                f"bucket {i}: size_bytes {b.size_bytes}, expected {align_up(end)} (last tensor end, aligned)"
+            )
         offset += b.size_bytes
     if m.total_bytes != offset:
         raise ManifestError(f"total_bytes {m.total_bytes} is not the sum of the bucket sizes ({offset})")

@@ -240,9 +240,12 @@ def read_staged(
         while pos < manifest.total_bytes:
             if deadline_s is not None and time.monotonic() - start > deadline_s:
                 raise PhaseError(
-                    Phase.HANDOFF, "trainer",
+                    Phase.HANDOFF,
+                    "trainer",
                     f"copied {pos} of {manifest.total_bytes} bytes from {uri}",
-                    deadline_s=deadline_s, timed_out=True, policy_version=manifest.policy_version,
+                    deadline_s=deadline_s,
+                    timed_out=True,
+                    policy_version=manifest.policy_version,
                 )
             chunk = dest[pos : min(pos + _CHUNK, manifest.total_bytes)]
             n = f.readinto(chunk)
@@ -253,6 +256,10 @@ def read_staged(
             pos += n
     digest = hasher.hexdigest() if verify else ""
     if verify and digest != manifest.checksum:
-        raise ChecksumMismatch(f"staged bytes of version {manifest.policy_version} at {uri}",
-                               manifest.checksum_algorithm, manifest.checksum, digest)
+        raise ChecksumMismatch(
+            f"staged bytes of version {manifest.policy_version} at {uri}",
+            manifest.checksum_algorithm,
+            manifest.checksum,
+            digest,
+        )
     return digest

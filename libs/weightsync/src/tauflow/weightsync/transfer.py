@@ -212,7 +212,9 @@ class WeightReceiver:
         if not 1 <= spec.master_port <= 65535:
             raise ReceiveError("invalid", f"master_port {spec.master_port} is out of range 1..65535")
         if not 1 <= spec.rank < spec.world_size:
-            raise ReceiveError("invalid", f"rank {spec.rank} must be in 1..{spec.world_size - 1} (rank 0 is the sender)")
+            raise ReceiveError(
+                "invalid", f"rank {spec.rank} must be in 1..{spec.world_size - 1} (rank 0 is the sender)"
+            )
         with self._lock:
             g = self._group
             if g is not None and g.name == spec.group_name and not g.destroyed:
@@ -234,8 +236,10 @@ class WeightReceiver:
                 store = connect_store(spec.master_address, spec.master_port, spec.timeout_s, label=self.label)
                 self._stores[key] = store
             self._group = WeightGroup(store, spec, {0: "sender"})
-            log.info("joined weight group", extra={"group": spec.group_name, "rank": spec.rank,
-                                                   "world_size": spec.world_size})
+            log.info(
+                "joined weight group",
+                extra={"group": spec.group_name, "rank": spec.rank, "world_size": spec.world_size},
+            )
             return 1
 
     def destroy_group(self, group_name: str) -> bool:
@@ -274,7 +278,9 @@ class WeightReceiver:
                 f"{n}, {len(req.dtypes)}, {len(req.shapes)}",
             )
         if req.bucket_index >= req.bucket_count:
-            raise ReceiveError("invalid", f"bucket_index {req.bucket_index} is not below bucket_count {req.bucket_count}")
+            raise ReceiveError(
+                "invalid", f"bucket_index {req.bucket_index} is not below bucket_count {req.bucket_count}"
+            )
         if req.load_format not in LOAD_FORMATS:
             raise ReceiveError("invalid", f"unknown load_format {req.load_format!r}; supported: {LOAD_FORMATS}")
         try:
@@ -329,8 +335,12 @@ class WeightReceiver:
             self._partial = None
             loaded = p.hasher.hexdigest()
             if self.verify_checksum and req.manifest_checksum and loaded != req.manifest_checksum:
-                raise ChecksumMismatch(f"version {req.policy_version} received by {self.label}",
-                                       req.checksum_algorithm, req.manifest_checksum, loaded)
+                raise ChecksumMismatch(
+                    f"version {req.policy_version} received by {self.label}",
+                    req.checksum_algorithm,
+                    req.manifest_checksum,
+                    loaded,
+                )
             version = ReceivedVersion(
                 policy_version=req.policy_version,
                 membership_epoch=req.membership_epoch,

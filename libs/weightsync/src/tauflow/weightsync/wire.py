@@ -21,8 +21,9 @@ def manifest_from_proto(m: pb.WeightManifest) -> Manifest:
         buckets=tuple(
             BucketSpec(
                 index=b.index,
-                tensors=tuple(TensorSpec(t.name, t.dtype, tuple(t.shape), t.offset_bytes, t.size_bytes)
-                              for t in b.tensors),
+                tensors=tuple(
+                    TensorSpec(t.name, t.dtype, tuple(t.shape), t.offset_bytes, t.size_bytes) for t in b.tensors
+                ),
                 offset_bytes=b.offset_bytes,
                 size_bytes=b.size_bytes,
             )
@@ -42,8 +43,16 @@ def manifest_to_proto(m: Manifest) -> pb.WeightManifest:
         buckets=[
             pb.Bucket(
                 index=b.index,
-                tensors=[pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape),
-                                       offset_bytes=t.offset_bytes, size_bytes=t.size_bytes) for t in b.tensors],
+                tensors=[
+                    pb.TensorSpec(
+                        name=t.name,
+                        dtype=t.dtype,
+                        shape=list(t.shape),
+                        offset_bytes=t.offset_bytes,
+                        size_bytes=t.size_bytes,
+                    )
+                    for t in b.tensors
+                ],
                 offset_bytes=b.offset_bytes,
                 size_bytes=b.size_bytes,
             )
@@ -59,32 +68,47 @@ def manifest_to_proto(m: Manifest) -> pb.WeightManifest:
     return out
 
 
-
-
 # -- the rollout side of the control plane (tauflow.api.rollout.v1), shared by every receiver ---------
 
 
-def group_spec_from_proto(request: rollout_pb2.InitWeightsUpdateGroupRequest, default_timeout_s: float = 60.0) -> GroupSpec:
+def group_spec_from_proto(
+    request: rollout_pb2.InitWeightsUpdateGroupRequest, default_timeout_s: float = 60.0
+) -> GroupSpec:
     """GroupSpec of an InitWeightsUpdateGroupRequest (SGLang's init_weights_update_group arguments)."""
     from tauflow.weightsync.group import GroupSpec
 
     timeout = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else default_timeout_s
     return GroupSpec(
-        request.master_address, request.master_port, request.group_name, request.world_size,
-        request.rank_offset, request.backend or "gloo", request.membership_epoch, timeout,
+        request.master_address,
+        request.master_port,
+        request.group_name,
+        request.world_size,
+        request.rank_offset,
+        request.backend or "gloo",
+        request.membership_epoch,
+        timeout,
     )
 
 
-def bucket_request_from_proto(request: rollout_pb2.UpdateWeightsFromDistributedRequest, checksum_algorithm: str) -> BucketRequest:
+def bucket_request_from_proto(
+    request: rollout_pb2.UpdateWeightsFromDistributedRequest, checksum_algorithm: str
+) -> BucketRequest:
     """BucketRequest of an UpdateWeightsFromDistributedRequest (SGLang's names/dtypes/shapes and ours)."""
     from tauflow.weightsync.transfer import BucketRequest
 
     return BucketRequest(
-        names=list(request.names), dtypes=list(request.dtypes), shapes=[list(s.dims) for s in request.shapes],
-        group_name=request.group_name, policy_version=request.policy_version,
-        membership_epoch=request.membership_epoch, bucket_index=request.bucket_index,
-        bucket_count=request.bucket_count, load_format=request.load_format,
-        manifest_checksum=request.manifest_checksum, checksum_algorithm=checksum_algorithm,
+        names=list(request.names),
+        dtypes=list(request.dtypes),
+        shapes=[list(s.dims) for s in request.shapes],
+        group_name=request.group_name,
+        policy_version=request.policy_version,
+        membership_epoch=request.membership_epoch,
+        bucket_index=request.bucket_index,
+        bucket_count=request.bucket_count,
+        load_format=request.load_format,
+        manifest_checksum=request.manifest_checksum,
+        checksum_algorithm=checksum_algorithm,
         flush_cache=request.flush_cache,
-        traceparent=request.trace_context.traceparent, tracestate=request.trace_context.tracestate,
+        traceparent=request.trace_context.traceparent,
+        tracestate=request.trace_context.tracestate,
     )

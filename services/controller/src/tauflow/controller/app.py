@@ -36,24 +36,44 @@ def create_launcher(config: RunConfig) -> Launcher:
     if config.launcher == "ray":
         from tauflow.controller.raylauncher import RayLauncher
 
-        return RayLauncher(config.run_dir, config.ray, max_restarts=config.max_restarts,
-                           restart_window_s=config.restart_window_s, start_timeout_s=config.start_timeout_s,
-                           health_check=check_health)
-    return LocalLauncher(config.run_dir, max_restarts=config.max_restarts, restart_window_s=config.restart_window_s,
-                         start_timeout_s=config.start_timeout_s, health_check=check_health)
+        return RayLauncher(
+            config.run_dir,
+            config.ray,
+            max_restarts=config.max_restarts,
+            restart_window_s=config.restart_window_s,
+            start_timeout_s=config.start_timeout_s,
+            health_check=check_health,
+        )
+    return LocalLauncher(
+        config.run_dir,
+        max_restarts=config.max_restarts,
+        restart_window_s=config.restart_window_s,
+        start_timeout_s=config.start_timeout_s,
+        health_check=check_health,
+    )
 
 
 def connect(addresses: Mapping[str, str]) -> Peers:
     """gRPC clients of the roles the run follows (each opens its channel; ``Peers.close`` closes them)."""
-    return Peers(trainer=TrainerClient(addresses["trainer"]), queue=QueueClient(addresses["queue"]),
-                 rollout=RolloutClient(addresses["rollout"]), reward=RewardClient(addresses["reward"]))
+    return Peers(
+        trainer=TrainerClient(addresses["trainer"]),
+        queue=QueueClient(addresses["queue"]),
+        rollout=RolloutClient(addresses["rollout"]),
+        reward=RewardClient(addresses["reward"]),
+    )
 
 
 def build_run(
     config: RunConfig, *, on_progress: Callable[[Progress], None] | None = None, serve_metrics: bool = True
 ) -> Run:
-    return Run(config, launcher=create_launcher(config), connect=connect, check_peer=check_peer,
-               on_progress=on_progress, serve_metrics=serve_metrics)
+    return Run(
+        config,
+        launcher=create_launcher(config),
+        connect=connect,
+        check_peer=check_peer,
+        on_progress=on_progress,
+        serve_metrics=serve_metrics,
+    )
 
 
 async def build(config: ControllerConfig) -> ServiceApp:

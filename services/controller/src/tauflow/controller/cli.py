@@ -42,7 +42,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"ray.address={json.dumps(args.address)}")  # quoted: a string, whatever it looks like
     config = load_config(RunConfig, path=path, env_prefix="TAUFLOW_RUN_", overrides=overrides)
     if args.address and config.launcher != "ray":
-        raise ConfigError(f"--address is a Ray cluster's address, for --launcher ray (the launcher is {config.launcher})")
+        raise ConfigError(
+            f"--address is a Ray cluster's address, for --launcher ray (the launcher is {config.launcher})"
+        )
     return config
 
 
@@ -107,11 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="a run config (YAML/TOML/JSON) or a folder holding config.yaml")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     run.add_argument("--resume", action="store_true", help="continue the run in out_dir from its last checkpoint")
-    run.add_argument("--launcher", choices=["local", "ray", "external"],
-                     help="where the services run: local subprocesses (default), actors on a Ray cluster, or "
-                     "deployed elsewhere (addresses in external.<role>); the config key `launcher`")
-    run.add_argument("--address", help="the Ray cluster to use with --launcher ray (default auto: RAY_ADDRESS, or the "
-                     "cluster this machine belongs to); the config key `ray.address`")
+    run.add_argument(
+        "--launcher",
+        choices=["local", "ray", "external"],
+        help="where the services run: local subprocesses (default), actors on a Ray cluster, or "
+        "deployed elsewhere (addresses in external.<role>); the config key `launcher`",
+    )
+    run.add_argument(
+        "--address",
+        help="the Ray cluster to use with --launcher ray (default auto: RAY_ADDRESS, or the "
+        "cluster this machine belongs to); the config key `ray.address`",
+    )
     trace = sub.add_parser("trace", help="a run's spans as the rollout-to-update latency breakdown (table and PNG)")
     trace.add_argument("path", help="a run folder (its traces.jsonl) or a span file written with traces_file")
     trace.add_argument("--png", help="where the chart goes (default: traces.png beside the span file)")

@@ -30,14 +30,16 @@ class RayConfig(StrictModel):
     """``launcher: ray``: the cluster, and what each role's actor reserves on it."""
 
     address: str = Field(
-        "auto", description="the Ray cluster: auto (RAY_ADDRESS, else the cluster this machine belongs to), its "
-        "GCS host:port, or ray://host:port (Ray Client); local starts a single-node Ray in the controller"
+        "auto",
+        description="the Ray cluster: auto (RAY_ADDRESS, else the cluster this machine belongs to), its "
+        "GCS host:port, or ray://host:port (Ray Client); local starts a single-node Ray in the controller",
     )
     namespace: str = Field("", description="Ray namespace of the run's actors; empty: an anonymous one")
     num_cpus: dict[str, float] = Field(default_factory=dict, description="role -> CPUs its actor reserves (default 1)")
     num_gpus: dict[str, float] = Field(
-        default_factory=dict, description="role -> GPUs its actor reserves; default 1 for a role set to run on a GPU "
-        "(trainer backend.device cuda..., rollout engine_options.device cuda..., weights backend nccl), else 0"
+        default_factory=dict,
+        description="role -> GPUs its actor reserves; default 1 for a role set to run on a GPU "
+        "(trainer backend.device cuda..., rollout engine_options.device cuda..., weights backend nccl), else 0",
     )
 
 
@@ -45,7 +47,8 @@ class RunConfig(StrictModel):
     name: str = "run"
     out_dir: str = Field("", description="where logs, checkpoints and the summary go; default runs/<name>")
     launcher: str = Field(
-        "local", pattern="^(local|ray|external)$",
+        "local",
+        pattern="^(local|ray|external)$",
         description="local: subprocesses on loopback; ray: actors on a Ray cluster (`ray`); external: services "
         "deployed by someone else, at `external`",
     )
@@ -69,8 +72,9 @@ class RunConfig(StrictModel):
     stop_at_target: bool = Field(False, description="end the run at the first evaluation that reaches target_accuracy")
     eval: EvalConfig = EvalConfig()
     resume: bool = Field(
-        False, description="continue the run in out_dir from its checkpoint and queue log; otherwise they are "
-        "moved to checkpoints.prev and queue-wal.prev and the run starts afresh"
+        False,
+        description="continue the run in out_dir from its checkpoint and queue log; otherwise they are "
+        "moved to checkpoints.prev and queue-wal.prev and the run starts afresh",
     )
     start_timeout_s: float = Field(
         120.0, gt=0, description="how long a role may take to serve (model loading included; Ray: placement too)"
@@ -82,8 +86,9 @@ class RunConfig(StrictModel):
     )
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
     traces_file: str = Field(
-        "", description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "
-        "`tauflow trace` reads it"
+        "",
+        description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "
+        "`tauflow trace` reads it",
     )
 
     @property
@@ -92,8 +97,12 @@ class RunConfig(StrictModel):
         return Path(self.out_dir or f"runs/{self.name}")
 
     def model_post_init(self, _: Any) -> None:
-        for key, by_role in (("services", self.services), ("external", self.external),
-                             ("ray.num_cpus", self.ray.num_cpus), ("ray.num_gpus", self.ray.num_gpus)):
+        for key, by_role in (
+            ("services", self.services),
+            ("external", self.external),
+            ("ray.num_cpus", self.ray.num_cpus),
+            ("ray.num_gpus", self.ray.num_gpus),
+        ):
             unknown = set(by_role) - set(ROLES)
             if unknown:
                 raise ValueError(f"{key}: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")

@@ -68,7 +68,8 @@ class ExternalLauncher:
                 break
             if time.monotonic() > deadline:
                 raise ServiceFailed(
-                    spec.name, f"not SERVING at {address} (external.{spec.name}) within "
+                    spec.name,
+                    f"not SERVING at {address} (external.{spec.name}) within "
                     f"{self.start_timeout_s:.0f}s; last answer: {answer}",
                 )
             time.sleep(0.5)
@@ -83,8 +84,9 @@ class ExternalLauncher:
         if time.monotonic() - self._checked_at < self.check_every_s or not self.services:
             return []
         self._checked_at = time.monotonic()
-        answers = probe(self.health_check, {name: svc.address for name, svc in self.services.items()},
-                        self.health_timeout_s)
+        answers = probe(
+            self.health_check, {name: svc.address for name, svc in self.services.items()}, self.health_timeout_s
+        )
         back = []
         for svc, (serving, answer) in zip(self.services.values(), answers.values(), strict=True):
             if serving and not svc.up:

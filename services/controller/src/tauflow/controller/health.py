@@ -70,8 +70,9 @@ class HealthProbe:
                 gone.append(name)
                 log.warning("service not answering health", extra={"service": name, "answer": answer})
             elif serving and not role.answering:
-                log.warning("service answers health again",
-                            extra={"service": name, "after_s": round(now - role.since, 1)})
+                log.warning(
+                    "service answers health again", extra={"service": name, "after_s": round(now - role.since, 1)}
+                )
                 role.answering, role.since = True, now
         return gone
 

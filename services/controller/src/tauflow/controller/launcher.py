@@ -228,9 +228,7 @@ class ProcessLauncher:
         while (info := self._read_ready(svc)) is None:
             code = svc.proc.poll()
             if code is not None:
-                raise ServiceFailed(
-                    svc.name, f"{self._exit_reason(svc, code)} while starting:\n{svc.log_tail()}"
-                )
+                raise ServiceFailed(svc.name, f"{self._exit_reason(svc, code)} while starting:\n{svc.log_tail()}")
             if time.monotonic() > deadline:
                 raise ServiceFailed(svc.name, f"not ready after {self.start_timeout_s:.0f}s:\n{svc.log_tail()}")
             time.sleep(0.05)
@@ -275,8 +273,10 @@ class ProcessLauncher:
                     self.health.restarted(svc.name)
                 restarted.append(svc.name)
         if self.health is not None:
-            self.health.check({name: svc.address for name, svc in self.services.items() if svc.up},
-                              alive=lambda name: self.services[name].up)
+            self.health.check(
+                {name: svc.address for name, svc in self.services.items() if svc.up},
+                alive=lambda name: self.services[name].up,
+            )
         return restarted
 
     # -- stopping ------------------------------------------------------------------------
@@ -341,13 +341,18 @@ class LocalLauncher(ProcessLauncher):
             return
         if not is_service_process(pid, svc.name):
             return
-        log.warning("a previous process of this service is still running; waiting for it to stop",
-                    extra={"service": svc.name, "pid": pid})
+        log.warning(
+            "a previous process of this service is still running; waiting for it to stop",
+            extra={"service": svc.name, "pid": pid},
+        )
         deadline = time.monotonic() + self.previous_wait_s
         while is_service_process(pid, svc.name):
             if time.monotonic() > deadline:
-                raise ServiceFailed(svc.name, f"its process {pid} from a previous run in {self.run_dir} still runs "
-                                    f"after {self.previous_wait_s:g}s: is another tauflow run using this out_dir?")
+                raise ServiceFailed(
+                    svc.name,
+                    f"its process {pid} from a previous run in {self.run_dir} still runs "
+                    f"after {self.previous_wait_s:g}s: is another tauflow run using this out_dir?",
+                )
             time.sleep(0.1)
 
 
@@ -374,8 +379,12 @@ def spawn_service(
         out.write(header.encode())
         out.flush()
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**env, PARENT_PID_ENV: str(os.getpid())},
-            cwd=cwd, start_new_session=True,
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**env, PARENT_PID_ENV: str(os.getpid())},
+            cwd=cwd,
+            start_new_session=True,
         )
 
 
@@ -384,7 +393,8 @@ def is_service_process(pid: int, role: str) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat.rsplit(")", 1)[1].split()[0] != "Z" and (
-            f"tauflow.{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes())
+            f"tauflow.{role}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
     except (OSError, IndexError):
         return False
 

@@ -39,28 +39,64 @@ class ControllerMetrics:
         self._run: Run | None = None
         collector = ScrapeCollector()
         gauge, counter = collector.gauge, collector.counter
-        gauge("tauflow_controller_service_up", "1 while the role's process runs and has served, 0 while it is dead or "
-              "restarting (launcher external: while it answers health SERVING)", self._up, labels=["service"])
-        counter("tauflow_controller_service_restarts_total", "Times the launcher restarted the role's process "
-                "(launcher external: times the role served again after an outage)", self._restarts,
-                labels=["service"])
-        gauge("tauflow_controller_service_answering", "1 while the role answers its gRPC health check within the "
-              "probe's deadline, 0 while its process is alive but does not (stopped, hung); launchers local "
-              "and ray", self._answering, labels=["service"])
-        counter("tauflow_controller_service_unanswered_total", "Times the role's live process stopped answering "
-                "its gRPC health check (launchers local and ray)", self._unanswered, labels=["service"])
-        gauge("tauflow_controller_policy_version", "Newest trainer version the controller has seen",
-              lambda: None if self._run is None else self._run.progress.version)
-        gauge("tauflow_controller_target_steps", "Optimizer steps the run trains for",
-              lambda: None if self._run is None else self._run.config.steps)
-        gauge("tauflow_controller_max_staleness_steps", "The run's staleness bound tau (-1: unbounded)",
-              lambda: None if self._run is None else self._run.config.max_staleness)
-        gauge("tauflow_controller_heldout_accuracy_ratio", "Greedy held-out accuracy of the last evaluation",
-              lambda: self._last_eval("accuracy"))
-        gauge("tauflow_controller_heldout_policy_version", "Policy version the last evaluation's engine answered "
-              "with", lambda: self._last_eval("engine_version"))
-        counter("tauflow_controller_evaluations_total", "Held-out evaluations completed",
-                lambda: None if self._run is None else len(self._run.summary.evals))
+        gauge(
+            "tauflow_controller_service_up",
+            "1 while the role's process runs and has served, 0 while it is dead or "
+            "restarting (launcher external: while it answers health SERVING)",
+            self._up,
+            labels=["service"],
+        )
+        counter(
+            "tauflow_controller_service_restarts_total",
+            "Times the launcher restarted the role's process "
+            "(launcher external: times the role served again after an outage)",
+            self._restarts,
+            labels=["service"],
+        )
+        gauge(
+            "tauflow_controller_service_answering",
+            "1 while the role answers its gRPC health check within the "
+            "probe's deadline, 0 while its process is alive but does not (stopped, hung); launchers local "
+            "and ray",
+            self._answering,
+            labels=["service"],
+        )
+        counter(
+            "tauflow_controller_service_unanswered_total",
+            "Times the role's live process stopped answering its gRPC health check (launchers local and ray)",
+            self._unanswered,
+            labels=["service"],
+        )
+        gauge(
+            "tauflow_controller_policy_version",
+            "Newest trainer version the controller has seen",
+            lambda: None if self._run is None else self._run.progress.version,
+        )
+        gauge(
+            "tauflow_controller_target_steps",
+            "Optimizer steps the run trains for",
+            lambda: None if self._run is None else self._run.config.steps,
+        )
+        gauge(
+            "tauflow_controller_max_staleness_steps",
+            "The run's staleness bound tau (-1: unbounded)",
+            lambda: None if self._run is None else self._run.config.max_staleness,
+        )
+        gauge(
+            "tauflow_controller_heldout_accuracy_ratio",
+            "Greedy held-out accuracy of the last evaluation",
+            lambda: self._last_eval("accuracy"),
+        )
+        gauge(
+            "tauflow_controller_heldout_policy_version",
+            "Policy version the last evaluation's engine answered with",
+            lambda: self._last_eval("engine_version"),
+        )
+        counter(
+            "tauflow_controller_evaluations_total",
+            "Held-out evaluations completed",
+            lambda: None if self._run is None else len(self._run.summary.evals),
+        )
         registry.register(collector)
 
     def watch(self, run: Run) -> None:
@@ -127,14 +163,18 @@ def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service],
     host is its node's with the Ray launcher, loopback with the local one; roles deployed elsewhere
     (launcher external) are their deployment's to scrape and are not listed."""
     groups = []
-    endpoints = {role: (svc.info.get("host", "127.0.0.1"), svc.info.get("metrics_port"))
-                 for role, svc in services.items() if svc.info}
+    endpoints = {
+        role: (svc.info.get("host", "127.0.0.1"), svc.info.get("metrics_port"))
+        for role, svc in services.items()
+        if svc.info
+    }
     if controller_port:
         endpoints["controller"] = ("127.0.0.1", controller_port)
     for role, (host, port) in endpoints.items():
         if port:
-            groups.append({"targets": [f"{host}:{port}"],
-                           "labels": {"job": f"tauflow-{role}", "role": role, "run": run_name}})
+            groups.append(
+                {"targets": [f"{host}:{port}"], "labels": {"job": f"tauflow-{role}", "role": role, "run": run_name}}
+            )
     _write_json(out_dir / TARGETS_FILE, groups)
 
 

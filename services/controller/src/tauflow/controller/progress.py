@@ -44,8 +44,9 @@ class LiveTable:
         self._live = Live(self._table(progress), console=console, refresh_per_second=4, transient=False)
 
     def _table(self, progress: Progress) -> Table:
-        table = Table(title=f"tauflow run {self.config.name}  (max_staleness={self.config.max_staleness})",
-                      show_header=False)
+        table = Table(
+            title=f"tauflow run {self.config.name}  (max_staleness={self.config.max_staleness})", show_header=False
+        )
         table.add_row("step", f"{progress.version} / {self.config.steps}")
         table.add_row("batch reward", f"{progress.reward:.3f}")
         table.add_row("held-out accuracy", _accuracy(progress))
@@ -72,7 +73,11 @@ class PlainLines:
     state when the run ends."""
 
     def __init__(
-        self, stream: IO[str], config: RunConfig, *, every_s: float = PLAIN_EVERY_S,
+        self,
+        stream: IO[str],
+        config: RunConfig,
+        *,
+        every_s: float = PLAIN_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream, self.config, self.every_s, self.clock = stream, config, every_s, clock
@@ -81,9 +86,11 @@ class PlainLines:
         self._last: Progress | None = None
 
     def line(self, progress: Progress) -> str:
-        text = (f"tauflow run {self.config.name}: step {progress.version}/{self.config.steps}, "
-                f"reward {progress.reward:.3f}, accuracy {_accuracy(progress)}, staleness {progress.staleness}, "
-                f"{progress.tokens_per_s:,.0f} tokens/s, queue {progress.queue_depth} groups")
+        text = (
+            f"tauflow run {self.config.name}: step {progress.version}/{self.config.steps}, "
+            f"reward {progress.reward:.3f}, accuracy {_accuracy(progress)}, staleness {progress.staleness}, "
+            f"{progress.tokens_per_s:,.0f} tokens/s, queue {progress.queue_depth} groups"
+        )
         return f"{text}; {progress.message}" if progress.message else text
 
     def _write(self, progress: Progress) -> None:
@@ -98,8 +105,10 @@ class PlainLines:
             self._write(progress)
 
     def __enter__(self) -> Self:
-        self.stream.write(f"tauflow run {self.config.name} (max_staleness={self.config.max_staleness}): "
-                          f"{self.config.steps} steps; progress every {self.every_s:g}s\n")
+        self.stream.write(
+            f"tauflow run {self.config.name} (max_staleness={self.config.max_staleness}): "
+            f"{self.config.steps} steps; progress every {self.every_s:g}s\n"
+        )
         self.stream.flush()
         return self
 
@@ -109,7 +118,11 @@ class PlainLines:
 
 
 def progress_view(
-    console: Console, config: RunConfig, progress: Progress, *, every_s: float = PLAIN_EVERY_S,
+    console: Console,
+    config: RunConfig,
+    progress: Progress,
+    *,
+    every_s: float = PLAIN_EVERY_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> LiveTable | PlainLines:
     """The live table where ``console`` is a terminal, plain lines on its stream otherwise."""

@@ -97,8 +97,12 @@ class RayLauncher(ProcessLauncher):
         if not ray.is_initialized():
             _probe(self.config.address)
             try:
-                ray.init(address=self.config.address, namespace=self.config.namespace or None,
-                         log_to_driver=False, logging_level=logging.WARNING)
+                ray.init(
+                    address=self.config.address,
+                    namespace=self.config.namespace or None,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
             except Exception as e:  # Ray raises ConnectionError, ValueError or RuntimeError here
                 raise LaunchFailed(
                     f"launcher 'ray': cannot connect to the Ray cluster at {self.config.address!r}: {e}"
@@ -120,15 +124,23 @@ class RayLauncher(ProcessLauncher):
             proc = svc.proc = RayProcess(self._create_actor(svc, node_id), self.call_timeout_s, node_id)
         env = {"PYTHONUNBUFFERED": "1", **self._env, **svc.spec.env}
         call = proc.actor.spawn.remote(
-            svc.name, self._settings(svc), env, self._cwd, os.path.abspath(svc.log_file),
-            os.path.abspath(svc.ready_file), svc.restarts, previous_pid, self.stop_grace_s,
+            svc.name,
+            self._settings(svc),
+            env,
+            self._cwd,
+            os.path.abspath(svc.log_file),
+            os.path.abspath(svc.ready_file),
+            svc.restarts,
+            previous_pid,
+            self.stop_grace_s,
         )
         try:
             placed = ray.get(call, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             where = f" on node {proc.node_id}" if proc.node_id else ""
             raise ServiceFailed(
-                svc.name, f"its Ray actor was not placed within {self.start_timeout_s:.0f}s: it needs "
+                svc.name,
+                f"its Ray actor was not placed within {self.start_timeout_s:.0f}s: it needs "
                 f"{role_resources(svc.name, svc.spec.settings, self.config)}{where}; the cluster has "
                 f"{ray.available_resources()} free",
             ) from None
@@ -138,8 +150,10 @@ class RayLauncher(ProcessLauncher):
         self._started(svc)
 
     def _create_actor(self, svc: ManagedService, node_id: str) -> Any:
-        options: dict[str, Any] = {**role_resources(svc.name, svc.spec.settings, self.config),
-                                   "runtime_env": HOST_RUNTIME_ENV}
+        options: dict[str, Any] = {
+            **role_resources(svc.name, svc.spec.settings, self.config),
+            "runtime_env": HOST_RUNTIME_ENV,
+        }
         if node_id:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -242,8 +256,16 @@ class ServiceHost:
         self.host = ""
 
     def spawn(
-        self, role: str, settings: dict[str, Any], env: dict[str, str], cwd: str, log_file: str, ready_file: str,
-        restarts: int, previous_pid: int | None, grace_s: float,
+        self,
+        role: str,
+        settings: dict[str, Any],
+        env: dict[str, str],
+        cwd: str,
+        log_file: str,
+        ready_file: str,
+        restarts: int,
+        previous_pid: int | None,
+        grace_s: float,
     ) -> dict[str, Any]:
         import ray
 

@@ -95,7 +95,9 @@ class Run:
         self.connect = connect
         self.check_peer = check_peer
         self.on_progress = on_progress or (lambda progress: None)
-        self.summary = RunSummary(config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy)
+        self.summary = RunSummary(
+            config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy
+        )
         self.progress = Progress()
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
@@ -106,20 +108,36 @@ class Run:
     def _settings(self, role: str, addresses: Mapping[str, str]) -> dict[str, object]:
         config, out = self.config, self.out_dir
         base: dict[str, dict[str, object]] = {
-            "queue": {"wal.dir": out / "queue-wal", "max_staleness": config.max_staleness,
-                      "groups_per_step": config.groups_per_step},
+            "queue": {
+                "wal.dir": out / "queue-wal",
+                "max_staleness": config.max_staleness,
+                "groups_per_step": config.groups_per_step,
+            },
             "reward": {"default_reward_fn": config.reward_fn},
             "weights": {},
-            "trainer": {"backend.model_path": config.model, "backend.seed": config.seed,
-                        "queue_address": addresses.get("queue", ""), "weights_address": addresses.get("weights", ""),
-                        "groups_per_step": config.groups_per_step, "max_staleness": config.max_staleness,
-                        "total_steps": config.steps, "checkpoint_dir": out / "checkpoints",
-                        "backend.optim.total_steps": config.steps,  # where a cosine schedule ends
-                        "backend.temperature": config.temperature},
-            "rollout": {"model_path": config.model, "dataset": config.dataset, "group_size": config.group_size,
-                        "seed": config.seed, "queue_address": addresses.get("queue", ""),
-                        "reward_address": addresses.get("reward", ""), "weights_address": addresses.get("weights", ""),
-                        "reward_fn": config.reward_fn, "sampling.temperature": config.temperature},
+            "trainer": {
+                "backend.model_path": config.model,
+                "backend.seed": config.seed,
+                "queue_address": addresses.get("queue", ""),
+                "weights_address": addresses.get("weights", ""),
+                "groups_per_step": config.groups_per_step,
+                "max_staleness": config.max_staleness,
+                "total_steps": config.steps,
+                "checkpoint_dir": out / "checkpoints",
+                "backend.optim.total_steps": config.steps,  # where a cosine schedule ends
+                "backend.temperature": config.temperature,
+            },
+            "rollout": {
+                "model_path": config.model,
+                "dataset": config.dataset,
+                "group_size": config.group_size,
+                "seed": config.seed,
+                "queue_address": addresses.get("queue", ""),
+                "reward_address": addresses.get("reward", ""),
+                "weights_address": addresses.get("weights", ""),
+                "reward_fn": config.reward_fn,
+                "sampling.temperature": config.temperature,
+            },
         }
         return {**base[role], **flatten(config.services.get(role, {}))}
 
@@ -259,9 +277,21 @@ class Run:
         for step in poll.steps:
             following.next_step = step.step + 1
             committed_s = step.committed_at - self._wall0 if step.committed_at is not None else poll.at_s
-            self.summary.steps.append(StepRecord(
-                step.step, step.policy_version, poll.at_s, step.mean_reward, step.max_staleness, step.mean_staleness,
-                step.loss, step.trained_tokens, step.groups, dict(step.metrics), committed_s))
+            self.summary.steps.append(
+                StepRecord(
+                    step.step,
+                    step.policy_version,
+                    poll.at_s,
+                    step.mean_reward,
+                    step.max_staleness,
+                    step.mean_staleness,
+                    step.loss,
+                    step.trained_tokens,
+                    step.groups,
+                    dict(step.metrics),
+                    committed_s,
+                )
+            )
             for staleness, groups in step.groups_by_staleness.items():
                 histogram[staleness] = histogram.get(staleness, 0) + groups
             following.tokens += step.trained_tokens
@@ -295,7 +325,9 @@ class Run:
             progress.message = f"evaluation of version {version} failed {EVAL_ATTEMPTS} times; skipped"
             return Evaluated.DONE
         following.next_eval = version + self.config.eval.every_steps
-        self.summary.evals.append(EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout), engine_version))
+        self.summary.evals.append(
+            EvalRecord(version, time.monotonic() - self._t0, accuracy, len(heldout), engine_version)
+        )
         progress.accuracy, progress.message = accuracy, ""
         target = self.config.target_accuracy
         if self.config.stop_at_target and target is not None and accuracy >= target and not done:

@@ -96,8 +96,9 @@ def plot(summary: RunSummary, path: Path) -> None:
     for ax, xs, label in ((axes[0], steps, "optimizer step"), (axes[1], times, "wall time (s)")):
         ax.plot(xs, rewards, color="tab:blue", alpha=0.35, label="batch reward")
         if summary.evals:
-            ex: list[float] = ([e.policy_version for e in summary.evals] if xs is steps
-                               else [e.time_s for e in summary.evals])
+            ex: list[float] = (
+                [e.policy_version for e in summary.evals] if xs is steps else [e.time_s for e in summary.evals]
+            )
             ax.plot(ex, [e.accuracy for e in summary.evals], "o-", color="tab:green", label="held-out accuracy")
         if summary.target_accuracy is not None:
             ax.axhline(summary.target_accuracy, color="tab:red", linestyle="--", linewidth=1, label="target")

@@ -171,7 +171,8 @@ def _delivery(candidates: Sequence[Span], publish: Span, version: int | None) ->
     if version is None:
         return None
     newer = [
-        s for s in candidates
+        s
+        for s in candidates
         if _ok(s) and s["start_ns"] >= publish["start_ns"] and s["attributes"].get("rl.policy_version", -1) >= version
     ]
     return min(newer, key=lambda s: s["end_ns"]) if newer else None
@@ -205,8 +206,9 @@ def phase_stats(records: Sequence[GroupLatency]) -> list[PhaseStats]:
     for phase in PHASES:
         values = [v for r in records if (v := getattr(r, phase)) is not None]
         if values:
-            stats.append(PhaseStats(phase, len(values), quantile(values, 0.5), quantile(values, 0.9),
-                                    sum(values) / len(values)))
+            stats.append(
+                PhaseStats(phase, len(values), quantile(values, 0.5), quantile(values, 0.9), sum(values) / len(values))
+            )
         else:
             stats.append(PhaseStats(phase, 0, math.nan, math.nan, math.nan))
     return stats
@@ -256,7 +258,11 @@ def summarize_file(path: str | Path, png: Path | None = None, json_out: Path | N
     stats = phase_stats(records)
     plot(stats, png or source.with_name("traces.png"), title=f"rollout-to-update latency ({source.parent.name})")
     if json_out is not None:
-        json_out.write_text(json.dumps(
-            {"phases": [asdict(s) for s in stats], "groups": [asdict(r) for r in records]}, indent=1, default=str,
-        ))
+        json_out.write_text(
+            json.dumps(
+                {"phases": [asdict(s) for s in stats], "groups": [asdict(r) for r in records]},
+                indent=1,
+                default=str,
+            )
+        )
     return format_table(stats, records)

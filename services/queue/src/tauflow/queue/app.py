@@ -22,7 +22,8 @@ async def build(config: QueueConfig) -> ServiceApp:
     wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync, config.wal.on_corruption)
     group_limit = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
     queue = QueueState(
-        config, wal,
+        config,
+        wal,
         # the domain cannot decode protobuf: a stored group is checked by the wire's full decode
         validate=lambda payload: wire.invalid_reason(payload, group_limit),
         quarantine=QuarantineFolder(Path(config.wal.dir) / "quarantine"),
@@ -43,6 +44,9 @@ async def build(config: QueueConfig) -> ServiceApp:
 
 
 main = service_main(
-    "queue", QueueConfig, build, __version__,
+    "queue",
+    QueueConfig,
+    build,
+    __version__,
     description="tauflow queue: durable, staleness-bounded trajectory-group bus between rollout and trainer",
 )

@@ -36,7 +36,8 @@ class ExternalConfig(ServerConfig):
     enabled: bool = Field(False, description="serve the external port")
     port: int = Field(50061, ge=0, le=65535, description="0 picks a free port")
     tokens_file: str = Field(
-        "", description="YAML mapping of client name to bearer token (`name: token` lines); re-read when it "
+        "",
+        description="YAML mapping of client name to bearer token (`name: token` lines); re-read when it "
         "changes. Tokens are never config values, so that --print-config and process listings never show them",
     )
     tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file, the port speaks TLS")
@@ -61,8 +62,9 @@ class QueueConfig(ServiceConfig):
     max_group_bytes: int = Field(64 * MiB, ge=1, description="largest group Put accepts")
     default_lease_s: float = Field(600.0, gt=0)
     max_lease_s: float = Field(
-        7 * 86400.0, gt=0, description="longest lease_duration a Get or RenewLease may ask for (longer: "
-        "INVALID_ARGUMENT)",
+        7 * 86400.0,
+        gt=0,
+        description="longest lease_duration a Get or RenewLease may ask for (longer: INVALID_ARGUMENT)",
     )
     reservation_ttl_s: float = Field(600.0, gt=0, description="unused tickets are released after this")
     max_wait_s: float = Field(60.0, ge=0, description="cap on the long-poll of Reserve and Get")

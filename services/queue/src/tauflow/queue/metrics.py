@@ -46,18 +46,23 @@ class QueueMetrics:
             "tauflow_queue_lease_expired", "Leases that expired and went back to the queue", registry=registry
         )
         self.rejected = Counter(
-            "tauflow_queue_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
+            "tauflow_queue_rejected_requests",
+            "Requests refused, by method and status code",
+            ["method", "code"],
             registry=registry,
         )
         # The external port, per client (a name from the tokens file; "unknown" for a missing or unknown token).
         self.external_put_groups = Counter(
-            "tauflow_queue_external_put_groups", "Groups newly accepted from each client of the external port",
-            ["client"], registry=registry,
+            "tauflow_queue_external_put_groups",
+            "Groups newly accepted from each client of the external port",
+            ["client"],
+            registry=registry,
         )
         self.external_rejected = Counter(
             "tauflow_queue_external_rejected_requests",
             "Requests refused on the external port, by client, method and status code",
-            ["client", "method", "code"], registry=registry,
+            ["client", "method", "code"],
+            registry=registry,
         )
         self.delivered_staleness = Histogram(
             "tauflow_queue_delivered_staleness_steps",
@@ -66,8 +71,10 @@ class QueueMetrics:
             registry=registry,
         )
         self.rpc_duration = Histogram(
-            "tauflow_queue_rpc_duration_seconds", "Server-side latency of each RPC, long-poll waits included",
-            ["method"], registry=registry,
+            "tauflow_queue_rpc_duration_seconds",
+            "Server-side latency of each RPC, long-poll waits included",
+            ["method"],
+            registry=registry,
         )
 
     def observe(self, stats: Stats) -> None:

@@ -213,8 +213,13 @@ def snapshot_meta(memory: Memory) -> Meta:
 def ticket_from_meta(meta: Meta) -> Ticket:
     remaining: int = meta[Key.REMAINING]
     return Ticket(
-        meta[Key.TICKET_ID], meta[Key.REQUEST_ID], meta[Key.PRODUCER_ID], meta.get(Key.N_GROUPS, remaining),
-        meta[Key.MIN_VERSION], meta[Key.EXPIRES_AT], remaining,
+        meta[Key.TICKET_ID],
+        meta[Key.REQUEST_ID],
+        meta[Key.PRODUCER_ID],
+        meta.get(Key.N_GROUPS, remaining),
+        meta[Key.MIN_VERSION],
+        meta[Key.EXPIRES_AT],
+        remaining,
     )
 
 
@@ -258,8 +263,12 @@ def apply(memory: Memory, config: QueueConfig, kind: int, meta: Meta, blob: byte
         _apply_put(memory, meta, blob, size)
     elif kind == LEASE:
         lease = Lease(
-            meta[Key.LEASE_ID], list(meta[Key.GROUP_IDS]), meta[Key.DEADLINE], meta[Key.CONSUMER_ID],
-            meta[Key.CONSUMER_VERSION], meta.get(Key.LEASE_S, 0.0),
+            meta[Key.LEASE_ID],
+            list(meta[Key.GROUP_IDS]),
+            meta[Key.DEADLINE],
+            meta[Key.CONSUMER_ID],
+            meta[Key.CONSUMER_VERSION],
+            meta.get(Key.LEASE_S, 0.0),
         )
         for g in lease.group_ids:
             del memory.pending[g]
@@ -323,8 +332,13 @@ def apply(memory: Memory, config: QueueConfig, kind: int, meta: Meta, blob: byte
 
 def _apply_put(memory: Memory, meta: Meta, blob: bytes, size: int) -> None:
     group = GroupRecord(
-        meta[Key.GROUP_ID], blob, meta[Key.BEHAVIOUR_VERSION], meta[Key.N_TOKENS], meta[Key.ACCEPTED_AT],
-        meta.get(Key.DELIVERIES, 0), size,
+        meta[Key.GROUP_ID],
+        blob,
+        meta[Key.BEHAVIOUR_VERSION],
+        meta[Key.N_TOKENS],
+        meta[Key.ACCEPTED_AT],
+        meta.get(Key.DELIVERIES, 0),
+        size,
     )
     memory.groups[group.group_id] = group
     memory.pending[group.group_id] = None

@@ -79,7 +79,8 @@ class QueueState:
         log.info(
             "recovered",
             extra={
-                "groups": len(self.memory.groups), "leases": len(self.memory.leases),
+                "groups": len(self.memory.groups),
+                "leases": len(self.memory.leases),
                 "version": self.memory.trainer_version,
             },
         )
@@ -170,8 +171,13 @@ class QueueState:
         if not self.has_room(n_groups):
             return None
         ticket = Ticket(
-            uuid.uuid4().hex, request_id, producer_id, n_groups, self.memory.trainer_version,
-            self.clock() + config.reservation_ttl_s, remaining=n_groups,
+            uuid.uuid4().hex,
+            request_id,
+            producer_id,
+            n_groups,
+            self.memory.trainer_version,
+            self.clock() + config.reservation_ttl_s,
+            remaining=n_groups,
         )
         self._log(RESERVE, records.reserve_meta(ticket))
         return ticket
@@ -300,9 +306,7 @@ class QueueState:
             self._log(EVICT, records.evict_meta(stale, "stale"))
         if invalid:
             self._quarantine(invalid)
-        if not batch or (
-            len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))
-        ):
+        if not batch or (len(batch) < min_groups and not (cut_by_bytes and self._deliverable(min_groups, version))):
             return GetResult(None, [], len(stale), len(invalid))
         duration = lease_s or self.config.default_lease_s
         granted = Lease(uuid.uuid4().hex, batch, self.clock() + duration, consumer_id, version, duration)
@@ -310,7 +314,8 @@ class QueueState:
         lease = memory.leases[granted.lease_id]
         deliveries = [
             Delivery(
-                memory.groups[g], staleness.staleness(version, memory.groups[g].behaviour_version),
+                memory.groups[g],
+                staleness.staleness(version, memory.groups[g].behaviour_version),
                 memory.groups[g].deliveries - 1,
             )
             for g in batch

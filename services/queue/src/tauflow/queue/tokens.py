@@ -78,8 +78,7 @@ def parse_tokens(text: str, source: str) -> dict[bytes, str]:
         if name in lines:
             raise TokensError(f"{source}: lines {lines[name]} and {line} name the same client")
         token = value.value if isinstance(value, yaml.ScalarNode) and value.tag == _STR else None
-        if (token is None or not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS
-                or any(c.isspace() for c in token)):
+        if token is None or not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS or any(c.isspace() for c in token):
             raise TokensError(
                 f"{_where(source, value.start_mark)}: a token must be a string of {MIN_TOKEN_CHARS} to "
                 f"{MAX_TOKEN_CHARS} characters without spaces "
@@ -87,8 +86,9 @@ def parse_tokens(text: str, source: str) -> dict[bytes, str]:
             )
         digest = _digest(token)
         if digest in table:
-            raise TokensError(f"{source}: lines {token_lines[digest]} and {line} share a token; each client "
-                              "needs its own")
+            raise TokensError(
+                f"{source}: lines {token_lines[digest]} and {line} share a token; each client needs its own"
+            )
         table[digest], lines[name], token_lines[digest] = name, line, line
     return table
 
@@ -97,7 +97,10 @@ class TokenTable:
     """Client names by bearer token, from ``path``, kept in step with the file."""
 
     def __init__(
-        self, path: str | os.PathLike[str], *, reload_interval_s: float = 1.0,
+        self,
+        path: str | os.PathLike[str],
+        *,
+        reload_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = Path(path)

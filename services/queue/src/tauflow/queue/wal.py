@@ -262,8 +262,12 @@ class WriteAheadLog:
         if scan.tail is not None and not self.losses:
             log.warning(
                 "cutting torn tail of the log",
-                extra={"path": str(self.path), "bytes": scan.tail_bytes, "damage": scan.tail.why,
-                       "kept": str(self.kept[-1]) if self.kept else "no (a partial record or zeros)"},
+                extra={
+                    "path": str(self.path),
+                    "bytes": scan.tail_bytes,
+                    "damage": scan.tail.why,
+                    "kept": str(self.kept[-1]) if self.kept else "no (a partial record or zeros)",
+                },
             )
         if out is not None:  # replace the file with what was recovered
             out.sync_and_close()
@@ -272,7 +276,9 @@ class WriteAheadLog:
                 log.error(
                     "started from the intact records; the damaged log is kept",
                     extra={
-                        "path": str(self.path), "kept": str(self.kept[-1]), "recovered_after_damage": scan.after_loss
+                        "path": str(self.path),
+                        "kept": str(self.kept[-1]),
+                        "recovered_after_damage": scan.after_loss,
                     },
                 )
             os.replace(tmp, self.path)

@@ -40,6 +40,9 @@ async def build(config: RewardConfig) -> ServiceApp:
 
 
 main = service_main(
-    "reward", RewardConfig, build, __version__,
+    "reward",
+    RewardConfig,
+    build,
+    __version__,
     description="tauflow reward: scores whole groups with pluggable reward functions, each call bounded by a timeout",
 )

@@ -24,8 +24,9 @@ class FunctionSettings(StrictModel):
     enabled: bool = True
     timeout_s: float | None = Field(None, gt=0, description="per-sample (or per-group) time limit")
     fallback_score: float | None = Field(None, description="score of a sample whose call failed or timed out")
-    executor: Executor | None = Field(None, description="inline or process; default: inline for exact_match "
-                                      "and format, process for everything else")
+    executor: Executor | None = Field(
+        None, description="inline or process; default: inline for exact_match and format, process for everything else"
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="merged over the function's default config")
 
 
@@ -53,20 +54,23 @@ class LimitsConfig(StrictModel):
     """Bounds of a Score request's fields (every string and list; see the README's table). A request over
     one is refused with INVALID_ARGUMENT naming the field and the key."""
 
-    max_id_chars: int = Field(256, ge=1, description="group_id, prompt_id, producer_id, sample_id, reward_fn, "
-                              "metadata and component keys")
+    max_id_chars: int = Field(
+        256, ge=1, description="group_id, prompt_id, producer_id, sample_id, reward_fn, metadata and component keys"
+    )
     max_text_chars: int = Field(1 << 20, ge=1, description="completion_text and metadata values")
     max_map_entries: int = Field(64, ge=0, description="entries of each metadata map and of reward.components")
-    max_tokens_per_sample: int = Field(1 << 20, ge=0, description="each per-token list of a sample (token ids, "
-                                       "log-probs, versions, loss mask)")
+    max_tokens_per_sample: int = Field(
+        1 << 20, ge=0, description="each per-token list of a sample (token ids, log-probs, versions, loss mask)"
+    )
     max_config_bytes: int = Field(64 * 1024, ge=0, description="ScoreRequest.config, serialized")
 
 
 class RewardConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50053)
     metrics: MetricsConfig = MetricsConfig(port=9463)
-    default_reward_fn: str = Field("exact_match", description="used when ScoreRequest.reward_fn is empty; "
-                                   "'' makes reward_fn required")
+    default_reward_fn: str = Field(
+        "exact_match", description="used when ScoreRequest.reward_fn is empty; '' makes reward_fn required"
+    )
     load_entry_points: bool = Field(True, description="register the functions of the 'tauflow.rewards' entry points")
     default_timeout_s: float = Field(10.0, gt=0, description="timeout of functions that declare none")
     default_fallback_score: float = Field(0.0, description="fallback of functions that declare none")

@@ -16,42 +16,55 @@ DURATION_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 
 class RewardMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.scored_samples = Counter(
-            "tauflow_reward_scored_samples", "Samples scored, by reward function and status (ok, error, timeout)",
-            ["fn", "status"], registry=registry,
+            "tauflow_reward_scored_samples",
+            "Samples scored, by reward function and status (ok, error, timeout)",
+            ["fn", "status"],
+            registry=registry,
         )
         self.failures = Counter(
             "tauflow_reward_failures",
             "Samples given the fallback score, by reward function and reason (error: the function raised or "
             "returned no valid score; timeout: it ran past its timeout; crash: its worker process died)",
-            ["fn", "reason"], registry=registry,
+            ["fn", "reason"],
+            registry=registry,
         )
         self.function_duration = Histogram(
             "tauflow_reward_function_duration_seconds",
             "Time a reward function spent on one sample (a group-level call's time is split over its samples)",
-            ["fn"], buckets=DURATION_BUCKETS, registry=registry,
+            ["fn"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
         )
         self.score = Summary(
             "tauflow_reward_score",
             "Scores returned by reward functions (fallbacks excluded): rate(_sum)/rate(_count) is the mean reward",
-            ["fn"], registry=registry,
+            ["fn"],
+            registry=registry,
         )
         self.rpc_duration = Histogram(
-            "tauflow_reward_rpc_duration_seconds", "Server-side latency of each RPC", ["method"],
-            buckets=DURATION_BUCKETS, registry=registry,
+            "tauflow_reward_rpc_duration_seconds",
+            "Server-side latency of each RPC",
+            ["method"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
         )
         self.rejected = Counter(
-            "tauflow_reward_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
+            "tauflow_reward_rejected_requests",
+            "Requests refused, by method and status code",
+            ["method", "code"],
             registry=registry,
         )
         self.invalid_requests = Counter(
             "tauflow_reward_invalid_requests",
             "Requests refused with INVALID_ARGUMENT, by method and the field at fault (its path without indices "
             "or keys, e.g. groups.samples.completion_text; config for any key of ScoreRequest.config)",
-            ["method", "field"], registry=registry,
+            ["method", "field"],
+            registry=registry,
         )
         self.inflight = Gauge("tauflow_reward_inflight_requests", "Score calls in progress", registry=registry)
         self.pool_workers = Gauge(
-            "tauflow_reward_pool_workers", "Worker processes of the pool that runs process functions",
+            "tauflow_reward_pool_workers",
+            "Worker processes of the pool that runs process functions",
             registry=registry,
         )
 

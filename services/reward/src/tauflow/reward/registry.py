@@ -150,8 +150,13 @@ class Registry:
         if ref is None:
             ref = f"{obj.__module__}:{obj.__qualname__}"
         fn = describe(
-            name, obj, ref, source=source, executor=executor,
-            default_timeout_s=default_timeout_s, default_fallback_score=default_fallback_score,
+            name,
+            obj,
+            ref,
+            source=source,
+            executor=executor,
+            default_timeout_s=default_timeout_s,
+            default_fallback_score=default_fallback_score,
         )
         if executor is Executor.INLINE:
             worker.register_local(ref, obj() if isinstance(obj, type) else obj)
@@ -186,9 +191,7 @@ def _entry_points() -> Iterable[metadata.EntryPoint]:
     return metadata.entry_points(group=ENTRY_POINT_GROUP)
 
 
-def build_registry(
-    config: RewardConfig, entry_points: Iterable[metadata.EntryPoint] | None = None
-) -> Registry:
+def build_registry(config: RewardConfig, entry_points: Iterable[metadata.EntryPoint] | None = None) -> Registry:
     """Built-ins, then entry points (a name already taken is skipped with a warning), then settings."""
     reg = Registry()
     defaults = {"default_timeout_s": config.default_timeout_s, "default_fallback_score": config.default_fallback_score}

@@ -225,9 +225,7 @@ class Scorer:
         return [[self._collect(next(it), fn, timeout_s, 1)[0] for _ in g.samples] for g in groups]
 
     @staticmethod
-    def _collect(
-        task: asyncio.Future[Any], fn: RewardFunction, timeout_s: float, n: int
-    ) -> list[SampleResult]:
+    def _collect(task: asyncio.Future[Any], fn: RewardFunction, timeout_s: float, n: int) -> list[SampleResult]:
         fallback = fn.fallback_score
         error = task.exception()
         if error is None:

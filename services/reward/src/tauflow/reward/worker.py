@@ -136,8 +136,9 @@ def to_score(result: Any) -> tuple[float, dict[str, float]]:
         if not isinstance(name, str) or not isinstance(value, numbers.Real):
             raise TypeError(f"returned component {name!r:.80}: {value!r:.80}; expected str → real number")
         if not 0 < len(name) <= MAX_COMPONENT_NAME_CHARS:
-            raise ValueError(f"returned a component name of {len(name)} characters; expected 1 to "
-                             f"{MAX_COMPONENT_NAME_CHARS}")
+            raise ValueError(
+                f"returned a component name of {len(name)} characters; expected 1 to {MAX_COMPONENT_NAME_CHARS}"
+            )
         part = float(value)
         if not math.isfinite(part):
             raise ValueError(f"returned a non-finite component {name!r:.80}: {part}")

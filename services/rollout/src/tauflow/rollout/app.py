@@ -53,21 +53,21 @@ async def build(config: RolloutConfig) -> ServiceApp:
     encode, decode = _tokenizer(config.model_path)
     metrics = RolloutMetrics()
     sidecar = (
-        GrpcSidecar(config.weights_address, config.channel, model=config.model_path)
-        if config.weights_address else None
+        GrpcSidecar(config.weights_address, config.channel, model=config.model_path) if config.weights_address else None
     )
     weights = WeightLoader(engine, config.server_id, sidecar)
     producer = queue = reward = None
     if config.dataset:
         prompts = load_prompts(
-            config.dataset, encode, prompt_field=config.prompt_field, id_field=config.id_field,
+            config.dataset,
+            encode,
+            prompt_field=config.prompt_field,
+            id_field=config.id_field,
             metadata_fields=tuple(config.metadata_fields),
         )
         queue = GrpcQueue(config.queue_address, config.server_id, config.channel)
         reward = GrpcReward(config.reward_address, config.reward_fn, config.channel)
-        producer = Producer(
-            engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics
-        )
+        producer = Producer(engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics)
     servicer = RolloutServicer(config, engine, weights, producer, encode, decode)
     metrics.watch(engine, servicer, producer)
     bound_port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -77,8 +77,13 @@ async def build(config: RolloutConfig) -> ServiceApp:
         assert sidecar is not None
         address = f"{config.advertise_host or config.server.host}:{await bound_port}"
         membership = SidecarMembership(
-            sidecar, config.server_id, address, lambda: engine.policy_version, weights.forget_group,
-            check_every_s=config.weights_check_s, metrics=metrics,
+            sidecar,
+            config.server_id,
+            address,
+            lambda: engine.policy_version,
+            weights.forget_group,
+            check_every_s=config.weights_check_s,
+            metrics=metrics,
         )
         await membership.run()
 
@@ -108,6 +113,9 @@ async def build(config: RolloutConfig) -> ServiceApp:
 
 
 main = service_main(
-    "rollout", RolloutConfig, build, __version__,
+    "rollout",
+    RolloutConfig,
+    build,
+    __version__,
     description="tauflow rollout: generates groups with the current policy, scores them, puts them in the queue",
 )

@@ -38,8 +38,9 @@ class RolloutConfig(ServiceConfig):
     reward_fn: str = ""
     weights_address: str = Field("", description="the weight sidecar to join; empty: weights never change")
     advertise_host: str = Field(
-        "", description="host the weight sidecar calls this server back on (a pod IP, a service name); "
-        "empty: server.host. The port is the bound one"
+        "",
+        description="host the weight sidecar calls this server back on (a pod IP, a service name); "
+        "empty: server.host. The port is the bound one",
     )
     weights_check_s: float = Field(
         3.0, gt=0, description="how often to check that the sidecar still lists this server (re-join if not)"
@@ -47,7 +48,9 @@ class RolloutConfig(ServiceConfig):
     max_n: int = Field(64, ge=1, description="Generate: completions per call at most (RESOURCE_EXHAUSTED above)")
     max_in_flight: int = Field(64, ge=1, description="Generate: calls admitted at once (RESOURCE_EXHAUSTED above)")
     max_wait_s: float = Field(
-        600.0, gt=0, description="longest wait of a call (min_policy_version, a weight group's rendezvous), "
-        "whatever its deadline or timeout says"
+        600.0,
+        gt=0,
+        description="longest wait of a call (min_policy_version, a weight group's rendezvous), "
+        "whatever its deadline or timeout says",
     )
     channel: ChannelConfig = ChannelConfig()

@@ -22,7 +22,8 @@ ENGINE_COUNTERS = {
     "decode_steps": ("decode_steps_total", "Batched decoding steps of the engine"),
     "weight_swaps": ("weight_swaps_total", "Weight versions swapped into the engine"),
     "kv_recomputed_tokens": (
-        "kv_recomputed_tokens_total", "Tokens re-prefilled after a weight swap (in-flight sequences' KV cache)"
+        "kv_recomputed_tokens_total",
+        "Tokens re-prefilled after a weight swap (in-flight sequences' KV cache)",
     ),
 }
 
@@ -52,24 +53,46 @@ class RolloutMetrics:
         collector = ScrapeCollector()
         for key, (name, doc) in ENGINE_COUNTERS.items():
             collector.counter(f"tauflow_rollout_{name}", doc, self._engine_counter(key))
-        collector.gauge("tauflow_rollout_engine_policy_version", "Policy version the engine samples new tokens with",
-                        lambda: self._stat("policy_version"))
-        collector.gauge("tauflow_rollout_engine_inflight_requests",
-                        "Generate requests inside the engine (producer's included)",
-                        lambda: self._stat("in_flight_requests"))
-        collector.gauge("tauflow_rollout_engine_running_sequences", "Sequences being decoded",
-                        lambda: self._stat("running_sequences"))
-        collector.gauge("tauflow_rollout_engine_waiting_sequences", "Sequences waiting for a decoding slot",
-                        lambda: self._stat("waiting_sequences"))
-        collector.gauge("tauflow_rollout_engine_state", "Engine state (1 starting, 2 waiting for weights, 3 serving, "
-                        "4 draining, 5 failed)", lambda: self._stat("state"))
-        collector.gauge("tauflow_rollout_inflight_requests",
-                        "Generate RPCs in progress (outside callers, e.g. evaluation)",
-                        lambda: None if self._servicer is None else self._servicer.in_flight)
-        collector.gauge("tauflow_rollout_inflight_groups", "Groups the producer is generating, scoring or putting",
-                        lambda: None if self._producer is None else self._producer.groups_in_flight)
-        collector.counter("tauflow_rollout_produced_groups_total", "Groups the producer put into the queue",
-                          lambda: None if self._producer is None else self._producer.groups_produced)
+        collector.gauge(
+            "tauflow_rollout_engine_policy_version",
+            "Policy version the engine samples new tokens with",
+            lambda: self._stat("policy_version"),
+        )
+        collector.gauge(
+            "tauflow_rollout_engine_inflight_requests",
+            "Generate requests inside the engine (producer's included)",
+            lambda: self._stat("in_flight_requests"),
+        )
+        collector.gauge(
+            "tauflow_rollout_engine_running_sequences",
+            "Sequences being decoded",
+            lambda: self._stat("running_sequences"),
+        )
+        collector.gauge(
+            "tauflow_rollout_engine_waiting_sequences",
+            "Sequences waiting for a decoding slot",
+            lambda: self._stat("waiting_sequences"),
+        )
+        collector.gauge(
+            "tauflow_rollout_engine_state",
+            "Engine state (1 starting, 2 waiting for weights, 3 serving, 4 draining, 5 failed)",
+            lambda: self._stat("state"),
+        )
+        collector.gauge(
+            "tauflow_rollout_inflight_requests",
+            "Generate RPCs in progress (outside callers, e.g. evaluation)",
+            lambda: None if self._servicer is None else self._servicer.in_flight,
+        )
+        collector.gauge(
+            "tauflow_rollout_inflight_groups",
+            "Groups the producer is generating, scoring or putting",
+            lambda: None if self._producer is None else self._producer.groups_in_flight,
+        )
+        collector.counter(
+            "tauflow_rollout_produced_groups_total",
+            "Groups the producer put into the queue",
+            lambda: None if self._producer is None else self._producer.groups_produced,
+        )
         registry.register(collector)
         self.scraped = collector
 

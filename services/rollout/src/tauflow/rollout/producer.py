@@ -119,10 +119,15 @@ class Producer:
         """The ticket's root span and in-flight count, meanwhile; a ticket that fails is released."""
         self.groups_in_flight += len(prompts)
         root = tracer.start_span(
-            "rollout.ticket", context=trace.set_span_in_context(trace.INVALID_SPAN),
-            attributes={"rl.ticket_id": ticket.ticket_id, "rl.producer_id": self.producer_id,
-                        "rl.groups": len(prompts), "rl.group_size": self.group_size,
-                        "rl.ticket_min_policy_version": ticket.min_policy_version},
+            "rollout.ticket",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            attributes={
+                "rl.ticket_id": ticket.ticket_id,
+                "rl.producer_id": self.producer_id,
+                "rl.groups": len(prompts),
+                "rl.group_size": self.group_size,
+                "rl.ticket_min_policy_version": ticket.min_policy_version,
+            },
         )
         try:
             yield root
@@ -194,8 +199,12 @@ class Producer:
 
 def sampling_params(config: SamplingConfig, n: int = 1) -> SamplingParams:
     return SamplingParams(
-        max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_p=config.top_p,
-        top_k=config.top_k, stop_token_ids=tuple(config.stop_token_ids), n=n,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop_token_ids=tuple(config.stop_token_ids),
+        n=n,
     )
 
 
@@ -242,8 +251,11 @@ def _child(name: str, parent: trace.Span, **attributes: AttributeValue) -> Itera
     """A span ``name`` under ``parent``, current meanwhile (so a gRPC call made inside lands in the
     ticket's trace); an error sets its status."""
     with tracer.start_as_current_span(
-        name, context=trace.set_span_in_context(parent), attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
+        name,
+        context=trace.set_span_in_context(parent),
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
         try:
             yield span

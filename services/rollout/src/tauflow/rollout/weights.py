@@ -115,10 +115,15 @@ class WeightLoader:
             del self._load_started[older]
         publish = span_context_of(bucket.traceparent, bucket.tracestate)
         span = tracer.start_span(
-            "weights.load", start_time=started, links=[trace.Link(publish)] if publish is not None else [],
-            attributes={"rl.policy_version": bucket.policy_version, "weights.member_id": self.member_id,
-                        "weights.membership_epoch": bucket.membership_epoch,
-                        "weights.buckets": bucket.bucket_count},
+            "weights.load",
+            start_time=started,
+            links=[trace.Link(publish)] if publish is not None else [],
+            attributes={
+                "rl.policy_version": bucket.policy_version,
+                "weights.member_id": self.member_id,
+                "weights.membership_epoch": bucket.membership_epoch,
+                "weights.buckets": bucket.bucket_count,
+            },
         )
         if version is not None:
             span.set_attribute("weights.bytes", version.nbytes)

@@ -58,9 +58,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
             await publisher.close()
 
     return ServiceApp(
-        bindings=[
-            ServiceBinding(SERVICE, servicer, servicer_adder(SERVICE))
-        ],
+        bindings=[ServiceBinding(SERVICE, servicer, servicer_adder(SERVICE))],
         background=[train],
         close=close,
         info={"resumed_from": str(checkpoint) if checkpoint else None, "policy_version": backend.version},
@@ -68,6 +66,9 @@ async def build(config: TrainerConfig) -> ServiceApp:
 
 
 main = service_main(
-    "trainer", TrainerConfig, build, __version__,
+    "trainer",
+    TrainerConfig,
+    build,
+    __version__,
     description="tauflow trainer: leases batches from the queue, trains (GRPO), publishes weights, checkpoints",
 )

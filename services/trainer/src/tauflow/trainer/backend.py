@@ -269,7 +269,9 @@ class TorchBackend:
         with tracer.start_as_current_span(
             "forward_backward", attributes={"rl.samples": len(train), "rl.trained_tokens": int(norm.tokens)}
         ) as fb_span:
-            for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
+            for index in (
+                split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []
+            ):
                 mb = pack(
                     [train[i] for i in index],
                     [train_adv[i] for i in index],

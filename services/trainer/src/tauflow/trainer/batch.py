@@ -43,17 +43,23 @@ class Sample:
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         if len(self.prompt_ids) == 0:
-            raise ValueError(f"sample {self.sample_id!r}: the prompt is empty (the first completion token "
-                             "needs a token to be predicted from)")
+            raise ValueError(
+                f"sample {self.sample_id!r}: the prompt is empty (the first completion token "
+                "needs a token to be predicted from)"
+            )
         if len(self.behaviour_logprobs) != n:
-            raise ValueError(f"sample {self.sample_id!r}: {len(self.behaviour_logprobs)} behaviour log-probs "
-                             f"for {n} completion tokens")
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.behaviour_logprobs)} behaviour log-probs "
+                f"for {n} completion tokens"
+            )
         if self.loss_mask and len(self.loss_mask) != n:
-            raise ValueError(f"sample {self.sample_id!r}: loss_mask has {len(self.loss_mask)} entries "
-                             f"for {n} completion tokens")
+            raise ValueError(
+                f"sample {self.sample_id!r}: loss_mask has {len(self.loss_mask)} entries for {n} completion tokens"
+            )
         if self.versions and len(self.versions) != n:
-            raise ValueError(f"sample {self.sample_id!r}: {len(self.versions)} token versions "
-                             f"for {n} completion tokens")
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.versions)} token versions for {n} completion tokens"
+            )
 
     @property
     def mask(self) -> list[bool]:
@@ -111,10 +117,19 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(*(t.to(device) for t in (
-            self.input_ids, self.attention_mask, self.position_ids,
-            self.loss_mask, self.behaviour_logprobs, self.advantages,
-        )))
+        return PackedBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.position_ids,
+                    self.loss_mask,
+                    self.behaviour_logprobs,
+                    self.advantages,
+                )
+            )
+        )
 
 
 def pack(

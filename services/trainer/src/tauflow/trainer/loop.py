@@ -169,7 +169,9 @@ class TrainerLoop:
         while missing > 0:
             started_ns = time.time_ns()
             # While leases are held, a long poll is cut short enough for their renewal to come in time.
-            wait_s = min(self.config.get_wait_s, self.config.lease_s / 4) if self._held or leases else self.config.get_wait_s
+            wait_s = (
+                min(self.config.get_wait_s, self.config.lease_s / 4) if self._held or leases else self.config.get_wait_s
+            )
             part = await self.queue.get_batch(missing, self.version, wait_s, self.config.lease_s)
             if part is None:
                 if not parts:
@@ -254,10 +256,15 @@ class TrainerLoop:
             for g, traceparent in zip(part.groups, part.trace_contexts, strict=False):
                 span_context = span_context_of(traceparent)
                 if span_context is not None:
-                    links.append(trace.Link(span_context, {"rl.group_id": g.group_id, "rl.staleness": g.staleness(step)}))
+                    links.append(
+                        trace.Link(span_context, {"rl.group_id": g.group_id, "rl.staleness": g.staleness(step)})
+                    )
         start = self._gets[0].started_ns if self._gets else time.time_ns()
         span = tracer.start_span(
-            "trainer.step", context=trace.set_span_in_context(trace.INVALID_SPAN), links=links, start_time=start,
+            "trainer.step",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),
+            links=links,
+            start_time=start,
             attributes={"rl.step": step, "rl.groups": sum(len(p.groups) for p in parts)},
         )
         ctx = trace.set_span_in_context(span)
@@ -273,16 +280,18 @@ class TrainerLoop:
             return
         self._step_span = self._step_token = None
         if result is not None:
-            span.set_attributes({
-                "rl.policy_version": result.policy_version,
-                "rl.committed": result.committed,
-                "rl.samples": result.samples,
-                "rl.trained_tokens": result.trained_tokens,
-                "rl.loss": result.loss,
-                "rl.reward_mean": result.mean_reward,
-                "rl.max_staleness": result.max_staleness,
-                "rl.mean_staleness": result.mean_staleness,
-            })
+            span.set_attributes(
+                {
+                    "rl.policy_version": result.policy_version,
+                    "rl.committed": result.committed,
+                    "rl.samples": result.samples,
+                    "rl.trained_tokens": result.trained_tokens,
+                    "rl.loss": result.loss,
+                    "rl.reward_mean": result.mean_reward,
+                    "rl.max_staleness": result.max_staleness,
+                    "rl.mean_staleness": result.mean_staleness,
+                }
+            )
         if error is not None:
             set_error(span, error)
         if token is not None:

@@ -31,6 +31,9 @@ async def build(config: WeightsConfig) -> ServiceApp:
 
 
 main = service_main(
-    "weights", WeightsConfig, build, __version__,
+    "weights",
+    WeightsConfig,
+    build,
+    __version__,
     description="tauflow weights: takes policy versions from the trainer and broadcasts them to rollout engines",
 )

@@ -140,8 +140,9 @@ class Broadcast:
                 span.set_attribute("rl.policy_version", manifest.policy_version)
                 span.set_attribute("weights.bytes", manifest.total_bytes)
                 if self._needs_rebuild() and not await self._rebuild():
-                    span.set_status(trace.Status(trace.StatusCode.ERROR,
-                                                 str(self.events.last_error or "group init failed")))
+                    span.set_status(
+                        trace.Status(trace.StatusCode.ERROR, str(self.events.last_error or "group init failed"))
+                    )
                     return False
                 members = [self.membership.members[i] for i in self.membership.group_ids]
                 if not members or all(m.has(version) for m in members):
@@ -150,8 +151,9 @@ class Broadcast:
                 span.set_attribute("weights.members", len(members))
                 ok = await self._transfer(version, members) and await self._confirm(version, members)
                 if not ok:  # a member failed a phase; the others get the version again in a rebuilt group
-                    span.set_status(trace.Status(trace.StatusCode.ERROR,
-                                                 str(self.events.last_error or "broadcast failed")))
+                    span.set_status(
+                        trace.Status(trace.StatusCode.ERROR, str(self.events.last_error or "broadcast failed"))
+                    )
                 return ok
         finally:
             self.progress = None
@@ -166,8 +168,9 @@ class Broadcast:
     def _member_error(self, phase: Phase, m: Member, e: BaseException, **ctx: Unpack[FailureContext]) -> PhaseError:
         detail = e.detail if isinstance(e, PhaseError) else str(e)
         timed_out = getattr(e, "timed_out", False)
-        return PhaseError(phase, m.member_id, detail, deadline_s=phase_deadlines(self.deadlines)[phase],
-                          timed_out=timed_out, **ctx)
+        return PhaseError(
+            phase, m.member_id, detail, deadline_s=phase_deadlines(self.deadlines)[phase], timed_out=timed_out, **ctx
+        )
 
     def _culprits(
         self,
@@ -188,8 +191,9 @@ class Broadcast:
         if not culprits and isinstance(own, PhaseError) and own.ranks:
             for m in members:
                 if any(m.rank_offset <= r < m.rank_offset + m.num_ranks for r in own.ranks):
-                    culprits[m.member_id] = PhaseError(phase, m.member_id, own.detail, deadline_s=own.deadline_s,
-                                                       timed_out=own.timed_out, **ctx)
+                    culprits[m.member_id] = PhaseError(
+                        phase, m.member_id, own.detail, deadline_s=own.deadline_s, timed_out=own.timed_out, **ctx
+                    )
         if not culprits:
             failures = [r for r in (own, *results) if isinstance(r, BaseException)]
             if failures:
@@ -242,13 +246,22 @@ class Broadcast:
             world_size += m.num_ranks
         name = f"tauflow-weights-e{epoch}"
         group_s = self.deadlines.group_s
-        spec = GroupSpec(self.config.store.advertised_host, self.store.port, name, world_size, 0,
-                         self.config.backend, epoch, group_s)
-        labels = {rank: m.member_id for m in members
-                  for rank in range(offsets[m.member_id], offsets[m.member_id] + m.num_ranks)}
+        spec = GroupSpec(
+            self.config.store.advertised_host, self.store.port, name, world_size, 0, self.config.backend, epoch, group_s
+        )
+        labels = {
+            rank: m.member_id
+            for m in members
+            for rank in range(offsets[m.member_id], offsets[m.member_id] + m.num_ranks)
+        }
         latest = self.retention.latest
-        self.progress = Progress(latest.manifest.policy_version if latest else 0, epoch, Phase.GROUP_INIT,
-                                 len(latest.manifest.buckets) if latest else 0, self.events.clock())
+        self.progress = Progress(
+            latest.manifest.policy_version if latest else 0,
+            epoch,
+            Phase.GROUP_INIT,
+            len(latest.manifest.buckets) if latest else 0,
+            self.events.clock(),
+        )
         self._set_phase(Phase.GROUP_INIT, group_s)
         log.info("building weight group", extra={"group": name, "world_size": world_size, "members": len(members)})
         started = time.monotonic()
@@ -285,15 +298,22 @@ class Broadcast:
         epoch = self.membership.epoch
         group_s = self.deadlines.group_s
         load_format = self.config.load_format
-        self.progress = Progress(manifest.policy_version, epoch, Phase.TRANSFER, len(manifest.buckets),
-                                 self.events.clock())
+        self.progress = Progress(
+            manifest.policy_version, epoch, Phase.TRANSFER, len(manifest.buckets), self.events.clock()
+        )
         self._set_phase(Phase.TRANSFER, group_s)
-        requests = bucket_requests(manifest, group_name=group.name, membership_epoch=epoch,
-                                   load_format=load_format, flush_cache=self.config.flush_cache)
+        requests = bucket_requests(
+            manifest,
+            group_name=group.name,
+            membership_epoch=epoch,
+            load_format=load_format,
+            flush_cache=self.config.flush_cache,
+        )
         # Each member's `weights.load` links to the trainer's `weights.publish` of the version, as this
         # broadcast does.
-        requests = [dataclasses.replace(r, traceparent=version.traceparent, tracestate=version.tracestate)
-                    for r in requests]
+        requests = [
+            dataclasses.replace(r, traceparent=version.traceparent, tracestate=version.tracestate) for r in requests
+        ]
         for m in members:
             m.sent[manifest.policy_version] = manifest.checksum
             while len(m.sent) > _KEEP_SENT:
@@ -302,19 +322,28 @@ class Broadcast:
         started = time.monotonic()
         for bucket, request in zip(manifest.buckets, requests, strict=True):
             if any(m.state is not MemberState.ACTIVE for m in members):
-                log.info("membership changed during the transfer; resending in a rebuilt group",
-                         extra={"policy_version": manifest.policy_version})
+                log.info(
+                    "membership changed during the transfer; resending in a rebuilt group",
+                    extra={"policy_version": manifest.policy_version},
+                )
                 self.membership.group_broken = True
                 return False
             self._set_phase(Phase.TRANSFER, group_s)
             data = version.buffer[bucket.offset_bytes : bucket.offset_bytes + bucket.size_bytes]
-            send = asyncio.to_thread(send_bucket, group, bucket, data, policy_version=manifest.policy_version,
-                                     load_format=load_format)
+            send = asyncio.to_thread(
+                send_bucket, group, bucket, data, policy_version=manifest.policy_version, load_format=load_format
+            )
             calls = [m.client.update_bucket(request, timeout) for m in members]
             results = await asyncio.gather(send, *calls, return_exceptions=True)
             if any(isinstance(r, BaseException) for r in results):
-                self._drop_culprits(Phase.TRANSFER, members, results, policy_version=manifest.policy_version,
-                                    membership_epoch=epoch, bucket_index=bucket.index)
+                self._drop_culprits(
+                    Phase.TRANSFER,
+                    members,
+                    results,
+                    policy_version=manifest.policy_version,
+                    membership_epoch=epoch,
+                    bucket_index=bucket.index,
+                )
                 return False
             self.progress.buckets_sent += 1
             self.progress.bytes_sent += bucket.size_bytes
@@ -323,8 +352,10 @@ class Broadcast:
         self.metrics.phase_seconds.labels(Phase.TRANSFER.value).observe(took)
         if took > 0:
             self.metrics.bandwidth.set(manifest.total_bytes / took)
-        log.info("broadcast version", extra={"policy_version": manifest.policy_version, "members": len(members),
-                                             "seconds": round(took, 3)})
+        log.info(
+            "broadcast version",
+            extra={"policy_version": manifest.policy_version, "members": len(members), "seconds": round(took, 3)},
+        )
         return True
 
     async def _confirm(self, version: Version, members: list[Member]) -> bool:
@@ -341,11 +372,18 @@ class Broadcast:
             left = until - loop.time()
             if left <= 0:
                 for m in pending:
-                    self.membership.drop(m, PhaseError(
-                        Phase.CONFIRM, m.member_id, f"no ConfirmVersion for version {policy_version}",
-                        deadline_s=confirm_s, timed_out=True,
-                        policy_version=policy_version, membership_epoch=self.membership.epoch,
-                    ))
+                    self.membership.drop(
+                        m,
+                        PhaseError(
+                            Phase.CONFIRM,
+                            m.member_id,
+                            f"no ConfirmVersion for version {policy_version}",
+                            deadline_s=confirm_s,
+                            timed_out=True,
+                            policy_version=policy_version,
+                            membership_epoch=self.membership.epoch,
+                        ),
+                    )
                 return False
             changed = self.events.changed
             try:

@@ -14,7 +14,8 @@ class DeadlinesConfig(StrictModel):
 
     handoff_s: float = Field(60.0, gt=0, description="Publish: copying the staged version")
     group_s: float = Field(
-        60.0, gt=0,
+        60.0,
+        gt=0,
         description="the weight group's timeout: its rendezvous (group_init) and every bucket's collectives (transfer)",
     )
     confirm_s: float = Field(60.0, gt=0, description="from the last bucket to every member's ConfirmVersion")
@@ -42,7 +43,8 @@ class WeightsConfig(ServiceConfig):
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="collective backend: gloo (CPU) or nccl (GPU)")
     device: str = Field("", description="device of the sender's buffers for nccl (e.g. cuda:0); empty: cpu / cuda")
     load_format: str = Field(
-        "tauflow_flat_v1", pattern="^(tauflow_flat_v1|)$",
+        "tauflow_flat_v1",
+        pattern="^(tauflow_flat_v1|)$",
         description="tauflow_flat_v1: one broadcast per bucket; empty: one per tensor (SGLang's layout)",
     )
     flush_cache: bool = Field(True, description="ask engines to flush their prefix cache on the swap")

@@ -156,7 +156,13 @@ class Membership:
             if old.member_id in self.group_ids:
                 self.group_broken = True
         self.members[member_id] = Member(
-            member_id, address, num_ranks, tuple(backends), model, self.events.clock(), self.clients(address),
+            member_id,
+            address,
+            num_ranks,
+            tuple(backends),
+            model,
+            self.events.clock(),
+            self.clients(address),
             confirmed_version=loaded_version,
         )
         log.info("member joined", extra={"member_id": member_id, "address": address, "num_ranks": num_ranks})
@@ -197,10 +203,12 @@ class Membership:
             return latest
         if manifest_checksum != sent or (loaded_checksum and loaded_checksum != sent):
             err = PhaseError(
-                Phase.CONFIRM, member_id,
+                Phase.CONFIRM,
+                member_id,
                 f"checksum mismatch: the manifest of version {version} has {sent}, the member reports "
                 f"manifest_checksum {manifest_checksum!r} and loaded_checksum {loaded_checksum!r}",
-                policy_version=version, membership_epoch=self.epoch,
+                policy_version=version,
+                membership_epoch=self.epoch,
             )
             self.drop(m, err)
             raise DataLoss(str(err))

@@ -21,52 +21,68 @@ class WeightsMetrics:
             "tauflow_weights_retained_bytes", "Bytes of versions held (newest accepted + being broadcast)", registry=r
         )
         self.handoff_seconds = Histogram(
-            "tauflow_weights_handoff_duration_seconds", "Publish: time to copy a staged version",
-            buckets=HANDOFF_BUCKETS, registry=r,
+            "tauflow_weights_handoff_duration_seconds",
+            "Publish: time to copy a staged version",
+            buckets=HANDOFF_BUCKETS,
+            registry=r,
         )
-        self.handoff_failures = Counter("tauflow_weights_handoff_failures", "Publish calls that copied nothing",
-                                        registry=r)
+        self.handoff_failures = Counter(
+            "tauflow_weights_handoff_failures", "Publish calls that copied nothing", registry=r
+        )
         self.published_bytes = Counter("tauflow_weights_published_bytes", "Bytes of versions accepted", registry=r)
         self.superseded_versions = Counter(
-            "tauflow_weights_superseded_versions", "Versions replaced by a newer one before their broadcast",
+            "tauflow_weights_superseded_versions",
+            "Versions replaced by a newer one before their broadcast",
             registry=r,
         )
         self.broadcast_bytes = Counter(
-            "tauflow_weights_broadcast_bytes", "Bucket bytes broadcast (once per bucket, whatever the member count)",
+            "tauflow_weights_broadcast_bytes",
+            "Bucket bytes broadcast (once per bucket, whatever the member count)",
             registry=r,
         )
         self.versions_broadcast = Counter(
             "tauflow_weights_versions_broadcast", "Versions confirmed by every member of their group", registry=r
         )
         self.bandwidth = Gauge(
-            "tauflow_weights_broadcast_bandwidth_bytes_per_second", "Bytes per second of the last transfer phase",
+            "tauflow_weights_broadcast_bandwidth_bytes_per_second",
+            "Bytes per second of the last transfer phase",
             registry=r,
         )
         self.phase_seconds = Histogram(
-            "tauflow_weights_phase_duration_seconds", "Duration of each successful phase", ["phase"],
-            buckets=PHASE_BUCKETS, registry=r,
+            "tauflow_weights_phase_duration_seconds",
+            "Duration of each successful phase",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
         )
         self.phase_failures = Counter(
             "tauflow_weights_phase_failures", "Failures (missed deadlines included) by phase", ["phase"], registry=r
         )
         self.load_seconds = Histogram(
-            "tauflow_weights_member_load_duration_seconds", "Members' reported time from first bucket to swap",
-            buckets=PHASE_BUCKETS, registry=r,
+            "tauflow_weights_member_load_duration_seconds",
+            "Members' reported time from first bucket to swap",
+            buckets=PHASE_BUCKETS,
+            registry=r,
         )
         self.broadcast_seconds = Histogram(
             "tauflow_weights_broadcast_duration_seconds",
             "One broadcast of a version, from its start (group rebuild included) to every member's confirmation "
             "or the failure",
-            buckets=PHASE_BUCKETS, registry=r,
+            buckets=PHASE_BUCKETS,
+            registry=r,
         )
         self.broadcasts = Counter(
-            "tauflow_weights_broadcasts", "Broadcasts of a version by outcome (ok, failed: retried with backoff)",
-            ["outcome"], registry=r,
+            "tauflow_weights_broadcasts",
+            "Broadcasts of a version by outcome (ok, failed: retried with backoff)",
+            ["outcome"],
+            registry=r,
         )
         for outcome in ("ok", "failed"):
             self.broadcasts.labels(outcome)
         self.rejected = Counter(
-            "tauflow_weights_rejected_requests", "Requests refused, by method and status code", ["method", "code"],
+            "tauflow_weights_rejected_requests",
+            "Requests refused, by method and status code",
+            ["method", "code"],
             registry=r,
         )
         self.rpc_duration = Histogram(

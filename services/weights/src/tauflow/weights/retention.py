@@ -183,8 +183,15 @@ class Retention:
                 self._outcomes.popitem(last=False)
             self.metrics.handoff_seconds.observe(handoff_s)
             self.metrics.published_bytes.inc(manifest.total_bytes)
-            log.info("accepted version", extra={"policy_version": version, "bytes": manifest.total_bytes,
-                                                "handoff_ms": round(handoff_s * 1000, 1), "superseded": superseded})
+            log.info(
+                "accepted version",
+                extra={
+                    "policy_version": version,
+                    "bytes": manifest.total_bytes,
+                    "handoff_ms": round(handoff_s * 1000, 1),
+                    "superseded": superseded,
+                },
+            )
             self.events.notify()
             return outcome
 

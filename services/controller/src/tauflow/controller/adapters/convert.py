@@ -11,16 +11,26 @@ from tauflow.controller.ports import Completion, QueueStats, ToScore, TrainerSta
 
 def trainer_step(m: trainer_pb2.StepMetrics) -> TrainerStep:
     return TrainerStep(
-        step=m.step, policy_version=m.policy_version, mean_reward=m.mean_reward, max_staleness=m.max_staleness,
-        mean_staleness=m.mean_staleness, loss=m.loss, trained_tokens=m.trained_tokens, groups=m.groups,
-        metrics=dict(m.metrics), groups_by_staleness=dict(m.groups_by_staleness),
+        step=m.step,
+        policy_version=m.policy_version,
+        mean_reward=m.mean_reward,
+        max_staleness=m.max_staleness,
+        mean_staleness=m.mean_staleness,
+        loss=m.loss,
+        trained_tokens=m.trained_tokens,
+        groups=m.groups,
+        metrics=dict(m.metrics),
+        groups_by_staleness=dict(m.groups_by_staleness),
         committed_at=m.committed_at.ToNanoseconds() / 1e9 if m.HasField("committed_at") else None,
     )
 
 
 def trainer_status(reply: trainer_pb2.GetStatusResponse) -> TrainerStatus:
-    return TrainerStatus(trainer_pb2.TrainerState.Name(reply.state), reply.policy_version,
-                         reply.state == trainer_pb2.TRAINER_STATE_FINISHED)
+    return TrainerStatus(
+        trainer_pb2.TrainerState.Name(reply.state),
+        reply.policy_version,
+        reply.state == trainer_pb2.TRAINER_STATE_FINISHED,
+    )
 
 
 def queue_stats(reply: queue_pb2.StatsResponse) -> QueueStats:

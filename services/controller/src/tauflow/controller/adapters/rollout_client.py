@@ -19,8 +19,9 @@ class RolloutClient:
 
     async def generate_greedy(self, prompt: str, timeout_s: float) -> Completion:
         with peer_errors("rollout"):
-            reply = await self._stub.Generate(rollout_pb2.GenerateRequest(prompt_text=prompt, sampling=GREEDY),
-                                              timeout=timeout_s)
+            reply = await self._stub.Generate(
+                rollout_pb2.GenerateRequest(prompt_text=prompt, sampling=GREEDY), timeout=timeout_s
+            )
         return convert.completion(reply)
 
     async def close(self) -> None:

@@ -32,11 +32,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     ) -> controller_pb2.GetRunResponse:
         summary = self.run.summary
         reply = controller_pb2.RunSummary(
-            name=summary.name, state=_STATES.get(summary.status, controller_pb2.RUN_STATE_RUNNING),
-            launcher=self.run.config.launcher, policy_version=self.run.progress.version,
-            total_steps=summary.steps_planned, max_staleness=summary.max_staleness,
+            name=summary.name,
+            state=_STATES.get(summary.status, controller_pb2.RUN_STATE_RUNNING),
+            launcher=self.run.config.launcher,
+            policy_version=self.run.progress.version,
+            total_steps=summary.steps_planned,
+            max_staleness=summary.max_staleness,
             tokens_trained=sum(step.trained_tokens for step in summary.steps),
-            groups_trained=sum(step.groups for step in summary.steps), message=summary.message,
+            groups_trained=sum(step.groups for step in summary.steps),
+            message=summary.message,
         )
         reply.staleness.violations = summary.staleness_violations
         for staleness, groups in summary.staleness_histogram.items():
@@ -71,9 +75,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ScaleRollout(
         self, request: controller_pb2.ScaleRolloutRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.ScaleRolloutResponse:
-        await _unimplemented(context, "scaling rollout is not built yet: set the rollout replicas of the deployment "
-                             "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar "
-                             "on its own")
+        await _unimplemented(
+            context,
+            "scaling rollout is not built yet: set the rollout replicas of the deployment "
+            "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar "
+            "on its own",
+        )
 
 
 async def _unimplemented(context: grpc.aio.ServicerContext, details: str) -> NoReturn:

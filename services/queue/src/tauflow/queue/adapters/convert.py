@@ -65,7 +65,9 @@ def check_structure(group: common_pb2.Group) -> None:
     check_id(group.prompt_id, f"{where}: group.prompt_id", required=False)
     check_id(group.producer_id, f"{where}: group.producer_id", required=False)
     if len(group.trace_context.traceparent) > MAX_TRACEPARENT_CHARS:
-        raise InvalidGroup(f"{where}: group.trace_context.traceparent is longer than {MAX_TRACEPARENT_CHARS} characters")
+        raise InvalidGroup(
+            f"{where}: group.trace_context.traceparent is longer than {MAX_TRACEPARENT_CHARS} characters"
+        )
     if len(group.trace_context.tracestate) > MAX_TRACESTATE_CHARS:
         raise InvalidGroup(f"{where}: group.trace_context.tracestate is longer than {MAX_TRACESTATE_CHARS} characters")
     _check_map(group.metadata, f"{where}: group.metadata")
@@ -108,9 +110,7 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecor
             ("loss_mask", s.loss_mask),
         ):
             if field and len(field) != n:
-                raise InvalidGroup(
-                    f"{where}.{name} has {len(field)} entries for {n} completion tokens"
-                )
+                raise InvalidGroup(f"{where}.{name} has {len(field)} entries for {n} completion tokens")
         # (no sum: fsum of [inf, -inf] raises instead of saying which field is wrong)
         if s.behaviour_logprobs and not all(math.isfinite(x) and x <= MAX_LOGPROB for x in s.behaviour_logprobs):
             raise InvalidGroup(f"{where}.behaviour_logprobs must be finite log-probabilities (<= 0)")
@@ -118,8 +118,7 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecor
             oldest = min(s.token_versions)
             if s.behaviour_version and s.behaviour_version != oldest:
                 raise InvalidGroup(
-                    f"{where}.behaviour_version={s.behaviour_version} differs from "
-                    f"min(token_versions)={oldest}"
+                    f"{where}.behaviour_version={s.behaviour_version} differs from min(token_versions)={oldest}"
                 )
             newest = max(newest, max(s.token_versions))
         else:
@@ -129,9 +128,7 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecor
         n_tokens += len(s.prompt_token_ids) + n
     payload = group.SerializeToString()
     if len(payload) > max_group_bytes:
-        raise GroupTooLarge(
-            f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}"
-        )
+        raise GroupTooLarge(f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}")
     assert behaviour is not None
     return GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest)
 

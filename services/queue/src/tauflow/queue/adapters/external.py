@@ -40,9 +40,15 @@ log = logging.getLogger(__name__)
 PRODUCER_METHODS = ("Reserve", "ReleaseReservation", "Put", "Stats")
 # Answered without a token: probes (Kubernetes' gRPC probes send none) and the version check a client
 # makes before it trusts a server.
-PUBLIC_SERVICES = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, INFO_SERVICE.full_name,
-                             # reflection (both protocols) tells what the published contracts tell
-                             "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"})
+PUBLIC_SERVICES = frozenset(
+    {
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        INFO_SERVICE.full_name,
+        # reflection (both protocols) tells what the published contracts tell
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+)
 CLIENT: ContextVar[str] = ContextVar("tauflow_queue_external_client", default="")
 _WARN_EVERY_S = 10.0
 
@@ -176,7 +182,9 @@ class ProducerServicer:
             self.metrics.external_put_groups.labels(client).inc()
         return response
 
-    async def Stats(self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> queue_pb2.StatsResponse:
+    async def Stats(
+        self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.StatsResponse:
         return await self.queue.Stats(request, context)
 
 
@@ -209,7 +217,8 @@ def external_server(config: ExternalConfig, queue: QueueServicer, metrics: Queue
         )
     log.info("external port", extra={"clients": tokens.clients, "tls": credentials is not None})
     binding = ServiceBinding(
-        SERVICE, ProducerServicer(queue, metrics),
+        SERVICE,
+        ProducerServicer(queue, metrics),
         functools.partial(add_queue_servicer_to_server, methods=PRODUCER_METHODS),
     )
     return ExtraServer("external", [binding], config, [BearerTokenAuth(tokens, metrics)], credentials)

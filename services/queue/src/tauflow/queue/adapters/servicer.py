@@ -103,7 +103,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 room += w.need
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext, method: str, err: QueueError | convert.InvalidGroup | WalWriteError,
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        err: QueueError | convert.InvalidGroup | WalWriteError,
     ) -> None:
         reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
         if isinstance(err, (convert.GroupTooLarge, GroupOverCapacity)):
@@ -129,8 +132,12 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         await context.abort(code, message, trailing_metadata=trailer)
 
     async def _poll(
-        self, context: grpc.aio.ServicerContext, wait_s: float, attempt: Callable[[], T | None],
-        wants: _Wants, need: int,
+        self,
+        context: grpc.aio.ServicerContext,
+        wait_s: float,
+        attempt: Callable[[], T | None],
+        wants: _Wants,
+        need: int,
     ) -> T | None:
         """Calls ``attempt`` until it returns a value or the wait runs out; between attempts the call
         waits in line until a change may serve it (``wants`` ``need`` groups or room)."""
@@ -193,7 +200,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         return await self._call(context, "Reserve", run)
 
     async def ReleaseReservation(
-        self, request: queue_pb2.ReleaseReservationRequest, context: grpc.aio.ServicerContext, owner: str | None = None,
+        self,
+        request: queue_pb2.ReleaseReservationRequest,
+        context: grpc.aio.ServicerContext,
+        owner: str | None = None,
     ) -> queue_pb2.ReleaseReservationResponse:
         async def run() -> queue_pb2.ReleaseReservationResponse:
             released = self.state.release_reservation(request.ticket_id, owner)
@@ -208,8 +218,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         async def run() -> queue_pb2.ReleaseProducerReservationsResponse:
             tickets, groups = self.state.release_producer(request.producer_id)
             if tickets:
-                log.info("released a producer's tickets", extra={"producer_id": request.producer_id,
-                                                                 "tickets": tickets, "groups": groups})
+                log.info(
+                    "released a producer's tickets",
+                    extra={"producer_id": request.producer_id, "tickets": tickets, "groups": groups},
+                )
             self._notify()
             return queue_pb2.ReleaseProducerReservationsResponse(released_tickets=tickets, released_groups=groups)
 
@@ -334,7 +346,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "SetMaxStaleness", run)
 
-    async def Stats(self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> queue_pb2.StatsResponse:
+    async def Stats(
+        self, request: queue_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> queue_pb2.StatsResponse:
         async def run() -> queue_pb2.StatsResponse:
             return convert.stats_to_proto(self.state.stats())
 
@@ -351,7 +365,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 self.metrics.lease_expired.inc(result.expired_leases)
                 log.info(
                     "expired",
-                    extra={"leases": result.expired_leases, "groups": result.expired_groups, "tickets": result.expired_tickets},
+                    extra={
+                        "leases": result.expired_leases,
+                        "groups": result.expired_groups,
+                        "tickets": result.expired_tickets,
+                    },
                 )
                 self._notify()
 
@@ -363,7 +381,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         while wal is not None:
             await asyncio.sleep(self.config.sweep_interval_s)
             if wal.broken is not None:
-                raise RuntimeError(f"the write-ahead log is broken ({wal.broken}): stopping so that a restart recovers it")
+                raise RuntimeError(
+                    f"the write-ahead log is broken ({wal.broken}): stopping so that a restart recovers it"
+                )
 
     async def _maybe_compact(self) -> None:
         if self.state.compaction_due(self.config.wal.compact_min_bytes):

@@ -90,8 +90,11 @@ def _check_map(at: str, name: str, entries: Mapping[str, Any], limits: LimitsCon
     _count(at, name, len(entries), limits.max_map_entries, "max_map_entries")
     for key, value in entries.items():
         if len(key) > limits.max_id_chars:
-            raise InvalidRequest(f"{_field(at, name)}[{shown(key)}]", f"a key of {len(key)} characters, over this "
-                                 f"service's limit of {limits.max_id_chars} (limits.max_id_chars)")
+            raise InvalidRequest(
+                f"{_field(at, name)}[{shown(key)}]",
+                f"a key of {len(key)} characters, over this "
+                f"service's limit of {limits.max_id_chars} (limits.max_id_chars)",
+            )
         if isinstance(value, str) and len(value) > limits.max_text_chars:
             _chars(at, f"{name}[{shown(key)}]", value, limits.max_text_chars, "max_text_chars")
 
@@ -123,8 +126,10 @@ def _check_sample(at: str, s: common_pb2.Sample, limits: LimitsConfig) -> None:
         _count(at, name, len(getattr(s, name)), limits.max_tokens_per_sample, "max_tokens_per_sample", "values")
     if s.HasField("reward"):
         if len(s.reward.message) > MAX_REWARD_MESSAGE_CHARS:
-            raise InvalidRequest(f"{at}.reward.message", f"{len(s.reward.message)} characters, over the limit of "
-                                 f"{MAX_REWARD_MESSAGE_CHARS}")
+            raise InvalidRequest(
+                f"{at}.reward.message",
+                f"{len(s.reward.message)} characters, over the limit of {MAX_REWARD_MESSAGE_CHARS}",
+            )
         _check_map(at, "reward.components", s.reward.components, limits)
 
 
@@ -233,9 +238,7 @@ def _plain(value: struct_pb2.Value, field: str) -> Any:
     return None  # null_value, or no kind set (what JSON reads as null)
 
 
-def score_job(
-    request: reward_pb2.ScoreRequest, fn: RewardFunction, config: RewardConfig, n_samples: int
-) -> ScoreJob:
+def score_job(request: reward_pb2.ScoreRequest, fn: RewardFunction, config: RewardConfig, n_samples: int) -> ScoreJob:
     limits = config.limits
     groups = groups_from_proto(request.groups, fn.uses_token_ids, limits)
     timeout_s = fn.timeout_s

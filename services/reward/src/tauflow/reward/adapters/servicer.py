@@ -82,7 +82,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         await context.abort(code, str(err))
         raise AssertionError("unreachable: abort raises") from err
 
-    async def _score(self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext) -> reward_pb2.ScoreResponse:
+    async def _score(
+        self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
         if self.inflight >= limit:
             raise Exhausted(
@@ -112,7 +114,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             first = failed[0]
             log.warning(
                 "reward function failed on %d sample(s): %s",
-                len(failed), first.message,
+                len(failed),
+                first.message,
                 extra={"fn": fn, "failed": len(failed), "reason": first.reason, "detail": first.detail[-2000:]},
             )
 

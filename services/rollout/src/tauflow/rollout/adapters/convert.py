@@ -70,10 +70,16 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams, default_max_new_tokens: i
 
 def engine_status_to_proto(stats: EngineStats, receiving_version: int | None) -> rollout_pb2.EngineStatus:
     engine = rollout_pb2.EngineStatus(
-        engine_id=stats.engine_id, backend=stats.backend, model=stats.model, state=_ENGINE_STATE[stats.state],
-        policy_version=stats.policy_version, in_flight_requests=stats.in_flight_requests,
-        running_sequences=stats.running_sequences, waiting_sequences=stats.waiting_sequences,
-        last_error=stats.last_error or "", num_ranks=1,
+        engine_id=stats.engine_id,
+        backend=stats.backend,
+        model=stats.model,
+        state=_ENGINE_STATE[stats.state],
+        policy_version=stats.policy_version,
+        in_flight_requests=stats.in_flight_requests,
+        running_sequences=stats.running_sequences,
+        waiting_sequences=stats.waiting_sequences,
+        last_error=stats.last_error or "",
+        num_ranks=1,
     )
     if receiving_version is not None:
         engine.weight_update_in_progress = True

@@ -76,12 +76,15 @@ class GrpcQueue:
                 with attempt:
                     resp = await self.stub.ReleaseProducerReservations(request)
         except grpc.aio.AioRpcError as e:  # e.g. UNIMPLEMENTED: a queue older than revision 2
-            log.warning("could not release a predecessor's tickets; they expire by themselves",
-                        extra={"code": e.code().name})
+            log.warning(
+                "could not release a predecessor's tickets; they expire by themselves", extra={"code": e.code().name}
+            )
             return 0
         if resp.released_tickets:
-            log.info("released the tickets of this producer's previous process",
-                     extra={"tickets": resp.released_tickets, "groups": resp.released_groups})
+            log.info(
+                "released the tickets of this producer's previous process",
+                extra={"tickets": resp.released_tickets, "groups": resp.released_groups},
+            )
         return resp.released_tickets
 
     async def close(self) -> None:

@@ -32,6 +32,7 @@ def transient(e: BaseException, never_fits: NeverFits = over_message_limit) -> b
 def until_it_works(never_fits: NeverFits = over_message_limit) -> AsyncRetrying:
     """Retries an idempotent call while ``transient``."""
     return AsyncRetrying(
-        retry=retry_if_exception(lambda e: transient(e, never_fits)), wait=wait_exponential(0.1, max=5.0),
+        retry=retry_if_exception(lambda e: transient(e, never_fits)),
+        wait=wait_exponential(0.1, max=5.0),
         reraise=True,
     )

@@ -76,11 +76,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if request.prompt_text and self.encode is None:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
         if request.sampling.n > self.config.max_n:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}")
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}",
+            )
         if self.in_flight >= self.config.max_in_flight:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"{self.in_flight} Generate calls in flight, this server's maximum")
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.in_flight} Generate calls in flight, this server's maximum",
+            )
         prompt = list(request.prompt_token_ids)
         if not prompt:
             assert self.encode is not None  # prompt_text without a tokenizer was refused above
@@ -152,7 +158,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except LOAD_ERRORS as e:
             await _abort(context, _refusal_code(e), str(e))
         return rollout_pb2.UpdateWeightsFromDistributedResponse(
-            policy_version=request.policy_version, bucket_index=request.bucket_index,
+            policy_version=request.policy_version,
+            bucket_index=request.bucket_index,
             version_complete=version is not None,
         )
 

@@ -60,8 +60,10 @@ class GrpcSidecar:
 
     async def confirm(self, member_id: str, version: ReceivedVersion, traceparent: str, tracestate: str) -> None:
         request = weights_pb2.ConfirmVersionRequest(
-            member_id=member_id, policy_version=version.policy_version,
-            manifest_checksum=version.manifest_checksum, loaded_checksum=version.loaded_checksum,
+            member_id=member_id,
+            policy_version=version.policy_version,
+            manifest_checksum=version.manifest_checksum,
+            loaded_checksum=version.loaded_checksum,
             membership_epoch=version.membership_epoch,
             trace_context=common_pb2.TraceContext(traceparent=traceparent, tracestate=tracestate),
         )

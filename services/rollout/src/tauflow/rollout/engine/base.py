@@ -222,9 +222,7 @@ class GenerationEngine(ABC):
     # -- generation ---------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def submit(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> Future[list[list[Completion]]]:
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future[list[list[Completion]]]:
         """Queue ``params.n`` completions of each prompt (token ids). The future's result has one list of ``n``
         completions per prompt, in order. Raises InvalidRequestError (bad prompt or params) or
         EngineClosedError at once; the future fails only on an engine error."""
@@ -245,9 +243,7 @@ class GenerationEngine(ABC):
         """Every weight name (Hugging Face naming, tied aliases included) the engine accepts, with dtype and shape."""
 
     @abstractmethod
-    def stage_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False
-    ) -> Future[int]:
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False) -> Future[int]:
         """Stage ``tensors`` (all or some of the weights) as policy ``version``; it must be newer than the version
         served and than any version already staged, unless ``rebase`` (a trainer resumed from an older
         checkpoint: the version goes back, and versions staged after it are dropped). Raises WeightUpdateError for a bad version, name, shape or

@@ -121,8 +121,22 @@ class _Staged:
 
 
 # Per-row tensors of the running batch; all are indexed together when rows are dropped or merged.
-_ROW_FIELDS = ("last", "pos", "n_gen", "max_new", "temp", "top_p", "top_k", "key", "stop", "done", "finish",
-               "toks", "lps", "vers")
+_ROW_FIELDS = (
+    "last",
+    "pos",
+    "n_gen",
+    "max_new",
+    "temp",
+    "top_p",
+    "top_k",
+    "key",
+    "stop",
+    "done",
+    "finish",
+    "toks",
+    "lps",
+    "vers",
+)
 
 
 class _Batch:
@@ -184,8 +198,9 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
     la, lb = a.mask.shape[1], b.mask.shape[1]
     length = max(la, lb)
     out.mask = torch.cat([F.pad(a.mask, (length - la, 0)), F.pad(b.mask, (length - lb, 0))])
-    _map_cache(a.cache, lambda x, y: torch.cat([F.pad(x, (0, 0, length - la, 0)), F.pad(y, (0, 0, length - lb, 0))]),
-               b.cache)
+    _map_cache(
+        a.cache, lambda x, y: torch.cat([F.pad(x, (0, 0, length - la, 0)), F.pad(y, (0, 0, length - lb, 0))]), b.cache
+    )
     out.cache = a.cache
     width = max(a.toks.shape[1], b.toks.shape[1])
     stops = max(a.stop.shape[1], b.stop.shape[1])
@@ -240,8 +255,10 @@ class HFEngine(GenerationEngine):
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(config, "is_encoder_decoder", False):
-            raise ValueError(f"the hf engine needs a decoder-only model with full attention on every layer, "
-                             f"got layer types {sorted(layer_types)}")
+            raise ValueError(
+                f"the hf engine needs a decoder-only model with full attention on every layer, "
+                f"got layer types {sorted(layer_types)}"
+            )
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be positive")
         self._model = model.eval()
@@ -288,8 +305,14 @@ class HFEngine(GenerationEngine):
         self._running = 0
         self._last_error = ""
         self._batch: _Batch | None = None
-        self.counters = {"tokens": 0, "sequences": 0, "decode_steps": 0, "prefill_tokens": 0,
-                         "weight_swaps": 0, "kv_recomputed_tokens": 0}
+        self.counters = {
+            "tokens": 0,
+            "sequences": 0,
+            "decode_steps": 0,
+            "prefill_tokens": 0,
+            "weight_swaps": 0,
+            "kv_recomputed_tokens": 0,
+        }
         self._thread = threading.Thread(target=self._loop, name=f"tauflow-hf-engine-{engine_id}", daemon=True)
         self._thread.start()
 
@@ -340,7 +363,8 @@ class HFEngine(GenerationEngine):
             if self.max_context is not None and len(ids) + params.max_new_tokens > self.max_context:
                 raise InvalidRequestError(
                     f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
-                    f"model's context of {self.max_context}")
+                    f"model's context of {self.max_context}"
+                )
             clean.append(ids)
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
@@ -364,9 +388,7 @@ class HFEngine(GenerationEngine):
         with self._cv:
             return self._newest_staged
 
-    def stage_weights(
-        self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False
-    ) -> Future[int]:
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False) -> Future[int]:
         version = int(version)
         with self._cv:
             if self._closing:
@@ -391,7 +413,8 @@ class HFEngine(GenerationEngine):
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
             if version <= self._newest_staged and not rebase:
                 raise WeightUpdateError(
-                    f"version {version} is not newer than version {self._newest_staged} (served or staged)")
+                    f"version {version} is not newer than version {self._newest_staged} (served or staged)"
+                )
             if rebase:  # the trainer resumed from an older checkpoint: what was staged after it is void
                 for dropped in self._staged:
                     dropped.future.cancel()
@@ -409,12 +432,19 @@ class HFEngine(GenerationEngine):
         update = bool(staged) or self._newest_staged > self._version
         state = EngineState.DRAINING if self._closing else EngineState.SERVING  # closed: accepts nothing new
         return EngineStats(
-            engine_id=self.engine_id, backend=self.backend, model=self.model_name, state=state,
-            policy_version=self._version, in_flight_requests=in_flight, running_sequences=self._running,
-            waiting_sequences=waiting, weight_update_in_progress=update,
+            engine_id=self.engine_id,
+            backend=self.backend,
+            model=self.model_name,
+            state=state,
+            policy_version=self._version,
+            in_flight_requests=in_flight,
+            running_sequences=self._running,
+            waiting_sequences=waiting,
+            weight_update_in_progress=update,
             receiving_policy_version=self._newest_staged if update else 0,
             last_error=self._last_error,
-            counters=dict(self.counters))
+            counters=dict(self.counters),
+        )
 
     def close(self, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the engine; with ``drain`` it first finishes every request already submitted (new ones are refused
@@ -592,8 +622,9 @@ class HFEngine(GenerationEngine):
         b.top_k = torch.tensor([p.top_k for p in params], device=dev)
         b.max_new = torch.tensor([p.max_new_tokens for p in params], device=dev)
         width = max(len(r.req.stop_ids) for r in rows)
-        b.stop = torch.tensor([r.req.stop_ids + [-1] * (width - len(r.req.stop_ids)) for r in rows],
-                              dtype=torch.long, device=dev).reshape(len(rows), width)
+        b.stop = torch.tensor(
+            [r.req.stop_ids + [-1] * (width - len(r.req.stop_ids)) for r in rows], dtype=torch.long, device=dev
+        ).reshape(len(rows), width)
         size, cols = len(rows), int(b.max_new.max()) + 1
         b.n_gen = torch.zeros(size, dtype=torch.long, device=dev)
         b.done = torch.zeros(size, dtype=torch.bool, device=dev)
@@ -619,8 +650,13 @@ class HFEngine(GenerationEngine):
     def _decode_step(self, b: _Batch) -> None:
         column = (~b.done).long()[:, None] if b.n_done else torch.ones_like(b.last)[:, None]
         b.mask = torch.cat([b.mask, column], dim=1)
-        out = self._model(input_ids=b.last[:, None], attention_mask=b.mask, position_ids=b.pos[:, None],
-                          use_cache=True, **{self._cache_kw: b.cache})
+        out = self._model(
+            input_ids=b.last[:, None],
+            attention_mask=b.mask,
+            position_ids=b.pos[:, None],
+            use_cache=True,
+            **{self._cache_kw: b.cache},
+        )
         b.pos += 1
         self.counters["decode_steps"] += 1
         self._sample(b, out.logits[:, -1])
@@ -632,8 +668,9 @@ class HFEngine(GenerationEngine):
     def _sample(self, b: _Batch, logits: torch.Tensor) -> None:
         """Draw the next token of every row, record it, and finish rows that stop."""
         uniforms = counter_uniforms(b.key, b.n_gen)
-        tok, lp = sample_tokens(logits, b.temp, b.top_p, b.top_k, uniforms,
-                                truncate=b.truncate, any_greedy=b.any_greedy)
+        tok, lp = sample_tokens(
+            logits, b.temp, b.top_p, b.top_k, uniforms, truncate=b.truncate, any_greedy=b.any_greedy
+        )
         active = ~b.done
         if b.n_done:
             tok = torch.where(active, tok, self._pad)
@@ -704,7 +741,8 @@ class HFEngine(GenerationEngine):
         for row in waiting:
             self._complete(row, Completion([], [], [], FinishReason.ABORT))
         for s in staged:
-            s.future.set_exception(EngineClosedError(f"engine {self.engine_id} closed before loading version "
-                                                     f"{s.version}"))
+            s.future.set_exception(
+                EngineClosedError(f"engine {self.engine_id} closed before loading version {s.version}")
+            )
         self._running = 0
         self._closed = True

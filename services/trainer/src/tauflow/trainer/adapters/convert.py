@@ -36,9 +36,16 @@ def step_to_proto(result: StepResult, groups_by_staleness: dict[int, int] | None
     duration = Duration()
     duration.FromNanoseconds(int(result.duration_s * 1e9))
     return trainer_pb2.StepMetrics(
-        step=result.step, policy_version=result.policy_version, groups=result.groups, samples=result.samples,
-        trained_tokens=result.trained_tokens, max_staleness=result.max_staleness,
-        mean_staleness=result.mean_staleness, mean_reward=result.mean_reward, loss=result.loss, duration=duration,
+        step=result.step,
+        policy_version=result.policy_version,
+        groups=result.groups,
+        samples=result.samples,
+        trained_tokens=result.trained_tokens,
+        max_staleness=result.max_staleness,
+        mean_staleness=result.mean_staleness,
+        mean_reward=result.mean_reward,
+        loss=result.loss,
+        duration=duration,
         metrics={k: float(v) for k, v in result.metrics.items()},
         groups_by_staleness={max(0, k): v for k, v in (groups_by_staleness or {}).items()},
         committed_at=_timestamp(result.committed_at) if result.committed_at is not None else None,
@@ -47,6 +54,9 @@ def step_to_proto(result: StepResult, groups_by_staleness: dict[int, int] | None
 
 def checkpoint_to_proto(info: CheckpointInfo) -> trainer_pb2.CheckpointInfo:
     return trainer_pb2.CheckpointInfo(
-        path=str(info.path), policy_version=info.policy_version, created_at=_timestamp(info.created_at),
-        size_bytes=info.size_bytes, trained_groups=info.trained_groups,
+        path=str(info.path),
+        policy_version=info.policy_version,
+        created_at=_timestamp(info.created_at),
+        size_bytes=info.size_bytes,
+        trained_groups=info.trained_groups,
     )

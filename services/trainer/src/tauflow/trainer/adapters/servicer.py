@@ -21,9 +21,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def GetStatus(self, request, context):
         loop = self.loop
         resp = trainer_pb2.GetStatusResponse(
-            state=trainer_pb2.TrainerState.ValueType(loop.state.value), policy_version=loop.version,
-            published_policy_version=max(loop.published_version, 0), max_staleness=loop.max_staleness,
-            backend="torch", algorithm=self.algorithm, world_size=1, last_error=loop.last_error,
+            state=trainer_pb2.TrainerState.ValueType(loop.state.value),
+            policy_version=loop.version,
+            published_policy_version=max(loop.published_version, 0),
+            max_staleness=loop.max_staleness,
+            backend="torch",
+            algorithm=self.algorithm,
+            world_size=1,
+            last_error=loop.last_error,
         )
         if loop.history:
             last = loop.history[-1]

@@ -73,11 +73,17 @@ def status_to_proto(status: Status) -> pb.GetStatusResponse:
         out.confirmed_policy_version = status.confirmed_version
     progress = status.progress
     if progress is not None:
-        out.broadcast.CopyFrom(pb.BroadcastProgress(
-            policy_version=progress.policy_version, membership_epoch=progress.membership_epoch,
-            phase=PHASES[progress.phase], buckets_sent=progress.buckets_sent, bucket_count=progress.bucket_count,
-            bytes_sent=progress.bytes_sent, started_at=timestamp(progress.started_at),
-        ))
+        out.broadcast.CopyFrom(
+            pb.BroadcastProgress(
+                policy_version=progress.policy_version,
+                membership_epoch=progress.membership_epoch,
+                phase=PHASES[progress.phase],
+                buckets_sent=progress.buckets_sent,
+                bucket_count=progress.bucket_count,
+                bytes_sent=progress.bytes_sent,
+                started_at=timestamp(progress.started_at),
+            )
+        )
         if progress.phase_deadline is not None:
             out.broadcast.phase_deadline.CopyFrom(timestamp(progress.phase_deadline))
     if status.last_error is not None:

@@ -38,26 +38,45 @@ class RolloutMemberClient:
             raise MemberCallFailed(method, self.address, code.name, e.details() or "", collateral) from None
 
     async def init_group(self, spec: GroupSpec, timeout_s: float) -> None:
-        await self._call("InitWeightsUpdateGroup", rollout_pb2.InitWeightsUpdateGroupRequest(
-            master_address=spec.master_address, master_port=spec.master_port, rank_offset=spec.rank,
-            world_size=spec.world_size, group_name=spec.group_name, backend=spec.backend,
-            membership_epoch=spec.membership_epoch, timeout=duration(spec.timeout_s),
-        ), timeout_s)
+        await self._call(
+            "InitWeightsUpdateGroup",
+            rollout_pb2.InitWeightsUpdateGroupRequest(
+                master_address=spec.master_address,
+                master_port=spec.master_port,
+                rank_offset=spec.rank,
+                world_size=spec.world_size,
+                group_name=spec.group_name,
+                backend=spec.backend,
+                membership_epoch=spec.membership_epoch,
+                timeout=duration(spec.timeout_s),
+            ),
+            timeout_s,
+        )
 
     async def update_bucket(self, request: BucketRequest, timeout_s: float) -> None:
-        await self._call("UpdateWeightsFromDistributed", rollout_pb2.UpdateWeightsFromDistributedRequest(
-            names=list(request.names), dtypes=list(request.dtypes),
-            shapes=[rollout_pb2.TensorShape(dims=list(s)) for s in request.shapes],
-            group_name=request.group_name, flush_cache=request.flush_cache,
-            policy_version=request.policy_version, membership_epoch=request.membership_epoch,
-            bucket_index=request.bucket_index, bucket_count=request.bucket_count,
-            load_format=request.load_format, manifest_checksum=request.manifest_checksum,
-            trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
-        ), timeout_s)
+        await self._call(
+            "UpdateWeightsFromDistributed",
+            rollout_pb2.UpdateWeightsFromDistributedRequest(
+                names=list(request.names),
+                dtypes=list(request.dtypes),
+                shapes=[rollout_pb2.TensorShape(dims=list(s)) for s in request.shapes],
+                group_name=request.group_name,
+                flush_cache=request.flush_cache,
+                policy_version=request.policy_version,
+                membership_epoch=request.membership_epoch,
+                bucket_index=request.bucket_index,
+                bucket_count=request.bucket_count,
+                load_format=request.load_format,
+                manifest_checksum=request.manifest_checksum,
+                trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
+            ),
+            timeout_s,
+        )
 
     async def destroy_group(self, group_name: str, timeout_s: float) -> None:
-        await self._call("DestroyWeightsUpdateGroup",
-                         rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout_s)
+        await self._call(
+            "DestroyWeightsUpdateGroup", rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout_s
+        )
 
     async def close(self) -> None:
         await self.channel.close()

@@ -50,8 +50,11 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             if not request.HasField("manifest"):
                 raise errors.InvalidRequest("manifest must be set")
             out = await self.sidecar.retention.publish(
-                manifest_from_proto(request.manifest), request.staging_uri, request.rebase,
-                request.trace_context.traceparent, request.trace_context.tracestate,
+                manifest_from_proto(request.manifest),
+                request.staging_uri,
+                request.rebase,
+                request.trace_context.traceparent,
+                request.trace_context.tracestate,
             )
             resp = pb.PublishResponse(policy_version=out.policy_version, handoff_duration=duration(out.handoff_s))
             if out.superseded_policy_version is not None:
@@ -70,7 +73,10 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
     async def Join(self, request, context):
         async def run() -> pb.JoinResponse:
             epoch = self.sidecar.membership.join(
-                request.member_id, request.address, request.num_ranks, tuple(request.backends),
+                request.member_id,
+                request.address,
+                request.num_ranks,
+                tuple(request.backends),
                 request.loaded_policy_version if request.HasField("loaded_policy_version") else None,
                 request.model,
             )
@@ -93,7 +99,10 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
     async def ConfirmVersion(self, request, context):
         async def run() -> pb.ConfirmVersionResponse:
             latest = self.sidecar.membership.confirm(
-                request.member_id, request.policy_version, request.manifest_checksum, request.loaded_checksum,
+                request.member_id,
+                request.policy_version,
+                request.manifest_checksum,
+                request.loaded_checksum,
                 seconds(request.load_duration) if request.HasField("load_duration") else None,
             )
             resp = pb.ConfirmVersionResponse()
