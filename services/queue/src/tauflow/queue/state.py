@@ -4,7 +4,7 @@ Every change is a record (records.py): it is appended to the write-ahead log fir
 to memory by ``records.apply``. Recovery replays the same records through the same ``apply``, so the
 state after a restart is the state before it.
 
-Pacing (design.md §2, tauflow.core.staleness): a reservation of ``n`` groups is granted only while
+Pacing (docs/design.md §2, tauflow.core.staleness): a reservation of ``n`` groups is granted only while
 ``accepted + in_flight + n <= (trainer_version + tau + 1) * groups_per_step``, where ``accepted``
 counts every group accepted since the run began minus those evicted, and ``in_flight`` the reserved
 groups not yet put. The safety net evicts, at ``get`` time, any group too stale for the consumer.

@@ -1,6 +1,6 @@
 """The trainer's loop: lease a batch, step, publish, checkpoint, ack — readable in one screen.
 
-Exactly-once in effect (design.md §2): a lease is acked only after a checkpoint
+Exactly-once in effect (docs/design.md §2): a lease is acked only after a checkpoint
 holds the step that trained on it. A trainer that dies between a step and its
 checkpoint restarts from the checkpoint; the queue redelivers the unacked
 leases when they expire, and the checkpoint's trained ids keep any group from

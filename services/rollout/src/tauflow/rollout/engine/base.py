@@ -136,7 +136,7 @@ class Completion:
 
     @property
     def behaviour_version(self) -> int | None:
-        """The oldest version of any token (design.md §1); None for an empty (aborted) completion."""
+        """The oldest version of any token (docs/design.md §1); None for an empty (aborted) completion."""
         return min(self.versions) if self.versions else None
 
 
