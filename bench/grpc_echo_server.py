@@ -28,7 +28,7 @@ FULL_METHOD = f"/{SERVICE}/{METHOD}"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the same limit the tauflow servers and channels use
 
 
-async def _echo(request_iterator, context):  # type: ignore[no-untyped-def]
+async def _echo(request_iterator, context):
     async for payload in request_iterator:
         yield payload
 

@@ -111,7 +111,7 @@ def _stub(port: int) -> queue_pb2_grpc.QueueServiceStub:
     return queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(f"{HOST}:{port}"))
 
 
-def _retrying(call, *args, stop: threading.Event, **kwargs):  # type: ignore[no-untyped-def]
+def _retrying(call, *args, stop: threading.Event, **kwargs):
     """Calls until the queue answers something other than UNAVAILABLE/DEADLINE_EXCEEDED (a restart)."""
     while not stop.is_set():
         try:

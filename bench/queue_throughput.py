@@ -221,7 +221,7 @@ async def run_echo(channel: grpc.aio.Channel, payload: bytes, n: int) -> tuple[f
     """Sends ``n`` payloads on one bidi stream while reading them back; returns seconds."""
     call = channel.stream_stream(ECHO_METHOD)  # no (de)serializers: raw bytes
 
-    async def requests():  # type: ignore[no-untyped-def]
+    async def requests():
         for _ in range(n):
             yield payload
 

@@ -31,7 +31,7 @@ from tauflow.controller.config import RunConfig
 from tauflow.core.config import load_config
 
 
-def run_one(recipe: Path, tau: int, out: Path, steps: int, target: float, extra: list[str]) -> dict:  # type: ignore[type-arg]
+def run_one(recipe: Path, tau: int, out: Path, steps: int, target: float, extra: list[str]) -> dict:
     overrides = [
         f"max_staleness={tau}",
         f"out_dir={out}",
@@ -45,7 +45,7 @@ def run_one(recipe: Path, tau: int, out: Path, steps: int, target: float, extra:
     return summary.to_json()
 
 
-def analyse(summary: dict, targets: list[float]) -> dict:  # type: ignore[type-arg]
+def analyse(summary: dict, targets: list[float]) -> dict:
     steps = summary["steps"]
     start = steps[0]["committed_s"] if steps else 0.0
     reached = {}

@@ -142,7 +142,7 @@ class ServiceCpu:
 
 
 def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, str], extra: list[str],
-            warmup: int) -> dict:  # type: ignore[type-arg]
+            warmup: int) -> dict:
     """One run; its summary, with ``cpu_per_step_s``: the services' CPU seconds per step after ``warmup``."""
     from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
     from tauflow.controller.config import RunConfig
@@ -170,7 +170,7 @@ def run_one(recipe: Path, prepared: Path, out: Path, steps: int, env: dict[str, 
     return summary
 
 
-def step_times(summary: dict, warmup: int) -> dict[str, float]:  # type: ignore[type-arg]
+def step_times(summary: dict, warmup: int) -> dict[str, float]:
     steps = summary["steps"][warmup:]
     commits = [s["committed_s"] for s in steps]
     intervals = [b - a for a, b in itertools.pairwise(commits)]
@@ -204,7 +204,7 @@ def main() -> int:
                        check=True)
     receiver = Receiver() if args.exporter == "otlp" else None
     out = args.out or Path(tempfile.mkdtemp(prefix="tauflow-bench-tracing-"))
-    results: dict[str, list[dict]] = {"off": [], "on": []}  # type: ignore[type-arg]
+    results: dict[str, list[dict]] = {"off": [], "on": []}
     try:
         for r in range(args.rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # ABBA: a steady drift hits both alike

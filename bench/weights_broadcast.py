@@ -192,7 +192,7 @@ class Sidecar:
         self.version = 0
 
     @staticmethod
-    def _ready(path: Path, proc: subprocess.Popen) -> dict:  # type: ignore[type-arg]
+    def _ready(path: Path, proc: subprocess.Popen) -> dict:
         deadline = time.monotonic() + 120
         while not path.exists():
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -135,7 +135,7 @@ class Producer(threading.Thread):
         finally:
             self.client.close()
 
-    def _retry(self, call):  # type: ignore[no-untyped-def]
+    def _retry(self, call):
         while True:
             try:
                 return call()
@@ -147,7 +147,7 @@ class Producer(threading.Thread):
                 self.retries += 1
                 time.sleep(0.2)
 
-    def _group(self, gid: str, version: int):  # type: ignore[no-untyped-def]
+    def _group(self, gid: str, version: int):
         t = self.task
         a, b = self.rng.randint(10, 99), self.rng.randint(10, 99)
         answer = t.answer_ids(a, b)
@@ -187,7 +187,7 @@ class Report:
     unanswered: dict[str, float] = field(default_factory=dict)  # the controller's health-probe counter, by role
     problems: list[str] = field(default_factory=list)  # what the accounting found wrong: none, or a bug
 
-    def as_dict(self) -> dict:  # type: ignore[type-arg]
+    def as_dict(self) -> dict:
         return asdict(self)
 
 
@@ -319,7 +319,7 @@ class ChaosRun:
 
     # -- reading the run -----------------------------------------------------------------
 
-    def _ready(self, role: str) -> dict:  # type: ignore[type-arg]
+    def _ready(self, role: str) -> dict:
         return json.loads((self.out / f"{role}.ready.json").read_text())
 
     def _pid(self, role: str) -> int | None:
@@ -342,7 +342,7 @@ class ChaosRun:
             self.probe = QueueClient(self.probe_address, self.token, timeout_s=2)
             return -1
 
-    def _wait(self, what: str, done) -> None:  # type: ignore[no-untyped-def]
+    def _wait(self, what: str, done) -> None:
         while not done():
             assert self.proc is not None
             if self.proc.poll() is not None:

@@ -77,7 +77,7 @@ def dashboard_queries(path: Path) -> list[tuple[str, str]]:
     board = json.loads(path.read_text())
     found: list[tuple[str, str]] = []
 
-    def panels(items: list[dict]) -> None:  # type: ignore[type-arg]
+    def panels(items: list[dict]) -> None:
         for p in items:
             for t in p.get("targets", []):
                 if t.get("expr"):

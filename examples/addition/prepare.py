@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE))
 import task
 
 
-def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:
     """Greedy exact-match accuracy: ``all``, and per answer length (``2`` digits, ``3`` digits)."""
     import torch
 
@@ -54,7 +54,7 @@ def warm_enough(accuracy: dict[str, float], target: float) -> bool:
     return accuracy["all"] >= target and min(accuracy["2"], accuracy["3"]) >= target / 2
 
 
-def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
+def sft_sample(a: int, b: int):
     from tauflow.trainer.batch import Sample
 
     answer = task.answer_ids(a, b)
@@ -62,7 +62,7 @@ def sft_sample(a: int, b: int):  # type: ignore[no-untyped-def]
 
 
 def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 1e-3, batch: int = 64,
-            max_steps: int = 5000, hidden: int = 128, layers: int = 2, heads: int = 8) -> dict:  # type: ignore[type-arg]
+            max_steps: int = 5000, hidden: int = 128, layers: int = 2, heads: int = 8) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 

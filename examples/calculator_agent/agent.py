@@ -95,7 +95,7 @@ def play(rollout: RolloutClient, first: Completion, prompt: list[int], args: arg
 
 
 def run_group(rollout: RolloutClient, reward: RewardClient | None, problem: list[int],
-              args: argparse.Namespace, min_version: int):  # type: ignore[no-untyped-def]
+              args: argparse.Namespace, min_version: int):
     """One group: ``group_size`` episodes of one problem, scored."""
     text = "+".join(map(str, problem))
     prompt = [VOCAB[BOS], *encode(text)]

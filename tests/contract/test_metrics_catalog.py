@@ -84,12 +84,12 @@ def test_the_key_series_of_issue_4_exist() -> None:
         assert name in code, name
 
 
-def _dashboards() -> list:  # type: ignore[type-arg]
+def _dashboards() -> list:
     return sorted(DASHBOARDS.glob("*.json"))
 
 
 @pytest.mark.parametrize("path", _dashboards(), ids=lambda p: p.name)
-def test_every_dashboard_query_names_only_exported_metrics(path) -> None:  # type: ignore[no-untyped-def]
+def test_every_dashboard_query_names_only_exported_metrics(path) -> None:
     series = series_names(all_registered())
     queries = dashboard_queries(path)
     assert queries, f"{path.name} has no query"

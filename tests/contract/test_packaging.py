@@ -24,7 +24,7 @@ DISTS = sorted(p.parent for p in [*ROOT.glob("libs/*/pyproject.toml"), *ROOT.glo
 ROLES = sorted(p.name for p in (ROOT / "services").iterdir() if p.is_dir())
 
 
-def _project(dist: Path) -> dict:  # type: ignore[type-arg]
+def _project(dist: Path) -> dict:
     return tomllib.loads((dist / "pyproject.toml").read_text())["project"]
 
 

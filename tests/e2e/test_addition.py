@@ -34,7 +34,7 @@ def command(prepared: Path, out: Path, *settings: str, evaluate: bool = True) ->
     ])
 
 
-def run(prepared: Path, out: Path, *settings: str) -> dict:  # type: ignore[type-arg]
+def run(prepared: Path, out: Path, *settings: str) -> dict:
     cmd = command(prepared, out, *settings)
     done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -119,7 +119,7 @@ def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 900
 
-    def wait_for(what: str, done) -> None:  # type: ignore[no-untyped-def]
+    def wait_for(what: str, done) -> None:
         while not done():
             assert proc.poll() is None, f"the run ended while waiting for {what}: " + (proc.stderr.read() if proc.stderr else "")
             assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -75,7 +75,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _ready(out: Path, role: str) -> dict:  # type: ignore[type-arg]
+def _ready(out: Path, role: str) -> dict:
     return json.loads((out / f"{role}.ready.json").read_text())
 
 
@@ -133,7 +133,7 @@ def test_a_run_on_ray_trains_as_with_the_local_launcher_and_a_killed_trainer_com
 
 def test_a_lost_actor_comes_back_on_its_node_with_the_same_ports(
     ray_address: str, tmp_path: Path, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     import ray
 
     monkeypatch.setenv("TAUFLOW_QUEUE_LOG__FORMAT", "json")  # the controller's TAUFLOW_* reach the service

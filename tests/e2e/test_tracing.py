@@ -34,7 +34,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.spans: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
-    def Export(self, request, context):  # type: ignore[no-untyped-def]
+    def Export(self, request, context):
         with self.lock:
             for rs in request.resource_spans:
                 resource = {a.key: a.value.string_value for a in rs.resource.attributes}
@@ -43,12 +43,12 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def _value(v):  # type: ignore[no-untyped-def]
+def _value(v):
     kind = v.WhichOneof("value")
     return getattr(v, kind) if kind in ("string_value", "bool_value", "int_value", "double_value") else None
 
 
-def _span(s, service: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _span(s, service: str) -> dict[str, Any]:
     return {
         "name": s.name, "service": service, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
         "parent_span_id": s.parent_span_id.hex() or None, "start_ns": s.start_time_unix_nano,

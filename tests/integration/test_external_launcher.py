@@ -25,7 +25,7 @@ STEPS = 6
 
 def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
     tmp_path: Path, service_process
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [

@@ -25,7 +25,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_every_controller_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_controller_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     settings: dict[str, object] = {
         "run.launcher": "external", "run.model": str(tmp_path / "model"), "run.dataset": str(tmp_path / "d.jsonl"),
         "run.steps": 2, "run.out_dir": str(tmp_path / "run"), "run.start_timeout_s": 3600,

@@ -15,7 +15,7 @@ from tests.fuzz import C, Fuzzer, Method, budget
 SERVICE = q.DESCRIPTOR.services_by_name["QueueService"]
 
 
-def test_every_queue_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_queue_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     queue = service_process("queue", {
         "wal.dir": "wal", "max_staleness": -1, "max_wait_s": 1, "capacity_groups": 500, "max_group_bytes": 1 << 20,
         "groups_per_step": 4,

@@ -20,7 +20,7 @@ from tests.runs import ADDITION, tiny_addition
 SERVICE = pb.DESCRIPTOR.services_by_name["RolloutService"]
 
 
-def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     model, _ = tiny_addition(tmp_path, problems=10)
     sys.path.insert(0, str(ADDITION))
     import task

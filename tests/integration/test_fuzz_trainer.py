@@ -15,7 +15,7 @@ from tests.runs import tiny_addition
 SERVICE = pb.DESCRIPTOR.services_by_name["TrainerService"]
 
 
-def test_every_trainer_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_trainer_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     model, _ = tiny_addition(tmp_path, problems=10)
     queue = service_process("queue", {"wal.dir": "wal", "max_staleness": 1})
     trainer = service_process("trainer", {

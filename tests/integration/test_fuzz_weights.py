@@ -17,7 +17,7 @@ from tests.fuzz import C, Fuzzer, Method, budget
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]
 
 
-def test_every_weights_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_every_weights_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     car = service_process("weights", {
         "deadlines.group_s": 1, "deadlines.confirm_s": 1, "deadlines.destroy_s": 1, "deadlines.rpc_margin_s": 0.5,
         "deadlines.handoff_s": 5, "max_members": 32, "max_retained_bytes": 1 << 20,

@@ -33,7 +33,7 @@ def _poison(gid: str) -> bytes:
     return make_group(gid).SerializeToString() + _field(3, _field(1, b"9") + _field(10, b"\xff\xfe"))
 
 
-def _raw_put(channel: grpc.Channel, group: bytes, metadata=()) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+def _raw_put(channel: grpc.Channel, group: bytes, metadata=()) -> grpc.StatusCode:
     put = channel.unary_unary("/tauflow.api.queue.v1.QueueService/Put")  # bytes in, bytes out
     try:
         put(_field(1, group), metadata=metadata, timeout=10)
@@ -42,7 +42,7 @@ def _raw_put(channel: grpc.Channel, group: bytes, metadata=()) -> grpc.StatusCod
     return grpc.StatusCode.OK
 
 
-def _code(call, request, **kw) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+def _code(call, request, **kw) -> tuple[grpc.StatusCode, str]:
     try:
         call(request, timeout=10, **kw)
     except grpc.RpcError as e:
@@ -59,7 +59,7 @@ def _evicted(metrics_port: object) -> dict[str, float]:
     }
 
 
-def test_poison_groups_are_refused_on_both_ports_and_training_goes_on(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_poison_groups_are_refused_on_both_ports_and_training_goes_on(service_process, tmp_path: Path) -> None:
     (tmp_path / "tokens.yaml").write_text(f"agent: {TOKEN}\n")
     queue = service_process("queue", {
         "max_staleness": -1, "wal.dir": "wal", "external.enabled": "true", "external.port": 0,
@@ -98,7 +98,7 @@ def test_poison_groups_are_refused_on_both_ports_and_training_goes_on(service_pr
     stub.Ack(q.AckRequest(lease_id=resp.lease.lease_id))
 
 
-def test_a_stored_group_no_consumer_can_decode_is_quarantined(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_stored_group_no_consumer_can_decode_is_quarantined(service_process, tmp_path: Path) -> None:
     # The log of an older build that accepted a poison group between two good ones.
     wal = WriteAheadLog(tmp_path / "wal" / "queue.wal")
     old = QueueState(QueueConfig(max_staleness=-1), wal)

@@ -24,7 +24,7 @@ def _duration(seconds: float) -> Duration:
     return d
 
 
-def _drain(stub, wait_s: float = 0.5) -> list[str]:  # type: ignore[no-untyped-def]
+def _drain(stub, wait_s: float = 0.5) -> list[str]:
     """Gets and acks until the queue stays empty for ``wait_s``; returns the group ids."""
     ids: list[str] = []
     while True:
@@ -37,7 +37,7 @@ def _drain(stub, wait_s: float = 0.5) -> list[str]:  # type: ignore[no-untyped-d
         stub.Ack(q.AckRequest(lease_id=resp.lease.lease_id))
 
 
-def test_sigkill_mid_stream_and_restart_lose_nothing(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_mid_stream_and_restart_lose_nothing(service_process) -> None:
     # (the lease must outlast the kill, the client's retries and a restart on a loaded 2-core machine)
     settings = {"max_staleness": -1, "default_lease_s": 8, "wal.dir": "wal"}
     queue = service_process("queue", settings)
@@ -101,7 +101,7 @@ def test_sigkill_mid_stream_and_restart_lose_nothing(service_process) -> None:  
     assert stats.acked_groups == len(delivered_once)
 
 
-def test_bad_requests_get_documented_status_and_lose_nothing(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_bad_requests_get_documented_status_and_lose_nothing(service_process) -> None:
     queue = service_process(
         "queue",
         {"wal.dir": "wal", "capacity_groups": 3, "max_group_bytes": 20000, "server.max_message_bytes": 200000},
@@ -110,7 +110,7 @@ def test_bad_requests_get_documented_status_and_lose_nothing(service_process) ->
     for i in range(2):
         stub.Put(q.PutRequest(group=make_group(f"kept{i}")))
 
-    def status(call, request):  # type: ignore[no-untyped-def]
+    def status(call, request):
         with pytest.raises(grpc.RpcError) as err:
             call(request)
         return err.value.code(), err.value.details()
@@ -156,7 +156,7 @@ def test_bad_requests_get_documented_status_and_lose_nothing(service_process) ->
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "acked" in msg
 
 
-def test_get_fits_the_message_limit_and_put_refusals_say_why(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_get_fits_the_message_limit_and_put_refusals_say_why(service_process) -> None:
     limit = 64 * 1024
     queue = service_process(
         "queue",
@@ -180,7 +180,7 @@ def test_get_fits_the_message_limit_and_put_refusals_say_why(service_process) ->
     for lease in (first.lease, second.lease):
         stub.Ack(q.AckRequest(lease_id=lease.lease_id))
 
-    def refusal(group):  # type: ignore[no-untyped-def]
+    def refusal(group):
         with pytest.raises(grpc.RpcError) as err:
             stub.Put(q.PutRequest(group=group))
         return err.value.code(), error_reason(err.value), err.value.details()
@@ -195,7 +195,7 @@ def test_get_fits_the_message_limit_and_put_refusals_say_why(service_process) ->
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_tau_zero_alternates_and_long_polls_wake(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_tau_zero_alternates_and_long_polls_wake(service_process) -> None:
     queue = service_process("queue", {"wal.dir": "wal", "max_staleness": 0, "groups_per_step": 2})
     stub = queue_stub(queue.address)
     first = stub.Reserve(q.ReserveRequest(request_id="a", producer_id="p", n_groups=2))
@@ -232,7 +232,7 @@ def test_tau_zero_alternates_and_long_polls_wake(service_process) -> None:  # ty
     assert "tauflow_queue_trainer_version 1.0" in metrics
 
 
-def test_health_reflection_and_graceful_drain(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_health_reflection_and_graceful_drain(service_process) -> None:
     from google.protobuf.descriptor_pool import DescriptorPool
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,

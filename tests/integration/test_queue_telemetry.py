@@ -18,7 +18,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
         self.lock = threading.Lock()
 
-    def Export(self, request, context):  # type: ignore[no-untyped-def]
+    def Export(self, request, context):
         with self.lock:
             self.requests.append(request)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -34,7 +34,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return out
 
 
-def test_service_spans_reach_an_otlp_receiver(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_service_spans_reach_an_otlp_receiver(service_process) -> None:
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ADDITION))
 import task
 
 
-def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_path) -> None:
     model = tmp_path / "model"
     task.build_model(model, hidden=32, layers=1, heads=2)
     task.build_tokenizer(model)
@@ -64,7 +64,7 @@ def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_pa
     assert stats.accepted_groups + stats.reserved_groups <= 4
 
 
-def test_a_stopped_rollout_releases_its_unfilled_tickets(service_process, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_stopped_rollout_releases_its_unfilled_tickets(service_process, tmp_path) -> None:
     model = tmp_path / "model"
     task.build_model(model, hidden=32, layers=1, heads=2)
     task.build_tokenizer(model)
@@ -103,25 +103,25 @@ def _produced(group_id: str, tokens: int) -> ProducedGroup:
 class CountingStub:
     """The queue client's stub, counting the Put attempts that reach the queue."""
 
-    def __init__(self, stub) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, stub) -> None:
         self.stub = stub
         self.puts = 0
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.stub, name)
 
-    async def Put(self, request, **kwargs):  # type: ignore[no-untyped-def]
+    async def Put(self, request, **kwargs):
         self.puts += 1
         return await self.stub.Put(request, **kwargs)
 
 
-async def eventually(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+async def eventually(predicate, timeout_s: float = 15.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.05)
 
 
-def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(service_process) -> None:  # type: ignore[no-untyped-def]
+def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(service_process) -> None:
     queue = service_process(
         "queue", {"wal.dir": "wal", "max_staleness": -1, "capacity_groups": 1, "max_group_bytes": 4000}
     )

@@ -34,21 +34,21 @@ def tiny_weights(seed: int) -> dict[str, torch.Tensor]:
     return dict(Qwen2ForCausalLM(Qwen2Config(**TINY)).state_dict())
 
 
-def stubs(rollout: str, sidecar: str):  # type: ignore[no-untyped-def]
+def stubs(rollout: str, sidecar: str):
     config = ChannelConfig(default_timeout_s=10)
     r = create_sync_channel(rollout, [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]], config)
     w = create_sync_channel(sidecar, [pb.DESCRIPTOR.services_by_name["WeightsService"]], config)
     return rollout_pb2_grpc.RolloutServiceStub(r), weights_pb2_grpc.WeightsServiceStub(w)
 
 
-def eventually(what: str, predicate, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+def eventually(what: str, predicate, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
         time.sleep(0.1)
 
 
-def test_the_rollout_rejoins_a_restarted_sidecar_and_one_that_dropped_it(service_process, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_rollout_rejoins_a_restarted_sidecar_and_one_that_dropped_it(service_process, tmp_path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)

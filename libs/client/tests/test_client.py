@@ -129,15 +129,15 @@ class Flaky(queue_pb2_grpc.QueueServiceServicer, rollout_pb2_grpc.RolloutService
         if n <= 2:
             context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
 
-    def Put(self, request, context):  # type: ignore[no-untyped-def]
+    def Put(self, request, context):
         self._flaky("Put", context)
         return q.PutResponse(outcome=q.PUT_OUTCOME_ACCEPTED)
 
-    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+    def Generate(self, request, context):
         self._flaky("Generate", context)
         return rollout_pb2.GenerateResponse()
 
-    def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    def Stats(self, request, context):
         time.sleep(2.0)
         return q.StatsResponse()
 

@@ -37,21 +37,21 @@ class FlakyQueue(queue_pb2_grpc.QueueServiceServicer):
         if n <= self.failures:
             context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
 
-    def Put(self, request, context):  # type: ignore[no-untyped-def]
+    def Put(self, request, context):
         self._count("Put", context)
         return queue_pb2.PutResponse(outcome=queue_pb2.PUT_OUTCOME_ACCEPTED)
 
-    def Get(self, request, context):  # type: ignore[no-untyped-def]
+    def Get(self, request, context):
         self._count("Get", context)
         return queue_pb2.GetResponse()
 
-    def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    def Stats(self, request, context):
         time.sleep(2.0)
         return queue_pb2.StatsResponse()
 
 
 @pytest.fixture
-def flaky():  # type: ignore[no-untyped-def]
+def flaky():
     servicer = FlakyQueue(failures=2)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     queue_pb2_grpc.add_QueueServiceServicer_to_server(servicer, server)
@@ -61,7 +61,7 @@ def flaky():  # type: ignore[no-untyped-def]
     server.stop(0)
 
 
-def test_idempotent_calls_are_retried_and_others_are_not(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_idempotent_calls_are_retried_and_others_are_not(flaky) -> None:
     servicer, address = flaky
     stub = queue_pb2_grpc.QueueServiceStub(create_sync_channel(address, [SERVICE]))
     stub.Put(queue_pb2.PutRequest())  # fails twice on the server, then succeeds: retried
@@ -72,7 +72,7 @@ def test_idempotent_calls_are_retried_and_others_are_not(flaky) -> None:  # type
     assert servicer.calls["Get"] == 1  # not idempotent: sent once
 
 
-def test_every_call_gets_a_default_deadline(flaky) -> None:  # type: ignore[no-untyped-def]
+def test_every_call_gets_a_default_deadline(flaky) -> None:
     _, address = flaky
     config = ChannelConfig(default_timeout_s=0.3)
     stub = queue_pb2_grpc.QueueServiceStub(create_sync_channel(address, [SERVICE], config))
@@ -83,7 +83,7 @@ def test_every_call_gets_a_default_deadline(flaky) -> None:  # type: ignore[no-u
     assert stub.Stats(queue_pb2.StatsRequest(), timeout=5) is not None
 
 
-async def test_asyncio_channel_has_the_same_policy(flaky) -> None:  # type: ignore[no-untyped-def]
+async def test_asyncio_channel_has_the_same_policy(flaky) -> None:
     servicer, address = flaky
     async with create_channel(address, [SERVICE], ChannelConfig(default_timeout_s=0.3)) as channel:
         stub = queue_pb2_grpc.QueueServiceStub(channel)

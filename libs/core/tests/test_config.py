@@ -46,7 +46,7 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ({"overrides": ["tau.x=1"]}, "tau"),
     ],
 )
-def test_errors_name_the_key_and_source(kwargs, needle) -> None:  # type: ignore[no-untyped-def]
+def test_errors_name_the_key_and_source(kwargs, needle) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(Demo, env_prefix="TAUFLOW_DEMO_", environ=kwargs.pop("environ", {}), **kwargs)
     assert needle in str(err.value)

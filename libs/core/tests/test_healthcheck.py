@@ -36,9 +36,7 @@ async def _check(*argv: str) -> int:
     return await asyncio.to_thread(main, list(argv))
 
 
-async def test_exit_code_follows_the_servers_health_from_starting_to_ready_to_draining(  # type: ignore[no-untyped-def]
-    server, capsys
-) -> None:
+async def test_exit_code_follows_the_servers_health_from_starting_to_ready_to_draining(server, capsys) -> None:
     srv, address = server
     assert await _check(address) == 1
     assert "server is NOT_SERVING" in capsys.readouterr().err
@@ -59,7 +57,7 @@ async def test_a_service_the_server_does_not_serve_is_unhealthy_and_named(server
     assert "tauflow.api.nothing.v1.Nothing" in err and "NOT_FOUND" in err
 
 
-def test_nobody_listening_is_unhealthy_at_once(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_nobody_listening_is_unhealthy_at_once(capsys) -> None:
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -69,7 +67,7 @@ def test_nobody_listening_is_unhealthy_at_once(capsys) -> None:  # type: ignore[
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
-def test_a_peer_that_never_answers_is_unhealthy_after_the_timeout(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_a_peer_that_never_answers_is_unhealthy_after_the_timeout(capsys) -> None:
     with socket.socket() as s:  # accepts TCP connections but never speaks HTTP/2
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -100,7 +98,7 @@ async def test_the_module_runs_as_a_command_with_docker_healthcheck_exit_codes(s
     assert out.decode().strip() == f"{address}: server is SERVING"
 
 
-def test_a_bad_argument_is_a_usage_error_not_a_verdict_on_the_service(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_argument_is_a_usage_error_not_a_verdict_on_the_service(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["127.0.0.1:1", "--timeout", "0"])
     assert exit_.value.code == 2

@@ -45,11 +45,11 @@ class Counter(queue_pb2_grpc.QueueServiceServicer):
     def __init__(self) -> None:
         self.version = 0
 
-    async def SetTrainerVersion(self, request, context):  # type: ignore[no-untyped-def]
+    async def SetTrainerVersion(self, request, context):
         self.version = request.policy_version
         return queue_pb2.SetTrainerVersionResponse(trainer_version=self.version)
 
-    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    async def Stats(self, request, context):
         return queue_pb2.StatsResponse(trainer_version=self.version)
 
 
@@ -59,11 +59,11 @@ class DenyQueue(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.seen: list[str] = []
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, details):
         self.seen.append(details.method)
         if details.method.startswith(f"/{QUEUE.full_name}/"):
 
-            async def deny(request, context):  # type: ignore[no-untyped-def]
+            async def deny(request, context):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on this port")
 
             return grpc.unary_unary_rpc_method_handler(deny)
@@ -168,7 +168,7 @@ async def test_a_port_in_use_is_refused_with_the_port_named() -> None:
         await first.drain()
 
 
-def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: Path, tls_pair) -> None:  # type: ignore[no-untyped-def]
+def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: Path, tls_pair) -> None:
     cert, key = tls_pair
     assert tls_server_credentials(str(cert), str(key)) is not None
     garbage = tmp_path / "garbage.pem"
@@ -234,13 +234,13 @@ class Boom:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
         raise RuntimeError(f"secret internals {request!r}")
 
-    async def server_stream(self, request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def server_stream(self, request: bytes, context: grpc.aio.ServicerContext):
         yield b"first"
         if request == b"abort":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now")
         raise KeyError("secret internals")
 
-    async def bidi(self, requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def bidi(self, requests, context: grpc.aio.ServicerContext):
         async for request in requests:
             yield request
         raise ZeroDivisionError("secret internals")

@@ -77,7 +77,7 @@ def _info(role: str, build: str, **packages: int) -> info_pb2.GetServerInfoRespo
         ),
     ],
 )
-def test_an_incompatible_server_is_refused_with_both_versions_named(info, need, words) -> None:  # type: ignore[no-untyped-def]
+def test_an_incompatible_server_is_refused_with_both_versions_named(info, need, words) -> None:
     with pytest.raises(IncompatibleService) as e:
         check_compatible(info, Requirement("queue", need), address="10.0.0.7:50051", peer=PEER)
     message = str(e.value)

@@ -48,7 +48,7 @@ def _refused(tmp_path: Path, *settings: str) -> str:
 
 
 @pytest.fixture
-def running_queue(tmp_path: Path):  # type: ignore[no-untyped-def]
+def running_queue(tmp_path: Path):
     proc = ServiceProcess(
         "queue",
         tmp_path,

@@ -11,7 +11,7 @@ class Failed(grpc.RpcError):
     def __init__(self, trailer: tuple[tuple[str, bytes], ...] | None) -> None:
         self._trailer = trailer
 
-    def trailing_metadata(self):  # type: ignore[no-untyped-def]
+    def trailing_metadata(self):
         return self._trailer
 
 

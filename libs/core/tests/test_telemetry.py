@@ -23,7 +23,7 @@ def _provider(path: Path, service: str = "tauflow-test") -> TracerProvider:
     return provider
 
 
-def test_file_exporter_writes_one_json_line_per_span_with_ids_parent_links_attributes_and_times(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_file_exporter_writes_one_json_line_per_span_with_ids_parent_links_attributes_and_times(tmp_path) -> None:
     path = tmp_path / "spans.jsonl"
     provider = _provider(path)
     tracer = provider.get_tracer("t")
@@ -71,7 +71,7 @@ provider.shutdown()
 """
 
 
-def test_processes_appending_to_one_file_never_tear_a_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_processes_appending_to_one_file_never_tear_a_line(tmp_path) -> None:
     path = tmp_path / "spans.jsonl"
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), f"w{k}"]) for k in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
@@ -91,7 +91,7 @@ def test_processes_appending_to_one_file_never_tear_a_line(tmp_path) -> None:  #
         ({"OTEL_TRACES_EXPORTER": "file", "TAUFLOW_TRACES_FILE": "x.jsonl", "OTEL_SDK_DISABLED": "true"}, None),
     ],
 )
-def test_the_file_exporter_is_chosen_by_otel_traces_exporter(monkeypatch, env, want) -> None:  # type: ignore[no-untyped-def]
+def test_the_file_exporter_is_chosen_by_otel_traces_exporter(monkeypatch, env, want) -> None:
     for key in ("OTEL_TRACES_EXPORTER", "TAUFLOW_TRACES_FILE", "OTEL_SDK_DISABLED"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
@@ -99,7 +99,7 @@ def test_the_file_exporter_is_chosen_by_otel_traces_exporter(monkeypatch, env, w
     assert telemetry._file_wanted() == want
 
 
-def test_otlp_stays_on_with_an_endpoint_unless_the_exporter_list_leaves_it_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_otlp_stays_on_with_an_endpoint_unless_the_exporter_list_leaves_it_out(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     assert telemetry._exporter_wanted()

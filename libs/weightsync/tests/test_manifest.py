@@ -82,7 +82,7 @@ def test_read_refuses_bad_bytes_and_missing_areas(tmp_path: Path) -> None:
     assert staging_path("shm://tauflow-x") == Path("/dev/shm/tauflow-x")
 
 
-def _manifest(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _manifest(tmp_path: Path):
     return Stager(f"file://{tmp_path}/stage", bucket_bytes=128).stage(sd(), 1)
 
 
@@ -136,6 +136,6 @@ def _manifest(tmp_path: Path):  # type: ignore[no-untyped-def]
         ),
     ],
 )
-def test_validate_names_what_is_wrong(tmp_path: Path, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_validate_names_what_is_wrong(tmp_path: Path, mutate, message: str) -> None:
     with pytest.raises(ManifestError, match=message.replace("[", r"\[").replace("]", r"\]")):
         validate(mutate(_manifest(tmp_path)))

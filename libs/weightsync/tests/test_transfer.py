@@ -55,7 +55,7 @@ class Cluster:
         self.epoch = 0
         self.store.wait([f"ready/{label}" for label in LABELS])
 
-    def post(self, cmd: dict) -> int:  # type: ignore[type-arg]
+    def post(self, cmd: dict) -> int:
         i = self.step
         self.store.set(f"ctl/{i}", json.dumps(cmd))
         self.step += 1

@@ -11,7 +11,7 @@ from tauflow.core.config import ServerConfig
 from tauflow.core.server import GrpcServer, ServiceBinding
 
 
-async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_role_needs(channels) -> None:  # type: ignore[no-untyped-def]
+async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_role_needs(channels) -> None:
     binding = ServiceBinding(
         queue_pb2.DESCRIPTOR.services_by_name["QueueService"],
         queue_pb2_grpc.QueueServiceServicer(),
@@ -19,7 +19,7 @@ async def test_a_peer_is_checked_recorded_and_refused_when_it_is_not_what_the_ro
     )
     server = GrpcServer([binding], ServerConfig(host="127.0.0.1", port=0), role="queue", version="0.1.0")
     address = f"127.0.0.1:{await server.start()}"
-    records: dict = {}  # type: ignore[type-arg]
+    records: dict = {}
     try:
         await check_peer("queue", address, records)
         await check_peer("queue", address, records)  # again, as after a restart

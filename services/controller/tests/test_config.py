@@ -10,7 +10,7 @@ from tauflow.controller.app import build_run
 from tauflow.controller.config import RunConfig
 
 
-def test_the_run_temperature_reaches_the_sampler_and_the_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_run_temperature_reaches_the_sampler_and_the_trainer(tmp_path) -> None:
     run = build_run(RunConfig(model="m", dataset="d", steps=1, temperature=1.2, out_dir=str(tmp_path)))
     assert run._settings("rollout", {})["sampling.temperature"] == 1.2
     assert run._settings("trainer", {})["backend.temperature"] == 1.2
@@ -23,7 +23,7 @@ def test_the_run_temperature_reaches_the_sampler_and_the_trainer(tmp_path) -> No
         {"trainer": {"backend.temperature": 0.7}},  # a dotted key is the same key
     ],
 )
-def test_a_second_temperature_per_service_is_refused_with_both_values(services) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_temperature_per_service_is_refused_with_both_values(services) -> None:
     with pytest.raises(ValidationError, match=r"temperature is 0.7 but the run's temperature is 1.2"):
         RunConfig(model="m", dataset="d", steps=1, temperature=1.2, services=services)
 

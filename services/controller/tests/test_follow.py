@@ -22,23 +22,23 @@ from tauflow.controller.run import RunStalled
 class StuckTrainer(trainer_pb2_grpc.TrainerServiceServicer):
     """A trainer (fake, in-process) waiting for data that never comes: no steps, waiting at version 7."""
 
-    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListSteps(self, request, context):
         return trainer_pb2.ListStepsResponse()
 
-    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetStatus(self, request, context):
         return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA, policy_version=7)
 
 
 class EmptyQueue(queue_pb2_grpc.QueueServiceServicer):
-    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    async def Stats(self, request, context):
         return queue_pb2.StatsResponse(depth_groups=0, reserved_groups=16)
 
 
-def _all_closed(channels) -> bool:  # type: ignore[no-untyped-def]
+def _all_closed(channels) -> bool:
     return len(channels) >= 4 and all(channel.closed for channel in channels)
 
 
-def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
+def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, channels) -> None:
     async def scenario() -> str:
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
@@ -72,7 +72,7 @@ class SteppingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(self) -> None:
         self.version = 0
 
-    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListSteps(self, request, context):
         self.version += 1
         return trainer_pb2.ListStepsResponse(
             steps=[trainer_pb2.StepMetrics(step=self.version, policy_version=self.version)]
@@ -82,10 +82,10 @@ class SteppingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
 class AlwaysRight(rollout_pb2_grpc.RolloutServiceServicer, reward_pb2_grpc.RewardServiceServicer):
     """Rollout and reward (fakes): every held-out answer is right."""
 
-    async def Generate(self, request, context):  # type: ignore[no-untyped-def]
+    async def Generate(self, request, context):
         return rollout_pb2.GenerateResponse(samples=[common_pb2.Sample(sample_id="s")])
 
-    async def Score(self, request, context):  # type: ignore[no-untyped-def]
+    async def Score(self, request, context):
         return reward_pb2.ScoreResponse(
             groups=[
                 reward_pb2.GroupRewards(
@@ -97,11 +97,11 @@ class AlwaysRight(rollout_pb2_grpc.RolloutServiceServicer, reward_pb2_grpc.Rewar
         )
 
 
-def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
+def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, channels) -> None:
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text('{"id": "1", "prompt": "1+1=", "answer": "2"}\n')
 
-    async def scenario():  # type: ignore[no-untyped-def]
+    async def scenario():
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(SteppingTrainer(), server)
         queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
@@ -134,7 +134,7 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
     assert len(summary.steps) < 10  # stopped, not run to 1000 steps
 
 
-def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path) -> None:
     import sys
 
     config = RunConfig(
@@ -155,12 +155,12 @@ class AdvancingQueue(queue_pb2_grpc.QueueServiceServicer):
     def __init__(self) -> None:
         self.version = 0
 
-    async def Stats(self, request, context):  # type: ignore[no-untyped-def]
+    async def Stats(self, request, context):
         self.version += 1
         return queue_pb2.StatsResponse(trainer_version=self.version)
 
 
-def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
+def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_path, channels) -> None:
     async def scenario() -> None:
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
@@ -184,7 +184,7 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
     assert _all_closed(channels)  # a follow cancelled (StopRun, Ctrl-C) closes them too
 
 
-def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_run_sets_the_previous_one_aside_and_resume_keeps_it(tmp_path) -> None:
     for name in ("checkpoints", "queue-wal"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "state").write_text("run 1")
@@ -209,18 +209,18 @@ class ResumedTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         self.version, self.total = resumed_at, total
         self.history: list[trainer_pb2.StepMetrics] = []
 
-    async def ListSteps(self, request, context):  # type: ignore[no-untyped-def]
+    async def ListSteps(self, request, context):
         if self.version < self.total:
             self.history.append(trainer_pb2.StepMetrics(step=self.version, policy_version=self.version + 1))
             self.version += 1
         return trainer_pb2.ListStepsResponse(steps=[m for m in self.history if m.step >= request.from_step])
 
-    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetStatus(self, request, context):
         return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_FINISHED, policy_version=self.version)
 
 
-def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, channels) -> None:  # type: ignore[no-untyped-def]
-    async def scenario():  # type: ignore[no-untyped-def]
+def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, channels) -> None:
+    async def scenario():
         server = grpc.aio.server()
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(ResumedTrainer(resumed_at=3, total=8), server)
         queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)

@@ -38,7 +38,7 @@ def _serving(address: str) -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_starts_restarts_in_place_and_stops(tmp_path) -> None:
     launcher = LocalLauncher(tmp_path, max_restarts=2, backoff_s=0.1)
     tokens = tmp_path / "tokens"
     tokens.write_text("agent: 0123456789abcdef0123\n")
@@ -72,7 +72,7 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:  # type: ignore[n
     assert codes == {"queue": 0}  # SIGTERM drains and exits cleanly
 
 
-def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_path, caplog) -> None:
     """A SIGSTOPped process is alive (no restart), but no longer serves: the health probe logs and counts
     it, and logs its return; nothing is restarted."""
     launcher = LocalLauncher(tmp_path, health_check=check_health, health_timeout_s=0.5, health_every_s=0.0)
@@ -100,7 +100,7 @@ def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_pa
     assert codes == {"queue": 0}
 
 
-def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> None:
     launcher = LocalLauncher(tmp_path, max_restarts=0, backoff_s=0.1)
     with pytest.raises(ServiceFailed, match="service 'queue' failed: exited with code 2 while starting") as err:
         launcher.start(ServiceSpec("queue", {"no_such_key": 1}))
@@ -121,7 +121,7 @@ def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
     return []
 
 
-def test_the_restart_budget_counts_crashes_in_a_row_not_over_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_restart_budget_counts_crashes_in_a_row_not_over_the_run(tmp_path) -> None:
     clock = Clock()
     launcher = LocalLauncher(tmp_path, max_restarts=1, backoff_s=0.05, restart_window_s=600.0, clock=clock)
     try:
@@ -174,7 +174,7 @@ def test_a_service_stops_by_itself_drained_when_its_controller_is_killed(tmp_pat
     assert f"controller {controller.pid} gone: stopping" in log and log.rstrip().endswith("stopped")  # drained
 
 
-def test_a_new_controller_waits_for_the_previous_runs_process_to_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_controller_waits_for_the_previous_runs_process_to_stop(tmp_path) -> None:
     # What a previous controller's queue looks like while it drains: a tauflow.queue process named by the
     # queue's ready file in the run folder. It ends after 1.5 s; the new queue starts only then.
     previous = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)", "-m", "tauflow.queue"])

@@ -26,7 +26,7 @@ BASE = {"model": "m", "dataset": "d", "steps": 1}
 ADDRESSES = {r: f"10.0.0.{i}:5005{i}" for i, r in enumerate(("queue", "reward", "weights", "trainer", "rollout"))}
 
 
-def _args(tmp_path: Path, *argv: str):  # type: ignore[no-untyped-def]
+def _args(tmp_path: Path, *argv: str):
     config = tmp_path / "config.yaml"
     config.write_text("model: m\ndataset: d\nsteps: 1\n")
     return build_parser().parse_args(["run", str(config), *argv])
@@ -86,7 +86,7 @@ def test_a_cpu_run_asks_ray_for_no_gpu_and_a_gpu_run_for_one_per_gpu_role(tmp_pa
     assert role_resources("rollout", gpu._settings("rollout", {}), shared) == {"num_cpus": 4.0, "num_gpus": 1.0}
 
 
-def test_ray_missing_is_a_launch_failure_that_says_how_to_install_it(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_ray_missing_is_a_launch_failure_that_says_how_to_install_it(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     with pytest.raises(LaunchFailed, match=r"needs Ray .*pip install 'tauflow-controller\[ray\]'"):
         RayLauncher(tmp_path, RayConfig()).start(ServiceSpec("queue"))

@@ -69,7 +69,7 @@ def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
             svc.proc.wait()  # type: ignore[union-attr]
 
 
-def test_tauflow_run_serves_its_metrics_and_records_the_port(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_tauflow_run_serves_its_metrics_and_records_the_port(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TAUFLOW_METRICS_PORT", "0")
     server = serve(tmp_path)
     try:

@@ -15,7 +15,7 @@ T0 = 1_700_000_000 * 10**9
 _ids = itertools.count(1)
 
 
-def span(name, start, end, trace_id, parent=None, links=(), status="UNSET", **attributes):  # type: ignore[no-untyped-def]
+def span(name, start, end, trace_id, parent=None, links=(), status="UNSET", **attributes):
     return {
         "name": name,
         "service": "x",
@@ -32,7 +32,7 @@ def span(name, start, end, trace_id, parent=None, links=(), status="UNSET", **at
     }
 
 
-def group(trace_id: str, gid: str, gen: tuple[float, float], score: tuple[float, float], put: tuple[float, float]):  # type: ignore[no-untyped-def]
+def group(trace_id: str, gid: str, gen: tuple[float, float], score: tuple[float, float], put: tuple[float, float]):
     """A ticket of one group, as the rollout traces it: the group's span (what a step links to) is its put."""
     root = span("rollout.ticket", gen[0], put[1], trace_id)
     put_span = span("queue.put", *put, trace_id, root, **{"rl.group_id": gid})
@@ -44,7 +44,7 @@ def group(trace_id: str, gid: str, gen: tuple[float, float], score: tuple[float,
     ]
 
 
-def step(trace_id, k, roots, gets, optimizer_end, publish, committed=True):  # type: ignore[no-untyped-def]
+def step(trace_id, k, roots, gets, optimizer_end, publish, committed=True):
     s = span(
         "trainer.step",
         gets[0][0],
@@ -63,8 +63,8 @@ def step(trace_id, k, roots, gets, optimizer_end, publish, committed=True):  # t
 
 
 @pytest.fixture
-def spans() -> list[dict]:  # type: ignore[type-arg]
-    out: list[dict] = []  # type: ignore[type-arg]
+def spans() -> list[dict]:
+    out: list[dict] = []
     a, sa = group("a" * 32, "A", (0, 1.0), (1.0, 1.5), (1.5, 1.6))
     b, sb = group("b" * 32, "B", (0, 1.0), (1.0, 1.2), (1.2, 1.4))
     c, sc = group("c" * 32, "C", (2, 3.0), (3.0, 3.5), (3.5, 3.6))
@@ -96,7 +96,7 @@ def spans() -> list[dict]:  # type: ignore[type-arg]
     return out
 
 
-def test_breakdown_of_hand_made_spans(spans) -> None:  # type: ignore[no-untyped-def]
+def test_breakdown_of_hand_made_spans(spans) -> None:
     rows = {r.group_id: r for r in breakdown(spans)}
     assert list(rows) == ["B", "A", "C", "D"]  # by ticket start, then put start
     a, b, c, d = rows["A"], rows["B"], rows["C"], rows["D"]
@@ -128,7 +128,7 @@ def test_quantile_interpolates_like_numpy() -> None:
     assert quantile([5.0], 0.9) == 5.0 and math.isnan(quantile([], 0.5))
 
 
-def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, capsys) -> None:
     from tauflow.controller.cli import main
 
     run_dir = tmp_path / "run"
@@ -146,7 +146,7 @@ def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, 
     assert main(["trace", str(tmp_path / "missing")]) == 2
 
 
-def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, monkeypatch) -> None:
     from tauflow.controller.app import build_run
     from tauflow.controller.config import RunConfig
 

@@ -106,7 +106,7 @@ def _queue(tmp_path: Path, tokens: str) -> ServiceProcess:
     return ServiceProcess("queue", tmp_path, settings).start()
 
 
-def _code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+def _code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     try:
         call(*args, timeout=5, **kwargs)
     except grpc.RpcError as e:

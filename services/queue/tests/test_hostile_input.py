@@ -89,7 +89,7 @@ def _mutate(raw: bytes, ops: list[tuple[str, int, int]]) -> bytes:
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(st.sampled_from(_VALID), mutations)
-def test_put_accepts_a_mutated_group_exactly_when_protobuf_decodes_and_validation_passes(raw, ops) -> None:  # type: ignore[no-untyped-def]
+def test_put_accepts_a_mutated_group_exactly_when_protobuf_decodes_and_validation_passes(raw, ops) -> None:
     mutated = _mutate(raw, ops)
     assert _put_accepts(mutated) == _reference_accepts(mutated)
 
@@ -141,7 +141,7 @@ def test_bad_numbers_are_invalid_arguments_naming_the_field() -> None:
         (lambda g: setattr(g.samples[1], "sample_id", "s" * 300), "samples[1].sample_id"),
     ],
 )
-def test_every_string_and_list_of_a_group_has_a_bound(mutate, field: str) -> None:  # type: ignore[no-untyped-def]
+def test_every_string_and_list_of_a_group_has_a_bound(mutate, field: str) -> None:
     g = make_group("g")
     mutate(g)
     with pytest.raises(convert.InvalidGroup) as err:

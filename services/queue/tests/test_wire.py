@@ -35,7 +35,7 @@ samples = st.builds(
 )
 
 
-def _group(specs: list[dict], group_id: str) -> common_pb2.Group:  # type: ignore[type-arg]
+def _group(specs: list[dict], group_id: str) -> common_pb2.Group:
     g = common_pb2.Group(group_id=group_id)
     for spec in specs:
         s = g.samples.add(sample_id=spec["sid"], prompt_token_ids=spec["prompt"], behaviour_version=spec["bv"])
@@ -52,7 +52,7 @@ def _group(specs: list[dict], group_id: str) -> common_pb2.Group:  # type: ignor
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(samples, min_size=0, max_size=4), st.sampled_from(["g", ""]))
-def test_fast_path_agrees_with_full_decode(specs, group_id) -> None:  # type: ignore[no-untyped-def]
+def test_fast_path_agrees_with_full_decode(specs, group_id) -> None:
     g = _group(specs, group_id)
     raw = g.SerializeToString()
     try:

@@ -87,7 +87,7 @@ def score(
     gs: list[GroupInput],
     timeout_s: float | None = None,
     deadline_s: float | None = None,
-):  # type: ignore[no-untyped-def]
+):
     return asyncio.run(scorer.score(fn, gs, {}, timeout_s or fn.timeout_s, deadline_s))
 
 
@@ -152,7 +152,7 @@ def test_a_passed_deadline_cancels_the_work(env: tuple[Scorer, Registry]) -> Non
     assert r.score == 4.0
 
 
-async def _ticks_while(work, every_s: float = 0.01) -> tuple[object, list[float]]:  # type: ignore[no-untyped-def]
+async def _ticks_while(work, every_s: float = 0.01) -> tuple[object, list[float]]:
     """Runs ``work`` while a task on the same event loop records the gaps between its wake-ups."""
     gaps: list[float] = []
     done = False

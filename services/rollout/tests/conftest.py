@@ -74,10 +74,10 @@ def _full_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[i
 
 
 @pytest.fixture(scope="session")
-def full_logprobs():  # type: ignore[no-untyped-def]
+def full_logprobs():
     return _full_logprobs
 
 
 @pytest.fixture(scope="session")
-def make_model():  # type: ignore[no-untyped-def]
+def make_model():
     return tiny_model

@@ -39,14 +39,14 @@ class FakeSidecar:
         self.log.append(("join", member_id, address, str(loaded_version)))
 
 
-async def eventually(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def eventually(predicate, timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
 
 
 @pytest.fixture
-def setup():  # type: ignore[no-untyped-def]
+def setup():
     sidecar, version, registry = FakeSidecar(), [3], CollectorRegistry()
     membership = SidecarMembership(
         sidecar,
@@ -60,7 +60,7 @@ def setup():  # type: ignore[no-untyped-def]
     return sidecar, membership, version, registry
 
 
-async def test_rejoins_a_sidecar_that_forgot_or_dropped_it(setup) -> None:  # type: ignore[no-untyped-def]
+async def test_rejoins_a_sidecar_that_forgot_or_dropped_it(setup) -> None:
     sidecar, membership, version, registry = setup
     task = asyncio.create_task(membership.run())
     try:
@@ -84,7 +84,7 @@ async def test_rejoins_a_sidecar_that_forgot_or_dropped_it(setup) -> None:  # ty
         task.cancel()
 
 
-async def test_rides_out_a_sidecar_outage_and_joins_when_it_is_back(setup) -> None:  # type: ignore[no-untyped-def]
+async def test_rides_out_a_sidecar_outage_and_joins_when_it_is_back(setup) -> None:
     sidecar, membership, _, _ = setup
     sidecar.down = True
     task = asyncio.create_task(membership.run())
@@ -103,7 +103,7 @@ async def test_rides_out_a_sidecar_outage_and_joins_when_it_is_back(setup) -> No
         task.cancel()
 
 
-async def test_a_refusal_that_no_retry_cures_stops_it(setup) -> None:  # type: ignore[no-untyped-def]
+async def test_a_refusal_that_no_retry_cures_stops_it(setup) -> None:
     sidecar, membership, _, _ = setup
     sidecar.refuse = ValueError("FAILED_PRECONDITION: member serves model 'a', the published weights are for 'b'")
     with pytest.raises(ValueError, match="model"):

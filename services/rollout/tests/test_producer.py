@@ -91,7 +91,7 @@ def producer(
     ), registry
 
 
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
@@ -140,7 +140,7 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     assert p.groups_in_flight == 0
 
 
-def _memory_exporter():  # type: ignore[no-untyped-def]
+def _memory_exporter():
     """Spans of this process, in memory (the global provider is set once per process)."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
@@ -164,7 +164,7 @@ async def test_each_ticket_is_one_trace_generate_score_and_a_put_per_group_whose
     exporter = _memory_exporter()
 
     class RecordingQueue(FakeQueue):
-        def __init__(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        def __init__(self, **kw) -> None:
             super().__init__(**kw)
             self.groups: list[ProducedGroup] = []
 

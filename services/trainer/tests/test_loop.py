@@ -22,10 +22,10 @@ from tauflow.trainer.ports import Batch
 class FakeQueue:
     """Leases groups in order; unacked leases come back when ``expire_all`` is called."""
 
-    def __init__(self, groups, max_per_get: int = 1_000_000) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, groups, max_per_get: int = 1_000_000) -> None:
         self.pending = list(groups)
         self.max_per_get = max_per_get  # a cut batch, as a queue at its message size limit answers
-        self.leases: dict[str, list] = {}  # type: ignore[type-arg]
+        self.leases: dict[str, list] = {}
         self.acked: list[str] = []
         self.versions: list[tuple[int, bool]] = []
         self.renewed: list[str] = []
@@ -34,7 +34,7 @@ class FakeQueue:
     async def set_version(self, version: int, rebase: bool = False) -> None:
         self.versions.append((version, rebase))
 
-    async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):  # type: ignore[no-untyped-def]
+    async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):
         if len(self.pending) < min(n_groups, self.max_per_get):
             await asyncio.sleep(0.01)
             return None
@@ -60,12 +60,12 @@ class FakePublisher:
     def __init__(self) -> None:
         self.versions: list[tuple[int, bool]] = []
 
-    async def publish(self, version, tensors, rebase=False):  # type: ignore[no-untyped-def]
+    async def publish(self, version, tensors, rebase=False):
         assert all(t.is_contiguous() for t in tensors.values())
         self.versions.append((version, rebase))
 
 
-def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides) -> TrainerLoop:  # type: ignore[no-untyped-def]
+def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides) -> TrainerLoop:
     backend_config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
     backend = TorchBackend(backend_config, checkpoint=latest_checkpoint(ckpt) if ckpt.exists() else None)
     settings = {
@@ -81,7 +81,7 @@ def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides
     return TrainerLoop(backend, queue, publisher, TrainerConfig(backend=backend_config, **{**settings, **overrides}))
 
 
-async def _until(condition: Callable[[], bool], task: asyncio.Task, timeout_s: float = 30.0) -> None:  # type: ignore[type-arg]
+async def _until(condition: Callable[[], bool], task: asyncio.Task, timeout_s: float = 30.0) -> None:
     """Waits until ``condition()`` holds (failing after ``timeout_s``, or with the loop's own error)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -93,7 +93,7 @@ async def _until(condition: Callable[[], bool], task: asyncio.Task, timeout_s: f
         await asyncio.sleep(0.01)
 
 
-def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_dir, make_groups, tmp_path) -> None:
     groups = make_groups(1, 12)
     queue, publisher = FakeQueue(groups), FakePublisher()
     ckpt = tmp_path / "ckpt"
@@ -133,7 +133,7 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
     assert len(queue.acked) == len(set(queue.acked)) == 10
 
 
-def test_a_lease_with_nothing_new_to_make_durable_is_acked_at_once(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_lease_with_nothing_new_to_make_durable_is_acked_at_once(tiny_model_dir, make_groups, tmp_path) -> None:
     """Groups trained and checkpointed before a restart, redelivered after it, are skipped as duplicates; their
     lease is acked right away. Held for a checkpoint, it would wait for one that a step with no new data never
     brings, and keep its room in the queue's pacing: the chaos run stalled so (docs/reliability.md)."""
@@ -156,7 +156,7 @@ def test_a_lease_with_nothing_new_to_make_durable_is_acked_at_once(tiny_model_di
     asyncio.run(scenario())
 
 
-def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_groups, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_groups, tmp_path) -> None:
     queue, publisher = FakeQueue(make_groups(1, 9), max_per_get=1), FakePublisher()
     loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=3, groups_per_step=3)
     asyncio.run(loop.run())
@@ -166,7 +166,7 @@ def test_a_step_takes_a_full_batch_from_cut_responses(tiny_model_dir, make_group
 
 def test_the_leases_of_a_partial_step_are_renewed_while_the_rest_is_generated(
     tiny_model_dir, make_groups, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     groups = make_groups(1, 2)
     queue, publisher = FakeQueue(groups[:1], max_per_get=1), FakePublisher()
     loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1, lease_s=0.1)  # renewed at half
@@ -182,11 +182,11 @@ def test_the_leases_of_a_partial_step_are_renewed_while_the_rest_is_generated(
     assert loop.version == 1 and loop.history[0].groups == 2
 
 
-async def _killed(directory=None):  # type: ignore[no-untyped-def]
+async def _killed(directory=None):
     raise RuntimeError("killed before the checkpoint")
 
 
-def test_the_staleness_dial_takes_only_a_tau(tiny_model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_staleness_dial_takes_only_a_tau(tiny_model_dir, tmp_path) -> None:
     loop = _loop(tiny_model_dir, tmp_path / "ckpt", FakeQueue([]), None, total=1, max_staleness=1)
     assert loop.max_staleness == 1 and loop.set_max_staleness(UNBOUNDED) == UNBOUNDED == loop.max_staleness
     with pytest.raises(ValueError, match=r"max_staleness=-2 must be -1 \(unbounded\) or at least 0"):

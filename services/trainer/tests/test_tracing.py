@@ -31,14 +31,14 @@ def _memory_exporter() -> InMemorySpanExporter:
 class TracedQueue:
     """Hands out groups one per Get (so a step takes two Gets), each with its rollout's traceparent."""
 
-    def __init__(self, groups, traceparents) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, groups, traceparents) -> None:
         self.pending = list(zip(groups, traceparents, strict=True))
         self.n = 0
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
         pass
 
-    async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):  # type: ignore[no-untyped-def]
+    async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):
         if not self.pending:
             await asyncio.sleep(0.01)
             return None
@@ -59,13 +59,13 @@ class ContextPublisher:
     def __init__(self) -> None:
         self.contexts: dict[int, str] = {}
 
-    async def publish(self, version, tensors, rebase=False):  # type: ignore[no-untyped-def]
+    async def publish(self, version, tensors, rebase=False):
         self.contexts[version] = traceparent_of()[0]
 
 
 def test_a_step_span_links_its_groups_with_their_staleness_and_holds_its_phases(
     tiny_model_dir, make_groups, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     exporter = _memory_exporter()
     rollout = TracerProvider().get_tracer("rollout")  # the producer's side, in another "process"
     groups = make_groups(1, 4, version=0)  # all made by version 0: step 1 trains them one version stale

@@ -44,7 +44,7 @@ _KINDS = {
 }
 
 
-def _seconds(d) -> float:  # type: ignore[no-untyped-def]
+def _seconds(d) -> float:
     return d.seconds + d.nanos / 1e9
 
 
@@ -61,7 +61,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         self.served_version: int | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def _abort(self, context, err: Exception) -> None:  # type: ignore[no-untyped-def]
+    async def _abort(self, context, err: Exception) -> None:
         if isinstance(err, ReceiveError):
             code = _KINDS[err.kind]
         elif isinstance(err, PhaseError):
@@ -72,7 +72,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             code = grpc.StatusCode.INTERNAL
         await context.abort(code, str(err))
 
-    async def InitWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+    async def InitWeightsUpdateGroup(self, request, context):
         spec = group_spec_from_proto(request)
         try:
             n = await asyncio.to_thread(self.receiver.init_group, spec)
@@ -87,7 +87,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             self.algorithms[key] = resp.manifest.checksum_algorithm
         return self.algorithms[key]
 
-    async def UpdateWeightsFromDistributed(self, request, context):  # type: ignore[no-untyped-def]
+    async def UpdateWeightsFromDistributed(self, request, context):
         if os.environ.get("FAKE_ROLLOUT_STALL") == "1":
             await asyncio.sleep(3600)  # a server that never posts its receives
         try:
@@ -129,14 +129,14 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         req.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
         await self.sidecar.ConfirmVersion(req, timeout=10)
 
-    async def DestroyWeightsUpdateGroup(self, request, context):  # type: ignore[no-untyped-def]
+    async def DestroyWeightsUpdateGroup(self, request, context):
         try:
             destroyed = await asyncio.to_thread(self.receiver.destroy_group, request.group_name)
         except ReceiveError as e:
             await self._abort(context, e)
         return rollout_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)
 
-    async def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    async def GetStatus(self, request, context):
         g = self.receiver.group
         return rollout_pb2.GetStatusResponse(
             server_id=self.member_id,

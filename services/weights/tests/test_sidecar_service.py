@@ -69,7 +69,7 @@ class FakeRollout:
             time.sleep(0.05)
         self.address = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
 
-    def received(self, version: int) -> dict:  # type: ignore[type-arg]
+    def received(self, version: int) -> dict:
         return torch.load(self.workdir / f"{self.member_id}-v{version}.pt")
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
@@ -125,13 +125,13 @@ def state_dict(version: int) -> dict[str, torch.Tensor]:
     }
 
 
-def publish(stub, stager: Stager, version: int, **kw) -> tuple[pb.PublishResponse, Manifest]:  # type: ignore[no-untyped-def]
+def publish(stub, stager: Stager, version: int, **kw) -> tuple[pb.PublishResponse, Manifest]:
     manifest = stager.stage(state_dict(version), version)
     resp = stub.Publish(pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=stager.uri, **kw))
     return resp, manifest
 
 
-def wait_status(stub, predicate, timeout_s: float = 40.0) -> pb.GetStatusResponse:  # type: ignore[no-untyped-def]
+def wait_status(stub, predicate, timeout_s: float = 40.0) -> pb.GetStatusResponse:
     deadline = time.monotonic() + timeout_s
     while True:
         status = stub.GetStatus(pb.GetStatusRequest())
@@ -164,7 +164,7 @@ def assert_same_weights(fake: FakeRollout, version: int, manifest: Manifest) -> 
         assert torch.equal(r.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
-def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]
+def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stager) -> None:
     car = sidecar(
         **{"deadlines.group_s": 4, "deadlines.confirm_s": 4, "deadlines.destroy_s": 2, "deadlines.rpc_margin_s": 1}
     )
@@ -223,7 +223,7 @@ def test_versions_reach_members_as_they_join_leave_and_die(sidecar, fakes, stage
     assert_same_weights(a2, 3, m3)  # the catch-up broadcast reached the new process
 
 
-def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sidecar, fakes, stager) -> None:  # type: ignore[no-untyped-def]
+def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sidecar, fakes, stager) -> None:
     car = sidecar(**{"deadlines.group_s": 2, "deadlines.confirm_s": 2, "deadlines.rpc_margin_s": 0.5})
     stub = weights_stub(car.address)
     a = fakes("fake-a", car.address)
@@ -241,11 +241,11 @@ def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sideca
     assert err.deadline.ToMilliseconds() == 2000
 
 
-def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:
     car = sidecar(max_retained_bytes=100_000)
     stub = weights_stub(car.address)
 
-    def code_of(call, *args) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    def code_of(call, *args) -> tuple[grpc.StatusCode, str]:
         with pytest.raises(grpc.RpcError) as e:
             call(*args)
         return e.value.code(), e.value.details()
