@@ -10,6 +10,7 @@ import pytest
 
 import tauflow.weights.broadcast as broadcast_module
 from tauflow.weights.config import WeightsConfig
+from tauflow.weights.errors import ResourceExhausted
 from tauflow.weights.sidecar import Sidecar
 from tauflow.weightsync import GroupSpec
 
@@ -67,3 +68,21 @@ async def test_a_member_that_leaves_while_its_group_is_built_gets_a_rebuild_not_
     assert sidecar.membership.group_ids == ["b"]
     members = [sidecar.membership.members[i] for i in sidecar.membership.group_ids]  # what the loop reads next
     assert [m.member_id for m in members] == ["b"]
+
+
+def test_join_refuses_a_group_larger_than_max_group_ranks_and_changes_nothing() -> None:
+    """A Join may not size the next group past ``max_group_ranks`` (thousands of ranks stalled a build);
+    a refused Join leaves the membership as it was."""
+    release, called = asyncio.Event(), asyncio.Event()
+    config = WeightsConfig(max_group_ranks=1024)
+    sidecar = Sidecar(config, FakeStore(), lambda address: FakeMember(release, called))
+    membership = sidecar.membership
+    membership.join("a", "127.0.0.1:1", 1000, ("gloo",), None, "")
+    epoch = membership.epoch
+    with pytest.raises(
+        ResourceExhausted, match="num_ranks=25 would make 1025 member ranks, above max_group_ranks=1024"
+    ):
+        membership.join("b", "127.0.0.1:2", 25, ("gloo",), None, "")
+    assert set(membership.members) == {"a"} and membership.epoch == epoch
+    membership.join("b", "127.0.0.1:2", 24, ("gloo",), None, "")  # exactly at the bound
+    assert set(membership.members) == {"a", "b"}

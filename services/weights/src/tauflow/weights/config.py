@@ -49,6 +49,12 @@ class WeightsConfig(ServiceConfig):
     )
     flush_cache: bool = Field(True, description="ask engines to flush their prefix cache on the swap")
     max_members: int = Field(256, ge=1, description="Join answers RESOURCE_EXHAUSTED above this")
+    max_group_ranks: int = Field(
+        4096,
+        ge=1,
+        description="most member ranks in one weight group (the sum of num_ranks); Join answers "
+        "RESOURCE_EXHAUSTED above it (a group build for thousands of ranks stalls the sidecar)",
+    )
     max_retained_bytes: int = Field(
         64 * GiB, ge=1, description="bytes of versions held at once (newest accepted + being broadcast)"
     )

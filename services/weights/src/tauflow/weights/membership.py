@@ -151,6 +151,11 @@ class Membership:
         live = [m for m in self.members.values() if m.state is not MemberState.FAILED and m.member_id != member_id]
         if len(live) >= self.config.max_members:
             raise ResourceExhausted(f"the membership is at its maximum of {self.config.max_members} members")
+        ranks = sum(m.num_ranks for m in live) + num_ranks
+        if ranks > self.config.max_group_ranks:
+            raise ResourceExhausted(
+                f"num_ranks={num_ranks} would make {ranks} member ranks, above max_group_ranks={self.config.max_group_ranks}"
+            )
         if old is not None:
             self.events.spawn(old.client.close())
             if old.member_id in self.group_ids:
