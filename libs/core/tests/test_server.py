@@ -34,6 +34,7 @@ from tauflow.core.server import (
 )
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import fetch_server_info
+from tauflow.core.testing import self_signed_certificate
 
 QUEUE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
@@ -191,28 +192,7 @@ def test_tls_files_that_do_not_fit_are_refused_without_their_content(tmp_path: P
 
 def _self_signed(prefix: Path) -> tuple[Path, Path]:
     cert, key = prefix.with_suffix(".crt"), prefix.with_suffix(".key")
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    self_signed_certificate(cert, key)
     return cert, key
 
 

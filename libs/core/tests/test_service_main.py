@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tauflow.core.testing import ServiceProcess
+from tauflow.core.testing import ServiceProcess, self_signed_certificate
 
 TOKEN = "tok-" + "k" * 28
 
@@ -124,28 +124,7 @@ def test_a_missing_or_bad_tokens_file_is_one_line_without_the_token(tmp_path: Pa
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificate")
 def test_tls_files_that_do_not_fit_are_one_line(tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    self_signed_certificate(cert, key)
     external = ("external.enabled=true", f"external.tokens_file={_tokens(tmp_path)}")
     line = _refused(tmp_path, *external, f"external.tls_cert_file={key}", f"external.tls_key_file={cert}")
     assert f"the TLS certificate {key} and private key {cert} cannot be used" in line

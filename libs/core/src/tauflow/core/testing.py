@@ -99,3 +99,33 @@ def make_group(group_id: str, version: int = 0, payload_tokens: int = 8, samples
         ],
         trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
     )
+
+
+def self_signed_certificate(cert: Path, key: Path) -> tuple[Path, Path]:
+    """Writes a self-signed certificate for localhost and 127.0.0.1 (it is its own CA) and its EC key, with
+    ``openssl``; returns (cert, key)."""
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
