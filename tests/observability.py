@@ -176,7 +176,7 @@ class Prometheus:
         """Every sample of ``expr`` per series (keyed by its labels), one per second."""
         data = self.api("query_range", query=expr, start=start, end=end, step=1)
         return {json.dumps(r["metric"], sort_keys=True): [float(v) for _, v in r["values"]]
-                for r in data["result"]}  # type: ignore[index]
+                for r in data["result"]}
 
     def one(self, expr: str, start: float, end: float) -> list[float]:
         found = self.series(expr, start, end)

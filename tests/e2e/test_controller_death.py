@@ -74,19 +74,19 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
     # The services are frozen (SIGSTOP) around the kill so that a fast machine cannot finish the run in the
     # second their lifelines take to notice: on SIGCONT each sees at once that its controller is gone.
     while not any(int(c.name[1:]) >= 6 for c in checkpoints.glob("v*")) or not (out / "rollout.ready.json").exists():
-        assert controller.poll() is None, controller.stderr.read()  # type: ignore[union-attr]
+        assert controller.poll() is None, controller.stderr.read()
         assert time.monotonic() < deadline, "no checkpoint of version 6 within 300 s"
         time.sleep(0.05)
     pids = {role: json.loads((out / f"{role}.ready.json").read_text())["pid"] for role in ROLES}
     for pid in pids.values():
         os.kill(pid, signal.SIGSTOP)
     for role, pid in pids.items():  # each service is the controller's child
-        assert int(_stat(pid)[1]) == controller.pid, role  # type: ignore[index]
+        assert int(_stat(pid)[1]) == controller.pid, role
     controller.kill()
     controller.wait()
     for pid in pids.values():
         os.kill(pid, signal.SIGCONT)
-    controller.stderr.close()  # type: ignore[union-attr]
+    controller.stderr.close()
     killed_at = time.monotonic()
     left = dict(pids)
     while left and time.monotonic() - killed_at < EXIT_BOUND_S:

@@ -45,11 +45,11 @@ def ray_address() -> Iterator[str]:
     head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **RAY_ENV})
     try:
-        address = head.stdout.readline().strip()  # type: ignore[union-attr]
+        address = head.stdout.readline().strip()
         assert address, f"the Ray head did not start (exit code {head.wait(30)})"
         yield address
     finally:
-        head.stdin.close()  # type: ignore[union-attr]
+        head.stdin.close()
         try:
             head.wait(60)
         except subprocess.TimeoutExpired:

@@ -40,7 +40,7 @@ QueueFactory = Callable[..., ServiceProcess]
 def _client(
     proc: ServiceProcess, tls_files: tuple[Path, Path], token: str = TOKENS["agent-a"], **kw: object
 ) -> QueueClient:
-    return QueueClient(f"127.0.0.1:{proc.info['external_port']}", token, tls=Tls.from_file(tls_files[0]), **kw)  # type: ignore[arg-type]
+    return QueueClient(f"127.0.0.1:{proc.info['external_port']}", token, tls=Tls.from_file(tls_files[0]), **kw)
 
 
 def _internal(proc: ServiceProcess) -> queue_pb2_grpc.QueueServiceStub:

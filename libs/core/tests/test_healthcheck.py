@@ -49,7 +49,7 @@ async def test_exit_code_follows_the_servers_health_from_starting_to_ready_to_dr
     assert f"service '{QUEUE.full_name}' is NOT_SERVING" in capsys.readouterr().err
 
 
-async def test_a_service_the_server_does_not_serve_is_unhealthy_and_named(server, capsys) -> None:  # type: ignore
+async def test_a_service_the_server_does_not_serve_is_unhealthy_and_named(server, capsys) -> None:
     srv, address = server
     await srv.set_serving(True)
     assert await _check(address, "--service", "tauflow.api.nothing.v1.Nothing") == 1
@@ -78,7 +78,7 @@ def test_a_peer_that_never_answers_is_unhealthy_after_the_timeout(capsys) -> Non
     assert "no answer within 1s" in capsys.readouterr().err
 
 
-async def test_the_module_runs_as_a_command_with_docker_healthcheck_exit_codes(server) -> None:  # type: ignore
+async def test_the_module_runs_as_a_command_with_docker_healthcheck_exit_codes(server) -> None:
     srv, address = server
     await srv.set_serving(True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -67,7 +67,7 @@ def _launch(*child: str, lifeline: bool = True, log: Path | None = None) -> tupl
         text=True,
         env=env,
     )
-    return parent, int(parent.stdout.readline())  # type: ignore[union-attr]
+    return parent, int(parent.stdout.readline())
 
 
 def _wait_gone(pid: int, timeout_s: float) -> float:
@@ -103,7 +103,7 @@ def test_a_server_whose_launcher_is_killed_drains_and_exits(tmp_path: Path) -> N
 
 def test_a_drain_that_hangs_ends_in_a_hard_exit(tmp_path: Path) -> None:
     parent, child = _launch(sys.executable, "-c", HANGING)
-    assert parent.stdout.readline() == "armed\n"  # type: ignore[union-attr]
+    assert parent.stdout.readline() == "armed\n"
     parent.kill()
     parent.wait()
     assert _wait_gone(child, timeout_s=10) < 0.1 + 0.5 + 2.0

@@ -50,7 +50,7 @@ def test_only_minus_one_spells_unbounded() -> None:
             check_tau(bad, largest=5 if bad == 6 else None, name="tau" if bad == 6 else "max_staleness")
     for bad in (True, 1.0, "1", None):
         with pytest.raises(TypeError, match="must be an integer"):
-            check_tau(bad)  # type: ignore[arg-type]  # what a caller with an untyped config could pass
+            check_tau(bad)  # what a caller with an untyped config could pass
 
 
 @given(st.integers(0, 50), st.integers(0, 50), st.integers(-1, 5), st.integers(1, 8))

@@ -56,8 +56,8 @@ def test_starts_restarts_in_place_and_stops(tmp_path) -> None:
         )
         assert _serving(queue.address)
         address, external_port = queue.address, queue.info["external_port"]
-        os.kill(queue.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-        queue.proc.wait()  # type: ignore[union-attr]
+        os.kill(queue.proc.pid, signal.SIGKILL)
+        queue.proc.wait()
         deadline = time.monotonic() + 30
         restarted: list[str] = []
         while not restarted and time.monotonic() < deadline:
@@ -80,7 +80,7 @@ def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_pa
     try:
         queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
         assert launcher.check() == [] and launcher.health.answering("queue")
-        os.kill(queue.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        os.kill(queue.proc.pid, signal.SIGSTOP)
         try:
             assert launcher.check() == []  # alive: nothing to restart
             assert not launcher.health.answering("queue") and launcher.health.unanswered("queue") == 1
@@ -88,7 +88,7 @@ def test_a_stopped_service_is_seen_not_answering_and_then_answering_again(tmp_pa
             launcher.check()  # still stopped: counted once per outage
             assert launcher.health.unanswered("queue") == 1
         finally:
-            os.kill(queue.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+            os.kill(queue.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while not launcher.health.answering("queue") and time.monotonic() < deadline:
             launcher.check()
@@ -110,8 +110,8 @@ def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> Non
 
 def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
     svc = launcher.services[name]
-    os.kill(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-    svc.proc.wait()  # type: ignore[union-attr]
+    os.kill(svc.proc.pid, signal.SIGKILL)
+    svc.proc.wait()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         restarted = launcher.check()
@@ -158,7 +158,7 @@ def _running(pid: int) -> bool:
 def test_a_service_stops_by_itself_drained_when_its_controller_is_killed(tmp_path: Path) -> None:
     controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
-        pid = int(controller.stdout.readline())  # type: ignore[union-attr]
+        pid = int(controller.stdout.readline())
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert f"TAUFLOW_PARENT_PID={controller.pid}".encode() in environ  # told whom it belongs to
     finally:

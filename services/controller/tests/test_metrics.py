@@ -65,8 +65,8 @@ def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
         assert set(by_role) == {"queue", "trainer", "controller"}
     finally:
         for svc in services.values():
-            svc.proc.kill()  # type: ignore[union-attr]
-            svc.proc.wait()  # type: ignore[union-attr]
+            svc.proc.kill()
+            svc.proc.wait()
 
 
 def test_tauflow_run_serves_its_metrics_and_records_the_port(tmp_path: Path, monkeypatch) -> None:
@@ -94,8 +94,8 @@ def test_a_restarted_role_keeps_its_metrics_port_and_counts_the_restart(tmp_path
         queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
         port = queue.info["metrics_port"]
         assert registry.get_sample_value("tauflow_controller_service_up", {"service": "queue"}) == 1
-        os.kill(queue.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-        queue.proc.wait()  # type: ignore[union-attr]
+        os.kill(queue.proc.pid, signal.SIGKILL)
+        queue.proc.wait()
         assert registry.get_sample_value("tauflow_controller_service_up", {"service": "queue"}) == 0
         deadline = time.monotonic() + 30
         while not launcher.check():

@@ -263,7 +263,7 @@ async def test_waiting_consumers_are_woken_only_when_they_can_be_served() -> Non
         calls["get"] += 1
         return real_get(*args, **kwargs)
 
-    q_.get = counting_get  # type: ignore[method-assign]
+    q_.get = counting_get
     from prometheus_client import CollectorRegistry
 
     servicer = QueueServicer(q_, config, QueueMetrics(CollectorRegistry()))

@@ -270,7 +270,7 @@ def test_a_restarted_producer_releases_its_predecessors_tickets(tmp_path: Path) 
     mine = [q.reserve("r1", "rollout-0", 2), q.reserve("r2", "rollout-0", 1)]
     theirs = q.reserve("r3", "agent", 1)
     assert all(mine) and theirs is not None
-    q.put(rec("a"), mine[0].ticket_id)  # type: ignore[union-attr]
+    q.put(rec("a"), mine[0].ticket_id)
     assert q.reserve("r4", "rollout-0", 1) is None  # the pacing limit: (0 + 1 + 1) * 2 = 4 groups
     assert q.release_producer("rollout-0") == (2, 2)  # 1 + 1 unused groups, two tickets
     assert set(q.memory.tickets) == {theirs.ticket_id}
@@ -841,7 +841,7 @@ def test_a_recovered_lease_gets_its_duration_anew(tmp_path: Path) -> None:
     renewed = _leased(q, 1, lease_s=4.0)  # b, renewed to 8 s
     q.renew(renewed, 8.0)
     c.advance(3.0)
-    q.wal.close()  # type: ignore[union-attr]
+    q.wal.close()
     c.advance(10.0)  # down for 10 s: both deadlines passed
     q2 = QueueState(q.config, open_wal(path), clock=c)
     assert q2.memory.leases[short].deadline == c() + 4.0 and q2.memory.leases[renewed].deadline == c() + 8.0
@@ -855,7 +855,7 @@ def test_a_recovered_lease_gets_its_duration_anew(tmp_path: Path) -> None:
     lid = _leased(q3, 1, lease_s=4.0)
     q3.memory.leases[lid].duration_s = 0.0
     q3.compact()
-    q3.wal.close()  # type: ignore[union-attr]
+    q3.wal.close()
     c3.advance(100.0)
     q4 = QueueState(q3.config, open_wal(tmp_path / "old.wal"), clock=c3)
     assert q4.memory.leases[lid].deadline == c3() + 30.0
@@ -917,7 +917,7 @@ def _three_puts(path: Path) -> tuple[QueueState, Clock, list[int]]:
 def test_torn_tail_is_cut_and_earlier_records_survive(tmp_path: Path, cut: int) -> None:
     path = tmp_path / "q.wal"
     q, c, sizes = _three_puts(path)
-    q.wal.close()  # type: ignore[union-attr]
+    q.wal.close()
     os.truncate(path, sizes[-1] - cut)  # the last record (c) is torn
     q2 = QueueState(q.config, open_wal(path), clock=c)
     assert pending(q2) == ["a", "b"]
@@ -947,7 +947,7 @@ def test_garbage_tail_is_cut(tmp_path: Path, garbage: bytes) -> None:
     path = tmp_path / "q.wal"
     q, c, sizes = _three_puts(path)
     before = fingerprint(q)
-    q.wal.close()  # type: ignore[union-attr]
+    q.wal.close()
     with open(path, "ab") as f:
         f.write(garbage)
     q2 = QueueState(q.config, open_wal(path), clock=c)
@@ -961,7 +961,7 @@ def test_garbage_lengths_are_not_allocated(tmp_path: Path) -> None:
     """Lengths in a garbage header (up to 8 GiB) must not be read into memory before the crc check."""
     path = tmp_path / "q.wal"
     q, _, _ = _three_puts(path)
-    q.wal.close()  # type: ignore[union-attr]
+    q.wal.close()
     with open(path, "ab") as f:
         f.write(b"\x01" + b"\xff" * 40)
     script = (
@@ -982,7 +982,7 @@ def test_torn_ack_leaves_the_lease_open(tmp_path: Path) -> None:
     lid = _leased(q, 1)
     size = path.stat().st_size
     q.ack(lid)
-    q.wal.close()  # type: ignore[union-attr]
+    q.wal.close()
     os.truncate(path, size + 5)  # the ack was never durable, so never acknowledged
     q2 = QueueState(q.config, open_wal(path), clock=c)
     assert lid in q2.memory.leases and q2.stats().acked_groups == 0

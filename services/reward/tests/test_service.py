@@ -405,7 +405,7 @@ class HealthWatch:
     def __init__(self, address: str) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = health_pb2_grpc.HealthStub(self.channel)
-        self.worst_s, self.checks, self.failures = 0.0, 0, []  # type: ignore[var-annotated]
+        self.worst_s, self.checks, self.failures = 0.0, 0, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 

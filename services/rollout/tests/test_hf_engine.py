@@ -45,7 +45,7 @@ def _slow_steps(engine: HFEngine, seconds: float) -> None:
         time.sleep(seconds)
         step(batch)
 
-    engine._decode_step = slow  # type: ignore[method-assign]
+    engine._decode_step = slow
 
 
 @pytest.mark.parametrize(
@@ -250,7 +250,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engi
             raise RuntimeError("simulated device error")
         decode(batch)
 
-    engine._decode_step = broken_once  # type: ignore[method-assign]
+    engine._decode_step = broken_once
     with pytest.raises(RuntimeError, match="simulated device error"):
         engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)).result(30)
     assert "simulated device error" in engine.stats().last_error

@@ -77,7 +77,7 @@ def producer(
         server_id="r0",
         group_size=2,
         groups_per_ticket=2,
-        tickets_in_flight=kw.pop("tickets", 1),  # type: ignore[arg-type]
+        tickets_in_flight=kw.pop("tickets", 1),
         sampling=SamplingConfig(max_new_tokens=1),
     )
     return Producer(
@@ -87,7 +87,7 @@ def producer(
         FakeReward(),
         config,
         metrics=RolloutMetrics(registry),
-        **kw,  # type: ignore[arg-type]
+        **kw,
     ), registry
 
 
@@ -150,7 +150,7 @@ def _memory_exporter():
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(TracerProvider())
     exporter = InMemorySpanExporter()
-    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))  # type: ignore[attr-defined]
+    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))
     return exporter
 
 

@@ -133,4 +133,4 @@ def test_counter_uniforms_are_deterministic_uniform_and_depend_on_every_input() 
 )
 def test_sampling_params_reject_out_of_range_values(bad: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
-        SamplingParams(**bad)  # type: ignore[arg-type]
+        SamplingParams(**bad)

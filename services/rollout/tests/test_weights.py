@@ -29,7 +29,7 @@ def _stage_during_step(engine: HFEngine, step: int, version: int, tensors: dict[
             futures.append(engine.stage_weights(version, tensors))
         decode(batch)
 
-    engine._decode_step = hooked  # type: ignore[method-assign]
+    engine._decode_step = hooked
     return futures
 
 
@@ -71,7 +71,7 @@ def test_versions_staged_from_another_thread_while_decoding(
         time.sleep(0.004)
         decode(batch)
 
-    engine._decode_step = slow  # type: ignore[method-assign]
+    engine._decode_step = slow
     params = SamplingParams(max_new_tokens=50, n=2, ignore_eos=True, seed=3)
     future = engine.submit(PROMPTS, params)
     while engine.counters["decode_steps"] < 5:
@@ -122,13 +122,13 @@ def test_a_broadcast_at_or_below_a_staged_version_rebases_and_drops_it(engine: H
         gate.wait(30)
         decode(batch)
 
-    engine._decode_step = held  # type: ignore[method-assign]
+    engine._decode_step = held
     request = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1))
     assert inside.wait(30)
     staged = engine.stage_weights(2, make_model(seed=2).state_dict())
     assert (engine.policy_version, engine.newest_version) == (0, 2)
     rebased = engine.stage_broadcast(1, make_model(seed=1).state_dict())
-    engine._decode_step = decode  # type: ignore[method-assign]
+    engine._decode_step = decode
     gate.set()
     assert rebased.result(10) == 1
     assert staged.cancelled()  # dropped: version 2 never serves

@@ -79,7 +79,7 @@ def _clip_case(config: AlgorithmConfig) -> tuple[torch.Tensor, object]:
     )
     out = decoupled_ppo_loss(inputs, config, Normaliser.of(inputs.mask))
     out.loss.backward()
-    return logp.grad, out  # type: ignore[return-value]
+    return logp.grad, out
 
 
 def test_ppo_clip_on_both_sides() -> None:
@@ -119,7 +119,7 @@ def _is_case(config: AlgorithmConfig) -> tuple[torch.Tensor, object]:
     )
     out = decoupled_ppo_loss(inputs, config, Normaliser.of(inputs.mask))
     out.loss.backward()
-    return logp.grad, out  # type: ignore[return-value]
+    return logp.grad, out
 
 
 def test_is_weights_truncated_at_cap() -> None:

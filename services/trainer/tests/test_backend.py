@@ -20,7 +20,7 @@ MakeGroups = Callable[..., list[Group]]
 
 def config(model_dir: Path, **kw: object) -> TorchBackendConfig:
     kw.setdefault("optim", OptimConfig(lr=1e-2, weight_decay=0.01, schedule="cosine", warmup_steps=2, total_steps=10))
-    return TorchBackendConfig(model_path=str(model_dir), **kw)  # type: ignore[arg-type]
+    return TorchBackendConfig(model_path=str(model_dir), **kw)
 
 
 def params(backend: TorchBackend) -> dict[str, torch.Tensor]:

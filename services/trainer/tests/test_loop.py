@@ -114,7 +114,7 @@ def test_acks_wait_for_checkpoints_and_a_crash_trains_nothing_twice(tiny_model_d
 
     # Now a crash: the trainer trains step 4 (version 4) and dies before its checkpoint.
     crashed = _loop(tiny_model_dir, ckpt, queue, publisher, total=4, checkpoint_every_steps=100)
-    crashed.checkpoint = _killed  # type: ignore[method-assign]
+    crashed.checkpoint = _killed
     with pytest.raises(RuntimeError, match="killed"):
         asyncio.run(crashed.run())
     assert crashed.state is State.FAILED and "killed" in crashed.last_error

@@ -24,7 +24,7 @@ def _memory_exporter() -> InMemorySpanExporter:
     if not isinstance(trace.get_tracer_provider(), TracerProvider):
         trace.set_tracer_provider(TracerProvider())
     exporter = InMemorySpanExporter()
-    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))  # type: ignore[attr-defined]
+    trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(exporter))
     return exporter
 
 
