@@ -22,7 +22,7 @@ RATE = "$__rate_interval"
 class Board:
     def __init__(self, uid: str, title: str, description: str) -> None:
         self.uid, self.title, self.description = uid, title, description
-        self.panels: list[dict] = []  # type: ignore[type-arg]
+        self.panels: list[dict] = []
         self.y = 0
         self.x = 0
         self.row_h = 0
@@ -42,7 +42,7 @@ class Board:
               w: int = 8, h: int = 8, description: str = "", stack: bool = False, decimals: int | None = None) -> None:
         if self.x + w > 24:
             self._newline()
-        defaults: dict = {"unit": unit}  # type: ignore[type-arg]
+        defaults: dict = {"unit": unit}
         if decimals is not None:
             defaults["decimals"] = decimals
         if kind == "timeseries":
@@ -67,7 +67,7 @@ class Board:
              decimals: int | None = None) -> None:
         self.panel(title, [(expr, "")], kind="stat", unit=unit, w=w, h=4, description=description, decimals=decimals)
 
-    def json(self) -> dict:  # type: ignore[type-arg]
+    def json(self) -> dict:
         return {
             "uid": self.uid, "title": self.title, "description": self.description, "tags": ["tauflow"],
             "editable": True, "schemaVersion": 39, "version": 1, "refresh": "10s", "timezone": "browser",
