@@ -15,6 +15,8 @@ import torch
 from tauflow.rollout.engine import FinishReason, SamplingParams, WeightUpdateError
 from tauflow.rollout.engine.hf import HFEngine
 
+from .conftest import TINY
+
 PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 9, 10, 11, 12, 13, 14]]
 
 
@@ -189,19 +191,7 @@ def test_weight_spec_names_every_parameter(engine: HFEngine, reference: Any) -> 
 def test_tied_embeddings_answer_to_both_names(tmp_path: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
-        pad_token_id=0,
-    )
+    config = Qwen2Config(**TINY, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     engine = HFEngine.from_pretrained(tmp_path)
     try:

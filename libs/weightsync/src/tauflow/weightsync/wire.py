@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tauflow.api.common.v1 import common_pb2
+from tauflow.api.rollout.v1 import rollout_pb2
 from tauflow.api.weights.v1 import weights_pb2 as pb
-from tauflow.core.protobuf import timestamp
+from tauflow.core.protobuf import duration, timestamp
 from tauflow.weightsync.manifest import BucketSpec, Manifest, TensorSpec
 
 if TYPE_CHECKING:  # (imported where used: they bring torch)
-    from tauflow.api.rollout.v1 import rollout_pb2
     from tauflow.weightsync.group import GroupSpec
     from tauflow.weightsync.transfer import BucketRequest
 
@@ -111,4 +112,37 @@ def bucket_request_from_proto(
         flush_cache=request.flush_cache,
         traceparent=request.trace_context.traceparent,
         tracestate=request.trace_context.tracestate,
+    )
+
+
+def group_spec_to_proto(spec: GroupSpec) -> rollout_pb2.InitWeightsUpdateGroupRequest:
+    """The InitWeightsUpdateGroupRequest that gives a member ``spec`` (the inverse of group_spec_from_proto)."""
+    return rollout_pb2.InitWeightsUpdateGroupRequest(
+        master_address=spec.master_address,
+        master_port=spec.master_port,
+        rank_offset=spec.rank,
+        world_size=spec.world_size,
+        group_name=spec.group_name,
+        backend=spec.backend,
+        membership_epoch=spec.membership_epoch,
+        timeout=duration(spec.timeout_s),
+    )
+
+
+def bucket_request_to_proto(request: BucketRequest) -> rollout_pb2.UpdateWeightsFromDistributedRequest:
+    """The UpdateWeightsFromDistributedRequest of ``request`` (the inverse of bucket_request_from_proto; the
+    checksum algorithm travels in the manifest, not here)."""
+    return rollout_pb2.UpdateWeightsFromDistributedRequest(
+        names=list(request.names),
+        dtypes=list(request.dtypes),
+        shapes=[rollout_pb2.TensorShape(dims=list(s)) for s in request.shapes],
+        group_name=request.group_name,
+        flush_cache=request.flush_cache,
+        policy_version=request.policy_version,
+        membership_epoch=request.membership_epoch,
+        bucket_index=request.bucket_index,
+        bucket_count=request.bucket_count,
+        load_format=request.load_format,
+        manifest_checksum=request.manifest_checksum,
+        trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
     )

@@ -7,12 +7,11 @@ import time
 
 import grpc
 
-from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
-from tauflow.core.protobuf import duration
 from tauflow.weights.ports import MemberCallFailed
 from tauflow.weightsync import BucketRequest, GroupSpec
+from tauflow.weightsync.wire import bucket_request_to_proto, group_spec_to_proto
 
 ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 
@@ -40,36 +39,14 @@ class RolloutMemberClient:
     async def init_group(self, spec: GroupSpec, timeout_s: float) -> None:
         await self._call(
             "InitWeightsUpdateGroup",
-            rollout_pb2.InitWeightsUpdateGroupRequest(
-                master_address=spec.master_address,
-                master_port=spec.master_port,
-                rank_offset=spec.rank,
-                world_size=spec.world_size,
-                group_name=spec.group_name,
-                backend=spec.backend,
-                membership_epoch=spec.membership_epoch,
-                timeout=duration(spec.timeout_s),
-            ),
+            group_spec_to_proto(spec),
             timeout_s,
         )
 
     async def update_bucket(self, request: BucketRequest, timeout_s: float) -> None:
         await self._call(
             "UpdateWeightsFromDistributed",
-            rollout_pb2.UpdateWeightsFromDistributedRequest(
-                names=list(request.names),
-                dtypes=list(request.dtypes),
-                shapes=[rollout_pb2.TensorShape(dims=list(s)) for s in request.shapes],
-                group_name=request.group_name,
-                flush_cache=request.flush_cache,
-                policy_version=request.policy_version,
-                membership_epoch=request.membership_epoch,
-                bucket_index=request.bucket_index,
-                bucket_count=request.bucket_count,
-                load_format=request.load_format,
-                manifest_checksum=request.manifest_checksum,
-                trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
-            ),
+            bucket_request_to_proto(request),
             timeout_s,
         )
 
