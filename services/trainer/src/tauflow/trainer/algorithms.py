@@ -279,13 +279,19 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> LossOu
     return LossOutput(loss, {"tokens": float(m.sum()), "loss": float(loss.detach()), "nll": nll})
 
 
-def summarize(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Add the micro-batch sums and turn them into the step's metrics: losses stay sums (they are already
-    normalised for the whole step), token sums become means over the trained tokens."""
+def add_sums(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The micro-batch sums added up, key by key (a rank's part of a step; the ranks' add up the same way)."""
     total: dict[str, float] = {}
     for part in parts:
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def summarize(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Add the micro-batch sums and turn them into the step's metrics: losses stay sums (they are already
+    normalised for the whole step), token sums become means over the trained tokens."""
+    total = add_sums(parts)
     tokens = total.get("tokens", 0.0)
     out: dict[str, float] = {"tokens": tokens}
     for key in ("loss", "pg_loss", "kl_loss"):

@@ -5,6 +5,10 @@ One `train_step` is one optimizer step and one policy version: the step with ind
 version) consumes a batch of groups and turns version k into k + 1. A group is trained at most once: its
 id is recorded when a step consumes it, the record is part of every checkpoint, and a group whose id is
 already recorded is skipped (a batch made only of such groups commits no step).
+
+With a :class:`~tauflow.trainer.parallel.RankGroup` the backend is one rank of a data-parallel role
+(parallel.py): rank 0's backend plans each step and sends every rank its share; the other ranks' backends
+run :meth:`TorchBackend.follow`, doing what rank 0 tells them, until it tells them to stop.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +31,7 @@ from tauflow.trainer.algorithms import (
     Algorithm,
     LossInputs,
     Normaliser,
+    add_sums,
     get_algorithm,
     sft_loss,
     summarize,
@@ -48,6 +54,7 @@ from tauflow.trainer.checkpoint import (
     write_checkpoint,
 )
 from tauflow.trainer.optim import OptimConfig, build_optimizer
+from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded
     from transformers import PreTrainedModel
@@ -118,26 +125,50 @@ class StepResult:
     skipped_stale_group_ids: list[str] = field(default_factory=list)
 
 
+@dataclass
+class StepPlan:
+    """What a step trains, decided before any forward: the same on every rank."""
+
+    fresh: list[Group]
+    """The groups the step consumes (not trained before, not too stale)."""
+    duplicates: list[str]
+    stale: list[str]
+    samples: list[Sample] = field(default_factory=list)
+    """The samples with at least one trained token, of groups with a signal."""
+    advantages: list[float] = field(default_factory=list)
+    norm: Normaliser = field(default_factory=lambda: Normaliser(0.0, 0.0, 0.0))
+    skipped_zero: int = 0
+
+
 class TorchBackend:
     """Holds the policy (and reference) model and its optimizer; trains on groups; checkpoints.
 
     ``TorchBackend(config)`` starts from ``config.model_path`` at version 0;
     ``TorchBackend(config, checkpoint=path)`` resumes from a checkpoint written by `save_checkpoint`.
+    With ``group`` it is one rank of a data-parallel role: every rank loads the same weights, and the model
+    is sharded (FSDP2) or wrapped (DDP) before the optimizer is built.
     """
 
-    def __init__(self, config: TorchBackendConfig, *, checkpoint: str | Path | None = None) -> None:
+    def __init__(
+        self, config: TorchBackendConfig, *, checkpoint: str | Path | None = None, group: RankGroup | None = None
+    ) -> None:
         self.config = config
+        self.group = group
         self.algorithm: Algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options))
         self.device = torch.device(config.device)
+        if group is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", group.config.device_index)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         self.version = 0
         self.trained_group_ids: set[str] = set()
-        self.ref_model: PreTrainedModel | None = None
+        self.ref_model: torch.nn.Module | None = None
         if checkpoint is not None:
             checkpoint = resolve_checkpoint(checkpoint)
         self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
         self.model = self._load_policy(self._weights_source)
+        # What forward runs on: the model itself, sharded in place by FSDP2, or DDP's wrapper of it.
+        self._forward_model = group.wrap(self.model) if group is not None else self.model
         self.pad_token_id = (
             config.pad_token_id
             if config.pad_token_id is not None
@@ -148,6 +179,13 @@ class TorchBackend:
             self._ensure_reference()
         if checkpoint is not None:
             self._restore_state(checkpoint)
+        # Rank 0 sends one command at a time: a step, a publish and a checkpoint come from different threads.
+        self._commands = threading.Lock()
+        self._last_command = time.monotonic()
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else self.group.world_size
 
     # ---------------------------------------------------------------------------------------------
     # Models and optimizer
@@ -162,7 +200,7 @@ class TorchBackend:
         model.train()
         return model
 
-    def _ensure_reference(self) -> PreTrainedModel:
+    def _ensure_reference(self) -> torch.nn.Module:
         if self.ref_model is None:
             from transformers import AutoModelForCausalLM
 
@@ -170,7 +208,7 @@ class TorchBackend:
             ref.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # (as above)
             ref.eval()
             ref.requires_grad_(False)
-            self.ref_model = ref
+            self.ref_model = self.group.frozen(ref) if self.group is not None else ref
         return self.ref_model
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -185,11 +223,16 @@ class TorchBackend:
 
     def _optimizer_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, clear the gradients. A non-finite gradient norm skips
-        the update (the step still commits a version, with ``skipped_nonfinite_grad`` = 1)."""
+        the update (the step still commits a version, with ``skipped_nonfinite_grad`` = 1). With FSDP2 the
+        norm is that of the whole gradient, over every rank's shard: every rank decides alike."""
         lr = self.lr
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        grad_norm = 0.0
+        if params:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+            grad_norm = float(full_tensor() if full_tensor is not None else norm)
         skipped = 0.0
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -215,13 +258,69 @@ class TorchBackend:
         when every group is, nothing is committed. With a bounded ``max_staleness`` (τ), groups too stale
         for this step (tauflow.core.staleness.too_stale) are dropped, not trained and not recorded. The step
         commits (version + 1) whenever it consumed at least one group, even if no token had a gradient
-        (all groups zero-advantage): one batch, one version, as the queue's pacing counts it.
+        (all groups zero-advantage): one batch, one version, as the queue's pacing counts it. With several
+        ranks, this is rank 0's call: it sends each rank its share of the samples, balanced by tokens.
         """
         started = time.monotonic()
         alg = algorithm or self.algorithm
+        step = self.version
+        plan = self._plan(groups, alg, max_staleness)
+        if not plan.fresh:
+            return StepResult(
+                step=step,
+                policy_version=self.version,
+                committed=False,
+                duration_s=time.monotonic() - started,
+                metrics={
+                    "skipped_duplicate_groups": float(len(plan.duplicates)),
+                    "skipped_stale_groups": float(len(plan.stale)),
+                },
+                skipped_duplicate_group_ids=plan.duplicates,
+                skipped_stale_group_ids=plan.stale,
+            )
+        with self._command("train", (alg, plan.norm)):
+            samples, advantages = plan.samples, plan.advantages
+            if self.group is not None:
+                shares = balance_by_tokens([len(s) for s in samples], self.group.world_size)
+                samples, advantages = self.group.scatter(
+                    [([samples[i] for i in share], [advantages[i] for i in share]) for share in shares]
+                )
+            metrics = self._train_share(alg, samples, advantages, plan.norm)
+        self.version += 1
+        self.trained_group_ids.update(g.group_id for g in plan.fresh)
+
+        all_samples = [s for g in plan.fresh for s in g.samples]
+        staleness = [g.staleness(step) for g in plan.fresh]
+        metrics.update(
+            {
+                "skipped_zero_advantage_groups": float(plan.skipped_zero),
+                "skipped_duplicate_groups": float(len(plan.duplicates)),
+                "skipped_stale_groups": float(len(plan.stale)),
+            }
+        )
+        return StepResult(
+            step=step,
+            policy_version=self.version,
+            committed=True,
+            groups=len(plan.fresh),
+            samples=len(all_samples),
+            trained_tokens=int(plan.norm.tokens),
+            max_staleness=max(staleness),
+            mean_staleness=sum(staleness) / len(staleness),
+            mean_reward=sum(s.reward for s in all_samples) / len(all_samples),
+            loss=metrics.get("loss", 0.0),
+            duration_s=time.monotonic() - started,
+            metrics=metrics,
+            trained_group_ids=[g.group_id for g in plan.fresh],
+            skipped_duplicate_group_ids=plan.duplicates,
+            skipped_stale_group_ids=plan.stale,
+        )
+
+    def _plan(self, groups: Sequence[Group], alg: Algorithm, max_staleness: int) -> StepPlan:
+        """Which groups the step consumes, their advantages, the samples that train and the normaliser of
+        the whole batch."""
         cfg = alg.config
         step = self.version
-
         fresh: list[Group] = []
         duplicates: list[str] = []
         seen: set[str] = set()
@@ -233,54 +332,57 @@ class TorchBackend:
                 fresh.append(g)
         stale = [g.group_id for g in fresh if too_stale(step, g.oldest_version, max_staleness)]
         fresh = [g for g in fresh if not too_stale(step, g.oldest_version, max_staleness)]
+        plan = StepPlan(fresh, duplicates, stale)
         if not fresh:
-            return StepResult(
-                step=step,
-                policy_version=self.version,
-                committed=False,
-                duration_s=time.monotonic() - started,
-                metrics={"skipped_duplicate_groups": float(len(duplicates)), "skipped_stale_groups": float(len(stale))},
-                skipped_duplicate_group_ids=duplicates,
-                skipped_stale_group_ids=stale,
-            )
-
+            return plan
         advantages = alg.advantages([[s.reward for s in g.samples] for g in fresh], cfg)
-        train: list[Sample] = []
-        train_adv: list[float] = []
-        skipped_zero = 0
         for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
             if zero and cfg.skip_zero_advantage_groups:
-                skipped_zero += 1
+                plan.skipped_zero += 1
                 continue
             for s, a in zip(g.samples, adv, strict=True):
                 if s.trained_tokens > 0:
-                    train.append(s)
-                    train_adv.append(a)
-        all_samples = [s for g in fresh for s in g.samples]
-        norm = Normaliser(
-            tokens=float(sum(s.trained_tokens for s in train)),
-            sequences=float(len(train)),
-            samples=float(len(all_samples)),
+                    plan.samples.append(s)
+                    plan.advantages.append(a)
+        plan.norm = Normaliser(
+            tokens=float(sum(s.trained_tokens for s in plan.samples)),
+            sequences=float(len(plan.samples)),
+            samples=float(sum(len(g.samples) for g in fresh)),
         )
-        ref = self._ensure_reference() if cfg.uses_reference else None
+        return plan
 
+    def _train_share(
+        self, alg: Algorithm, samples: list[Sample], advantages: list[float], norm: Normaliser
+    ) -> dict[str, float]:
+        """Forward and backward over this rank's ``samples`` in micro-batches, the loss normalised by the
+        whole batch's ``norm``; then the optimizer step. Every rank runs as many micro-batches as the rank
+        with the most (an empty one has loss 0), since FSDP2's collectives pair them up. Returns the step's
+        metrics over every rank."""
+        cfg = alg.config
+        ref = self._ensure_reference() if cfg.uses_reference else None
+        model = self._forward_model
+        batches = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
+        count = self.group.most(len(batches)) if self.group is not None else len(batches)
+        scale = float(self.world_size)  # the ranks' gradients are averaged: scaled by N, they add up
         parts: list[dict[str, float]] = []
-        self.model.train()
+        model.train()
         with tracer.start_as_current_span(
-            "forward_backward", attributes={"rl.samples": len(train), "rl.trained_tokens": int(norm.tokens)}
+            "forward_backward", attributes={"rl.samples": len(samples), "rl.trained_tokens": int(norm.tokens)}
         ) as fb_span:
-            for index in (
-                split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []
-            ):
-                mb = pack(
-                    [train[i] for i in index],
-                    [train_adv[i] for i in index],
-                    pad_token_id=self.pad_token_id,
-                    padding_side=self.config.padding_side,
-                ).to(self.device)
+            for k in range(count):
+                if k < len(batches):
+                    index = batches[k]
+                    mb = pack(
+                        [samples[i] for i in index],
+                        [advantages[i] for i in index],
+                        pad_token_id=self.pad_token_id,
+                        padding_side=self.config.padding_side,
+                    ).to(self.device)
+                else:
+                    mb = pack([self._empty_sample()], [0.0], pad_token_id=self.pad_token_id).to(self.device)
                 with self._autocast():
                     lp = completion_logprobs(
-                        self.model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
+                        model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
                     )
                     ref_logp = None
                     if ref is not None:
@@ -298,45 +400,37 @@ class TorchBackend:
                     cfg,
                     norm,
                 )
-                out.loss.backward()
-                parts.append(out.sums)
+                with self._accumulating(last=k == count - 1):
+                    (out.loss * scale if scale != 1.0 else out.loss).backward()
+                if k < len(batches):
+                    parts.append(out.sums)
             fb_span.set_attribute("rl.micro_batches", len(parts))
-        metrics = summarize(parts)
+        totals = add_sums(parts)
+        totals["micro_batches"] = float(len(parts))
+        if self.group is not None:
+            totals = self.group.sum(totals)
+        metrics = summarize([totals])
+        metrics["micro_batches"] = totals.get("micro_batches", 0.0)
         with tracer.start_as_current_span("optimizer.step"):
             metrics.update(self._optimizer_step())
-        self.version += 1
-        self.trained_group_ids.update(g.group_id for g in fresh)
+        return metrics
 
-        staleness = [g.staleness(step) for g in fresh]
-        metrics.update(
-            {
-                "skipped_zero_advantage_groups": float(skipped_zero),
-                "skipped_duplicate_groups": float(len(duplicates)),
-                "skipped_stale_groups": float(len(stale)),
-                "micro_batches": float(len(parts)),
-            }
-        )
-        return StepResult(
-            step=step,
-            policy_version=self.version,
-            committed=True,
-            groups=len(fresh),
-            samples=len(all_samples),
-            trained_tokens=int(norm.tokens),
-            max_staleness=max(staleness),
-            mean_staleness=sum(staleness) / len(staleness),
-            mean_reward=sum(s.reward for s in all_samples) / len(all_samples),
-            loss=metrics.get("loss", 0.0),
-            duration_s=time.monotonic() - started,
-            metrics=metrics,
-            trained_group_ids=[g.group_id for g in fresh],
-            skipped_duplicate_group_ids=duplicates,
-            skipped_stale_group_ids=stale,
-        )
+    def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        if self.group is None:
+            return contextlib.nullcontext()
+        return self.group.accumulating(self._forward_model, last)
+
+    def _empty_sample(self) -> Sample:
+        """A micro-batch's worth of nothing: one token predicting one, none of it trained (loss 0)."""
+        pad = self.pad_token_id
+        return Sample([pad], [pad], [0.0], loss_mask=[False])
 
     def sft_step(self, samples: Sequence[Sample]) -> StepResult:
         """One optimizer step of supervised fine-tuning (token-mean NLL of the masked completion tokens);
-        also one policy version. Rewards, advantages and behaviour log-probs are ignored."""
+        also one policy version. Rewards, advantages and behaviour log-probs are ignored. One process only
+        (the warm start of a recipe)."""
+        if self.group is not None:
+            raise RuntimeError("sft_step runs in one process (world_size 1)")
         started = time.monotonic()
         step = self.version
         train = [s for s in samples if s.trained_tokens > 0]
@@ -367,21 +461,70 @@ class TorchBackend:
         )
 
     # ---------------------------------------------------------------------------------------------
+    # The other ranks
+
+    @contextlib.contextmanager
+    def _command(self, command: str, payload: Any = None) -> Iterator[None]:
+        """Rank 0: one command at a time, sent to the other ranks before its collectives begin."""
+        with self._commands:
+            if self.group is not None:
+                self.group.send(command, payload)
+            self._last_command = time.monotonic()
+            yield
+
+    def follow(self) -> None:
+        """A rank other than 0: does what rank 0 sends, until it sends ``stop`` (or its collective fails:
+        rank 0 is gone, and this rank fails with it)."""
+        assert self.group is not None and not self.group.leads, "follow() is for ranks other than 0"
+        while True:
+            command, payload = self.group.receive()
+            if command == "train":
+                alg, norm = payload
+                samples, advantages = self.group.scatter(None)
+                self._train_share(alg, samples, advantages, norm)
+                self.version += 1
+            elif command == "gather":
+                self.group.full_state_dict(self.model)
+            elif command == "checkpoint":
+                self.group.full_state_dict(self.model)
+                self.group.full_optimizer_state(self.model, self.optimizer)
+            elif command == "stop":
+                return
+            # "keepalive": nothing to do but to wait for the next one
+
+    def keepalive(self) -> None:
+        """Rank 0, while it waits for data: tells the other ranks it lives, once ``keepalive_s`` has passed
+        since its last command (they would otherwise fail at the collectives' timeout)."""
+        if self.group is None or time.monotonic() - self._last_command < self.group.config.keepalive_s:
+            return
+        with self._command("keepalive"):
+            pass
+
+    def close(self) -> None:
+        """Rank 0 tells the other ranks to stop; every rank leaves the process group."""
+        if self.group is None:
+            return
+        if self.group.leads:
+            with contextlib.suppress(RuntimeError), self._command("stop"):  # a rank already gone
+                pass
+        self.group.close()
+
+    # ---------------------------------------------------------------------------------------------
     # Weights out
 
     def state_dict_for_publish(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Parameter and buffer tensors by their Hugging Face names (``model.layers.0.…``, ``lm_head.weight``;
         a tied ``lm_head.weight`` is listed too). Without ``dtype`` the tensors alias the live weights:
-        copy them before the next step changes them."""
-        state = self.model.state_dict()
+        copy them before the next step changes them. With FSDP2 they are gathered from every rank (a
+        collective: rank 0 calls this, the others follow) into new CPU tensors."""
+        if self.group is not None and self.group.strategy == "fsdp":
+            with self._command("gather"):
+                state = self.group.full_state_dict(self.model)
+        else:
+            state = self.model.state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
         return {name: t.detach().to(dtype) for name, t in state.items()}
-
-    def named_parameters_for_publish(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Like `state_dict_for_publish`, streamed, parameters only."""
-        for name, p in self.model.named_parameters():
-            yield name, p.detach()
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints
@@ -390,38 +533,53 @@ class TorchBackend:
         """Write ``root/v{version:08d}/`` (checkpoint.write_checkpoint): the weights in Hugging Face format,
         tokenizer files copied from the source model, and the trainer state (optimizer, schedule, RNG,
         version, trained group ids). A checkpoint of the same version already there is returned as it is.
-        Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all)."""
+        Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all). With several
+        ranks, the weights and the optimizer state are gathered to rank 0, which writes them as one process
+        would: a checkpoint resumes at any world size."""
+        if self.group is None:
+            weights, optimizer = None, self.optimizer.state_dict()
+        else:
+            with self._command("checkpoint"):
+                weights = self.group.full_state_dict(self.model)
+                optimizer = self.group.full_optimizer_state(self.model, self.optimizer)
+
+        def save_weights(folder: Path) -> None:
+            self.model.save_pretrained(folder, state_dict=weights)  # (None: the model's own state)
+
         return write_checkpoint(
             root,
             self.version,
-            save_weights=self.model.save_pretrained,
+            save_weights=save_weights,
             tokenizer_source=self._weights_source,
-            trainer_state=lambda: {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(),
-            },
+            trainer_state=lambda: {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state()},
             meta={
                 "algorithm": self.algorithm.name,
                 "algorithm_config": asdict(self.algorithm.config),
                 "trained_group_ids": sorted(self.trained_group_ids),
+                "world_size": self.world_size,
             },
             keep=self.config.keep_checkpoints if keep is None else keep,
         )
 
     def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
         """Restore weights, optimizer, schedule, RNG, version and trained group ids from a checkpoint folder,
-        or from the newest checkpoint when ``path`` is a directory of checkpoints."""
+        or from the newest checkpoint when ``path`` is a directory of checkpoints. One process only: a
+        data-parallel role resumes when it starts (``TorchBackend(config, checkpoint=...)``)."""
+        if self.group is not None:
+            raise RuntimeError("load_checkpoint runs in one process; a data-parallel role resumes at its start")
         path = resolve_checkpoint(path)
         self._weights_source = path
-        self.model = self._load_policy(path)
+        self.model = self._forward_model = self._load_policy(path)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
         self._restore_state(path)
         return read_checkpoint_info(path)
 
     def _restore_state(self, path: Path) -> None:
         meta, state = read_trainer_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.group is not None:
+            self.group.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
