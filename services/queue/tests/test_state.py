@@ -526,6 +526,26 @@ def test_staleness_exactly_tau_is_delivered() -> None:
     assert res.evicted_stale == 0 and [d.staleness for d in res.deliveries] == [2]
 
 
+def test_a_lowered_tau_evicts_at_the_next_get_and_each_batch_names_its_tau() -> None:
+    """A live τ (SetMaxStaleness): groups queued under the old bound that the new one makes too stale are
+    evicted and counted at the next Get, never delivered; every batch says the τ it was delivered under."""
+    q, _ = make(max_staleness=2)
+    q.set_trainer_version(2)
+    for g, bv in (("v0", 0), ("v1", 1), ("v2", 2), ("w0", 0)):
+        q.put(rec(g, bv=bv))
+    res = q.get("c", max_groups=1)
+    assert [d.group.group_id for d in res.deliveries] == ["v0"] and res.max_staleness == 2
+    q.set_max_staleness(0)
+    res = q.get("c", max_groups=5)
+    assert [d.group.group_id for d in res.deliveries] == ["v2"] and res.max_staleness == 0
+    assert res.evicted_stale == 2 and q.stats().evicted_groups == {"stale": 2}  # v1 and w0
+    q.set_max_staleness(-1)
+    q.put(rec("old", bv=0))
+    res = q.get("c", max_groups=5)
+    assert [d.group.group_id for d in res.deliveries] == ["old"] and res.max_staleness == -1
+    assert q.get("c", max_groups=5).max_staleness is None  # nothing delivered: no tau to name
+
+
 def test_eviction_happens_even_when_min_groups_is_not_met() -> None:
     q, _ = make(max_staleness=0)
     q.set_trainer_version(1)

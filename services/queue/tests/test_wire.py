@@ -112,6 +112,10 @@ def test_spliced_get_response_decodes_like_a_built_one() -> None:
     result = model.GetResult(lease, [model.Delivery(r, 2, i) for i, r in enumerate(records)], evicted_stale=5)
     decoded = queue_pb2.GetResponse.FromString(wire.encode_get_response(result, trainer_version=4))
     assert decoded.lease.lease_id == "lease-1" and decoded.evicted_stale == 5 and decoded.trainer_version == 4
+    assert not decoded.HasField("max_staleness")  # nothing says which tau: a result built without one
+    result.max_staleness = -1
+    stamped = queue_pb2.GetResponse.FromString(wire.encode_get_response(result, trainer_version=4))
+    assert stamped.HasField("max_staleness") and stamped.max_staleness == -1
     assert [d.group for d in decoded.groups] == groups
     assert [d.redeliveries for d in decoded.groups] == [0, 1, 2]
     assert all(d.staleness == 2 and d.behaviour_version == 2 for d in decoded.groups)
@@ -129,7 +133,7 @@ def test_get_response_overhead_stays_within_the_budget_get_counts() -> None:
     ]
     lease = model.Lease("f" * 32, [r.group_id for r in records], 253402300798.999, "consumer", 2**64 - 1)
     deliveries = [model.Delivery(r, 2**64 - 1, 2**32 - 1) for r in records]
-    result = model.GetResult(lease, deliveries, evicted_stale=2**32 - 1)
+    result = model.GetResult(lease, deliveries, evicted_stale=2**32 - 1, max_staleness=-1)  # -1: 10 varint bytes
     encoded = wire.encode_get_response(result, trainer_version=2**64 - 1)
     budget = wire.RESPONSE_HEAD_BYTES + sum(len(p) + wire.DELIVERY_OVERHEAD_BYTES for p in payloads)
     assert len(encoded) <= budget

@@ -192,3 +192,20 @@ def test_the_staleness_dial_takes_only_a_tau(tiny_model_dir, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"max_staleness=-2 must be -1 \(unbounded\) or at least 0"):
         loop.set_max_staleness(-2)
     assert loop.max_staleness == UNBOUNDED
+
+
+def test_a_batch_is_judged_by_the_tau_it_was_delivered_under(tiny_model_dir, make_groups, tmp_path) -> None:
+    """τ lowered between a delivery and its step (a live SetMaxStaleness): the step trains what the queue
+    delivered under the old τ (no group delivered is dropped), and a later batch obeys the new one."""
+    stale = make_groups(5, 2, prefix="old", version=0)  # staleness 2 at step 2
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", FakeQueue([]), None, total=1, max_staleness=2)
+    loop.backend.version = 2
+    loop.set_max_staleness(0)
+    assert loop.delivered_tau([Batch("l1", stale, max_staleness=2)]) == 2
+    assert loop.delivered_tau([Batch("l1", stale, max_staleness=0), Batch("l2", stale, max_staleness=UNBOUNDED)]) == UNBOUNDED
+    assert loop.delivered_tau([Batch("l1", stale)]) == 0  # the queue did not say: the trainer's own τ
+    trained = loop.backend.train_step(stale, max_staleness=loop.delivered_tau([Batch("l1", stale, max_staleness=2)]))
+    assert trained.committed and trained.groups == 2 and trained.max_staleness == 2
+    later = make_groups(6, 2, prefix="later", version=0)  # staleness 3 now, delivered under τ = 0: dropped
+    dropped = loop.backend.train_step(later, max_staleness=loop.delivered_tau([Batch("l3", later, max_staleness=0)]))
+    assert not dropped.committed and dropped.skipped_stale_group_ids == [g.group_id for g in later]

@@ -19,6 +19,8 @@ three; the trainer checks staleness again; docs/design.md ("Staleness") says why
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 UNBOUNDED = -1  # τ = -1: no bound on staleness, no pacing limit
 
 
@@ -61,3 +63,11 @@ def pacing_limit(trainer_version: int, tau: int, groups_per_step: int) -> int | 
 def most_ahead(tau: int, groups_per_step: int) -> int | None:
     """Most groups that can ever be reserved at once (the pacing window at version 0); None: unbounded."""
     return pacing_limit(0, tau, groups_per_step)
+
+
+def loosest(taus: Iterable[int]) -> int:
+    """The most permissive of the bounds ``taus`` (:data:`UNBOUNDED` above any N); ValueError when empty."""
+    values = list(taus)
+    if not values:
+        raise ValueError("loosest() of no bounds")
+    return UNBOUNDED if any(not is_bounded(t) for t in values) else max(values)

@@ -11,12 +11,18 @@ services for the metrics and the Prometheus targets (``services``). Three implem
   else; the controller only connects.
 
 The first two share :class:`ProcessLauncher`, the supervision: each service runs as ``python -m
-tauflow.<name> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; its ports are read back
+tauflow.<role> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; its ports are read back
 from the ready file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
 unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
 (``max_restarts``) fails the run with a message that names it and quotes the end of its log. One that is
 alive but does not answer its gRPC health check (stopped, hung) is logged and counted
 (``tauflow.controller.health``).
+
+A role may run as several processes, each a service of its own name (:func:`instance_name`: ``rollout``,
+``rollout-1``, ...). Rollout replicas are started and stopped one by one (``start``, ``stop_service``: a
+removed replica drains). The ranks of a data-parallel trainer are a **gang** (``start_gang``): started
+together with a fresh rendezvous address, and when one dies the others are killed and all restart
+together, since no rank can go on without the others.
 
 Every service is told who started it (``TAUFLOW_PARENT_PID``: the controller, or the Ray actor hosting it)
 and stops by itself, draining as on SIGTERM, once that process is gone: a controller killed with SIGKILL
@@ -26,10 +32,12 @@ run --resume``) waits for the previous run's processes to be gone before it star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,11 +65,28 @@ class ServiceFailed(LaunchFailed):
         self.name = name
 
 
+def instance_name(role: str, index: int) -> str:
+    """The name of a role's ``index``-th process: the role itself for the first, ``<role>-<index>`` after."""
+    return role if index == 0 else f"{role}-{index}"
+
+
 @dataclass
 class ServiceSpec:
-    name: str  # the role: python -m tauflow.<name>
+    name: str  # unique in the run: the role, or instance_name(role, index) for a role with several processes
     settings: dict[str, Any] = field(default_factory=dict)  # --set key=value
     env: dict[str, str] = field(default_factory=dict)
+    role: str = ""  # python -m tauflow.<role>; empty: the name
+    index: int = 0  # the replica index or rank within the role
+
+    def __post_init__(self) -> None:
+        self.role = self.role or self.name
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a gang finds itself: the setting that names rank 0's ``host:port`` (a fresh port each start)."""
+
+    key: str  # e.g. distributed.master_address
 
 
 class Service(Protocol):
@@ -82,6 +107,12 @@ class Service(Protocol):
     @property
     def up(self) -> bool: ...
 
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def index(self) -> int: ...  # replica index or rank within its role
+
 
 class Launcher(Protocol):
     # Properties, read-only: a launcher's own kind of service (ManagedService, ExternalService) is a Service,
@@ -97,7 +128,11 @@ class Launcher(Protocol):
 
     def start(self, spec: ServiceSpec) -> Service: ...
 
+    def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[Service]: ...
+
     def check(self) -> list[str]: ...
+
+    def stop_service(self, name: str) -> int | None: ...
 
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]: ...
 
@@ -115,9 +150,19 @@ class ManagedService:
     next_restart_at: float = 0.0
     started_at: float = 0.0
 
+    gang: str = ""  # the gang it belongs to (restarted with it); "" when it stands alone
+
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
 
     @property
     def address(self) -> str:
@@ -179,6 +224,7 @@ class ProcessLauncher:
             HealthProbe(health_check, timeout_s=health_timeout_s, every_s=health_every_s) if health_check else None
         )
         self.services: dict[str, ManagedService] = {}
+        self._gangs: dict[str, Rendezvous] = {}  # gang (its rank 0's name) -> how it finds itself
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -198,6 +244,14 @@ class ProcessLauncher:
     def _release(self) -> None:
         """After stop: give back what the launcher holds besides the processes."""
 
+    def _rendezvous_host(self, svc: ManagedService) -> str:
+        """The host a gang's rank 0 (``svc``) serves its rendezvous on, seen from the other ranks."""
+        return "127.0.0.1"
+
+    def _free_port(self, svc: ManagedService) -> int:
+        """A port free now on ``svc``'s host, for its rendezvous."""
+        return free_port(self._rendezvous_host(svc))
+
     # -- starting ------------------------------------------------------------------------
 
     def start(self, spec: ServiceSpec) -> ManagedService:
@@ -208,6 +262,40 @@ class ProcessLauncher:
         self._spawn(svc)
         self._wait_ready(svc)
         return svc
+
+    def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[ManagedService]:
+        """Starts the processes of a gang together (each waits in its rendezvous for the others), rank 0
+        first in ``specs``, and waits until every one is ready. One that fails takes the others down."""
+        gang = specs[0].name
+        members = []
+        for spec in specs:
+            svc = self.services.get(spec.name) or ManagedService(spec, self.run_dir, gang=gang)
+            svc.spec, svc.gang = spec, gang
+            self.services[spec.name] = svc
+            members.append(svc)
+        self._gangs[gang] = rendezvous
+        self._start_together(members, rendezvous)
+        return members
+
+    def _start_together(self, members: list[ManagedService], rendezvous: Rendezvous) -> None:
+        address = f"{self._rendezvous_host(members[0])}:{self._free_port(members[0])}"
+        for svc in members:
+            svc.spec.settings[rendezvous.key] = address
+        try:
+            for svc in members:
+                self._spawn(svc)
+            for svc in members:
+                self._wait_ready(svc)
+        except ServiceFailed:
+            self._kill_alive(members)
+            raise
+
+    def _kill_alive(self, members: list[ManagedService]) -> None:
+        for svc in members:
+            if svc.proc is not None and svc.proc.poll() is None:
+                self._kill(svc)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    svc.proc.wait(self.stop_grace_s)
 
     def _settings(self, svc: ManagedService) -> dict[str, Any]:
         """Its ``--set`` settings: free ports at the first start, the same ports at every restart."""
@@ -245,33 +333,41 @@ class ProcessLauncher:
         """Restarts services that died; returns the names restarted. Raises ServiceFailed
         when one died more than ``max_restarts`` times in a row; a service that stayed up for
         ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop).
-        Then probes the health of those that are up (every ``health_every_s``)."""
+        A gang restarts as one: the death of any member kills the others. Then probes the health of those
+        that are up (every ``health_every_s``)."""
         restarted = []
         now = self.clock()
-        for svc in self.services.values():
-            if svc.proc is None:
+        for unit in self._units():
+            died = [(svc, code) for svc in unit if svc.proc is not None and (code := svc.proc.poll()) is not None]
+            if not died:
                 continue
-            code = svc.proc.poll()
-            if code is None:
-                continue
-            if svc.next_restart_at == 0.0 and now - svc.started_at >= self.restart_window_s:
-                svc.restarts = 0
-            if svc.restarts >= self.max_restarts:
+            first, (dead, code) = unit[0], died[0]
+            if first.next_restart_at == 0.0 and now - first.started_at >= self.restart_window_s:
+                for svc in unit:
+                    svc.restarts = 0
+            if first.restarts >= self.max_restarts:
                 raise ServiceFailed(
-                    svc.name, f"{self._exit_reason(svc, code)} after {svc.restarts} restarts:\n{svc.log_tail()}"
+                    dead.name, f"{self._exit_reason(dead, code)} after {first.restarts} restarts:\n{dead.log_tail()}"
                 )
-            if svc.next_restart_at == 0.0:
-                delay = self.backoff_s * 2**svc.restarts
-                svc.next_restart_at = now + delay
-                log.warning("service died; restarting", extra={"service": svc.name, "code": code, "in_s": delay})
-            if now >= svc.next_restart_at:
-                svc.restarts += 1
-                svc.next_restart_at = 0.0
-                self._spawn(svc)
-                self._wait_ready(svc)
-                if self.health is not None:
-                    self.health.restarted(svc.name)
-                restarted.append(svc.name)
+            if first.next_restart_at == 0.0:
+                delay = self.backoff_s * 2**first.restarts
+                first.next_restart_at = now + delay
+                log.warning("service died; restarting", extra={"service": dead.name, "code": code, "in_s": delay})
+                if len(unit) > 1:  # a gang goes on only whole: its other members stop now
+                    self._kill_alive(unit)
+            if now >= first.next_restart_at:
+                for svc in unit:
+                    svc.restarts += 1
+                first.next_restart_at = 0.0
+                if len(unit) > 1:
+                    self._start_together(unit, self._gangs[first.gang])
+                else:
+                    self._spawn(first)
+                    self._wait_ready(first)
+                for svc in unit:
+                    if self.health is not None:
+                        self.health.restarted(svc.name)
+                    restarted.append(svc.name)
         if self.health is not None:
             self.health.check(
                 {name: svc.address for name, svc in self.services.items() if svc.up},
@@ -279,11 +375,40 @@ class ProcessLauncher:
             )
         return restarted
 
+    def _units(self) -> list[list[ManagedService]]:
+        """The services as they restart: each gang (rank 0 first), and every other service alone."""
+        units: dict[str, list[ManagedService]] = {}
+        for svc in list(self.services.values()):
+            units.setdefault(svc.gang or f"\0{svc.name}", []).append(svc)
+        return list(units.values())
+
     # -- stopping ------------------------------------------------------------------------
 
+    def stop_service(self, name: str) -> int | None:
+        """Stops one service for good (a rollout replica scaled in): SIGTERM, so that it drains, then
+        SIGKILL after the grace period; it is no longer supervised. Returns its exit code."""
+        svc = self.services.pop(name)
+        if svc.proc is None:
+            return None
+        if svc.proc.poll() is None:
+            svc.proc.send_signal(signal.SIGTERM)
+        try:
+            code = svc.proc.wait(self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            self._kill(svc)
+            code = svc.proc.wait(self.stop_grace_s)
+            log.warning("killed after the grace period", extra={"service": name})
+        log.info("stopped", extra={"service": name, "code": code})
+        return code
+
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
-        """SIGTERM (graceful drain) in ``order``, then SIGKILL whatever is left; returns exit codes."""
-        names = order or list(reversed(self.services))
+        """SIGTERM (graceful drain) in ``order`` (roles; every process of a role at once), then SIGKILL
+        whatever is left; returns exit codes."""
+        if order is None:
+            names = list(reversed(self.services))
+        else:
+            names = [svc.name for role in order for svc in list(self.services.values()) if svc.role == role]
+            names += [name for name in reversed(self.services) if name not in names]
         try:
             for name in names:
                 svc = self.services.get(name)
@@ -321,7 +446,7 @@ class LocalLauncher(ProcessLauncher):
             self._wait_for_previous(svc)
         svc.ready_file.unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
-        command = service_command(sys.executable, svc.name, svc.ready_file, self._settings(svc))
+        command = service_command(sys.executable, svc.role, svc.ready_file, self._settings(svc))
         svc.proc = spawn_service(command, env, svc.log_file, log_header(svc.name, svc.restarts))
         self._started(svc)
 
@@ -339,14 +464,14 @@ class LocalLauncher(ProcessLauncher):
             pid = int(json.loads(svc.ready_file.read_text())["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if not is_service_process(pid, svc.name):
+        if not is_service_process(pid, svc.role):
             return
         log.warning(
             "a previous process of this service is still running; waiting for it to stop",
             extra={"service": svc.name, "pid": pid},
         )
         deadline = time.monotonic() + self.previous_wait_s
-        while is_service_process(pid, svc.name):
+        while is_service_process(pid, svc.role):
             if time.monotonic() > deadline:
                 raise ServiceFailed(
                     svc.name,
@@ -386,6 +511,13 @@ def spawn_service(
             cwd=cwd,
             start_new_session=True,
         )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on at ``host`` now (a gang's rendezvous: its rank 0 binds it right after)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def is_service_process(pid: int, role: str) -> bool:

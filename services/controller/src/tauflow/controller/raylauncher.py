@@ -7,7 +7,9 @@ reports on it; the controller supervises through the actors with the local launc
 (:class:`~tauflow.controller.launcher.ProcessLauncher`): a process that dies is started again by its
 actor, on the same ports, with backoff, and a crash loop fails the run naming the role.
 
-- The trainer's actor goes on the weight sidecar's node: they hand the weights over in ``/dev/shm``.
+- The trainer's actor (its rank 0's, with several ranks) goes on the weight sidecar's node: they hand the
+  weights over in ``/dev/shm``. A data-parallel trainer's other ranks go wherever their resources are, and
+  rendezvous at a port that rank 0's actor found free on its node.
 - An actor that is lost (its worker or its node died) is created again on the same node, and its new
   process takes the same ports once the old one (it stops by itself when its actor is gone) has exited.
   A node that is gone fails the run, naming the role that cannot be placed: its peers hold its address.
@@ -45,6 +47,7 @@ from tauflow.controller.launcher import (
     ManagedService,
     ProcessLauncher,
     ServiceFailed,
+    free_port,
     is_service_process,
     log_header,
     service_command,
@@ -114,17 +117,33 @@ class RayLauncher(ProcessLauncher):
 
     # -- ProcessLauncher's hooks ----------------------------------------------------------
 
-    def _spawn(self, svc: ManagedService) -> None:
-        ray = self._connect()
+    def _actor(self, svc: ManagedService) -> tuple[RayProcess, int | None]:
+        """``svc``'s actor, created (again, on the same node) when it has none or lost it; and the pid of the
+        process a lost actor left behind."""
+        self._connect()
         proc: RayProcess | None = svc.proc
         previous_pid = None
         if proc is None or proc.lost:
-            node_id = proc.node_id if proc is not None else self._colocated_node(svc.name)
+            node_id = proc.node_id if proc is not None else self._colocated_node(svc)
             previous_pid = proc.pid if proc is not None else None
             proc = svc.proc = RayProcess(self._create_actor(svc, node_id), self.call_timeout_s, node_id)
+        return proc, previous_pid
+
+    def _rendezvous_host(self, svc: ManagedService) -> str:
+        proc, _ = self._actor(svc)
+        host = proc.call_or_fail("node_host", svc.name)
+        return str(host)
+
+    def _free_port(self, svc: ManagedService) -> int:
+        proc, _ = self._actor(svc)
+        return int(proc.call_or_fail("free_port", svc.name))
+
+    def _spawn(self, svc: ManagedService) -> None:
+        ray = self._connect()
+        proc, previous_pid = self._actor(svc)
         env = {"PYTHONUNBUFFERED": "1", **self._env, **svc.spec.env}
         call = proc.actor.spawn.remote(
-            svc.name,
+            svc.role,
             self._settings(svc),
             env,
             self._cwd,
@@ -141,7 +160,7 @@ class RayLauncher(ProcessLauncher):
             raise ServiceFailed(
                 svc.name,
                 f"its Ray actor was not placed within {self.start_timeout_s:.0f}s: it needs "
-                f"{role_resources(svc.name, svc.spec.settings, self.config)}{where}; the cluster has "
+                f"{role_resources(svc.role, svc.spec.settings, self.config)}{where}; the cluster has "
                 f"{ray.available_resources()} free",
             ) from None
         except ray.exceptions.RayActorError as e:
@@ -151,7 +170,7 @@ class RayLauncher(ProcessLauncher):
 
     def _create_actor(self, svc: ManagedService, node_id: str) -> Any:
         options: dict[str, Any] = {
-            **role_resources(svc.name, svc.spec.settings, self.config),
+            **role_resources(svc.role, svc.spec.settings, self.config),
             "runtime_env": HOST_RUNTIME_ENV,
         }
         if node_id:
@@ -160,8 +179,9 @@ class RayLauncher(ProcessLauncher):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
         return self._host_class.options(**options).remote()
 
-    def _colocated_node(self, role: str) -> str:
-        other = self.services.get(COLOCATED.get(role, ""))
+    def _colocated_node(self, svc: ManagedService) -> str:
+        """The node of the role ``svc`` must share one with (the trainer's rank 0: the sidecar's); "" for any."""
+        other = self.services.get(COLOCATED.get(svc.role, "")) if svc.index == 0 else None
         return other.proc.node_id if other is not None and other.proc is not None else ""
 
     def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
@@ -219,6 +239,13 @@ class RayProcess:
         except ray.exceptions.GetTimeoutError:
             log.warning("Ray actor did not answer", extra={"call": method, "pid": self.pid, "node_id": self.node_id})
             return None
+
+    def call_or_fail(self, method: str, name: str) -> Any:
+        """The actor's answer to ``method``; a ServiceFailed naming ``name`` when it gives none."""
+        answer = self._call(method)
+        if answer is None:
+            raise ServiceFailed(name, f"its Ray actor did not answer {method} ({self.lost or 'no answer in time'})")
+        return answer
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -286,6 +313,14 @@ class ServiceHost:
             cwd=cwd if os.path.isdir(cwd) else None,
         )
         return {"pid": self.proc.pid, "host": self.host, "node_id": context.get_node_id()}
+
+    def node_host(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def free_port(self) -> int:
+        return free_port(self.node_host())
 
     def ready(self) -> dict[str, Any] | None:
         try:

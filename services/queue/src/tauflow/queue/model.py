@@ -89,6 +89,7 @@ class GetResult:
     deliveries: list[Delivery]
     evicted_stale: int
     quarantined: int = 0  # stored groups that no consumer could decode, set aside (``Quarantine``)
+    max_staleness: int | None = None  # the tau the batch was delivered under (None: nothing delivered)
 
 
 @dataclass

@@ -320,7 +320,7 @@ class QueueState:
             )
             for g in batch
         ]
-        return GetResult(lease, deliveries, len(stale), len(invalid))
+        return GetResult(lease, deliveries, len(stale), len(invalid), max_staleness=self.max_staleness)
 
     def _quarantine(self, invalid: list[tuple[str, str]]) -> None:
         """Sets aside stored groups that no consumer can decode, so that they never block a Get again."""

@@ -1,8 +1,19 @@
-"""Builds the trainer service: the torch backend (resumed from the newest checkpoint), its loop, its API."""
+"""Builds the trainer service: the torch backend (resumed from the newest checkpoint), its loop, its API.
+
+With ``distributed.world_size`` N > 1 the role is N processes, each started with its rank (the launcher
+starts them together). Each joins the others (``torch.distributed``) before it loads anything; rank 0
+serves TrainerService and runs the loop, the others serve health and ServerInfo only and follow rank 0's
+commands (parallel.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tauflow.api.trainer.v1 import trainer_pb2
 from tauflow.core.app import service_main
@@ -17,8 +28,10 @@ from tauflow.trainer.checkpoint import latest_checkpoint
 from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.loop import TrainerLoop
 from tauflow.trainer.metrics import TrainerMetrics
+from tauflow.trainer.parallel import RankGroup
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+T = TypeVar("T")
 
 
 def quiet_progress_bars() -> None:
@@ -31,13 +44,40 @@ def quiet_progress_bars() -> None:
     disable_progress_bars()
 
 
+def in_daemon_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``work()`` in a daemon thread: a rank blocked in a collective must not hold its process's exit up."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
 async def build(config: TrainerConfig) -> ServiceApp:
     import torch
 
     quiet_progress_bars()
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    group = None
+    if config.distributed.distributed:
+        # Blocks until every rank has joined: the launcher starts the N ranks together.
+        group = await in_daemon_thread(
+            lambda: RankGroup(config.distributed, torch.device(config.backend.device)), "rendezvous"
+        )
     checkpoint = latest_checkpoint(config.checkpoint_dir) if Path(config.checkpoint_dir).exists() else None
-    backend = TorchBackend(config.backend, checkpoint=checkpoint)
+    if group is not None:
+        checkpoint = group.agree(checkpoint)  # rank 0's choice: every rank resumes from the same one
+    backend = TorchBackend(config.backend, checkpoint=checkpoint, group=group)
+    if group is not None and not group.leads:
+        return follower(backend, config)
     queue = GrpcQueue(config.queue_address, config.consumer_id, config.channel)
     publisher = (
         SidecarPublisher(config.weights_address, config.channel, model=config.backend.model_path)
@@ -56,12 +96,33 @@ async def build(config: TrainerConfig) -> ServiceApp:
         await queue.close()
         if publisher is not None:
             await publisher.close()
+        await in_daemon_thread(backend.close, "close")  # the other ranks stop
 
     return ServiceApp(
         bindings=[ServiceBinding(SERVICE, servicer, servicer_adder(SERVICE))],
         background=[train],
         close=close,
-        info={"resumed_from": str(checkpoint) if checkpoint else None, "policy_version": backend.version},
+        info={
+            "resumed_from": str(checkpoint) if checkpoint else None,
+            "policy_version": backend.version,
+            "rank": 0,
+            "world_size": backend.world_size,
+        },
+    )
+
+
+def follower(backend: TorchBackend, config: TrainerConfig) -> ServiceApp:
+    """A rank other than 0: health and ServerInfo, and rank 0's commands until it says stop (then it
+    stops serving too). Its collective fails when rank 0 is gone, and so does the process."""
+
+    async def follow() -> None:
+        await in_daemon_thread(backend.follow, "follow")
+        os.kill(os.getpid(), signal.SIGTERM)  # told to stop: drain and exit, as the launcher's stop would
+
+    return ServiceApp(
+        bindings=[],
+        background=[follow],
+        info={"rank": config.distributed.rank, "world_size": config.distributed.world_size},
     )
 
 

@@ -7,6 +7,7 @@ from pydantic import Field
 from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig
 from tauflow.core.staleness import UNBOUNDED
 from tauflow.trainer.backend import TorchBackendConfig
+from tauflow.trainer.parallel import DistributedConfig
 
 
 class TrainerConfig(ServiceConfig):
@@ -27,3 +28,7 @@ class TrainerConfig(ServiceConfig):
     get_wait_s: float = Field(5.0, gt=0, description="long poll of each Get")
     history_steps: int = Field(100_000, ge=1, description="step metrics kept for ListSteps")
     channel: ChannelConfig = ChannelConfig()
+    distributed: DistributedConfig = Field(
+        DistributedConfig(),
+        description="this process's rank in a data-parallel role (world_size > 1): the launcher sets it per rank",
+    )

@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from tauflow.core.staleness import check_tau
+from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import set_error, span_context_of
 from tauflow.trainer.backend import StepResult, TorchBackend
 from tauflow.trainer.checkpoint import CheckpointInfo
@@ -174,6 +174,7 @@ class TrainerLoop:
             )
             part = await self.queue.get_batch(missing, self.version, wait_s, self.config.lease_s)
             if part is None:
+                await asyncio.to_thread(self.backend.keepalive)  # the other ranks wait meanwhile
                 if not parts:
                     return []
                 await self._renew(self._held + leases)  # the rest may take a while: keep every lease
@@ -190,7 +191,7 @@ class TrainerLoop:
         async with self._lock:
             self.state = State.TRAINING
             timing = StepTiming(waited_from, trained_from=time.monotonic())
-            result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self.max_staleness)
+            result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self.delivered_tau(parts))
             timing.trained_until = time.monotonic()
             self._since_checkpoint.update(result.trained_group_ids)
             # Held only once trained, so a concurrent checkpoint never acks an untrained lease. A part with
@@ -233,7 +234,9 @@ class TrainerLoop:
         with tracer.start_as_current_span(
             "weights.publish", attributes={"rl.policy_version": self.version, "weights.rebase": rebase}
         ):
-            await self.publisher.publish(self.version, self.backend.state_dict_for_publish(), rebase=rebase)
+            # In a thread: with FSDP2 the full weights are gathered from every rank.
+            tensors = await asyncio.to_thread(self.backend.state_dict_for_publish)
+            await self.publisher.publish(self.version, tensors, rebase=rebase)
         self.published_version = self.version
 
     async def _renew(self, leases: list[HeldLease]) -> None:
@@ -326,6 +329,13 @@ class TrainerLoop:
         if self.state is State.PAUSED:
             self.state = State.WAITING_FOR_DATA
         self._running.set()
+
+    def delivered_tau(self, parts: list[Batch]) -> int:
+        """The τ a step's groups are judged by: the one in force when the queue delivered them (it says so
+        with each batch; this trainer's own τ where it does not), the loosest of the step's parts. So a τ
+        lowered between a delivery and its step never drops a group delivered under the old one, and the
+        invariant holds: no group trained with a staleness above the τ in force at its delivery."""
+        return loosest(self.max_staleness if p.max_staleness is None else p.max_staleness for p in parts)
 
     def set_max_staleness(self, tau: int) -> int:
         self.max_staleness = check_tau(tau)

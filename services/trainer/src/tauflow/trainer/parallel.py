@@ -215,6 +215,10 @@ class RankGroup:
         command, payload = self._broadcast([None, None])
         return str(command), payload
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        return self._broadcast([value])[0]
+
     def scatter(self, shares: Sequence[Any] | None) -> Any:
         """Rank 0 passes one object per rank; every rank gets its own."""
         import torch.distributed as dist

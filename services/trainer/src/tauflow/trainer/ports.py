@@ -16,6 +16,7 @@ class Batch:
     lease_id: str
     groups: list[Group]
     trace_contexts: list[str] = field(default_factory=list)  # W3C traceparent of each group's rollout
+    max_staleness: int | None = None  # the τ the queue delivered it under; None: the queue did not say
 
 
 class QueuePort(Protocol):

@@ -232,6 +232,8 @@ def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
     head = queue_pb2.GetResponse(evicted_stale=result.evicted_stale, trainer_version=trainer_version)
     if result.lease is not None:
         head.lease.CopyFrom(convert.lease_to_proto(result.lease))
+    if result.max_staleness is not None:
+        head.max_staleness = result.max_staleness
     parts = [head.SerializeToString()]
     for d in result.deliveries:
         rest = queue_pb2.DeliveredGroup(

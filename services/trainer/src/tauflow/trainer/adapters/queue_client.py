@@ -54,6 +54,7 @@ class GrpcQueue:
             lease_id=resp.lease.lease_id,
             groups=[group_from_proto(d.group) for d in resp.groups],
             trace_contexts=[d.group.trace_context.traceparent for d in resp.groups],
+            max_staleness=resp.max_staleness if resp.HasField("max_staleness") else None,
         )
 
     async def ack(self, lease_id: str) -> None:

@@ -27,7 +27,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             max_staleness=loop.max_staleness,
             backend="torch",
             algorithm=self.algorithm,
-            world_size=1,
+            world_size=loop.backend.world_size,
             last_error=loop.last_error,
         )
         if loop.history:

@@ -158,7 +158,14 @@ class SetMaxStalenessResponse(_message.Message):
     def __init__(self, previous_max_staleness: _Optional[int] = ..., max_staleness: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("name", "kind", "address", "health", "restarts", "started_at", "last_checked_at", "last_error", "launcher_handle")
+    __slots__ = ("name", "kind", "address", "health", "restarts", "started_at", "last_checked_at", "last_error", "launcher_handle", "role", "replica", "build_version", "contract_revisions", "replicas")
+    class ContractRevisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +175,11 @@ class ServiceInfo(_message.Message):
     LAST_CHECKED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    BUILD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTRACT_REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: ServiceKind
     address: str
@@ -177,7 +189,12 @@ class ServiceInfo(_message.Message):
     last_checked_at: _timestamp_pb2.Timestamp
     last_error: str
     launcher_handle: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ServiceKind, str]] = ..., address: _Optional[str] = ..., health: _Optional[_Union[ServiceHealth, str]] = ..., restarts: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_checked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_error: _Optional[str] = ..., launcher_handle: _Optional[str] = ...) -> None: ...
+    role: str
+    replica: int
+    build_version: str
+    contract_revisions: _containers.ScalarMap[str, int]
+    replicas: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ServiceKind, str]] = ..., address: _Optional[str] = ..., health: _Optional[_Union[ServiceHealth, str]] = ..., restarts: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_checked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_error: _Optional[str] = ..., launcher_handle: _Optional[str] = ..., role: _Optional[str] = ..., replica: _Optional[int] = ..., build_version: _Optional[str] = ..., contract_revisions: _Optional[_Mapping[str, int]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class ListServicesRequest(_message.Message):
     __slots__ = ("kind",)

@@ -99,10 +99,12 @@ class ControllerServiceServicer:
         and on the trainer (the invariant check), then answers. Raising τ lets
         rollout run further ahead at once; lowering it slows reservations down
         and makes the queue evict groups that became too stale, so the trainer
-        never trains on a group whose staleness exceeds the new τ.
+        never trains on a group whose staleness exceeds the τ in force when the
+        group was delivered (docs/scaling.md: a live τ).
 
         Retry class: idempotent (by value: setting the value in force does
-        nothing). Status: INVALID_ARGUMENT when `max_staleness` is below -1;
+        nothing). Status: INVALID_ARGUMENT when `max_staleness` is below -1 or
+        above 1000000;
         FAILED_PRECONDITION when the run is not starting or running;
         UNAVAILABLE when the queue or the trainer cannot be reached to apply it
         (the old value may then still be in force on one of them; retry).
@@ -112,7 +114,10 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListServices(self, request, context):
-        """Lists the run's services with their address and health.
+        """Lists the run's services, every process of every role (each rollout
+        replica, each trainer rank), with its address, health, restarts, build
+        and contract revisions. With launcher `external`, rollout replicas are
+        those that the weight sidecar lists as members.
 
         Retry class: no side effects. Status: OK always.
         """
@@ -122,15 +127,18 @@ class ControllerServiceServicer:
 
     def ScaleRollout(self, request, context):
         """Sets the number of rollout servers. New servers join the weight sidecar
-        and serve once they have loaded the current version; removed servers
-        drain, leave the sidecar's membership and stop. Returns once the change
-        has been started; ListServices shows its progress.
+        and load the current version before they reserve; removed servers (the
+        highest replica indices) drain: they finish or release their tickets,
+        put what they generated, leave the sidecar's membership and stop.
+        Returns once the change has been accepted; the controller carries it out
+        (ListServices shows its progress). A server that cannot be started (e.g.
+        a Ray cluster without room for it) is logged, and the target falls back
+        to the servers that run.
 
         Retry class: idempotent (by value: the call is declarative, a repeat sets
-        the same target). Status: INVALID_ARGUMENT when `replicas` is 0;
-        FAILED_PRECONDITION when the run is not running, or its launcher is
-        `external` (the deployment scales the servers); RESOURCE_EXHAUSTED when
-        the launcher lacks the resources (e.g. devices) for the target.
+        the same target). Status: INVALID_ARGUMENT when `replicas` is 0 or above
+        256; FAILED_PRECONDITION when the run is not running, or its launcher is
+        `external` (the deployment scales the servers: the message says how).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tauflow.api.common.v1 import common_pb2 as tauflow_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tauflow/api/queue/v1/queue.proto\x12\x14tauflow.api.queue.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\"tauflow/api/common/v1/common.proto\"y\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x10\n\x08n_groups\x18\x02 \x01(\r\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"t\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bproducer_id\x18\x02 \x01(\t\x12\x10\n\x08n_groups\x18\x03 \x01(\r\x12\'\n\x04wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"i\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12,\n\x06ticket\x18\x02 \x01(\x0b\x32\x1c.tauflow.api.queue.v1.Ticket\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x04\".\n\x19ReleaseReservationRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"5\n\x1aReleaseReservationResponse\x12\x17\n\x0freleased_groups\x18\x01 \x01(\r\"9\n\"ReleaseProducerReservationsRequest\x12\x13\n\x0bproducer_id\x18\x01 \x01(\t\"X\n#ReleaseProducerReservationsResponse\x12\x18\n\x10released_tickets\x18\x01 \x01(\r\x12\x17\n\x0freleased_groups\x18\x02 \x01(\r\"L\n\nPutRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.tauflow.api.common.v1.Group\x12\x11\n\tticket_id\x18\x02 \x01(\t\"V\n\x0bPutResponse\x12\x31\n\x07outcome\x18\x01 \x01(\x0e\x32 .tauflow.api.queue.v1.PutOutcome\x12\x14\n\x0c\x64\x65pth_groups\x18\x02 \x01(\x04\"\xed\x01\n\nGetRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x12\n\nmin_groups\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x04\x12\x31\n\x0elease_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04wait\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1d\n\x10\x63onsumer_version\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x13\n\x11_consumer_version\"G\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb2\x01\n\x0e\x44\x65liveredGroup\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.tauflow.api.common.v1.Group\x12\x19\n\x11\x62\x65haviour_version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\x14\n\x0credeliveries\x18\x04 \x01(\r\x12/\n\x0b\x61\x63\x63\x65pted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9f\x01\n\x0bGetResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.tauflow.api.queue.v1.Lease\x12\x34\n\x06groups\x18\x02 \x03(\x0b\x32$.tauflow.api.queue.v1.DeliveredGroup\x12\x15\n\revicted_stale\x18\x03 \x01(\r\x12\x17\n\x0ftrainer_version\x18\x04 \x01(\x04\"\x1e\n\nAckRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0b\x41\x63kResponse\x12\x14\n\x0c\x61\x63ked_groups\x18\x01 \x01(\r\"\x1f\n\x0bNackRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x0cNackResponse\x12\x17\n\x0frequeued_groups\x18\x01 \x01(\r\"X\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x31\n\x0elease_duration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"@\n\x12RenewLeaseResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.tauflow.api.queue.v1.Lease\"B\n\x18SetTrainerVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0e\n\x06rebase\x18\x02 \x01(\x08\"4\n\x19SetTrainerVersionResponse\x12\x17\n\x0ftrainer_version\x18\x01 \x01(\x04\"/\n\x16SetMaxStalenessRequest\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"0\n\x17SetMaxStalenessResponse\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xc4\x03\n\rStatsResponse\x12\x17\n\x0ftrainer_version\x18\x01 \x01(\x04\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x17\n\x0fgroups_per_step\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65pth_groups\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65pth_bytes\x18\x05 \x01(\x04\x12\x15\n\rleased_groups\x18\x06 \x01(\x04\x12\x17\n\x0freserved_groups\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x08 \x01(\x04\x12\x14\n\x0c\x61\x63ked_groups\x18\t \x01(\x04\x12N\n\x0e\x65victed_groups\x18\n \x03(\x0b\x32\x36.tauflow.api.queue.v1.StatsResponse.EvictedGroupsEntry\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61pacity_groups\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\r \x01(\x04\x12\x11\n\twal_bytes\x18\x0e \x01(\x04\x1a\x34\n\x12\x45victedGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*L\n\x0e\x45victionReason\x12\x1f\n\x1b\x45VICTION_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45VICTION_REASON_STALE\x10\x01*j\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x01\x12 \n\x1c\x45RROR_REASON_GROUP_TOO_LARGE\x10\x02*^\n\nPutOutcome\x12\x1b\n\x17PUT_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PUT_OUTCOME_ACCEPTED\x10\x01\x12\x19\n\x15PUT_OUTCOME_DUPLICATE\x10\x02\x32\xf2\x08\n\x0cQueueService\x12[\n\x07Reserve\x12$.tauflow.api.queue.v1.ReserveRequest\x1a%.tauflow.api.queue.v1.ReserveResponse\"\x03\x90\x02\x02\x12|\n\x12ReleaseReservation\x12/.tauflow.api.queue.v1.ReleaseReservationRequest\x1a\x30.tauflow.api.queue.v1.ReleaseReservationResponse\"\x03\x90\x02\x02\x12\x97\x01\n\x1bReleaseProducerReservations\x12\x38.tauflow.api.queue.v1.ReleaseProducerReservationsRequest\x1a\x39.tauflow.api.queue.v1.ReleaseProducerReservationsResponse\"\x03\x90\x02\x02\x12O\n\x03Put\x12 .tauflow.api.queue.v1.PutRequest\x1a!.tauflow.api.queue.v1.PutResponse\"\x03\x90\x02\x02\x12J\n\x03Get\x12 .tauflow.api.queue.v1.GetRequest\x1a!.tauflow.api.queue.v1.GetResponse\x12O\n\x03\x41\x63k\x12 .tauflow.api.queue.v1.AckRequest\x1a!.tauflow.api.queue.v1.AckResponse\"\x03\x90\x02\x02\x12R\n\x04Nack\x12!.tauflow.api.queue.v1.NackRequest\x1a\".tauflow.api.queue.v1.NackResponse\"\x03\x90\x02\x02\x12\x64\n\nRenewLease\x12\'.tauflow.api.queue.v1.RenewLeaseRequest\x1a(.tauflow.api.queue.v1.RenewLeaseResponse\"\x03\x90\x02\x02\x12y\n\x11SetTrainerVersion\x12..tauflow.api.queue.v1.SetTrainerVersionRequest\x1a/.tauflow.api.queue.v1.SetTrainerVersionResponse\"\x03\x90\x02\x02\x12s\n\x0fSetMaxStaleness\x12,.tauflow.api.queue.v1.SetMaxStalenessRequest\x1a-.tauflow.api.queue.v1.SetMaxStalenessResponse\"\x03\x90\x02\x02\x12U\n\x05Stats\x12\".tauflow.api.queue.v1.StatsRequest\x1a#.tauflow.api.queue.v1.StatsResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tauflow/api/queue/v1/queue.proto\x12\x14tauflow.api.queue.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\"tauflow/api/common/v1/common.proto\"y\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x10\n\x08n_groups\x18\x02 \x01(\r\x12\x1a\n\x12min_policy_version\x18\x03 \x01(\x04\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"t\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bproducer_id\x18\x02 \x01(\t\x12\x10\n\x08n_groups\x18\x03 \x01(\r\x12\'\n\x04wait\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"i\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12,\n\x06ticket\x18\x02 \x01(\x0b\x32\x1c.tauflow.api.queue.v1.Ticket\x12\x17\n\x0ftrainer_version\x18\x03 \x01(\x04\".\n\x19ReleaseReservationRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"5\n\x1aReleaseReservationResponse\x12\x17\n\x0freleased_groups\x18\x01 \x01(\r\"9\n\"ReleaseProducerReservationsRequest\x12\x13\n\x0bproducer_id\x18\x01 \x01(\t\"X\n#ReleaseProducerReservationsResponse\x12\x18\n\x10released_tickets\x18\x01 \x01(\r\x12\x17\n\x0freleased_groups\x18\x02 \x01(\r\"L\n\nPutRequest\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.tauflow.api.common.v1.Group\x12\x11\n\tticket_id\x18\x02 \x01(\t\"V\n\x0bPutResponse\x12\x31\n\x07outcome\x18\x01 \x01(\x0e\x32 .tauflow.api.queue.v1.PutOutcome\x12\x14\n\x0c\x64\x65pth_groups\x18\x02 \x01(\x04\"\xed\x01\n\nGetRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x12\n\nmin_groups\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\x04\x12\x31\n\x0elease_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04wait\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1d\n\x10\x63onsumer_version\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x13\n\x11_consumer_version\"G\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb2\x01\n\x0e\x44\x65liveredGroup\x12+\n\x05group\x18\x01 \x01(\x0b\x32\x1c.tauflow.api.common.v1.Group\x12\x19\n\x11\x62\x65haviour_version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\x14\n\x0credeliveries\x18\x04 \x01(\r\x12/\n\x0b\x61\x63\x63\x65pted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xcd\x01\n\x0bGetResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.tauflow.api.queue.v1.Lease\x12\x34\n\x06groups\x18\x02 \x03(\x0b\x32$.tauflow.api.queue.v1.DeliveredGroup\x12\x15\n\revicted_stale\x18\x03 \x01(\r\x12\x17\n\x0ftrainer_version\x18\x04 \x01(\x04\x12\x1a\n\rmax_staleness\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_max_staleness\"\x1e\n\nAckRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0b\x41\x63kResponse\x12\x14\n\x0c\x61\x63ked_groups\x18\x01 \x01(\r\"\x1f\n\x0bNackRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\'\n\x0cNackResponse\x12\x17\n\x0frequeued_groups\x18\x01 \x01(\r\"X\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x31\n\x0elease_duration\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"@\n\x12RenewLeaseResponse\x12*\n\x05lease\x18\x01 \x01(\x0b\x32\x1b.tauflow.api.queue.v1.Lease\"B\n\x18SetTrainerVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0e\n\x06rebase\x18\x02 \x01(\x08\"4\n\x19SetTrainerVersionResponse\x12\x17\n\x0ftrainer_version\x18\x01 \x01(\x04\"/\n\x16SetMaxStalenessRequest\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"0\n\x17SetMaxStalenessResponse\x12\x15\n\rmax_staleness\x18\x01 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xc4\x03\n\rStatsResponse\x12\x17\n\x0ftrainer_version\x18\x01 \x01(\x04\x12\x15\n\rmax_staleness\x18\x02 \x01(\x03\x12\x17\n\x0fgroups_per_step\x18\x03 \x01(\r\x12\x14\n\x0c\x64\x65pth_groups\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65pth_bytes\x18\x05 \x01(\x04\x12\x15\n\rleased_groups\x18\x06 \x01(\x04\x12\x17\n\x0freserved_groups\x18\x07 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x08 \x01(\x04\x12\x14\n\x0c\x61\x63ked_groups\x18\t \x01(\x04\x12N\n\x0e\x65victed_groups\x18\n \x03(\x0b\x32\x36.tauflow.api.queue.v1.StatsResponse.EvictedGroupsEntry\x12\x16\n\x0e\x65xpired_leases\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61pacity_groups\x18\x0c \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\r \x01(\x04\x12\x11\n\twal_bytes\x18\x0e \x01(\x04\x1a\x34\n\x12\x45victedGroupsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*L\n\x0e\x45victionReason\x12\x1f\n\x1b\x45VICTION_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45VICTION_REASON_STALE\x10\x01*j\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x01\x12 \n\x1c\x45RROR_REASON_GROUP_TOO_LARGE\x10\x02*^\n\nPutOutcome\x12\x1b\n\x17PUT_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14PUT_OUTCOME_ACCEPTED\x10\x01\x12\x19\n\x15PUT_OUTCOME_DUPLICATE\x10\x02\x32\xf2\x08\n\x0cQueueService\x12[\n\x07Reserve\x12$.tauflow.api.queue.v1.ReserveRequest\x1a%.tauflow.api.queue.v1.ReserveResponse\"\x03\x90\x02\x02\x12|\n\x12ReleaseReservation\x12/.tauflow.api.queue.v1.ReleaseReservationRequest\x1a\x30.tauflow.api.queue.v1.ReleaseReservationResponse\"\x03\x90\x02\x02\x12\x97\x01\n\x1bReleaseProducerReservations\x12\x38.tauflow.api.queue.v1.ReleaseProducerReservationsRequest\x1a\x39.tauflow.api.queue.v1.ReleaseProducerReservationsResponse\"\x03\x90\x02\x02\x12O\n\x03Put\x12 .tauflow.api.queue.v1.PutRequest\x1a!.tauflow.api.queue.v1.PutResponse\"\x03\x90\x02\x02\x12J\n\x03Get\x12 .tauflow.api.queue.v1.GetRequest\x1a!.tauflow.api.queue.v1.GetResponse\x12O\n\x03\x41\x63k\x12 .tauflow.api.queue.v1.AckRequest\x1a!.tauflow.api.queue.v1.AckResponse\"\x03\x90\x02\x02\x12R\n\x04Nack\x12!.tauflow.api.queue.v1.NackRequest\x1a\".tauflow.api.queue.v1.NackResponse\"\x03\x90\x02\x02\x12\x64\n\nRenewLease\x12\'.tauflow.api.queue.v1.RenewLeaseRequest\x1a(.tauflow.api.queue.v1.RenewLeaseResponse\"\x03\x90\x02\x02\x12y\n\x11SetTrainerVersion\x12..tauflow.api.queue.v1.SetTrainerVersionRequest\x1a/.tauflow.api.queue.v1.SetTrainerVersionResponse\"\x03\x90\x02\x02\x12s\n\x0fSetMaxStaleness\x12,.tauflow.api.queue.v1.SetMaxStalenessRequest\x1a-.tauflow.api.queue.v1.SetMaxStalenessResponse\"\x03\x90\x02\x02\x12U\n\x05Stats\x12\".tauflow.api.queue.v1.StatsRequest\x1a#.tauflow.api.queue.v1.StatsResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,12 +56,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUESERVICE'].methods_by_name['SetMaxStaleness']._serialized_options = b'\220\002\002'
   _globals['_QUEUESERVICE'].methods_by_name['Stats']._loaded_options = None
   _globals['_QUEUESERVICE'].methods_by_name['Stats']._serialized_options = b'\220\002\001'
-  _globals['_EVICTIONREASON']._serialized_start=2572
-  _globals['_EVICTIONREASON']._serialized_end=2648
-  _globals['_ERRORREASON']._serialized_start=2650
-  _globals['_ERRORREASON']._serialized_end=2756
-  _globals['_PUTOUTCOME']._serialized_start=2758
-  _globals['_PUTOUTCOME']._serialized_end=2852
+  _globals['_EVICTIONREASON']._serialized_start=2618
+  _globals['_EVICTIONREASON']._serialized_end=2694
+  _globals['_ERRORREASON']._serialized_start=2696
+  _globals['_ERRORREASON']._serialized_end=2802
+  _globals['_PUTOUTCOME']._serialized_start=2804
+  _globals['_PUTOUTCOME']._serialized_end=2898
   _globals['_TICKET']._serialized_start=159
   _globals['_TICKET']._serialized_end=280
   _globals['_RESERVEREQUEST']._serialized_start=282
@@ -87,33 +87,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELIVEREDGROUP']._serialized_start=1239
   _globals['_DELIVEREDGROUP']._serialized_end=1417
   _globals['_GETRESPONSE']._serialized_start=1420
-  _globals['_GETRESPONSE']._serialized_end=1579
-  _globals['_ACKREQUEST']._serialized_start=1581
-  _globals['_ACKREQUEST']._serialized_end=1611
-  _globals['_ACKRESPONSE']._serialized_start=1613
-  _globals['_ACKRESPONSE']._serialized_end=1648
-  _globals['_NACKREQUEST']._serialized_start=1650
-  _globals['_NACKREQUEST']._serialized_end=1681
-  _globals['_NACKRESPONSE']._serialized_start=1683
-  _globals['_NACKRESPONSE']._serialized_end=1722
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1724
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1812
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1814
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1878
-  _globals['_SETTRAINERVERSIONREQUEST']._serialized_start=1880
-  _globals['_SETTRAINERVERSIONREQUEST']._serialized_end=1946
-  _globals['_SETTRAINERVERSIONRESPONSE']._serialized_start=1948
-  _globals['_SETTRAINERVERSIONRESPONSE']._serialized_end=2000
-  _globals['_SETMAXSTALENESSREQUEST']._serialized_start=2002
-  _globals['_SETMAXSTALENESSREQUEST']._serialized_end=2049
-  _globals['_SETMAXSTALENESSRESPONSE']._serialized_start=2051
-  _globals['_SETMAXSTALENESSRESPONSE']._serialized_end=2099
-  _globals['_STATSREQUEST']._serialized_start=2101
-  _globals['_STATSREQUEST']._serialized_end=2115
-  _globals['_STATSRESPONSE']._serialized_start=2118
-  _globals['_STATSRESPONSE']._serialized_end=2570
-  _globals['_STATSRESPONSE_EVICTEDGROUPSENTRY']._serialized_start=2518
-  _globals['_STATSRESPONSE_EVICTEDGROUPSENTRY']._serialized_end=2570
-  _globals['_QUEUESERVICE']._serialized_start=2855
-  _globals['_QUEUESERVICE']._serialized_end=3993
+  _globals['_GETRESPONSE']._serialized_end=1625
+  _globals['_ACKREQUEST']._serialized_start=1627
+  _globals['_ACKREQUEST']._serialized_end=1657
+  _globals['_ACKRESPONSE']._serialized_start=1659
+  _globals['_ACKRESPONSE']._serialized_end=1694
+  _globals['_NACKREQUEST']._serialized_start=1696
+  _globals['_NACKREQUEST']._serialized_end=1727
+  _globals['_NACKRESPONSE']._serialized_start=1729
+  _globals['_NACKRESPONSE']._serialized_end=1768
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1770
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1858
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1860
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1924
+  _globals['_SETTRAINERVERSIONREQUEST']._serialized_start=1926
+  _globals['_SETTRAINERVERSIONREQUEST']._serialized_end=1992
+  _globals['_SETTRAINERVERSIONRESPONSE']._serialized_start=1994
+  _globals['_SETTRAINERVERSIONRESPONSE']._serialized_end=2046
+  _globals['_SETMAXSTALENESSREQUEST']._serialized_start=2048
+  _globals['_SETMAXSTALENESSREQUEST']._serialized_end=2095
+  _globals['_SETMAXSTALENESSRESPONSE']._serialized_start=2097
+  _globals['_SETMAXSTALENESSRESPONSE']._serialized_end=2145
+  _globals['_STATSREQUEST']._serialized_start=2147
+  _globals['_STATSREQUEST']._serialized_end=2161
+  _globals['_STATSRESPONSE']._serialized_start=2164
+  _globals['_STATSRESPONSE']._serialized_end=2616
+  _globals['_STATSRESPONSE_EVICTEDGROUPSENTRY']._serialized_start=2564
+  _globals['_STATSRESPONSE_EVICTEDGROUPSENTRY']._serialized_end=2616
+  _globals['_QUEUESERVICE']._serialized_start=2901
+  _globals['_QUEUESERVICE']._serialized_end=4039
 # @@protoc_insertion_point(module_scope)

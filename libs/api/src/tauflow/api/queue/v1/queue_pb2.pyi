@@ -154,16 +154,18 @@ class DeliveredGroup(_message.Message):
     def __init__(self, group: _Optional[_Union[_common_pb2.Group, _Mapping]] = ..., behaviour_version: _Optional[int] = ..., staleness: _Optional[int] = ..., redeliveries: _Optional[int] = ..., accepted_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("lease", "groups", "evicted_stale", "trainer_version")
+    __slots__ = ("lease", "groups", "evicted_stale", "trainer_version", "max_staleness")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_STALE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     groups: _containers.RepeatedCompositeFieldContainer[DeliveredGroup]
     evicted_stale: int
     trainer_version: int
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[DeliveredGroup, _Mapping]]] = ..., evicted_stale: _Optional[int] = ..., trainer_version: _Optional[int] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[DeliveredGroup, _Mapping]]] = ..., evicted_stale: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id",)
