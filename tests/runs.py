@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDITION = ROOT / "examples" / "addition"
@@ -29,3 +33,37 @@ def run_command(recipe: Path, sets: list[str], *options: str) -> list[str]:
     for s in sets:
         cmd += ["--set", s]
     return cmd
+
+
+def addition_command(prepared: Path, out: Path, *settings: str, evaluate: bool = True) -> list[str]:
+    """`tauflow run` of the embedded recipe on the model and data sets its prepare step made in ``prepared``
+    (the e2e suites' ``prepared`` fixture), into ``out``, with ``settings``."""
+    return run_command(
+        ADDITION,
+        [
+            "prepare=[]",
+            f"out_dir={out}",
+            f"model={prepared / 'model'}",
+            f"dataset={prepared / 'train.jsonl'}",
+            f"eval.dataset={prepared / 'heldout.jsonl' if evaluate else ''}",
+            "target_accuracy=null",
+            *settings,
+        ],
+    )
+
+
+def addition_run(prepared: Path, out: Path, *settings: str) -> dict[str, Any]:
+    """Runs :func:`addition_command` to its end (exit 0 asserted); returns its summary."""
+    done = subprocess.run(
+        addition_command(prepared, out, *settings),
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    assert (out / "summary.png").stat().st_size > 10_000
+    return summary

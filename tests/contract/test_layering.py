@@ -8,7 +8,8 @@
    import y_pb2`` and imports inside functions or ``if TYPE_CHECKING:`` blocks all count.
 2. **One client module per peer.** A service reaches another service's contract (its ``*_pb2_grpc``
    stubs) from exactly one module, ``adapters/<peer>_client.py``; its own stubs only from
-   ``adapters/servicer.py`` (and ``app.py``, which registers the servicer).
+   ``adapters/servicer.py`` (and ``app.py``, which registers the servicer, and ``adapters/<role>_client.py``,
+   a client of a running instance: the controller's command line reaches a running run through it).
 3. **Shared libraries:** ``tauflow.weightsync`` is domain code but for its ``wire`` module; ``tauflow.core``
    (the runtime kit: server, channel, health) and ``tauflow.client`` (a gRPC client) are wire code by
    purpose, and their wire-free modules (config, staleness, files, lifeline, logs, metrics) are usable from
@@ -157,8 +158,9 @@ def test_each_peer_is_called_through_one_client_module(role: str) -> None:
                 peer = imported.split(".")[2]
                 callers.setdefault(peer, set()).add(name)
     for peer, names in callers.items():
-        if peer == role:  # its own contract: the servicer, and app.py that registers it
-            allowed = {f"tauflow.{role}.adapters.servicer", f"tauflow.{role}.app"}
+        if peer == role:  # its own contract: the servicer, app.py that registers it, and a client of a running
+            # instance of it (the controller's: tauflow scale, set and status reach a running run)
+            allowed = {f"tauflow.{role}.adapters.servicer", f"tauflow.{role}.app", f"tauflow.{role}.adapters.{role}_client"}
             assert names <= allowed, f"{sorted(names - allowed)} import tauflow.{role}'s own stubs"
         else:
             assert names == {f"tauflow.{role}.adapters.{peer}_client"}, (

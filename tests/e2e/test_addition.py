@@ -5,43 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runs import run_command
+from tests.runs import ROOT
+from tests.runs import addition_command as command
+from tests.runs import addition_run as run
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "examples" / "addition"
 LEARNING_STEPS = 500
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The warm-started model and data sets, made once for the module (the recipe's prepare step)."""
-    out = Path(os.environ.get("TAUFLOW_E2E_PREPARED", tmp_path_factory.mktemp("prepared")))
-    subprocess.run([sys.executable, str(RECIPE / "prepare.py"), "--out", str(out)], check=True, cwd=ROOT,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1200)
-    return out
-
-
-def command(prepared: Path, out: Path, *settings: str, evaluate: bool = True) -> list[str]:
-    """`tauflow run` of the recipe on the prepared model and data, into ``out``, with ``settings``."""
-    return run_command(RECIPE, [
-        "prepare=[]", f"out_dir={out}", f"model={prepared / 'model'}", f"dataset={prepared / 'train.jsonl'}",
-        f"eval.dataset={prepared / 'heldout.jsonl' if evaluate else ''}", "target_accuracy=null", *settings,
-    ])
-
-
-def run(prepared: Path, out: Path, *settings: str) -> dict:
-    cmd = command(prepared, out, *settings)
-    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert (out / "summary.png").stat().st_size > 10_000
-    return summary
 
 
 @pytest.mark.timeout(1800)  # steps decide, not the clock: a loaded machine only makes it slower

@@ -41,12 +41,14 @@ def test_every_controller_rpc_survives_generated_and_mutated_requests(service_pr
         run = stub.GetRun(pb.GetRunRequest()).run
         return run.state, run.policy_version, run.max_staleness, run.message
 
-    not_built = {C.UNIMPLEMENTED}  # SetMaxStaleness, ScaleRollout, ListServices: issue #13 builds them
+    # The run waits for its roles (it is not training): a live τ is FAILED_PRECONDITION, and so is scaling
+    # with launcher external (the deployment scales); a τ or a replica count out of bounds is INVALID_ARGUMENT.
+    refused = {C.FAILED_PRECONDITION}
     methods = [
         Method("GetRun", set(), [pb.GetRunRequest()]),
-        Method("ListServices", not_built, [pb.ListServicesRequest()]),
-        Method("SetMaxStaleness", not_built, [pb.SetMaxStalenessRequest(max_staleness=1)]),
-        Method("ScaleRollout", not_built, [pb.ScaleRolloutRequest(replicas=2)]),
+        Method("ListServices", set(), [pb.ListServicesRequest(), pb.ListServicesRequest(kind=pb.SERVICE_KIND_ROLLOUT)]),
+        Method("SetMaxStaleness", refused, [pb.SetMaxStalenessRequest(max_staleness=1)]),
+        Method("ScaleRollout", refused, [pb.ScaleRolloutRequest(replicas=2)]),
         Method("StopRun", set(), [pb.StopRunRequest(reason="fuzz", grace_period=Duration(seconds=1))]),
     ]
     fuzzer = Fuzzer(controller.address, SERVICE, observe, controller.log_text)

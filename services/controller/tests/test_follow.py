@@ -51,7 +51,13 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, cha
             with pytest.raises(RunStalled) as err:
                 await asyncio.wait_for(
                     build_run(config).follow(
-                        {"trainer": address, "queue": address, "rollout": address, "reward": address}
+                        {
+                            "trainer": address,
+                            "queue": address,
+                            "rollout": address,
+                            "reward": address,
+                            "weights": address,
+                        }
                     ),
                     timeout=30,
                 )
@@ -121,7 +127,9 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
         )
         try:
             return await asyncio.wait_for(
-                build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                build_run(config).follow(
+                    {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
+                ),
                 timeout=30,
             )
         finally:
@@ -173,7 +181,13 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
             with pytest.raises(TimeoutError):  # still following after 3 stall timeouts
                 await asyncio.wait_for(
                     build_run(config).follow(
-                        {"trainer": address, "queue": address, "rollout": address, "reward": address}
+                        {
+                            "trainer": address,
+                            "queue": address,
+                            "rollout": address,
+                            "reward": address,
+                            "weights": address,
+                        }
                     ),
                     timeout=3,
                 )
@@ -230,7 +244,9 @@ def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, cha
         config = RunConfig(model="m", dataset="d", steps=8, out_dir=str(tmp_path), resume=True)
         try:
             return await asyncio.wait_for(
-                build_run(config).follow({"trainer": address, "queue": address, "rollout": address, "reward": address}),
+                build_run(config).follow(
+                    {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
+                ),
                 timeout=30,
             )
         finally:

@@ -36,8 +36,10 @@ def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
     try:
         run = SimpleNamespace(
             launcher=SimpleNamespace(services=services, health=health),
-            progress=SimpleNamespace(version=7),
+            progress=SimpleNamespace(version=7, rollout_replicas=2),
             config=SimpleNamespace(steps=20, max_staleness=1),
+            tau=0,  # changed live from the config's 1
+            scaler=SimpleNamespace(target=3),
             summary=SimpleNamespace(evals=[SimpleNamespace(accuracy=0.4, engine_version=6)]),
         )
         registry = CollectorRegistry()
@@ -56,12 +58,20 @@ def test_up_and_restarts_per_role_and_the_runs_progress(tmp_path: Path) -> None:
         assert v("tauflow_controller_heldout_accuracy_ratio") == 0.4
         assert v("tauflow_controller_heldout_policy_version") == 6
         assert v("tauflow_controller_evaluations_total") == 1
+        assert v("tauflow_controller_max_staleness_steps") == 0  # the τ in force, not the config's
+        assert v("tauflow_controller_rollout_replicas", {"state": "running"}) == 2
+        assert v("tauflow_controller_rollout_replicas", {"state": "target"}) == 3
 
         write_targets(tmp_path, "r1", services, controller_port=9100)
         targets = json.loads((tmp_path / "prometheus-targets.json").read_text())
         by_role = {t["labels"]["role"]: t for t in targets}
         assert by_role["queue"]["targets"] == ["127.0.0.1:9101"]
-        assert by_role["controller"]["labels"] == {"job": "tauflow-controller", "role": "controller", "run": "r1"}
+        assert by_role["controller"]["labels"] == {
+            "job": "tauflow-controller",
+            "role": "controller",
+            "run": "r1",
+            "instance_name": "controller",
+        }
         assert set(by_role) == {"queue", "trainer", "controller"}
     finally:
         for svc in services.values():

@@ -34,6 +34,7 @@ def test_off_a_terminal_the_progress_is_plain_lines_every_few_seconds() -> None:
         progress.message = ""
         progress.version, progress.steps, progress.reward, progress.staleness = 3, 3, 0.25, 1
         progress.tokens_per_s, progress.queue_depth = 1234.4, 16
+        progress.max_staleness, progress.rollout_replicas = 0, 2  # tauflow set / scale on the live run
         clock.now = 1.0
         view.update(progress)  # nothing new within the 5 s
         clock.now = 5.0
@@ -42,14 +43,18 @@ def test_off_a_terminal_the_progress_is_plain_lines_every_few_seconds() -> None:
         clock.now = 6.0
         view.update(progress)
     lines = stream.getvalue().splitlines()
-    starting = "tauflow run addition: step 0/100, reward 0.000, accuracy -, staleness 0, 0 tokens/s, queue 0 groups"
+    starting = (
+        "tauflow run addition: step 0/100, reward 0.000, accuracy -, staleness 0, 0 tokens/s, queue 0 groups, "
+        "tau 2, 0 rollout replicas"
+    )
+    later = "1,234 tokens/s, queue 16 groups, tau 0, 2 rollout replicas"
     assert lines == [
         "tauflow run addition (max_staleness=2): 100 steps; progress every 5s",
         f"{starting}; starting queue",
         f"{starting}; starting reward",
-        "tauflow run addition: step 3/100, reward 0.250, accuracy -, staleness 1, 1,234 tokens/s, queue 16 groups",
+        f"tauflow run addition: step 3/100, reward 0.250, accuracy -, staleness 1, {later}",
         # the run's end: its last state
-        "tauflow run addition: step 4/100, reward 0.250, accuracy 41.2%, staleness 1, 1,234 tokens/s, queue 16 groups",
+        f"tauflow run addition: step 4/100, reward 0.250, accuracy 41.2%, staleness 1, {later}",
     ]
 
 

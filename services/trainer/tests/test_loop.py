@@ -202,7 +202,10 @@ def test_a_batch_is_judged_by_the_tau_it_was_delivered_under(tiny_model_dir, mak
     loop.backend.version = 2
     loop.set_max_staleness(0)
     assert loop.delivered_tau([Batch("l1", stale, max_staleness=2)]) == 2
-    assert loop.delivered_tau([Batch("l1", stale, max_staleness=0), Batch("l2", stale, max_staleness=UNBOUNDED)]) == UNBOUNDED
+    assert (
+        loop.delivered_tau([Batch("l1", stale, max_staleness=0), Batch("l2", stale, max_staleness=UNBOUNDED)])
+        == UNBOUNDED
+    )
     assert loop.delivered_tau([Batch("l1", stale)]) == 0  # the queue did not say: the trainer's own τ
     trained = loop.backend.train_step(stale, max_staleness=loop.delivered_tau([Batch("l1", stale, max_staleness=2)]))
     assert trained.committed and trained.groups == 2 and trained.max_staleness == 2

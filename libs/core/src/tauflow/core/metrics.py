@@ -17,12 +17,13 @@ histograms are not exported (they double the series count and no dashboard reads
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Info, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -73,6 +74,27 @@ class ServerMetrics:
             ["method"],
             registry=registry,
         )
+        # Which process of its role this is (rollout replica 2, trainer rank 1): Prometheus's file_sd labels
+        # say it too, but a scrape made some other way (a pod's annotations, a test) still reads it here.
+        self.process = Info(
+            "tauflow_server_process",
+            "which process of its role this server is: instance_name (e.g. rollout-2), replica (index or rank)",
+            registry=registry,
+        )
+        self.process.info(process_identity())
+
+
+def process_identity() -> dict[str, str]:
+    """``instance_name`` and ``replica`` of this process, from the resource attributes its launcher set
+    (``OTEL_RESOURCE_ATTRIBUTES``: service.instance.id, tauflow.replica); empty strings where it was started
+    without them. (Its role is the scrape target's ``role`` label.)"""
+    attributes = dict(
+        part.split("=", 1) for part in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",") if "=" in part
+    )
+    return {
+        "instance_name": attributes.get("service.instance.id", "").strip(),
+        "replica": attributes.get("tauflow.replica", "").strip(),
+    }
 
 
 @dataclass(frozen=True)

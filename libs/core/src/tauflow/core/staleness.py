@@ -49,7 +49,12 @@ def staleness(consumer_version: int, behaviour_version: int | None) -> int:
 
 def too_stale(consumer_version: int, behaviour_version: int | None, tau: int) -> bool:
     """Whether a group of ``behaviour_version`` may not be trained at ``consumer_version`` under ``tau``."""
-    return is_bounded(tau) and staleness(consumer_version, behaviour_version) > tau
+    return exceeds(staleness(consumer_version, behaviour_version), tau)
+
+
+def exceeds(staleness_steps: int, tau: int) -> bool:
+    """Whether a staleness of ``staleness_steps`` breaks the bound ``tau`` (the check of a run's summary)."""
+    return is_bounded(tau) and staleness_steps > tau
 
 
 def pacing_limit(trainer_version: int, tau: int, groups_per_step: int) -> int | None:

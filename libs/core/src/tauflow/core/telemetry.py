@@ -50,12 +50,13 @@ def _value(v: Any) -> Any:
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     """One span as the file exporter writes it: ids in hex as W3C writes them, times in ns since the
-    epoch, the service name from the resource."""
+    epoch, the service name and the process's instance id (``service.instance.id``) from the resource."""
     ctx = span.context
     resource = span.resource.attributes if span.resource is not None else {}
     return {
         "name": span.name,
         "service": resource.get("service.name", ""),
+        "instance": resource.get("service.instance.id", ""),  # the process of its role (rollout-2, trainer-1)
         "trace_id": _hex_trace(ctx.trace_id),
         "span_id": _hex_span(ctx.span_id),
         "parent_span_id": _hex_span(span.parent.span_id) if span.parent is not None else None,

@@ -15,15 +15,18 @@ from tauflow.controller.adapters.reward_client import RewardClient
 from tauflow.controller.adapters.rollout_client import RolloutClient
 from tauflow.controller.adapters.servicer import ControllerServicer
 from tauflow.controller.adapters.trainer_client import TrainerClient
+from tauflow.controller.adapters.weights_client import WeightsClient
 from tauflow.controller.config import ControllerConfig, RunConfig
 from tauflow.controller.external import ExternalLauncher
 from tauflow.controller.launcher import Launcher, LocalLauncher
 from tauflow.controller.ports import Peers
 from tauflow.controller.progress import Progress
 from tauflow.controller.run import Run
+from tauflow.controller.summary import RunSummary
 from tauflow.core.app import service_main
+from tauflow.core.config import ServerConfig
 from tauflow.core.decoding import servicer_adder
-from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.core.server import GrpcServer, ServiceApp, ServiceBinding
 
 DESCRIPTION = """``tauflow-controller``: a run as a service — it runs ``run`` from its config and serves ControllerService
 (``tauflow run`` is the same run with a terminal view)."""
@@ -60,6 +63,8 @@ def connect(addresses: Mapping[str, str]) -> Peers:
         queue=QueueClient(addresses["queue"]),
         rollout=RolloutClient(addresses["rollout"]),
         reward=RewardClient(addresses["reward"]),
+        weights=WeightsClient(addresses["weights"]),
+        rollout_at=RolloutClient,
     )
 
 
@@ -74,6 +79,47 @@ def build_run(
         on_progress=on_progress,
         serve_metrics=serve_metrics,
     )
+
+
+def controller_binding(servicer: ControllerServicer) -> ServiceBinding:
+    descriptor = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
+    # (a request that does not decode in full is INVALID_ARGUMENT, not UNKNOWN)
+    return ServiceBinding(descriptor, servicer, servicer_adder(descriptor))
+
+
+CONTROL_MESSAGE_BYTES = 4 * 1024 * 1024  # ControllerService's messages are small: a hostile one stays small too
+
+
+async def execute_with_control(run: Run) -> RunSummary:
+    """``tauflow run``: the run, with its ControllerService served on ``control`` (loopback by default) for
+    ``tauflow scale``, ``set`` and ``status``; its address goes into ``<out_dir>/controller.ready.json``."""
+    servicer = ControllerServicer(run)
+    control = run.config.control
+    server = GrpcServer(
+        [controller_binding(servicer)],
+        ServerConfig(host=control.host, port=control.port, max_message_bytes=CONTROL_MESSAGE_BYTES),
+        role="controller",
+        version=__version__,
+        key="control",
+    )
+    port = await server.start()
+    await server.set_serving(True)
+    run.control_address = f"{control.host}:{port}"
+    task = asyncio.create_task(run.execute())
+    servicer.task = task
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if servicer.stop_requested and not _cancelling():
+            return run.summary  # StopRun ended the run: its summary is written
+        raise
+    finally:
+        await server.server.stop(1.0)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def build(config: ControllerConfig) -> ServiceApp:
@@ -92,17 +138,7 @@ async def build(config: ControllerConfig) -> ServiceApp:
             task.uncancel()  # StopRun ended the run, not the service
         await asyncio.Event().wait()  # keep serving the summary until stopped
 
-    return ServiceApp(
-        bindings=[
-            ServiceBinding(
-                controller_pb2.DESCRIPTOR.services_by_name["ControllerService"],
-                servicer,
-                # (a request that does not decode in full is INVALID_ARGUMENT, not UNKNOWN)
-                servicer_adder(controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]),
-            )
-        ],
-        background=[execute],
-    )
+    return ServiceApp(bindings=[controller_binding(servicer)], background=[execute])
 
 
 main = service_main("controller", ControllerConfig, build, __version__, description=DESCRIPTION)

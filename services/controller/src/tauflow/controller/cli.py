@@ -1,5 +1,7 @@
 """``tauflow``: the command line. ``tauflow run CONFIG`` trains, with live progress and a summary;
-``tauflow trace RUN_DIR_OR_FILE`` turns a run's spans into its rollout-to-update latency breakdown.
+``tauflow scale rollout N``, ``tauflow set max-staleness K`` and ``tauflow status`` change and show a
+running run (found by its run directory or its address); ``tauflow trace RUN_DIR_OR_FILE`` turns a run's
+spans into its rollout-to-update latency breakdown.
 
 The command wires its run as the service does, through app.build_run: it is the ``tauflow`` program's
 wiring, as app.py is ``tauflow-controller``'s."""
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import os
@@ -17,8 +20,10 @@ from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.table import Table
 
-from tauflow.controller.app import build_run
+from tauflow.controller.adapters.controller_client import ControlError, ControllerClient, Status, find_run
+from tauflow.controller.app import build_run, execute_with_control
 from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.progress import progress_view
@@ -63,7 +68,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         with progress_view(console, config, run.progress) as view:
             run.on_progress = view.update
-            summary = asyncio.run(run.execute())
+            summary = asyncio.run(execute_with_control(run))
     except (LaunchFailed, RunStalled) as e:  # said after the view's last state
         console.print(f"[red]tauflow run: {e}")
         return 1
@@ -98,6 +103,61 @@ def trace_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def control_command(args: argparse.Namespace) -> int:
+    """``tauflow scale``, ``set`` and ``status`` against a running run."""
+
+    async def call() -> str:
+        client = ControllerClient(find_run(args.run or getattr(args, "run_option", None)))
+        try:
+            if args.command == "scale":
+                previous, replicas = await client.scale_rollout(args.replicas)
+                return f"rollout replicas: {previous} -> {replicas} (tauflow status shows them come and go)"
+            if args.command == "set":
+                previous, tau, version = await client.set_max_staleness(args.value)
+                return f"max_staleness: {previous} -> {tau}, in force from policy version {version}"
+            status = await client.status()
+            if args.json:
+                return json.dumps({"run": status.run, "services": status.services}, indent=1)
+            return status_text(status)
+        finally:
+            await client.close()
+
+    try:
+        print(asyncio.run(call()))
+    except ControlError as e:
+        console.print(f"[red]tauflow {args.command}: {e}")
+        return 1
+    return 0
+
+
+def status_text(status: Status) -> str:
+    run = status.run
+    head = (
+        f"run {run['name']}: {run['state']}, step {run['policy_version']}/{run['total_steps']}, "
+        f"max_staleness {run['max_staleness']}, {run['groups_trained']} groups trained, "
+        f"{run['staleness_violations']} staleness violations, launcher {run['launcher']}"
+    )
+    table = Table(show_edge=False, box=None, pad_edge=False)
+    for column in ("name", "role", "replica", "address", "health", "restarts", "build", "contracts", "pid"):
+        table.add_column(column)
+    for svc in status.services:
+        contracts = ", ".join(f"{p.split('.')[2]} r{r}" for p, r in sorted(svc["contracts"].items()))
+        table.add_row(
+            svc["name"],
+            svc["role"],
+            f"{svc['replica']}/{svc['replicas']}",
+            svc["address"],
+            svc["health"],
+            str(svc["restarts"]),
+            svc["build"],
+            contracts,
+            svc["pid"],
+        )
+    out = Console(width=200, record=True, file=io.StringIO())
+    out.print(table)
+    return "\n".join([head, out.export_text().rstrip()])
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -120,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Ray cluster to use with --launcher ray (default auto: RAY_ADDRESS, or the "
         "cluster this machine belongs to); the config key `ray.address`",
     )
+    where = (
+        "the run: its directory (out_dir) or its ControllerService's host:port; default: the only live run under ./runs"
+    )
+    scale = sub.add_parser("scale", help="change the number of rollout servers of a running run")
+    scale.add_argument("role", choices=["rollout"], help="the role to scale (rollout)")
+    scale.add_argument("replicas", type=int, help="rollout servers wanted (1-256)")
+    scale.add_argument("--run", help=where)
+    set_ = sub.add_parser("set", help="change a running run's staleness bound tau")
+    set_.add_argument("key", choices=["max-staleness"], help="what to set (max-staleness: tau)")
+    set_.add_argument("value", type=int, help="0 on-policy, N bounded, -1 unbounded")
+    set_.add_argument("--run", help=where)
+    status = sub.add_parser("status", help="a running run's progress and every process of every role")
+    status.add_argument("run", nargs="?", help=where)
+    status.add_argument("--run", dest="run_option", metavar="RUN", help="the same, as scale and set take it")
+    status.add_argument("--json", action="store_true", help="as JSON")
     trace = sub.add_parser("trace", help="a run's spans as the rollout-to-update latency breakdown (table and PNG)")
     trace.add_argument("path", help="a run folder (its traces.jsonl) or a span file written with traces_file")
     trace.add_argument("--png", help="where the chart goes (default: traces.png beside the span file)")
@@ -134,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     if args.command == "trace":
         return trace_command(args)
+    if args.command in ("scale", "set", "status"):
+        return control_command(args)
     return 2
 
 

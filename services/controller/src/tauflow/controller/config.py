@@ -43,6 +43,37 @@ class RayConfig(StrictModel):
     )
 
 
+MAX_ROLLOUT_REPLICAS = 256  # ScaleRollout's bound too (controller.v1)
+MAX_WORLD_SIZE = 1024
+
+
+class TrainerRoleConfig(StrictModel):
+    """The trainer role's processes: ``world_size`` ranks of one data-parallel trainer (docs/scaling.md)."""
+
+    world_size: int = Field(
+        1, ge=1, le=MAX_WORLD_SIZE, description="ranks (processes) of the trainer, joined by torch.distributed"
+    )
+    strategy: str = Field(
+        "fsdp", pattern="^(fsdp|ddp)$", description="fsdp: FSDP2, sharded (the default); ddp: replicated"
+    )
+
+
+class RolloutRoleConfig(StrictModel):
+    """The rollout role's processes: ``replicas`` servers, each reserving and generating on its own."""
+
+    replicas: int = Field(
+        1, ge=1, le=MAX_ROLLOUT_REPLICAS, description="rollout servers at the start (tauflow scale changes it)"
+    )
+
+
+class ControlConfig(StrictModel):
+    """Where ``tauflow run`` serves ControllerService (tauflow scale, set, status reach it there; its
+    address is in <out_dir>/controller.ready.json)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0: a free port")
+
+
 class RunConfig(StrictModel):
     name: str = "run"
     out_dir: str = Field("", description="where logs, checkpoints and the summary go; default runs/<name>")
@@ -59,7 +90,12 @@ class RunConfig(StrictModel):
     )
     model: str = Field(..., description="Hugging Face folder of the initial policy (version 0)")
     dataset: str = Field(..., description="training prompts (JSONL or Parquet with prompt and answer)")
-    max_staleness: int = Field(1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded")
+    max_staleness: int = Field(
+        1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded (tauflow set max-staleness changes it)"
+    )
+    trainer: TrainerRoleConfig = TrainerRoleConfig()
+    rollout: RolloutRoleConfig = RolloutRoleConfig()
+    control: ControlConfig = ControlConfig()
     steps: int = Field(..., ge=1, description="optimizer steps (policy versions) to train")
     groups_per_step: int = Field(64, ge=1)
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")

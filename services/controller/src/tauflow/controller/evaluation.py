@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from tauflow.controller.config import EvalConfig
 from tauflow.controller.ports import RewardPort, RolloutPort, ToScore
 
-BATCH = 64  # prompts asked at once
+BATCH = 64  # prompts asked of each rollout server at once
 CALL_TIMEOUT_S = 120.0  # each call's own deadline: the rollout server is generating for training meanwhile
 
 
@@ -23,18 +24,21 @@ def read_heldout(config: EvalConfig) -> list[dict[str, Any]]:
 
 
 async def evaluate(
-    rollout: RolloutPort, reward: RewardPort, rows: list[dict[str, Any]], reward_fn: str
+    rollouts: Sequence[RolloutPort], reward: RewardPort, rows: list[dict[str, Any]], reward_fn: str
 ) -> tuple[float, int]:
-    """The share of greedy answers scored 1, and the oldest version the engine answered with (it may lag
-    or, with tau > 0, differ from the trainer's)."""
+    """The share of greedy answers scored 1, and the oldest version an engine answered with (it may lag
+    or, with tau > 0, differ from the trainer's). The prompts are spread over the rollout servers
+    ``rollouts`` (prompt i to server i mod R), each answering its share at once."""
 
-    async def one(row: dict[str, Any]) -> ToScore:
+    async def one(i: int, row: dict[str, Any]) -> ToScore:
+        rollout = rollouts[i % len(rollouts)]
         completion = await rollout.generate_greedy(row["prompt"], timeout_s=CALL_TIMEOUT_S)
         return ToScore(f"eval-{row['id']}", str(row["answer"]), completion)
 
     groups: list[ToScore] = []
-    for i in range(0, len(rows), BATCH):
-        groups += await asyncio.gather(*(one(row) for row in rows[i : i + BATCH]))
+    batch = BATCH * len(rollouts)
+    for start in range(0, len(rows), batch):
+        groups += await asyncio.gather(*(one(start + i, row) for i, row in enumerate(rows[start : start + batch])))
     scores = await reward.score(groups, reward_fn, timeout_s=CALL_TIMEOUT_S)
     engine_version = min((v for g in groups for v in g.completion.behaviour_versions), default=0)
     return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1), engine_version

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tauflow.controller.health import probe
-from tauflow.controller.launcher import ServiceFailed, ServiceSpec
+from tauflow.controller.launcher import Rendezvous, ServiceFailed, ServiceSpec
 from tauflow.controller.ports import HealthCheck
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,15 @@ class ExternalService:
     info: dict[str, Any] = field(default_factory=dict)  # nothing known: its metrics are its deployment's to scrape
     starts: int = 0  # 1 at start, +1 each time it serves again after an outage
     up: bool = False
+    started_wall: float = 0.0  # Unix time it was (last) found serving
+
+    @property
+    def role(self) -> str:
+        return self.name
+
+    @property
+    def index(self) -> int:
+        return 0
 
 
 class ExternalLauncher:
@@ -74,7 +83,7 @@ class ExternalLauncher:
                 )
             time.sleep(0.5)
         svc = self.services.setdefault(spec.name, ExternalService(spec.name, address))
-        svc.up, svc.starts = True, svc.starts + 1
+        svc.up, svc.starts, svc.started_wall = True, svc.starts + 1, time.time()
         log.info("connected", extra={"service": spec.name, "address": address})
         return svc
 
@@ -90,13 +99,23 @@ class ExternalLauncher:
         back = []
         for svc, (serving, answer) in zip(self.services.values(), answers.values(), strict=True):
             if serving and not svc.up:
-                svc.starts += 1
+                svc.starts, svc.started_wall = svc.starts + 1, time.time()
                 back.append(svc.name)
                 log.warning("serving again", extra={"service": svc.name, "address": svc.address})
             elif svc.up and not serving:
                 log.warning("not serving", extra={"service": svc.name, "answer": answer})
             svc.up = serving
         return back
+
+    def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[ExternalService]:
+        """A gang is its deployment's to start (e.g. a trainer's ranks): connects to its first (rank 0)."""
+        return [self.start(specs[0])]
+
+    def stop_service(self, name: str) -> int | None:
+        raise ServiceFailed(name, "launcher 'external' stops nothing: the service is its deployment's")
+
+    def update_settings(self, role: str, settings: Mapping[str, Any]) -> None:
+        """Nothing to keep: the deployment configures its services (the run re-applies a live τ itself)."""
 
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
         """Stops nothing: the services are their deployment's."""

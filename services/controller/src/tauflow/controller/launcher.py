@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -113,6 +113,9 @@ class Service(Protocol):
     @property
     def index(self) -> int: ...  # replica index or rank within its role
 
+    @property
+    def started_wall(self) -> float: ...  # Unix time of its last (re)start; 0 before the first
+
 
 class Launcher(Protocol):
     # Properties, read-only: a launcher's own kind of service (ManagedService, ExternalService) is a Service,
@@ -128,11 +131,13 @@ class Launcher(Protocol):
 
     def start(self, spec: ServiceSpec) -> Service: ...
 
-    def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[Service]: ...
+    def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> Sequence[Service]: ...
 
     def check(self) -> list[str]: ...
 
     def stop_service(self, name: str) -> int | None: ...
+
+    def update_settings(self, role: str, settings: Mapping[str, Any]) -> None: ...
 
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]: ...
 
@@ -148,7 +153,8 @@ class ManagedService:
     restarts: int = 0
     starts: int = 0  # processes started, restarts included (never reset: the restarts metric)
     next_restart_at: float = 0.0
-    started_at: float = 0.0
+    started_at: float = 0.0  # on the launcher's clock
+    started_wall: float = 0.0  # Unix time
 
     gang: str = ""  # the gang it belongs to (restarted with it); "" when it stands alone
 
@@ -306,7 +312,7 @@ class ProcessLauncher:
         return settings
 
     def _started(self, svc: ManagedService) -> None:
-        svc.started_at = self.clock()
+        svc.started_at, svc.started_wall = self.clock(), time.time()
         svc.starts += 1
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
@@ -400,6 +406,12 @@ class ProcessLauncher:
             log.warning("killed after the grace period", extra={"service": name})
         log.info("stopped", extra={"service": name, "code": code})
         return code
+
+    def update_settings(self, role: str, settings: Mapping[str, Any]) -> None:
+        """Changes settings of ``role``'s processes from their next (re)start on (e.g. a live τ)."""
+        for svc in list(self.services.values()):
+            if svc.role == role:
+                svc.spec.settings.update(settings)
 
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
         """SIGTERM (graceful drain) in ``order`` (roles; every process of a role at once), then SIGKILL

@@ -79,8 +79,14 @@ class ControllerMetrics:
         )
         gauge(
             "tauflow_controller_max_staleness_steps",
-            "The run's staleness bound tau (-1: unbounded)",
-            lambda: None if self._run is None else self._run.config.max_staleness,
+            "The run's staleness bound tau in force (-1: unbounded; tauflow set max-staleness changes it)",
+            lambda: None if self._run is None else self._run.tau,
+        )
+        gauge(
+            "tauflow_controller_rollout_replicas",
+            "Rollout servers of the run: running, and the target (tauflow scale rollout sets it)",
+            self._replicas,
+            labels=["state"],
         )
         gauge(
             "tauflow_controller_heldout_accuracy_ratio",
@@ -127,6 +133,11 @@ class ControllerMetrics:
             return None
         return {(role,): health.unanswered(role) for role in self._services()}
 
+    def _replicas(self) -> Reading:
+        if self._run is None:
+            return None
+        return {("running",): self._run.progress.rollout_replicas, ("target",): self._run.scaler.target}
+
     def _last_eval(self, field: str) -> Reading:
         if self._run is None or not self._run.summary.evals:
             return None
@@ -146,11 +157,14 @@ def controller_metrics() -> ControllerMetrics:
         return _metrics
 
 
-def serve(out_dir: Path) -> MetricsServer:
-    """Serves the process's metrics for ``tauflow run`` and records the port in ``out_dir``."""
+def serve(out_dir: Path, control_address: str = "") -> MetricsServer:
+    """Serves the process's metrics for ``tauflow run`` and records the port in ``out_dir``, with the address
+    of the run's ControllerService (``control_address``: tauflow scale, set and status find the run there)."""
     host = os.environ.get("TAUFLOW_METRICS_HOST", "127.0.0.1")
     server = serve_metrics(host, int(os.environ.get("TAUFLOW_METRICS_PORT", "0")))
     info = {"service": "controller", "pid": os.getpid(), "metrics_host": host, "metrics_port": server.port}
+    if control_address:
+        info["control_address"] = control_address
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / READY_FILE, info)
     log.info("serving metrics", extra={"address": f"{host}:{server.port}"})
@@ -158,8 +172,10 @@ def serve(out_dir: Path) -> MetricsServer:
 
 
 def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service], controller_port: int | None) -> None:
-    """``<out_dir>/prometheus-targets.json``: every role's /metrics endpoint as a Prometheus file_sd list,
-    labelled with ``job="tauflow-<role>"``, ``role`` and ``run`` (rewritten when a role restarts). A role's
+    """``<out_dir>/prometheus-targets.json``: every process's /metrics endpoint as a Prometheus file_sd list,
+    labelled with ``job="tauflow-<role>"``, ``role``, ``run`` and ``instance_name`` (the process: ``rollout-1``
+    is rollout replica 1, ``trainer-1`` the trainer's rank 1), rewritten when a process restarts, starts or
+    stops. A role's
     host is its node's with the Ray launcher, loopback with the local one; roles deployed elsewhere
     (launcher external) are their deployment's to scrape and are not listed."""
     groups = []
@@ -170,11 +186,12 @@ def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service],
     }
     if controller_port:
         endpoints["controller"] = ("127.0.0.1", controller_port)
-    for role, (host, port) in endpoints.items():
+    roles = {name: svc.role for name, svc in services.items()}
+    for name, (host, port) in endpoints.items():
         if port:
-            groups.append(
-                {"targets": [f"{host}:{port}"], "labels": {"job": f"tauflow-{role}", "role": role, "run": run_name}}
-            )
+            role = roles.get(name, name)
+            labels = {"job": f"tauflow-{role}", "role": role, "run": run_name, "instance_name": name}
+            groups.append({"targets": [f"{host}:{port}"], "labels": labels})
     _write_json(out_dir / TARGETS_FILE, groups)
 
 

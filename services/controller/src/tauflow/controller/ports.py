@@ -8,8 +8,8 @@ raises :class:`PeerError`; :class:`PeerUnavailable` when the service did not ans
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
 
@@ -73,16 +73,35 @@ class ToScore:
     completion: Completion
 
 
+@dataclass(frozen=True)
+class SidecarMember:
+    """A rollout server as the weight sidecar lists it (how the controller sees replicas it did not start)."""
+
+    member_id: str
+    address: str
+    confirmed_version: int | None
+
+
 class TrainerPort(Protocol):
     async def list_steps(self, from_step: int) -> list[TrainerStep]: ...
 
     async def status(self) -> TrainerStatus: ...
+
+    async def set_max_staleness(self, tau: int) -> None: ...
 
     async def close(self) -> None: ...
 
 
 class QueuePort(Protocol):
     async def stats(self) -> QueueStats: ...
+
+    async def set_max_staleness(self, tau: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class WeightsPort(Protocol):
+    async def members(self) -> list[SidecarMember]: ...
 
     async def close(self) -> None: ...
 
@@ -103,15 +122,33 @@ class RewardPort(Protocol):
 
 @dataclass
 class Peers:
-    """The clients of one follow of the run, closed together (``async with``)."""
+    """The clients of one follow of the run, closed together (``async with``). The rollout role may have
+    several servers, each with its own client (``rollouts``); ``rollout`` is the first's."""
 
     trainer: TrainerPort
     queue: QueuePort
     rollout: RolloutPort
     reward: RewardPort
+    weights: WeightsPort
+    rollout_at: Callable[[str], RolloutPort]  # a client of the rollout server at an address
+    replicas: dict[str, RolloutPort] = field(default_factory=dict)  # address -> client, beside ``rollout``
+
+    async def rollouts(self, addresses: Sequence[str]) -> list[RolloutPort]:
+        """Clients of the rollout servers at ``addresses`` (made once each; those of servers gone are closed)."""
+        for address in [a for a in self.replicas if a not in addresses]:
+            await self.replicas.pop(address).close()
+        return [self.replicas.setdefault(a, self.rollout_at(a)) for a in addresses] or [self.rollout]
 
     async def close(self) -> None:
-        for client in (self.trainer, self.queue, self.rollout, self.reward):
+        clients: list[TrainerPort | QueuePort | RolloutPort | RewardPort | WeightsPort] = [
+            self.trainer,
+            self.queue,
+            self.rollout,
+            self.reward,
+            self.weights,
+            *self.replicas.values(),
+        ]
+        for client in clients:
             await client.close()
 
     async def __aenter__(self) -> Self:
@@ -128,9 +165,12 @@ class Connect(Protocol):
 
 
 class CheckPeer(Protocol):
-    async def __call__(self, role: str, address: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """Asks the service of ``role`` at ``address`` what it is, records it in ``records[role]``, and raises
-        a LaunchFailed when this controller cannot talk to it."""
+    async def __call__(
+        self, role: str, address: str, records: dict[str, dict[str, Any]], name: str = "", follower: bool = False
+    ) -> dict[str, Any]:
+        """Asks the service of ``role`` at ``address`` what it is, records it in ``records[name or role]``,
+        and raises a LaunchFailed when this controller cannot talk to it (a ``follower``, a trainer rank
+        other than 0, serves no contract of its role: its role alone is checked)."""
         ...
 
 

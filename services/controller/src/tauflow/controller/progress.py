@@ -30,10 +30,16 @@ class Progress:
     tokens_per_s: float = 0.0
     queue_depth: int = 0
     message: str = ""
+    max_staleness: int | None = None  # the τ in force (tauflow set max-staleness changes it); None: the config's
+    rollout_replicas: int = 0  # rollout servers running (tauflow scale rollout changes it)
 
 
 def _accuracy(progress: Progress) -> str:
     return "-" if progress.accuracy is None else f"{progress.accuracy:.1%}"
+
+
+def _tau(config: RunConfig, progress: Progress) -> int:
+    return config.max_staleness if progress.max_staleness is None else progress.max_staleness
 
 
 class LiveTable:
@@ -44,15 +50,15 @@ class LiveTable:
         self._live = Live(self._table(progress), console=console, refresh_per_second=4, transient=False)
 
     def _table(self, progress: Progress) -> Table:
-        table = Table(
-            title=f"tauflow run {self.config.name}  (max_staleness={self.config.max_staleness})", show_header=False
-        )
+        table = Table(title=f"tauflow run {self.config.name}  (max_staleness={_tau(self.config, progress)})")
+        table.show_header = False
         table.add_row("step", f"{progress.version} / {self.config.steps}")
         table.add_row("batch reward", f"{progress.reward:.3f}")
         table.add_row("held-out accuracy", _accuracy(progress))
         table.add_row("staleness (last batch, max)", str(progress.staleness))
         table.add_row("trained tokens/s", f"{progress.tokens_per_s:,.0f}")
         table.add_row("queue depth (groups)", str(progress.queue_depth))
+        table.add_row("rollout replicas", str(progress.rollout_replicas))
         if progress.message:
             table.add_row("", progress.message)
         return table
@@ -89,7 +95,8 @@ class PlainLines:
         text = (
             f"tauflow run {self.config.name}: step {progress.version}/{self.config.steps}, "
             f"reward {progress.reward:.3f}, accuracy {_accuracy(progress)}, staleness {progress.staleness}, "
-            f"{progress.tokens_per_s:,.0f} tokens/s, queue {progress.queue_depth} groups"
+            f"{progress.tokens_per_s:,.0f} tokens/s, queue {progress.queue_depth} groups, "
+            f"tau {_tau(self.config, progress)}, {progress.rollout_replicas} rollout replicas"
         )
         return f"{text}; {progress.message}" if progress.message else text
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tauflow.controller.config import ROLES, RunConfig, flatten
+from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, ROLES, RunConfig, flatten
+from tauflow.controller.dial import TauChange
 from tauflow.controller.evaluation import evaluate, read_heldout
-from tauflow.controller.launcher import Launcher, LaunchFailed, ServiceSpec
+from tauflow.controller.launcher import Launcher, LaunchFailed, Rendezvous, Service, ServiceSpec, instance_name
 from tauflow.controller.metrics import controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.ports import (
@@ -30,22 +32,32 @@ from tauflow.controller.ports import (
     Peers,
     PeerUnavailable,
     QueueStats,
+    SidecarMember,
     TrainerPort,
     TrainerStep,
 )
 from tauflow.controller.progress import Progress
+from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
-STOP_ORDER = ["rollout", "trainer", "weights", "reward", "queue"]
+MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
+STOP_ORDER = ["rollout", "trainer", "weights", "reward", "queue"]  # roles: every process of each at once
+MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
+RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 
 
 class RunStalled(RuntimeError):
     """The trainer made no step for ``stall_timeout_s`` although every service is up."""
+
+
+class RunNotLive(RuntimeError):
+    """The run is not training (still starting, or ended): a live change cannot be made now."""
 
 
 @dataclass
@@ -70,6 +82,7 @@ class Following:
     next_eval: int = 0  # the version due for evaluation
     eval_failures: int = 0  # failed attempts at the evaluation due, in a row
     tokens: int = 0  # trained in the steps seen
+    members_at: float = 0.0  # launcher external: when the sidecar's members were last read
 
 
 class Evaluated(enum.Enum):
@@ -98,10 +111,18 @@ class Run:
         self.summary = RunSummary(
             config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy
         )
-        self.progress = Progress()
+        self.progress = Progress(max_staleness=config.max_staleness)
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
         self.metrics_port: int | None = None
+        self.control_address = ""  # where ControllerService answers for this run (tauflow run serves one)
+        self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
+        self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
+        self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
+        self._peers: Peers | None = None  # while the run trains: the live changes use its clients
+        self._dial = asyncio.Lock()  # one τ change at a time
+        self._env: dict[str, str] = {}
+        self._addresses: dict[str, str] = {}
 
     # -- launch --------------------------------------------------------------------------
 
@@ -140,6 +161,24 @@ class Run:
             },
         }
         return {**base[role], **flatten(config.services.get(role, {}))}
+
+    def _spec(self, role: str, index: int, addresses: Mapping[str, str]) -> ServiceSpec:
+        """The process ``index`` of ``role``: a rollout replica (its own server id and seed) or a trainer rank."""
+        settings = self._settings(role, addresses)
+        if role == ROLLOUT and index:
+            settings |= {"server_id": f"rollout-{index}", "seed": self.config.seed + index}
+        if role == "trainer" and self.config.trainer.world_size > 1:
+            settings |= {
+                "distributed.world_size": self.config.trainer.world_size,
+                "distributed.rank": index,
+                "distributed.strategy": self.config.trainer.strategy,
+            }
+        name = instance_name(role, index)
+        # Each process's spans name it (service.instance.id), as its Prometheus target does (`instance_name`).
+        resource = f"service.instance.id={name},tauflow.role={role},tauflow.replica={index}"
+        inherited = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+        env = {**self._env, "OTEL_RESOURCE_ATTRIBUTES": f"{inherited},{resource}" if inherited else resource}
+        return ServiceSpec(name, settings, env=env, role=role, index=index)
 
     def trace_env(self) -> dict[str, str]:
         """With ``traces_file`` set, every service also writes its spans there (OTLP export, when an
@@ -193,18 +232,32 @@ class Run:
         # to set aside or prepare here.
         if self.launcher.starts_services:
             self._prepare()
-        env = self.trace_env()
-        addresses: dict[str, str] = {}
+        self._env = self.trace_env()
+        addresses = self._addresses
         for role in ROLES:
             self.progress.message = f"starting {role}"
             self.on_progress(self.progress)
-            svc = self.launcher.start(ServiceSpec(role, self._settings(role, addresses), env=dict(env)))
-            addresses[role] = svc.address
-            if role == "trainer" and svc.info.get("resumed_from"):  # its first step is the one after this version
-                self.summary.extra["resumed_from_version"] = svc.info.get("policy_version")
-            asyncio.run(self.check_peer(role, svc.address, self.summary.services))
+            started = self._start_role(role, addresses)
+            addresses[role] = started[0].address
+            if role == "trainer" and started[0].info.get("resumed_from"):  # its first step is the one after this
+                self.summary.extra["resumed_from_version"] = started[0].info.get("policy_version")
+            for svc in started:
+                asyncio.run(self.check_peer(role, svc.address, self.summary.services, svc.name, _follower(svc)))
             self._write_targets()
-        return addresses
+        self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
+        return dict(addresses)
+
+    def _start_role(self, role: str, addresses: Mapping[str, str]) -> list[Service]:
+        """Every process of ``role``: the trainer's ranks as a gang, the rollout replicas one by one."""
+        if role == "trainer" and self.config.trainer.world_size > 1:
+            specs = [self._spec(role, rank, addresses) for rank in range(self.config.trainer.world_size)]
+            return list(self.launcher.start_gang(specs, RENDEZVOUS))
+        count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
+        return [self.launcher.start(self._spec(role, index, addresses)) for index in range(count)]
+
+    def _rollout_count(self) -> int:
+        known = replicas_of(self.launcher.services.values(), ROLLOUT)
+        return len(self.members) if self.members and not self.launcher.starts_services else len(known)
 
     # -- follow --------------------------------------------------------------------------
 
@@ -212,8 +265,9 @@ class Run:
         heldout = read_heldout(self.config.eval)
         following = Following(progressed_at=time.monotonic())
         async with self.connect(addresses) as peers:
+            self._peers = peers
             while True:
-                await self._check_restarts(following)
+                await self._supervise(peers, following)
                 poll = await self._poll(peers, following)
                 if poll is None:  # a service is restarting: the launcher brings it back
                     await asyncio.sleep(POLL_S)
@@ -233,20 +287,55 @@ class Run:
                     self.progress.message = ""
                 self.on_progress(self.progress)
                 if done:
+                    self._peers = None  # the run is ending: no live change any more
                     await self._until_trainer_finished(peers.trainer)
                     break
                 await asyncio.sleep(POLL_S)
+            self._peers = None
         self._record_timing(following)
         return self.summary
 
-    async def _check_restarts(self, following: Following) -> None:
+    async def _supervise(self, peers: Peers, following: Following) -> None:
+        """Restarts what died, carries out the rollout target, checks each new process, and keeps a
+        changed τ on a queue or trainer that came back."""
         restarted = await asyncio.to_thread(self.launcher.check)
-        for role in restarted:  # a restart is how a rolling upgrade replaces a role: check the new build
-            await self.check_peer(role, self.launcher.addresses()[role], self.summary.services)
-        if restarted:
+        started, stopped = await asyncio.to_thread(
+            self.scaler.reconcile, self.launcher, lambda index: self._spec(ROLLOUT, index, self._addresses)
+        )
+        for name in [*restarted, *started]:  # a restart is how a rolling upgrade replaces a role: check it
+            svc = self.launcher.services[name]
+            await self.check_peer(svc.role, svc.address, self.summary.services, name, _follower(svc))
+        back = {self.launcher.services[name].role for name in restarted}
+        if self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
+            await self._reapply_tau(peers, back)
+        if started or stopped:
+            self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
+        if not self.launcher.starts_services and time.monotonic() - following.members_at >= MEMBERS_EVERY_S:
+            following.members_at = time.monotonic()
+            await self._read_members(peers)
+        self.progress.rollout_replicas = self._rollout_count()
+        if restarted or started or stopped:
             self._write_targets()
-            self.progress.message = f"restarted {', '.join(restarted)}"
+            self.progress.message = "; ".join(
+                f"{what} {', '.join(names)}"
+                for what, names in (("restarted", restarted), ("started", started), ("stopped", stopped))
+                if names
+            )
             following.progressed_at = time.monotonic()  # a restarted role needs time to catch up
+
+    async def _read_members(self, peers: Peers) -> None:
+        """Launcher external: the rollout servers the weight sidecar lists (they come and go with their
+        deployment); the run logs each change."""
+        try:
+            members = await peers.weights.members()
+        except PeerError:
+            return  # the sidecar is restarting: its members are read next time
+        before, now = {m.member_id for m in self.members}, {m.member_id for m in members}
+        for member_id in sorted(now - before):
+            log.info("a rollout server joined", extra={"member": member_id})
+        for member_id in sorted(before - now):
+            log.info("a rollout server left", extra={"member": member_id})
+        self.members = members
 
     def _stalled(self, following: Following) -> bool:
         return time.monotonic() - following.progressed_at > self.config.stall_timeout_s
@@ -290,6 +379,7 @@ class Run:
                     step.groups,
                     dict(step.metrics),
                     committed_s,
+                    dict(step.groups_by_staleness),
                 )
             )
             for staleness, groups in step.groups_by_staleness.items():
@@ -313,7 +403,8 @@ class Run:
         progress.message = f"evaluating version {version}"
         self.on_progress(progress)
         try:
-            accuracy, engine_version = await evaluate(peers.rollout, peers.reward, heldout, self.config.eval.reward_fn)
+            rollouts = await peers.rollouts(self._rollout_addresses())
+            accuracy, engine_version = await evaluate(rollouts, peers.reward, heldout, self.config.eval.reward_fn)
             following.eval_failures = 0
         except PeerUnavailable as e:
             following.eval_failures += 1
@@ -334,6 +425,10 @@ class Run:
             self.summary.extra["stopped_at_target_version"] = version
             return Evaluated.STOP
         return Evaluated.DONE
+
+    def _rollout_addresses(self) -> list[str]:
+        """The rollout servers that serve now (an evaluation spreads its prompts over them)."""
+        return [svc.address for svc in replicas_of(self.launcher.services.values(), ROLLOUT) if svc.up]
 
     def _record_timing(self, following: Following) -> None:
         self.summary.wall_s = time.monotonic() - self._t0
@@ -365,6 +460,62 @@ class Run:
             await asyncio.sleep(0.2)
         raise TimeoutError(f"the trainer did not finish within {timeout_s:.0f}s of its last step")
 
+    # -- live changes (ControllerService) ------------------------------------------------
+
+    def _live_peers(self) -> Peers:
+        if self._peers is None:
+            state = "still starting" if self.summary.status == "running" else f"{self.summary.status}"
+            raise RunNotLive(f"the run is {state}: it can change only while it trains")
+        return self._peers
+
+    async def set_max_staleness(self, tau: int) -> tuple[int, int]:
+        """Sets τ on the queue and the trainer while the run goes on (dial.py); returns (the τ before, the
+        trainer's version once the new one is in force). Raises ValueError for a value that is not a τ,
+        RunNotLive, or PeerError when a role cannot be reached (the τ in force is then unchanged for this
+        run's accounting; the call may be retried)."""
+        check_tau(tau, largest=MAX_TAU)
+        async with self._dial:
+            peers = self._live_peers()
+            previous = self.tau
+            before = (await peers.trainer.status()).policy_version
+            if tau == previous:
+                return previous, before
+            # Lowering: the queue first, so it never delivers under a looser τ than the trainer's; raising:
+            # the trainer first. The trainer judges each batch by the τ it was delivered under anyway.
+            looser = loosest([tau, previous]) == tau
+            for peer in (peers.trainer, peers.queue) if looser else (peers.queue, peers.trainer):
+                await peer.set_max_staleness(tau)
+            after = (await peers.trainer.status()).policy_version
+            change = TauChange(previous, tau, before, after, time.monotonic() - self._t0)
+            self.summary.max_staleness_changes.append(change)
+            self.tau = self.progress.max_staleness = tau
+            for role in ("queue", "trainer"):  # a restarted process starts with it
+                self.launcher.update_settings(role, {"max_staleness": tau})
+            log.warning("max_staleness changed", extra={"previous": previous, "tau": tau, "policy_version": after})
+            return previous, after
+
+    async def _reapply_tau(self, peers: Peers, roles: set[str]) -> None:
+        """A queue or trainer that came back (launcher external: with its deployment's τ) gets the live one."""
+        async with self._dial:
+            for role in sorted(roles & {"queue", "trainer"}):
+                try:
+                    await (peers.queue if role == "queue" else peers.trainer).set_max_staleness(self.tau)
+                except PeerError as e:
+                    log.warning("could not re-apply max_staleness", extra={"role": role, "code": e.code})
+
+    def scale_rollout(self, replicas: int) -> int:
+        """Sets the number of rollout servers (carried out by the follow loop: scaling.py); returns the
+        previous target. Raises ScalingRefused (launcher external), ValueError, RunNotLive."""
+        if not 1 <= replicas <= self.scaler.limit:
+            raise ValueError(f"replicas={replicas} must be between 1 and {self.scaler.limit}")
+        if self.launcher.starts_services:
+            self._live_peers()
+        return self.scaler.set_target(self.launcher, replicas)
+
+    def services(self) -> list[ServiceView]:
+        """Every process of the run (ListServices, tauflow status)."""
+        return list_services(self.launcher, self.summary.services, self.members)
+
     # -- all of it -----------------------------------------------------------------------
 
     def _write_targets(self) -> None:
@@ -372,7 +523,7 @@ class Run:
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)
-        metrics_server = serve_metrics(self.out_dir) if self.serve_metrics else None
+        metrics_server = serve_metrics(self.out_dir, self.control_address) if self.serve_metrics else None
         self.metrics_port = metrics_server.port if metrics_server else None
         try:
             addresses = await asyncio.to_thread(self.launch)
@@ -397,3 +548,8 @@ class Run:
             if metrics_server is not None:
                 metrics_server.close()
         return self.summary
+
+
+def _follower(svc: Service) -> bool:
+    """A trainer rank other than 0: it serves health and ServerInfo only (rank 0 serves TrainerService)."""
+    return svc.role == "trainer" and svc.index > 0

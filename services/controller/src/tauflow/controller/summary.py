@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tauflow.core.staleness import is_bounded
+from tauflow.controller.dial import TauChange, violations
 
 
 @dataclass
@@ -24,6 +24,7 @@ class StepRecord:
     groups: int
     metrics: dict[str, float] = field(default_factory=dict)
     committed_s: float = 0.0  # when the trainer committed it, since the run started (time_s: when seen)
+    groups_by_staleness: dict[int, int] = field(default_factory=dict)  # its trained groups by staleness
 
 
 @dataclass
@@ -52,6 +53,9 @@ class RunSummary:
     # checks (at start, then once per restart)
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    max_staleness_changes: list[TauChange] = field(default_factory=list)  # tauflow set max-staleness, in order
+    # (seconds since the start, rollout replicas): the start's count, then each change carried out
+    rollout_replicas: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -59,9 +63,10 @@ class RunSummary:
 
     @property
     def staleness_violations(self) -> int:
-        if not is_bounded(self.max_staleness):
-            return 0
-        return sum(n for s, n in self.staleness_histogram.items() if s > self.max_staleness)
+        """Groups trained with a staleness above the τ in force at their delivery (dial.py), counted from the
+        steps as the trainer listed them; the invariant says 0."""
+        steps = [(s.step, s.groups_by_staleness) for s in self.steps]
+        return violations(steps, self.max_staleness, self.max_staleness_changes)
 
     def time_to_accuracy(self, threshold: float) -> float | None:
         return next((e.time_s for e in self.evals if e.accuracy >= threshold), None)
@@ -106,7 +111,8 @@ def plot(summary: RunSummary, path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    axes[0].set_title(f"{summary.name}: reward and accuracy by step (tau={summary.max_staleness})")
+    taus = "→".join(str(t) for t in [summary.max_staleness, *(c.tau for c in summary.max_staleness_changes)])
+    axes[0].set_title(f"{summary.name}: reward and accuracy by step (tau={taus})")
     axes[1].set_title("by wall time")
     hist = sorted(summary.staleness_histogram.items())
     axes[2].bar([str(k) for k, _ in hist], [v for _, v in hist], color="tab:purple")

@@ -8,6 +8,7 @@ commands (parallel.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -49,13 +50,21 @@ def in_daemon_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
 
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]  # (None only with an error)
+
     def run() -> None:
         try:
-            result = work()
+            result, error = work(), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task, which raises it
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
-        else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed (the process is exiting): nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return done

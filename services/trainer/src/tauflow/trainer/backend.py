@@ -551,7 +551,11 @@ class TorchBackend:
             self.version,
             save_weights=save_weights,
             tokenizer_source=self._weights_source,
-            trainer_state=lambda: {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "rng": rng_state()},
+            trainer_state=lambda: {
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+            },
             meta={
                 "algorithm": self.algorithm.name,
                 "algorithm_config": asdict(self.algorithm.config),

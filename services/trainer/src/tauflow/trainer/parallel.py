@@ -178,7 +178,8 @@ class RankGroup:
             return {name: t.detach() for name, t in model.state_dict().items()} if self.leads else {}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
 
     def full_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state as one process keys it (``optimizer.state_dict()``), on rank 0; every rank
@@ -224,8 +225,9 @@ class RankGroup:
         import torch.distributed as dist
 
         out: list[Any] = [None]
-        dist.scatter_object_list(out, list(shares) if self.leads and shares is not None else None, src=0,
-                                 group=self._control)
+        dist.scatter_object_list(
+            out, list(shares) if self.leads and shares is not None else None, src=0, group=self._control
+        )
         return out[0]
 
     def most(self, n: int) -> int:
@@ -280,5 +282,7 @@ def _keyed_by_index(state: Mapping[str, Any], names: list[str]) -> dict[str, Any
 def _keyed_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
     return {
         "state": {names[int(i)]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]],
+        "param_groups": [
+            {**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]
+        ],
     }

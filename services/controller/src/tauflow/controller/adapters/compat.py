@@ -36,18 +36,22 @@ class IncompatiblePeer(LaunchFailed):
     """A role's server is not one this controller can talk to: the run fails (exit 1) with the message."""
 
 
-async def check_peer(role: str, address: str, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+async def check_peer(
+    role: str, address: str, records: dict[str, dict[str, Any]], name: str = "", follower: bool = False
+) -> dict[str, Any]:
     """The run's CheckPeer port: asks the service of ``role`` at ``address`` what it is; raises
-    IncompatiblePeer when this controller cannot talk to it. Records the answer in ``records[role]`` (the
-    run summary's ``services``): build_version, contracts (package -> revision), checks (how often it was
-    checked)."""
+    IncompatiblePeer when this controller cannot talk to it. Records the answer in ``records[name or role]``
+    (the run summary's ``services``, by process: ``rollout-1`` is a process of role ``rollout``):
+    build_version, contracts (package -> revision), checks (how often it was checked). A ``follower`` (a
+    trainer rank other than 0) serves no contract of its role, only health and ServerInfo: its role is checked."""
     try:
         async with create_channel(address, [SERVICE]) as channel:
             info = await fetch_server_info(channel, address)
-        check_compatible(info, REQUIREMENTS[role], address=address, peer=PEER)
+        need = Requirement(role, {}) if follower else REQUIREMENTS[role]
+        check_compatible(info, need, address=address, peer=PEER)
     except IncompatibleService as e:
         raise IncompatiblePeer(str(e)) from e
-    record = records.setdefault(role, {"checks": 0})
+    record = records.setdefault(name or role, {"checks": 0})
     record["build_version"] = info.build_version
     record["contracts"] = {c.package: c.revision for c in info.contracts}
     record["checks"] += 1

@@ -1,4 +1,4 @@
-"""The controller's client of the queue (QueueService): its counters."""
+"""The controller's client of the queue (QueueService): its counters, and the staleness dial."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ class QueueClient:
         with peer_errors("queue"):
             reply = await self._stub.Stats(queue_pb2.StatsRequest())
         return convert.queue_stats(reply)
+
+    async def set_max_staleness(self, tau: int) -> None:
+        with peer_errors("queue"):  # idempotent by value: the channel retries it
+            await self._stub.SetMaxStaleness(queue_pb2.SetMaxStalenessRequest(max_staleness=tau))
 
     async def close(self) -> None:
         await self._channel.close()

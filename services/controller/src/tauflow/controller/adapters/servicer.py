@@ -1,5 +1,4 @@
-"""ControllerService over a running Run: its summary, its services, and stopping it.
-SetMaxStaleness and ScaleRollout answer UNIMPLEMENTED until the controller can change a live run."""
+"""ControllerService over a running Run: its summary, its services, the live τ, rollout scaling, stopping."""
 
 from __future__ import annotations
 
@@ -9,15 +8,33 @@ from typing import NoReturn
 import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
-from tauflow.controller.run import Run
-from tauflow.core.protobuf import duration_seconds
+from tauflow.controller.ports import PeerError
+from tauflow.controller.run import MAX_TAU, Run, RunNotLive
+from tauflow.controller.scaling import ScalingRefused, ServiceView
+from tauflow.core.protobuf import duration_seconds, timestamp
 
 _STATES = {
     "running": controller_pb2.RUN_STATE_RUNNING,
     "completed": controller_pb2.RUN_STATE_COMPLETED,
     "below_target": controller_pb2.RUN_STATE_COMPLETED,
     "failed": controller_pb2.RUN_STATE_FAILED,
+    "stalled": controller_pb2.RUN_STATE_FAILED,
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
+}
+_KINDS = {
+    "queue": controller_pb2.SERVICE_KIND_QUEUE,
+    "rollout": controller_pb2.SERVICE_KIND_ROLLOUT,
+    "reward": controller_pb2.SERVICE_KIND_REWARD,
+    "trainer": controller_pb2.SERVICE_KIND_TRAINER,
+    "weights": controller_pb2.SERVICE_KIND_WEIGHTS,
+}
+_HEALTH = {
+    "starting": controller_pb2.SERVICE_HEALTH_STARTING,
+    "serving": controller_pb2.SERVICE_HEALTH_SERVING,
+    "not_serving": controller_pb2.SERVICE_HEALTH_NOT_SERVING,
+    "restarting": controller_pb2.SERVICE_HEALTH_RESTARTING,
+    "failed": controller_pb2.SERVICE_HEALTH_FAILED,
+    "stopped": controller_pb2.SERVICE_HEALTH_STOPPED,
 }
 
 
@@ -37,7 +54,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             launcher=self.run.config.launcher,
             policy_version=self.run.progress.version,
             total_steps=summary.steps_planned,
-            max_staleness=summary.max_staleness,
+            max_staleness=self.run.tau,
             tokens_trained=sum(step.trained_tokens for step in summary.steps),
             groups_trained=sum(step.groups for step in summary.steps),
             message=summary.message,
@@ -61,7 +78,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             try:
                 duration_seconds(request.grace_period, "grace_period")
             except ValueError as e:  # refused before anything stops
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.task is not None and not self.task.done() and not self.stop_requested:
             self.stop_requested = True  # once: the service goes on serving the stopped run's summary
             self.task.cancel()
@@ -70,20 +87,66 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def SetMaxStaleness(
         self, request: controller_pb2.SetMaxStalenessRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.SetMaxStalenessResponse:
-        await _unimplemented(context, "changing max_staleness of a live run is not built yet")
+        tau = request.max_staleness
+        if not -1 <= tau <= MAX_TAU:  # (the bounds of the contract; the run checks them again)
+            await _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"max_staleness={tau} must be -1 (unbounded) or 0..{MAX_TAU}"
+            )
+        try:
+            previous, version = await self.run.set_max_staleness(tau)
+        except ValueError as e:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RunNotLive as e:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except PeerError as e:
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not set max_staleness on the {e.role} ({e.code}); the τ in force is {self.run.tau}: retry",
+            )
+        return controller_pb2.SetMaxStalenessResponse(
+            previous_max_staleness=previous, max_staleness=tau, policy_version=version
+        )
+
+    async def ListServices(
+        self, request: controller_pb2.ListServicesRequest, context: grpc.aio.ServicerContext
+    ) -> controller_pb2.ListServicesResponse:
+        views = [v for v in self.run.services() if request.kind in (0, _KINDS.get(v.role))]
+        return controller_pb2.ListServicesResponse(services=[_service_info(v) for v in views])
 
     async def ScaleRollout(
         self, request: controller_pb2.ScaleRolloutRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.ScaleRolloutResponse:
-        await _unimplemented(
-            context,
-            "scaling rollout is not built yet: set the rollout replicas of the deployment "
-            "(deploy/k8s) or start more rollout servers; each joins the queue and the sidecar "
-            "on its own",
-        )
+        try:
+            previous = self.run.scale_rollout(request.replicas)
+        except ValueError as e:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (ScalingRefused, RunNotLive) as e:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return controller_pb2.ScaleRolloutResponse(previous_replicas=previous, replicas=request.replicas)
 
 
-async def _unimplemented(context: grpc.aio.ServicerContext, details: str) -> NoReturn:
-    """Ends the call UNIMPLEMENTED (``context.abort`` raises; grpc has no type stubs to say so)."""
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+def _service_info(view: ServiceView) -> controller_pb2.ServiceInfo:
+    info = controller_pb2.ServiceInfo(
+        name=view.name,
+        kind=_KINDS.get(view.role, controller_pb2.SERVICE_KIND_UNSPECIFIED),
+        address=view.address,
+        health=_HEALTH[view.health],
+        restarts=view.restarts,
+        last_error=view.last_error,
+        launcher_handle=view.handle,
+        role=view.role,
+        replica=view.index,
+        build_version=view.build_version,
+        contract_revisions=view.contracts,
+        replicas=view.replicas,
+    )
+    if view.started_at:
+        info.started_at.CopyFrom(timestamp(view.started_at))
+    return info
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """Ends the call with ``code`` (``context.abort`` raises; grpc has no type stubs to say so)."""
+    await context.abort(code, details)
     raise AssertionError("unreachable: abort raises")

@@ -1,4 +1,4 @@
-"""The controller's client of the trainer (TrainerService): the steps it committed, and its state."""
+"""The controller's client of the trainer (TrainerService): the steps it committed, its state, the dial."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ class TrainerClient:
         with peer_errors("trainer"):
             reply = await self._stub.GetStatus(trainer_pb2.GetStatusRequest())
         return convert.trainer_status(reply)
+
+    async def set_max_staleness(self, tau: int) -> None:
+        with peer_errors("trainer"):  # idempotent by value: the channel retries it
+            await self._stub.SetMaxStaleness(trainer_pb2.SetMaxStalenessRequest(max_staleness=tau))
 
     async def close(self) -> None:
         await self._channel.close()

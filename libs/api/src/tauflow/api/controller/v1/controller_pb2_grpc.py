@@ -105,7 +105,8 @@ class ControllerServiceServicer:
         Retry class: idempotent (by value: setting the value in force does
         nothing). Status: INVALID_ARGUMENT when `max_staleness` is below -1 or
         above 1000000;
-        FAILED_PRECONDITION when the run is not starting or running;
+        FAILED_PRECONDITION when the run is not training (still starting, or
+        ended);
         UNAVAILABLE when the queue or the trainer cannot be reached to apply it
         (the old value may then still be in force on one of them; retry).
         """

@@ -1,0 +1,128 @@
+"""A client of a running controller's ControllerService, for ``tauflow scale``, ``set`` and ``status``: the
+run is found by its address, or by its run directory (``<out_dir>/controller.ready.json`` names it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
+from tauflow.controller.metrics import READY_FILE
+from tauflow.core.channel import create_channel
+
+SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
+CALL_TIMEOUT_S = 30.0
+
+
+class ControlError(RuntimeError):
+    """The run cannot be found or reached, or refused the call (the message says why)."""
+
+
+def control_address(run: str) -> str:
+    """The ControllerService address of ``run``: a host:port as it is, or a run directory whose
+    controller.ready.json records it (``tauflow run`` writes it when it starts)."""
+    path = Path(run)
+    if not path.is_dir():
+        host, _, port = run.rpartition(":")
+        if host and port.isdigit():
+            return run
+        raise ControlError(f"{run!r} is neither a run directory nor a host:port")
+    try:
+        info = json.loads((path / READY_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ControlError(f"{path} holds no running tauflow run ({READY_FILE}: {e})") from None
+    address = info.get("control_address", "")
+    if not address:
+        raise ControlError(f"the run in {path} serves no ControllerService (started by an older tauflow)")
+    return str(address)
+
+
+def live_runs(root: Path = Path("runs")) -> list[Path]:
+    """Run directories under ``root`` whose controller is alive (its pid, in controller.ready.json, runs)."""
+    found = []
+    for ready in sorted(root.glob(f"*/{READY_FILE}")):
+        try:
+            pid = int(json.loads(ready.read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if Path(f"/proc/{pid}").exists():
+            found.append(ready.parent)
+    return found
+
+
+def find_run(run: str | None) -> str:
+    """The address of the run named (a directory or host:port), or of the only live run under ./runs."""
+    if run:
+        return control_address(run)
+    live = live_runs()
+    if len(live) != 1:
+        where = ", ".join(str(p) for p in live) or "none"
+        raise ControlError(f"say which run (--run DIR or --run HOST:PORT): live runs under ./runs: {where}")
+    return control_address(str(live[0]))
+
+
+@dataclass(frozen=True)
+class Status:
+    run: dict[str, Any]
+    services: list[dict[str, Any]]
+
+
+class ControllerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = create_channel(address, [SERVICE])
+        self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+
+    async def scale_rollout(self, replicas: int) -> tuple[int, int]:
+        reply = await self._call(self._stub.ScaleRollout, controller_pb2.ScaleRolloutRequest(replicas=replicas))
+        return reply.previous_replicas, reply.replicas
+
+    async def set_max_staleness(self, tau: int) -> tuple[int, int, int]:
+        request = controller_pb2.SetMaxStalenessRequest(max_staleness=tau)
+        reply = await self._call(self._stub.SetMaxStaleness, request)
+        return reply.previous_max_staleness, reply.max_staleness, reply.policy_version
+
+    async def status(self) -> Status:
+        run = await self._call(self._stub.GetRun, controller_pb2.GetRunRequest())
+        services = await self._call(self._stub.ListServices, controller_pb2.ListServicesRequest())
+        return Status(
+            {
+                "name": run.run.name,
+                "state": controller_pb2.RunState.Name(run.run.state).removeprefix("RUN_STATE_").lower(),
+                "launcher": run.run.launcher,
+                "policy_version": run.run.policy_version,
+                "total_steps": run.run.total_steps,
+                "max_staleness": run.run.max_staleness,
+                "groups_trained": run.run.groups_trained,
+                "staleness_violations": run.run.staleness.violations,
+                "last_step_metrics": dict(run.run.last_step_metrics),
+            },
+            [
+                {
+                    "name": s.name,
+                    "role": s.role,
+                    "replica": s.replica,
+                    "replicas": s.replicas,
+                    "address": s.address,
+                    "health": controller_pb2.ServiceHealth.Name(s.health).removeprefix("SERVICE_HEALTH_").lower(),
+                    "restarts": s.restarts,
+                    "build": s.build_version,
+                    "contracts": dict(s.contract_revisions),
+                    "pid": s.launcher_handle,
+                }
+                for s in services.services
+            ],
+        )
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise ControlError(f"{e.code().name}: {e.details() or 'no details'} ({self.address})") from None
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,27 @@
+"""What the e2e suites share: the embedded recipe's prepared model and data sets, made once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runs import ADDITION, ROOT
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The warm-started model and data sets (the recipe's prepare step, seed 0); TAUFLOW_E2E_PREPARED names a
+    folder to keep them in between sessions."""
+    out = Path(os.environ.get("TAUFLOW_E2E_PREPARED", tmp_path_factory.mktemp("prepared")))
+    subprocess.run(
+        [sys.executable, str(ADDITION / "prepare.py"), "--out", str(out)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=1200,
+    )
+    return out
