@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tauflow.controller.config import ROLES, RayConfig
 from tauflow.controller.launcher import ServiceFailed, ServiceSpec
 from tauflow.controller.raylauncher import RayLauncher
-from tests.runs import run_command, tiny_addition
+from tests.runs import LiveRun, run_command, tiny_addition
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "addition"
@@ -129,6 +129,34 @@ def test_a_run_on_ray_trains_as_with_the_local_launcher_and_a_killed_trainer_com
     for role in ROLES:
         assert not _running(_ready(out, role)["pid"]), role
         assert "draining" in (out / "logs" / f"{role}.log").read_text(), role
+
+
+def test_on_ray_two_trainer_ranks_train_and_rollout_scales_1_2_1_mid_run(ray_address: str, tmp_path: Path) -> None:
+    """The trainer's gang and the rollout replicas are Ray actors' processes too, and `tauflow scale` adds and
+    removes replicas on the cluster while the run trains."""
+    model, dataset = tiny_addition(tmp_path)
+    out = tmp_path / "run"
+    steps = 300  # tiny steps: enough of them that the scaling below happens while the run trains
+    sets = [
+        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
+        "target_accuracy=null", f"steps={steps}", "groups_per_step=4", "group_size=4", "max_staleness=1",
+        "services.rollout.groups_per_ticket=2", "trainer.world_size=2", "rollout.replicas=1",
+    ]
+    run = LiveRun(run_command(RECIPE, sets, "--launcher", "ray", "--address", ray_address), out, env=RAY_ENV)
+    run.wait_for("the controller", run.controller_up)
+    run.wait_for("version 3", lambda: run.version() >= 3)
+    assert "1 -> 2" in run.tauflow("scale", "rollout", "2")
+    run.wait_for("2 serving rollout replicas", lambda: run.serving("rollout") == ["rollout", "rollout-1"])
+    for name in ("trainer", "trainer-1", "rollout", "rollout-1"):  # each its own actor's child on the node
+        assert _parent_command(_ready(out, name)["pid"]).startswith("ray::ServiceHost"), name
+    assert "2 -> 1" in run.tauflow("scale", "rollout", "1")
+    run.wait_for("one rollout replica", lambda: run.serving("rollout") == ["rollout"])
+    summary = run.finish()
+    assert summary["status"] == "completed" and summary["staleness_violations"] == 0
+    assert [n for _, n in summary["rollout_replicas"]] == [1, 2, 1]
+    assert "draining" in (out / "logs" / "rollout-1.log").read_text()  # removed with SIGTERM: it drained
+    state = json.loads((out / "checkpoints" / f"v{steps:08d}" / "trainer_state.json").read_text())
+    assert len(state["trained_group_ids"]) == len(set(state["trained_group_ids"])) == steps * 4
 
 
 def test_a_lost_actor_comes_back_on_its_node_with_the_same_ports(

@@ -6,101 +6,21 @@ a run that hangs."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tauflow.controller.adapters.controller_client import ControllerClient, control_address
 from tests.chaos import Report, account
-from tests.runs import ROOT, addition_command, addition_run
+from tests.runs import LiveRun, addition_command, addition_run
 
 GROUPS_PER_STEP = 64
 # Every record stays in the queue's log, so that the accounting can read every Put (tests/chaos.py).
 NO_COMPACTION = "services.queue.wal.compact_min_bytes=1099511627776"
-
-
-class LiveRun:
-    """A `tauflow run` started in the background, and what a test asks of it while it trains."""
-
-    def __init__(self, prepared: Path, out: Path, *settings: str, deadline_s: float = 900) -> None:
-        self.out = out
-        self.proc = subprocess.Popen(
-            addition_command(prepared, out, *settings, evaluate=False),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        self.deadline = time.monotonic() + deadline_s
-
-    def wait_for(self, what: str, done: Callable[[], bool]) -> None:
-        while not done():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the run ended while waiting for {what}: {self.stderr()}")
-            assert time.monotonic() < self.deadline, f"timed out waiting for {what}"
-            time.sleep(0.2)
-
-    def stderr(self) -> str:
-        return self.proc.stderr.read()[-3000:] if self.proc.stderr else ""
-
-    def status(self) -> dict[str, Any]:
-        """`tauflow status --json`, through the client the command uses (the run found by its directory)."""
-
-        async def ask() -> dict[str, Any]:
-            client = ControllerClient(control_address(str(self.out)))
-            try:
-                status = await client.status()
-            finally:
-                await client.close()
-            return {"run": status.run, "services": status.services}
-
-        return asyncio.run(ask())
-
-    def controller_up(self) -> bool:
-        try:
-            return bool(json.loads((self.out / "controller.ready.json").read_text()).get("control_address"))
-        except (OSError, ValueError):
-            return False
-
-    def version(self) -> int:
-        return int(self.status()["run"]["policy_version"])
-
-    def serving(self, role: str) -> list[str]:
-        return sorted(s["name"] for s in self.status()["services"] if s["role"] == role and s["health"] == "serving")
-
-    def tauflow(self, *args: str) -> str:
-        """The `tauflow` command against this run (found by its run directory)."""
-        done = subprocess.run(
-            [sys.executable, "-m", "tauflow.controller.cli", *args, "--run", str(self.out)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
-
-    def pid(self, name: str) -> int:
-        return int(json.loads((self.out / f"{name}.ready.json").read_text())["pid"])
-
-    def finish(self) -> dict[str, Any]:
-        _, err = self.proc.communicate(timeout=max(60.0, self.deadline - time.monotonic()))
-        assert self.proc.returncode == 0, err[-3000:]
-        summary: dict[str, Any] = json.loads((self.out / "summary.json").read_text())
-        return summary
 
 
 def exact_accounting(out: Path, steps: int, tmp_path: Path) -> Report:
@@ -175,10 +95,11 @@ def test_a_run_scaled_1_3_1_with_tau_changed_1_0_2_trains_every_delivered_group_
     # Long enough that the changes below (each a `tauflow` command, a replica's start) happen well within it
     # on a fast machine: the run does not wait for them.
     steps = 300
-    run = LiveRun(
-        prepared, tmp_path / "run", f"steps={steps}", "max_staleness=1", "rollout.replicas=1",
-        "services.trainer.checkpoint_every_steps=50", "traces_file=traces.jsonl", NO_COMPACTION,
-    )  # fmt: skip
+    out = tmp_path / "run"
+    run = LiveRun(addition_command(
+        prepared, out, f"steps={steps}", "max_staleness=1", "rollout.replicas=1",
+        "services.trainer.checkpoint_every_steps=50", "traces_file=traces.jsonl", NO_COMPACTION, evaluate=False,
+    ), out)  # fmt: skip
     run.wait_for("the controller", run.controller_up)
     run.wait_for("version 5", lambda: run.version() >= 5)
     assert "1 -> 3" in run.tauflow("scale", "rollout", "3")
@@ -230,11 +151,11 @@ def test_sigkill_of_one_trainer_rank_and_one_rollout_replica_mid_run_loses_nothi
     prepared: Path, tmp_path: Path
 ) -> None:
     steps = 30
-    run = LiveRun(
-        prepared, tmp_path / "run", f"steps={steps}", "max_staleness=1", "trainer.world_size=2",
-        "rollout.replicas=2", "services.trainer.checkpoint_every_steps=6", "services.trainer.lease_s=4",
-        NO_COMPACTION,
-    )  # fmt: skip
+    out = tmp_path / "run"
+    run = LiveRun(addition_command(
+        prepared, out, f"steps={steps}", "max_staleness=1", "trainer.world_size=2", "rollout.replicas=2",
+        "services.trainer.checkpoint_every_steps=6", "services.trainer.lease_s=4", NO_COMPACTION, evaluate=False,
+    ), out)  # fmt: skip
     checkpoints = run.out / "checkpoints"
     run.wait_for("checkpoint 6", lambda: (checkpoints / "v00000006").exists())
     rank1 = run.pid("trainer-1")
