@@ -32,6 +32,9 @@ from tauflow.trainer.metrics import TrainerMetrics
 from tauflow.trainer.parallel import RankGroup
 
 SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+FOLLOWER_CLOSE_S = (
+    10.0  # within the launcher's stop grace (15 s): how long a stopping rank other than 0 waits for rank 0's stop
+)
 T = TypeVar("T")
 
 
@@ -124,13 +127,25 @@ def follower(backend: TorchBackend, config: TrainerConfig) -> ServiceApp:
     """A rank other than 0: health and ServerInfo, and rank 0's commands until it says stop (then it
     stops serving too). Its collective fails when rank 0 is gone, and so does the process."""
 
+    following: list[asyncio.Future[None]] = []
+
     async def follow() -> None:
-        await in_daemon_thread(backend.follow, "follow")
+        following.append(in_daemon_thread(backend.follow, "follow"))
+        await asyncio.shield(following[0])  # a drain cancels this task, not the thread's work
         os.kill(os.getpid(), signal.SIGTERM)  # told to stop: drain and exit, as the launcher's stop would
+
+    async def close() -> None:
+        # Stopped with its role (every rank gets SIGTERM at once): wait, within a bound, for rank 0's stop,
+        # so that this rank leaves the process group with the others. A process that exits while its gloo
+        # threads still run aborts ("terminate called without an active exception").
+        if following and not following[0].done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(following[0]), FOLLOWER_CLOSE_S)
 
     return ServiceApp(
         bindings=[],
         background=[follow],
+        close=close,
         info={"rank": config.distributed.rank, "world_size": config.distributed.world_size},
     )
 

@@ -489,6 +489,7 @@ class TorchBackend:
                 self.group.full_state_dict(self.model)
                 self.group.full_optimizer_state(self.model, self.optimizer)
             elif command == "stop":
+                self.group.close()  # at once, in step with rank 0's close (the service may be stopping meanwhile)
                 return
             # "keepalive": nothing to do but to wait for the next one
 

@@ -42,6 +42,7 @@ import torch
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("fsdp", "ddp")
+CLOSE_TIMEOUT_S = 30.0  # how long a closing rank waits for the others to close too
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -259,8 +260,13 @@ class RankGroup:
     def close(self) -> None:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        # Leave together: a rank that tears its group down while a peer still uses it (rank 0 hosts the
+        # rendezvous store) could abort the other at exit ("terminate called without an active exception").
+        with contextlib.suppress(RuntimeError):  # a peer already gone: leave alone
+            dist.monitored_barrier(group=self._control, timeout=datetime.timedelta(seconds=CLOSE_TIMEOUT_S))
+        dist.destroy_process_group()
 
 
 def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
