@@ -17,13 +17,17 @@ import pytest
 from tests.chaos import KILLED, ChaosRun, schedule
 from tests.runs import tiny_addition
 
-SEED, STEPS = 0, 30
+SEED, STEPS = 0, 150
+# The faults fall where a 30-step run puts them (its first 60 %); the steps after them leave the run the time
+# to go through them all and bring the last killed role back while it trains: a tiny step takes as little as
+# 0.06 s, and a 30- or 60-step run could end while the test still waited for a role to come back.
+FAULT_STEPS = 30
 
 
 @pytest.mark.timeout(900)  # bounded waits inside; a loaded machine only makes it slower
 def test_every_role_killed_and_the_rollout_stopped_mid_run_loses_nothing(tmp_path: Path) -> None:
     model, dataset = tiny_addition(tmp_path)
-    faults = schedule(SEED, STEPS)
+    faults = schedule(SEED, FAULT_STEPS)
     assert sorted(f.role for f in faults if f.kind == "kill") == sorted(KILLED)
     chaos = ChaosRun(tmp_path, model, dataset, STEPS, faults, seed=SEED)
     report = chaos.execute()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tauflow.controller.config import ROLES
+from tauflow.core.lifeline import CHECK_EVERY_S
 from tests.runs import ADDITION, ROOT, run_command, tiny_addition
 
 STEPS, GROUPS_PER_STEP = 24, 4  # killed at step 6 or so (the run frozen first: a step takes 0.08-0.7 s), resumed
@@ -84,6 +85,9 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
         assert int(_stat(pid)[1]) == controller.pid, role
     controller.kill()
     controller.wait()
+    # Frozen past one lifeline period, so that each lifeline's sleep has run out: on SIGCONT it looks at once
+    # (a shorter freeze left it up to a second, in which the tiny run could train to its end).
+    time.sleep(CHECK_EVERY_S + 0.5)
     for pid in pids.values():
         os.kill(pid, signal.SIGCONT)
     controller.stderr.close()

@@ -104,11 +104,14 @@ def test_a_run_scaled_1_3_1_with_tau_changed_1_0_2_trains_every_delivered_group_
     run.wait_for("version 5", lambda: run.version() >= 5)
     assert "1 -> 3" in run.tauflow("scale", "rollout", "3")
     run.wait_for("3 serving rollout replicas", lambda: run.serving("rollout") == ["rollout", "rollout-1", "rollout-2"])
-    # Every replica's metrics say which replica it is (and so do its Prometheus target's labels).
-    targets = json.loads((run.out / "prometheus-targets.json").read_text())
-    rollout_targets = {t["labels"]["instance_name"]: t for t in targets if t["labels"]["role"] == "rollout"}
-    assert set(rollout_targets) == {"rollout", "rollout-1", "rollout-2"}
-    for name, target in rollout_targets.items():
+    # Every replica's metrics say which replica it is (and so do its Prometheus target's labels). The targets
+    # file is rewritten once the controller has checked the new replicas, a moment after they serve.
+    def rollout_targets() -> dict[str, dict]:
+        targets = json.loads((run.out / "prometheus-targets.json").read_text())
+        return {t["labels"]["instance_name"]: t for t in targets if t["labels"]["role"] == "rollout"}
+
+    run.wait_for("3 rollout targets", lambda: set(rollout_targets()) == {"rollout", "rollout-1", "rollout-2"})
+    for name, target in rollout_targets().items():
         port = int(target["targets"][0].rpartition(":")[2])
         info = _scrape_process_info(port)
         assert info["instance_name"] == name and info["replica"] == (name.rpartition("-")[2] if "-" in name else "0")
