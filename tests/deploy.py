@@ -37,3 +37,23 @@ def validate(docs: list[dict[str, Any]]) -> None:
         except kubernetes_validate.ValidationError as e:
             name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
             raise AssertionError(f"{name} is not valid Kubernetes {KUBERNETES_VERSION}: {e}") from None
+
+
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"  # the StatefulSet's number for each pod
+
+
+def container_environment(docs: list[dict[str, Any]], container: dict[str, Any], pod_index: int) -> dict[str, str]:
+    """The environment Kubernetes gives ``container`` of the pod numbered ``pod_index``: its ConfigMaps
+    (``envFrom``, in order), then its ``env`` (values, and the pod-index label; no other field is used)."""
+    maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        env.update(maps[ref["configMapRef"]["name"]])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        else:
+            field = var["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field == POD_INDEX, f"{var['name']}: from {field}"
+            env[var["name"]] = str(pod_index)
+    return env

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy import DEPLOY, ROOT, render, validate
+from tests.deploy import DEPLOY, POD_INDEX, ROOT, container_environment, render, validate
 
 ROLES = sorted(p.parent.name for p in (ROOT / "services").glob("*/pyproject.toml"))  # the roles with an image
 WORKLOAD_ROLES = [r for r in ROLES if r != "weights"]  # the sidecar is a container of the trainer's pod
@@ -577,3 +577,116 @@ def test_the_observability_overlay_scrapes_and_traces_every_role() -> None:
     plain = rendered(DEPLOY / "k8s" / "overlays" / "cpu")
     env = next(d["data"] for d in plain if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("tauflow-env"))
     assert env.get("OTEL_TRACES_EXPORTER") == "none"
+
+
+# -- the trainer's ranks (components/trainer-ranks) ----------------------------------------------------
+
+RANK_OVERLAYS = [o for o in OVERLAYS if "trainer-rank" in _workloads(rendered(o))] if shutil.which("kubectl") else []
+WORLD_SIZE = "TAUFLOW_TRAINER_DISTRIBUTED__WORLD_SIZE"
+MASTER = "TAUFLOW_TRAINER_DISTRIBUTED__MASTER_ADDRESS"
+
+
+def _selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
+    return all(_pod_labels(workload).get(k) == v for k, v in selector.items())
+
+
+def test_some_overlays_run_the_trainer_as_several_ranks() -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    assert {o.name for o in RANK_OVERLAYS} == {"cpu-ranks", "gpu-ranks"}
+    for overlay in OVERLAYS:
+        if overlay not in RANK_OVERLAYS:  # one rank: no rendezvous to configure
+            (_, trainer) = _role_containers(rendered(overlay))["trainer"]
+            assert WORLD_SIZE not in container_environment(rendered(overlay), trainer, 0)
+
+
+@pytest.mark.parametrize("overlay", RANK_OVERLAYS, ids=lambda p: p.name)
+def test_the_trainer_ranks_join_rank_0s_rendezvous_with_a_rank_each(overlay: Path) -> None:
+    docs = rendered(overlay)
+    workloads = _workloads(docs)
+    leader, followers = workloads["trainer"], workloads["trainer-rank"]
+    lead, follow = _containers(leader)["trainer"], _containers(followers)["trainer"]
+    assert set(_containers(followers)) == {"trainer"}, "the sidecar lives in rank 0's pod only"
+    assert follow["image"] == lead["image"] and follow["command"] == lead["command"]
+    # every rank reads the same config file, and the same ConfigMap (the generated name)
+    def config_map(workload: dict[str, Any], container: dict[str, Any]) -> str:
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_DIR]
+        (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        return volume["configMap"]["name"]
+    assert config_map(followers, follow) == config_map(leader, lead)
+
+    # ranks: rank 0 sets none (0), the others the pod index, numbered from 1; world size = 1 + their replicas
+    spec = followers["spec"]
+    assert spec["podManagementPolicy"] == "Parallel", "ranks 2.. must not wait for rank 1 to be ready"
+    start, count = spec["ordinals"]["start"], spec["replicas"]
+    assert start == 1 and count >= 1
+    rank_vars = {v["name"]: v for v in follow["env"] if v["name"] == "TAUFLOW_TRAINER_DISTRIBUTED__RANK"}
+    assert rank_vars["TAUFLOW_TRAINER_DISTRIBUTED__RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
+    envs = [container_environment(docs, lead, 0)] + [container_environment(docs, follow, start + i)
+                                                     for i in range(count)]
+    assert [int(e.get("TAUFLOW_TRAINER_DISTRIBUTED__RANK", 0)) for e in envs] == list(range(count + 1))
+    assert {e[WORLD_SIZE] for e in envs} == {str(count + 1)}, "the world size and the ranks' replicas disagree"
+    assert len({e[MASTER] for e in envs}) == 1
+
+    # the rendezvous: a Service that publishes rank 0's pod before it is ready, and no other pod
+    host, port = envs[0][MASTER].rsplit(":", 1)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    rendezvous = services[host]["spec"]
+    assert rendezvous["publishNotReadyAddresses"] is True and rendezvous["clusterIP"] == "None"
+    assert _selects(rendezvous["selector"], leader) and not _selects(rendezvous["selector"], followers)
+    (port_spec,) = [p for p in rendezvous["ports"] if p["port"] == int(port)]
+    assert _port_number(lead, port_spec["targetPort"]) == int(port)
+
+    # only rank 0 serves TrainerService and the sidecar; the StatefulSets own disjoint pods
+    for name in ("trainer", "weights"):
+        assert not _selects(services[name]["spec"]["selector"], followers), f"Service {name} reaches rank 1.."
+    assert not _selects(leader["spec"]["selector"]["matchLabels"], followers)
+    assert not _selects(followers["spec"]["selector"]["matchLabels"], leader)
+    # the other ranks need no checkpoint volume (rank 0 shares its state), but read the model's files
+    assert "volumeClaimTemplates" not in spec
+    (data,) = [m for m in follow["volumeMounts"] if m["mountPath"] == "/data"]
+    assert data["readOnly"] is True
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert follow[probe]["grpc"]["port"] == grpc_port("trainer")
+    assert follow["startupProbe"]["periodSeconds"] * follow["startupProbe"]["failureThreshold"] >= 300
+    assert _port_number(follow, metrics_port("trainer"))
+
+
+@pytest.mark.parametrize("overlay", RANK_OVERLAYS, ids=lambda p: p.name)
+def test_the_other_ranks_get_what_rank_0_gets_from_the_overlays_components(overlay: Path) -> None:
+    docs = rendered(overlay)
+    workloads = _workloads(docs)
+    follow = _containers(workloads["trainer-rank"])["trainer"]
+    env = container_environment(docs, follow, 1)
+    limit = follow.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    if overlay.name.startswith("gpu"):
+        assert limit == 1 and follow["image"] == image("trainer", "cuda")
+        assert env["TAUFLOW_TRAINER_BACKEND__DEVICE"] == "cuda"
+        assert env["TAUFLOW_TRAINER_DISTRIBUTED__LOCAL_RANK"] == "0", "the pod's one GPU is cuda:0 at any rank"
+        lead = container_environment(docs, _containers(workloads["trainer"])["trainer"], 0)
+        assert lead["TAUFLOW_TRAINER_DISTRIBUTED__LOCAL_RANK"] == "0"
+    else:
+        assert limit is None and follow["image"] == image("trainer")
+        (wait,) = workloads["trainer-rank"]["spec"]["template"]["spec"]["initContainers"]
+        assert "/data/prepared/prepared.json" in " ".join(wait["command"])
+
+
+def test_prometheus_scrapes_every_trainer_rank_and_the_sidecar_in_rank_0s_pod_only() -> None:
+    """The observability stack's metrics Services, against the ranks' pods: every rank is a trainer target
+    (9464); the sidecar job (9465) reaches rank 0's pod and no other, which has no sidecar."""
+    if not RANK_OVERLAYS:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    workloads = _workloads(rendered(RANK_OVERLAYS[0]))
+    stack = yaml.safe_load_all((DEPLOY / "observability" / "k8s" / "metrics-services.yaml").read_text())
+    services = {d["metadata"]["name"]: d["spec"] for d in stack if d}
+    prometheus = yaml.safe_load((DEPLOY / "observability" / "prometheus" / "prometheus-k8s.yml").read_text())
+    jobs = {j["job_name"]: j for j in prometheus["scrape_configs"]}
+
+    def scraped(job: str, workload: dict[str, Any]) -> list[int]:
+        return [sd["port"] for sd in jobs[job]["dns_sd_configs"] for name in sd["names"]
+                if _selects(services[name]["selector"], workload)]
+
+    assert scraped("tauflow-trainer", workloads["trainer"]) == scraped("tauflow-trainer", workloads["trainer-rank"]) \
+        == [metrics_port("trainer")]
+    assert scraped("tauflow-weights", workloads["trainer"]) == [metrics_port("weights")]
+    assert scraped("tauflow-weights", workloads["trainer-rank"]) == []

@@ -61,13 +61,16 @@ def test_kustomize_mounts_the_same_configuration_as_compose() -> None:
             for v in d["spec"]["template"]["spec"].get("volumes", []):
                 if "configMap" in v:
                     assert v["configMap"]["name"] in names, v
-    # The per-role metrics Services select the labels the roles' pods will carry (issue #5).
+    # The per-role metrics Services select the labels the roles' pods will carry (issue #5); the sidecar's
+    # in deploy/k8s selects the trainer's rank-0 pod, which holds it (tests/contract/test_deploy.py).
     for d in docs:
         if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics"):
             role = d["metadata"]["name"][len("tauflow-"):-len("-metrics")]
             assert d["spec"]["clusterIP"] == "None"
-            assert d["spec"]["selector"] == {"app.kubernetes.io/part-of": "tauflow",
-                                             "app.kubernetes.io/component": role}
+            expected = {"app.kubernetes.io/part-of": "tauflow", "app.kubernetes.io/component": role}
+            if role == "weights-sidecar":
+                expected = {**expected, "app.kubernetes.io/component": "trainer", "tauflow.dev/trainer-rank": "leader"}
+            assert d["spec"]["selector"] == expected
 
 
 def test_compose_file_mounts_files_that_exist_and_publishes_the_entry_points() -> None:

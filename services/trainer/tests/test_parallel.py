@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
     torch.set_num_threads(1)
     dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", strategy=strategy, timeout_s=120, keepalive_s=60)
     group = RankGroup(dist, torch.device("cpu"))
-    backend = TorchBackend(job["config"], checkpoint=job.get("resume"), group=group)
+    # Only rank 0 is told where the checkpoint is, as on Kubernetes, where only its pod has the volume.
+    backend = TorchBackend(job["config"], checkpoint=job.get("resume") if rank == 0 else None, group=group)
     if rank != 0:
         backend.follow()
         backend.close()
@@ -122,8 +123,9 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process(
     assert_same_weights(resumed["weights"], straight["weights"])  # optimizer moments and schedule came back
     # ... and a one-process checkpoint resumes on two ranks.
     one_process({"config": config, "batches": [first], "checkpoint": tmp_path / "one"})
-    two = run_ranks(2, "fsdp", {"config": config, "batches": [second], "resume": tmp_path / "one"}, tmp_path)
-    assert_same_weights(two["weights"], straight["weights"])
+    for strategy in ("fsdp", "ddp"):  # rank 1 reads nothing from disk: rank 0 shares weights and state
+        two = run_ranks(2, strategy, {"config": config, "batches": [second], "resume": tmp_path / "one"}, tmp_path)
+        assert_same_weights(two["weights"], straight["weights"])
 
 
 def test_balance_by_tokens_splits_evenly_and_alike() -> None:

@@ -84,9 +84,11 @@ async def build(config: TrainerConfig) -> ServiceApp:
         group = await in_daemon_thread(
             lambda: RankGroup(config.distributed, torch.device(config.backend.device)), "rendezvous"
         )
-    checkpoint = latest_checkpoint(config.checkpoint_dir) if Path(config.checkpoint_dir).exists() else None
-    if group is not None:
-        checkpoint = group.agree(checkpoint)  # rank 0's choice: every rank resumes from the same one
+    leads = group is None or group.leads
+    # Rank 0 alone reads the checkpoints (the others get their state from it): on Kubernetes they live on
+    # rank 0's volume only.
+    has_checkpoints = leads and Path(config.checkpoint_dir).exists()
+    checkpoint = latest_checkpoint(config.checkpoint_dir) if has_checkpoints else None
     backend = TorchBackend(config.backend, checkpoint=checkpoint, group=group)
     if group is not None and not group.leads:
         return follower(backend, config)

@@ -145,8 +145,9 @@ class TorchBackend:
 
     ``TorchBackend(config)`` starts from ``config.model_path`` at version 0;
     ``TorchBackend(config, checkpoint=path)`` resumes from a checkpoint written by `save_checkpoint`.
-    With ``group`` it is one rank of a data-parallel role: every rank loads the same weights, and the model
-    is sharded (FSDP2) or wrapped (DDP) before the optimizer is built.
+    With ``group`` it is one rank of a data-parallel role: every rank starts from rank 0's weights (rank 0
+    alone reads ``checkpoint``; the others ignore theirs and get its state from rank 0), and the model is
+    sharded (FSDP2) or wrapped (DDP) before the optimizer is built.
     """
 
     def __init__(
@@ -163,10 +164,14 @@ class TorchBackend:
         self.version = 0
         self.trained_group_ids: set[str] = set()
         self.ref_model: torch.nn.Module | None = None
-        if checkpoint is not None:
+        if group is not None and not group.leads:
+            checkpoint = None  # rank 0 reads it and shares what it holds: no other rank touches the checkpoints
+        elif checkpoint is not None:
             checkpoint = resolve_checkpoint(checkpoint)
         self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
         self.model = self._load_policy(self._weights_source)
+        if group is not None:
+            group.overwrite_with_leaders(self.model.state_dict().values())  # before it is sharded or wrapped
         # What forward runs on: the model itself, sharded in place by FSDP2, or DDP's wrapper of it.
         self._forward_model = group.wrap(self.model) if group is not None else self.model
         self.pad_token_id = (
@@ -177,7 +182,8 @@ class TorchBackend:
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
         if self.algorithm.config.uses_reference:
             self._ensure_reference()
-        if checkpoint is not None:
+        resuming = checkpoint is not None if group is None else group.agree(checkpoint is not None)
+        if resuming:
             self._restore_state(checkpoint)
         # Rank 0 sends one command at a time: a step, a publish and a checkpoint come from different threads.
         self._commands = threading.Lock()
@@ -579,8 +585,14 @@ class TorchBackend:
         self._restore_state(path)
         return read_checkpoint_info(path)
 
-    def _restore_state(self, path: Path) -> None:
-        meta, state = read_trainer_state(path)
+    def _restore_state(self, path: Path | None) -> None:
+        """The optimizer, schedule, RNG, version and trained ids of checkpoint ``path``; with several ranks,
+        rank 0 reads it (the others pass None) and shares it."""
+        if self.group is None:
+            assert path is not None
+            meta, state = read_trainer_state(path)
+        else:
+            meta, state = self.group.share(read_trainer_state(path) if path is not None else None)
         if self.group is not None:
             self.group.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         else:

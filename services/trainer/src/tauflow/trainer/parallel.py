@@ -22,7 +22,10 @@ collectives in every forward and backward, so every rank runs the same number of
 (:meth:`RankGroup.most`): a rank with fewer pads with an empty one whose loss is 0.
 
 Checkpoints are gathered (rank 0 writes the full weights in Hugging Face format and the optimizer state
-keyed as a single process keys it), so a checkpoint resumes at any world size. The control plane (the
+keyed as a single process keys it), so a checkpoint resumes at any world size. Only rank 0 reads one:
+every rank starts from rank 0's weights (:meth:`RankGroup.overwrite_with_leaders`) and rank 0 shares the
+rest of the state (:meth:`RankGroup.share`), so the other ranks need no access to the checkpoints (on
+Kubernetes they are on rank 0's volume alone). The control plane (the
 commands and each rank's share) is pickled objects on a gloo group: on CPU the default group, with NCCL
 a gloo group beside it.
 """
@@ -33,7 +36,7 @@ import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +130,8 @@ class RankGroup:
         )
         # Commands and shares are Python objects: on a gloo group (NCCL moves tensors on devices only).
         self._control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        # Where tensors travel on the default group: NCCL's on the rank's GPU, gloo's on the CPU.
+        self._transport = device if backend == "nccl" else torch.device("cpu")
         log.info("joined the trainer's ranks", extra={"rank": self.rank, "world_size": self.world_size})
 
     @property
@@ -221,6 +226,48 @@ class RankGroup:
         """Rank 0's ``value``, on every rank."""
         return self._broadcast([value])[0]
 
+    def overwrite_with_leaders(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every rank's ``tensors`` (the same names, shapes and order everywhere: a model's state_dict before
+        it is wrapped) become rank 0's, in place: one broadcast each, no pickling."""
+        import torch.distributed as dist
+
+        for tensor in tensors:
+            if tensor.device == self._transport:
+                dist.broadcast(tensor, src=0)
+            else:
+                moved = tensor.to(self._transport)
+                dist.broadcast(moved, src=0)
+                tensor.copy_(moved)
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` (dicts, lists and tuples holding tensors and plain objects: a checkpoint's
+        state), on every rank, its tensors on the CPU. The structure travels pickled, the tensors one
+        broadcast each, so that the size of a model's optimizer state costs no pickle."""
+        import torch.distributed as dist
+
+        tensors: list[torch.Tensor] = []
+
+        def hollow(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            tensors.append(v)
+            return _TensorSlot(len(tensors) - 1, tuple(v.shape), v.dtype)
+
+        skeleton = self.agree(_map_leaves(value, hollow) if self.leads else None)
+        slots: list[_TensorSlot] = []
+        _map_leaves(skeleton, lambda v: slots.append(v) if isinstance(v, _TensorSlot) else None)
+        received: dict[int, torch.Tensor] = {}
+        for slot in slots:  # in the order hollow numbered them, on every rank
+            if self.leads:
+                buffer = tensors[slot.index].to(self._transport)
+            else:
+                buffer = torch.empty(slot.shape, dtype=slot.dtype, device=self._transport)
+            dist.broadcast(buffer, src=0)
+            received[slot.index] = buffer.cpu()
+        if self.leads:
+            return value
+        return _map_leaves(skeleton, lambda v: received[v.index] if isinstance(v, _TensorSlot) else v)
+
     def scatter(self, shares: Sequence[Any] | None) -> Any:
         """Rank 0 passes one object per rank; every rank gets its own."""
         import torch.distributed as dist
@@ -267,6 +314,24 @@ class RankGroup:
         with contextlib.suppress(RuntimeError):  # a peer already gone: leave alone
             dist.monitored_barrier(group=self._control, timeout=datetime.timedelta(seconds=CLOSE_TIMEOUT_S))
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where :meth:`RankGroup.share` puts a tensor in the pickled structure: which one, and its shape."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """``value`` with ``fn`` applied to every leaf of its dicts, lists and tuples (in their order)."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_map_leaves(v, fn) for v in value)
+    return fn(value)
 
 
 def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
