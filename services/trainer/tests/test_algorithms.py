@@ -13,10 +13,10 @@ from tauflow.trainer.algorithms import (
     LossInputs,
     Normaliser,
     aggregate,
-    decoupled_ppo_loss,
     get_algorithm,
     grpo_advantages,
     kl_estimate,
+    policy_loss,
     sft_loss,
     summarize,
 )
@@ -43,12 +43,15 @@ def test_grpo_advantages_by_hand() -> None:
 
 
 def test_identical_rewards_give_zero_advantage_and_are_counted() -> None:
-    # all-equal rewards and a group of one carry no signal: exactly 0, flagged, counted
-    adv = grpo_advantages([[2, 2, 2], [0.5], [1, 0]], AlgorithmConfig())
+    # all-equal rewards carry no signal: exactly 0, flagged, counted; a group of one is skipped or, by
+    # default (verl's convention: mean 0, std 1), trains on its raw reward 0.5 / (1 + eps)
+    adv = grpo_advantages([[2, 2, 2], [0.5], [1, 0]], AlgorithmConfig(singleton_groups="skip"))
     assert adv.values[0] == [0.0, 0.0, 0.0]
     assert adv.values[1] == [0.0]
     assert adv.zero_groups == [True, True, False]
     assert adv.num_zero_groups == 2
+    raw = grpo_advantages([[2, 2, 2], [0.5], [1, 0]], AlgorithmConfig())
+    assert raw.values[1] == pytest.approx([0.5 / (1 + 1e-6)]) and raw.zero_groups == [True, False, False]
 
 
 def test_dr_grpo_does_not_divide_by_std() -> None:
@@ -77,7 +80,7 @@ def _clip_case(config: AlgorithmConfig) -> tuple[torch.Tensor, object]:
         mask=torch.ones(1, 4, dtype=torch.bool),
         prox_logp=torch.zeros(1, 4),
     )
-    out = decoupled_ppo_loss(inputs, config, Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, config, Normaliser.of(inputs.mask))
     out.loss.backward()
     return logp.grad, out
 
@@ -117,7 +120,7 @@ def _is_case(config: AlgorithmConfig) -> tuple[torch.Tensor, object]:
         advantages=t([1.0, 1.0, 1.0]),
         mask=torch.ones(1, 3, dtype=torch.bool),
     )
-    out = decoupled_ppo_loss(inputs, config, Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, config, Normaliser.of(inputs.mask))
     out.loss.backward()
     return logp.grad, out
 
@@ -151,7 +154,7 @@ def test_stale_sample_is_corrected_towards_the_current_policy() -> None:
     # w = 0.25/0.5 = 0.5; the reverse is weighted 2: exactly pi_prox / pi_beh
     logp = torch.log(t([0.25, 0.5])).requires_grad_()
     inputs = LossInputs(logp, torch.log(t([0.5, 0.25])), t([1.0, 1.0]), torch.ones(1, 2, dtype=torch.bool))
-    out = decoupled_ppo_loss(inputs, AlgorithmConfig(is_cap=10.0), Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, AlgorithmConfig(is_cap=10.0), Normaliser.of(inputs.mask))
     out.loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([-0.5 / 2, -2.0 / 2])  # -w·r·A/N with r = 1
 
@@ -169,7 +172,7 @@ def test_masked_tokens_never_matter_even_when_garbage() -> None:
         advantages=t([1.0, 1e6, 1.0]),
         mask=torch.tensor([[True, False, True]]),
     )
-    out = decoupled_ppo_loss(inputs, AlgorithmConfig(), Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, AlgorithmConfig(), Normaliser.of(inputs.mask))
     out.loss.backward()
     assert out.loss.item() == pytest.approx(-1.0)
     assert logp.grad.tolist()[0] == pytest.approx([-0.5, 0.0, -0.5])
@@ -207,8 +210,8 @@ def test_aggregation_is_a_config_choice() -> None:
     logp = torch.zeros(2, 2)
     mask = torch.tensor([[True, True], [True, False]])
     inputs = LossInputs(logp, torch.zeros(2, 2), torch.ones(2, 2), mask)
-    token_mean = decoupled_ppo_loss(inputs, AlgorithmConfig(aggregation="token-mean"), Normaliser.of(mask))
-    seq_sum = decoupled_ppo_loss(inputs, AlgorithmConfig(aggregation="seq-mean-token-sum"), Normaliser.of(mask))
+    token_mean = policy_loss(inputs, AlgorithmConfig(aggregation="token-mean"), Normaliser.of(mask))
+    seq_sum = policy_loss(inputs, AlgorithmConfig(aggregation="seq-mean-token-sum"), Normaliser.of(mask))
     assert token_mean.loss.item() == pytest.approx(-3 / 3)  # -3 over 3 tokens
     assert seq_sum.loss.item() == pytest.approx(-3 / 2)  # -3 over 2 sequences
 
@@ -237,12 +240,12 @@ def test_kl_penalty_adds_to_the_loss() -> None:
         torch.ones(1, 2, dtype=torch.bool),
         ref_logp=torch.full((1, 2), -1.5),
     )
-    out = decoupled_ppo_loss(inputs, AlgorithmConfig(kl_coef=0.1, kl_estimator="k3"), Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, AlgorithmConfig(kl_coef=0.1, kl_estimator="k3"), Normaliser.of(inputs.mask))
     k3 = math.exp(-0.5) - 0.5
     assert out.loss.item() == pytest.approx(0.1 * k3)
     assert summarize([out.sums])["kl_ref"] == pytest.approx(k3)
     with pytest.raises(ValueError, match="ref_logp"):
-        decoupled_ppo_loss(
+        policy_loss(
             LossInputs(logp, inputs.behaviour_logp, inputs.advantages, inputs.mask),
             AlgorithmConfig(kl_coef=0.1),
             Normaliser.of(inputs.mask),
@@ -254,7 +257,7 @@ def test_kl_to_behaviour_metric() -> None:
     # behaviour's samples: exp(0.5) - 0.5 - 1 = 0.1487213
     logp = torch.full((1, 1), -1.0)
     inputs = LossInputs(logp, torch.full((1, 1), -1.5), t([0.0]), torch.ones(1, 1, dtype=torch.bool))
-    out = decoupled_ppo_loss(inputs, AlgorithmConfig(), Normaliser.of(inputs.mask))
+    out = policy_loss(inputs, AlgorithmConfig(), Normaliser.of(inputs.mask))
     assert summarize([out.sums])["kl_behaviour"] == pytest.approx(math.exp(0.5) - 1.5)
 
 
@@ -273,7 +276,7 @@ def test_sft_loss_token_mean_nll() -> None:
 def test_registry() -> None:
     assert {"grpo", "dr_grpo", "dapo"} <= set(ALGORITHMS)
     grpo = ALGORITHMS["grpo"]
-    assert grpo.advantages is grpo_advantages and grpo.policy_loss is decoupled_ppo_loss
+    assert (grpo.config.estimator, grpo.config.loss) == ("grpo", "ppo")
     assert (grpo.config.clip_low, grpo.config.clip_high, grpo.config.aggregation) == (0.2, 0.2, "token-mean")
     assert get_algorithm("grpo", clip_high=0.28).config.clip_high == 0.28
     assert ALGORITHMS["grpo"].config.clip_high == 0.2  # overrides copy

@@ -221,3 +221,74 @@ def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: M
     info = b.save_checkpoint(tmp_path)
     c = TorchBackend(config(tiny_model_dir, device="cuda"), checkpoint=info.path)
     assert c.version == 1 and next(c.model.parameters()).is_cuda
+
+
+# ------------------------------------------------------------------------------- PPO updates in a step
+
+
+def test_mini_batches_and_epochs_make_the_clip_bind_in_one_version(
+    tiny_model_dir: Path, make_groups: MakeGroups
+) -> None:
+    groups = make_groups(5, 4)
+    opts = {"algorithm_options": {"mini_batches": 2, "epochs": 2}, "optim": OptimConfig(lr=5e-2, schedule="constant")}
+    b = TorchBackend(config(tiny_model_dir, **opts))
+    r = b.train_step(groups)
+    # four optimizer updates, one policy version, one step of the schedule
+    assert (r.policy_version, b.version, r.metrics["updates"]) == (1, 1, 4.0)
+    assert b.scheduler.last_epoch == 1
+    # the proximal policy is the weights before the first update: from the second update on, the ratio moves
+    # and the clip binds; the first update alone (one mini-batch, one epoch) never clips
+    assert r.metrics["clip_fraction"] > 0 and r.metrics["ppo_kl"] != 0.0
+    assert r.metrics["clip_fraction"] == pytest.approx(r.metrics["clip_fraction_low"] + r.metrics["clip_fraction_high"])
+    single = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=5e-2, schedule="constant"))).train_step(groups)
+    assert single.metrics["clip_fraction"] == 0.0 and single.metrics["ratio_mean"] == pytest.approx(1.0)
+    assert single.metrics["updates"] == 1.0
+
+
+def test_one_mini_batch_of_one_epoch_trains_as_a_single_update(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    # With the proximal log-probs recomputed (an extra forward) or taken as the current ones (none), a step
+    # of one update is the same update: the recomputed pass sees the same weights.
+    groups = make_groups(6, 3)
+    a = TorchBackend(config(tiny_model_dir))
+    a.train_step(groups)
+    b = TorchBackend(config(tiny_model_dir))
+    proximal = b._proximal([b._micro_batches(mb) for mb in b._plan(groups, b.algorithm, -1).mini_batches])
+    assert all(torch.isfinite(t).all() for row in proximal for t in row)
+    b.train_step(groups)
+    for key, value in params(a).items():
+        assert torch.equal(value, params(b)[key]), key
+
+
+def test_proximal_behaviour_uses_the_samplers_log_probs(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    # proximal = behaviour: the ratio is π_θ / π_behaviour (coupled PPO, no IS weight); behaviour log-probs
+    # of ~-3 against a near-uniform model (~-2.8) put most ratios above 1 + 0.2 or below
+    groups = make_groups(7, 3)
+    b = TorchBackend(config(tiny_model_dir, algorithm_options={"proximal": "behaviour"}))
+    r = b.train_step(groups)
+    assert r.metrics["is_weight_mean"] == pytest.approx(1.0)
+    assert r.metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert r.metrics["clip_fraction"] > 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "grpo_passk",
+        "gspo",
+        "sapo",
+        "cispo",
+        "gpg",
+        "icepop",
+        "dr_grpo",
+    ],
+)
+def test_every_preset_trains_a_step(tiny_model_dir: Path, make_groups: MakeGroups, name: str) -> None:
+    b = TorchBackend(config(tiny_model_dir, algorithm=name, algorithm_options={"entropy_coef": 0.01}))
+    before = params(b)
+    r = b.train_step(make_groups(8, 3))
+    assert r.committed and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
+    assert "entropy_loss" in r.metrics
+    assert any(not torch.equal(before[k], v) for k, v in params(b).items()), name

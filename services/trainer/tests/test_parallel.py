@@ -104,6 +104,22 @@ def test_two_ranks_make_the_update_of_one(
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_make_the_updates_of_one_over_mini_batches_and_epochs(
+    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # 2 mini-batches x 2 epochs: four updates a step, each normalised over its whole mini-batch (both ranks'
+    # shares), the proximal log-probs computed before the first; rank 0's clip statistics cover every rank.
+    options = {"mini_batches": 2, "epochs": 2, "clip_ratio_c": 2.0, "entropy_coef": 0.01}
+    job = {"config": backend_config(tiny_model_dir, algorithm_options=options), "batches": [make_groups(9, 6)]}
+    single = one_process(job)
+    both = run_ranks(2, strategy, job, tmp_path)
+    assert_same_weights(both["weights"], single["weights"])
+    for key in ("loss", "grad_norm", "tokens", "clip_fraction", "clip_fraction_dual", "ppo_kl", "updates"):
+        assert both["metrics"][0][key] == pytest.approx(single["metrics"][0][key], rel=1e-5, abs=1e-7), key
+    assert single["metrics"][0]["clip_fraction"] > 0
+
+
 def test_a_rank_without_samples_still_takes_the_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     # One sample trains: rank 1 has nothing, yet runs FSDP2's collectives with an empty micro-batch.
     one = Group("solo", [Sample([1, 2], [3, 4, 5], [-2.0] * 3, reward=float(i)) for i in range(2)])

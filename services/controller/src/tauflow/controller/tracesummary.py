@@ -9,7 +9,7 @@ being served:
 - ``score``: its ticket's ``reward.score`` span;
 - ``queue_wait``: from the end of its ``queue.put`` to the end of the consuming step's ``queue.get`` that
   delivered it (the first Get of the step that ended after the put; the last one otherwise);
-- ``train``: from the step's last ``queue.get`` end to the end of its ``optimizer.step``;
+- ``train``: from the step's last ``queue.get`` end to the end of its last ``optimizer.step``;
 - ``publish``: the step's ``weights.publish`` (the trainer's hand-off to the sidecar);
 - ``broadcast``: the sidecar's ``weights.broadcast`` that links to that publish; when the sidecar skipped
   the version (a newer one was published meanwhile), the first broadcast of a newer version that started
@@ -141,9 +141,9 @@ def breakdown(spans: Iterable[Span]) -> list[GroupLatency]:
             after = [g for g in gets if g["end_ns"] >= put["end_ns"]]
             delivered = min(after, key=lambda g: g["end_ns"]) if after else gets[-1]
             rec.queue_wait = max(0.0, _s(delivered["end_ns"] - put["end_ns"]))
-        optimizer = next(iter(child(step, "optimizer.step")), None)
-        if optimizer is not None and gets:
-            rec.train = _s(optimizer["end_ns"] - max(g["end_ns"] for g in gets))
+        optimizers = child(step, "optimizer.step")  # one per optimizer update of the step: the last ends it
+        if optimizers and gets:
+            rec.train = _s(max(o["end_ns"] for o in optimizers) - max(g["end_ns"] for g in gets))
         publish = next(iter(child(step, "weights.publish")), None)
         rec.publish = _duration(publish)
         if publish is None:

@@ -14,6 +14,7 @@ run :meth:`TorchBackend.follow`, doing what rank 0 tells them, until it tells th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 import threading
@@ -27,18 +28,12 @@ import torch
 from opentelemetry import trace
 
 from tauflow.core.staleness import UNBOUNDED, too_stale
-from tauflow.trainer.algorithms import (
-    Algorithm,
-    LossInputs,
-    Normaliser,
-    add_sums,
-    get_algorithm,
-    sft_loss,
-    summarize,
-)
+from tauflow.trainer.advantages import Advantage, Scored
+from tauflow.trainer.algorithms import Algorithm, get_algorithm
 from tauflow.trainer.batch import (
     PADDING_SIDES,
     Group,
+    PackedBatch,
     Sample,
     completion_logprobs,
     pack,
@@ -53,6 +48,7 @@ from tauflow.trainer.checkpoint import (
     set_rng_state,
     write_checkpoint,
 )
+from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, sft_loss, summarize
 from tauflow.trainer.optim import OptimConfig, build_optimizer
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 
@@ -126,6 +122,15 @@ class StepResult:
 
 
 @dataclass
+class MiniBatch:
+    """One optimizer update's samples, their advantages and the normaliser of the whole mini-batch."""
+
+    samples: list[Sample]
+    advantages: list[Advantage]
+    norm: Normaliser
+
+
+@dataclass
 class StepPlan:
     """What a step trains, decided before any forward: the same on every rank."""
 
@@ -135,9 +140,14 @@ class StepPlan:
     stale: list[str]
     samples: list[Sample] = field(default_factory=list)
     """The samples with at least one trained token, of groups with a signal."""
-    advantages: list[float] = field(default_factory=list)
-    norm: Normaliser = field(default_factory=lambda: Normaliser(0.0, 0.0, 0.0))
+    advantages: list[Advantage] = field(default_factory=list)
+    mini_batches: list[MiniBatch] = field(default_factory=list)
+    """The step's samples in ``mini_batches`` parts (in order, sizes differing by one at most)."""
     skipped_zero: int = 0
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(s.trained_tokens for s in self.samples)
 
 
 class TorchBackend:
@@ -227,11 +237,10 @@ class TorchBackend:
         """The learning rate the next optimizer step will use."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _optimizer_step(self) -> dict[str, float]:
-        """Clip, step the optimizer and the schedule, clear the gradients. A non-finite gradient norm skips
-        the update (the step still commits a version, with ``skipped_nonfinite_grad`` = 1). With FSDP2 the
-        norm is that of the whole gradient, over every rank's shard: every rank decides alike."""
-        lr = self.lr
+    def _update(self) -> dict[str, float]:
+        """Clip, step the optimizer, clear the gradients. A non-finite gradient norm skips the update
+        (``skipped_nonfinite_grad`` = 1). With FSDP2 the norm is that of the whole gradient, over every
+        rank's shard: every rank decides alike."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip is not None else math.inf
         grad_norm = 0.0
@@ -244,9 +253,15 @@ class TorchBackend:
             self.optimizer.step()
         else:
             skipped = 1.0
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite_grad": skipped}
+        return {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """One update, then the schedule's step (a step of one update: SFT)."""
+        lr = self.lr
+        out = self._update()
+        self.scheduler.step()
+        return {**out, "lr": lr}
 
     # ---------------------------------------------------------------------------------------------
     # Steps
@@ -284,14 +299,18 @@ class TorchBackend:
                 skipped_duplicate_group_ids=plan.duplicates,
                 skipped_stale_group_ids=plan.stale,
             )
-        with self._command("train", (alg, plan.norm)):
-            samples, advantages = plan.samples, plan.advantages
+        with self._command("train", alg):
+            mine = plan.mini_batches
             if self.group is not None:
-                shares = balance_by_tokens([len(s) for s in samples], self.group.world_size)
-                samples, advantages = self.group.scatter(
-                    [([samples[i] for i in share], [advantages[i] for i in share]) for share in shares]
-                )
-            metrics = self._train_share(alg, samples, advantages, plan.norm)
+                # Each rank gets its share of every mini-batch, balanced by tokens within the mini-batch.
+                per_rank: list[list[MiniBatch]] = [[] for _ in range(self.group.world_size)]
+                for mb in plan.mini_batches:
+                    for rank, share in enumerate(balance_by_tokens([len(s) for s in mb.samples], len(per_rank))):
+                        per_rank[rank].append(
+                            MiniBatch([mb.samples[i] for i in share], [mb.advantages[i] for i in share], mb.norm)
+                        )
+                mine = self.group.scatter(per_rank)
+            metrics = self._train(alg, mine)
         self.version += 1
         self.trained_group_ids.update(g.group_id for g in plan.fresh)
 
@@ -310,7 +329,7 @@ class TorchBackend:
             committed=True,
             groups=len(plan.fresh),
             samples=len(all_samples),
-            trained_tokens=int(plan.norm.tokens),
+            trained_tokens=plan.trained_tokens,
             max_staleness=max(staleness),
             mean_staleness=sum(staleness) / len(staleness),
             mean_reward=sum(s.reward for s in all_samples) / len(all_samples),
@@ -341,7 +360,7 @@ class TorchBackend:
         plan = StepPlan(fresh, duplicates, stale)
         if not fresh:
             return plan
-        advantages = alg.advantages([[s.reward for s in g.samples] for g in fresh], cfg)
+        advantages = alg.advantages([[Scored(s.reward, s.mask) for s in g.samples] for g in fresh])
         for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
             if zero and cfg.skip_zero_advantage_groups:
                 plan.skipped_zero += 1
@@ -350,75 +369,135 @@ class TorchBackend:
                 if s.trained_tokens > 0:
                     plan.samples.append(s)
                     plan.advantages.append(a)
-        plan.norm = Normaliser(
-            tokens=float(sum(s.trained_tokens for s in plan.samples)),
-            sequences=float(len(plan.samples)),
-            samples=float(sum(len(g.samples) for g in fresh)),
-        )
+        consumed = sum(len(g.samples) for g in fresh)
+        parts = max(1, min(cfg.mini_batches, len(plan.samples)))
+        bounds = [len(plan.samples) * j // parts for j in range(parts + 1)]
+        for lo, hi in itertools.pairwise(bounds):
+            samples = plan.samples[lo:hi]
+            norm = Normaliser(
+                tokens=float(sum(s.trained_tokens for s in samples)),
+                sequences=float(len(samples)),
+                # sample-sum: the step's consumed samples, shared out among its mini-batches by their samples
+                samples=consumed * len(samples) / len(plan.samples) if plan.samples else float(consumed),
+                longest=float(max((len(s.completion_ids) for s in samples), default=0)),
+            )
+            plan.mini_batches.append(MiniBatch(samples, plan.advantages[lo:hi], norm))
         return plan
 
-    def _train_share(
-        self, alg: Algorithm, samples: list[Sample], advantages: list[float], norm: Normaliser
-    ) -> dict[str, float]:
-        """Forward and backward over this rank's ``samples`` in micro-batches, the loss normalised by the
-        whole batch's ``norm``; then the optimizer step. Every rank runs as many micro-batches as the rank
-        with the most (an empty one has loss 0), since FSDP2's collectives pair them up. Returns the step's
-        metrics over every rank."""
+    def _micro_batches(self, mini_batch: MiniBatch) -> list[tuple[PackedBatch, bool]]:
+        """This rank's share of ``mini_batch`` packed in micro-batches, padded with empty ones (loss 0) to the
+        count of the rank with the most, since FSDP2's collectives pair the ranks' forwards up. Each comes
+        with whether it is real."""
+        samples, advantages = mini_batch.samples, mini_batch.advantages
+        index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
+        count = self.group.most(len(index)) if self.group is not None else len(index)
+        out = []
+        for k in range(count):
+            if k < len(index):
+                batch = pack(
+                    [samples[i] for i in index[k]],
+                    [advantages[i] for i in index[k]],
+                    pad_token_id=self.pad_token_id,
+                    padding_side=self.config.padding_side,
+                )
+                out.append((batch.to(self.device), True))
+            else:
+                out.append((pack([self._empty_sample()], [0.0], pad_token_id=self.pad_token_id).to(self.device), False))
+        return out
+
+    def _proximal(self, plans: list[list[tuple[PackedBatch, bool]]]) -> list[list[torch.Tensor]]:
+        """log π_prox of every micro-batch: the weights before the step's first update, by a forward pass
+        without gradients (every rank runs as many as the others)."""
+        with torch.no_grad(), tracer.start_as_current_span("proximal_logprobs"):
+            out = []
+            for micro in plans:
+                row = []
+                for batch, _ in micro:
+                    with self._autocast():
+                        row.append(
+                            completion_logprobs(
+                                self._forward_model, batch, temperature=self.config.temperature
+                            ).logprobs
+                        )
+                out.append(row)
+            return out
+
+    def _train(self, alg: Algorithm, mini_batches: list[MiniBatch]) -> dict[str, float]:
+        """This rank's part of a step: ``epochs`` passes over the mini-batches, one optimizer update each,
+        over this rank's share in micro-batches with the loss normalised by the whole mini-batch (every
+        rank's share); then one step of the learning-rate schedule (it counts steps, as the policy version
+        does). When the step makes more than one update, the proximal log-probs come from a forward pass
+        before the first. Returns the step's metrics over every rank."""
         cfg = alg.config
         ref = self._ensure_reference() if cfg.uses_reference else None
         model = self._forward_model
-        batches = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
-        count = self.group.most(len(batches)) if self.group is not None else len(batches)
         scale = float(self.world_size)  # the ranks' gradients are averaged: scaled by N, they add up
-        parts: list[dict[str, float]] = []
         model.train()
-        with tracer.start_as_current_span(
-            "forward_backward", attributes={"rl.samples": len(samples), "rl.trained_tokens": int(norm.tokens)}
-        ) as fb_span:
-            for k in range(count):
-                if k < len(batches):
-                    index = batches[k]
-                    mb = pack(
-                        [samples[i] for i in index],
-                        [advantages[i] for i in index],
-                        pad_token_id=self.pad_token_id,
-                        padding_side=self.config.padding_side,
-                    ).to(self.device)
-                else:
-                    mb = pack([self._empty_sample()], [0.0], pad_token_id=self.pad_token_id).to(self.device)
-                with self._autocast():
-                    lp = completion_logprobs(
-                        model, mb, temperature=self.config.temperature, with_entropy=self.config.compute_entropy
-                    )
-                    ref_logp = None
-                    if ref is not None:
-                        with torch.no_grad():
-                            ref_logp = completion_logprobs(ref, mb, temperature=self.config.temperature).logprobs
-                out = alg.policy_loss(
-                    LossInputs(
-                        logp=lp.logprobs,
-                        behaviour_logp=mb.behaviour_logprobs,
-                        advantages=mb.advantages,
-                        mask=mb.loss_mask,
-                        ref_logp=ref_logp,
-                        entropy=lp.entropy,
-                    ),
-                    cfg,
-                    norm,
-                )
-                with self._accumulating(last=k == count - 1):
-                    (out.loss * scale if scale != 1.0 else out.loss).backward()
-                if k < len(batches):
-                    parts.append(out.sums)
-            fb_span.set_attribute("rl.micro_batches", len(parts))
+        plans = [self._micro_batches(mb) for mb in mini_batches]
+        prox = self._proximal(plans) if cfg.proximal == "recompute" and cfg.updates > 1 else None
+        with_entropy = self.config.compute_entropy or cfg.entropy_coef > 0
+        parts: list[dict[str, float]] = []
+        updates: list[dict[str, float]] = []
+        lr = self.lr
+        for epoch in range(cfg.epochs):
+            for j, (mb, micro) in enumerate(zip(mini_batches, plans, strict=True)):
+                # One span per update: the forward and backward of its micro-batches, then the optimizer's step.
+                with tracer.start_as_current_span(
+                    "forward_backward",
+                    attributes={
+                        "rl.samples": len(mb.samples),
+                        "rl.trained_tokens": int(mb.norm.tokens),
+                        "rl.micro_batches": sum(real for _, real in micro),
+                        "rl.update": epoch * len(mini_batches) + j,
+                    },
+                ):
+                    for k, (batch, real) in enumerate(micro):
+                        with self._autocast():
+                            lp = completion_logprobs(
+                                model,
+                                batch,
+                                temperature=self.config.temperature,
+                                with_entropy=with_entropy,
+                                entropy_grad=cfg.entropy_coef > 0,
+                            )
+                            ref_logp = None
+                            if ref is not None:
+                                with torch.no_grad():
+                                    ref_logp = completion_logprobs(
+                                        ref, batch, temperature=self.config.temperature
+                                    ).logprobs
+                        if prox is not None:
+                            prox_logp: torch.Tensor | None = prox[j][k]
+                        else:
+                            prox_logp = batch.behaviour_logprobs if cfg.proximal == "behaviour" else None
+                        out = alg.policy_loss(
+                            LossInputs(
+                                logp=lp.logprobs,
+                                behaviour_logp=batch.behaviour_logprobs,
+                                advantages=batch.advantages,
+                                mask=batch.loss_mask,
+                                prox_logp=prox_logp,
+                                ref_logp=ref_logp,
+                                entropy=lp.entropy,
+                            ),
+                            mb.norm,
+                        )
+                        with self._accumulating(last=k == len(micro) - 1):
+                            (out.loss * scale if scale != 1.0 else out.loss).backward()
+                        if real:
+                            parts.append({**out.sums, "micro_batches": 1.0})
+                with tracer.start_as_current_span("optimizer.step"):
+                    updates.append(self._update())
+        self.scheduler.step()
         totals = add_sums(parts)
-        totals["micro_batches"] = float(len(parts))
         if self.group is not None:
             totals = self.group.sum(totals)
-        metrics = summarize([totals])
+        metrics = summarize([totals], updates=len(updates))
         metrics["micro_batches"] = totals.get("micro_batches", 0.0)
-        with tracer.start_as_current_span("optimizer.step"):
-            metrics.update(self._optimizer_step())
+        metrics["updates"] = float(len(updates))
+        metrics["grad_norm"] = sum(u["grad_norm"] for u in updates) / max(len(updates), 1)
+        metrics["skipped_nonfinite_grad"] = sum(u["skipped_nonfinite_grad"] for u in updates)
+        metrics["lr"] = lr
         return metrics
 
     def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -485,9 +564,7 @@ class TorchBackend:
         while True:
             command, payload = self.group.receive()
             if command == "train":
-                alg, norm = payload
-                samples, advantages = self.group.scatter(None)
-                self._train_share(alg, samples, advantages, norm)
+                self._train(payload, self.group.scatter(None))
                 self.version += 1
             elif command == "gather":
                 self.group.full_state_dict(self.model)

@@ -134,13 +134,13 @@ class PackedBatch:
 
 def pack(
     samples: Sequence[Sample],
-    advantages: Sequence[float] | None = None,
+    advantages: Sequence[float | Sequence[float]] | None = None,
     *,
     pad_token_id: int = 0,
     padding_side: str = "right",
 ) -> PackedBatch:
-    """Pad ``samples`` into one batch; ``advantages`` (one per sample, default 0) is broadcast over each
-    sample's completion tokens."""
+    """Pad ``samples`` into one batch. ``advantages`` (default 0) holds one per sample: a float, broadcast
+    over the sample's completion tokens, or one value per completion token."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     if padding_side not in PADDING_SIDES:
@@ -164,7 +164,13 @@ def pack(
         loss_mask[i, t0 : t0 + c] = torch.tensor(s.mask, dtype=torch.bool)
         behaviour[i, t0 : t0 + c] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         if advantages is not None:
-            adv[i, t0 : t0 + c] = float(advantages[i])
+            a = advantages[i]
+            if isinstance(a, int | float):
+                adv[i, t0 : t0 + c] = float(a)
+            elif len(a) == c:
+                adv[i, t0 : t0 + c] = torch.tensor([float(x) for x in a], dtype=torch.float32)
+            else:
+                raise ValueError(f"sample {s.sample_id!r}: {len(a)} advantages for {c} completion tokens")
     adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return PackedBatch(input_ids, attention_mask, position_ids, loss_mask, behaviour, adv)
@@ -205,7 +211,8 @@ class TokenLogProbs:
     logprobs: torch.Tensor
     """``[B, T - 1]`` float32: log p(input_ids[:, t + 1] | input_ids[:, :t + 1])."""
     entropy: torch.Tensor | None = None
-    """``[B, T - 1]`` float32 entropy of the predicted distribution (no grad), when asked for."""
+    """``[B, T - 1]`` float32 entropy of the predicted distribution, when asked for (with grad only when
+    asked for too: the entropy bonus)."""
 
 
 def completion_logprobs(
@@ -214,6 +221,7 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> TokenLogProbs:
     """Per-token log-probs of every target token under a causal LM: float32 ``log_softmax`` of
     ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
@@ -234,7 +242,7 @@ def completion_logprobs(
     logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.enable_grad() if entropy_grad else torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
             entropy = logsumexp - (probs * logits).sum(-1)
     return TokenLogProbs(logprobs, entropy)

@@ -1,0 +1,224 @@
+"""Advantage estimators: from the rewards of a step's groups to one advantage per sample, or one per
+completion token (docs/algorithms.md has the formulas, their options and the peers' conventions).
+
+An estimator sees every group of the step at once (REINFORCE++ whitens over the whole batch, GPG scales by
+the batch's share of groups with a signal) and returns, for each sample, a float (the same for all its
+completion tokens) or a list with one value per completion token. Groups whose every advantage is exactly
+0 are reported, so that the backend can skip their forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tauflow.trainer.algorithms import AlgorithmConfig
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg")
+SINGLETON_GROUPS = ("raw", "skip")
+GPG_ALPHAS = ("valid", "nonzero")
+WHITEN_EPS = 1e-8  # inside the square root, as verl and OpenRLHF whiten
+
+Advantage = float | list[float]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What an estimator reads of a sample: its reward and which completion tokens train."""
+
+    reward: float
+    mask: Sequence[bool]
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(bool(x) for x in self.mask)
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """One advantage per sample (a float, or one per completion token), per group, and which groups carry
+    no signal (every advantage exactly 0)."""
+
+    values: list[list[Advantage]]
+    zero_groups: list[bool]
+
+    @property
+    def num_zero_groups(self) -> int:
+        return sum(self.zero_groups)
+
+
+def _rewards(group: Sequence[Scored]) -> torch.Tensor:
+    if len(group) == 0:
+        raise ValueError("a group has no samples")
+    r = torch.tensor([float(s.reward) for s in group], dtype=torch.float64)
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    return r
+
+
+def _is_zero(values: Sequence[Advantage]) -> bool:
+    return all((v == 0.0) if isinstance(v, float) else all(x == 0.0 for x in v) for v in values)
+
+
+def _result(values: list[list[Advantage]], skipped: Sequence[bool] | None = None) -> GroupAdvantages:
+    skipped = skipped or [False] * len(values)
+    return GroupAdvantages(values, [s or _is_zero(v) for v, s in zip(values, skipped, strict=True)])
+
+
+def _singleton(group: Sequence[Scored], r: torch.Tensor, config: AlgorithmConfig) -> list[Advantage]:
+    """A group of one sample has no baseline: its raw reward (verl's convention: mean 0, std 1), or 0 (skip)."""
+    if config.singleton_groups == "skip":
+        return [0.0]
+    value = float(r[0])
+    return [value / (1.0 + config.adv_eps) if config.norm_adv_by_std and config.estimator == "grpo" else value]
+
+
+def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """A_i = (r_i − mean(r)) / (std(r) + eps), std with Bessel's correction; without norm_adv_by_std
+    (Dr. GRPO), A_i = r_i − mean(r)."""
+    values: list[list[Advantage]] = []
+    for group in groups:
+        r = _rewards(group)
+        if len(group) == 1:
+            values.append(_singleton(group, r, config))
+            continue
+        a = r - r.mean()
+        if config.norm_adv_by_std:
+            a = a / (r.std(unbiased=True) + config.adv_eps)
+        values.append([float(x) for x in a])
+    return _result(values)
+
+
+def rloo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """Leave-one-out baseline: A_i = r_i − mean_{j≠i}(r_j) = n / (n − 1) · (r_i − mean(r))."""
+    values: list[list[Advantage]] = []
+    for group in groups:
+        r = _rewards(group)
+        if len(group) == 1:
+            values.append(_singleton(group, r, config))
+            continue
+        n = len(group)
+        values.append([float(x) for x in r - (r.sum() - r) / (n - 1)])
+    return _result(values)
+
+
+def grpo_passk(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """Pass@k-style GRPO (as verl's grpo_passk): only the group's best sample (the first of equals) gets a
+    non-zero advantage, r_max − r_second, divided by (std(r) + eps) with norm_adv_by_std."""
+    values: list[list[Advantage]] = []
+    for group in groups:
+        r = _rewards(group)
+        if len(group) == 1:
+            values.append(_singleton(group, r, config))
+            continue
+        best = int(torch.argmax(r))
+        second = float(torch.topk(r, 2).values[1])
+        a = float(r[best]) - second
+        if config.norm_adv_by_std:
+            a = a / (float(r.std(unbiased=True)) + config.adv_eps)
+        row: list[Advantage] = [0.0] * len(group)
+        row[best] = a
+        values.append(row)
+    return _result(values)
+
+
+def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """GPG: A_i = α · (r_i − mean(r)) (/ (std + eps) with norm_adv_by_std), α = B / B_valid, B the step's
+    samples. gpg_alpha "valid" (the paper): B_valid counts the samples of groups whose rewards are not all
+    equal; "nonzero" (verl): the samples whose reward is not 0."""
+    rewards = [_rewards(g) for g in groups]
+    total = sum(len(r) for r in rewards)
+    if config.gpg_alpha == "valid":
+        valid = sum(len(r) for r in rewards if len(r) > 1 and not bool((r == r[0]).all()))
+    else:
+        valid = sum(int((r != 0).sum()) for r in rewards)
+    alpha = total / max(valid, 1)
+    values: list[list[Advantage]] = []
+    for group, r in zip(groups, rewards, strict=True):
+        if len(group) == 1:
+            values.append([alpha * v if isinstance(v, float) else v for v in _singleton(group, r, config)])
+            continue
+        a = r - r.mean()
+        if config.norm_adv_by_std:
+            a = a / (r.std(unbiased=True) + config.adv_eps)
+        values.append([float(x) for x in alpha * a])
+    return _result(values)
+
+
+def _whiten(per_sample: list[list[torch.Tensor]], masks: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """(x − μ) / sqrt(σ² + 1e-8) over every trained token of the batch, σ² with Bessel's correction."""
+    flat = torch.cat([x[m] for xs, ms in zip(per_sample, masks, strict=True) for x, m in zip(xs, ms, strict=True)])
+    if flat.numel() == 0:
+        return per_sample
+    mean = flat.mean()
+    var = flat.var(unbiased=True) if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype)
+    scale = torch.rsqrt(var + WHITEN_EPS)
+    return [[(x - mean) * scale for x in xs] for xs in per_sample]
+
+
+def reinforce_pp(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """REINFORCE++: the discounted return of the outcome reward at each completion token t of c,
+    G_t = γ^(c − 1 − t) · r, whitened over every trained token of the batch (no baseline, no group)."""
+    returns: list[list[torch.Tensor]] = []
+    masks: list[list[torch.Tensor]] = []
+    for group in groups:
+        r = _rewards(group)
+        row, mask_row = [], []
+        for s, reward in zip(group, r, strict=True):
+            c = len(s.mask)
+            powers = torch.arange(c - 1, -1, -1, dtype=torch.float64)
+            row.append(reward * torch.pow(torch.tensor(config.gamma, dtype=torch.float64), powers))
+            mask_row.append(torch.tensor([bool(x) for x in s.mask], dtype=torch.bool))
+        returns.append(row)
+        masks.append(mask_row)
+    whitened = _whiten(returns, masks)
+    values: list[list[Advantage]] = [[[float(x) for x in a] for a in row] for row in whitened]
+    return _result(values)
+
+
+def reinforce_pp_baseline(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """REINFORCE++-baseline: s_i = r_i − mean(r) of its group, then whitened over every trained token of the
+    batch (each sample's tokens all carry s_i, so each sample keeps one advantage). A skipped singleton
+    group stays out of the statistics."""
+    scores: list[list[torch.Tensor]] = []
+    masks: list[list[torch.Tensor]] = []
+    skipped: list[bool] = []
+    for group in groups:
+        r = _rewards(group)
+        skip = len(group) == 1 and config.singleton_groups == "skip"
+        s = r - (r.mean() if len(group) > 1 else 0.0)
+        skipped.append(skip)
+        scores.append(
+            [torch.full((len(x.mask),), float(v), dtype=torch.float64) for x, v in zip(group, s, strict=True)]
+        )
+        masks.append([torch.tensor([bool(m) and not skip for m in x.mask], dtype=torch.bool) for x in group])
+    whitened = _whiten(scores, masks)
+    values: list[list[Advantage]] = []
+    for row, skip, group in zip(whitened, skipped, groups, strict=True):
+        values.append([0.0] * len(group) if skip else [float(a[0]) if a.numel() else 0.0 for a in row])
+    return _result(values, skipped)
+
+
+AdvantageEstimator = Callable[[Sequence[Sequence[Scored]], "AlgorithmConfig"], GroupAdvantages]
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+    "grpo_passk": grpo_passk,
+    "gpg": gpg,
+}
+
+
+def estimate(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """The advantages of ``config.estimator`` for the step's groups."""
+    try:
+        estimator = ADVANTAGE_ESTIMATORS[config.estimator]
+    except KeyError:
+        raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, not {config.estimator!r}") from None
+    return estimator(groups, config)

@@ -1,0 +1,508 @@
+"""Every estimator, loss, aggregation, correction and KL estimator against a small numpy reference written
+from the published formula (docs/algorithms.md), on random batches: values and gradients, with masked
+tokens, fully-masked rows, singleton groups, equal rewards and extreme ratios. The references loop over
+sequences and tokens in float64 and share no code with the torch implementation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tauflow.trainer.advantages import Scored, estimate
+from tauflow.trainer.algorithms import ALGORITHMS, AlgorithmConfig
+from tauflow.trainer.losses import AGGREGATIONS, LossInputs, Normaliser, aggregate, kl_estimate, policy_loss
+
+SEEDS = range(6)
+B, T = 6, 9
+TOL = dict(rel=1e-5, abs=1e-6)
+
+# ------------------------------------------------------------------------------------------ random data
+
+
+def random_groups(rng: np.random.Generator, *, sizes: tuple[int, ...] = (4, 4, 1, 3), binary: bool = False):
+    """Groups of scored samples: random rewards (one group with equal rewards), random masks."""
+    groups = []
+    for g, n in enumerate(sizes):
+        if g == 1:
+            rewards = [1.0] * n  # equal rewards
+        elif binary:
+            rewards = [float(x) for x in rng.integers(0, 2, n)]
+        else:
+            rewards = [float(x) for x in rng.normal(size=n).round(3)]
+        group = []
+        for r in rewards:
+            c = int(rng.integers(1, 7))
+            mask = [bool(x) for x in rng.random(c) > 0.25]
+            mask[int(rng.integers(0, c))] = True
+            group.append(Scored(r, mask))
+        groups.append(group)
+    return groups
+
+
+def random_batch(rng: np.random.Generator, *, spread: float = 0.3, extreme: bool = False) -> dict[str, np.ndarray]:
+    """A [B, T] batch: log-probs of the current, proximal and behaviour policies and of a reference, token
+    advantages, and a mask with a fully-masked row and masked tokens; the unmasked places hold garbage."""
+    logp = np.log(rng.uniform(0.05, 0.95, (B, T)))
+    prox = logp + rng.normal(0, spread, (B, T))
+    beh = prox + rng.normal(0, spread, (B, T))
+    ref = logp + rng.normal(0, spread, (B, T))
+    if extreme:
+        prox[0, :3] = logp[0, :3] - 8.0  # ratios of e^8
+        beh[1, :3] = prox[1, :3] + 9.0
+        ref[2, :2] = logp[2, :2] + 12.0  # k3 far past its clamp
+    adv = rng.normal(0, 1, (B, 1)) * np.ones((1, T)) + rng.normal(0, 0.1, (B, T))
+    mask = rng.random((B, T)) > 0.3
+    mask[3] = False  # a fully-masked row
+    mask[0, 0] = mask[1, 0] = True
+    beh = np.where(mask, beh, np.nan)  # garbage outside the mask must not matter
+    return {"logp": logp, "prox": prox, "beh": beh, "ref": ref, "adv": adv, "mask": mask}
+
+
+# ------------------------------------------------------------------------------------------ references
+
+
+def ref_aggregate(x: np.ndarray, mask: np.ndarray, mode: str, *, samples: float, scale: float | None) -> float:
+    n_tokens, rows = mask.sum(), mask.sum(axis=1)
+    n_seq = int((rows > 0).sum())
+    total = sum(x[i, t] for i in range(x.shape[0]) for t in range(x.shape[1]) if mask[i, t])
+    if mode == "token-mean":
+        return total / max(n_tokens, 1)
+    if mode == "token-sum":
+        return total
+    if mode == "seq-mean-token-mean":
+        per_seq = [
+            sum(x[i, t] for t in range(x.shape[1]) if mask[i, t]) / rows[i] for i in range(x.shape[0]) if rows[i]
+        ]
+        return sum(per_seq) / max(n_seq, 1)
+    if mode == "seq-mean-token-sum":
+        return total / max(n_seq, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return total / (max(n_seq, 1) * (scale if scale is not None else x.shape[1]))
+    if mode == "sample-sum":
+        return total / samples
+    raise AssertionError(mode)
+
+
+def ref_agg_weights(mask: np.ndarray, mode: str, *, samples: float, scale: float | None) -> np.ndarray:
+    """d aggregate / d x_it: the weight each token's value gets."""
+    n_tokens, rows = mask.sum(), mask.sum(axis=1)
+    n_seq = max(int((rows > 0).sum()), 1)
+    w = np.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[i, t]:
+                continue
+            w[i, t] = {
+                "token-mean": 1 / max(n_tokens, 1),
+                "token-sum": 1.0,
+                "seq-mean-token-mean": 1 / (rows[i] * n_seq),
+                "seq-mean-token-sum": 1 / n_seq,
+                "seq-mean-token-sum-norm": 1 / (n_seq * (scale if scale is not None else mask.shape[1])),
+                "sample-sum": 1 / samples,
+            }[mode]
+    return w
+
+
+def ref_is_weights(d: dict[str, np.ndarray], c: AlgorithmConfig) -> np.ndarray:
+    """w_it: the behaviour → proximal weight per token (TIS truncation or MIS masking), times OPSM."""
+    mask = d["mask"]
+    rows_n, cols_n = mask.shape
+    w = np.ones(mask.shape)
+    for i in range(rows_n):
+        log_seq = sum(d["prox"][i, t] - d["beh"][i, t] for t in range(cols_n) if mask[i, t])
+        for t in range(cols_n):
+            if not mask[i, t]:
+                continue
+            if c.is_level == "none" or c.is_cap is None:
+                raw = None
+            elif c.is_level == "token":
+                raw = math.exp(max(-20, min(20, d["prox"][i, t] - d["beh"][i, t])))
+            else:
+                raw = math.exp(max(-20, min(20, log_seq)))
+            if raw is not None:
+                lo = c.is_lower if c.is_lower is not None else -math.inf
+                if c.is_mode == "truncate":
+                    w[i, t] = min(max(raw, lo), c.is_cap)
+                else:
+                    w[i, t] = raw if lo <= raw <= c.is_cap else 0.0
+            if c.opsm_delta is not None:
+                n = mask[i].sum()
+                seq_kl = sum(d["beh"][i, s] - d["logp"][i, s] for s in range(cols_n) if mask[i, s]) / n
+                if d["adv"][i, t] < 0 and seq_kl > c.opsm_delta:
+                    w[i, t] = 0.0
+    return w
+
+
+def ref_pg(d: dict[str, np.ndarray], c: AlgorithmConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token policy loss l_it and its derivative by logp_it (the sequence ratio's too, for GSPO)."""
+    logp, prox, adv, mask = d["logp"], d["prox"], d["adv"], d["mask"]
+    rows_n, cols_n = mask.shape
+    loss, grad = np.zeros(mask.shape), np.zeros(mask.shape)
+    for i in range(rows_n):
+        n = max(mask[i].sum(), 1)
+        seq = sum(logp[i, t] - prox[i, t] for t in range(cols_n) if mask[i, t]) / n
+        for t in range(cols_n):
+            if not mask[i, t]:
+                continue
+            a = adv[i, t]
+            if c.loss == "ppo":
+                r = math.exp(max(-20, min(20, logp[i, t] - prox[i, t])))
+                unclipped, clipped = -a * r, -a * min(max(r, 1 - c.clip_low), 1 + c.clip_high)
+                value, slope = (unclipped, -a * r) if unclipped >= clipped else (clipped, 0.0)
+                if c.clip_ratio_c is not None and a < 0 and value > -a * c.clip_ratio_c:
+                    value, slope = -a * c.clip_ratio_c, 0.0
+            elif c.loss == "gspo":
+                s = math.exp(min(seq, 10.0))
+                unclipped, clipped = -a * s, -a * min(max(s, 1 - c.clip_low), 1 + c.clip_high)
+                # the token's gradient: d s_it / d logp_it = s (the sequence ratio is detached)
+                value, slope = (unclipped, -a * s) if unclipped >= clipped else (clipped, 0.0)
+            elif c.loss == "sapo":
+                r = math.exp(max(-20, min(20, logp[i, t] - prox[i, t])))
+                tau = c.tau_pos if a > 0 else c.tau_neg
+                sig = 1 / (1 + math.exp(-tau * (r - 1)))
+                value, slope = -a * sig * 4 / tau, -a * 4 * sig * (1 - sig) * r
+            elif c.loss == "cispo":
+                r = math.exp(max(-20, min(20, logp[i, t] - prox[i, t])))
+                w = min(max(r, 1 - c.clip_low), 1 + c.clip_high)
+                value, slope = -w * a * logp[i, t], -w * a
+            else:  # gpg
+                value, slope = -logp[i, t] * a, -a
+            loss[i, t], grad[i, t] = value, slope
+    return loss, grad
+
+
+def ref_kl(logp: np.ndarray, ref: np.ndarray, estimator: str, clamp: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Value and d/dlogp of the KL estimator, λ = ref − logp."""
+    lam = ref - logp
+    base = estimator.removesuffix("+")
+    if base == "k1":
+        value, grad = -lam, np.ones_like(lam)
+    elif base == "abs":
+        value, grad = np.abs(lam), -np.sign(lam)
+    elif base in ("k2", "mse"):
+        value, grad = lam**2 / 2, -lam
+    else:
+        lc = np.clip(lam, -20, 20)
+        value = np.exp(lc) - lc - 1
+        grad = -(np.exp(lc) - 1) * (np.abs(lam) < 20)
+        if clamp is not None:
+            grad = np.where(np.abs(value) > clamp, 0.0, grad)
+            value = np.clip(value, -clamp, clamp)
+    if estimator.endswith("+") and base not in ("k2", "mse"):
+        grad = -lam  # straight-through: k2's gradient
+    return value, grad
+
+
+def as_inputs(d: dict[str, np.ndarray]) -> tuple[LossInputs, torch.Tensor]:
+    logp = torch.tensor(d["logp"], dtype=torch.float64, requires_grad=True)
+    inputs = LossInputs(
+        logp=logp,
+        behaviour_logp=torch.tensor(d["beh"], dtype=torch.float64),
+        advantages=torch.tensor(d["adv"], dtype=torch.float64),
+        mask=torch.tensor(d["mask"]),
+        prox_logp=torch.tensor(d["prox"], dtype=torch.float64),
+        ref_logp=torch.tensor(d["ref"], dtype=torch.float64),
+    )
+    return inputs, logp
+
+
+def check_loss(d: dict[str, np.ndarray], config: AlgorithmConfig, samples: float = 7.0) -> dict[str, float]:
+    """tauflow's loss and gradient against the reference for ``config``; returns the loss's sums."""
+    inputs, logp = as_inputs(d)
+    mask = d["mask"]
+    norm = Normaliser.of(inputs.mask, samples=int(samples))
+    out = policy_loss(inputs, config, norm)
+    out.loss.backward()
+    pg, pg_grad = ref_pg(d, config)
+    w = ref_is_weights(d, config)
+    agg = dict(samples=samples, scale=config.loss_scale_factor)
+    expected = ref_aggregate(w * pg, mask, config.aggregation, **agg)
+    weights = ref_agg_weights(mask, config.aggregation, **agg)
+    grad = weights * w * pg_grad
+    if config.loss == "gspo":
+        # every token of a sequence moves its ratio: d s_i / d logp_it = s_i / n_i, through the detached
+        # sequence ratio only via the token's own log-prob (GSPO's token form): nothing more to add
+        pass
+    if config.kl_coef > 0:
+        kl, kl_grad = ref_kl(d["logp"], d["ref"], config.kl_estimator, config.kl_clamp)
+        expected += config.kl_coef * ref_aggregate(kl, mask, config.aggregation, **agg)
+        grad = grad + config.kl_coef * weights * kl_grad
+    assert out.loss.item() == pytest.approx(expected, **TOL), config
+    got = logp.grad.numpy()
+    np.testing.assert_allclose(np.where(mask, got, 0.0), np.where(mask, grad, 0.0), rtol=1e-5, atol=1e-8)
+    assert np.all(got[~mask] == 0.0), "a masked token got a gradient"
+    return out.sums
+
+
+# ------------------------------------------------------------------------------------------ advantages
+
+
+def ref_group_stats(r: list[float]) -> tuple[float, float]:
+    mean = sum(r) / len(r)
+    std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
+    return mean, std
+
+
+def ref_advantages(groups, c: AlgorithmConfig) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    if c.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        per_token, tokens = [], []
+        for group in groups:
+            r = [s.reward for s in group]
+            mean = sum(r) / len(r) if len(r) > 1 else 0.0
+            skip = len(group) == 1 and c.singleton_groups == "skip"
+            row = []
+            for s in group:
+                n = len(s.mask)
+                if c.estimator == "reinforce_pp":
+                    values = [s.reward * c.gamma ** (n - 1 - t) for t in range(n)]
+                else:
+                    values = [s.reward - mean] * n
+                row.append(values)
+                tokens += [v for v, m in zip(values, s.mask, strict=True) if m and not skip]
+            per_token.append(row)
+        mu = sum(tokens) / len(tokens)
+        var = sum((x - mu) ** 2 for x in tokens) / (len(tokens) - 1)
+        for group, row in zip(groups, per_token, strict=True):
+            skip = len(group) == 1 and c.singleton_groups == "skip" and c.estimator != "reinforce_pp"
+            if c.estimator == "reinforce_pp":
+                out.append([[(v - mu) / math.sqrt(var + 1e-8) for v in values] for values in row])
+            else:
+                out.append([0.0 if skip else (values[0] - mu) / math.sqrt(var + 1e-8) for values in row])
+        return out
+    total = sum(len(g) for g in groups)
+    if c.gpg_alpha == "valid":
+        valid = sum(len(g) for g in groups if len(g) > 1 and len({s.reward for s in g}) > 1)
+    else:
+        valid = sum(1 for g in groups for s in g if s.reward != 0)
+    alpha = total / max(valid, 1) if c.estimator == "gpg" else 1.0
+    for group in groups:
+        r = [s.reward for s in group]
+        if len(r) == 1:
+            raw = r[0] / (1 + c.adv_eps) if c.estimator == "grpo" and c.norm_adv_by_std else r[0]
+            out.append([0.0] if c.singleton_groups == "skip" else [alpha * raw])
+            continue
+        mean, std = ref_group_stats(r)
+        if c.estimator == "rloo":
+            out.append([x - (sum(r) - x) / (len(r) - 1) for x in r])
+        elif c.estimator == "grpo_passk":
+            best = r.index(max(r))
+            second = sorted(r)[-2]
+            a = (r[best] - second) / ((std + c.adv_eps) if c.norm_adv_by_std else 1.0)
+            out.append([a if i == best else 0.0 for i in range(len(r))])
+        else:  # grpo, gpg
+            div = (std + c.adv_eps) if c.norm_adv_by_std else 1.0
+            out.append([alpha * (x - mean) / div for x in r])
+    return out
+
+
+ESTIMATOR_CONFIGS = [
+    AlgorithmConfig(),
+    AlgorithmConfig(norm_adv_by_std=False),
+    AlgorithmConfig(singleton_groups="skip"),
+    AlgorithmConfig(estimator="rloo"),
+    AlgorithmConfig(estimator="rloo", singleton_groups="skip"),
+    AlgorithmConfig(estimator="reinforce_pp"),
+    AlgorithmConfig(estimator="reinforce_pp", gamma=0.9),
+    AlgorithmConfig(estimator="reinforce_pp_baseline"),
+    AlgorithmConfig(estimator="reinforce_pp_baseline", singleton_groups="skip"),
+    AlgorithmConfig(estimator="grpo_passk"),
+    AlgorithmConfig(estimator="grpo_passk", norm_adv_by_std=False),
+    AlgorithmConfig(estimator="gpg", norm_adv_by_std=False),
+    AlgorithmConfig(estimator="gpg", gpg_alpha="nonzero"),
+]
+
+
+@pytest.mark.parametrize(
+    "config",
+    ESTIMATOR_CONFIGS,
+    ids=lambda c: f"{c.estimator}-{c.norm_adv_by_std}-{c.singleton_groups}-{c.gamma}-{c.gpg_alpha}",
+)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_estimators_match_the_reference(config: AlgorithmConfig, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    groups = random_groups(rng, binary=seed % 2 == 0)
+    got = estimate(groups, config)
+    want = ref_advantages(groups, config)
+    for g_got, g_want in zip(got.values, want, strict=True):
+        for a, b in zip(g_got, g_want, strict=True):
+            assert a == pytest.approx(b, **TOL)
+    for flag, values in zip(got.zero_groups, got.values, strict=True):
+        flat = [x for v in values for x in (v if isinstance(v, list) else [v])]
+        assert flag == all(x == 0.0 for x in flat)
+
+
+def test_equal_rewards_are_a_zero_group_for_group_baselines_but_not_after_whitening() -> None:
+    groups = [[Scored(1.0, [True]), Scored(1.0, [True])], [Scored(1.0, [True]), Scored(0.0, [True, True])]]
+    for name in ("grpo", "rloo", "grpo_passk", "gpg"):
+        assert estimate(groups, ALGORITHMS[name].config).zero_groups[0] is True, name
+    # REINFORCE++-baseline whitens over the batch: the equal group's 0 becomes −μ/σ, as in verl
+    assert estimate(groups, ALGORITHMS["reinforce_pp_baseline"].config).zero_groups == [False, False]
+
+
+def test_reinforce_pp_discounts_towards_the_first_token() -> None:
+    # one sample of 3 tokens and reward 1, one of 1 token and reward 0, γ = 0.5: returns [0.25, 0.5, 1], [0]
+    groups = [[Scored(1.0, [True, True, True])], [Scored(0.0, [True])]]
+    values = estimate(groups, AlgorithmConfig(estimator="reinforce_pp", gamma=0.5)).values
+    tokens = np.array([0.25, 0.5, 1.0, 0.0])
+    whitened = (tokens - tokens.mean()) / math.sqrt(tokens.var(ddof=1) + 1e-8)
+    assert values[0][0] == pytest.approx(list(whitened[:3])) and values[1][0] == pytest.approx([whitened[3]])
+
+
+# ------------------------------------------------------------------------------------------ losses
+
+LOSS_CONFIGS = [
+    AlgorithmConfig(),
+    AlgorithmConfig(clip_ratio_c=None),
+    AlgorithmConfig(clip_low=0.2, clip_high=0.28, clip_ratio_c=2.0),
+    AlgorithmConfig(is_level="none"),
+    AlgorithmConfig(is_level="sequence", is_cap=3.0),
+    AlgorithmConfig(is_cap=1.5, is_lower=0.8),
+    AlgorithmConfig(is_mode="mask", is_lower=0.5, is_cap=1.6),  # IcePop
+    AlgorithmConfig(is_mode="mask", is_level="sequence", is_lower=0.2, is_cap=4.0),  # sequence MIS
+    AlgorithmConfig(opsm_delta=0.05),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="k1"),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="k2"),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="k3"),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="k3", kl_clamp=None),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="abs"),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="k3+"),
+    AlgorithmConfig(kl_coef=0.3, kl_estimator="low_var_kl+"),
+    ALGORITHMS["gspo"].config,
+    AlgorithmConfig(loss="gspo", clip_low=0.05, clip_high=0.05),
+    ALGORITHMS["sapo"].config,
+    ALGORITHMS["cispo"].config,
+    AlgorithmConfig(loss="cispo", clip_low=0.2, clip_high=0.2),
+    ALGORITHMS["gpg"].config,
+]
+
+
+@pytest.mark.parametrize(
+    "config",
+    LOSS_CONFIGS,
+    ids=lambda c: (
+        f"{c.loss}-{c.is_level}-{c.is_mode}-{c.kl_estimator if c.kl_coef else 'nokl'}-{c.clip_high}-{c.opsm_delta}"
+    ),
+)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_losses_and_gradients_match_the_reference(config: AlgorithmConfig, seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    check_loss(random_batch(rng, spread=0.3 if seed % 2 else 0.05, extreme=seed == 5), config)
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_aggregation_matches_the_reference(mode: str, seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    d = random_batch(rng)
+    check_loss(d, AlgorithmConfig(aggregation=mode))
+    check_loss(d, AlgorithmConfig(aggregation=mode, loss_scale_factor=64.0))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k3+", "abs+"])
+def test_kl_estimators_value_and_gradient(estimator: str) -> None:
+    rng = np.random.default_rng(7)
+    logp_np = np.log(rng.uniform(0.01, 0.99, (4, 5)))
+    ref_np = logp_np + rng.normal(0, 2.0, (4, 5))
+    ref_np[0, 0] = logp_np[0, 0] + 15.0  # k3 = e^15: clamped to 10, no gradient
+    logp = torch.tensor(logp_np, requires_grad=True)
+    value = kl_estimate(logp, torch.tensor(ref_np), estimator)
+    value.sum().backward()
+    want, want_grad = ref_kl(logp_np, ref_np, estimator, 10.0)
+    np.testing.assert_allclose(value.detach().numpy(), want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(logp.grad.numpy(), want_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_k3_is_clamped_where_peers_clamp_it() -> None:
+    # the issue's case: a log-ratio of 5 gives e^5 − 6 ≈ 142 unclamped; peers clamp to 10 with no gradient
+    logp = torch.tensor([[-6.0]], requires_grad=True)
+    value = kl_estimate(logp, torch.tensor([[-1.0]]), "k3")
+    value.sum().backward()
+    assert float(value.detach()) == 10.0 and float(logp.grad) == 0.0
+    assert float(kl_estimate(logp, torch.tensor([[-1.0]]), "k3", clamp=None)) == pytest.approx(math.exp(5) - 6)
+
+
+def test_dual_clip_bounds_a_negative_advantage_loss() -> None:
+    # A = −1, ratio e^2 ≈ 7.39: PPO-clip alone gives 7.39 (unbounded in the ratio); the dual clip caps it at c = 3
+    d = {
+        "logp": np.array([[0.0]]),
+        "prox": np.array([[-2.0]]),
+        "beh": np.array([[-2.0]]),
+        "ref": np.array([[0.0]]),
+        "adv": np.array([[-1.0]]),
+        "mask": np.array([[True]]),
+    }
+    inputs, _ = as_inputs(d)
+    norm = Normaliser.of(inputs.mask)
+    assert policy_loss(inputs, AlgorithmConfig(clip_ratio_c=None), norm).loss.item() == pytest.approx(math.exp(2))
+    out = policy_loss(inputs, AlgorithmConfig(), norm)
+    assert out.loss.item() == pytest.approx(3.0) and out.sums["clip_dual"] == 1.0
+
+
+def test_clip_fractions_count_each_side() -> None:
+    # token 0: A > 0, ratio 1.5 (clipped high); token 1: A < 0, ratio 0.5 (clipped low); token 2: A < 0,
+    # ratio 5 (dual); token 3: inside the range
+    logp = np.log(np.array([[0.6, 0.2, 0.5, 0.4]]))
+    prox = logp - np.log(np.array([[1.5, 0.5, 5.0, 1.05]]))
+    d = {
+        "logp": logp,
+        "prox": prox,
+        "beh": prox,
+        "ref": logp,
+        "adv": np.array([[1.0, -1.0, -1.0, 1.0]]),
+        "mask": np.ones((1, 4), dtype=bool),
+    }
+    sums = check_loss(d, AlgorithmConfig())
+    assert (sums["clip_high"], sums["clip_low"], sums["clip_dual"]) == (1.0, 1.0, 1.0)
+
+
+def test_masked_garbage_and_fully_masked_rows_change_nothing() -> None:
+    rng = np.random.default_rng(3)
+    d = random_batch(rng)
+    dirty = {k: v.copy() for k, v in d.items()}
+    for key in ("logp", "prox", "ref", "adv"):
+        dirty[key] = np.where(d["mask"], d[key], 1e6 if key == "adv" else -1e6)
+    for config in (AlgorithmConfig(kl_coef=0.1), ALGORITHMS["gspo"].config, ALGORITHMS["cispo"].config):
+        a, b = as_inputs(d)[0], as_inputs(dirty)[0]
+        norm = Normaliser.of(a.mask)
+        assert policy_loss(a, config, norm).loss.item() == pytest.approx(
+            policy_loss(b, config, norm).loss.item(), **TOL
+        )
+
+
+def test_the_presets_are_what_their_names_say() -> None:
+    presets: dict[str, Callable[[AlgorithmConfig], bool]] = {
+        "grpo": lambda c: (
+            (c.estimator, c.loss, c.aggregation, c.norm_adv_by_std) == ("grpo", "ppo", "token-mean", True)
+        ),
+        "dr_grpo": lambda c: not c.norm_adv_by_std and c.aggregation == "seq-mean-token-sum-norm",
+        "dapo": lambda c: (c.clip_low, c.clip_high) == (0.2, 0.28),
+        "rloo": lambda c: c.estimator == "rloo",
+        "reinforce_pp": lambda c: c.estimator == "reinforce_pp",
+        "reinforce_pp_baseline": lambda c: c.estimator == "reinforce_pp_baseline",
+        "grpo_passk": lambda c: c.estimator == "grpo_passk",
+        "gspo": lambda c: c.loss == "gspo" and c.aggregation == "seq-mean-token-mean",
+        "sapo": lambda c: c.loss == "sapo",
+        "cispo": lambda c: c.loss == "cispo" and c.clip_low == 1.0,
+        "gpg": lambda c: c.loss == "gpg" and c.estimator == "gpg",
+        "icepop": lambda c: c.is_mode == "mask" and (c.is_lower, c.is_cap) == (0.5, 5.0),
+    }
+    assert set(presets) <= set(ALGORITHMS)
+    for name, check in presets.items():
+        assert check(ALGORITHMS[name].config), name
+
+
+def test_aggregate_of_one_piece_equals_the_sum_of_its_micro_batches() -> None:
+    rng = np.random.default_rng(11)
+    d = random_batch(rng)
+    x, mask = torch.tensor(d["adv"]), torch.tensor(d["mask"])
+    norm = Normaliser.of(mask)
+    for mode in AGGREGATIONS:
+        whole = aggregate(x, mask, mode, norm)
+        parts = sum(aggregate(x[i : i + 2], mask[i : i + 2], mode, norm) for i in range(0, B, 2))
+        assert float(parts) == pytest.approx(float(whole), **TOL), mode
