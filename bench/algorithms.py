@@ -48,8 +48,9 @@ def parse(entry: str) -> tuple[str, dict[str, object]]:
 def run_one(recipe: Path, entry: str, out: Path, steps: int, every: int, extra: list[str]) -> dict:
     name, options = parse(entry)
     base = dict(yaml.safe_load(recipe.read_text())["services"]["trainer"]["backend"].get("algorithm_options", {}))
-    if ALGORITHMS[name].config.aggregation != AlgorithmConfig().aggregation:
-        base.pop("aggregation", None)  # the family's own (GSPO, SAPO: per sequence; Dr. GRPO: a constant)
+    preset = ALGORITHMS[name].config.aggregation
+    if preset != AlgorithmConfig().aggregation:
+        base["aggregation"] = preset  # the family's own (GSPO, SAPO: per sequence; Dr. GRPO: a constant)
     overrides = [
         f"out_dir={out}",
         f"steps={steps}",

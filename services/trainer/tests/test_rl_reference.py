@@ -180,7 +180,7 @@ def ref_kl(logp: np.ndarray, ref: np.ndarray, estimator: str, clamp: float | Non
     """Value and d/dlogp of the KL estimator, λ = ref − logp."""
     lam = ref - logp
     base = estimator.removesuffix("+")
-    if base == "k1":
+    if base in ("k1", "kl"):
         value, grad = -lam, np.ones_like(lam)
     elif base == "abs":
         value, grad = np.abs(lam), -np.sign(lam)
@@ -260,7 +260,8 @@ def ref_advantages(groups, c: AlgorithmConfig) -> list[list[Any]]:
             for s in group:
                 n = len(s.mask)
                 if c.estimator == "reinforce_pp":
-                    values = [s.reward * c.gamma ** (n - 1 - t) for t in range(n)]
+                    last = max(t for t in range(n) if s.mask[t])  # the reward sits on the last trained token
+                    values = [s.reward * c.gamma ** (last - t) if t <= last else 0.0 for t in range(n)]
                 else:
                     values = [s.reward - mean] * n
                 row.append(values)
@@ -404,7 +405,7 @@ def test_every_aggregation_matches_the_reference(mode: str, seed: int) -> None:
     check_loss(d, AlgorithmConfig(aggregation=mode, loss_scale_factor=64.0))
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k3+", "abs+"])
+@pytest.mark.parametrize("estimator", ["k1", "kl", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k2+", "k3+", "abs+"])
 def test_kl_estimators_value_and_gradient(estimator: str) -> None:
     rng = np.random.default_rng(7)
     logp_np = np.log(rng.uniform(0.01, 0.99, (4, 5)))
@@ -506,3 +507,46 @@ def test_aggregate_of_one_piece_equals_the_sum_of_its_micro_batches() -> None:
         whole = aggregate(x, mask, mode, norm)
         parts = sum(aggregate(x[i : i + 2], mask[i : i + 2], mode, norm) for i in range(0, B, 2))
         assert float(parts) == pytest.approx(float(whole), **TOL), mode
+
+
+def test_dapo_overlong_shaping_penalises_the_last_tokens_of_the_budget() -> None:
+    # L = 10, buffer 4: lengths <= 6 keep their reward; 8 loses (6 - 8)/4 = 0.5; 10 loses 1; 12 loses 1
+    config = AlgorithmConfig(overlong_buffer=4, max_response_length=10, estimator="rloo")
+    lengths = [3, 6, 8, 10, 12]
+    group = [Scored(1.0, [True] * n) for n in lengths]
+    shaped = [1.0, 1.0, 0.5, 0.0, 0.0]
+    want = [r - (sum(shaped) - r) / (len(shaped) - 1) for r in shaped]
+    assert estimate([group], config).values[0] == pytest.approx(want)
+    assert estimate([group], AlgorithmConfig(estimator="rloo")).zero_groups == [True]  # unshaped: all equal
+    with pytest.raises(ValueError, match="max_response_length"):
+        AlgorithmConfig(overlong_buffer=4)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "grpo_passk", "gpg"])
+@pytest.mark.parametrize("reward", [0.1, 0.7, 1 / 3, -2.3])
+def test_equal_rewards_that_floats_cannot_hold_are_still_exactly_zero(name: str, reward: float) -> None:
+    # 0.1 * 3 / 3 != 0.1 in floating point: r − mean(r) must not leave a residue that trains the group
+    groups = [[Scored(reward, [True]) for _ in range(n)] for n in (2, 3, 5, 7)]
+    for config in (ALGORITHMS[name].config, AlgorithmConfig(estimator=ALGORITHMS[name].config.estimator, adv_eps=0.0)):
+        got = estimate(groups, config)
+        assert got.zero_groups == [True] * 4 and all(v == 0.0 for g in got.values for v in g), config
+
+
+def test_reinforce_pp_returns_count_from_the_last_trained_token() -> None:
+    # trailing masked tokens (padding) carry no return: γ^0 on the last trained token
+    values = estimate(
+        [[Scored(1.0, [True, True, True, False, False])], [Scored(0.0, [True])]],
+        AlgorithmConfig(estimator="reinforce_pp", gamma=0.5),
+    ).values
+    tokens = np.array([0.25, 0.5, 1.0, 0.0])
+    whitened = (tokens - tokens.mean()) / math.sqrt(tokens.var(ddof=1) + 1e-8)
+    assert values[0][0][:3] == pytest.approx(list(whitened[:3]))
+
+
+def test_bounds_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="is_lower"):
+        AlgorithmConfig(is_lower=0.5, is_cap=None)
+    with pytest.raises(ValueError, match="is_lower"):
+        AlgorithmConfig(is_lower=3.0, is_cap=2.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        AlgorithmConfig(clip_ratio_c=1.0)

@@ -77,6 +77,11 @@ def _singleton(group: Sequence[Scored], r: torch.Tensor, config: AlgorithmConfig
     return [value / (1.0 + config.adv_eps) if config.norm_adv_by_std and config.estimator == "grpo" else value]
 
 
+def _equal(r: torch.Tensor) -> bool:
+    """Every reward the same: a group baseline gives exactly 0 (r − mean(r) in floating point may not)."""
+    return len(r) > 1 and bool((r == r[0]).all())
+
+
 def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
     """A_i = (r_i − mean(r)) / (std(r) + eps), std with Bessel's correction; without norm_adv_by_std
     (Dr. GRPO), A_i = r_i − mean(r)."""
@@ -85,6 +90,9 @@ def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAd
         r = _rewards(group)
         if len(group) == 1:
             values.append(_singleton(group, r, config))
+            continue
+        if _equal(r):
+            values.append([0.0] * len(group))
             continue
         a = r - r.mean()
         if config.norm_adv_by_std:
@@ -101,6 +109,9 @@ def rloo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAd
         if len(group) == 1:
             values.append(_singleton(group, r, config))
             continue
+        if _equal(r):
+            values.append([0.0] * len(group))
+            continue
         n = len(group)
         values.append([float(x) for x in r - (r.sum() - r) / (n - 1)])
     return _result(values)
@@ -114,6 +125,9 @@ def grpo_passk(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> G
         r = _rewards(group)
         if len(group) == 1:
             values.append(_singleton(group, r, config))
+            continue
+        if _equal(r):
+            values.append([0.0] * len(group))
             continue
         best = int(torch.argmax(r))
         second = float(torch.topk(r, 2).values[1])
@@ -133,7 +147,7 @@ def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
     rewards = [_rewards(g) for g in groups]
     total = sum(len(r) for r in rewards)
     if config.gpg_alpha == "valid":
-        valid = sum(len(r) for r in rewards if len(r) > 1 and not bool((r == r[0]).all()))
+        valid = sum(len(r) for r in rewards if len(r) > 1 and not _equal(r))
     else:
         valid = sum(int((r != 0).sum()) for r in rewards)
     alpha = total / max(valid, 1)
@@ -141,6 +155,9 @@ def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
     for group, r in zip(groups, rewards, strict=True):
         if len(group) == 1:
             values.append([alpha * v if isinstance(v, float) else v for v in _singleton(group, r, config)])
+            continue
+        if _equal(r):
+            values.append([0.0] * len(group))
             continue
         a = r - r.mean()
         if config.norm_adv_by_std:
@@ -161,18 +178,22 @@ def _whiten(per_sample: list[list[torch.Tensor]], masks: list[list[torch.Tensor]
 
 
 def reinforce_pp(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
-    """REINFORCE++: the discounted return of the outcome reward at each completion token t of c,
-    G_t = γ^(c − 1 − t) · r, whitened over every trained token of the batch (no baseline, no group)."""
+    """REINFORCE++: the discounted return of the outcome reward, which sits on the last trained token l,
+    at each completion token t: G_t = γ^(l − t) · r (0 after l), whitened over every trained token of the
+    batch (no baseline, no group: singleton_groups does not apply)."""
     returns: list[list[torch.Tensor]] = []
     masks: list[list[torch.Tensor]] = []
     for group in groups:
         r = _rewards(group)
         row, mask_row = [], []
         for s, reward in zip(group, r, strict=True):
-            c = len(s.mask)
-            powers = torch.arange(c - 1, -1, -1, dtype=torch.float64)
-            row.append(reward * torch.pow(torch.tensor(config.gamma, dtype=torch.float64), powers))
-            mask_row.append(torch.tensor([bool(x) for x in s.mask], dtype=torch.bool))
+            mask = torch.tensor([bool(x) for x in s.mask], dtype=torch.bool)
+            # the outcome reward sits on the last trained token; tokens after it (masked) return 0
+            last = int(mask.nonzero().max()) if bool(mask.any()) else len(s.mask) - 1
+            powers = last - torch.arange(len(s.mask), dtype=torch.float64)
+            discounted = reward * torch.pow(torch.tensor(config.gamma, dtype=torch.float64), powers.clamp(min=0))
+            row.append(torch.where(powers >= 0, discounted, torch.zeros_like(discounted)))
+            mask_row.append(mask)
         returns.append(row)
         masks.append(mask_row)
     whitened = _whiten(returns, masks)
@@ -215,10 +236,27 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
+def overlong_penalty(length: int, config: AlgorithmConfig) -> float:
+    """DAPO's soft overlong punishment of a completion of ``length`` tokens, L = max_response_length,
+    B = overlong_buffer: 0 up to L − B, then falling linearly to −overlong_penalty at L, and
+    −overlong_penalty beyond (0 when no buffer is set)."""
+    if config.overlong_buffer is None or config.max_response_length is None:
+        return 0.0
+    start = config.max_response_length - config.overlong_buffer
+    if length <= start:
+        return 0.0
+    if length > config.max_response_length:
+        return -config.overlong_penalty
+    return (start - length) / config.overlong_buffer * config.overlong_penalty
+
+
 def estimate(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
-    """The advantages of ``config.estimator`` for the step's groups."""
+    """The advantages of ``config.estimator`` for the step's groups (their rewards shaped first by the
+    overlong penalty, when one is set)."""
     try:
         estimator = ADVANTAGE_ESTIMATORS[config.estimator]
     except KeyError:
         raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, not {config.estimator!r}") from None
+    if config.overlong_buffer is not None:
+        groups = [[Scored(s.reward + overlong_penalty(len(s.mask), config), s.mask) for s in g] for g in groups]
     return estimator(groups, config)

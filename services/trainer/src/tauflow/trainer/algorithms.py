@@ -84,6 +84,12 @@ class AlgorithmConfig:
     """A group of one sample: raw (its reward as advantage, no baseline: verl's convention) or skip."""
     skip_zero_advantage_groups: bool = True
     """Groups whose every advantage is 0 (e.g. all rewards equal) run no forward/backward."""
+    overlong_buffer: int | None = None
+    """DAPO's overlong reward shaping: the last this many tokens before max_response_length are penalised
+    linearly (down to −overlong_penalty at the limit, and beyond); None: off."""
+    max_response_length: int | None = None
+    """The completion length limit the shaping counts from (the rollout's max_new_tokens)."""
+    overlong_penalty: float = 1.0
 
     # The policy loss (losses.py).
     loss: str = "ppo"
@@ -120,7 +126,7 @@ class AlgorithmConfig:
     # KL to the reference model, and the entropy bonus.
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    """k1, k2 (= mse), k3 (= low_var_kl), abs; with "+": the value of one, the gradient of k2."""
+    """k1 (= kl), k2 (= mse), k3 (= low_var_kl), abs; with "+": the value of one, the gradient of k2."""
     kl_clamp: float | None = 10.0
     """k3's value is clamped to ±kl_clamp (10, as verl and OpenRLHF); None: unclamped."""
     entropy_coef: float = 0.0
@@ -152,8 +158,8 @@ class AlgorithmConfig:
             raise ValueError(f"clip_ratio_c must be > 1 (or None), not {self.clip_ratio_c}")
         if self.is_cap is not None and self.is_cap <= 0:
             raise ValueError(f"is_cap must be positive or None, not {self.is_cap}")
-        if self.is_lower is not None and not 0 <= self.is_lower < (self.is_cap or float("inf")):
-            raise ValueError(f"need 0 <= is_lower < is_cap, got {self.is_lower}, {self.is_cap}")
+        if self.is_lower is not None and (self.is_cap is None or not 0 <= self.is_lower < self.is_cap):
+            raise ValueError(f"is_lower needs is_cap, and 0 <= is_lower < is_cap; got {self.is_lower}, {self.is_cap}")
         if self.tau_pos <= 0 or self.tau_neg <= 0:
             raise ValueError("tau_pos and tau_neg must be positive")
         if not 0.0 <= self.gamma <= 1.0:
@@ -167,6 +173,14 @@ class AlgorithmConfig:
             raise ValueError(f"loss_scale_factor must be positive or None, not {self.loss_scale_factor}")
         if self.opsm_delta is not None and self.opsm_delta < 0:
             raise ValueError(f"opsm_delta must be >= 0 or None, not {self.opsm_delta}")
+        if self.overlong_buffer is not None and (
+            self.max_response_length is None or not 0 < self.overlong_buffer <= self.max_response_length
+        ):
+            raise ValueError(
+                "overlong_buffer needs max_response_length, and 0 < overlong_buffer <= max_response_length"
+            )
+        if self.overlong_penalty < 0:
+            raise ValueError(f"overlong_penalty must be >= 0, not {self.overlong_penalty}")
         if self.mini_batches < 1 or self.epochs < 1:
             raise ValueError(f"need mini_batches >= 1 and epochs >= 1, got {self.mini_batches}, {self.epochs}")
 

@@ -29,7 +29,22 @@ AGGREGATIONS = (
     "sample-sum",
 )
 POLICY_LOSSES = ("ppo", "gspo", "sapo", "cispo", "gpg")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+")
+KL_ESTIMATORS = (
+    "k1",
+    "kl",
+    "k2",
+    "k3",
+    "abs",
+    "mse",
+    "low_var_kl",
+    "k1+",
+    "kl+",
+    "k2+",
+    "mse+",
+    "k3+",
+    "low_var_kl+",
+    "abs+",
+)
 IS_LEVELS = ("token", "sequence", "none")
 IS_MODES = ("truncate", "mask")
 MAX_LOG_RATIO = 20.0  # |log ratio| beyond this is clamped inside exp(), as every peer does
@@ -107,7 +122,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
     """Per-token estimate of KL(π || π_ref) from samples of π (Schulman's estimators), with
     λ = log π_ref − log π:
 
-        k1 = −λ    abs = |λ|    k2 = mse = λ² / 2    k3 = low_var_kl = exp(λ) − λ − 1
+        k1 = kl = −λ    abs = |λ|    k2 = mse = λ² / 2    k3 = low_var_kl = exp(λ) − λ − 1
 
     k3 is computed with λ clamped to ±20 and its value clamped to ±``clamp`` (10: verl's and OpenRLHF's
     low_var_kl; None: unclamped). A name ending in ``+`` keeps its value but takes k2's gradient
@@ -115,7 +130,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
     straight_through = estimator.endswith("+")
     base = estimator.removesuffix("+")
     log_ratio = ref_logp - logp
-    if base == "k1":
+    if base in ("k1", "kl"):
         value = -log_ratio
     elif base == "abs":
         value = log_ratio.abs()
@@ -305,7 +320,7 @@ def policy_loss(inputs: LossInputs, config: AlgorithmConfig, norm: Normaliser) -
         "clip_dual": _count(dual),
         "ratio": _masked_sum(ratio, m),
         # k1 of π_prox against π_θ: how far the step's updates have moved the policy from the proximal one.
-        "ppo_kl": _masked_sum(prox - logp.detach(), m),
+        "ppo_kl": _masked_sum(-log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), m),
         "advantage": _masked_sum(adv, m),
         # KL(behaviour || current) by k3 on samples of the behaviour policy: how far the data is off-policy.
         "kl_behaviour": _masked_sum(kl_estimate(behaviour, logp.detach(), "k3", clamp=None), m),
