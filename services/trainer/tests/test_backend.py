@@ -292,3 +292,50 @@ def test_every_preset_trains_a_step(tiny_model_dir: Path, make_groups: MakeGroup
     assert r.committed and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
     assert "entropy_loss" in r.metrics
     assert any(not torch.equal(before[k], v) for k, v in params(b).items()), name
+
+
+def test_kl_in_the_reward_shapes_the_advantages(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    from tauflow.trainer.advantages import Scored, estimate
+    from tauflow.trainer.losses import kl_estimate
+
+    b = TorchBackend(config(tiny_model_dir, algorithm_options={"kl_reward_coef": 0.5, "estimator": "rloo"}))
+    b.train_step(make_groups(1, 3))  # the policy moves away from the reference (the initial model)
+    groups = make_groups(2, 3)
+    plan = b._plan(groups, b.algorithm, -1)
+    pool = [s for g in groups for s in g.samples if s.trained_tokens > 0]
+    forward = dict(zip(map(id, pool), b._forward_logprobs(pool, True, True), strict=True))
+    for s in pool:  # log π_ref is the initial model's, whatever the policy did
+        assert forward[id(s)]["ref"] != pytest.approx(forward[id(s)]["prox"])
+
+    def scored(s: Sample) -> Scored:
+        if id(s) not in forward:
+            return Scored(s.reward, s.mask)
+        f = forward[id(s)]
+        kl = kl_estimate(torch.tensor(f["prox"]), torch.tensor(f["ref"]), "k1").tolist()
+        return Scored(s.reward, s.mask, [-0.5 * k if m else 0.0 for k, m in zip(kl, s.mask, strict=True)])
+
+    want = estimate([[scored(s) for s in g.samples] for g in groups], b.algorithm.config)
+    expected = [
+        a
+        for g, adv in zip(groups, want.values, strict=True)
+        for s, a in zip(g.samples, adv, strict=True)
+        if s.trained_tokens > 0
+    ]
+    assert plan.advantages == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    assert plan.kl_reward != 0.0
+    assert "kl_reward" in b.train_step(groups).metrics
+    unshaped = TorchBackend(config(tiny_model_dir, algorithm_options={"estimator": "rloo"}))
+    unshaped.train_step(make_groups(1, 3))
+    assert unshaped._plan(groups, unshaped.algorithm, -1).advantages != pytest.approx(plan.advantages)
+
+
+def test_rejection_drops_samples_far_off_policy_from_the_step(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    # behaviour log-probs of ~-3 against a near-uniform model (~-2.8): geometric-mean weights of ~1.1-1.6
+    groups = make_groups(3, 4)
+    kept = TorchBackend(config(tiny_model_dir, algorithm_options={"reject_upper": 100.0})).train_step(groups)
+    assert kept.metrics["rejected_samples"] == 0.0
+    b = TorchBackend(config(tiny_model_dir, algorithm_options={"reject_upper": 1.3}))
+    r = b.train_step(groups)
+    assert 0 < r.metrics["rejected_samples"] < r.samples
+    assert r.trained_tokens < kept.trained_tokens  # out of the denominators too
+    assert r.committed and b.trained_group_ids == {g.group_id for g in groups}

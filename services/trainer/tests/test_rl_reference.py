@@ -550,3 +550,45 @@ def test_bounds_that_cannot_work_are_refused() -> None:
         AlgorithmConfig(is_lower=3.0, is_cap=2.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         AlgorithmConfig(clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gpg"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_per_token_rewards_enter_as_verl_sums_them(estimator: str, seed: int) -> None:
+    # The KL in the reward: each trained token carries −β · KL_t. Outcome estimators see r + Σ_t (masked);
+    # REINFORCE++ discounts them token by token: G_t = Σ_{u ≥ t} γ^(u − t) r_u, the outcome on the last
+    # trained token.
+    rng = np.random.default_rng(300 + seed)
+    groups = random_groups(rng)
+    shaped = [
+        [Scored(s.reward, s.mask, [float(x) for x in rng.normal(0, 0.1, len(s.mask))]) for s in g] for g in groups
+    ]
+    config = AlgorithmConfig(estimator=estimator, gamma=0.8)
+    got = estimate(shaped, config)
+    if estimator != "reinforce_pp":
+        summed = [
+            [Scored(s.reward + sum(t for t, m in zip(s.token_rewards, s.mask) if m), s.mask) for s in g] for g in shaped
+        ]
+        want = ref_advantages(summed, config)
+    else:
+        returns, tokens = [], []
+        for g in shaped:
+            row = []
+            for s in g:
+                last = max(t for t in range(len(s.mask)) if s.mask[t])
+                r = [
+                    (tr if m else 0.0) + (s.reward if t == last else 0.0)
+                    for t, (tr, m) in enumerate(zip(s.token_rewards, s.mask))
+                ]
+                values = [
+                    sum(config.gamma ** (u - t) * r[u] for u in range(t, len(r))) if t <= last else 0.0
+                    for t in range(len(r))
+                ]
+                row.append(values)
+                tokens += [v for v, m in zip(values, s.mask) if m]
+            returns.append(row)
+        mu, var = float(np.mean(tokens)), float(np.var(tokens, ddof=1))
+        want = [[[(v - mu) / math.sqrt(var + 1e-8) for v in values] for values in row] for row in returns]
+    for g_got, g_want in zip(got.values, want, strict=True):
+        for a, b in zip(g_got, g_want, strict=True):
+            assert a == pytest.approx(b, **TOL)

@@ -28,14 +28,24 @@ Advantage = float | list[float]
 
 @dataclass(frozen=True)
 class Scored:
-    """What an estimator reads of a sample: its reward and which completion tokens train."""
+    """What an estimator reads of a sample: its reward, which completion tokens train, and per-token rewards
+    added to the outcome (the KL penalty in the reward: −β · KL_t), if any."""
 
     reward: float
     mask: Sequence[bool]
+    token_rewards: Sequence[float] | None = None
 
     @property
     def trained_tokens(self) -> int:
         return sum(bool(x) for x in self.mask)
+
+    @property
+    def score(self) -> float:
+        """The outcome reward plus the per-token rewards of the trained tokens (verl's
+        ``token_level_rewards.sum(-1)``): what the outcome estimators see."""
+        if not self.token_rewards:
+            return float(self.reward)
+        return float(self.reward) + sum(float(r) for r, m in zip(self.token_rewards, self.mask, strict=True) if m)
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class GroupAdvantages:
 def _rewards(group: Sequence[Scored]) -> torch.Tensor:
     if len(group) == 0:
         raise ValueError("a group has no samples")
-    r = torch.tensor([float(s.reward) for s in group], dtype=torch.float64)
+    r = torch.tensor([s.score for s in group], dtype=torch.float64)
     if not torch.isfinite(r).all():
         raise ValueError(f"rewards must be finite, got {r.tolist()}")
     return r
@@ -178,21 +188,30 @@ def _whiten(per_sample: list[list[torch.Tensor]], masks: list[list[torch.Tensor]
 
 
 def reinforce_pp(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
-    """REINFORCE++: the discounted return of the outcome reward, which sits on the last trained token l,
-    at each completion token t: G_t = γ^(l − t) · r (0 after l), whitened over every trained token of the
-    batch (no baseline, no group: singleton_groups does not apply)."""
+    """REINFORCE++: the discounted return at each completion token t, G_t = Σ_{u ≥ t} γ^(u − t) · r_u, of
+    the per-token rewards (the KL penalty, when in the reward) and the outcome reward, which sits on the last
+    trained token l (G_t = γ^(l − t) · r without per-token rewards; 0 after l), whitened over every trained
+    token of the batch (no baseline, no group: singleton_groups does not apply)."""
     returns: list[list[torch.Tensor]] = []
     masks: list[list[torch.Tensor]] = []
     for group in groups:
-        r = _rewards(group)
+        _rewards(group)  # checked: finite
         row, mask_row = [], []
-        for s, reward in zip(group, r, strict=True):
+        for s in group:
             mask = torch.tensor([bool(x) for x in s.mask], dtype=torch.bool)
-            # the outcome reward sits on the last trained token; tokens after it (masked) return 0
+            # per-token rewards on the trained tokens, the outcome on the last trained one (tokens after it
+            # return 0); then G_t = Σ_{u ≥ t} γ^(u − t) · r_u
             last = int(mask.nonzero().max()) if bool(mask.any()) else len(s.mask) - 1
-            powers = last - torch.arange(len(s.mask), dtype=torch.float64)
-            discounted = reward * torch.pow(torch.tensor(config.gamma, dtype=torch.float64), powers.clamp(min=0))
-            row.append(torch.where(powers >= 0, discounted, torch.zeros_like(discounted)))
+            rewards = torch.zeros(len(s.mask), dtype=torch.float64)
+            if s.token_rewards:
+                rewards += torch.tensor([float(x) for x in s.token_rewards], dtype=torch.float64) * mask
+            rewards[last] += float(s.reward)
+            discounted = torch.zeros_like(rewards)
+            running = 0.0
+            for t in range(len(s.mask) - 1, -1, -1):
+                running = float(rewards[t]) + config.gamma * running
+                discounted[t] = running if t <= last else 0.0
+            row.append(discounted)
             mask_row.append(mask)
         returns.append(row)
         masks.append(mask_row)
@@ -258,5 +277,8 @@ def estimate(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> Gro
     except KeyError:
         raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, not {config.estimator!r}") from None
     if config.overlong_buffer is not None:
-        groups = [[Scored(s.reward + overlong_penalty(len(s.mask), config), s.mask) for s in g] for g in groups]
+        groups = [
+            [Scored(s.reward + overlong_penalty(len(s.mask), config), s.mask, s.token_rewards) for s in g]
+            for g in groups
+        ]
     return estimator(groups, config)

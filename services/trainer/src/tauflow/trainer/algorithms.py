@@ -122,6 +122,11 @@ class AlgorithmConfig:
     opsm_delta: float | None = None
     """Off-policy sequence masking (DeepSeek-V3.2): a sequence with A < 0 whose mean log(π_beh / π_θ)
     exceeds δ trains nothing; None: off."""
+    reject_lower: float | None = None
+    """Rejection: a sample whose geometric-mean weight exp(mean_t log(π_prox / π_beh)) is below this is
+    dropped from the step (not trained, out of every denominator); None: no lower bound."""
+    reject_upper: float | None = None
+    """... or above this; None: no upper bound."""
 
     # KL to the reference model, and the entropy bonus.
     kl_coef: float = 0.0
@@ -129,6 +134,11 @@ class AlgorithmConfig:
     """k1 (= kl), k2 (= mse), k3 (= low_var_kl), abs; with "+": the value of one, the gradient of k2."""
     kl_clamp: float | None = 10.0
     """k3's value is clamped to ±kl_clamp (10, as verl and OpenRLHF); None: unclamped."""
+    kl_reward_coef: float = 0.0
+    """The KL as a reward penalty (verl's use_kl_in_reward): each trained token gets −β · KL_t(π_prox ‖ π_ref)
+    before the advantages; 0: off."""
+    kl_reward_estimator: str = "k1"
+    """The estimator of that per-token KL (verl's kl_penalty: k1 by default)."""
     entropy_coef: float = 0.0
     """The entropy bonus: the loss minus entropy_coef · aggregate(entropy)."""
 
@@ -151,6 +161,7 @@ class AlgorithmConfig:
         _one_of("is_level", self.is_level, IS_LEVELS)
         _one_of("is_mode", self.is_mode, IS_MODES)
         _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _one_of("kl_reward_estimator", self.kl_reward_estimator, KL_ESTIMATORS)
         _one_of("proximal", self.proximal, PROXIMAL)
         if not 0.0 <= self.clip_low <= 1.0 or self.clip_high < 0.0:
             raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
@@ -164,7 +175,11 @@ class AlgorithmConfig:
             raise ValueError("tau_pos and tau_neg must be positive")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], not {self.gamma}")
-        for name in ("kl_coef", "entropy_coef", "adv_eps"):
+        if self.reject_lower is not None and self.reject_upper is not None and self.reject_lower >= self.reject_upper:
+            raise ValueError(f"need reject_lower < reject_upper, got {self.reject_lower}, {self.reject_upper}")
+        for name in ("kl_coef", "kl_reward_coef", "entropy_coef", "adv_eps", "reject_lower", "reject_upper"):
+            if getattr(self, name) is None:
+                continue
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
@@ -186,7 +201,16 @@ class AlgorithmConfig:
 
     @property
     def uses_reference(self) -> bool:
-        return self.kl_coef > 0
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
+
+    @property
+    def rejects(self) -> bool:
+        return self.reject_lower is not None or self.reject_upper is not None
+
+    @property
+    def needs_forward_before_advantages(self) -> bool:
+        """The KL in the reward and rejection need log-probs of every sample before the advantages."""
+        return self.kl_reward_coef > 0 or self.rejects
 
     @property
     def updates(self) -> int:

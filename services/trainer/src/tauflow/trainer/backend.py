@@ -38,6 +38,7 @@ from tauflow.trainer.batch import (
     completion_logprobs,
     pack,
     split_by_token_budget,
+    unpack,
 )
 from tauflow.trainer.checkpoint import (
     CheckpointInfo,
@@ -48,7 +49,7 @@ from tauflow.trainer.checkpoint import (
     set_rng_state,
     write_checkpoint,
 )
-from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, sft_loss, summarize
+from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize
 from tauflow.trainer.optim import OptimConfig, build_optimizer
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 
@@ -144,6 +145,12 @@ class StepPlan:
     mini_batches: list[MiniBatch] = field(default_factory=list)
     """The step's samples in ``mini_batches`` parts (in order, sizes differing by one at most)."""
     skipped_zero: int = 0
+    rejected: int = 0
+    """Samples dropped by the rejection bounds on their importance weight."""
+    kl_reward: float = 0.0
+    """Σ of the per-token KL put in the reward, over the trained tokens ..."""
+    kl_reward_tokens: int = 0
+    """... and how many tokens that is."""
 
     @property
     def trained_tokens(self) -> int:
@@ -319,6 +326,8 @@ class TorchBackend:
         metrics.update(
             {
                 "skipped_zero_advantage_groups": float(plan.skipped_zero),
+                "rejected_samples": float(plan.rejected),
+                **({"kl_reward": plan.kl_reward / plan.kl_reward_tokens} if plan.kl_reward_tokens else {}),
                 "skipped_duplicate_groups": float(len(plan.duplicates)),
                 "skipped_stale_groups": float(len(plan.stale)),
             }
@@ -360,15 +369,34 @@ class TorchBackend:
         plan = StepPlan(fresh, duplicates, stale)
         if not fresh:
             return plan
-        advantages = alg.advantages([[Scored(s.reward, s.mask) for s in g.samples] for g in fresh])
+        forwarded: dict[int, dict[str, list[float]]] = {}
+        if cfg.needs_forward_before_advantages:
+            pool = [s for g in fresh for s in g.samples if s.trained_tokens > 0]
+            forwarded = {id(s): f for s, f in zip(pool, self._forward_before_advantages(pool, alg), strict=True)}
+
+        def scored(s: Sample) -> Scored:
+            f = forwarded.get(id(s))
+            if f is None or cfg.kl_reward_coef <= 0:
+                return Scored(s.reward, s.mask)
+            kl = kl_estimate(torch.tensor(f["prox"]), torch.tensor(f["ref"]), cfg.kl_reward_estimator, cfg.kl_clamp)
+            kl = torch.where(torch.tensor(s.mask, dtype=torch.bool), kl, torch.zeros_like(kl))
+            plan.kl_reward += float(kl.sum())
+            plan.kl_reward_tokens += s.trained_tokens
+            return Scored(s.reward, s.mask, (-cfg.kl_reward_coef * kl).tolist())
+
+        advantages = alg.advantages([[scored(s) for s in g.samples] for g in fresh])
         for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
             if zero and cfg.skip_zero_advantage_groups:
                 plan.skipped_zero += 1
                 continue
             for s, a in zip(g.samples, adv, strict=True):
-                if s.trained_tokens > 0:
-                    plan.samples.append(s)
-                    plan.advantages.append(a)
+                if s.trained_tokens == 0:
+                    continue
+                if cfg.rejects and _rejected(forwarded[id(s)]["prox"], s, cfg):
+                    plan.rejected += 1  # the group's baseline still counted it; it trains nothing
+                    continue
+                plan.samples.append(s)
+                plan.advantages.append(a)
         consumed = sum(len(g.samples) for g in fresh)
         parts = max(1, min(cfg.mini_batches, len(plan.samples)))
         bounds = [len(plan.samples) * j // parts for j in range(parts + 1)]
@@ -383,6 +411,56 @@ class TorchBackend:
             )
             plan.mini_batches.append(MiniBatch(samples, plan.advantages[lo:hi], norm))
         return plan
+
+    def _forward_before_advantages(self, pool: list[Sample], alg: Algorithm) -> list[dict[str, list[float]]]:
+        """Rank 0: the log-probs the advantages or the rejection need, of every sample of ``pool``, from a
+        forward pass without gradients spread over the ranks (balanced by tokens): "prox" (the current
+        weights, or the behaviour's with proximal: behaviour) and "ref" (with the KL in the reward). The
+        updates take their proximal log-probs as without it (the training micro-batches' own forward), so
+        that the first update's ratio is exactly 1 whatever the batching here."""
+        cfg = alg.config
+        policy, ref = cfg.proximal == "recompute", cfg.kl_reward_coef > 0
+        with self._command("forward", (policy, ref)):
+            if self.group is None:
+                results = self._forward_logprobs(pool, policy, ref)
+            else:
+                shares = balance_by_tokens([len(s) for s in pool], self.group.world_size)
+                mine = self.group.scatter([[pool[i] for i in share] for share in shares])
+                everyone = self.group.gather(self._forward_logprobs(mine, policy, ref)) or []
+                results = [{} for _ in pool]
+                for share, part in zip(shares, everyone, strict=True):
+                    for i, r in zip(share, part, strict=True):
+                        results[i] = r
+        if not policy:
+            for s, r in zip(pool, results, strict=True):
+                r["prox"] = [float(x) for x in s.behaviour_logprobs]
+        return results
+
+    def _forward_logprobs(self, samples: list[Sample], policy: bool, ref: bool) -> list[dict[str, list[float]]]:
+        """This rank's ``samples``: log π_θ ("prox") and/or log π_ref ("ref") of each completion token, without
+        gradients, in micro-batches (as many on every rank: FSDP2's forwards pair up)."""
+        index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
+        count = self.group.most(len(index)) if self.group is not None else len(index)
+        reference = self._ensure_reference() if ref else None
+        out: list[dict[str, list[float]]] = [{} for _ in samples]
+        with torch.no_grad(), tracer.start_as_current_span("forward_before_advantages"):
+            for k in range(count):
+                rows = [samples[i] for i in index[k]] if k < len(index) else []
+                batch = pack(
+                    rows or [self._empty_sample()],
+                    pad_token_id=self.pad_token_id,
+                    padding_side=self.config.padding_side,
+                ).to(self.device)
+                for key, model in (("prox", self._forward_model if policy else None), ("ref", reference)):
+                    if model is None:
+                        continue
+                    with self._autocast():
+                        lp = completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+                    if rows:
+                        values = unpack(lp.float().cpu(), rows, padding_side=self.config.padding_side)
+                        for i, v in zip(index[k], values, strict=True):
+                            out[i][key] = v
+        return out
 
     def _micro_batches(self, mini_batch: MiniBatch) -> list[tuple[PackedBatch, bool]]:
         """This rank's share of ``mini_batch`` packed in micro-batches, padded with empty ones (loss 0) to the
@@ -566,6 +644,9 @@ class TorchBackend:
             if command == "train":
                 self._train(payload, self.group.scatter(None))
                 self.version += 1
+            elif command == "forward":
+                policy, ref = payload
+                self.group.gather(self._forward_logprobs(self.group.scatter(None), policy, ref))
             elif command == "gather":
                 self.group.full_state_dict(self.model)
             elif command == "checkpoint":
@@ -678,3 +759,13 @@ class TorchBackend:
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])
+
+
+def _rejected(proximal: Sequence[float], sample: Sample, config: Any) -> bool:
+    """Whether the rejection bounds drop ``sample``: its geometric-mean importance weight
+    exp(mean over trained tokens of log π_prox − log π_beh) lies outside [reject_lower, reject_upper]."""
+    logs = [p - b for p, b, m in zip(proximal, sample.behaviour_logprobs, sample.mask, strict=True) if m]
+    weight = math.exp(max(-20.0, min(20.0, sum(logs) / len(logs))))
+    return (config.reject_lower is not None and weight < config.reject_lower) or (
+        config.reject_upper is not None and weight > config.reject_upper
+    )

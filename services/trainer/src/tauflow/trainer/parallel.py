@@ -278,6 +278,14 @@ class RankGroup:
         )
         return out[0]
 
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value``, in rank order, on rank 0 (None on the others)."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.leads else None
+        dist.gather_object(value, out, dst=0, group=self._control)
+        return out
+
     def most(self, n: int) -> int:
         """The largest ``n`` of any rank."""
         import torch.distributed as dist
