@@ -67,7 +67,7 @@ def run_one(recipe: Path, entry: str, out: Path, steps: int, every: int, extra: 
     return summary
 
 
-def analyse(summary: dict) -> dict:
+def analyse(summary: dict, every: int) -> dict:
     evals = summary["evals"]
     steps = summary["steps"]
 
@@ -77,7 +77,9 @@ def analyse(summary: dict) -> dict:
 
     first, last = evals[0]["accuracy"], evals[-1]["accuracy"]
     return {
-        "accuracy": {e["policy_version"]: e["accuracy"] for e in evals},
+        # each evaluation at the version it was taken (the controller asks every `every` steps, and the
+        # trainer may be a step or two further): columns are the nearest multiple of `every`
+        "accuracy": {round(e["policy_version"] / every) * every: e["accuracy"] for e in evals},
         "first": first,
         "final": last,
         "best": max(e["accuracy"] for e in evals),
@@ -104,7 +106,9 @@ def main() -> None:
     results = {}
     for entry in entries:
         slug = entry.replace(":", "-").replace(";", "-").replace("=", "")
-        results[entry] = analyse(run_one(args.recipe, entry, args.out / slug, args.steps, args.every, args.set))
+        results[entry] = analyse(
+            run_one(args.recipe, entry, args.out / slug, args.steps, args.every, args.set), args.every
+        )
         r = results[entry]
         print(f"{entry}: {r['first']:.1%} -> {r['final']:.1%} (best {r['best']:.1%}) in {r['wall_s']:.0f}s", flush=True)
 

@@ -303,7 +303,7 @@ def test_kl_in_the_reward_shapes_the_advantages(tiny_model_dir: Path, make_group
     groups = make_groups(2, 3)
     plan = b._plan(groups, b.algorithm, -1)
     pool = [s for g in groups for s in g.samples if s.trained_tokens > 0]
-    forward = dict(zip(map(id, pool), b._forward_logprobs(pool, True, True), strict=True))
+    forward = dict(zip(map(id, pool), b._forward_logprobs(pool, ("prox", "ref")), strict=True))
     for s in pool:  # log π_ref is the initial model's, whatever the policy did
         assert forward[id(s)]["ref"] != pytest.approx(forward[id(s)]["prox"])
 
@@ -339,3 +339,34 @@ def test_rejection_drops_samples_far_off_policy_from_the_step(tiny_model_dir: Pa
     assert 0 < r.metrics["rejected_samples"] < r.samples
     assert r.trained_tokens < kept.trained_tokens  # out of the denominators too
     assert r.committed and b.trained_group_ids == {g.group_id for g in groups}
+
+
+def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # A teacher that differs from the student: the tiny model after SFT on a few fixed answers. Distillation
+    # steps (advantages log π_teacher − log π_student per token) shrink the sampled reverse KL on the
+    # samples, step by step; the outcome reward plays no part.
+    teacher = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=5e-2, schedule="constant")))
+    answers = [Sample([1, 2, 3], [4, 5, 6, 7], [0.0] * 4, sample_id=str(i)) for i in range(4)]
+    for _ in range(8):
+        teacher.sft_step(answers)
+    teacher.model.save_pretrained(tmp_path / "teacher")
+    student = TorchBackend(
+        config(
+            tiny_model_dir,
+            algorithm="opd",
+            teacher_model_path=str(tmp_path / "teacher"),
+            optim=OptimConfig(lr=5e-2, schedule="constant"),
+        )
+    )
+    groups = make_groups(11, 4)
+    gaps = []
+    for k in range(8):
+        batch = [Group(f"{g.group_id}-{k}", g.samples) for g in groups]  # the same samples, fresh ids
+        r = student.train_step(batch)
+        gaps.append(r.metrics["kl_teacher"])
+    assert gaps[0] > 0.1, gaps  # the student starts far from the teacher ...
+    assert gaps[-1] < 0.5 * gaps[0], gaps  # ... and distillation halves the gap within eight steps
+    with pytest.raises(ValueError, match="teacher_model_path"):
+        TorchBackend(config(tiny_model_dir, algorithm="opd")).train_step(make_groups(12, 1))

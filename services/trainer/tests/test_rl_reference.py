@@ -592,3 +592,17 @@ def test_per_token_rewards_enter_as_verl_sums_them(estimator: str, seed: int) ->
     for g_got, g_want in zip(got.values, want, strict=True):
         for a, b in zip(g_got, g_want, strict=True):
             assert a == pytest.approx(b, **TOL)
+
+
+def test_opd_advantages_are_the_teachers_per_token_log_ratio() -> None:
+    # token rewards carry log π_teacher − log π_prox (the backend puts them there); opd adds nothing else by
+    # default, and opd_outcome_coef mixes in the outcome's GRPO advantage
+    rng = np.random.default_rng(17)
+    groups = [[Scored(float(r), [True, False, True], [float(x) for x in rng.normal(size=3)]) for r in (1, 0, 1)]]
+    got = estimate(groups, AlgorithmConfig(estimator="opd")).values[0]
+    for s, a in zip(groups[0], got, strict=True):
+        assert a == pytest.approx([s.token_rewards[0], 0.0, s.token_rewards[2]])
+    mixed = estimate(groups, AlgorithmConfig(estimator="opd", opd_outcome_coef=0.5)).values[0]
+    outcome = ref_advantages([[Scored(s.reward, s.mask) for s in groups[0]]], AlgorithmConfig())[0]
+    for s, a, o in zip(groups[0], mixed, outcome, strict=True):
+        assert a == pytest.approx([s.token_rewards[0] + 0.5 * o, 0.0, s.token_rewards[2] + 0.5 * o])

@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from tauflow.trainer.algorithms import AlgorithmConfig
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd")
 SINGLETON_GROUPS = ("raw", "skip")
 GPG_ALPHAS = ("valid", "nonzero")
 WHITEN_EPS = 1e-8  # inside the square root, as verl and OpenRLHF whiten
@@ -243,6 +243,24 @@ def reinforce_pp_baseline(groups: Sequence[Sequence[Scored]], config: AlgorithmC
     return _result(values, skipped)
 
 
+def opd(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """On-policy distillation, advantage form: each trained token's advantage is its per-token reward, the
+    negative sampled reverse KL to the teacher, log π_teacher − log π_prox (with the KL penalty, when in the
+    reward), undiscounted and not whitened; plus opd_outcome_coef × the group's GRPO advantage of the
+    outcome reward (0 by default: pure distillation)."""
+    outcome = grpo([[Scored(s.reward, s.mask) for s in g] for g in groups], config) if config.opd_outcome_coef else None
+    values: list[list[Advantage]] = []
+    for gi, group in enumerate(groups):
+        _rewards(group)
+        row: list[Advantage] = []
+        for si, s in enumerate(group):
+            base = float(outcome.values[gi][si]) * config.opd_outcome_coef if outcome is not None else 0.0  # type: ignore[arg-type]
+            tokens = s.token_rewards or [0.0] * len(s.mask)
+            row.append([(float(t) + base) if m else 0.0 for t, m in zip(tokens, s.mask, strict=True)])
+        values.append(row)
+    return _result(values)
+
+
 AdvantageEstimator = Callable[[Sequence[Sequence[Scored]], "AlgorithmConfig"], GroupAdvantages]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -252,6 +270,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "grpo_passk": grpo_passk,
     "gpg": gpg,
+    "opd": opd,
 }
 
 

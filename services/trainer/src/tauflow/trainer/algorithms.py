@@ -71,12 +71,15 @@ class AlgorithmConfig:
 
     # Advantages (advantages.py).
     estimator: str = "grpo"
-    """grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, gpg."""
+    """grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, gpg, opd (on-policy distillation: needs
+    the trainer's backend.teacher_model_path)."""
     norm_adv_by_std: bool = True
     """grpo, grpo_passk, gpg: divide by the group's std (+ adv_eps). False: Dr. GRPO."""
     adv_eps: float = 1e-6
     gamma: float = 1.0
     """reinforce_pp: the discount of the outcome reward over the completion's tokens."""
+    opd_outcome_coef: float = 0.0
+    """opd: the weight of the outcome reward's GRPO advantage added to the distillation's per-token one."""
     gpg_alpha: str = "valid"
     """gpg: α = B / B_valid, B_valid the samples of groups with a signal (valid, the paper) or the samples
     whose reward is not 0 (nonzero, verl)."""
@@ -177,7 +180,15 @@ class AlgorithmConfig:
             raise ValueError(f"gamma must be in [0, 1], not {self.gamma}")
         if self.reject_lower is not None and self.reject_upper is not None and self.reject_lower >= self.reject_upper:
             raise ValueError(f"need reject_lower < reject_upper, got {self.reject_lower}, {self.reject_upper}")
-        for name in ("kl_coef", "kl_reward_coef", "entropy_coef", "adv_eps", "reject_lower", "reject_upper"):
+        for name in (
+            "kl_coef",
+            "kl_reward_coef",
+            "entropy_coef",
+            "adv_eps",
+            "reject_lower",
+            "reject_upper",
+            "opd_outcome_coef",
+        ):
             if getattr(self, name) is None:
                 continue
             if getattr(self, name) < 0:
@@ -209,8 +220,9 @@ class AlgorithmConfig:
 
     @property
     def needs_forward_before_advantages(self) -> bool:
-        """The KL in the reward and rejection need log-probs of every sample before the advantages."""
-        return self.kl_reward_coef > 0 or self.rejects
+        """The KL in the reward, rejection and distillation need log-probs of every sample before the
+        advantages."""
+        return self.kl_reward_coef > 0 or self.rejects or self.estimator == "opd"
 
     @property
     def updates(self) -> int:
@@ -283,6 +295,8 @@ _PRESETS: dict[str, AlgorithmConfig] = {
     "cispo": AlgorithmConfig(loss="cispo", clip_low=1.0, clip_high=0.28),
     # GPG: plain policy gradient, group-mean baseline scaled by the share of groups with a signal.
     "gpg": AlgorithmConfig(estimator="gpg", loss="gpg", norm_adv_by_std=False),
+    # On-policy distillation: the teacher's per-token log-probs against the student's, as advantages.
+    "opd": AlgorithmConfig(estimator="opd", skip_zero_advantage_groups=False),
     # IcePop (Ring-1T): tokens whose π_prox / π_behaviour leaves [0.5, 5] are masked out of the gradient.
     "icepop": AlgorithmConfig(is_mode="mask", is_lower=0.5, is_cap=5.0),
 }

@@ -63,6 +63,9 @@ tracer = trace.get_tracer("tauflow.trainer")
 class TorchBackendConfig:
     model_path: str
     """A local Hugging Face model folder (``from_pretrained``): the initial policy, version 0."""
+    teacher_model_path: str | None = None
+    """On-policy distillation (estimator opd): the teacher, a local Hugging Face folder with the policy's
+    tokenizer, run in this process (frozen) to score the samples' tokens."""
     ref_model_path: str | None = None
     """Reference model for the KL penalty; None: ``model_path`` (the initial policy). Loaded only when the
     algorithm has kl_coef > 0."""
@@ -151,6 +154,9 @@ class StepPlan:
     """Σ of the per-token KL put in the reward, over the trained tokens ..."""
     kl_reward_tokens: int = 0
     """... and how many tokens that is."""
+    teacher_gap: float = 0.0
+    """Σ of log π_teacher − log π_prox over the trained tokens (on-policy distillation) ..."""
+    teacher_tokens: int = 0
 
     @property
     def trained_tokens(self) -> int:
@@ -181,6 +187,7 @@ class TorchBackend:
         self.version = 0
         self.trained_group_ids: set[str] = set()
         self.ref_model: torch.nn.Module | None = None
+        self.teacher_model: torch.nn.Module | None = None
         if group is not None and not group.leads:
             checkpoint = None  # rank 0 reads it and shares what it holds: no other rank touches the checkpoints
         elif checkpoint is not None:
@@ -223,16 +230,28 @@ class TorchBackend:
         model.train()
         return model
 
+    def _load_frozen(self, path: str) -> torch.nn.Module:
+        """A model that only runs forward in this process (the reference, the teacher): frozen, in eval mode,
+        sharded like the policy under FSDP2."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # (as above)
+        model.eval()
+        model.requires_grad_(False)
+        return self.group.frozen(model) if self.group is not None else model
+
     def _ensure_reference(self) -> torch.nn.Module:
         if self.ref_model is None:
-            from transformers import AutoModelForCausalLM
-
-            ref = AutoModelForCausalLM.from_pretrained(self.config.ref_model_path or self.config.model_path)
-            ref.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # (as above)
-            ref.eval()
-            ref.requires_grad_(False)
-            self.ref_model = self.group.frozen(ref) if self.group is not None else ref
+            self.ref_model = self._load_frozen(self.config.ref_model_path or self.config.model_path)
         return self.ref_model
+
+    def _ensure_teacher(self) -> torch.nn.Module:
+        if self.teacher_model is None:
+            if not self.config.teacher_model_path:
+                raise ValueError("on-policy distillation (estimator opd) needs backend.teacher_model_path")
+            self.teacher_model = self._load_frozen(self.config.teacher_model_path)
+        return self.teacher_model
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.autocast_dtype is None:
@@ -328,6 +347,8 @@ class TorchBackend:
                 "skipped_zero_advantage_groups": float(plan.skipped_zero),
                 "rejected_samples": float(plan.rejected),
                 **({"kl_reward": plan.kl_reward / plan.kl_reward_tokens} if plan.kl_reward_tokens else {}),
+                # the sampled reverse KL to the teacher, per trained token: what distillation drives down
+                **({"kl_teacher": -plan.teacher_gap / plan.teacher_tokens} if plan.teacher_tokens else {}),
                 "skipped_duplicate_groups": float(len(plan.duplicates)),
                 "skipped_stale_groups": float(len(plan.stale)),
             }
@@ -376,13 +397,25 @@ class TorchBackend:
 
         def scored(s: Sample) -> Scored:
             f = forwarded.get(id(s))
-            if f is None or cfg.kl_reward_coef <= 0:
+            if f is None or (cfg.kl_reward_coef <= 0 and cfg.estimator != "opd"):
                 return Scored(s.reward, s.mask)
-            kl = kl_estimate(torch.tensor(f["prox"]), torch.tensor(f["ref"]), cfg.kl_reward_estimator, cfg.kl_clamp)
-            kl = torch.where(torch.tensor(s.mask, dtype=torch.bool), kl, torch.zeros_like(kl))
-            plan.kl_reward += float(kl.sum())
-            plan.kl_reward_tokens += s.trained_tokens
-            return Scored(s.reward, s.mask, (-cfg.kl_reward_coef * kl).tolist())
+            mask = torch.tensor(s.mask, dtype=torch.bool)
+            prox = torch.tensor(f["prox"])
+            token_rewards = torch.zeros_like(prox)
+            if cfg.kl_reward_coef > 0:
+                kl = kl_estimate(prox, torch.tensor(f["ref"]), cfg.kl_reward_estimator, cfg.kl_clamp)
+                kl = torch.where(mask, kl, torch.zeros_like(kl))
+                plan.kl_reward += float(kl.sum())
+                plan.kl_reward_tokens += s.trained_tokens
+                token_rewards -= cfg.kl_reward_coef * kl
+            if cfg.estimator == "opd":
+                # the per-token reward of on-policy distillation: −(log π_prox − log π_teacher), the negative
+                # of the sampled reverse KL to the teacher
+                gap = torch.where(mask, torch.tensor(f["teacher"]) - prox, torch.zeros_like(prox))
+                plan.teacher_gap += float(gap.sum())
+                plan.teacher_tokens += s.trained_tokens
+                token_rewards += gap
+            return Scored(s.reward, s.mask, token_rewards.tolist())
 
         advantages = alg.advantages([[scored(s) for s in g.samples] for g in fresh])
         for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
@@ -419,14 +452,19 @@ class TorchBackend:
         updates take their proximal log-probs as without it (the training micro-batches' own forward), so
         that the first update's ratio is exactly 1 whatever the batching here."""
         cfg = alg.config
-        policy, ref = cfg.proximal == "recompute", cfg.kl_reward_coef > 0
-        with self._command("forward", (policy, ref)):
+        policy = cfg.proximal == "recompute"
+        models = tuple(
+            name
+            for name, wanted in (("prox", policy), ("ref", cfg.kl_reward_coef > 0), ("teacher", cfg.estimator == "opd"))
+            if wanted
+        )
+        with self._command("forward", models):
             if self.group is None:
-                results = self._forward_logprobs(pool, policy, ref)
+                results = self._forward_logprobs(pool, models)
             else:
                 shares = balance_by_tokens([len(s) for s in pool], self.group.world_size)
                 mine = self.group.scatter([[pool[i] for i in share] for share in shares])
-                everyone = self.group.gather(self._forward_logprobs(mine, policy, ref)) or []
+                everyone = self.group.gather(self._forward_logprobs(mine, models)) or []
                 results = [{} for _ in pool]
                 for share, part in zip(shares, everyone, strict=True):
                     for i, r in zip(share, part, strict=True):
@@ -436,12 +474,14 @@ class TorchBackend:
                 r["prox"] = [float(x) for x in s.behaviour_logprobs]
         return results
 
-    def _forward_logprobs(self, samples: list[Sample], policy: bool, ref: bool) -> list[dict[str, list[float]]]:
-        """This rank's ``samples``: log π_θ ("prox") and/or log π_ref ("ref") of each completion token, without
-        gradients, in micro-batches (as many on every rank: FSDP2's forwards pair up)."""
+    def _forward_logprobs(self, samples: list[Sample], models: Sequence[str]) -> list[dict[str, list[float]]]:
+        """This rank's ``samples``: the log-probs of each completion token under each of ``models`` ("prox":
+        the policy as it is, "ref": the reference, "teacher"), without gradients, in micro-batches (as many on
+        every rank: FSDP2's forwards pair up)."""
         index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
         count = self.group.most(len(index)) if self.group is not None else len(index)
-        reference = self._ensure_reference() if ref else None
+        loaders = {"prox": lambda: self._forward_model, "ref": self._ensure_reference, "teacher": self._ensure_teacher}
+        chosen = [(name, loaders[name]()) for name in models]
         out: list[dict[str, list[float]]] = [{} for _ in samples]
         with torch.no_grad(), tracer.start_as_current_span("forward_before_advantages"):
             for k in range(count):
@@ -451,9 +491,7 @@ class TorchBackend:
                     pad_token_id=self.pad_token_id,
                     padding_side=self.config.padding_side,
                 ).to(self.device)
-                for key, model in (("prox", self._forward_model if policy else None), ("ref", reference)):
-                    if model is None:
-                        continue
+                for key, model in chosen:
                     with self._autocast():
                         lp = completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
                     if rows:
@@ -645,8 +683,7 @@ class TorchBackend:
                 self._train(payload, self.group.scatter(None))
                 self.version += 1
             elif command == "forward":
-                policy, ref = payload
-                self.group.gather(self._forward_logprobs(self.group.scatter(None), policy, ref))
+                self.group.gather(self._forward_logprobs(self.group.scatter(None), payload))
             elif command == "gather":
                 self.group.full_state_dict(self.model)
             elif command == "checkpoint":
