@@ -92,62 +92,58 @@ def _equal(r: torch.Tensor) -> bool:
     return len(r) > 1 and bool((r == r[0]).all())
 
 
-def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
-    """A_i = (r_i − mean(r)) / (std(r) + eps), std with Bessel's correction; without norm_adv_by_std
-    (Dr. GRPO), A_i = r_i − mean(r)."""
+def _group_baseline(
+    groups: Sequence[Sequence[Scored]],
+    config: AlgorithmConfig,
+    advantages_of: Callable[[torch.Tensor], list[float]],
+    scale: float = 1.0,
+) -> GroupAdvantages:
+    """The estimators with a group baseline: a group of one follows singleton_groups, a group of equal rewards
+    gets exactly 0, any other group ``advantages_of(its rewards)``; every value times ``scale`` (GPG's α)."""
     values: list[list[Advantage]] = []
     for group in groups:
         r = _rewards(group)
         if len(group) == 1:
-            values.append(_singleton(group, r, config))
-            continue
-        if _equal(r):
-            values.append([0.0] * len(group))
-            continue
-        a = r - r.mean()
-        if config.norm_adv_by_std:
-            a = a / (r.std(unbiased=True) + config.adv_eps)
-        values.append([float(x) for x in a])
+            row: Sequence[Advantage] = _singleton(group, r, config)
+        elif _equal(r):
+            row = [0.0] * len(group)
+        else:
+            row = advantages_of(r)
+        values.append([scale * float(v) for v in row])  # type: ignore[arg-type]  # group baselines are floats
     return _result(values)
+
+
+def _centred(r: torch.Tensor, config: AlgorithmConfig) -> list[float]:
+    """r − mean(r), divided by (std(r) + adv_eps) with norm_adv_by_std (std with Bessel's correction)."""
+    a = r - r.mean()
+    if config.norm_adv_by_std:
+        a = a / (r.std(unbiased=True) + config.adv_eps)
+    return [float(x) for x in a]
+
+
+def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """A_i = (r_i − mean(r)) / (std(r) + eps), std with Bessel's correction; without norm_adv_by_std
+    (Dr. GRPO), A_i = r_i − mean(r)."""
+    return _group_baseline(groups, config, lambda r: _centred(r, config))
 
 
 def rloo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
     """Leave-one-out baseline: A_i = r_i − mean_{j≠i}(r_j) = n / (n − 1) · (r_i − mean(r))."""
-    values: list[list[Advantage]] = []
-    for group in groups:
-        r = _rewards(group)
-        if len(group) == 1:
-            values.append(_singleton(group, r, config))
-            continue
-        if _equal(r):
-            values.append([0.0] * len(group))
-            continue
-        n = len(group)
-        values.append([float(x) for x in r - (r.sum() - r) / (n - 1)])
-    return _result(values)
+    return _group_baseline(groups, config, lambda r: [float(x) for x in r - (r.sum() - r) / (len(r) - 1)])
 
 
 def grpo_passk(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
     """Pass@k-style GRPO (as verl's grpo_passk): only the group's best sample (the first of equals) gets a
     non-zero advantage, r_max − r_second, divided by (std(r) + eps) with norm_adv_by_std."""
-    values: list[list[Advantage]] = []
-    for group in groups:
-        r = _rewards(group)
-        if len(group) == 1:
-            values.append(_singleton(group, r, config))
-            continue
-        if _equal(r):
-            values.append([0.0] * len(group))
-            continue
+
+    def best_only(r: torch.Tensor) -> list[float]:
         best = int(torch.argmax(r))
-        second = float(torch.topk(r, 2).values[1])
-        a = float(r[best]) - second
+        a = float(r[best]) - float(torch.topk(r, 2).values[1])
         if config.norm_adv_by_std:
             a = a / (float(r.std(unbiased=True)) + config.adv_eps)
-        row: list[Advantage] = [0.0] * len(group)
-        row[best] = a
-        values.append(row)
-    return _result(values)
+        return [a if i == best else 0.0 for i in range(len(r))]
+
+    return _group_baseline(groups, config, best_only)
 
 
 def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
@@ -160,20 +156,7 @@ def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
         valid = sum(len(r) for r in rewards if len(r) > 1 and not _equal(r))
     else:
         valid = sum(int((r != 0).sum()) for r in rewards)
-    alpha = total / max(valid, 1)
-    values: list[list[Advantage]] = []
-    for group, r in zip(groups, rewards, strict=True):
-        if len(group) == 1:
-            values.append([alpha * v if isinstance(v, float) else v for v in _singleton(group, r, config)])
-            continue
-        if _equal(r):
-            values.append([0.0] * len(group))
-            continue
-        a = r - r.mean()
-        if config.norm_adv_by_std:
-            a = a / (r.std(unbiased=True) + config.adv_eps)
-        values.append([float(x) for x in alpha * a])
-    return _result(values)
+    return _group_baseline(groups, config, lambda r: _centred(r, config), scale=total / max(valid, 1))
 
 
 def _whiten(per_sample: list[list[torch.Tensor]], masks: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
