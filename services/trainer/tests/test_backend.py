@@ -368,5 +368,22 @@ def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
         gaps.append(r.metrics["kl_teacher"])
     assert gaps[0] > 0.1, gaps  # the student starts far from the teacher ...
     assert gaps[-1] < 0.5 * gaps[0], gaps  # ... and distillation halves the gap within eight steps
-    with pytest.raises(ValueError, match="teacher_model_path"):
-        TorchBackend(config(tiny_model_dir, algorithm="opd")).train_step(make_groups(12, 1))
+    with pytest.raises(ValueError, match="teacher_model_path"):  # when the config loads
+        config(tiny_model_dir, algorithm="opd")
+
+
+def test_the_algorithm_and_its_options_are_checked_when_the_config_loads(tiny_model_dir: Path) -> None:
+    from tauflow.core.config import ConfigError, load_config
+    from tauflow.trainer.config import TrainerConfig
+
+    for bad, match in (
+        ({"algorithm": "nope"}, "unknown algorithm 'nope'"),
+        ({"algorithm_options": {"mini_batch": 2}}, "mini_batch"),
+        ({"algorithm_options": {"clip_ratio_c": 0.5}}, "clip_ratio_c"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            config(tiny_model_dir, **bad)
+    with pytest.raises(ConfigError, match="mini_batch"):
+        load_config(
+            TrainerConfig, overrides=[f"backend.model_path={tiny_model_dir}", "backend.algorithm_options.mini_batch=2"]
+        )

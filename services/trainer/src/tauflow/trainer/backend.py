@@ -94,6 +94,15 @@ class TorchBackendConfig:
             raise ValueError(f"padding_side must be one of {PADDING_SIDES}, not {self.padding_side!r}")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
             raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
+        # The algorithm and its options, checked when the config loads (not at the first step).
+        try:
+            algorithm = get_algorithm(self.algorithm, **dict(self.algorithm_options))
+        except TypeError as e:  # an option AlgorithmConfig does not have
+            raise ValueError(f"algorithm_options: {e}") from None
+        except KeyError as e:
+            raise ValueError(str(e).strip("'\"")) from None
+        if algorithm.config.estimator == "opd" and not self.teacher_model_path:
+            raise ValueError("on-policy distillation (estimator opd) needs teacher_model_path")
 
 
 @dataclass
