@@ -20,7 +20,7 @@ FAMILIES = {
     "reinforce_pp_baseline": {},
     "gspo": {"mini_batches": 2},  # its sequence-level clip binds from the second update on
     # one update a step (its gradient is then GRPO's): with two at the recipe's learning rate CISPO collapsed
-    # in 3 runs of 3 here (35 % -> 16-22 %; bench/README.md), keeping the push on tokens PPO's clip stops
+    # in both runs here (35 % -> 22-33 %; bench/README.md), keeping the push on tokens PPO's clip stops
     "cispo": {},
     "dapo": {"mini_batches": 2, "epochs": 2},  # PPO updates: four per step, one policy version
 }
