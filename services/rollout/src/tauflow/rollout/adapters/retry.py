@@ -1,5 +1,5 @@
-"""When the rollout's clients retry: while the peer is down, full or slow (e.g. restarting), for calls that
-are idempotent, so that data is never dropped; never for a call that no retry can cure."""
+"""When the rollout's clients retry: while the peer is down, full, slow or draining (e.g. restarting), for
+calls that are idempotent, so that data is never dropped; never for a call that no retry can cure."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.core.status import error_reason
 
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED: the server cancelled the call (a peer draining to stop cancels what it had in flight); our own
+# cancellation raises asyncio.CancelledError instead, and is never retried.
+TRANSIENT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 
 
 def over_message_limit(e: grpc.aio.AioRpcError) -> bool:
