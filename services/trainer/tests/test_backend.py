@@ -252,7 +252,8 @@ def test_one_mini_batch_of_one_epoch_trains_as_a_single_update(tiny_model_dir: P
     a = TorchBackend(config(tiny_model_dir))
     a.train_step(groups)
     b = TorchBackend(config(tiny_model_dir))
-    proximal = b._proximal([b._micro_batches(mb) for mb in b._plan(groups, b.algorithm, -1).mini_batches])
+    plans = [b._micro_batches(mb) for mb in b._plan(groups, b.algorithm, -1).mini_batches]
+    proximal = b._logprobs_before(plans, b._forward_model, "proximal_logprobs")
     assert all(torch.isfinite(t).all() for row in proximal for t in row)
     b.train_step(groups)
     for key, value in params(a).items():

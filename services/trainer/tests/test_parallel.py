@@ -140,6 +140,26 @@ def test_two_ranks_make_the_updates_of_one_over_mini_batches_and_epochs(
     assert single["metrics"][0]["clip_fraction"] > 0 and single["metrics"][0]["rejected_samples"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_train_the_policy_and_the_critic_as_one(
+    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # PPO with GAE: the critic's values before the advantages come from the forward spread over the ranks,
+    # its value loss is normalised over every rank's share, and its gradients are reduced as the policy's.
+    # The second step's advantages come from the critic the first step trained: equal metrics there mean
+    # equal critics.
+    config = backend_config(
+        tiny_model_dir, algorithm="ppo", algorithm_options={"mini_batches": 2}, critic_optim=OptimConfig(lr=1e-2)
+    )
+    job = {"config": config, "batches": [make_groups(5, 6), make_groups(6, 5, prefix="v")]}
+    single = one_process(job)
+    both = run_ranks(2, strategy, job, tmp_path)
+    assert_same_weights(both["weights"], single["weights"], tolerance=5 * TOLERANCE)
+    for mine, theirs in zip(both["metrics"], single["metrics"], strict=True):
+        for key in ("loss", "value_loss", "critic_grad_norm", "value_mean", "return_mean", "advantage_mean"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
 def test_a_rank_without_samples_still_takes_the_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     # One sample trains: rank 1 has nothing, yet runs FSDP2's collectives with an empty micro-batch.
     one = Group("solo", [Sample([1, 2], [3, 4, 5], [-2.0] * 3, reward=float(i)) for i in range(2)])

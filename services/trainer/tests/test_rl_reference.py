@@ -15,7 +15,7 @@ import torch
 
 from tauflow.trainer.advantages import Scored, estimate
 from tauflow.trainer.algorithms import ALGORITHMS, AlgorithmConfig
-from tauflow.trainer.losses import AGGREGATIONS, LossInputs, Normaliser, aggregate, kl_estimate, policy_loss
+from tauflow.trainer.losses import AGGREGATIONS, LossInputs, Normaliser, aggregate, kl_estimate, policy_loss, value_loss
 
 SEEDS = range(6)
 B, T = 6, 9
@@ -606,3 +606,167 @@ def test_opd_advantages_are_the_teachers_per_token_log_ratio() -> None:
     outcome = ref_advantages([[Scored(s.reward, s.mask) for s in groups[0]]], AlgorithmConfig())[0]
     for s, a, o in zip(groups[0], mixed, outcome, strict=True):
         assert a == pytest.approx([s.token_rewards[0] + 0.5 * o, 0.0, s.token_rewards[2] + 0.5 * o])
+
+
+# ------------------------------------------------------------------------------------------ GAE and the critic
+
+
+def random_valued_groups(rng: np.random.Generator, *, token_rewards: bool) -> list[list[Scored]]:
+    """Groups with the critic's values on every completion token (garbage on masked ones) and, optionally,
+    per-token rewards (the KL in the reward)."""
+    groups = []
+    for g in random_groups(rng):
+        group = []
+        for s in g:
+            n = len(s.mask)
+            values = [
+                float(v) if m else float(rng.normal(0, 50)) for v, m in zip(rng.normal(0, 1, n), s.mask, strict=True)
+            ]
+            tokens = [float(x) for x in rng.normal(0, 0.1, n)] if token_rewards else None
+            group.append(Scored(s.reward, s.mask, tokens, values))
+        groups.append(group)
+    return groups
+
+
+def ref_gae(groups: list[list[Scored]], c: AlgorithmConfig) -> tuple[list[list[float]], list[list[float]]]:
+    """GAE written from the paper over each completion's trained tokens t_1 < … < t_k (masked tokens are not
+    steps of the episode): r_j the per-token reward (+ the outcome at t_k), δ_j = r_j + γ·V_{j+1} − V_j with
+    V_{k+1} = 0, A_j = δ_j + γλ·A_{j+1}; returns A + V; then A whitened over every trained token of the
+    batch (Bessel). Returns each sample's advantages and returns on its trained tokens, in order."""
+    adv_rows, ret_rows = [], []
+    for group in groups:
+        for s in group:
+            steps = [t for t, m in enumerate(s.mask) if m]
+            rewards = [(s.token_rewards[t] if s.token_rewards else 0.0) for t in steps]
+            rewards[-1] += s.reward
+            values = [s.values[t] for t in steps]
+            adv = [0.0] * len(steps)
+            following = 0.0
+            for j in range(len(steps) - 1, -1, -1):
+                next_value = values[j + 1] if j + 1 < len(steps) else 0.0
+                delta = rewards[j] + c.gamma * next_value - values[j]
+                following = delta + c.gamma * c.lam * following
+                adv[j] = following
+            adv_rows.append(adv)
+            ret_rows.append([a + v for a, v in zip(adv, values, strict=True)])
+    if c.whiten_advantages:
+        flat = [a for row in adv_rows for a in row]
+        mu = sum(flat) / len(flat)
+        var = sum((a - mu) ** 2 for a in flat) / (len(flat) - 1)
+        adv_rows = [[(a - mu) / math.sqrt(var + 1e-8) for a in row] for row in adv_rows]
+    return adv_rows, ret_rows
+
+
+GAE_CONFIGS = [
+    AlgorithmConfig(estimator="gae"),
+    AlgorithmConfig(estimator="gae", gamma=0.9, lam=0.95),
+    AlgorithmConfig(estimator="gae", lam=0.0),
+    AlgorithmConfig(estimator="gae", gamma=0.8, lam=0.5, whiten_advantages=False),
+]
+
+
+@pytest.mark.parametrize("config", GAE_CONFIGS, ids=lambda c: f"g{c.gamma}-l{c.lam}-w{c.whiten_advantages}")
+@pytest.mark.parametrize("token_rewards", [False, True])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gae_matches_the_reference(config: AlgorithmConfig, token_rewards: bool, seed: int) -> None:
+    groups = random_valued_groups(np.random.default_rng(seed), token_rewards=token_rewards)
+    got = estimate(groups, config)
+    want_adv, want_ret = ref_gae(groups, config)
+    assert got.returns is not None
+    flat = [
+        (s, a, r)
+        for g, ga, gr in zip(groups, got.values, got.returns, strict=True)
+        for s, a, r in zip(g, ga, gr, strict=True)
+    ]
+    for (s, adv, ret), want_a, want_r in zip(flat, want_adv, want_ret, strict=True):
+        assert isinstance(adv, list) and len(adv) == len(s.mask) == len(ret)
+        assert [a for a, m in zip(adv, s.mask, strict=True) if m] == pytest.approx(want_a, **TOL)
+        assert [r for r, m in zip(ret, s.mask, strict=True) if m] == pytest.approx(want_r, **TOL)
+        assert all(a == 0.0 for a, m in zip(adv, s.mask, strict=True) if not m)  # masked: no advantage
+
+
+def test_gae_limits_are_monte_carlo_and_one_step_td() -> None:
+    # one completion of 3 trained tokens, outcome 1, values [0.2, 0.5, 0.9], γ = 1, no whitening:
+    #   λ = 1: A_t = R − V_t = [0.8, 0.5, 0.1]
+    #   λ = 0: A_t = r_t + V_{t+1} − V_t = [0.3, 0.4, 1 − 0.9] = [0.3, 0.4, 0.1]; returns A + V
+    group = [[Scored(1.0, [True, True, True], values=[0.2, 0.5, 0.9])]]
+    mc = estimate(group, AlgorithmConfig(estimator="gae", lam=1.0, whiten_advantages=False))
+    td = estimate(group, AlgorithmConfig(estimator="gae", lam=0.0, whiten_advantages=False))
+    assert mc.values[0][0] == pytest.approx([0.8, 0.5, 0.1]) and mc.returns == [[pytest.approx([1.0, 1.0, 1.0])]]
+    assert td.values[0][0] == pytest.approx([0.3, 0.4, 0.1])
+    assert td.returns == [[pytest.approx([0.5, 0.9, 1.0])]]
+
+
+def test_gae_skips_masked_tokens_as_verl_does() -> None:
+    # A masked token in the middle (tool output) is not a step: the token before it bootstraps from the
+    # token after it. values [0.1, 99 (masked), 0.4], outcome 1, γ = 0.5, λ = 0:
+    #   A_0 = 0 + 0.5 · 0.4 − 0.1 = 0.1 (not 0.5 · 99 − 0.1), A_2 = 1 − 0.4 = 0.6
+    group = [[Scored(1.0, [True, False, True], values=[0.1, 99.0, 0.4])]]
+    got = estimate(group, AlgorithmConfig(estimator="gae", gamma=0.5, lam=0.0, whiten_advantages=False))
+    assert got.values[0][0] == pytest.approx([0.1, 0.0, 0.6])
+
+
+def test_gae_needs_the_critics_values() -> None:
+    with pytest.raises(ValueError, match="critic"):
+        estimate([[Scored(1.0, [True])]], AlgorithmConfig(estimator="gae"))
+
+
+def ref_value_loss(v, old, ret, mask, c: AlgorithmConfig) -> tuple[float, np.ndarray, float]:
+    """½ · aggregate(max((V − R)², (clip(V, V_old ± c) − R)²)) and its gradient by V; the clip fraction."""
+    per, slope = np.zeros(v.shape), np.zeros(v.shape)
+    clipped = 0
+    for i in range(v.shape[0]):
+        for t in range(v.shape[1]):
+            if not mask[i, t]:
+                continue
+            plain = (v[i, t] - ret[i, t]) ** 2
+            if c.value_clip is None:
+                per[i, t], slope[i, t] = plain, 2 * (v[i, t] - ret[i, t])
+                continue
+            lo, hi = old[i, t] - c.value_clip, old[i, t] + c.value_clip
+            vc = min(max(v[i, t], lo), hi)
+            outside = (vc - ret[i, t]) ** 2
+            if outside > plain:
+                clipped += 1
+                per[i, t], slope[i, t] = outside, (2 * (vc - ret[i, t]) if lo < v[i, t] < hi else 0.0)
+            else:
+                per[i, t], slope[i, t] = plain, 2 * (v[i, t] - ret[i, t])
+    agg = dict(samples=7.0, scale=None)
+    weights = ref_agg_weights(mask, c.value_aggregation, **agg)
+    return 0.5 * ref_aggregate(per, mask, c.value_aggregation, **agg), 0.5 * weights * slope, clipped / mask.sum()
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.2, None])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_value_loss_matches_the_reference(clip: float | None, mode: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    d = random_batch(rng)
+    old = rng.normal(0, 1, (B, T))
+    v = old + rng.normal(0, 0.5, (B, T))
+    ret = old + rng.normal(0, 1, (B, T))
+    config = AlgorithmConfig(estimator="gae", value_clip=clip, value_aggregation=mode)
+    values = torch.tensor(v, requires_grad=True)
+    mask = torch.tensor(d["mask"])
+    out = value_loss(values, torch.tensor(old), torch.tensor(ret), mask, config, Normaliser.of(mask, samples=7))
+    out.loss.backward()
+    want, grad, fraction = ref_value_loss(v, old, ret, d["mask"], config)
+    assert out.loss.item() == pytest.approx(want, **TOL)
+    np.testing.assert_allclose(values.grad.numpy(), grad, rtol=1e-6, atol=1e-9)
+    assert out.sums["value_clipped"] / out.sums["value_tokens"] == pytest.approx(fraction)
+    if clip == 0.2:
+        assert fraction > 0  # the case exercises the clip
+
+
+def test_value_clip_keeps_the_critic_near_its_old_values() -> None:
+    # V_old = 0, R = 2, c = 0.5: at V = 1 the clipped value is 0.5, (0.5 − 2)² = 2.25 > (1 − 2)² = 1, so the
+    # loss is ½ · 2.25 and V gets no gradient (it moved past the clip towards R); at V = 0.3, inside, the
+    # gradient is ½ · 2 · (0.3 − 2) = −1.7
+    config = AlgorithmConfig(estimator="gae", value_clip=0.5)
+    v = torch.tensor([[1.0, 0.3]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = value_loss(v, torch.zeros(1, 2), torch.full((1, 2), 2.0), mask, config, Normaliser(1.0, 1.0, 1.0))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.5 * (2.25 + 1.7**2))
+    assert v.grad.tolist() == [[0.0, pytest.approx(-1.7)]]
+    assert out.sums["value_clipped"] == 1.0

@@ -9,6 +9,7 @@ completion tokens) or a list with one value per completion token. Groups whose e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from tauflow.trainer.algorithms import AlgorithmConfig
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd", "gae")
 SINGLETON_GROUPS = ("raw", "skip")
 GPG_ALPHAS = ("valid", "nonzero")
 WHITEN_EPS = 1e-8  # inside the square root, as verl and OpenRLHF whiten
@@ -28,12 +29,15 @@ Advantage = float | list[float]
 
 @dataclass(frozen=True)
 class Scored:
-    """What an estimator reads of a sample: its reward, which completion tokens train, and per-token rewards
-    added to the outcome (the KL penalty in the reward: −β · KL_t), if any."""
+    """What an estimator reads of a sample: its reward, which completion tokens train, per-token rewards
+    added to the outcome (the KL penalty in the reward: −β · KL_t), if any, and the critic's value of each
+    completion token's state (gae)."""
 
     reward: float
     mask: Sequence[bool]
     token_rewards: Sequence[float] | None = None
+    values: Sequence[float] | None = None
+    """V(s_t) of each completion token t: the critic's estimate of the return from the state before it."""
 
     @property
     def trained_tokens(self) -> int:
@@ -50,11 +54,13 @@ class Scored:
 
 @dataclass(frozen=True)
 class GroupAdvantages:
-    """One advantage per sample (a float, or one per completion token), per group, and which groups carry
-    no signal (every advantage exactly 0)."""
+    """One advantage per sample (a float, or one per completion token), per group, which groups carry no
+    signal (every advantage exactly 0), and, for an estimator with a critic (gae), each completion token's
+    return: the critic's regression target."""
 
     values: list[list[Advantage]]
     zero_groups: list[bool]
+    returns: list[list[list[float]]] | None = None
 
     @property
     def num_zero_groups(self) -> int:
@@ -74,9 +80,13 @@ def _is_zero(values: Sequence[Advantage]) -> bool:
     return all((v == 0.0) if isinstance(v, float) else all(x == 0.0 for x in v) for v in values)
 
 
-def _result(values: list[list[Advantage]], skipped: Sequence[bool] | None = None) -> GroupAdvantages:
+def _result(
+    values: list[list[Advantage]],
+    skipped: Sequence[bool] | None = None,
+    returns: list[list[list[float]]] | None = None,
+) -> GroupAdvantages:
     skipped = skipped or [False] * len(values)
-    return GroupAdvantages(values, [s or _is_zero(v) for v, s in zip(values, skipped, strict=True)])
+    return GroupAdvantages(values, [s or _is_zero(v) for v, s in zip(values, skipped, strict=True)], returns)
 
 
 def _singleton(group: Sequence[Scored], r: torch.Tensor, config: AlgorithmConfig) -> list[Advantage]:
@@ -244,6 +254,86 @@ def opd(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
     return _result(values)
 
 
+def _last_trained(mask: Sequence[bool]) -> int:
+    """Where the outcome reward sits: the completion's last trained token (its last token when none trains)."""
+    trained = [t for t, m in enumerate(mask) if m]
+    return trained[-1] if trained else len(mask) - 1
+
+
+def token_rewards_of(s: Scored) -> list[float]:
+    """The per-token rewards of a completion: its per-token rewards on the trained tokens, plus the outcome
+    reward on its last trained token (verl's ``token_level_rewards``)."""
+    rewards = [float(r) if m else 0.0 for r, m in zip(s.token_rewards or [0.0] * len(s.mask), s.mask, strict=True)]
+    rewards[_last_trained(s.mask)] += float(s.reward)
+    return rewards
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over ``[B, T]`` completions (Schulman et al. 2015), right to left:
+
+        δ_t = r_t + γ · V_next − V_t,   A_t = δ_t + γλ · A_next,   returns_t = A_t + V_t
+
+    where V_next and A_next are those of the next *trained* token (0 after the last one): a masked token
+    (tool output, padding) neither bootstraps nor accumulates, it passes its successor's values through
+    (verl's multi-turn form; for right-padded completions the same as the plain recursion). Returns the
+    advantages (not whitened) and the returns; on masked tokens both hold what the recursion carried, so
+    read them on trained tokens only."""
+    m = mask.to(values.dtype)
+    next_value = torch.zeros(values.shape[0], dtype=values.dtype)
+    running = torch.zeros(values.shape[0], dtype=values.dtype)
+    advantages = torch.zeros_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * running
+        next_value = values[:, t] * m[:, t] + (1.0 - m[:, t]) * next_value
+        running = candidate * m[:, t] + (1.0 - m[:, t]) * running
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def gae(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """PPO's estimator with a critic: `gae_advantages` of each completion (the per-token rewards and the
+    outcome on the last trained token, the critic's values), the advantages whitened over every trained
+    token of the batch with ``whiten_advantages`` (verl, OpenRLHF); the returns (not whitened) are the
+    critic's targets. Groups play no part: singleton_groups does not apply."""
+    flat = [s for g in groups for s in g]
+    for g in groups:
+        _rewards(g)  # checked: finite
+    if any(s.values is None or len(s.values) != len(s.mask) for s in flat):
+        raise ValueError("gae needs the critic's value of every completion token")
+    width = max(len(s.mask) for s in flat)
+    rewards = torch.zeros(len(flat), width, dtype=torch.float64)
+    values = torch.zeros(len(flat), width, dtype=torch.float64)
+    mask = torch.zeros(len(flat), width, dtype=torch.bool)
+    for i, s in enumerate(flat):
+        n = len(s.mask)
+        rewards[i, :n] = torch.tensor(token_rewards_of(s), dtype=torch.float64)
+        values[i, :n] = torch.tensor([float(v) for v in s.values or ()], dtype=torch.float64)
+        mask[i, :n] = torch.tensor([bool(m) for m in s.mask], dtype=torch.bool)
+    if not torch.isfinite(values[mask]).all():
+        raise ValueError("the critic's values must be finite")
+    adv, ret = gae_advantages(rewards, values, mask, config.gamma, config.lam)
+    if config.whiten_advantages:
+        adv = torch.stack(_whiten([list(adv.unbind(0))], [list(mask.unbind(0))])[0])
+    adv = torch.where(mask, adv, torch.zeros_like(adv))
+    out_values: list[list[Advantage]] = []
+    out_returns: list[list[list[float]]] = []
+    i = 0
+    for g in groups:
+        row: list[Advantage] = []
+        ret_row: list[list[float]] = []
+        for s in g:
+            n = len(s.mask)
+            row.append([float(x) for x in adv[i, :n]])
+            ret_row.append([float(x) for x in ret[i, :n]])
+            i += 1
+        out_values.append(row)
+        out_returns.append(ret_row)
+    return _result(out_values, returns=out_returns)
+
+
 AdvantageEstimator = Callable[[Sequence[Sequence[Scored]], "AlgorithmConfig"], GroupAdvantages]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -254,6 +344,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo_passk": grpo_passk,
     "gpg": gpg,
     "opd": opd,
+    "gae": gae,
 }
 
 
@@ -280,7 +371,6 @@ def estimate(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> Gro
         raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, not {config.estimator!r}") from None
     if config.overlong_buffer is not None:
         groups = [
-            [Scored(s.reward + overlong_penalty(len(s.mask), config), s.mask, s.token_rewards) for s in g]
-            for g in groups
+            [dataclasses.replace(s, reward=s.reward + overlong_penalty(len(s.mask), config)) for s in g] for g in groups
         ]
     return estimator(groups, config)

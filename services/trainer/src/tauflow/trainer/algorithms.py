@@ -72,12 +72,16 @@ class AlgorithmConfig:
     # Advantages (advantages.py).
     estimator: str = "grpo"
     """grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, gpg, opd (on-policy distillation: needs
-    the trainer's backend.teacher_model_path)."""
+    the trainer's backend.teacher_model_path), gae (PPO with a critic: a value model in the trainer)."""
     norm_adv_by_std: bool = True
     """grpo, grpo_passk, gpg: divide by the group's std (+ adv_eps). False: Dr. GRPO."""
     adv_eps: float = 1e-6
     gamma: float = 1.0
-    """reinforce_pp: the discount of the outcome reward over the completion's tokens."""
+    """reinforce_pp, gae: the discount of the rewards over the completion's tokens."""
+    lam: float = 1.0
+    """gae: λ, the bias/variance trade-off of the advantage (1: Monte-Carlo return − V; 0: one-step TD)."""
+    whiten_advantages: bool = True
+    """gae: whiten the advantages over every trained token of the batch (verl, OpenRLHF)."""
     opd_outcome_coef: float = 0.0
     """opd: the weight of the outcome reward's GRPO advantage added to the distillation's per-token one."""
     gpg_alpha: str = "valid"
@@ -145,6 +149,17 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """The entropy bonus: the loss minus entropy_coef · aggregate(entropy)."""
 
+    # The critic (estimator gae): a value model in the trainer process, trained beside the policy.
+    value_clip: float | None = 0.5
+    """The clipped value loss: the new value is kept within ±value_clip of the value before the step (verl's
+    cliprange_value 0.5); None: the plain squared error."""
+    value_aggregation: str = "token-mean"
+    """How the per-token value losses become one number: one of AGGREGATIONS (verl: the critic's
+    loss_agg_mode, token-mean)."""
+    critic_warmup_steps: int = 0
+    """The first this many steps train the critic only: the policy's weights stay (its version still counts
+    the step), so that its first updates see a critic that has learned something (verl's critic_warmup)."""
+
     # PPO updates: one step (one policy version) = epochs × mini_batches optimizer updates.
     mini_batches: int = 1
     """The step's batch is split into this many mini-batches, one optimizer update each."""
@@ -161,6 +176,7 @@ class AlgorithmConfig:
         _one_of("gpg_alpha", self.gpg_alpha, GPG_ALPHAS)
         _one_of("loss", self.loss, POLICY_LOSSES)
         _one_of("aggregation", self.aggregation, AGGREGATIONS)
+        _one_of("value_aggregation", self.value_aggregation, AGGREGATIONS)
         _one_of("is_level", self.is_level, IS_LEVELS)
         _one_of("is_mode", self.is_mode, IS_MODES)
         _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -178,6 +194,12 @@ class AlgorithmConfig:
             raise ValueError("tau_pos and tau_neg must be positive")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], not {self.gamma}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], not {self.lam}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip must be positive or None, not {self.value_clip}")
+        if self.critic_warmup_steps < 0:
+            raise ValueError(f"critic_warmup_steps must be >= 0, not {self.critic_warmup_steps}")
         if self.reject_lower is not None and self.reject_upper is not None and self.reject_lower >= self.reject_upper:
             raise ValueError(f"need reject_lower < reject_upper, got {self.reject_lower}, {self.reject_upper}")
         for name in (
@@ -215,14 +237,18 @@ class AlgorithmConfig:
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
     @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+    @property
     def rejects(self) -> bool:
         return self.reject_lower is not None or self.reject_upper is not None
 
     @property
     def needs_forward_before_advantages(self) -> bool:
-        """The KL in the reward, rejection and distillation need log-probs of every sample before the
-        advantages."""
-        return self.kl_reward_coef > 0 or self.rejects or self.estimator == "opd"
+        """The KL in the reward, rejection, distillation and the critic's values need a forward pass over
+        every sample before the advantages."""
+        return self.kl_reward_coef > 0 or self.rejects or self.estimator in ("opd", "gae")
 
     @property
     def updates(self) -> int:
@@ -297,6 +323,8 @@ _PRESETS: dict[str, AlgorithmConfig] = {
     "gpg": AlgorithmConfig(estimator="gpg", loss="gpg", norm_adv_by_std=False),
     # On-policy distillation: the teacher's per-token log-probs against the student's, as advantages.
     "opd": AlgorithmConfig(estimator="opd", skip_zero_advantage_groups=False),
+    # PPO (Schulman et al. 2017; InstructGPT's RLHF form): GAE with a critic in the trainer, PPO-clip.
+    "ppo": AlgorithmConfig(estimator="gae"),
     # IcePop (Ring-1T): tokens whose π_prox / π_behaviour leaves [0.5, 5] are masked out of the gradient.
     "icepop": AlgorithmConfig(is_mode="mask", is_lower=0.5, is_cap=5.0),
 }

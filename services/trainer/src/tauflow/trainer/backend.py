@@ -19,7 +19,8 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,8 +50,9 @@ from tauflow.trainer.checkpoint import (
     set_rng_state,
     write_checkpoint,
 )
-from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize
-from tauflow.trainer.optim import OptimConfig, build_optimizer
+from tauflow.trainer.critic import Critic, critic_source
+from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize, value_loss
+from tauflow.trainer.optim import OptimConfig, build_optimizer, clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded
@@ -69,6 +71,11 @@ class TorchBackendConfig:
     ref_model_path: str | None = None
     """Reference model for the KL penalty; None: ``model_path`` (the initial policy). Loaded only when the
     algorithm has kl_coef > 0."""
+    critic_model_path: str | None = None
+    """PPO with GAE (estimator gae): the folder the critic starts from, a causal LM (its backbone gets a new
+    value head) or a critic a checkpoint saved; None: ``model_path``. Resuming, the checkpoint's critic."""
+    critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The critic's optimizer and schedule (verl's critic lr: 1e-5)."""
     algorithm: str = "grpo"
     algorithm_options: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's config (see algorithms.AlgorithmConfig)."""
@@ -136,11 +143,28 @@ class StepResult:
 
 @dataclass
 class MiniBatch:
-    """One optimizer update's samples, their advantages and the normaliser of the whole mini-batch."""
+    """One optimizer update's samples, their advantages and the normaliser of the whole mini-batch; with a
+    critic, each sample's per-token returns and values before the step."""
 
     samples: list[Sample]
     advantages: list[Advantage]
     norm: Normaliser
+    returns: list[list[float]] | None = None
+    old_values: list[list[float]] | None = None
+
+    def subset(self, index: Sequence[int]) -> MiniBatch:
+        """The samples at ``index`` (a rank's share) with the whole mini-batch's normaliser."""
+
+        def pick(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else [values[i] for i in index]
+
+        return MiniBatch(
+            [self.samples[i] for i in index],
+            [self.advantages[i] for i in index],
+            self.norm,
+            pick(self.returns),
+            pick(self.old_values),
+        )
 
 
 @dataclass
@@ -154,6 +178,10 @@ class StepPlan:
     samples: list[Sample] = field(default_factory=list)
     """The samples with at least one trained token, of groups with a signal."""
     advantages: list[Advantage] = field(default_factory=list)
+    returns: list[list[float]] | None = None
+    """With a critic: each trained sample's per-token returns (the value loss's targets) ..."""
+    old_values: list[list[float]] | None = None
+    """... and the critic's values before the step."""
     mini_batches: list[MiniBatch] = field(default_factory=list)
     """The step's samples in ``mini_batches`` parts (in order, sizes differing by one at most)."""
     skipped_zero: int = 0
@@ -197,6 +225,7 @@ class TorchBackend:
         self.trained_group_ids: set[str] = set()
         self.ref_model: torch.nn.Module | None = None
         self.teacher_model: torch.nn.Module | None = None
+        self.critic: Critic | None = None
         if group is not None and not group.leads:
             checkpoint = None  # rank 0 reads it and shares what it holds: no other rank touches the checkpoints
         elif checkpoint is not None:
@@ -215,6 +244,8 @@ class TorchBackend:
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
         if self.algorithm.config.uses_reference:
             self._ensure_reference()
+        if self.algorithm.config.uses_critic:
+            self._ensure_critic(checkpoint)
         resuming = checkpoint is not None if group is None else group.agree(checkpoint is not None)
         if resuming:
             self._restore_state(checkpoint)
@@ -262,6 +293,21 @@ class TorchBackend:
             self.teacher_model = self._load_frozen(self.config.teacher_model_path)
         return self.teacher_model
 
+    def _ensure_critic(self, checkpoint: Path | None = None) -> Critic:
+        """The critic (PPO with GAE): from ``checkpoint``'s critic when it has one, else from
+        critic_model_path or the policy's folder. With several ranks every rank builds it at once (rank 0's
+        weights reach the others), as the first command that needs it comes to all of them."""
+        if self.critic is None:
+            source = critic_source(checkpoint, self.config.critic_model_path, self.config.model_path)
+            self.critic = Critic(
+                source,
+                device=self.device,
+                optim=self.config.critic_optim,
+                group=self.group,
+                gradient_checkpointing=self.config.gradient_checkpointing,
+            )
+        return self.critic
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -273,23 +319,8 @@ class TorchBackend:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _update(self) -> dict[str, float]:
-        """Clip, step the optimizer, clear the gradients. A non-finite gradient norm skips the update
-        (``skipped_nonfinite_grad`` = 1). With FSDP2 the norm is that of the whole gradient, over every
-        rank's shard: every rank decides alike."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip is not None else math.inf
-        grad_norm = 0.0
-        if params:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
-            grad_norm = float(full_tensor() if full_tensor is not None else norm)
-        skipped = 0.0
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            skipped = 1.0
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
+        """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step)."""
+        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip)
 
     def _optimizer_step(self) -> dict[str, float]:
         """One update, then the schedule's step (a step of one update: SFT)."""
@@ -341,9 +372,7 @@ class TorchBackend:
                 per_rank: list[list[MiniBatch]] = [[] for _ in range(self.group.world_size)]
                 for mb in plan.mini_batches:
                     for rank, share in enumerate(balance_by_tokens([len(s) for s in mb.samples], len(per_rank))):
-                        per_rank[rank].append(
-                            MiniBatch([mb.samples[i] for i in share], [mb.advantages[i] for i in share], mb.norm)
-                        )
+                        per_rank[rank].append(mb.subset(share))
                 mine = self.group.scatter(per_rank)
             metrics = self._train(alg, mine)
         self.version += 1
@@ -406,8 +435,9 @@ class TorchBackend:
 
         def scored(s: Sample) -> Scored:
             f = forwarded.get(id(s))
+            values = f["values"] if f is not None and cfg.uses_critic else None
             if f is None or (cfg.kl_reward_coef <= 0 and cfg.estimator != "opd"):
-                return Scored(s.reward, s.mask)
+                return Scored(s.reward, s.mask, values=values)
             mask = torch.tensor(s.mask, dtype=torch.bool)
             prox = torch.tensor(f["prox"])
             token_rewards = torch.zeros_like(prox)
@@ -424,14 +454,27 @@ class TorchBackend:
                 plan.teacher_gap += float(gap.sum())
                 plan.teacher_tokens += s.trained_tokens
                 token_rewards += gap
-            return Scored(s.reward, s.mask, token_rewards.tolist())
+            return Scored(s.reward, s.mask, token_rewards.tolist(), values)
 
-        advantages = alg.advantages([[scored(s) for s in g.samples] for g in fresh])
-        for g, adv, zero in zip(fresh, advantages.values, advantages.zero_groups, strict=True):
+        # A sample with no trained token has no value forwarded (nothing of it trains): zeros stand in.
+        advantages = alg.advantages(
+            [
+                [
+                    scored(s)
+                    if s.trained_tokens > 0 or not cfg.uses_critic
+                    else Scored(s.reward, s.mask, values=[0.0] * len(s.mask))
+                    for s in g.samples
+                ]
+                for g in fresh
+            ]
+        )
+        if cfg.uses_critic:
+            plan.returns, plan.old_values = [], []
+        for gi, (g, adv, zero) in enumerate(zip(fresh, advantages.values, advantages.zero_groups, strict=True)):
             if zero and cfg.skip_zero_advantage_groups:
                 plan.skipped_zero += 1
                 continue
-            for s, a in zip(g.samples, adv, strict=True):
+            for si, (s, a) in enumerate(zip(g.samples, adv, strict=True)):
                 if s.trained_tokens == 0:
                     continue
                 if cfg.rejects and _rejected(forwarded[id(s)]["prox"], s, cfg):
@@ -439,6 +482,9 @@ class TorchBackend:
                     continue
                 plan.samples.append(s)
                 plan.advantages.append(a)
+                if plan.returns is not None and plan.old_values is not None and advantages.returns is not None:
+                    plan.returns.append(advantages.returns[gi][si])
+                    plan.old_values.append(forwarded[id(s)]["values"])
         consumed = sum(len(g.samples) for g in fresh)
         parts = max(1, min(cfg.mini_batches, len(plan.samples)))
         bounds = [len(plan.samples) * j // parts for j in range(parts + 1)]
@@ -451,20 +497,34 @@ class TorchBackend:
                 samples=consumed * len(samples) / len(plan.samples) if plan.samples else float(consumed),
                 longest=float(max((len(s.completion_ids) for s in samples), default=0)),
             )
-            plan.mini_batches.append(MiniBatch(samples, plan.advantages[lo:hi], norm))
+            plan.mini_batches.append(
+                MiniBatch(
+                    samples,
+                    plan.advantages[lo:hi],
+                    norm,
+                    plan.returns[lo:hi] if plan.returns is not None else None,
+                    plan.old_values[lo:hi] if plan.old_values is not None else None,
+                )
+            )
         return plan
 
     def _forward_before_advantages(self, pool: list[Sample], alg: Algorithm) -> list[dict[str, list[float]]]:
         """Rank 0: the log-probs the advantages or the rejection need, of every sample of ``pool``, from a
         forward pass without gradients spread over the ranks (balanced by tokens): "prox" (the current
-        weights, or the behaviour's with proximal: behaviour) and "ref" (with the KL in the reward). The
+        weights, or the behaviour's with proximal: behaviour), "ref" (with the KL in the reward), "teacher"
+        (distillation) and "values" (the critic's, before the step: GAE and the value clip). The
         updates take their proximal log-probs as without it (the training micro-batches' own forward), so
         that the first update's ratio is exactly 1 whatever the batching here."""
         cfg = alg.config
         policy = cfg.proximal == "recompute"
         models = tuple(
             name
-            for name, wanted in (("prox", policy), ("ref", cfg.kl_reward_coef > 0), ("teacher", cfg.estimator == "opd"))
+            for name, wanted in (
+                ("prox", policy),
+                ("ref", cfg.kl_reward_coef > 0),
+                ("teacher", cfg.estimator == "opd"),
+                ("values", cfg.uses_critic),
+            )
             if wanted
         )
         with self._command("forward", models):
@@ -485,11 +545,23 @@ class TorchBackend:
 
     def _forward_logprobs(self, samples: list[Sample], models: Sequence[str]) -> list[dict[str, list[float]]]:
         """This rank's ``samples``: the log-probs of each completion token under each of ``models`` ("prox":
-        the policy as it is, "ref": the reference, "teacher"), without gradients, in micro-batches (as many on
-        every rank: FSDP2's forwards pair up)."""
+        the policy as it is, "ref": the reference, "teacher"), or the critic's value of its state ("values"),
+        without gradients, in micro-batches (as many on every rank: FSDP2's forwards pair up)."""
         index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
         count = self.group.most(len(index)) if self.group is not None else len(index)
-        loaders = {"prox": lambda: self._forward_model, "ref": self._ensure_reference, "teacher": self._ensure_teacher}
+
+        def critic_values() -> Callable[[PackedBatch], torch.Tensor]:
+            return self._ensure_critic().values
+
+        def logprobs_of(model: torch.nn.Module) -> Callable[[PackedBatch], torch.Tensor]:
+            return lambda batch: completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+
+        loaders: dict[str, Callable[[], Callable[[PackedBatch], torch.Tensor]]] = {
+            "prox": lambda: logprobs_of(self._forward_model),
+            "ref": lambda: logprobs_of(self._ensure_reference()),
+            "teacher": lambda: logprobs_of(self._ensure_teacher()),
+            "values": critic_values,
+        }
         chosen = [(name, loaders[name]()) for name in models]
         out: list[dict[str, list[float]]] = [{} for _ in samples]
         with torch.no_grad(), tracer.start_as_current_span("forward_before_advantages"):
@@ -500,9 +572,9 @@ class TorchBackend:
                     pad_token_id=self.pad_token_id,
                     padding_side=self.config.padding_side,
                 ).to(self.device)
-                for key, model in chosen:
+                for key, forward in chosen:
                     with self._autocast():
-                        lp = completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+                        lp = forward(batch)
                     if rows:
                         values = unpack(lp.float().cpu(), rows, padding_side=self.config.padding_side)
                         for i, v in zip(index[k], values, strict=True):
@@ -513,37 +585,40 @@ class TorchBackend:
         """This rank's share of ``mini_batch`` packed in micro-batches, padded with empty ones (loss 0) to the
         count of the rank with the most, since FSDP2's collectives pair the ranks' forwards up. Each comes
         with whether it is real."""
-        samples, advantages = mini_batch.samples, mini_batch.advantages
+        samples = mini_batch.samples
         index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
         count = self.group.most(len(index)) if self.group is not None else len(index)
+        critic = mini_batch.returns is not None
         out = []
         for k in range(count):
-            if k < len(index):
-                batch = pack(
-                    [samples[i] for i in index[k]],
-                    [advantages[i] for i in index[k]],
-                    pad_token_id=self.pad_token_id,
-                    padding_side=self.config.padding_side,
-                )
-                out.append((batch.to(self.device), True))
-            else:
-                out.append((pack([self._empty_sample()], [0.0], pad_token_id=self.pad_token_id).to(self.device), False))
+            real = k < len(index)
+            part = mini_batch.subset(index[k]) if real else MiniBatch([self._empty_sample()], [0.0], mini_batch.norm)
+            if critic and not real:
+                part.returns = part.old_values = [[0.0]]
+            batch = pack(
+                part.samples,
+                part.advantages,
+                pad_token_id=self.pad_token_id,
+                padding_side=self.config.padding_side,
+                returns=part.returns,
+                old_values=part.old_values,
+            )
+            out.append((batch.to(self.device), real))
         return out
 
-    def _proximal(self, plans: list[list[tuple[PackedBatch, bool]]]) -> list[list[torch.Tensor]]:
-        """log π_prox of every micro-batch: the weights before the step's first update, by a forward pass
-        without gradients (every rank runs as many as the others)."""
-        with torch.no_grad(), tracer.start_as_current_span("proximal_logprobs"):
+    def _logprobs_before(
+        self, plans: list[list[tuple[PackedBatch, bool]]], model: torch.nn.Module, span: str
+    ) -> list[list[torch.Tensor]]:
+        """log-probs of every micro-batch of the step under ``model`` as it is before the step's first update
+        (the policy: π_prox; the reference), by a forward pass without gradients (every rank runs as many as
+        the others), so that no epoch computes them again."""
+        with torch.no_grad(), tracer.start_as_current_span(span):
             out = []
             for micro in plans:
                 row = []
                 for batch, _ in micro:
                     with self._autocast():
-                        row.append(
-                            completion_logprobs(
-                                self._forward_model, batch, temperature=self.config.temperature
-                            ).logprobs
-                        )
+                        row.append(completion_logprobs(model, batch, temperature=self.config.temperature).logprobs)
                 out.append(row)
             return out
 
@@ -552,18 +627,29 @@ class TorchBackend:
         over this rank's share in micro-batches with the loss normalised by the whole mini-batch (every
         rank's share); then one step of the learning-rate schedule (it counts steps, as the policy version
         does). When the step makes more than one update, the proximal log-probs come from a forward pass
-        before the first. Returns the step's metrics over every rank."""
+        before the first; the reference's, when the loss has a KL, too. With a critic, each update also
+        makes one update of the critic on the value loss (only the critic's during critic_warmup_steps).
+        Returns the step's metrics over every rank."""
         cfg = alg.config
-        ref = self._ensure_reference() if cfg.uses_reference else None
         model = self._forward_model
+        critic = self._ensure_critic() if cfg.uses_critic else None
+        train_policy = self.version >= cfg.critic_warmup_steps or critic is None
         scale = float(self.world_size)  # the ranks' gradients are averaged: scaled by N, they add up
         model.train()
         plans = [self._micro_batches(mb) for mb in mini_batches]
-        prox = self._proximal(plans) if cfg.proximal == "recompute" and cfg.updates > 1 else None
+        recompute = train_policy and cfg.proximal == "recompute" and cfg.updates > 1
+        prox = self._logprobs_before(plans, model, "proximal_logprobs") if recompute else None
+        ref = (
+            self._logprobs_before(plans, self._ensure_reference(), "reference_logprobs")
+            if train_policy and cfg.kl_coef > 0
+            else None
+        )
         with_entropy = self.config.compute_entropy or cfg.entropy_coef > 0
         parts: list[dict[str, float]] = []
         updates: list[dict[str, float]] = []
+        critic_updates: list[dict[str, float]] = []
         lr = self.lr
+        critic_lr = critic.lr if critic is not None else None
         for epoch in range(cfg.epochs):
             for j, (mb, micro) in enumerate(zip(mini_batches, plans, strict=True)):
                 # One span per update: the forward and backward of its micro-batches, then the optimizer's step.
@@ -577,58 +663,80 @@ class TorchBackend:
                     },
                 ):
                     for k, (batch, real) in enumerate(micro):
-                        with self._autocast():
-                            lp = completion_logprobs(
-                                model,
-                                batch,
-                                temperature=self.config.temperature,
-                                with_entropy=with_entropy,
-                                entropy_grad=cfg.entropy_coef > 0,
+                        last = k == len(micro) - 1
+                        if train_policy:
+                            with self._autocast():
+                                lp = completion_logprobs(
+                                    model,
+                                    batch,
+                                    temperature=self.config.temperature,
+                                    with_entropy=with_entropy,
+                                    entropy_grad=cfg.entropy_coef > 0,
+                                )
+                            if prox is not None:
+                                prox_logp: torch.Tensor | None = prox[j][k]
+                            else:
+                                prox_logp = batch.behaviour_logprobs if cfg.proximal == "behaviour" else None
+                            out = alg.policy_loss(
+                                LossInputs(
+                                    logp=lp.logprobs,
+                                    behaviour_logp=batch.behaviour_logprobs,
+                                    advantages=batch.advantages,
+                                    mask=batch.loss_mask,
+                                    prox_logp=prox_logp,
+                                    ref_logp=ref[j][k] if ref is not None else None,
+                                    entropy=lp.entropy,
+                                ),
+                                mb.norm,
                             )
-                            ref_logp = None
-                            if ref is not None:
-                                with torch.no_grad():
-                                    ref_logp = completion_logprobs(
-                                        ref, batch, temperature=self.config.temperature
-                                    ).logprobs
-                        if prox is not None:
-                            prox_logp: torch.Tensor | None = prox[j][k]
-                        else:
-                            prox_logp = batch.behaviour_logprobs if cfg.proximal == "behaviour" else None
-                        out = alg.policy_loss(
-                            LossInputs(
-                                logp=lp.logprobs,
-                                behaviour_logp=batch.behaviour_logprobs,
-                                advantages=batch.advantages,
-                                mask=batch.loss_mask,
-                                prox_logp=prox_logp,
-                                ref_logp=ref_logp,
-                                entropy=lp.entropy,
-                            ),
-                            mb.norm,
-                        )
-                        with self._accumulating(last=k == len(micro) - 1):
-                            (out.loss * scale if scale != 1.0 else out.loss).backward()
-                        if real:
-                            parts.append({**out.sums, "micro_batches": 1.0})
+                            with self._accumulating(model, last):
+                                (out.loss * scale if scale != 1.0 else out.loss).backward()
+                            if real:
+                                parts.append({**out.sums, "micro_batches": 1.0})
+                        if critic is not None:
+                            assert batch.returns is not None and batch.old_values is not None
+                            with self._autocast():
+                                values = critic.values(batch)
+                            value_out = value_loss(
+                                values, batch.old_values, batch.returns, batch.loss_mask, cfg, mb.norm
+                            )
+                            with self._accumulating(critic.forward_model, last):
+                                (value_out.loss * scale if scale != 1.0 else value_out.loss).backward()
+                            if real:
+                                parts.append(
+                                    value_out.sums if train_policy else {**value_out.sums, "micro_batches": 1.0}
+                                )
                 with tracer.start_as_current_span("optimizer.step"):
-                    updates.append(self._update())
-        self.scheduler.step()
+                    if train_policy:
+                        updates.append(self._update())
+                    if critic is not None:
+                        critic_updates.append(critic.update())
+        with warnings.catch_warnings():
+            # a critic warm-up step makes no policy update, yet the policy's schedule counts the step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
+        if critic is not None:
+            critic.scheduler.step()
         totals = add_sums(parts)
         if self.group is not None:
             totals = self.group.sum(totals)
-        metrics = summarize([totals], updates=len(updates))
+        metrics = summarize([totals], updates=max(len(updates), len(critic_updates)))
         metrics["micro_batches"] = totals.get("micro_batches", 0.0)
         metrics["updates"] = float(len(updates))
         metrics["grad_norm"] = sum(u["grad_norm"] for u in updates) / max(len(updates), 1)
         metrics["skipped_nonfinite_grad"] = sum(u["skipped_nonfinite_grad"] for u in updates)
         metrics["lr"] = lr
+        if critic is not None:
+            metrics["critic_updates"] = float(len(critic_updates))
+            metrics["critic_grad_norm"] = sum(u["critic_grad_norm"] for u in critic_updates) / len(critic_updates)
+            metrics["critic_skipped_nonfinite_grad"] = sum(u["critic_skipped_nonfinite_grad"] for u in critic_updates)
+            metrics["critic_lr"] = float(critic_lr or 0.0)
         return metrics
 
-    def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+    def _accumulating(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         if self.group is None:
             return contextlib.nullcontext()
-        return self.group.accumulating(self._forward_model, last)
+        return self.group.accumulating(module, last)
 
     def _empty_sample(self) -> Sample:
         """A micro-batch's worth of nothing: one token predicting one, none of it trained (loss 0)."""
@@ -696,8 +804,7 @@ class TorchBackend:
             elif command == "gather":
                 self.group.full_state_dict(self.model)
             elif command == "checkpoint":
-                self.group.full_state_dict(self.model)
-                self.group.full_optimizer_state(self.model, self.optimizer)
+                self._gather_for_checkpoint()
             elif command == "stop":
                 self.group.close()  # at once, in step with rank 0's close (the service may be stopping meanwhile)
                 return
@@ -747,15 +854,14 @@ class TorchBackend:
         Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all). With several
         ranks, the weights and the optimizer state are gathered to rank 0, which writes them as one process
         would: a checkpoint resumes at any world size."""
-        if self.group is None:
-            weights, optimizer = None, self.optimizer.state_dict()
-        else:
-            with self._command("checkpoint"):
-                weights = self.group.full_state_dict(self.model)
-                optimizer = self.group.full_optimizer_state(self.model, self.optimizer)
+        with self._command("checkpoint"):
+            gathered = self._gather_for_checkpoint()
+        critic = self.critic
 
         def save_weights(folder: Path) -> None:
-            self.model.save_pretrained(folder, state_dict=weights)  # (None: the model's own state)
+            self.model.save_pretrained(folder, state_dict=gathered["weights"])  # (None: the model's own state)
+            if critic is not None:
+                critic.save(folder, gathered["critic_weights"])
 
         return write_checkpoint(
             root,
@@ -763,9 +869,17 @@ class TorchBackend:
             save_weights=save_weights,
             tokenizer_source=self._weights_source,
             trainer_state=lambda: {
-                "optimizer": optimizer,
+                "optimizer": gathered["optimizer"],
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
+                **(
+                    {
+                        "critic_optimizer": gathered["critic_optimizer"],
+                        "critic_scheduler": critic.scheduler.state_dict(),
+                    }
+                    if critic is not None
+                    else {}
+                ),
             },
             meta={
                 "algorithm": self.algorithm.name,
@@ -775,6 +889,26 @@ class TorchBackend:
             },
             keep=self.config.keep_checkpoints if keep is None else keep,
         )
+
+    def _gather_for_checkpoint(self) -> dict[str, Any]:
+        """The weights and optimizer states a checkpoint holds: in one process, the optimizers' own (the
+        weights None: the models' own); with several ranks, gathered to rank 0 (a collective every rank
+        runs; the others get empty ones)."""
+        group = self.group
+        critic = self.critic
+        if group is None:
+            out: dict[str, Any] = {"weights": None, "optimizer": self.optimizer.state_dict()}
+            if critic is not None:
+                out.update(critic_weights=None, critic_optimizer=critic.optimizer.state_dict())
+            return out
+        out = {
+            "weights": group.full_state_dict(self.model),
+            "optimizer": group.full_optimizer_state(self.model, self.optimizer),
+        }
+        if critic is not None:
+            out["critic_weights"] = group.full_state_dict(critic.model)
+            out["critic_optimizer"] = group.full_optimizer_state(critic.model, critic.optimizer)
+        return out
 
     def load_checkpoint(self, path: str | Path) -> CheckpointInfo:
         """Restore weights, optimizer, schedule, RNG, version and trained group ids from a checkpoint folder,
@@ -786,6 +920,9 @@ class TorchBackend:
         self._weights_source = path
         self.model = self._forward_model = self._load_policy(path)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        if self.critic is not None or self.algorithm.config.uses_critic:
+            self.critic = None
+            self._ensure_critic(path)
         self._restore_state(path)
         return read_checkpoint_info(path)
 
@@ -802,6 +939,12 @@ class TorchBackend:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None and "critic_optimizer" in state:  # else a new critic: a fresh optimizer
+            if self.group is not None:
+                self.group.load_optimizer_state(self.critic.model, self.critic.optimizer, state["critic_optimizer"])
+            else:
+                self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])

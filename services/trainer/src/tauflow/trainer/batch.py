@@ -4,7 +4,7 @@ Layout of a packed batch of B samples, padded to T = max(len(prompt) + len(compl
 
     input_ids, attention_mask, position_ids   [B, T]
     loss_mask, behaviour_logprobs, advantages [B, T - 1]  aligned with the *targets* input_ids[:, 1:],
-                                                          i.e. with logits[:, :-1]
+    (returns, old_values: with a critic)                  i.e. with logits[:, :-1]
 
 Completion token j of a sample whose first real token sits at column o (o = 0 when right-padded, the
 pad count when left-padded) is input column o + P + j and target column o + P + j - 1, P = len(prompt).
@@ -110,6 +110,10 @@ class PackedBatch:
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    """The critic's targets (GAE returns), when the step trains a critic ..."""
+    old_values: torch.Tensor | None = None
+    """... and its values before the step's first update (the value clip's centre)."""
 
     @property
     def num_tokens(self) -> int:
@@ -117,18 +121,18 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return PackedBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.position_ids,
-                    self.loss_mask,
-                    self.behaviour_logprobs,
-                    self.advantages,
-                )
-            )
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.loss_mask.to(device),
+            self.behaviour_logprobs.to(device),
+            self.advantages.to(device),
+            returns=moved(self.returns),
+            old_values=moved(self.old_values),
         )
 
 
@@ -138,9 +142,12 @@ def pack(
     *,
     pad_token_id: int = 0,
     padding_side: str = "right",
+    returns: Sequence[Sequence[float]] | None = None,
+    old_values: Sequence[Sequence[float]] | None = None,
 ) -> PackedBatch:
     """Pad ``samples`` into one batch. ``advantages`` (default 0) holds one per sample: a float, broadcast
-    over the sample's completion tokens, or one value per completion token."""
+    over the sample's completion tokens, or one value per completion token; ``returns`` and ``old_values``
+    (the critic's), when given, one value per completion token."""
     if not samples:
         raise ValueError("cannot pack an empty list of samples")
     if padding_side not in PADDING_SIDES:
@@ -173,7 +180,35 @@ def pack(
                 raise ValueError(f"sample {s.sample_id!r}: {len(a)} advantages for {c} completion tokens")
     adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return PackedBatch(input_ids, attention_mask, position_ids, loss_mask, behaviour, adv)
+    return PackedBatch(
+        input_ids,
+        attention_mask,
+        position_ids,
+        loss_mask,
+        behaviour,
+        adv,
+        returns=_per_target(returns, samples, "returns", width, padding_side),
+        old_values=_per_target(old_values, samples, "old_values", width, padding_side),
+    )
+
+
+def _per_target(
+    values: Sequence[Sequence[float]] | None, samples: Sequence[Sample], name: str, width: int, padding_side: str
+) -> torch.Tensor | None:
+    """One value per completion token of each sample, placed at the tokens' target columns (0 elsewhere)."""
+    if values is None:
+        return None
+    if len(values) != len(samples):
+        raise ValueError(f"{len(values)} {name} for {len(samples)} samples")
+    out = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    for i, (s, v) in enumerate(zip(samples, values, strict=True)):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        if len(v) != c:
+            raise ValueError(f"sample {s.sample_id!r}: {len(v)} {name} for {c} completion tokens")
+        o = 0 if padding_side == "right" else width - p - c
+        if c:
+            out[i, o + p - 1 : o + p - 1 + c] = torch.tensor([float(x) for x in v], dtype=torch.float32)
+    return out
 
 
 def unpack(values: torch.Tensor, samples: Sequence[Sample], *, padding_side: str = "right") -> list[list[float]]:
@@ -246,3 +281,16 @@ def completion_logprobs(
             probs = torch.softmax(logits, dim=-1)
             entropy = logsumexp - (probs * logits).sum(-1)
     return TokenLogProbs(logprobs, entropy)
+
+
+def completion_values(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """A critic's value of each target token's state: ``[B, T - 1]`` float32, the value the model (a token
+    classifier with one label: ``AutoModelForTokenClassification``, verl's critic) gives at the position
+    whose logits predict that token, i.e. V(s_t), s_t the prompt and the completion before token t."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    return out.logits[:, :-1, 0].float()

@@ -346,6 +346,47 @@ def policy_loss(inputs: LossInputs, config: AlgorithmConfig, norm: Normaliser) -
     return LossOutput(loss, sums)
 
 
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    config: AlgorithmConfig,
+    norm: Normaliser,
+) -> LossOutput:
+    """The critic's clipped value loss (PPO; verl's compute_value_loss), per trained token:
+
+        v_clip = clip(V, V_old − c, V_old + c),   l = max((V − R)², (v_clip − R)²)
+        loss = ½ · aggregate(l)
+
+    V the critic's value now (with grad), V_old its value before the step's first update, R the GAE return,
+    c = ``value_clip`` (None: l = (V − R)²), aggregated by ``value_aggregation``. Reported:
+    ``value_clip_fraction`` (tokens where the clipped term is the larger)."""
+    m = mask.bool()
+    old = old_values.detach().to(values.dtype)
+    target = returns.detach().to(values.dtype)
+    unclipped = (values - target).square()
+    if config.value_clip is not None:
+        clipped_values = old + (values - old).clamp(-config.value_clip, config.value_clip)
+        clipped = (clipped_values - target).square()
+        per_token = torch.maximum(unclipped, clipped)
+        clip_count = _count((clipped > unclipped) & m)
+    else:
+        per_token, clip_count = unclipped, 0.0
+    loss = 0.5 * aggregate(per_token, m, config.value_aggregation, norm, config.loss_scale_factor)
+    sums = {
+        "value_tokens": float(m.sum()),
+        "value_loss": float(loss.detach()),
+        "value_clipped": clip_count,
+        "value": _masked_sum(values, m),
+        "return": _masked_sum(target, m),
+        # Σ (R − V)² and Σ R²: with Σ V and Σ R, the critic's explained variance over the whole step
+        "value_error_sq": _masked_sum((target - values.detach()).square(), m),
+        "return_sq": _masked_sum(target.square(), m),
+    }
+    return LossOutput(loss, sums)
+
+
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> LossOutput:
     """Supervised fine-tuning: the token-mean negative log-likelihood of the masked completion tokens."""
     m = mask.bool()
@@ -357,7 +398,7 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> LossOu
 # --------------------------------------------------------------------------------------------------
 # Metrics
 
-LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss")
+LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
 PER_TOKEN_METRICS = {
     "clip_low": "clip_fraction_low",
     "clip_high": "clip_fraction_high",
@@ -402,4 +443,15 @@ def summarize(parts: Iterable[Mapping[str, float]], updates: int = 1) -> dict[st
             out[name] = total[key] / tokens if tokens > 0 else 0.0
     if "clip_low" in total:
         out["clip_fraction"] = out["clip_fraction_low"] + out["clip_fraction_high"]
+    value_tokens = total.get("value_tokens", 0.0)
+    if value_tokens > 0:
+        # the critic's statistics, over the tokens its loss saw in every update
+        out["value_clip_fraction"] = total["value_clipped"] / value_tokens
+        out["value_mean"] = total["value"] / value_tokens
+        out["return_mean"] = total["return"] / value_tokens
+        # 1 − Var(R − V) / Var(R) (verl's vf_explained_var), V the critic's values in the updates
+        return_var = total["return_sq"] / value_tokens - out["return_mean"] ** 2
+        error_var = total["value_error_sq"] / value_tokens - (out["return_mean"] - out["value_mean"]) ** 2
+        if return_var > 0:
+            out["value_explained_variance"] = 1.0 - error_var / return_var
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,3 +65,25 @@ def build_optimizer(
         return lr_factor(step, config)
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_and_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None
+) -> dict[str, float]:
+    """One optimizer update of ``model``'s accumulated gradients: clip their global norm, step, clear them.
+    A non-finite norm skips the update (``skipped_nonfinite_grad`` = 1). Under FSDP2 the norm is that of
+    the whole gradient over every rank's shard, so every rank decides alike."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip is not None else math.inf
+    grad_norm = 0.0
+    if params:
+        norm: Any = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
+        grad_norm = float(full_tensor() if full_tensor is not None else norm)
+    skipped = 0.0
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        skipped = 1.0
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
