@@ -11,8 +11,11 @@ metrics that tell the families apart (clip fractions, IS weights, updates per st
     python bench/algorithms.py                                   # every family, 150 steps each
     python bench/algorithms.py --algorithms grpo,rloo --steps 100
     python bench/algorithms.py --algorithms "grpo,dapo:mini_batches=2;epochs=2"
+    python bench/algorithms.py --algorithms "grpo,ppo|services.trainer.backend.critic_optim.lr=1e-3"
 
-An entry ``name:key=value;key=value`` sets algorithm options (numbers and booleans as YAML reads them).
+An entry ``name:key=value;key=value`` sets algorithm options (numbers and booleans as YAML reads them);
+``|key=value|key=value`` after it sets run settings for that entry alone (a critic's learning rate, the
+rollout's dynamic sampling or greedy baseline, a teacher's folder), as ``--set`` does for every entry.
 Prints a table and ``BENCH_JSON {...}``. See bench/README.md.
 """
 
@@ -34,19 +37,21 @@ from tauflow.core.config import load_config
 from tauflow.trainer.algorithms import ALGORITHMS, AlgorithmConfig
 
 FAMILIES = "grpo,dr_grpo,dapo,rloo,reinforce_pp,reinforce_pp_baseline,gspo,sapo,cispo,gpg"
+# (ppo, remax and opd need settings of their own: bench/README.md gives the invocation)
 
 
-def parse(entry: str) -> tuple[str, dict[str, object]]:
+def parse(entry: str) -> tuple[str, dict[str, object], list[str]]:
+    entry, *settings = entry.split("|")
     name, _, options = entry.partition(":")
     opts = {}
     for item in filter(None, options.split(";")):
         key, _, value = item.partition("=")
         opts[key] = yaml.safe_load(value)
-    return name, opts
+    return name, opts, settings
 
 
 def run_one(recipe: Path, entry: str, out: Path, steps: int, every: int, extra: list[str]) -> dict:
-    name, options = parse(entry)
+    name, options, settings = parse(entry)
     base = dict(yaml.safe_load(recipe.read_text())["services"]["trainer"]["backend"].get("algorithm_options", {}))
     preset = ALGORITHMS[name].config.aggregation
     if preset != AlgorithmConfig().aggregation:
@@ -59,6 +64,7 @@ def run_one(recipe: Path, entry: str, out: Path, steps: int, every: int, extra: 
         f"services.trainer.backend.algorithm={name}",
         f"services.trainer.backend.algorithm_options={json.dumps({**base, **options})}",
         *extra,
+        *settings,
     ]
     config = load_config(RunConfig, path=recipe, env_prefix="TAUFLOW_RUN_", overrides=overrides)
     started = time.monotonic()
@@ -105,7 +111,7 @@ def main() -> None:
     entries = args.algorithms.split(",")
     results = {}
     for entry in entries:
-        slug = entry.replace(":", "-").replace(";", "-").replace("=", "")
+        slug = entry.split("|")[0].replace(":", "-").replace(";", "-").replace("=", "")
         results[entry] = analyse(
             run_one(args.recipe, entry, args.out / slug, args.steps, args.every, args.set), args.every
         )

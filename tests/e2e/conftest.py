@@ -25,3 +25,19 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=1200,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def teacher(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The distillation recipe's teacher (a 1.8M-parameter addition model fine-tuned to 90 %), prepared beside
+    the student that ``prepared`` already holds (examples/distillation/prepare.py reuses it)."""
+    kept = os.environ.get("TAUFLOW_E2E_PREPARED")  # kept between sessions, beside the student
+    out = Path(kept).parent / "distillation" if kept else tmp_path_factory.mktemp("distillation")
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distillation" / "prepare.py"), "--out", str(out), "--student", str(prepared)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=1200,
+    )
+    return out / "teacher" / "model"

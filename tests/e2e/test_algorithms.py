@@ -22,18 +22,26 @@ FAMILIES = {
     # one update a step (its gradient is then GRPO's): with two at the recipe's learning rate CISPO collapsed
     # in both runs here (35 % -> 22-33 %; bench/README.md), keeping the push on tokens PPO's clip stops
     "cispo": {},
-    "dapo": {"mini_batches": 2, "epochs": 2},  # PPO updates: four per step, one policy version
-    "ppo": {},  # GAE with a critic in the trainer (its own optimizer: BACKEND)
+    # PPO updates: four per step, one policy version; with the rollout's dynamic sampling (SETTINGS)
+    "dapo": {"mini_batches": 2, "epochs": 2},
+    "ppo": {},  # GAE with a critic in the trainer (its own optimizer: SETTINGS)
+    "opd": {},  # on-policy distillation from the distillation recipe's teacher (92 %), run in the trainer
 }
-# Trainer settings a family needs beyond its options: the critic's learning rate (bench/README.md: 1e-3,
-# about 3x the policy's peak, took PPO from 32.8 % to 67.4 % in 150 steps).
-BACKEND = {"ppo": ["services.trainer.backend.critic_optim.lr=1e-3"]}
+# Settings a family needs beyond its options: PPO's critic learning rate (bench/README.md: 1e-3, about 3x
+# the policy's peak, took PPO from 32.8 % to 67.4 % in 150 steps); DAPO's dynamic sampling, which keeps
+# groups of equal rewards out of the queue and refills their room.
+SETTINGS = {
+    "ppo": ["services.trainer.backend.critic_optim.lr=1e-3"],
+    "dapo": ["services.rollout.dynamic_sampling.enabled=true"],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # steps decide, not the clock: a loaded machine only makes it slower
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_each_family_raises_heldout_accuracy_through_every_service(name: str, prepared: Path, tmp_path: Path) -> None:
+def test_each_family_raises_heldout_accuracy_through_every_service(
+    name: str, prepared: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     # The recipe's aggregation, but GSPO's own (per sequence): the override merges into the recipe's options.
     aggregation = "seq-mean-token-mean" if name == "gspo" else "seq-mean-token-sum"
     options = {"aggregation": aggregation, **FAMILIES[name]}
@@ -42,7 +50,8 @@ def test_each_family_raises_heldout_accuracy_through_every_service(name: str, pr
         f"target_accuracy={TARGET}", "stop_at_target=true", "services.trainer.backend.optim.total_steps=1500",
         f"services.trainer.backend.algorithm={name}",
         "services.trainer.backend.algorithm_options=" + repr(options).replace("'", '"'),
-        *BACKEND.get(name, []),
+        *SETTINGS.get(name, []),
+        *([f"services.trainer.backend.teacher_model_path={request.getfixturevalue('teacher')}"] if name == "opd" else []),
     )
     first, best = summary["evals"][0], max(e["accuracy"] for e in summary["evals"])
     assert first["policy_version"] == 0 and first["accuracy"] < TARGET - 0.1
@@ -52,6 +61,12 @@ def test_each_family_raises_heldout_accuracy_through_every_service(name: str, pr
     expected = FAMILIES[name].get("mini_batches", 1) * FAMILIES[name].get("epochs", 1)
     assert updates == {float(expected)}, updates  # and still one policy version per step
     assert [s["policy_version"] for s in summary["steps"]] == list(range(1, len(summary["steps"]) + 1))
+    if name == "dapo":  # every step full, and full of groups with a signal: the filter worked, the room refilled
+        assert {s["groups"] for s in summary["steps"]} == {64}
+        assert sum(s["metrics"]["skipped_zero_advantage_groups"] for s in summary["steps"]) == 0
+    if name == "opd":  # no reward trained on: the student moved towards the teacher
+        kl = [s["metrics"]["kl_teacher"] for s in summary["steps"]]
+        assert sum(kl[-10:]) / 10 < 0.85 * sum(kl[:10]) / 10, (kl[:10], kl[-10:])
     if name == "ppo":  # the critic trained beside the policy, one update of each per update
         assert all(s["metrics"]["critic_updates"] == expected for s in summary["steps"])
         # as the policy's returns rise (a third of the samples right at first, more later), its values follow

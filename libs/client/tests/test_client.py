@@ -274,7 +274,8 @@ def test_a_multi_turn_group_sampled_scored_and_put_arrives_whole(
                 trajectories.append(t)
                 turns.append((len(first.token_ids), len(second.token_ids)))
             samples = [t.to_sample(str(i), text=text) for i, (t, text) in enumerate(zip(trajectories, ["46", "x"]))]
-            group = make_group(samples, prompt_id="12+34", metadata={"answer": "46"})
+            # (baseline_reward: a greedy completion's reward, for a REMAX trainer: it travels with the group)
+            group = make_group(samples, prompt_id="12+34", metadata={"answer": "46"}, baseline_reward=0.5)
             assert reward.score([group], reward_fn="exact_match") == "exact_match"
             assert [s.reward.score for s in group.samples] == [1.0, 0.0]
             assert all(s.reward.status == common_pb2.REWARD_STATUS_OK for s in group.samples)
@@ -285,7 +286,8 @@ def test_a_multi_turn_group_sampled_scored_and_put_arrives_whole(
         assert got.producer_id == "agent-a"  # the client the token names, set by the queue
         assert got.group_id == f"agent-a/{group.group_id}"  # namespaced by it
         got.producer_id, got.group_id = group.producer_id, group.group_id
-        assert got == group  # everything else as sent: tokens, masks, versions, log-probs, rewards
+        assert got == group  # everything else as sent: tokens, masks, versions, log-probs, rewards, baseline
+        assert got.baseline_reward == 0.5
         for s, (first_len, second_len) in zip(got.samples, turns, strict=True):
             assert list(s.loss_mask) == [True] * first_len + [False, False] + [True] * second_len
             assert list(s.behaviour_logprobs)[first_len : first_len + 2] == [0.0, 0.0]

@@ -37,3 +37,14 @@ def test_the_same_temperature_repeated_per_service_is_accepted() -> None:
         services={"rollout": {"sampling": {"temperature": 1.2, "max_new_tokens": 4}}},
     )
     assert config.temperature == 1.2
+
+
+def test_remax_without_the_rollouts_greedy_completions_is_refused() -> None:
+    trainer = {"backend": {"algorithm": "remax"}}
+    with pytest.raises(ValidationError, match="greedy_baseline"):
+        RunConfig(model="m", dataset="d", steps=1, services={"trainer": trainer})
+    with pytest.raises(ValidationError, match="greedy_baseline"):  # the estimator named in the options too
+        RunConfig(
+            model="m", dataset="d", steps=1, services={"trainer": {"backend.algorithm_options": {"estimator": "remax"}}}
+        )
+    RunConfig(model="m", dataset="d", steps=1, services={"trainer": trainer, "rollout": {"greedy_baseline": True}})

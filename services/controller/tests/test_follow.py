@@ -38,6 +38,14 @@ def _all_closed(channels) -> bool:
     return len(channels) >= 4 and all(channel.closed for channel in channels)
 
 
+def follower(config: RunConfig):
+    """The run that follows this test's fake services: it starts no rollout replica of its own (the local
+    launcher would start a real server for model "m", which fails only after the hub lookups time out)."""
+    run = build_run(config)
+    run.scaler.target = 0
+    return run
+
+
 def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, channels) -> None:
     async def scenario() -> str:
         server = grpc.aio.server()
@@ -50,7 +58,7 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, cha
         try:
             with pytest.raises(RunStalled) as err:
                 await asyncio.wait_for(
-                    build_run(config).follow(
+                    follower(config).follow(
                         {
                             "trainer": address,
                             "queue": address,
@@ -127,7 +135,7 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
         )
         try:
             return await asyncio.wait_for(
-                build_run(config).follow(
+                follower(config).follow(
                     {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
                 ),
                 timeout=30,
@@ -180,7 +188,7 @@ def test_a_trainer_that_advances_without_new_listed_steps_is_not_stalled(tmp_pat
         try:
             with pytest.raises(TimeoutError):  # still following after 3 stall timeouts
                 await asyncio.wait_for(
-                    build_run(config).follow(
+                    follower(config).follow(
                         {
                             "trainer": address,
                             "queue": address,
@@ -244,7 +252,7 @@ def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, cha
         config = RunConfig(model="m", dataset="d", steps=8, out_dir=str(tmp_path), resume=True)
         try:
             return await asyncio.wait_for(
-                build_run(config).follow(
+                follower(config).follow(
                     {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
                 ),
                 timeout=30,

@@ -23,11 +23,12 @@ class FakeLauncher:
         self.stopped: list[str] = []
 
     def start(self, spec: ServiceSpec) -> ManagedService:
-        if spec.index == self.fail_at:
-            raise ServiceFailed(spec.name, "no room")
         svc = ManagedService(spec, self.tmp_path, info={"grpc_port": 5000 + spec.index, "pid": 100 + spec.index})
+        self.services[spec.name] = svc  # registered first, as the local launcher does
+        if spec.index == self.fail_at:
+            svc.proc = SimpleNamespace(poll=lambda: 1)  # died while starting
+            raise ServiceFailed(spec.name, "no room")
         svc.proc, svc.starts = SimpleNamespace(poll=lambda: None), 1
-        self.services[spec.name] = svc
         return svc
 
     def stop_service(self, name: str) -> int | None:
@@ -66,6 +67,8 @@ def test_a_replica_that_cannot_start_falls_the_target_back_to_what_runs(tmp_path
     scaler.set_target(launcher, 4)
     assert scaler.reconcile(launcher, spec) == (["rollout-1"], [])
     assert scaler.target == 2 and "no room" in scaler.last_error
+    # given up: no longer supervised, so the launcher's check() does not restart it again and again
+    assert names(launcher) == ["rollout", "rollout-1"] and launcher.stopped == ["rollout-2"]
 
 
 def test_bad_targets_are_refused_before_anything_changes(tmp_path: Path) -> None:

@@ -168,3 +168,12 @@ def test_oversize_group() -> None:
     size = len(g.SerializeToString())
     msg = invalid(g, limit=size - 1)
     assert "big" in msg and str(size) in msg and "bytes" in msg
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_baseline_reward_that_is_not_finite_is_refused_by_name(bad: float) -> None:
+    g = group(sample())
+    g.baseline_reward = bad
+    assert "group.baseline_reward is not finite" in invalid(g)
+    g.baseline_reward = 0.25  # a finite one travels with the group
+    convert.group_to_record(g, LIMIT)

@@ -17,3 +17,14 @@ def test_behaviour_version_is_the_oldest_token_version() -> None:
 def test_an_empty_completion_has_version_zero_and_no_token_versions() -> None:
     sample = sample_to_proto(0, [1, 4], Completion([], [], [], FinishReason.ABORT))
     assert sample.behaviour_version == 0 and not sample.token_versions
+
+
+def test_the_greedy_baseline_travels_with_the_group_and_only_when_made() -> None:
+    from tauflow.rollout.adapters.convert import group_to_proto
+    from tauflow.rollout.dataset import Prompt
+    from tauflow.rollout.ports import ProducedGroup
+
+    c = Completion([5], [-0.1], [0], FinishReason.STOP)
+    made = group_to_proto(ProducedGroup("g", Prompt("p", [1]), [c], [""], baseline_reward=0.0))
+    assert made.HasField("baseline_reward") and made.baseline_reward == 0.0  # 0 is a baseline, not "none"
+    assert not group_to_proto(ProducedGroup("g", Prompt("p", [1]), [c], [""])).HasField("baseline_reward")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tauflow.rollout.config import RolloutConfig, SamplingConfig
+from tauflow.rollout.config import DynamicSamplingConfig, RolloutConfig, SamplingConfig
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, FinishReason, SamplingParams
 from tauflow.rollout.metrics import RolloutMetrics
@@ -30,7 +31,8 @@ class FakeEngine:
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if self.block:
             await asyncio.Event().wait()  # generation never ends: the service stops mid-ticket
-        return [[Completion([5], [-0.1], [0], FinishReason.STOP) for _ in range(params.n)] for _ in prompts]
+        token = 7 if params.temperature == 0 else 5  # greedy decoding says 7, sampling 5
+        return [[Completion([token], [-0.1], [0], FinishReason.STOP) for _ in range(params.n)] for _ in prompts]
 
 
 class FakeQueue:
@@ -67,8 +69,17 @@ class FakeReward:
             g.rewards = [1.0] * len(g.completions)
 
 
+class FlatReward:
+    """Prompts whose id starts with "flat" score the same for every sample (no signal); others 0 and 1."""
+
+    async def score(self, groups: Sequence[ProducedGroup]) -> None:
+        for g in groups:
+            flat = g.prompt.prompt_id.startswith("flat")
+            g.rewards = [1.0 if flat else float(i % 2) for i in range(len(g.completions))]
+
+
 def producer(
-    engine: FakeEngine, queue: FakeQueue, prompt_ids: list[str], **kw: object
+    engine: FakeEngine, queue: FakeQueue, prompt_ids: list[str], **kw: Any
 ) -> tuple[Producer, CollectorRegistry]:
     registry = CollectorRegistry()
     prompts = itertools.cycle([Prompt(p, [1, 2]) for p in prompt_ids])
@@ -79,12 +90,14 @@ def producer(
         groups_per_ticket=2,
         tickets_in_flight=kw.pop("tickets", 1),
         sampling=SamplingConfig(max_new_tokens=1),
+        dynamic_sampling=DynamicSamplingConfig(**kw.pop("dynamic_sampling", {})),
+        greedy_baseline=kw.pop("greedy_baseline", False),
     )
     return Producer(
         engine,
         prompts,
         queue,
-        FakeReward(),
+        kw.pop("reward", FakeReward()),
         config,
         metrics=RolloutMetrics(registry),
         **kw,
@@ -204,3 +217,83 @@ async def test_each_ticket_is_one_trace_generate_score_and_a_put_per_group_whose
         assert put.status.status_code is (StatusCode.ERROR if refused else StatusCode.UNSET)
         assert ticket.status.status_code is StatusCode.UNSET
     assert {g.prompt.prompt_id for g in queue.groups[:4]} == {"ok", "big"}
+
+
+async def test_dynamic_sampling_keeps_groups_of_equal_rewards_out_and_refills_their_room() -> None:
+    # tickets of 2: (a, flat1), (b, flat2), ...: each ticket puts one group, and gives the other's room
+    # back, which the next Reserve takes
+    queue = FakeQueue()
+    p, registry = producer(
+        FakeEngine(), queue, ["a", "flat1", "b", "flat2"], reward=FlatReward(), dynamic_sampling={"enabled": True}
+    )
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.puts) >= 6 and len(queue.released) >= 6)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert {pid for pid, _ in queue.puts} == {"a", "b"}  # no group without a signal reached the queue
+    per_ticket = {t: sum(1 for _, tt in queue.puts if tt == t) for t in queue.tickets}
+    assert all(n <= 1 for n in per_ticket.values())
+    filtered = registry.get_sample_value("tauflow_rollout_filtered_groups_total", {"reason": "equal_rewards"})
+    assert filtered == p.groups_filtered >= 6
+    released = registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "filtered"})
+    assert released is not None and released >= 6  # each ticket's unfilled room went back at once
+    assert {t for t, _ in queue.released} <= set(queue.tickets)
+    # every reserved group was put or released: the queue's pacing holds no room for a filtered group
+    assert p.groups_produced + p.groups_filtered >= len(queue.puts)
+
+
+async def test_oversampling_generates_more_prompts_and_puts_at_most_the_tickets_room() -> None:
+    queue = FakeQueue()
+    p, registry = producer(
+        FakeEngine(),
+        queue,
+        ["a", "flat", "b", "c"],
+        reward=FlatReward(),
+        dynamic_sampling={"enabled": True, "oversample": 2.0},
+    )
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.puts) >= 6)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # 4 prompts a ticket of 2: a, flat, b, c -> 3 pass the filter, 2 are put, 1 is surplus; no release
+    per_ticket = {t: sum(1 for _, tt in queue.puts if tt == t) for t in queue.tickets}
+    assert set(per_ticket.values()) <= {0, 2}
+    assert registry.get_sample_value("tauflow_rollout_filtered_groups_total", {"reason": "surplus"}) == p.groups_surplus
+    assert p.groups_surplus >= 3 and p.groups_filtered >= 3
+    assert "flat" not in {pid for pid, _ in queue.puts}
+
+
+def test_dynamic_sampling_needs_groups_that_can_differ() -> None:
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        RolloutConfig(model_path="m", group_size=1, dynamic_sampling=DynamicSamplingConfig(enabled=True))
+
+
+async def test_the_greedy_completions_reward_travels_with_its_group_as_the_baseline() -> None:
+    class TokenReward:  # scores what was generated: 1 for the greedy token 7, 0.5 for the sampled 5
+        async def score(self, groups: Sequence[ProducedGroup]) -> None:
+            for g in groups:
+                g.rewards = [1.0 if c.token_ids == [7] else 0.5 for c in g.completions]
+
+    class RecordingQueue(FakeQueue):
+        def __init__(self) -> None:
+            super().__init__()
+            self.groups: list[ProducedGroup] = []
+
+        async def put(self, group: ProducedGroup, ticket_id: str) -> None:
+            self.groups.append(group)
+            await super().put(group, ticket_id)
+
+    queue = RecordingQueue()
+    p, _ = producer(FakeEngine(), queue, ["a", "b"], reward=TokenReward(), greedy_baseline=True)
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.groups) >= 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for g in queue.groups:
+        assert g.baseline_reward == 1.0  # the greedy completion's reward ...
+        assert [c.token_ids for c in g.completions] == [[5], [5]]  # ... which is not one of the samples
+    plain, _ = producer(FakeEngine(), FakeQueue(), ["a"])
+    assert plain.greedy is None  # off by default: no extra generation

@@ -388,3 +388,19 @@ def test_the_algorithm_and_its_options_are_checked_when_the_config_loads(tiny_mo
         load_config(
             TrainerConfig, overrides=[f"backend.model_path={tiny_model_dir}", "backend.algorithm_options.mini_batch=2"]
         )
+
+
+def test_remax_trains_against_the_greedy_baseline_and_skips_groups_without_one(tiny_model_dir: Path) -> None:
+    def group(gid: str, baseline: float | None) -> Group:
+        samples = [Sample([1, 2], [3, 4], [-2.7, -2.7], reward=float(i % 2), sample_id=str(i)) for i in range(4)]
+        return Group(gid, samples, baseline_reward=baseline)
+
+    backend = TorchBackend(config(tiny_model_dir, algorithm="remax"))
+    before = params(backend)
+    result = backend.train_step([group("with", 0.5), group("without", None)])
+    assert result.committed and result.groups == 2
+    assert result.metrics["no_baseline_groups"] == 1.0
+    assert result.metrics["skipped_zero_advantage_groups"] == 1.0  # the group without a baseline
+    assert result.trained_tokens == 8  # the other group's 4 samples x 2 tokens
+    assert result.metrics["advantage_mean"] == pytest.approx(0.0)  # ±0.5 around the greedy reward 0.5
+    assert any(not torch.equal(before[k], v) for k, v in params(backend).items())

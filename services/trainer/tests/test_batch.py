@@ -155,3 +155,6 @@ def test_group_from_proto() -> None:
     assert g.group_id == "g1" and g.oldest_version == 1
     assert g.samples[0].mask == [True, True] and g.samples[0].reward == 1.0
     assert g.samples[1].mask == [False] and g.samples[1].oldest_version == 3
+    assert g.baseline_reward is None  # no greedy completion came with it
+    pb.baseline_reward = 0.0
+    assert group_from_proto(pb).baseline_reward == 0.0  # a baseline of 0 is one

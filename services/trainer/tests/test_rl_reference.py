@@ -770,3 +770,51 @@ def test_value_clip_keeps_the_critic_near_its_old_values() -> None:
     assert out.loss.item() == pytest.approx(0.5 * (2.25 + 1.7**2))
     assert v.grad.tolist() == [[0.0, pytest.approx(-1.7)]]
     assert out.sums["value_clipped"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------ REMAX
+
+
+def ref_remax(groups: list[list[Scored]]) -> list[list[list[float]]]:
+    """A_t = (the rewards from token t on: per-token ones on trained tokens, the outcome on the last trained
+    one) − b, the greedy completion's reward; 0 on masked tokens; a group without b: all 0."""
+    out = []
+    for group in groups:
+        b = group[0].baseline
+        row = []
+        for s in group:
+            n = len(s.mask)
+            if b is None:
+                row.append([0.0] * n)
+                continue
+            last = max(t for t in range(n) if s.mask[t])
+            r = [((s.token_rewards[t] if s.token_rewards else 0.0) if s.mask[t] else 0.0) for t in range(n)]
+            r[last] += s.reward
+            row.append([sum(r[t:]) - b if s.mask[t] else 0.0 for t in range(n)])
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("token_rewards", [False, True])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_remax_matches_the_reference(token_rewards: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi, g in enumerate(random_valued_groups(rng, token_rewards=token_rewards)):
+        baseline = None if gi == 2 else float(rng.normal())  # one group came without a greedy completion
+        groups.append([Scored(s.reward, s.mask, s.token_rewards, baseline=baseline) for s in g])
+    got = estimate(groups, AlgorithmConfig(estimator="remax"))
+    want = ref_remax(groups)
+    for got_row, want_row in zip(got.values, want, strict=True):
+        for a, w in zip(got_row, want_row, strict=True):
+            assert a == pytest.approx(w, **TOL)
+    assert got.zero_groups[2]  # no baseline: nothing to train
+
+
+def test_remax_by_hand() -> None:
+    # rewards 1 and 0, the greedy completion scored 0.25: A = 0.75 and −0.25 on every trained token
+    group = [[Scored(1.0, [True, True], baseline=0.25), Scored(0.0, [True, False, True], baseline=0.25)]]
+    got = estimate(group, AlgorithmConfig(estimator="remax"))
+    assert got.values == [[[0.75, 0.75], [-0.25, 0.0, -0.25]]]
+    same = estimate([[Scored(1.0, [True], baseline=1.0)]], AlgorithmConfig(estimator="remax"))
+    assert same.zero_groups == [True]  # as good as greedy: no signal

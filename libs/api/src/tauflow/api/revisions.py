@@ -2,12 +2,12 @@
 
 # Revision of each contract package within its major version (docs/contracts.md).
 REVISIONS: dict[str, int] = {
-    "tauflow.api.common.v1": 1,
+    "tauflow.api.common.v1": 2,
     "tauflow.api.controller.v1": 2,
     "tauflow.api.info.v1": 1,
     "tauflow.api.queue.v1": 3,
     "tauflow.api.reward.v1": 1,
-    "tauflow.api.rollout.v1": 1,
+    "tauflow.api.rollout.v1": 2,
     "tauflow.api.trainer.v1": 1,
     "tauflow.api.weights.v1": 1,
 }

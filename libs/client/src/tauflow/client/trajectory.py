@@ -124,12 +124,16 @@ def make_group(
     group_id: str = "",
     prompt_id: str = "",
     metadata: Mapping[str, str] | None = None,
+    baseline_reward: float | None = None,
 ) -> common_pb2.Group:
     """A group of ``samples`` (one prompt's samples, trained together: their advantages are relative to
     each other). ``group_id`` must be unique for the run (Put is idempotent by it): a random one by
-    default. The queue sets ``producer_id`` to the client name of the token."""
+    default. The queue sets ``producer_id`` to the client name of the token. ``baseline_reward``: the reward
+    of the prompt's greedy completion, for a trainer running REMAX (docs/algorithms.md)."""
     group = common_pb2.Group(
         group_id=group_id or uuid.uuid4().hex, prompt_id=prompt_id, samples=samples, metadata=dict(metadata or {})
     )
+    if baseline_reward is not None:
+        group.baseline_reward = baseline_reward
     group.created_at.FromNanoseconds(time.time_ns())
     return group

@@ -155,6 +155,17 @@ class RunConfig(StrictModel):
                     f"services.{role}.{key} is {value} but the run's temperature is {self.temperature}; "
                     "set `temperature` once, at the top level"
                 )
+        # REMAX's baseline is the reward of a greedy completion that only the rollout can make: without it
+        # every group would train nothing.
+        trainer = flatten(self.services.get("trainer", {}))
+        remax = (
+            trainer.get("backend.algorithm") == "remax" or trainer.get("backend.algorithm_options.estimator") == "remax"
+        )
+        if remax and not flatten(self.services.get("rollout", {})).get("greedy_baseline"):
+            raise ValueError(
+                "the trainer's algorithm remax needs the rollout's greedy completions: set "
+                "services.rollout.greedy_baseline: true"
+            )
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

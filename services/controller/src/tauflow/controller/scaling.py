@@ -89,6 +89,10 @@ class RolloutScaler:
             except ServiceFailed as e:
                 self.last_error = str(e)
                 self.target = len(running) + len(started)
+                # given up, not supervised: check() would otherwise restart it, again and again, each
+                # restart blocking the run's loop while the process fails to start
+                if e.name in launcher.services:
+                    launcher.stop_service(e.name)
                 log.error("a rollout replica could not start; the target falls back", extra={"error": str(e)})
                 break
         for svc in reversed(running[self.target :]) if len(running) > self.target else ():

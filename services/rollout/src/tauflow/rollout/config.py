@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
 
@@ -15,6 +15,20 @@ class SamplingConfig(StrictModel):
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class DynamicSamplingConfig(StrictModel):
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal for a group baseline,
+    so they are filtered out before the queue and the room they held is refilled (docs/algorithms.md)."""
+
+    enabled: bool = Field(False, description="filter groups whose rewards are all equal; refill their room")
+    oversample: float = Field(
+        1.0,
+        ge=1.0,
+        le=8.0,
+        description="prompts generated per group of a ticket (ceil(n x oversample)); the first n that pass "
+        "the filter are put, the rest dropped as surplus",
+    )
 
 
 class RolloutConfig(ServiceConfig):
@@ -32,6 +46,12 @@ class RolloutConfig(ServiceConfig):
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
     tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")
     sampling: SamplingConfig = SamplingConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    greedy_baseline: bool = Field(
+        False,
+        description="also decode each prompt greedily (temperature 0), score it, and send its reward with "
+        "the group as baseline_reward: REMAX's baseline (the trainer's algorithm remax needs it)",
+    )
     seed: int = 0
     queue_address: str = "127.0.0.1:50051"
     reward_address: str = "127.0.0.1:50053"
@@ -54,3 +74,9 @@ class RolloutConfig(ServiceConfig):
         "whatever its deadline or timeout says",
     )
     channel: ChannelConfig = ChannelConfig()
+
+    @model_validator(mode="after")
+    def _a_filtered_group_can_hold_a_signal(self) -> RolloutConfig:
+        if self.dynamic_sampling.enabled and self.group_size < 2:
+            raise ValueError("dynamic_sampling needs group_size >= 2: a group of one always has equal rewards")
+        return self

@@ -1,6 +1,6 @@
 """The rollout service's Prometheus metrics (``tauflow_rollout_*``, units in the names).
 
-Events the loop counts itself (dropped groups, released tickets, sidecar joins) are counters updated where
+Events the loop counts itself (dropped and filtered groups, released tickets, sidecar joins) are counters updated where
 they happen; everything else is read from the engine, the servicer and the producer when Prometheus scrapes
 (``watch``), so generation and the RPC handlers carry no metric calls.
 """
@@ -33,6 +33,13 @@ class RolloutMetrics:
         self.dropped_groups = Counter(
             "tauflow_rollout_dropped_groups",
             "Generated groups the queue refused for good, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.filtered_groups = Counter(
+            "tauflow_rollout_filtered_groups",
+            "Generated groups dynamic sampling kept out of the queue: equal_rewards (no signal), surplus "
+            "(past the ticket's room when oversampling)",
             ["reason"],
             registry=registry,
         )

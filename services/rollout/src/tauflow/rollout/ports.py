@@ -49,6 +49,8 @@ class ProducedGroup:
     created_at: float = 0.0
     traceparent: str = ""  # W3C context of the group's `queue.put` span, stored with the group
     tracestate: str = ""
+    baseline_reward: float | None = None
+    """The reward of the prompt's greedy completion (REMAX's baseline), when the producer made one."""
 
     @property
     def behaviour_version(self) -> int:

@@ -3,8 +3,10 @@
     ticket = reserve(k)                     # pacing: never generate what would be too stale
     engine.wait_for_version(ticket.min_policy_version)
     completions = generate(k prompts, n=G)  # tokens carry the version that sampled them
-    rewards = score(groups)                 # the reward service
-    put(group, ticket) for each group       # idempotent by group id: retried until the queue has it
+    rewards = score(groups)                 # the reward service (and the greedy baselines', for REMAX)
+    keep = filter(groups)                   # dynamic sampling (DAPO): groups of equal rewards go
+    put(group, ticket) for each kept group  # idempotent by group id: retried until the queue has it
+    release(ticket) if fewer than k         # the room of what was filtered or dropped is refilled
 
 Tracing (docs/observability.md): one trace per ticket, as the work is batched: a root span
 ``rollout.ticket`` holding one ``rollout.generate`` and one ``reward.score`` for its groups, and one
@@ -14,7 +16,11 @@ the scoring that made it. (A span per group per phase cost 9 % of a step on 2 co
 
 Several tickets are worked on at once, so generation overlaps scoring and puts. A group the queue can
 never take (larger than its bounds) is dropped, logged and counted, and the rest of its ticket released;
-production goes on. A ticket that fails otherwise is released and stops the loop (the service exits and
+production goes on. With dynamic sampling (``dynamic_sampling.enabled``, DAPO's), a group whose rewards
+are all equal is filtered before it reaches the queue (it would train nothing under a group baseline) and
+counted; the rest of its ticket is released, so the next Reserve refills that room with new prompts: the
+steps stay full of groups with a signal, and the queue counts only what it accepted. With ``oversample``
+the producer generates more prompts than the ticket's groups and puts the first that pass. A ticket that fails otherwise is released and stops the loop (the service exits and
 is restarted). When the producer stops, the tickets it has not filled are released at once, so their
 room does not wait for the queue's ticket TTL. The loop never imports grpc: it talks to the queue and
 the reward service through ``ports.QueuePort`` and ``ports.RewardPort``.
@@ -24,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -42,6 +50,7 @@ from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.ports import GroupRejected, ProducedGroup, QueuePort, RewardPort, Ticket
 
 log = logging.getLogger(__name__)
+EMPTY_TICKET_WARNING_S = 60.0  # at most one warning this often when dynamic sampling filters a whole ticket
 tracer = trace.get_tracer("tauflow.rollout")
 
 
@@ -68,13 +77,21 @@ class Producer:
         self.groups_per_ticket = config.groups_per_ticket
         self.tickets_in_flight = config.tickets_in_flight
         self.sampling = sampling_params(config.sampling, n=config.group_size)
+        # REMAX: one greedy completion per prompt, whose reward is the group's baseline
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0, n=1) if config.greedy_baseline else None
+        self.dynamic_sampling = config.dynamic_sampling
         self.decode = decode or (lambda ids: "")
         self.metrics = metrics or RolloutMetrics.null()
         self.reserve_wait_s = reserve_wait_s
         self.release_timeout_s = release_timeout_s
         self.groups_produced = 0
         self.groups_dropped = 0
+        self.groups_filtered = 0
+        """Groups of equal rewards that dynamic sampling kept out of the queue."""
+        self.groups_surplus = 0
+        """Groups that passed the filter beyond their ticket's room (with oversample > 1), dropped."""
         self.groups_in_flight = 0
+        self._last_empty_warning = -math.inf
         self._serial = itertools.count()
         self._open_tickets: set[str] = set()  # granted and not yet filled or released
 
@@ -98,21 +115,56 @@ class Producer:
             await asyncio.shield(self._stop(workers.cancel_all()))
 
     async def _produce(self, ticket: Ticket) -> None:
-        prompts = [next(self.prompts) for _ in range(ticket.n_groups)]
+        n_prompts = ticket.n_groups
+        if self.dynamic_sampling.enabled:
+            n_prompts = math.ceil(ticket.n_groups * self.dynamic_sampling.oversample)
+        prompts = [next(self.prompts) for _ in range(n_prompts)]
         async with self._working_on(ticket, prompts) as root:
             await self._wait_for_version(ticket.min_policy_version)
             with _child("rollout.generate", root) as span:
-                completions = await self.engine.generate([p.token_ids for p in prompts], self.sampling)
+                token_ids = [p.token_ids for p in prompts]
+                completions, greedy = await asyncio.gather(
+                    self.engine.generate(token_ids, self.sampling),
+                    self.engine.generate(token_ids, self.greedy) if self.greedy is not None else _nothing(),
+                )
                 span.set_attributes(_generation_attributes(completions))
             groups = self._groups(ticket, prompts, completions)
+            baselines = self._groups(ticket, prompts, greedy) if greedy else []
             with _child("reward.score", root, **{"rl.groups": len(groups)}):
-                await self.reward.score(groups)
+                await self.reward.score(groups + baselines)
+            for group, baseline in zip(groups, baselines, strict=False):
+                group.baseline_reward = reward_scores(baseline)[0]
+            groups = self._filter(groups, ticket, root)
             accepted = await asyncio.gather(*(self._put(g, ticket.ticket_id, root) for g in groups))
             self.groups_produced += sum(accepted)
-            if not all(accepted):  # the dropped groups' room would otherwise be held until the ticket's TTL
+            if sum(accepted) < ticket.n_groups:
+                # the room of the groups filtered or dropped would otherwise be held until the ticket's TTL;
+                # released, the next Reserve refills it
                 await self.queue.release(ticket.ticket_id)
-                self.metrics.released_tickets.labels("dropped").inc()
+                self.metrics.released_tickets.labels("dropped" if not all(accepted) else "filtered").inc()
             self._open_tickets.discard(ticket.ticket_id)
+
+    def _filter(self, groups: list[ProducedGroup], ticket: Ticket, root: trace.Span) -> list[ProducedGroup]:
+        """Dynamic sampling: the groups with a signal (rewards not all equal), at most the ticket's room."""
+        if not self.dynamic_sampling.enabled:
+            return groups
+        kept = [g for g in groups if not equal_rewards(g)]
+        filtered = len(groups) - len(kept)
+        surplus = max(0, len(kept) - ticket.n_groups)
+        kept = kept[: ticket.n_groups]
+        self.groups_filtered += filtered
+        self.groups_surplus += surplus
+        self.metrics.filtered_groups.labels("equal_rewards").inc(filtered)
+        self.metrics.filtered_groups.labels("surplus").inc(surplus)
+        root.set_attributes({"rl.filtered_groups": filtered, "rl.surplus_groups": surplus})
+        if not kept and time.monotonic() - self._last_empty_warning > EMPTY_TICKET_WARNING_S:
+            # every prompt all right or all wrong: the trainer waits until groups with a signal come
+            self._last_empty_warning = time.monotonic()
+            log.warning(
+                "dynamic sampling filtered every group of a ticket (rewards all equal); generating more",
+                extra={"ticket": ticket.ticket_id, "groups": len(groups), "filtered_total": self.groups_filtered},
+            )
+        return kept
 
     @contextlib.asynccontextmanager
     async def _working_on(self, ticket: Ticket, prompts: list[Prompt]) -> AsyncIterator[trace.Span]:
@@ -195,6 +247,20 @@ class Producer:
         )
         self.metrics.released_tickets.labels("stopped").inc(len(open_tickets))
         log.info("released the unfilled tickets", extra={"tickets": len(open_tickets)})
+
+
+async def _nothing() -> list[list[Completion]]:
+    return []
+
+
+def reward_scores(group: ProducedGroup) -> list[float]:
+    return [float(r) if isinstance(r, int | float) else r.score for r in group.rewards]
+
+
+def equal_rewards(group: ProducedGroup) -> bool:
+    """Every sample of the group scored the same (DAPO: accuracy 0 or 1): no signal for a group baseline."""
+    scores = reward_scores(group)
+    return len(set(scores)) <= 1
 
 
 def sampling_params(config: SamplingConfig, n: int = 1) -> SamplingParams:
@@ -282,6 +348,6 @@ def _group_attributes(g: ProducedGroup) -> dict[str, AttributeValue]:
         "rl.completion_tokens": sum(len(c.token_ids) for c in g.completions),
     }
     if g.rewards:
-        scores = [float(r) if isinstance(r, int | float) else r.score for r in g.rewards]
+        scores = reward_scores(g)
         attributes["rl.reward_mean"] = sum(scores) / len(scores)
     return attributes

@@ -10,6 +10,8 @@ completion tokens) or a list with one value per completion token. Groups whose e
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from tauflow.trainer.algorithms import AlgorithmConfig
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd", "gae")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd", "gae", "remax")
 SINGLETON_GROUPS = ("raw", "skip")
 GPG_ALPHAS = ("valid", "nonzero")
 WHITEN_EPS = 1e-8  # inside the square root, as verl and OpenRLHF whiten
@@ -38,6 +40,8 @@ class Scored:
     token_rewards: Sequence[float] | None = None
     values: Sequence[float] | None = None
     """V(s_t) of each completion token t: the critic's estimate of the return from the state before it."""
+    baseline: float | None = None
+    """The reward of the prompt's greedy completion (remax), the same for every sample of a group."""
 
     @property
     def trained_tokens(self) -> int:
@@ -334,6 +338,26 @@ def gae(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
     return _result(out_values, returns=out_returns)
 
 
+def remax(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
+    """REMAX (Li et al. 2023; verl's remax): the greedy completion's reward b as the baseline, per trained
+    token A_t = Σ_{u ≥ t} r_u − b, the reward-to-go (the outcome on the last trained token plus the per-token
+    rewards from t on) minus b; not whitened. A group of one sample is REMAX's original form. A group that
+    came without a baseline (its producer made no greedy completion) trains nothing: every A is 0."""
+    values: list[list[Advantage]] = []
+    for group in groups:
+        _rewards(group)
+        baseline = group[0].baseline if group else None
+        if baseline is None or not math.isfinite(baseline):
+            values.append([[0.0] * len(s.mask) for s in group])
+            continue
+        row: list[Advantage] = []
+        for s in group:
+            to_go = list(itertools.accumulate(reversed(token_rewards_of(s))))[::-1]
+            row.append([(g - baseline) if m else 0.0 for g, m in zip(to_go, s.mask, strict=True)])
+        values.append(row)
+    return _result(values)
+
+
 AdvantageEstimator = Callable[[Sequence[Sequence[Scored]], "AlgorithmConfig"], GroupAdvantages]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -345,6 +369,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gpg": gpg,
     "opd": opd,
     "gae": gae,
+    "remax": remax,
 }
 
 

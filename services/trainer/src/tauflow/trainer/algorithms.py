@@ -72,7 +72,8 @@ class AlgorithmConfig:
     # Advantages (advantages.py).
     estimator: str = "grpo"
     """grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, gpg, opd (on-policy distillation: needs
-    the trainer's backend.teacher_model_path), gae (PPO with a critic: a value model in the trainer)."""
+    the trainer's backend.teacher_model_path), gae (PPO with a critic: a value model in the trainer), remax
+    (the greedy completion's reward as baseline: the rollout's greedy_baseline)."""
     norm_adv_by_std: bool = True
     """grpo, grpo_passk, gpg: divide by the group's std (+ adv_eps). False: Dr. GRPO."""
     adv_eps: float = 1e-6
@@ -323,6 +324,8 @@ _PRESETS: dict[str, AlgorithmConfig] = {
     "gpg": AlgorithmConfig(estimator="gpg", loss="gpg", norm_adv_by_std=False),
     # On-policy distillation: the teacher's per-token log-probs against the student's, as advantages.
     "opd": AlgorithmConfig(estimator="opd", skip_zero_advantage_groups=False),
+    # REMAX: the reward of the prompt's greedy completion (the rollout's greedy_baseline) as the baseline.
+    "remax": AlgorithmConfig(estimator="remax"),
     # PPO (Schulman et al. 2017; InstructGPT's RLHF form): GAE with a critic in the trainer, PPO-clip.
     "ppo": AlgorithmConfig(estimator="gae"),
     # IcePop (Ring-1T): tokens whose π_prox / π_behaviour leaves [0.5, 5] are masked out of the gradient.

@@ -194,6 +194,8 @@ class StepPlan:
     teacher_gap: float = 0.0
     """Σ of log π_teacher − log π_prox over the trained tokens (on-policy distillation) ..."""
     teacher_tokens: int = 0
+    no_baseline: int = 0
+    """remax: groups that came without the greedy completion's reward (they train nothing)."""
 
     @property
     def trained_tokens(self) -> int:
@@ -383,6 +385,7 @@ class TorchBackend:
         metrics.update(
             {
                 "skipped_zero_advantage_groups": float(plan.skipped_zero),
+                **({"no_baseline_groups": float(plan.no_baseline)} if alg.config.estimator == "remax" else {}),
                 "rejected_samples": float(plan.rejected),
                 **({"kl_reward": plan.kl_reward / plan.kl_reward_tokens} if plan.kl_reward_tokens else {}),
                 # the sampled reverse KL to the teacher, per trained token: what distillation drives down
@@ -433,11 +436,11 @@ class TorchBackend:
             pool = [s for g in fresh for s in g.samples if s.trained_tokens > 0]
             forwarded = {id(s): f for s, f in zip(pool, self._forward_before_advantages(pool, alg), strict=True)}
 
-        def scored(s: Sample) -> Scored:
+        def scored(s: Sample, baseline: float | None) -> Scored:
             f = forwarded.get(id(s))
             values = f["values"] if f is not None and cfg.uses_critic else None
             if f is None or (cfg.kl_reward_coef <= 0 and cfg.estimator != "opd"):
-                return Scored(s.reward, s.mask, values=values)
+                return Scored(s.reward, s.mask, values=values, baseline=baseline)
             mask = torch.tensor(s.mask, dtype=torch.bool)
             prox = torch.tensor(f["prox"])
             token_rewards = torch.zeros_like(prox)
@@ -454,13 +457,13 @@ class TorchBackend:
                 plan.teacher_gap += float(gap.sum())
                 plan.teacher_tokens += s.trained_tokens
                 token_rewards += gap
-            return Scored(s.reward, s.mask, token_rewards.tolist(), values)
+            return Scored(s.reward, s.mask, token_rewards.tolist(), values, baseline)
 
         # A sample with no trained token has no value forwarded (nothing of it trains): zeros stand in.
         advantages = alg.advantages(
             [
                 [
-                    scored(s)
+                    scored(s, g.baseline_reward)
                     if s.trained_tokens > 0 or not cfg.uses_critic
                     else Scored(s.reward, s.mask, values=[0.0] * len(s.mask))
                     for s in g.samples
@@ -468,6 +471,8 @@ class TorchBackend:
                 for g in fresh
             ]
         )
+        if cfg.estimator == "remax":
+            plan.no_baseline = sum(g.baseline_reward is None for g in fresh)
         if cfg.uses_critic:
             plan.returns, plan.old_values = [], []
         for gi, (g, adv, zero) in enumerate(zip(fresh, advantages.values, advantages.zero_groups, strict=True)):

@@ -87,6 +87,8 @@ class Group:
 
     group_id: str
     samples: list[Sample] = field(default_factory=list)
+    baseline_reward: float | None = None
+    """The reward of the prompt's greedy completion, when the producer sent one (REMAX's baseline)."""
 
     def __post_init__(self) -> None:
         if not self.samples:

@@ -71,6 +71,8 @@ def check_structure(group: common_pb2.Group) -> None:
     if len(group.trace_context.tracestate) > MAX_TRACESTATE_CHARS:
         raise InvalidGroup(f"{where}: group.trace_context.tracestate is longer than {MAX_TRACESTATE_CHARS} characters")
     _check_map(group.metadata, f"{where}: group.metadata")
+    if group.HasField("baseline_reward") and not math.isfinite(group.baseline_reward):
+        raise InvalidGroup(f"{where}: group.baseline_reward is not finite")
     seen_ids: set[str] = set()
     for i, s in enumerate(group.samples):
         at = f"{where}: samples[{i}]"

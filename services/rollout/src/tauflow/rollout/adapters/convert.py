@@ -52,6 +52,8 @@ def group_to_proto(g: ProducedGroup, traceparent: str = "") -> common_pb2.Group:
     )
     for sample, reward in zip(group.samples, g.rewards, strict=False):
         sample.reward.CopyFrom(reward)
+    if g.baseline_reward is not None:
+        group.baseline_reward = g.baseline_reward
     return group
 
 

@@ -128,6 +128,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             in_flight_requests=self.in_flight,
             in_flight_groups=self.producer.groups_in_flight if self.producer else 0,
             groups_produced=self.producer.groups_produced if self.producer else 0,
+            groups_filtered=(self.producer.groups_filtered + self.producer.groups_surplus) if self.producer else 0,
             membership_epoch=group.spec.membership_epoch if group else 0,
             weights_group_name=group.name if group else "",
         )

@@ -29,7 +29,8 @@ def sample_from_proto(pb: common_pb2.Sample) -> Sample:
 
 
 def group_from_proto(pb: common_pb2.Group) -> Group:
-    return Group(pb.group_id, [sample_from_proto(s) for s in pb.samples])
+    baseline = pb.baseline_reward if pb.HasField("baseline_reward") else None
+    return Group(pb.group_id, [sample_from_proto(s) for s in pb.samples], baseline_reward=baseline)
 
 
 def step_to_proto(result: StepResult, groups_by_staleness: dict[int, int] | None = None) -> trainer_pb2.StepMetrics:

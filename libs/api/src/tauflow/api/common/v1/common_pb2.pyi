@@ -93,7 +93,7 @@ class Sample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., behaviour_version: _Optional[int] = ..., reward: _Optional[_Union[Reward, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., completion_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("group_id", "prompt_id", "samples", "trace_context", "producer_id", "created_at", "metadata")
+    __slots__ = ("group_id", "prompt_id", "samples", "trace_context", "producer_id", "created_at", "metadata", "baseline_reward")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Group(_message.Message):
     PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_REWARD_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_id: str
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
@@ -115,4 +116,5 @@ class Group(_message.Message):
     producer_id: str
     created_at: _timestamp_pb2.Timestamp
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., producer_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    baseline_reward: float
+    def __init__(self, group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., trace_context: _Optional[_Union[TraceContext, _Mapping]] = ..., producer_id: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., baseline_reward: _Optional[float] = ...) -> None: ...

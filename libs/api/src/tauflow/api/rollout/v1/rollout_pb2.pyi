@@ -83,7 +83,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("server_id", "engines", "in_flight_requests", "in_flight_groups", "groups_produced", "membership_epoch", "weights_group_name")
+    __slots__ = ("server_id", "engines", "in_flight_requests", "in_flight_groups", "groups_produced", "membership_epoch", "weights_group_name", "groups_filtered")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GetStatusResponse(_message.Message):
     GROUPS_PRODUCED_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FILTERED_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     in_flight_requests: int
@@ -98,7 +99,8 @@ class GetStatusResponse(_message.Message):
     groups_produced: int
     membership_epoch: int
     weights_group_name: str
-    def __init__(self, server_id: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., groups_produced: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., weights_group_name: _Optional[str] = ...) -> None: ...
+    groups_filtered: int
+    def __init__(self, server_id: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., in_flight_requests: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., groups_produced: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., weights_group_name: _Optional[str] = ..., groups_filtered: _Optional[int] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
     __slots__ = ("engine_id", "backend", "model", "state", "policy_version", "weight_update_in_progress", "receiving_policy_version", "num_ranks", "in_flight_requests", "running_sequences", "waiting_sequences", "last_error")
