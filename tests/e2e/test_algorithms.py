@@ -25,7 +25,9 @@ FAMILIES = {
     # PPO updates: four per step, one policy version; with the rollout's dynamic sampling (SETTINGS)
     "dapo": {"mini_batches": 2, "epochs": 2},
     "ppo": {},  # GAE with a critic in the trainer (its own optimizer: SETTINGS)
-    "opd": {},  # on-policy distillation from the distillation recipe's teacher (92 %), run in the trainer
+    # on-policy distillation from the distillation recipe's teacher (92 %), run in the trainer: the full
+    # per-token reverse KL (the advantage form is tested in the trainer's suite; bench/README.md has both)
+    "opd": {"opd_loss": "reverse_kl"},
 }
 # Settings a family needs beyond its options: PPO's critic learning rate (bench/README.md: 1e-3, about 3x
 # the policy's peak, took PPO from 32.8 % to 67.4 % in 150 steps); DAPO's dynamic sampling, which keeps

@@ -342,12 +342,13 @@ def test_rejection_drops_samples_far_off_policy_from_the_step(tiny_model_dir: Pa
     assert r.committed and b.trained_group_ids == {g.group_id for g in groups}
 
 
+@pytest.mark.parametrize("form", ["advantage", "reverse_kl"])
 def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
-    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    form: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # A teacher that differs from the student: the tiny model after SFT on a few fixed answers. Distillation
-    # steps (advantages log π_teacher − log π_student per token) shrink the sampled reverse KL on the
-    # samples, step by step; the outcome reward plays no part.
+    # steps (advantages log π_teacher − log π_student per token, or the full per-token reverse KL) shrink
+    # the reverse KL on the samples, step by step; the outcome reward plays no part.
     teacher = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=5e-2, schedule="constant")))
     answers = [Sample([1, 2, 3], [4, 5, 6, 7], [0.0] * 4, sample_id=str(i)) for i in range(4)]
     for _ in range(8):
@@ -357,6 +358,7 @@ def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
         config(
             tiny_model_dir,
             algorithm="opd",
+            algorithm_options={"opd_loss": form},
             teacher_model_path=str(tmp_path / "teacher"),
             optim=OptimConfig(lr=5e-2, schedule="constant"),
         )
@@ -367,6 +369,8 @@ def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
         batch = [Group(f"{g.group_id}-{k}", g.samples) for g in groups]  # the same samples, fresh ids
         r = student.train_step(batch)
         gaps.append(r.metrics["kl_teacher"])
+        if form == "reverse_kl":  # the loss is the KL itself; the sampled tokens' advantages are all 0
+            assert r.metrics["distill_loss"] > 0 and r.metrics["advantage_mean"] == 0.0
     assert gaps[0] > 0.1, gaps  # the student starts far from the teacher ...
     assert gaps[-1] < 0.5 * gaps[0], gaps  # ... and distillation halves the gap within eight steps
     with pytest.raises(ValueError, match="teacher_model_path"):  # when the config loads

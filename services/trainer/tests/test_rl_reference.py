@@ -818,3 +818,44 @@ def test_remax_by_hand() -> None:
     assert got.values == [[[0.75, 0.75], [-0.25, 0.0, -0.25]]]
     same = estimate([[Scored(1.0, [True], baseline=1.0)]], AlgorithmConfig(estimator="remax"))
     assert same.zero_groups == [True]  # as good as greedy: no signal
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_full_reverse_kl_to_the_teacher_matches_the_reference(mode: str, seed: int) -> None:
+    # KL_t = Σ_v p_v (log p_v − log q_v) over a vocabulary of 5, its gradient by log p_v (the policy's
+    # log-softmax): p_v (log p_v − log q_v + 1); the teacher's q gets none.
+    rng = np.random.default_rng(seed)
+    d = random_batch(rng)
+    vocab = 5
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp = log_softmax(rng.normal(0, 1.5, (B, T, vocab)))
+    lq = log_softmax(rng.normal(0, 1.5, (B, T, vocab)))
+    kl = np.zeros((B, T))
+    slope = np.zeros((B, T, vocab))
+    for i in range(B):
+        for t in range(T):
+            for v in range(vocab):
+                p = math.exp(lp[i, t, v])
+                kl[i, t] += p * (lp[i, t, v] - lq[i, t, v])
+                slope[i, t, v] = p * (lp[i, t, v] - lq[i, t, v] + 1)
+    config = AlgorithmConfig(estimator="opd", opd_loss="reverse_kl", aggregation=mode, is_level="none")
+    inputs, _ = as_inputs({**d, "adv": np.zeros((B, T))})  # no outcome term: the KL alone
+    distribution = torch.tensor(lp, requires_grad=True)
+    teacher = torch.tensor(lq, requires_grad=True)
+    inputs.distribution, inputs.teacher_distribution = distribution, teacher
+    mask = d["mask"]
+    out = policy_loss(inputs, config, Normaliser.of(inputs.mask, samples=7))
+    out.loss.backward()
+    agg = dict(samples=7.0, scale=None)
+    assert out.loss.item() == pytest.approx(ref_aggregate(kl, mask, mode, **agg), **TOL)
+    want = ref_agg_weights(mask, mode, **agg)[..., None] * slope
+    np.testing.assert_allclose(distribution.grad.numpy(), want, rtol=1e-6, atol=1e-9)
+    assert teacher.grad is None or not teacher.grad.any()  # the teacher is a target, not trained
+    assert out.sums["teacher_kl"] == pytest.approx(float(kl[mask].sum()), rel=1e-5)

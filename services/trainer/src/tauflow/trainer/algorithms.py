@@ -37,6 +37,7 @@ from tauflow.trainer.losses import (
 )
 
 PROXIMAL = ("recompute", "behaviour")
+OPD_LOSSES = ("advantage", "reverse_kl")
 
 __all__ = [
     "AGGREGATIONS",
@@ -85,6 +86,10 @@ class AlgorithmConfig:
     """gae: whiten the advantages over every trained token of the batch (verl, OpenRLHF)."""
     opd_outcome_coef: float = 0.0
     """opd: the weight of the outcome reward's GRPO advantage added to the distillation's per-token one."""
+    opd_loss: str = "advantage"
+    """opd: advantage (each sampled token's advantage is log π_teacher − log π_prox, in the policy loss) or
+    reverse_kl (the per-token reverse KL over the whole vocabulary, Σ_v π_θ(v) log(π_θ(v) / π_teacher(v)),
+    minimised directly: its exact gradient at every visited state, no sampling of the token's own term)."""
     gpg_alpha: str = "valid"
     """gpg: α = B / B_valid, B_valid the samples of groups with a signal (valid, the paper) or the samples
     whose reward is not 0 (nonzero, verl)."""
@@ -183,6 +188,7 @@ class AlgorithmConfig:
         _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("kl_reward_estimator", self.kl_reward_estimator, KL_ESTIMATORS)
         _one_of("proximal", self.proximal, PROXIMAL)
+        _one_of("opd_loss", self.opd_loss, OPD_LOSSES)
         if not 0.0 <= self.clip_low <= 1.0 or self.clip_high < 0.0:
             raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
@@ -249,7 +255,18 @@ class AlgorithmConfig:
     def needs_forward_before_advantages(self) -> bool:
         """The KL in the reward, rejection, distillation and the critic's values need a forward pass over
         every sample before the advantages."""
-        return self.kl_reward_coef > 0 or self.rejects or self.estimator in ("opd", "gae")
+        return self.kl_reward_coef > 0 or self.rejects or self.estimator == "gae" or self.teacher_scores_samples
+
+    @property
+    def teacher_scores_samples(self) -> bool:
+        """Distillation in the advantage form: the teacher's log-prob of every sampled token, before the
+        advantages."""
+        return self.estimator == "opd" and self.opd_loss == "advantage"
+
+    @property
+    def distills_full_kl(self) -> bool:
+        """Distillation by the full per-token reverse KL: the teacher's distributions in every update."""
+        return self.estimator == "opd" and self.opd_loss == "reverse_kl"
 
     @property
     def updates(self) -> int:

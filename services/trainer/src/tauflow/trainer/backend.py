@@ -439,7 +439,7 @@ class TorchBackend:
         def scored(s: Sample, baseline: float | None) -> Scored:
             f = forwarded.get(id(s))
             values = f["values"] if f is not None and cfg.uses_critic else None
-            if f is None or (cfg.kl_reward_coef <= 0 and cfg.estimator != "opd"):
+            if f is None or (cfg.kl_reward_coef <= 0 and not cfg.teacher_scores_samples):
                 return Scored(s.reward, s.mask, values=values, baseline=baseline)
             mask = torch.tensor(s.mask, dtype=torch.bool)
             prox = torch.tensor(f["prox"])
@@ -450,7 +450,7 @@ class TorchBackend:
                 plan.kl_reward += float(kl.sum())
                 plan.kl_reward_tokens += s.trained_tokens
                 token_rewards -= cfg.kl_reward_coef * kl
-            if cfg.estimator == "opd":
+            if cfg.teacher_scores_samples:
                 # the per-token reward of on-policy distillation: −(log π_prox − log π_teacher), the negative
                 # of the sampled reverse KL to the teacher
                 gap = torch.where(mask, torch.tensor(f["teacher"]) - prox, torch.zeros_like(prox))
@@ -527,7 +527,7 @@ class TorchBackend:
             for name, wanted in (
                 ("prox", policy),
                 ("ref", cfg.kl_reward_coef > 0),
-                ("teacher", cfg.estimator == "opd"),
+                ("teacher", cfg.teacher_scores_samples),
                 ("values", cfg.uses_critic),
             )
             if wanted
@@ -650,6 +650,7 @@ class TorchBackend:
             else None
         )
         with_entropy = self.config.compute_entropy or cfg.entropy_coef > 0
+        teacher = self._ensure_teacher() if train_policy and cfg.distills_full_kl else None
         parts: list[dict[str, float]] = []
         updates: list[dict[str, float]] = []
         critic_updates: list[dict[str, float]] = []
@@ -677,7 +678,17 @@ class TorchBackend:
                                     temperature=self.config.temperature,
                                     with_entropy=with_entropy,
                                     entropy_grad=cfg.entropy_coef > 0,
+                                    with_distribution=teacher is not None,
                                 )
+                                teacher_distribution = None
+                                if teacher is not None:  # per micro-batch: [B, T, V] for a whole step is too much
+                                    with torch.no_grad():
+                                        teacher_distribution = completion_logprobs(
+                                            teacher,
+                                            batch,
+                                            temperature=self.config.temperature,
+                                            with_distribution=True,
+                                        ).distribution
                             if prox is not None:
                                 prox_logp: torch.Tensor | None = prox[j][k]
                             else:
@@ -691,6 +702,8 @@ class TorchBackend:
                                     prox_logp=prox_logp,
                                     ref_logp=ref[j][k] if ref is not None else None,
                                     entropy=lp.entropy,
+                                    distribution=lp.distribution,
+                                    teacher_distribution=teacher_distribution,
                                 ),
                                 mb.norm,
                             )

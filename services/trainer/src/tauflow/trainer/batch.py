@@ -250,6 +250,9 @@ class TokenLogProbs:
     entropy: torch.Tensor | None = None
     """``[B, T - 1]`` float32 entropy of the predicted distribution, when asked for (with grad only when
     asked for too: the entropy bonus)."""
+    distribution: torch.Tensor | None = None
+    """``[B, T - 1, V]`` float32 log-probs of the whole vocabulary at every target position, when asked for
+    (distillation by the full reverse KL)."""
 
 
 def completion_logprobs(
@@ -259,10 +262,12 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    with_distribution: bool = False,
 ) -> TokenLogProbs:
     """Per-token log-probs of every target token under a causal LM: float32 ``log_softmax`` of
     ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
-    that these match the behaviour log-probs the rollout engine reported."""
+    that these match the behaviour log-probs the rollout engine reported. ``with_distribution``: the whole
+    log-softmax too (with grad where grad is enabled)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
     out = model(
@@ -277,12 +282,13 @@ def completion_logprobs(
     logsumexp = torch.logsumexp(logits, dim=-1)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
+    distribution = logits - logsumexp.unsqueeze(-1) if with_distribution else None
     entropy = None
     if with_entropy:
         with torch.enable_grad() if entropy_grad else torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
             entropy = logsumexp - (probs * logits).sum(-1)
-    return TokenLogProbs(logprobs, entropy)
+    return TokenLogProbs(logprobs, entropy, distribution)
 
 
 def completion_values(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:

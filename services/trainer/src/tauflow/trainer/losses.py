@@ -171,6 +171,11 @@ class LossInputs:
     """log π_ref, needed when the config has kl_coef > 0."""
     entropy: torch.Tensor | None = None
     """Per-token entropy of π_θ: for the metrics, and for the loss (with grad) when entropy_coef > 0."""
+    distribution: torch.Tensor | None = None
+    """``[B, T, V]`` log π_θ of the whole vocabulary at each position (with grad): distillation by the full
+    reverse KL ..."""
+    teacher_distribution: torch.Tensor | None = None
+    """... and log π_teacher of the whole vocabulary there."""
 
 
 @dataclass
@@ -334,6 +339,14 @@ def policy_loss(inputs: LossInputs, config: AlgorithmConfig, norm: Normaliser) -
         loss = loss + config.kl_coef * kl_loss
         sums["kl_ref"] = _masked_sum(kl, m)
         sums["kl_loss"] = float(kl_loss.detach())
+    if config.estimator == "opd" and config.opd_loss == "reverse_kl":
+        if inputs.distribution is None or inputs.teacher_distribution is None:
+            raise ValueError("opd_loss reverse_kl needs the policy's and the teacher's distributions")
+        teacher_kl = reverse_kl(inputs.distribution, inputs.teacher_distribution)
+        distill_loss = aggregate(teacher_kl, m, config.aggregation, norm, config.loss_scale_factor)
+        loss = loss + distill_loss
+        sums["teacher_kl"] = _masked_sum(teacher_kl, m)
+        sums["distill_loss"] = float(distill_loss.detach())
     if inputs.entropy is not None:
         sums["entropy"] = _masked_sum(inputs.entropy, m)
         if config.entropy_coef > 0:
@@ -344,6 +357,14 @@ def policy_loss(inputs: LossInputs, config: AlgorithmConfig, norm: Normaliser) -
         raise ValueError("entropy_coef > 0 needs the entropy of π_θ (with grad)")
     sums["loss"] = float(loss.detach())
     return LossOutput(loss, sums)
+
+
+def reverse_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) = Σ_v p(v) (log p(v) − log q(v)) over the last dimension, from log-probs ``[..., V]``
+    (gradient through p only: q is detached); a token p gives no mass adds nothing, whatever q."""
+    q = log_q.detach().to(log_p.dtype)
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - q), torch.zeros_like(p)).sum(-1)
 
 
 def value_loss(
@@ -398,7 +419,7 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, norm: Normaliser) -> LossOu
 # --------------------------------------------------------------------------------------------------
 # Metrics
 
-LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss")
+LOSS_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "value_loss", "distill_loss")
 PER_TOKEN_METRICS = {
     "clip_low": "clip_fraction_low",
     "clip_high": "clip_fraction_high",
@@ -416,6 +437,7 @@ PER_TOKEN_METRICS = {
     "entropy": "entropy",
     "advantage": "advantage_mean",
     "nll": "nll",
+    "teacher_kl": "kl_teacher",
 }
 
 
