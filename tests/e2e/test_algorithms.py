@@ -6,6 +6,7 @@ by side at a fixed number of steps."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,22 @@ def test_each_family_raises_heldout_accuracy_through_every_service(
         # as the policy's returns rise (a third of the samples right at first, more later), its values follow
         gaps = sorted(abs(s["metrics"]["value_mean"] - s["metrics"]["return_mean"]) for s in summary["steps"][-20:])
         assert gaps[len(gaps) // 2] < 0.1, gaps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_teacher_as_its_own_deployment_scores_the_students_tokens(
+    prepared: Path, teacher: Path, tmp_path: Path
+) -> None:
+    # teacher_model: tauflow run starts a rollout server of its own for the teacher (no data set, no weight
+    # sidecar) before the trainer, which asks it for the log-probs of every sampled token (ComputeLogprobs):
+    # on-policy distillation's advantage form with the teacher as a deployment, not in the trainer's process.
+    summary = run(
+        prepared, tmp_path / "run", "steps=20", "eval.every_steps=20", "max_staleness=1",
+        "target_accuracy=null", "services.trainer.backend.algorithm=opd", f"teacher_model={teacher}",
+    )  # fmt: skip
+    assert summary["services"]["teacher"]["contracts"]["tauflow.api.rollout.v1"] >= 3  # checked: it scores
+    kl = [s["metrics"]["kl_teacher"] for s in summary["steps"]]
+    assert len(kl) == 20 and all(math.isfinite(x) for x in kl)
+    assert sum(kl) / len(kl) > 0.3, kl  # the 92 % teacher and the 33 % student disagree, token by token
+    assert summary["staleness_violations"] == 0

@@ -48,3 +48,29 @@ def test_remax_without_the_rollouts_greedy_completions_is_refused() -> None:
             model="m", dataset="d", steps=1, services={"trainer": {"backend.algorithm_options": {"estimator": "remax"}}}
         )
     RunConfig(model="m", dataset="d", steps=1, services={"trainer": trainer, "rollout": {"greedy_baseline": True}})
+
+
+def test_a_teacher_model_is_a_rollout_server_of_its_own_started_before_the_trainer(tmp_path) -> None:
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, teacher_model="teacher-folder", out_dir=str(tmp_path)))
+    assert run.roles == ["queue", "reward", "weights", "teacher", "trainer", "rollout"]
+    spec = run._spec("teacher", 0, {"queue": "127.0.0.1:1", "weights": "127.0.0.1:2"})
+    assert (spec.name, spec.role, spec.module) == ("teacher", "teacher", "rollout")  # python -m tauflow.rollout
+    assert spec.settings["model_path"] == "teacher-folder" and spec.settings["server_id"] == "teacher"
+    # it scores only: no data set (no producer loop), no weight sidecar (its weights never change)
+    assert not {"dataset", "weights_address", "queue_address"} & set(spec.settings)
+    assert run._settings("trainer", {"teacher": "127.0.0.1:7"})["backend.teacher_address"] == "127.0.0.1:7"
+    plain = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
+    assert "teacher" not in plain.roles and "backend.teacher_address" not in plain._settings("trainer", {})
+
+
+def test_a_teacher_server_is_refused_where_it_cannot_work() -> None:
+    with pytest.raises(ValidationError, match="launcher external starts nothing"):
+        RunConfig(
+            model="m", dataset="d", steps=1, teacher_model="t", launcher="external",
+            external={r: "h:1" for r in ("queue", "reward", "weights", "trainer", "rollout")},
+        )  # fmt: skip
+    with pytest.raises(ValidationError, match="set one teacher"):
+        RunConfig(
+            model="m", dataset="d", steps=1, teacher_model="t",
+            services={"trainer": {"backend": {"teacher_model_path": "t"}}},
+        )  # fmt: skip

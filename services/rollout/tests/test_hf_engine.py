@@ -256,3 +256,54 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engi
     assert "simulated device error" in engine.stats().last_error
     out = engine.submit(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
     assert all(len(g[0].token_ids) == 3 for g in out)
+
+
+def test_scoring_gives_the_log_probs_generation_reported(engine: HFEngine, reference: Any, full_logprobs: Any) -> None:
+    # A teacher's answer for on-policy distillation: the completions the engine sampled, scored again without
+    # sampling, carry the log-probs it reported for them (and those of a full forward), at any temperature.
+    from tauflow.rollout.engine import ScoredSequence
+
+    params = SamplingParams(max_new_tokens=8, n=2, temperature=0.7, seed=5)
+    out = engine.submit(PROMPTS, params).result(30)
+    sequences = [ScoredSequence(p, c.token_ids) for p, group in zip(PROMPTS, out, strict=True) for c in group]
+    scores = engine.submit_scoring([*sequences, ScoredSequence([1, 2], [])], temperature=0.7).result(30)
+    assert scores.policy_version == 0 and scores.logprobs[-1] == []  # an empty completion scores nothing
+    completions = [c for group in out for c in group]
+    for seq, c, got in zip(sequences, completions, scores.logprobs, strict=False):
+        assert got == pytest.approx(c.logprobs, abs=1e-4)
+        assert got == pytest.approx(full_logprobs(reference, list(seq.prompt_token_ids), c.token_ids, 0.7), abs=1e-4)
+    assert engine.stats().counters["scored_tokens"] == sum(len(c.token_ids) for c in completions)
+    # batched in chunks of max_prefill_tokens: the same numbers
+    engine._max_prefill_tokens = 12
+    again = asyncio.run(engine.score(sequences, 0.7))
+    for a, b in zip(again.logprobs, scores.logprobs, strict=False):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("sequences", "temperature", "match"),
+    [
+        ([], 1.0, "at least one sequence"),
+        ([([], [3])], 1.0, r"sequences\[0\].prompt_token_ids is empty"),
+        ([([1], [3]), ([1], [16])], 1.0, r"sequences\[1\] has a token id outside"),
+        ([([1] * 60, [3] * 5)], 1.0, "context of 64"),
+        ([([1], [3])], 0.0, "temperature"),
+        ([([1], [3])], float("nan"), "temperature"),
+    ],
+)
+def test_bad_scoring_requests_are_refused_at_once(
+    engine: HFEngine, sequences: list[tuple[list[int], list[int]]], temperature: float, match: str
+) -> None:
+    from tauflow.rollout.engine import ScoredSequence
+
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.submit_scoring([ScoredSequence(p, c) for p, c in sequences], temperature)
+
+
+def test_close_fails_the_scoring_not_yet_done(model_dir: Path) -> None:
+    from tauflow.rollout.engine import ScoredSequence
+
+    engine = HFEngine.from_pretrained(model_dir)
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        engine.submit_scoring([ScoredSequence([1], [3])])

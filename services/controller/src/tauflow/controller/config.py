@@ -89,6 +89,12 @@ class RunConfig(StrictModel):
         default_factory=list, description="command run once before the services start; {seed} becomes the run's seed"
     )
     model: str = Field(..., description="Hugging Face folder of the initial policy (version 0)")
+    teacher_model: str = Field(
+        "",
+        description="on-policy distillation with the teacher as its own deployment: a Hugging Face folder that "
+        "a rollout server of its own (role teacher) serves; the trainer asks it for the log-probs of the "
+        "student's tokens (backend.teacher_address). Empty: no teacher server",
+    )
     dataset: str = Field(..., description="training prompts (JSONL or Parquet with prompt and answer)")
     max_staleness: int = Field(
         1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded (tauflow set max-staleness changes it)"
@@ -154,6 +160,17 @@ class RunConfig(StrictModel):
                 raise ValueError(
                     f"services.{role}.{key} is {value} but the run's temperature is {self.temperature}; "
                     "set `temperature` once, at the top level"
+                )
+        if self.teacher_model:
+            if self.launcher == "external":
+                raise ValueError(
+                    "teacher_model starts a teacher server, and launcher external starts nothing: deploy the "
+                    "teacher (a tauflow-rollout of its own) and set services.trainer.backend.teacher_address"
+                )
+            if flatten(self.services.get("trainer", {})).get("backend.teacher_model_path"):
+                raise ValueError(
+                    "set one teacher: teacher_model (its own server) or services.trainer.backend.teacher_model_path "
+                    "(in the trainer's process)"
                 )
         # REMAX's baseline is the reward of a greedy completion that only the rollout can make: without it
         # every group would train nothing.

@@ -75,11 +75,13 @@ class ServiceSpec:
     name: str  # unique in the run: the role, or instance_name(role, index) for a role with several processes
     settings: dict[str, Any] = field(default_factory=dict)  # --set key=value
     env: dict[str, str] = field(default_factory=dict)
-    role: str = ""  # python -m tauflow.<role>; empty: the name
+    role: str = ""  # empty: the name
     index: int = 0  # the replica index or rank within the role
+    module: str = ""  # python -m tauflow.<module>; empty: the role (a teacher is a rollout server)
 
     def __post_init__(self) -> None:
         self.role = self.role or self.name
+        self.module = self.module or self.role
 
 
 @dataclass(frozen=True)
@@ -458,7 +460,7 @@ class LocalLauncher(ProcessLauncher):
             self._wait_for_previous(svc)
         svc.ready_file.unlink(missing_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
-        command = service_command(sys.executable, svc.role, svc.ready_file, self._settings(svc))
+        command = service_command(sys.executable, svc.spec.module, svc.ready_file, self._settings(svc))
         svc.proc = spawn_service(command, env, svc.log_file, log_header(svc.name, svc.restarts))
         self._started(svc)
 
@@ -476,14 +478,14 @@ class LocalLauncher(ProcessLauncher):
             pid = int(json.loads(svc.ready_file.read_text())["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             return
-        if not is_service_process(pid, svc.role):
+        if not is_service_process(pid, svc.spec.module):
             return
         log.warning(
             "a previous process of this service is still running; waiting for it to stop",
             extra={"service": svc.name, "pid": pid},
         )
         deadline = time.monotonic() + self.previous_wait_s
-        while is_service_process(pid, svc.role):
+        while is_service_process(pid, svc.spec.module):
             if time.monotonic() > deadline:
                 raise ServiceFailed(
                     svc.name,

@@ -69,6 +69,7 @@ def role_resources(role: str, settings: Mapping[str, Any], config: RayConfig) ->
     on_gpu = {
         "trainer": str(settings.get("backend.device", "cpu")).startswith("cuda"),
         "rollout": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
+        "teacher": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
         "weights": settings.get("backend") == "nccl",
     }.get(role, False)
     return {
@@ -143,7 +144,7 @@ class RayLauncher(ProcessLauncher):
         proc, previous_pid = self._actor(svc)
         env = {"PYTHONUNBUFFERED": "1", **self._env, **svc.spec.env}
         call = proc.actor.spawn.remote(
-            svc.role,
+            svc.spec.module,
             self._settings(svc),
             env,
             self._cwd,

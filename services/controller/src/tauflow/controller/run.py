@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
-STOP_ORDER = ["rollout", "trainer", "weights", "reward", "queue"]  # roles: every process of each at once
+STOP_ORDER = ["rollout", "trainer", "teacher", "weights", "reward", "queue"]  # roles: every process of each at once
+TEACHER = "teacher"  # the optional role of on-policy distillation's teacher: a rollout server of its own
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 
@@ -147,6 +148,14 @@ class Run:
                 "checkpoint_dir": out / "checkpoints",
                 "backend.optim.total_steps": config.steps,  # where a cosine schedule ends
                 "backend.temperature": config.temperature,
+                **({"backend.teacher_address": addresses[TEACHER]} if addresses.get(TEACHER) else {}),
+            },
+            # A rollout server that only scores: no data set (no producer loop), no weight sidecar (its weights
+            # never change), its own server id.
+            TEACHER: {
+                "model_path": config.teacher_model,
+                "server_id": TEACHER,
+                "sampling.temperature": config.temperature,
             },
             "rollout": {
                 "model_path": config.model,
@@ -174,11 +183,12 @@ class Run:
                 "distributed.strategy": self.config.trainer.strategy,
             }
         name = instance_name(role, index)
+        module = "rollout" if role == TEACHER else role
         # Each process's spans name it (service.instance.id), as its Prometheus target does (`instance_name`).
         resource = f"service.instance.id={name},tauflow.role={role},tauflow.replica={index}"
         inherited = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
         env = {**self._env, "OTEL_RESOURCE_ATTRIBUTES": f"{inherited},{resource}" if inherited else resource}
-        return ServiceSpec(name, settings, env=env, role=role, index=index)
+        return ServiceSpec(name, settings, env=env, role=role, index=index, module=module)
 
     def trace_env(self) -> dict[str, str]:
         """With ``traces_file`` set, every service also writes its spans there (OTLP export, when an
@@ -234,7 +244,7 @@ class Run:
             self._prepare()
         self._env = self.trace_env()
         addresses = self._addresses
-        for role in ROLES:
+        for role in self.roles:
             self.progress.message = f"starting {role}"
             self.on_progress(self.progress)
             started = self._start_role(role, addresses)
@@ -246,6 +256,15 @@ class Run:
             self._write_targets()
         self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
         return dict(addresses)
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles in the order they start: each learns its peers' addresses (the teacher, when the run has
+        one, before the trainer that asks it)."""
+        roles = list(ROLES)
+        if self.config.teacher_model:
+            roles.insert(roles.index("trainer"), TEACHER)
+        return roles
 
     def _start_role(self, role: str, addresses: Mapping[str, str]) -> list[Service]:
         """Every process of ``role``: the trainer's ranks as a gang, the rollout replicas one by one."""

@@ -66,7 +66,14 @@ class RolloutConfig(ServiceConfig):
         3.0, gt=0, description="how often to check that the sidecar still lists this server (re-join if not)"
     )
     max_n: int = Field(64, ge=1, description="Generate: completions per call at most (RESOURCE_EXHAUSTED above)")
-    max_in_flight: int = Field(64, ge=1, description="Generate: calls admitted at once (RESOURCE_EXHAUSTED above)")
+    max_in_flight: int = Field(
+        64, ge=1, description="Generate and ComputeLogprobs: calls admitted at once (RESOURCE_EXHAUSTED above)"
+    )
+    max_score_tokens: int = Field(
+        262_144,
+        ge=1,
+        description="ComputeLogprobs: prompt and completion tokens per call at most (RESOURCE_EXHAUSTED above)",
+    )
     max_wait_s: float = Field(
         600.0,
         gt=0,

@@ -25,6 +25,7 @@ ENGINE_COUNTERS = {
         "kv_recomputed_tokens_total",
         "Tokens re-prefilled after a weight swap (in-flight sequences' KV cache)",
     ),
+    "scored_tokens": ("scored_tokens_total", "Completion tokens scored by ComputeLogprobs (a teacher's log-probs)"),
 }
 
 

@@ -22,6 +22,7 @@ from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.trainer import __version__
 from tauflow.trainer.adapters.queue_client import GrpcQueue
+from tauflow.trainer.adapters.rollout_client import RolloutTeacher
 from tauflow.trainer.adapters.servicer import TrainerServicer
 from tauflow.trainer.adapters.weights_client import SidecarPublisher
 from tauflow.trainer.backend import TorchBackend
@@ -89,7 +90,13 @@ async def build(config: TrainerConfig) -> ServiceApp:
     # rank 0's volume only.
     has_checkpoints = leads and Path(config.checkpoint_dir).exists()
     checkpoint = latest_checkpoint(config.checkpoint_dir) if has_checkpoints else None
-    backend = TorchBackend(config.backend, checkpoint=checkpoint, group=group)
+    # A teacher served by its own deployment (on-policy distillation): rank 0 alone asks it.
+    teacher = (
+        RolloutTeacher(config.backend.teacher_address, config.channel, asyncio.get_running_loop())
+        if config.backend.teacher_address and leads
+        else None
+    )
+    backend = TorchBackend(config.backend, checkpoint=checkpoint, group=group, teacher=teacher)
     if group is not None and not group.leads:
         return follower(backend, config)
     queue = GrpcQueue(config.queue_address, config.consumer_id, config.channel)
@@ -110,6 +117,8 @@ async def build(config: TrainerConfig) -> ServiceApp:
         await queue.close()
         if publisher is not None:
             await publisher.close()
+        if teacher is not None:
+            await teacher.close()
         await in_daemon_thread(backend.close, "close")  # the other ranks stop
 
     return ServiceApp(

@@ -54,6 +54,7 @@ from tauflow.trainer.critic import Critic, critic_source
 from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize, value_loss
 from tauflow.trainer.optim import OptimConfig, build_optimizer, clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
+from tauflow.trainer.ports import TeacherPort
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded
     from transformers import PreTrainedModel
@@ -68,6 +69,10 @@ class TorchBackendConfig:
     teacher_model_path: str | None = None
     """On-policy distillation (estimator opd): the teacher, a local Hugging Face folder with the policy's
     tokenizer, run in this process (frozen) to score the samples' tokens."""
+    teacher_address: str | None = None
+    """On-policy distillation with the teacher as its own deployment: a rollout server hosting it (host:port),
+    asked for the log-probs of the sampled tokens (ComputeLogprobs). One of this and teacher_model_path;
+    opd_loss advantage only (the full reverse KL needs the teacher's distributions in this process)."""
     ref_model_path: str | None = None
     """Reference model for the KL penalty; None: ``model_path`` (the initial policy). Loaded only when the
     algorithm has kl_coef > 0."""
@@ -108,8 +113,15 @@ class TorchBackendConfig:
             raise ValueError(f"algorithm_options: {e}") from None
         except KeyError as e:
             raise ValueError(str(e).strip("'\"")) from None
-        if algorithm.config.estimator == "opd" and not self.teacher_model_path:
-            raise ValueError("on-policy distillation (estimator opd) needs teacher_model_path")
+        if self.teacher_model_path and self.teacher_address:
+            raise ValueError("set one teacher: teacher_model_path (in this process) or teacher_address (a server)")
+        if algorithm.config.estimator == "opd" and not (self.teacher_model_path or self.teacher_address):
+            raise ValueError("on-policy distillation (estimator opd) needs teacher_model_path or teacher_address")
+        if algorithm.config.distills_full_kl and not self.teacher_model_path:
+            raise ValueError(
+                "opd_loss reverse_kl needs the teacher's whole distributions in this process: set "
+                "teacher_model_path (a teacher_address serves the sampled tokens' log-probs: opd_loss advantage)"
+            )
 
 
 @dataclass
@@ -213,7 +225,12 @@ class TorchBackend:
     """
 
     def __init__(
-        self, config: TorchBackendConfig, *, checkpoint: str | Path | None = None, group: RankGroup | None = None
+        self,
+        config: TorchBackendConfig,
+        *,
+        checkpoint: str | Path | None = None,
+        group: RankGroup | None = None,
+        teacher: TeacherPort | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -227,6 +244,8 @@ class TorchBackend:
         self.trained_group_ids: set[str] = set()
         self.ref_model: torch.nn.Module | None = None
         self.teacher_model: torch.nn.Module | None = None
+        self.teacher = teacher
+        """A teacher served by another deployment (teacher_address): rank 0 asks it; None: in this process."""
         self.critic: Critic | None = None
         if group is not None and not group.leads:
             checkpoint = None  # rank 0 reads it and shares what it holds: no other rank touches the checkpoints
@@ -522,12 +541,13 @@ class TorchBackend:
         that the first update's ratio is exactly 1 whatever the batching here."""
         cfg = alg.config
         policy = cfg.proximal == "recompute"
+        remote_teacher = cfg.teacher_scores_samples and self.teacher is not None
         models = tuple(
             name
             for name, wanted in (
                 ("prox", policy),
                 ("ref", cfg.kl_reward_coef > 0),
-                ("teacher", cfg.teacher_scores_samples),
+                ("teacher", cfg.teacher_scores_samples and not remote_teacher),
                 ("values", cfg.uses_critic),
             )
             if wanted
@@ -546,6 +566,16 @@ class TorchBackend:
         if not policy:
             for s, r in zip(pool, results, strict=True):
                 r["prox"] = [float(x) for x in s.behaviour_logprobs]
+        if remote_teacher:
+            assert self.teacher is not None
+            with tracer.start_as_current_span("teacher_logprobs", attributes={"rl.samples": len(pool)}):
+                scored = self.teacher.logprobs(
+                    [(s.prompt_ids, s.completion_ids) for s in pool], self.config.temperature
+                )
+            for s, r, lp in zip(pool, results, scored, strict=True):
+                if len(lp) != len(s.completion_ids):
+                    raise RuntimeError(f"the teacher scored {len(lp)} of {len(s.completion_ids)} tokens")
+                r["teacher"] = lp
         return results
 
     def _forward_logprobs(self, samples: list[Sample], models: Sequence[str]) -> list[dict[str, list[float]]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +27,15 @@ class QueuePort(Protocol):
     async def ack(self, lease_id: str) -> None: ...
 
     async def renew(self, lease_id: str, lease_s: float) -> None: ...
+
+
+class TeacherPort(Protocol):
+    """A teacher served by another deployment (a rollout server hosting it): on-policy distillation's
+    per-token log-probs. Called from the backend's worker thread; blocks until they come."""
+
+    def logprobs(
+        self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], temperature: float
+    ) -> list[list[float]]: ...
 
 
 class PublisherPort(Protocol):

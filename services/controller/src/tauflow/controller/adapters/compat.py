@@ -29,6 +29,12 @@ REQUIREMENTS: dict[str, Requirement] = {
     "rollout": Requirement.of("rollout", rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]),
     "trainer": Requirement.of("trainer", trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]),
     "weights": Requirement.of("weights", weights_pb2.DESCRIPTOR.services_by_name["WeightsService"]),
+    # a teacher for on-policy distillation: a rollout server that scores (ComputeLogprobs, revision 3)
+    "teacher": Requirement.of(
+        "rollout",
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        revisions={"tauflow.api.rollout.v1": 3},
+    ),
 }
 
 

@@ -15,7 +15,7 @@ from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
-from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError
+from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
 from tauflow.rollout.producer import Producer
 from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
 from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
@@ -42,6 +42,9 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
     """Ends the call with ``code`` (``context.abort`` raises; grpc has no type stubs to say so)."""
     await context.abort(code, details)
     raise AssertionError("unreachable: abort raises")
+
+
+MAX_SCORE_SEQUENCES = 4096  # ComputeLogprobs: sequences per call (the contract's bound)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -117,6 +120,48 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         resp.queue_duration.FromNanoseconds(int((queued - started) * 1e9))
         resp.generation_duration.FromNanoseconds(int((time.monotonic() - queued) * 1e9))
         return resp
+
+    async def ComputeLogprobs(
+        self, request: rollout_pb2.ComputeLogprobsRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ComputeLogprobsResponse:
+        n = len(request.sequences)
+        if n == 0:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "sequences is empty")
+        if n > MAX_SCORE_SEQUENCES:
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"sequences has {n} entries, more than {MAX_SCORE_SEQUENCES}",
+            )
+        tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in request.sequences)
+        if tokens > self.config.max_score_tokens:
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"sequences hold {tokens} tokens, over this server's max_score_tokens of {self.config.max_score_tokens}",
+            )
+        if self.in_flight >= self.config.max_in_flight:
+            await _abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.in_flight} calls in flight, this server's maximum"
+            )
+        temperature = request.temperature if request.HasField("temperature") else 1.0
+        sequences = [ScoredSequence(list(s.prompt_token_ids), list(s.completion_token_ids)) for s in request.sequences]
+        self.in_flight += 1
+        try:
+            scores = await self.engine.score(sequences, temperature)
+        except InvalidRequestError as e:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineClosedError as e:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        except NotImplementedError as e:
+            await _abort(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
+        finally:
+            self.in_flight -= 1
+        return rollout_pb2.ComputeLogprobsResponse(
+            sequences=[rollout_pb2.CompletionLogprobs(logprobs=lp) for lp in scores.logprobs],
+            policy_version=scores.policy_version,
+            engine_id=self.engine.engine_id,
+        )
 
     async def GetStatus(
         self, request: rollout_pb2.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -141,6 +141,22 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoredSequence:
+    """A completion to score: the prompt it continues and its tokens."""
+
+    prompt_token_ids: Sequence[int]
+    completion_token_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """The log-prob of every completion token of each scored sequence, and the version that scored them."""
+
+    logprobs: list[list[float]]
+    policy_version: int
+
+
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Dtype and shape of one named weight the engine accepts."""
 
@@ -230,6 +246,20 @@ class GenerationEngine(ABC):
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """``submit`` for asyncio callers; cancelling the caller cancels the request."""
         return await asyncio.wrap_future(self.submit(prompts, params))
+
+    # -- scoring ------------------------------------------------------------------------------------------------
+
+    def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
+        """Queue the scoring of completions: each completion token's log-prob under the weights served when
+        the engine gets to it (as behaviour log-probs are computed: log-softmax of logits / temperature), no
+        sampling. Raises InvalidRequestError (an empty prompt, a token outside the vocabulary, longer than
+        the context, a bad temperature) or EngineClosedError at once. A backend that cannot score raises
+        NotImplementedError."""
+        raise NotImplementedError(f"the {self.backend} engine does not score sequences")
+
+    async def score(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Scores:
+        """``submit_scoring`` for asyncio callers."""
+        return await asyncio.wrap_future(self.submit_scoring(sequences, temperature))
 
     # -- weights ------------------------------------------------------------------------------------------------
 

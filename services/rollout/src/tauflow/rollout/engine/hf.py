@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import random
 import threading
@@ -44,6 +45,8 @@ from tauflow.rollout.engine.base import (
     GenerationEngine,
     InvalidRequestError,
     SamplingParams,
+    ScoredSequence,
+    Scores,
     TensorSpec,
     WeightUpdateError,
     check_weight_specs,
@@ -102,6 +105,15 @@ class _Request:
         self.remaining = len(prompts) * params.n
         self.counted = True  # still counted in the engine's in-flight requests
         self.future: Future[list[list[Completion]]] = Future()
+
+
+@dataclass
+class _ScoreJob:
+    """Sequences to score (prompt, completion), their temperature, and the caller's future."""
+
+    sequences: list[tuple[list[int], list[int]]]
+    temperature: float
+    future: Future[Scores]
 
 
 class _Row:
@@ -296,6 +308,7 @@ class HFEngine(GenerationEngine):
         self._cv = threading.Condition()
         self._waiting: deque[_Row] = deque()
         self._staged: list[_Staged] = []
+        self._scoring: list[_ScoreJob] = []
         self._newest_staged = self._version
         self._cancel_pending = False
         self._closing = False
@@ -312,6 +325,7 @@ class HFEngine(GenerationEngine):
             "prefill_tokens": 0,
             "weight_swaps": 0,
             "kv_recomputed_tokens": 0,
+            "scored_tokens": 0,
         }
         self._thread = threading.Thread(target=self._loop, name=f"tauflow-hf-engine-{engine_id}", daemon=True)
         self._thread.start()
@@ -379,6 +393,33 @@ class HFEngine(GenerationEngine):
             self._cv.notify()
         req.future.add_done_callback(lambda f: self._on_request_done(req, f))
         return req.future
+
+    def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
+        if not sequences:
+            raise InvalidRequestError("at least one sequence is needed")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise InvalidRequestError(f"temperature must be positive and finite, not {temperature}")
+        vocab = self.vocab_size
+        clean: list[tuple[list[int], list[int]]] = []
+        for i, seq in enumerate(sequences):
+            prompt, completion = [int(t) for t in seq.prompt_token_ids], [int(t) for t in seq.completion_token_ids]
+            if not prompt:
+                raise InvalidRequestError(f"sequences[{i}].prompt_token_ids is empty")
+            ids = prompt + completion
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidRequestError(f"sequences[{i}] has a token id outside [0, {vocab})")
+            if self.max_context is not None and len(ids) > self.max_context:
+                raise InvalidRequestError(
+                    f"sequences[{i}] has {len(ids)} tokens, over the model's context of {self.max_context}"
+                )
+            clean.append((prompt, completion))
+        job = _ScoreJob(clean, float(temperature), Future())
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            self._scoring.append(job)
+            self._cv.notify()
+        return job.future
 
     def weight_spec(self) -> Mapping[str, TensorSpec]:
         return dict(self._spec)
@@ -473,7 +514,14 @@ class HFEngine(GenerationEngine):
                 self._cv.notify()
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._staged or self._batch is not None or self._cancel_pending or self._closing)
+        return bool(
+            self._waiting
+            or self._staged
+            or self._scoring
+            or self._batch is not None
+            or self._cancel_pending
+            or self._closing
+        )
 
     def _loop(self) -> None:
         try:
@@ -491,12 +539,17 @@ class HFEngine(GenerationEngine):
                     if cancel:
                         self._waiting = deque(r for r in self._waiting if not r.req.future.done())
                     admit = self._take_rows_locked()
+                    scoring, self._scoring = self._scoring, []
                 try:
                     self._turn(staged, cancel, admit)
+                    self._score_all(scoring)
                 except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on with the next
                     _log.exception("hf engine %s: generation failed", self.engine_id)
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     self._fail_in_flight(exc, admit, staged)
+                    for job in scoring:
+                        if not job.future.done():
+                            job.future.set_exception(exc)
         finally:
             self._shutdown()
 
@@ -536,6 +589,44 @@ class HFEngine(GenerationEngine):
             if self._batch is not None:
                 self._decode_step(self._batch)
         self._running = 0 if self._batch is None else self._batch.size - self._batch.n_done
+
+    # -- scoring --
+
+    def _score_all(self, jobs: list[_ScoreJob]) -> None:
+        """Each job's log-probs, after this turn's weight swap (they name the version served now); a job that
+        fails fails alone."""
+        for job in jobs:
+            if job.future.done():  # cancelled while it waited
+                continue
+            try:
+                with torch.inference_mode():
+                    job.future.set_result(Scores(self._score(job), self._version))
+            except Exception as exc:  # noqa: BLE001 - the caller learns it; the engine serves on
+                _log.exception("hf engine %s: scoring failed", self.engine_id)
+                job.future.set_exception(exc)
+
+    def _score(self, job: _ScoreJob) -> list[list[float]]:
+        """Right-padded forwards without a cache, in chunks of at most ``max_prefill_tokens`` padded tokens
+        (longest first); the log-softmax of logits / temperature gathered at each completion token."""
+        out: list[list[float]] = [[] for _ in job.sequences]
+        order = sorted(range(len(job.sequences)), key=lambda i: -sum(map(len, job.sequences[i])))
+        while order:
+            width = sum(map(len, job.sequences[order[0]]))
+            rows = max(1, self._max_prefill_tokens // width)
+            chunk, order = order[:rows], order[rows:]
+            seqs = [job.sequences[i][0] + job.sequences[i][1] for i in chunk]
+            ids = torch.tensor([s + [self._pad] * (width - len(s)) for s in seqs], device=self._device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=self._device)
+            positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+            logits = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            logprobs = F.log_softmax(logits[:, :-1].float() / job.temperature, dim=-1)
+            picked = logprobs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+            for k, i in enumerate(chunk):
+                prompt, completion = job.sequences[i]
+                start = len(prompt) - 1  # the target column of the first completion token
+                out[i] = picked[k, start : start + len(completion)].tolist()
+                self.counters["scored_tokens"] += len(completion)
+        return out
 
     # -- weights --
 
@@ -744,5 +835,10 @@ class HFEngine(GenerationEngine):
             s.future.set_exception(
                 EngineClosedError(f"engine {self.engine_id} closed before loading version {s.version}")
             )
+        with self._cv:
+            scoring, self._scoring = self._scoring, []
+        for job in scoring:
+            if not job.future.done():
+                job.future.set_exception(EngineClosedError(f"engine {self.engine_id} closed before scoring"))
         self._running = 0
         self._closed = True

@@ -71,6 +71,11 @@ class RolloutServiceStub:
                 request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ComputeLogprobs = channel.unary_unary(
+                '/tauflow.api.rollout.v1.RolloutService/ComputeLogprobs',
+                request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/tauflow.api.rollout.v1.RolloutService/GetStatus',
                 request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GetStatusRequest.SerializeToString,
@@ -150,6 +155,27 @@ class RolloutServiceServicer:
         configured maximum; DEADLINE_EXCEEDED when the call's deadline passes
         before generation ends (including while waiting for
         `min_policy_version`), in which case the generation is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeLogprobs(self, request, context):
+        """Scores given completions without sampling: the log-probability of each
+        completion token under the engine's current weights, computed as Generate
+        computes behaviour log-probs (float32 log-softmax of the logits divided by
+        `temperature`). A rollout server that hosts a frozen teacher model answers
+        it for the trainer's on-policy distillation (revision 3).
+
+        Retry class: no side effects (scoring changes nothing; the same weights
+        give the same numbers). Status: INVALID_ARGUMENT when `sequences` is
+        empty, a prompt is empty, a token id is outside the vocabulary, a
+        sequence is longer than the model's context, or `temperature` is not a
+        positive finite number; RESOURCE_EXHAUSTED when there are more than 4096
+        sequences, more tokens than the server's `max_score_tokens`, or the
+        server's in-flight call limit is reached; UNAVAILABLE when the engine is
+        not serving (starting, draining); UNIMPLEMENTED when the engine's backend
+        cannot score; DEADLINE_EXCEEDED when the deadline passes first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,6 +265,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     request_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
             ),
+            'ComputeLogprobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeLogprobs,
+                    request_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsResponse.SerializeToString,
+            ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
                     request_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GetStatusRequest.FromString,
@@ -319,6 +350,33 @@ class RolloutService:
             '/tauflow.api.rollout.v1.RolloutService/Generate',
             tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeLogprobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tauflow.api.rollout.v1.RolloutService/ComputeLogprobs',
+            tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsRequest.SerializeToString,
+            tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.ComputeLogprobsResponse.FromString,
             options,
             channel_credentials,
             insecure,
