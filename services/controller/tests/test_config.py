@@ -74,3 +74,16 @@ def test_a_teacher_server_is_refused_where_it_cannot_work() -> None:
             model="m", dataset="d", steps=1, teacher_model="t",
             services={"trainer": {"backend": {"teacher_model_path": "t"}}},
         )  # fmt: skip
+
+
+def test_the_teacher_server_takes_settings_of_its_own(tmp_path) -> None:
+    # a real teacher runs on a GPU: services.teacher reaches its process (and its Ray actor asks for one)
+    from tauflow.controller.raylauncher import role_resources
+
+    config = RunConfig(
+        model="m", dataset="d", steps=1, teacher_model="t", out_dir=str(tmp_path),
+        services={"teacher": {"engine_options": {"device": "cuda"}, "max_score_tokens": 65536}},
+    )  # fmt: skip
+    spec = build_run(config)._spec("teacher", 0, {})
+    assert spec.settings["engine_options.device"] == "cuda" and spec.settings["max_score_tokens"] == 65536
+    assert role_resources("teacher", spec.settings, config.ray)["num_gpus"] == 1.0

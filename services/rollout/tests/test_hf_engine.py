@@ -307,3 +307,28 @@ def test_close_fails_the_scoring_not_yet_done(model_dir: Path) -> None:
     engine.close()
     with pytest.raises(EngineClosedError):
         engine.submit_scoring([ScoredSequence([1], [3])])
+
+
+def test_a_scoring_call_given_up_or_failing_leaves_generation_alone(engine: HFEngine) -> None:
+    # A caller that gave up before its job ran (a deadline) costs nothing; a job that fails fails alone: the
+    # running batch decodes on and every completion comes back.
+    from tauflow.rollout.engine import ScoredSequence
+
+    _slow_steps(engine, 0.02)
+    running = engine.submit(PROMPTS, SamplingParams(max_new_tokens=12, n=2, temperature=1.0, seed=2))
+    given_up = engine.submit_scoring([ScoredSequence([1, 2], [3, 4])])
+    given_up.cancel()
+    score = engine._score
+
+    def broken(job: Any) -> Any:
+        raise RuntimeError("device fell over")
+
+    engine._score = broken
+    failing = engine.submit_scoring([ScoredSequence([1, 2], [3, 4])])
+    with pytest.raises(RuntimeError, match="fell over"):
+        failing.result(30)
+    engine._score = score
+    out = running.result(60)
+    assert all(len(c.token_ids) >= 1 for group in out for c in group)
+    assert given_up.cancelled()
+    assert engine.submit_scoring([ScoredSequence([1, 2], [3, 4])]).result(30).logprobs[0]  # and it serves on

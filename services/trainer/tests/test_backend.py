@@ -377,6 +377,33 @@ def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
         config(tiny_model_dir, algorithm="opd")
 
 
+def test_the_full_kl_trains_every_group_and_compares_the_vocabulary_both_models_have(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # A teacher of the same tokenizer whose embeddings are padded further (as Qwen2.5-7B's are against 0.5B):
+    # the full KL runs over the rows both have; and with skip_zero_advantage_groups on (its advantages are
+    # all 0) every group still trains, since the loss is the KL, not the advantages.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    wide = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=16 + 8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    )  # fmt: skip
+    wide.save_pretrained(tmp_path / "wide")
+    student = TorchBackend(
+        config(
+            tiny_model_dir,
+            algorithm="opd",
+            algorithm_options={"opd_loss": "reverse_kl", "skip_zero_advantage_groups": True},
+            teacher_model_path=str(tmp_path / "wide"),
+        )
+    )
+    result = student.train_step(make_groups(21, 3))
+    assert result.metrics["skipped_zero_advantage_groups"] == 0.0 and result.trained_tokens > 0
+    assert result.metrics["kl_teacher"] > 0 and math.isfinite(result.metrics["distill_loss"])
+
+
 def test_the_algorithm_and_its_options_are_checked_when_the_config_loads(tiny_model_dir: Path) -> None:
     from tauflow.core.config import ConfigError, load_config
     from tauflow.trainer.config import TrainerConfig

@@ -859,3 +859,10 @@ def test_the_full_reverse_kl_to_the_teacher_matches_the_reference(mode: str, see
     np.testing.assert_allclose(distribution.grad.numpy(), want, rtol=1e-6, atol=1e-9)
     assert teacher.grad is None or not teacher.grad.any()  # the teacher is a target, not trained
     assert out.sums["teacher_kl"] == pytest.approx(float(kl[mask].sum()), rel=1e-5)
+
+
+def test_gae_reads_no_value_of_a_masked_token_not_even_a_nan() -> None:
+    # values at masked tokens are never used (nor propagated, as NaN · 0 would be)
+    group = [[Scored(1.0, [True, False, True], values=[0.1, float("nan"), 0.4])]]
+    got = estimate(group, AlgorithmConfig(estimator="gae", gamma=0.5, lam=0.0, whiten_advantages=False))
+    assert got.values[0][0] == pytest.approx([0.1, 0.0, 0.6]) and got.returns == [[pytest.approx([0.2, 0.0, 1.0])]]

@@ -17,6 +17,7 @@ from pydantic import Field
 from tauflow.core.config import ServiceConfig, StrictModel
 
 ROLES = ("queue", "reward", "weights", "trainer", "rollout")
+TEACHER = "teacher"  # the optional role of on-policy distillation's teacher (teacher_model): a rollout server
 
 
 class EvalConfig(StrictModel):
@@ -139,15 +140,15 @@ class RunConfig(StrictModel):
         return Path(self.out_dir or f"runs/{self.name}")
 
     def model_post_init(self, _: Any) -> None:
-        for key, by_role in (
-            ("services", self.services),
-            ("external", self.external),
-            ("ray.num_cpus", self.ray.num_cpus),
-            ("ray.num_gpus", self.ray.num_gpus),
+        for key, by_role, known in (
+            ("services", self.services, (*ROLES, TEACHER)),
+            ("external", self.external, ROLES),
+            ("ray.num_cpus", self.ray.num_cpus, (*ROLES, TEACHER)),
+            ("ray.num_gpus", self.ray.num_gpus, (*ROLES, TEACHER)),
         ):
-            unknown = set(by_role) - set(ROLES)
+            unknown = set(by_role) - set(known)
             if unknown:
-                raise ValueError(f"{key}: unknown role(s) {sorted(unknown)}; roles are {list(ROLES)}")
+                raise ValueError(f"{key}: unknown role(s) {sorted(unknown)}; roles are {list(known)}")
         missing = [role for role in ROLES if not self.external.get(role)]
         if self.launcher == "external" and missing:
             keys = ", ".join(f"external.{r}" for r in missing)

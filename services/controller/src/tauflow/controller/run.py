@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, ROLES, RunConfig, flatten
+from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, ROLES, TEACHER, RunConfig, flatten
 from tauflow.controller.dial import TauChange
 from tauflow.controller.evaluation import evaluate, read_heldout
 from tauflow.controller.launcher import Launcher, LaunchFailed, Rendezvous, Service, ServiceSpec, instance_name
@@ -48,7 +48,6 @@ POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
 STOP_ORDER = ["rollout", "trainer", "teacher", "weights", "reward", "queue"]  # roles: every process of each at once
-TEACHER = "teacher"  # the optional role of on-policy distillation's teacher: a rollout server of its own
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 

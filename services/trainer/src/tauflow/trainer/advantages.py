@@ -284,15 +284,15 @@ def gae_advantages(
     (verl's multi-turn form; for right-padded completions the same as the plain recursion). Returns the
     advantages (not whitened) and the returns; on masked tokens both hold what the recursion carried, so
     read them on trained tokens only."""
-    m = mask.to(values.dtype)
+    mask = mask.bool()
     next_value = torch.zeros(values.shape[0], dtype=values.dtype)
     running = torch.zeros(values.shape[0], dtype=values.dtype)
     advantages = torch.zeros_like(values)
     for t in range(values.shape[1] - 1, -1, -1):
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         candidate = delta + gamma * lam * running
-        next_value = values[:, t] * m[:, t] + (1.0 - m[:, t]) * next_value
-        running = candidate * m[:, t] + (1.0 - m[:, t]) * running
+        next_value = torch.where(mask[:, t], values[:, t], next_value)  # (a masked value never leaks in, NaN or not)
+        running = torch.where(mask[:, t], candidate, running)
         advantages[:, t] = running
     return advantages, advantages + values
 
@@ -322,6 +322,7 @@ def gae(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
     if config.whiten_advantages:
         adv = torch.stack(_whiten([list(adv.unbind(0))], [list(mask.unbind(0))])[0])
     adv = torch.where(mask, adv, torch.zeros_like(adv))
+    ret = torch.where(mask, ret, torch.zeros_like(ret))  # (a masked token is no regression target)
     out_values: list[list[Advantage]] = []
     out_returns: list[list[list[float]]] = []
     i = 0

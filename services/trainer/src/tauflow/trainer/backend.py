@@ -314,6 +314,15 @@ class TorchBackend:
             self.teacher_model = self._load_frozen(self.config.teacher_model_path)
         return self.teacher_model
 
+    @property
+    def _shared_vocab(self) -> int:
+        """The rows of the vocabulary the policy and the teacher share: models of one tokenizer often pad
+        their embeddings to different sizes (Qwen2.5-0.5B: 151,936 rows, 7B: 152,064); the full KL compares
+        the distributions over the rows both have (the padding rows are never sampled)."""
+        teacher = self._ensure_teacher()
+        teacher_config: Any = teacher.config  # (a transformers model's, behind torch.nn.Module's typing)
+        return min(int(self.model.config.vocab_size), int(teacher_config.vocab_size))
+
     def _ensure_critic(self, checkpoint: Path | None = None) -> Critic:
         """The critic (PPO with GAE): from ``checkpoint``'s critic when it has one, else from
         critic_model_path or the policy's folder. With several ranks every rank builds it at once (rank 0's
@@ -495,7 +504,8 @@ class TorchBackend:
         if cfg.uses_critic:
             plan.returns, plan.old_values = [], []
         for gi, (g, adv, zero) in enumerate(zip(fresh, advantages.values, advantages.zero_groups, strict=True)):
-            if zero and cfg.skip_zero_advantage_groups:
+            # (distillation by the full KL trains every group: its loss is not in the advantages)
+            if zero and cfg.skip_zero_advantage_groups and not cfg.distills_full_kl:
                 plan.skipped_zero += 1
                 continue
             for si, (s, a) in enumerate(zip(g.samples, adv, strict=True)):
@@ -575,6 +585,8 @@ class TorchBackend:
             for s, r, lp in zip(pool, results, scored, strict=True):
                 if len(lp) != len(s.completion_ids):
                     raise RuntimeError(f"the teacher scored {len(lp)} of {len(s.completion_ids)} tokens")
+                if not all(math.isfinite(x) for x in lp):
+                    raise RuntimeError(f"the teacher answered a log-prob that is not finite for sample {s.sample_id!r}")
                 r["teacher"] = lp
         return results
 
@@ -709,6 +721,7 @@ class TorchBackend:
                                     with_entropy=with_entropy,
                                     entropy_grad=cfg.entropy_coef > 0,
                                     with_distribution=teacher is not None,
+                                    distribution_vocab=self._shared_vocab if teacher is not None else None,
                                 )
                                 teacher_distribution = None
                                 if teacher is not None:  # per micro-batch: [B, T, V] for a whole step is too much
@@ -718,6 +731,7 @@ class TorchBackend:
                                             batch,
                                             temperature=self.config.temperature,
                                             with_distribution=True,
+                                            distribution_vocab=self._shared_vocab,
                                         ).distribution
                             if prox is not None:
                                 prox_logp: torch.Tensor | None = prox[j][k]

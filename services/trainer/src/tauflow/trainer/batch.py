@@ -263,11 +263,13 @@ def completion_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     with_distribution: bool = False,
+    distribution_vocab: int | None = None,
 ) -> TokenLogProbs:
     """Per-token log-probs of every target token under a causal LM: float32 ``log_softmax`` of
     ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
     that these match the behaviour log-probs the rollout engine reported. ``with_distribution``: the whole
-    log-softmax too (with grad where grad is enabled)."""
+    log-softmax too (with grad where grad is enabled), over the first ``distribution_vocab`` rows of the
+    vocabulary when given (a teacher and a student that pad their vocabularies differently)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
     out = model(
@@ -282,7 +284,10 @@ def completion_logprobs(
     logsumexp = torch.logsumexp(logits, dim=-1)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
-    distribution = logits - logsumexp.unsqueeze(-1) if with_distribution else None
+    distribution = None
+    if with_distribution:
+        shared = logits if distribution_vocab is None else logits[..., :distribution_vocab]
+        distribution = torch.log_softmax(shared, dim=-1)
     entropy = None
     if with_entropy:
         with torch.enable_grad() if entropy_grad else torch.no_grad():

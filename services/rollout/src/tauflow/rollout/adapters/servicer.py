@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
+import torch
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
@@ -155,6 +156,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except NotImplementedError as e:
             await _abort(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
+        except torch.OutOfMemoryError as e:  # a long sequence on a device with too little room
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory while scoring: {e}"[:1024])
+        except Exception as e:  # noqa: BLE001 - the engine failed: say so (its log has the traceback), never UNKNOWN
+            await _abort(context, grpc.StatusCode.INTERNAL, f"scoring failed: {type(e).__name__}: {e}"[:1024])
         finally:
             self.in_flight -= 1
         return rollout_pb2.ComputeLogprobsResponse(

@@ -539,17 +539,17 @@ class HFEngine(GenerationEngine):
                     if cancel:
                         self._waiting = deque(r for r in self._waiting if not r.req.future.done())
                     admit = self._take_rows_locked()
-                    scoring, self._scoring = self._scoring, []
+                    # one scoring job a turn, so that a long one holds the decoding of the running batch up
+                    # for one turn at most
+                    job = self._scoring.pop(0) if self._scoring else None
                 try:
                     self._turn(staged, cancel, admit)
-                    self._score_all(scoring)
                 except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on with the next
                     _log.exception("hf engine %s: generation failed", self.engine_id)
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     self._fail_in_flight(exc, admit, staged)
-                    for job in scoring:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
+                if job is not None:
+                    self._score_job(job)  # its failure is its own
         finally:
             self._shutdown()
 
@@ -592,18 +592,17 @@ class HFEngine(GenerationEngine):
 
     # -- scoring --
 
-    def _score_all(self, jobs: list[_ScoreJob]) -> None:
-        """Each job's log-probs, after this turn's weight swap (they name the version served now); a job that
-        fails fails alone."""
-        for job in jobs:
-            if job.future.done():  # cancelled while it waited
-                continue
-            try:
-                with torch.inference_mode():
-                    job.future.set_result(Scores(self._score(job), self._version))
-            except Exception as exc:  # noqa: BLE001 - the caller learns it; the engine serves on
-                _log.exception("hf engine %s: scoring failed", self.engine_id)
-                job.future.set_exception(exc)
+    def _score_job(self, job: _ScoreJob) -> None:
+        """The job's log-probs, after this turn's weight swap and decoding step (they name the version served
+        now). A job its caller cancelled is skipped; one that fails fails alone (the engine serves on)."""
+        if not job.future.set_running_or_notify_cancel():  # cancelled while it waited; from now on it cannot be
+            return
+        try:
+            with torch.inference_mode():
+                job.future.set_result(Scores(self._score(job), self._version))
+        except Exception as exc:  # noqa: BLE001 - the caller learns it
+            _log.exception("hf engine %s: scoring failed", self.engine_id)
+            job.future.set_exception(exc)
 
     def _score(self, job: _ScoreJob) -> list[list[float]]:
         """Right-padded forwards without a cache, in chunks of at most ``max_prefill_tokens`` padded tokens
@@ -619,8 +618,9 @@ class HFEngine(GenerationEngine):
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=self._device)
             positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
             logits = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            logprobs = F.log_softmax(logits[:, :-1].float() / job.temperature, dim=-1)
-            picked = logprobs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).cpu()
+            scaled = logits[:, :-1].float() / job.temperature  # (no [rows, width, V] log-softmax beside it)
+            picked = scaled.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+            picked = picked.cpu()
             for k, i in enumerate(chunk):
                 prompt, completion = job.sequences[i]
                 start = len(prompt) - 1  # the target column of the first completion token
@@ -838,7 +838,7 @@ class HFEngine(GenerationEngine):
         with self._cv:
             scoring, self._scoring = self._scoring, []
         for job in scoring:
-            if not job.future.done():
+            if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineClosedError(f"engine {self.engine_id} closed before scoring"))
         self._running = 0
         self._closed = True

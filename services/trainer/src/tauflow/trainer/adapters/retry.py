@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def until_it_works() -> AsyncRetrying:
-    """Retries an idempotent call while its service is restarting: the trainer rides it out."""
+def until_it_works(
+    codes: tuple[grpc.StatusCode, ...] = TRANSIENT, give_up_after_s: float | None = None
+) -> AsyncRetrying:
+    """Retries an idempotent call while its service is restarting (``codes``): the trainer rides it out, for
+    ever or for ``give_up_after_s``."""
     return AsyncRetrying(
-        retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in TRANSIENT),
+        retry=retry_if_exception(lambda e: isinstance(e, grpc.aio.AioRpcError) and e.code() in codes),
         wait=wait_exponential(0.2, max=5.0),
+        stop=stop_after_delay(give_up_after_s) if give_up_after_s is not None else stop_never,
         reraise=True,
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 
+import grpc
+
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ChannelConfig
@@ -15,12 +17,14 @@ SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 MAX_SEQUENCES = 4096  # per call: the contract's bound
 MAX_TOKENS = 200_000  # per call: under a rollout server's default max_score_tokens (262,144)
 CALL_TIMEOUT_S = 300.0
+GIVE_UP_AFTER_S = 600.0  # a teacher server down this long fails the step (the trainer restarts and retries it)
 
 
 class RolloutTeacher:
     """A teacher behind a rollout server. ``logprobs`` is called from the backend's worker thread: the calls
     run on the service's event loop (``loop``), split into calls within the contract's bounds, each retried
-    while the teacher's server restarts (ComputeLogprobs has no side effects)."""
+    while the teacher's server is unavailable (ComputeLogprobs has no side effects), for GIVE_UP_AFTER_S at
+    most; a call past its own deadline is not sent again (the same work would time out again)."""
 
     def __init__(self, address: str, channel: ChannelConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.address = address
@@ -44,7 +48,7 @@ class RolloutTeacher:
                 ],
                 temperature=temperature,
             )
-            async for attempt in until_it_works():
+            async for attempt in until_it_works((grpc.StatusCode.UNAVAILABLE,), GIVE_UP_AFTER_S):
                 with attempt:
                     response = await self.stub.ComputeLogprobs(request, timeout=CALL_TIMEOUT_S)
             if len(response.sequences) != len(chunk):

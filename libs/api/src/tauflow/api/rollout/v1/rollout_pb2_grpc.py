@@ -173,9 +173,11 @@ class RolloutServiceServicer:
         sequence is longer than the model's context, or `temperature` is not a
         positive finite number; RESOURCE_EXHAUSTED when there are more than 4096
         sequences, more tokens than the server's `max_score_tokens`, or the
-        server's in-flight call limit is reached; UNAVAILABLE when the engine is
-        not serving (starting, draining); UNIMPLEMENTED when the engine's backend
-        cannot score; DEADLINE_EXCEEDED when the deadline passes first.
+        server's in-flight call limit is reached, or the device runs out of memory;
+        UNAVAILABLE when the engine is not serving (starting, draining);
+        UNIMPLEMENTED when the engine's backend cannot score; INTERNAL when the
+        engine fails while scoring (the server's log says why); DEADLINE_EXCEEDED
+        when the deadline passes first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
