@@ -10,7 +10,7 @@
    stubs) from exactly one module, ``adapters/<peer>_client.py``; its own stubs only from
    ``adapters/servicer.py`` (and ``app.py``, which registers the servicer, and ``adapters/<role>_client.py``,
    a client of a running instance: the controller's command line reaches a running run through it).
-3. **Shared libraries:** ``tauflow.weightsync`` is domain code but for its ``wire`` module; ``tauflow.core``
+3. **Shared libraries:** ``tauflow.weightsync`` and ``tauflow.media`` are domain code but for their ``wire`` modules; ``tauflow.core``
    (the runtime kit: server, channel, health) and ``tauflow.client`` (a gRPC client) are wire code by
    purpose, and their wire-free modules (config, staleness, files, lifeline, logs, metrics) are usable from
    the domain.
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "src" / "tauflow").is_dir())
 WIRE_ROOTS = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "tauflow.api")
 WIRING = {"app", "__main__", "cli"}  # the modules that wire a program (cli: the controller's `tauflow`)
-LIB_ADAPTERS = {"weightsync": {"tauflow.weightsync.wire"}}  # libraries whose domain/wire split is checked
+LIB_ADAPTERS = {"weightsync": {"tauflow.weightsync.wire"}, "media": {"tauflow.media.wire"}}  # libraries whose domain/wire split is checked
 STALENESS_MODULE = "tauflow.core.staleness"
 
 

@@ -98,6 +98,8 @@ def _runtime_imports(path: Path) -> list[tuple[str, bool]]:
                 continue
             if isinstance(child, ast.Import):
                 found.extend((a.name, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module == "tauflow" and not child.level:
+                found.extend((f"tauflow.{a.name}", top) for a in child.names)  # the namespace's packages
             elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
                 found.append((child.module, top))
             nested = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))

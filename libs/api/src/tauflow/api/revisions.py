@@ -2,7 +2,7 @@
 
 # Revision of each contract package within its major version (docs/contracts.md).
 REVISIONS: dict[str, int] = {
-    "tauflow.api.common.v1": 2,
+    "tauflow.api.common.v1": 3,
     "tauflow.api.controller.v1": 2,
     "tauflow.api.info.v1": 1,
     "tauflow.api.queue.v1": 3,

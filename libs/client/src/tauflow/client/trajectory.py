@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tauflow.api.common.v1 import common_pb2
+from tauflow.media import PromptPart
+from tauflow.media import wire as media_wire
 
 
 @dataclass(frozen=True)
@@ -125,15 +127,20 @@ def make_group(
     prompt_id: str = "",
     metadata: Mapping[str, str] | None = None,
     baseline_reward: float | None = None,
+    prompt_parts: Sequence[PromptPart] = (),
 ) -> common_pb2.Group:
     """A group of ``samples`` (one prompt's samples, trained together: their advantages are relative to
-    each other). ``group_id`` must be unique for the run (Put is idempotent by it): a random one by
-    default. The queue sets ``producer_id`` to the client name of the token. ``baseline_reward``: the reward
-    of the prompt's greedy completion, for a trainer running REMAX (docs/algorithms.md)."""
+        each other). ``group_id`` must be unique for the run (Put is idempotent by it): a random one by
+        default. The queue sets ``producer_id`` to the client name of the token. ``baseline_reward``: the reward
+        of the prompt's greedy completion, for a trainer running REMAX (docs/algorithms.md). ``prompt_parts``: a
+    multimodal prompt's parts (``tauflow.media``: ``Text``, and ``image``/``audio``/``video``/``from_file``
+    media), sent once for the group; the samples' prompt token ids are the processor's tokenization of them
+    (docs/omni.md)."""
     group = common_pb2.Group(
         group_id=group_id or uuid.uuid4().hex, prompt_id=prompt_id, samples=samples, metadata=dict(metadata or {})
     )
     if baseline_reward is not None:
         group.baseline_reward = baseline_reward
+    group.prompt_parts.extend(media_wire.to_proto(prompt_parts))
     group.created_at.FromNanoseconds(time.time_ns())
     return group

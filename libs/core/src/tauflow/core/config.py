@@ -59,6 +59,20 @@ class MetricsConfig(StrictModel):
     port: int = Field(9464, ge=0, le=65535, description="0 picks a free port")
 
 
+class MediaConfig(StrictModel):
+    """Where a service may read media URIs from, and the decoded bounds of a prompt's media parts
+    (docs/omni.md); the wire bounds (parts, bytes, characters) are the contract's."""
+
+    roots: list[str] = Field(
+        default_factory=list,
+        description="folders file:// media URIs may name (a volume every service mounts); none: URIs are refused",
+    )
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="pixels of one image")
+    max_audio_seconds: float = Field(600.0, gt=0, description="length of one sound")
+    max_video_frames: int = Field(768, ge=1, description="frames of one video")
+    max_video_pixels: int = Field(1 << 27, ge=1, description="pixels of one video, summed over its frames")
+
+
 class LogConfig(StrictModel):
     level: str = Field(
         "INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL (DEBUG: start-up failures print their traceback)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.core.config import MediaConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
 from tauflow.queue.wal import FsyncPolicy, OnCorruption
 
 GiB = 1024**3
@@ -70,5 +70,6 @@ class QueueConfig(ServiceConfig):
     max_wait_s: float = Field(60.0, ge=0, description="cap on the long-poll of Reserve and Get")
     sweep_interval_s: float = Field(0.5, gt=0, description="how often expired leases are redelivered")
     dedup_window: int = Field(1_000_000, ge=0, description="acked group ids remembered for idempotent Put")
+    media: MediaConfig = MediaConfig()
     wal: WalConfig = WalConfig()
     external: ExternalConfig = ExternalConfig()

@@ -35,6 +35,18 @@ class QueueMetrics:
         self.capacity_bytes = gauge("tauflow_queue_capacity_bytes", "Bytes the queue may hold")
         self.put_groups = Counter("tauflow_queue_put_groups", "Groups newly accepted by Put", registry=registry)
         self.put_bytes = Counter("tauflow_queue_put_bytes", "Bytes of groups newly accepted by Put", registry=registry)
+        self.put_media_parts = Counter(
+            "tauflow_queue_put_media_parts",
+            "Media parts of the prompts of groups newly accepted by Put, by modality (image, audio, video)",
+            ["modality"],
+            registry=registry,
+        )
+        self.put_media_bytes = Counter(
+            "tauflow_queue_put_media_bytes",
+            "Bytes of media carried in groups newly accepted by Put (URIs count 0), by modality",
+            ["modality"],
+            registry=registry,
+        )
         self.delivered_groups = Counter(
             "tauflow_queue_delivered_groups", "Groups delivered by Get (redeliveries included)", registry=registry
         )

@@ -49,6 +49,7 @@ class GroupRecord:
     wal_bytes: int = 0
     newest_version: int = 0  # newest policy version of any token (Put refuses one from the future)
     checked: bool = False  # validated by this build (groups recovered from a log are checked at Get)
+    media_parts: int = 0  # media parts of its prompt, decoded by Put off the event loop (not logged)
 
     @property
     def size(self) -> int:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
+from tauflow.media import wire as media_wire
 from tauflow.queue.model import MAX_ID_CHARS, GroupRecord, Lease, Stats, Ticket
 
 MAX_SAMPLES = 4096  # samples in one group
@@ -73,6 +75,8 @@ def check_structure(group: common_pb2.Group) -> None:
     _check_map(group.metadata, f"{where}: group.metadata")
     if group.HasField("baseline_reward") and not math.isfinite(group.baseline_reward):
         raise InvalidGroup(f"{where}: group.baseline_reward is not finite")
+    if group.prompt_parts:
+        prompt_parts(group, STRUCTURE_ONLY)
     seen_ids: set[str] = set()
     for i, s in enumerate(group.samples):
         at = f"{where}: samples[{i}]"
@@ -91,6 +95,24 @@ def check_structure(group: common_pb2.Group) -> None:
                 raise InvalidGroup(f"{at}.reward.components[{name[:64]!r}] is not finite")
         if len(reward.message) > MAX_REWARD_MESSAGE_CHARS:
             raise InvalidGroup(f"{at}.reward.message is longer than {MAX_REWARD_MESSAGE_CHARS} characters")
+
+
+STRUCTURE_ONLY = media.MediaLimits()  # the contract's wire bounds; decoding is check_media's
+
+
+def prompt_parts(group: common_pb2.Group, limits: media.MediaLimits, *, decode: bool = False) -> list[media.PromptPart]:
+    """The group's prompt parts, checked: their structure and bounds, and with ``decode`` the full decode of
+    every media part (against the sizes it gives). Errors name the part."""
+    where = f"group {group.group_id}: group.prompt_parts"
+    try:
+        parts = media_wire.from_proto(group.prompt_parts, where)
+        if decode:
+            media.validate(parts, limits, where)
+        else:
+            media.check_structure(parts, limits, where)
+    except media.InvalidMedia as e:
+        raise InvalidGroup(str(e)) from e
+    return parts
 
 
 def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecord:
@@ -132,7 +154,8 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecor
     if len(payload) > max_group_bytes:
         raise GroupTooLarge(f"group {group.group_id} is {len(payload)} bytes, over the limit of {max_group_bytes}")
     assert behaviour is not None
-    return GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest)
+    media_parts = sum(p.HasField("media") for p in group.prompt_parts)
+    return GroupRecord(group.group_id, payload, behaviour, n_tokens, newest_version=newest, media_parts=media_parts)
 
 
 def ticket_to_proto(ticket: Ticket) -> queue_pb2.Ticket:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import message_factory
 
+from tauflow import media
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.decoding import checked_deserializer, refusing_undecodable
 from tauflow.core.protobuf import duration_seconds
@@ -80,6 +81,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.metrics = metrics
         self._waiters: deque[_Waiter] = deque()
         self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
+        self.media_limits = media.MediaLimits.of(config.media.model_dump())
         metrics.observe(queue.stats())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -234,6 +236,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             if not request.group:
                 raise convert.InvalidGroup("group must be set")
             record = wire.group_record(request.group, self.max_group_bytes)
+            weights = media.PartCounts()
+            if record.media_parts:  # decoding images, sounds and videos must not hold the event loop
+                weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
             if self.state.wal is not None and self.state.wal.broken is not None:
                 # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
                 raise WalWriteError(errno.EIO, self.state.wal.broken)
@@ -243,6 +248,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     await self.state.wal.commit()
                 self.metrics.put_groups.inc()
                 self.metrics.put_bytes.inc(record.size)
+                for kind, n in weights.parts.items():
+                    if kind != "text":
+                        self.metrics.put_media_parts.labels(kind).inc(n)
+                        self.metrics.put_media_bytes.labels(kind).inc(weights.bytes[kind])
                 self._notify()
             outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
             return queue_pb2.PutResponse(outcome=outcome, depth_groups=depth)

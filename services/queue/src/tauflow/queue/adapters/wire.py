@@ -30,6 +30,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, unknown_fields
 from google.protobuf.message import Message
 
+from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.protobuf import timestamp
@@ -69,8 +70,12 @@ def _build_views() -> dict[str, type[Message]]:
     )
     message(
         "GroupView",
-        [("group_id", 1, _F.TYPE_STRING, ""), ("samples", 3, _F.TYPE_MESSAGE, ".tauflow.queue.wire.SampleView")],
-        repeated=("samples",),
+        [
+            ("group_id", 1, _F.TYPE_STRING, ""),
+            ("samples", 3, _F.TYPE_MESSAGE, ".tauflow.queue.wire.SampleView"),
+            ("prompt_parts", 9, _F.TYPE_BYTES, ""),
+        ],
+        repeated=("samples", "prompt_parts"),
     )
     message("PutRequestView", [("group", 1, _F.TYPE_BYTES, ""), ("ticket_id", 2, _F.TYPE_STRING, "")])
     pool = descriptor_pool.DescriptorPool()
@@ -148,7 +153,10 @@ def group_record_fast(raw: bytes, max_group_bytes: int) -> GroupRecord | None:
         behaviour = oldest if behaviour is None else min(behaviour, oldest)
         n_tokens += n_prompt + n
     assert behaviour is not None
-    return GroupRecord(view.group_id, raw, behaviour, n_tokens, newest_version=newest)
+    # a text part costs nothing to decode; count the parts and let check_media tell media from text
+    return GroupRecord(
+        view.group_id, raw, behaviour, n_tokens, newest_version=newest, media_parts=len(view.prompt_parts)
+    )
 
 
 def decode_group(raw: bytes) -> common_pb2.Group:
@@ -174,6 +182,12 @@ def group_record(raw: bytes, max_group_bytes: int) -> GroupRecord:
     record = convert.group_to_record(group, max_group_bytes)
     record.payload = raw  # keep the producer's bytes: the full decode only validated them
     return record
+
+
+def check_media(raw: bytes, limits: media.MediaLimits) -> media.PartCounts:
+    """The full decode of every media part of an accepted-looking group (``group_record`` checked the rest);
+    slow for a large video, so Put runs it off the event loop. Returns what the parts weigh."""
+    return media.counts(convert.prompt_parts(decode_group(raw), limits, decode=True))
 
 
 def invalid_reason(raw: bytes, max_group_bytes: int) -> str | None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tauflow/api/common/v1/common.proto\x12\x15tauflow.api.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xd3\x01\n\x06Reward\x12\r\n\x05score\x18\x01 \x01(\x01\x12\x41\n\ncomponents\x18\x02 \x03(\x0b\x32-.tauflow.api.common.v1.Reward.ComponentsEntry\x12\x33\n\x06status\x18\x03 \x01(\x0e\x32#.tauflow.api.common.v1.RewardStatus\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa9\x03\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x04 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x05 \x03(\x04\x12\x11\n\tloss_mask\x18\x06 \x03(\x08\x12\x19\n\x11\x62\x65haviour_version\x18\x07 \x01(\x04\x12-\n\x06reward\x18\x08 \x01(\x0b\x32\x1d.tauflow.api.common.v1.Reward\x12:\n\rfinish_reason\x18\t \x01(\x0e\x32#.tauflow.api.common.v1.FinishReason\x12\x17\n\x0f\x63ompletion_text\x18\n \x01(\t\x12=\n\x08metadata\x18\x0b \x03(\x0b\x32+.tauflow.api.common.v1.Sample.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfe\x02\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12.\n\x07samples\x18\x03 \x03(\x0b\x32\x1d.tauflow.api.common.v1.Sample\x12:\n\rtrace_context\x18\x04 \x01(\x0b\x32#.tauflow.api.common.v1.TraceContext\x12\x13\n\x0bproducer_id\x18\x05 \x01(\t\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.tauflow.api.common.v1.Group.MetadataEntry\x12\x1c\n\x0f\x62\x61seline_reward\x18\x08 \x01(\x01H\x00\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_baseline_reward*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*w\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x17\n\x13REWARD_STATUS_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tauflow/api/common/v1/common.proto\x12\x15tauflow.api.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"7\n\x0cTraceContext\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x12\n\ntracestate\x18\x02 \x01(\t\"\xd3\x01\n\x06Reward\x12\r\n\x05score\x18\x01 \x01(\x01\x12\x41\n\ncomponents\x18\x02 \x03(\x0b\x32-.tauflow.api.common.v1.Reward.ComponentsEntry\x12\x33\n\x06status\x18\x03 \x01(\x0e\x32#.tauflow.api.common.v1.RewardStatus\x12\x0f\n\x07message\x18\x04 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa9\x03\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x03 \x03(\x05\x12\x1a\n\x12\x62\x65haviour_logprobs\x18\x04 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x05 \x03(\x04\x12\x11\n\tloss_mask\x18\x06 \x03(\x08\x12\x19\n\x11\x62\x65haviour_version\x18\x07 \x01(\x04\x12-\n\x06reward\x18\x08 \x01(\x0b\x32\x1d.tauflow.api.common.v1.Reward\x12:\n\rfinish_reason\x18\t \x01(\x0e\x32#.tauflow.api.common.v1.FinishReason\x12\x17\n\x0f\x63ompletion_text\x18\n \x01(\t\x12=\n\x08metadata\x18\x0b \x03(\x0b\x32+.tauflow.api.common.v1.Sample.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb7\x03\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12.\n\x07samples\x18\x03 \x03(\x0b\x32\x1d.tauflow.api.common.v1.Sample\x12:\n\rtrace_context\x18\x04 \x01(\x0b\x32#.tauflow.api.common.v1.TraceContext\x12\x13\n\x0bproducer_id\x18\x05 \x01(\t\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12<\n\x08metadata\x18\x07 \x03(\x0b\x32*.tauflow.api.common.v1.Group.MetadataEntry\x12\x1c\n\x0f\x62\x61seline_reward\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x37\n\x0cprompt_parts\x18\t \x03(\x0b\x32!.tauflow.api.common.v1.PromptPart\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_baseline_reward\"\x97\x02\n\x05Media\x12\x31\n\x08modality\x18\x01 \x01(\x0e\x32\x1f.tauflow.api.common.v1.Modality\x12\x12\n\nmedia_type\x18\x02 \x01(\t\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x04 \x01(\tH\x00\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x13\n\x0bsample_rate\x18\x08 \x01(\r\x12\x13\n\x0bnum_samples\x18\t \x01(\x04\x12\x12\n\nnum_frames\x18\n \x01(\r\x12\x0b\n\x03\x66ps\x18\x0b \x01(\x01\x12\x10\n\x08grid_thw\x18\x0c \x03(\r\x12\x12\n\nnum_tokens\x18\r \x01(\rB\x08\n\x06source\"V\n\nPromptPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\x05media\x18\x02 \x01(\x0b\x32\x1c.tauflow.api.common.v1.MediaH\x00\x42\t\n\x07\x63ontent*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*w\n\x0cRewardStatus\x12\x1d\n\x19REWARD_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10REWARD_STATUS_OK\x10\x01\x12\x17\n\x13REWARD_STATUS_ERROR\x10\x02\x12\x19\n\x15REWARD_STATUS_TIMEOUT\x10\x03*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_AUDIO\x10\x02\x12\x12\n\x0eMODALITY_VIDEO\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_GROUP_METADATAENTRY']._loaded_options = None
   _globals['_GROUP_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1178
-  _globals['_FINISHREASON']._serialized_end=1298
-  _globals['_REWARDSTATUS']._serialized_start=1300
-  _globals['_REWARDSTATUS']._serialized_end=1419
+  _globals['_FINISHREASON']._serialized_start=1605
+  _globals['_FINISHREASON']._serialized_end=1725
+  _globals['_REWARDSTATUS']._serialized_start=1727
+  _globals['_REWARDSTATUS']._serialized_end=1846
+  _globals['_MODALITY']._serialized_start=1848
+  _globals['_MODALITY']._serialized_end=1944
   _globals['_TRACECONTEXT']._serialized_start=94
   _globals['_TRACECONTEXT']._serialized_end=149
   _globals['_REWARD']._serialized_start=152
@@ -53,7 +55,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE_METADATAENTRY']._serialized_start=744
   _globals['_SAMPLE_METADATAENTRY']._serialized_end=791
   _globals['_GROUP']._serialized_start=794
-  _globals['_GROUP']._serialized_end=1176
+  _globals['_GROUP']._serialized_end=1233
   _globals['_GROUP_METADATAENTRY']._serialized_start=744
   _globals['_GROUP_METADATAENTRY']._serialized_end=791
+  _globals['_MEDIA']._serialized_start=1236
+  _globals['_MEDIA']._serialized_end=1515
+  _globals['_PROMPTPART']._serialized_start=1517
+  _globals['_PROMPTPART']._serialized_end=1603
 # @@protoc_insertion_point(module_scope)
