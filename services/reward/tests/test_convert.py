@@ -216,3 +216,29 @@ def test_sample_timeout_is_a_positive_bounded_duration(seconds: int, nanos: int,
 )
 def test_metric_labels_name_the_field_not_the_clients_values(field: str, label: str) -> None:
     assert field_label(field) == label
+
+
+def test_a_multimodal_prompts_parts_reach_functions_that_ask_for_them() -> None:
+    import numpy as np
+
+    from tauflow import media
+    from tauflow.media import wire as media_wire
+
+    parts = [media.image(np.zeros((8, 8, 3), np.uint8)), media.Text("how many?")]
+    groups = request_groups()
+    groups[0].prompt_parts.extend(media_wire.to_proto(parts))
+    (g,) = convert.groups_from_proto(groups, uses_token_ids=False)
+    assert list(g.prompt_parts) == parts and g.samples[0].prompt_parts == ()  # a group-level copy only
+    (g,) = convert.groups_from_proto(groups, uses_token_ids=False, uses_prompt_parts=True)
+    assert list(g.samples[0].prompt_parts) == parts
+    decoded = media.decode(g.samples[0].prompt_parts[0], media.MediaLimits())
+    assert decoded.image is not None and decoded.image.shape == (8, 8, 3)  # what a reward function can read
+    groups[0].prompt_parts[0].media.media_type = "image/tiff"
+    with pytest.raises(InvalidRequest) as e:
+        convert.groups_from_proto(groups, uses_token_ids=False)
+    assert e.value.field == "groups[0].prompt_parts[0].media.media_type"
+    groups[0].prompt_parts.add()  # neither text nor media
+    groups[0].prompt_parts[0].media.media_type = "image/png"
+    with pytest.raises(InvalidRequest) as e:
+        convert.groups_from_proto(groups, uses_token_ids=False)
+    assert e.value.field == "groups[0].prompt_parts[2]"

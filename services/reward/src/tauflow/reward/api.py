@@ -31,6 +31,10 @@ class SampleInput:
     # text-only rewards do not pay for copying thousands of token ids per sample.
     completion_token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    # A multimodal prompt's parts (tauflow.media: Text, and Media whose bytes tauflow.media.decode reads),
+    # filled only for functions that declare ``uses_prompt_parts = True``: an image's bytes are not copied
+    # into every sample for rewards that read only the text.
+    prompt_parts: tuple[Any, ...] = ()
 
     def get(self, key: str, default: str | None = None) -> str | None:
         """``metadata[key]``, else ``group_metadata[key]``, else ``default`` (how references are read)."""
@@ -48,6 +52,7 @@ class GroupInput:
     prompt_id: str
     samples: tuple[SampleInput, ...]
     metadata: Mapping[str, str] = field(default_factory=dict)
+    prompt_parts: tuple[Any, ...] = ()  # the prompt's parts (tauflow.media), for a multimodal prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ def reward(
     fallback_score: float | None = None,
     group_level: bool = False,
     uses_token_ids: bool = False,
+    uses_prompt_parts: bool = False,
     validate_config: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> Callable[[F], F]:
     """Decorator that attaches a reward function's defaults to it (the same attributes a class has).
@@ -84,6 +90,7 @@ def reward(
             "fallback_score": fallback_score,
             "group_level": group_level,
             "uses_token_ids": uses_token_ids,
+            "uses_prompt_parts": uses_prompt_parts,
         }
         if validate_config is not None:
             attributes["validate_config"] = validate_config

@@ -46,6 +46,7 @@ class RewardFunction:
     executor: Executor
     source: str
     isolated_keys: frozenset[str] = frozenset()
+    uses_prompt_parts: bool = False
     validate: Callable[[dict[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
 
     def resolve_config(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -115,6 +116,7 @@ def describe(
         fallback_score=float(fallback) if fallback is not None else default_fallback_score,
         group_level=bool(getattr(obj, "group_level", False)),
         uses_token_ids=bool(getattr(obj, "uses_token_ids", False)),
+        uses_prompt_parts=bool(getattr(obj, "uses_prompt_parts", False)),
         executor=executor,
         source=source,
         isolated_keys=frozenset(getattr(obj, "isolated_keys", None) or ()),

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tauflow import media
 from tauflow.api.trainer.v1 import trainer_pb2
 from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
@@ -96,7 +97,10 @@ async def build(config: TrainerConfig) -> ServiceApp:
         if config.backend.teacher_address and leads
         else None
     )
-    backend = TorchBackend(config.backend, checkpoint=checkpoint, group=group, teacher=teacher)
+    backend = TorchBackend(
+        config.backend, checkpoint=checkpoint, group=group, teacher=teacher,
+        media_limits=media.MediaLimits.of(config.media.model_dump()),
+    )  # fmt: skip
     if group is not None and not group.leads:
         return follower(backend, config)
     queue = GrpcQueue(config.queue_address, config.consumer_id, config.channel)

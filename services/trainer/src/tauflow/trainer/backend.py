@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import random
 import threading
@@ -28,7 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from opentelemetry import trace
 
+from tauflow import media
 from tauflow.core.staleness import UNBOUNDED, too_stale
+from tauflow.media.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
 from tauflow.trainer.advantages import Advantage, Scored
 from tauflow.trainer.algorithms import Algorithm, get_algorithm
 from tauflow.trainer.batch import (
@@ -60,6 +63,8 @@ if TYPE_CHECKING:  # transformers is imported where a model is loaded
     from transformers import PreTrainedModel
 
 tracer = trace.get_tracer("tauflow.trainer")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,9 @@ class TorchBackendConfig:
     """e.g. "bfloat16" on GPU: forward under torch.autocast; weights and optimizer stay float32."""
     gradient_checkpointing: bool = False
     compute_entropy: bool = True
+    train_encoders: bool = False
+    """A multimodal policy: train its vision and audio encoders too; False (the default, as verl's and
+    slime's VLM recipes): the language model only, the encoders frozen (their weights still published)."""
     keep_checkpoints: int = 3
     """How many checkpoints save_checkpoint keeps in its directory (0: all)."""
     seed: int = 0
@@ -187,6 +195,8 @@ class StepPlan:
     """The groups the step consumes (not trained before, not too stale)."""
     duplicates: list[str]
     stale: list[str]
+    invalid_media: list[str] = field(default_factory=list)
+    """Groups whose prompt parts this model cannot take (not trained, not recorded; the log says why)."""
     samples: list[Sample] = field(default_factory=list)
     """The samples with at least one trained token, of groups with a signal."""
     advantages: list[Advantage] = field(default_factory=list)
@@ -231,6 +241,7 @@ class TorchBackend:
         checkpoint: str | Path | None = None,
         group: RankGroup | None = None,
         teacher: TeacherPort | None = None,
+        media_limits: media.MediaLimits | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -253,6 +264,10 @@ class TorchBackend:
             checkpoint = resolve_checkpoint(checkpoint)
         self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
         self.model = self._load_policy(self._weights_source)
+        # a multimodal policy's processor (None: a text model), from the model folder: the rollout runs the same
+        self.processor = PartsProcessor.from_pretrained(config.model_path, media_limits)
+        # the media tokens the rollout never samples: scored with the same mask
+        self.banned_ids = media_token_ids(self.model.config) if self.processor is not None else []
         if group is not None:
             group.overwrite_with_leaders(self.model.state_dict().values())  # before it is sharded or wrapped
         # What forward runs on: the model itself, sharded in place by FSDP2, or DDP's wrapper of it.
@@ -263,6 +278,8 @@ class TorchBackend:
             else (getattr(self.model.config, "pad_token_id", None) or 0)
         )
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        if self.processor is not None and self.algorithm.config.uses_critic:
+            raise ValueError("a critic for a multimodal policy is not supported yet (docs/omni.md)")
         if self.algorithm.config.uses_reference:
             self._ensure_reference()
         if self.algorithm.config.uses_critic:
@@ -282,22 +299,20 @@ class TorchBackend:
     # Models and optimizer
 
     def _load_policy(self, path: Path) -> PreTrainedModel:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path)
-        model.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # transformers' @wraps'd .to: typeshed binds no self
+        model = load_model(path)
+        model.to(device=self.device, dtype=torch.float32)
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if not self.config.train_encoders:
+            freeze_encoders(model)
         model.train()
         return model
 
     def _load_frozen(self, path: str) -> torch.nn.Module:
         """A model that only runs forward in this process (the reference, the teacher): frozen, in eval mode,
         sharded like the policy under FSDP2."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path)
-        model.to(device=self.device, dtype=torch.float32)  # type: ignore[call-arg]  # (as above)
+        model = load_model(path)
+        model.to(device=self.device, dtype=torch.float32)
         model.eval()
         model.requires_grad_(False)
         return self.group.frozen(model) if self.group is not None else model
@@ -391,6 +406,7 @@ class TorchBackend:
                 metrics={
                     "skipped_duplicate_groups": float(len(plan.duplicates)),
                     "skipped_stale_groups": float(len(plan.stale)),
+                    **({"skipped_invalid_media_groups": float(len(plan.invalid_media))} if plan.invalid_media else {}),
                 },
                 skipped_duplicate_group_ids=plan.duplicates,
                 skipped_stale_group_ids=plan.stale,
@@ -420,6 +436,7 @@ class TorchBackend:
                 **({"kl_teacher": -plan.teacher_gap / plan.teacher_tokens} if plan.teacher_tokens else {}),
                 "skipped_duplicate_groups": float(len(plan.duplicates)),
                 "skipped_stale_groups": float(len(plan.stale)),
+                **({"skipped_invalid_media_groups": float(len(plan.invalid_media))} if plan.invalid_media else {}),
             }
         )
         return StepResult(
@@ -456,7 +473,9 @@ class TorchBackend:
                 fresh.append(g)
         stale = [g.group_id for g in fresh if too_stale(step, g.oldest_version, max_staleness)]
         fresh = [g for g in fresh if not too_stale(step, g.oldest_version, max_staleness)]
-        plan = StepPlan(fresh, duplicates, stale)
+        invalid = self._attach_media(fresh)
+        fresh = [g for g in fresh if g.group_id not in invalid]
+        plan = StepPlan(fresh, duplicates, stale, list(invalid))
         if not fresh:
             return plan
         forwarded: dict[int, dict[str, list[float]]] = {}
@@ -542,6 +561,35 @@ class TorchBackend:
             )
         return plan
 
+    def _attach_media(self, groups: Sequence[Group]) -> dict[str, str]:
+        """A multimodal policy: each group's encoder inputs, computed once from its prompt parts and shared by
+        its samples, whose prompt tokens must be the processor's tokenization of those parts (so that the
+        trainer scores what the rollout generated from). Returns the groups it cannot take, with why."""
+        invalid: dict[str, str] = {}
+        if self.processor is None:
+            for g in groups:
+                if g.prompt_parts and any(not isinstance(p, media.Text) for p in g.prompt_parts):
+                    invalid[g.group_id] = "the prompt has media and the policy is a text model"
+        else:
+            for g in groups:
+                if not g.prompt_parts:  # a text prompt: the prompt's ids as sent
+                    for s in g.samples:
+                        s.media = {}
+                    continue
+                try:
+                    processed = self.processor(g.prompt_parts, where=f"group {g.group_id}: prompt_parts")
+                except (media.InvalidMedia, ValueError) as e:
+                    invalid[g.group_id] = str(e)
+                    continue
+                if any(s.prompt_ids != processed.token_ids for s in g.samples):
+                    invalid[g.group_id] = "the samples' prompt tokens are not the processor's tokenization of its parts"
+                    continue
+                for s in g.samples:
+                    s.media = processed.inputs
+        for group_id, why in invalid.items():
+            log.warning("group skipped: %s", why, extra={"group_id": group_id})
+        return invalid
+
     def _forward_before_advantages(self, pool: list[Sample], alg: Algorithm) -> list[dict[str, list[float]]]:
         """Rank 0: the log-probs the advantages or the rejection need, of every sample of ``pool``, from a
         forward pass without gradients spread over the ranks (balanced by tokens): "prox" (the current
@@ -618,6 +666,7 @@ class TorchBackend:
                     rows or [self._empty_sample()],
                     pad_token_id=self.pad_token_id,
                     padding_side=self.config.padding_side,
+                    banned_ids=self.banned_ids,
                 ).to(self.device)
                 for key, forward in chosen:
                     with self._autocast():
@@ -647,6 +696,7 @@ class TorchBackend:
                 part.advantages,
                 pad_token_id=self.pad_token_id,
                 padding_side=self.config.padding_side,
+                banned_ids=self.banned_ids,
                 returns=part.returns,
                 old_values=part.old_values,
             )
@@ -819,7 +869,10 @@ class TorchBackend:
         self.model.train()
         for index in split_by_token_budget([len(s) for s in train], self.config.micro_batch_tokens) if train else []:
             mb = pack(
-                [train[i] for i in index], pad_token_id=self.pad_token_id, padding_side=self.config.padding_side
+                [train[i] for i in index],
+                pad_token_id=self.pad_token_id,
+                padding_side=self.config.padding_side,
+                banned_ids=self.banned_ids,
             ).to(self.device)
             with self._autocast():
                 lp = completion_logprobs(self.model, mb, temperature=1.0)

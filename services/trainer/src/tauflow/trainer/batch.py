@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,10 @@ class Sample:
     """Policy version that generated each completion token; None or empty: use behaviour_version."""
     behaviour_version: int | None = None
     sample_id: str = ""
+    media: dict[str, torch.Tensor] | None = None
+    """A multimodal model's encoder inputs for the prompt (tauflow.media.processor: pixel values, audio
+    features, grids), shared by the group's samples; ``{}`` for a text prompt to such a model; None for a
+    text model."""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -89,6 +94,8 @@ class Group:
     samples: list[Sample] = field(default_factory=list)
     baseline_reward: float | None = None
     """The reward of the prompt's greedy completion, when the producer sent one (REMAX's baseline)."""
+    prompt_parts: list[Any] = field(default_factory=list)
+    """The prompt as typed parts (tauflow.media.PromptPart), for a multimodal model; empty for text."""
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -116,6 +123,12 @@ class PackedBatch:
     """The critic's targets (GAE returns), when the step trains a critic ..."""
     old_values: torch.Tensor | None = None
     """... and its values before the step's first update (the value clip's centre)."""
+    media: dict[str, torch.Tensor] | None = None
+    """The rows' encoder inputs, concatenated in row order, for a multimodal model (which then computes its
+    own positions: Qwen's 3-D rope); None for a text model."""
+    banned_ids: torch.Tensor | None = None
+    """Token ids the sampler never draws (a multimodal model's media tokens): their logits are masked before
+    the log-softmax, as the rollout engine masks them."""
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +148,20 @@ class PackedBatch:
             self.advantages.to(device),
             returns=moved(self.returns),
             old_values=moved(self.old_values),
+            media=None if self.media is None else {k: v.to(device) for k, v in self.media.items()},
+            banned_ids=moved(self.banned_ids),
         )
+
+    def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The forward's arguments: ids, mask and positions; for a multimodal model the encoders' inputs
+        under the names its forward takes, and no positions (it derives its 3-D ones from the mask)."""
+        if self.media is None:
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                    "position_ids": self.position_ids}  # fmt: skip
+        from tauflow.media.processor import accepted_inputs
+
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                **accepted_inputs(model, self.media)}  # fmt: skip
 
 
 def pack(
@@ -146,6 +172,7 @@ def pack(
     padding_side: str = "right",
     returns: Sequence[Sequence[float]] | None = None,
     old_values: Sequence[Sequence[float]] | None = None,
+    banned_ids: Sequence[int] = (),
 ) -> PackedBatch:
     """Pad ``samples`` into one batch. ``advantages`` (default 0) holds one per sample: a float, broadcast
     over the sample's completion tokens, or one value per completion token; ``returns`` and ``old_values``
@@ -182,6 +209,10 @@ def pack(
                 raise ValueError(f"sample {s.sample_id!r}: {len(a)} advantages for {c} completion tokens")
     adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    media = None
+    if any(s.media is not None for s in samples):
+        keys = sorted({k for s in samples for k in (s.media or {})})
+        media = {k: torch.cat([s.media[k] for s in samples if s.media and k in s.media]) for k in keys}
     return PackedBatch(
         input_ids,
         attention_mask,
@@ -191,6 +222,8 @@ def pack(
         adv,
         returns=_per_target(returns, samples, "returns", width, padding_side),
         old_values=_per_target(old_values, samples, "old_values", width, padding_side),
+        media=media,
+        banned_ids=torch.tensor(list(banned_ids), dtype=torch.long) if banned_ids else None,
     )
 
 
@@ -272,15 +305,12 @@ def completion_logprobs(
     vocabulary when given (a teacher and a student that pad their vocabularies differently)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
+    out = model(**batch.model_inputs(model), use_cache=False)
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
+    if batch.banned_ids is not None:  # finite, so that a probability of 0 times its log stays 0 (entropy, KL)
+        logits = logits.index_fill(-1, batch.banned_ids, torch.finfo(logits.dtype).min)
     logsumexp = torch.logsumexp(logits, dim=-1)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
@@ -300,10 +330,7 @@ def completion_values(model: torch.nn.Module, batch: PackedBatch) -> torch.Tenso
     """A critic's value of each target token's state: ``[B, T - 1]`` float32, the value the model (a token
     classifier with one label: ``AutoModelForTokenClassification``, verl's critic) gives at the position
     whose logits predict that token, i.e. V(s_t), s_t the prompt and the completion before token t."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
+    if batch.media is not None:
+        raise NotImplementedError("a critic for a multimodal policy is not supported yet (docs/omni.md)")
+    out = model(**batch.model_inputs(model), use_cache=False)
     return out.logits[:, :-1, 0].float()

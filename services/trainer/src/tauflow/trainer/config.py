@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig
+from tauflow.core.config import ChannelConfig, MediaConfig, MetricsConfig, ServerConfig, ServiceConfig
 from tauflow.core.staleness import UNBOUNDED
 from tauflow.trainer.backend import TorchBackendConfig
 from tauflow.trainer.parallel import DistributedConfig
@@ -28,6 +28,7 @@ class TrainerConfig(ServiceConfig):
     get_wait_s: float = Field(5.0, gt=0, description="long poll of each Get")
     history_steps: int = Field(100_000, ge=1, description="step metrics kept for ListSteps")
     channel: ChannelConfig = ChannelConfig()
+    media: MediaConfig = Field(MediaConfig(), description="media URIs' roots and decoded bounds (a multimodal policy)")
     distributed: DistributedConfig = Field(
         DistributedConfig(),
         description="this process's rank in a data-parallel role (world_size > 1): the launcher sets it per rank",

@@ -9,9 +9,11 @@ from typing import Any
 
 from google.protobuf import duration_pb2, struct_pb2
 
+from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.reward.v1 import reward_pb2
 from tauflow.core.protobuf import duration, seconds
+from tauflow.media import wire as media_wire
 from tauflow.reward.api import GroupInput, SampleInput
 from tauflow.reward.config import Executor, LimitsConfig, RewardConfig
 from tauflow.reward.errors import Exhausted, InvalidRequest, cut, shown
@@ -150,7 +152,10 @@ def _sample_in_bounds(s: common_pb2.Sample, limits: LimitsConfig) -> bool:
 
 
 def groups_from_proto(
-    groups: Sequence[common_pb2.Group], uses_token_ids: bool, limits: LimitsConfig = _DEFAULT_LIMITS
+    groups: Sequence[common_pb2.Group],
+    uses_token_ids: bool,
+    limits: LimitsConfig = _DEFAULT_LIMITS,
+    uses_prompt_parts: bool = False,
 ) -> list[GroupInput]:
     if not groups:
         raise InvalidRequest("groups", "must hold at least one group")
@@ -166,6 +171,7 @@ def groups_from_proto(
         if not g.samples:
             raise InvalidRequest(f"{at}.samples", f"group {shown(gid)} has no samples")
         group_meta = dict(g.metadata)
+        parts = _prompt_parts(at, g)
         sample_ids: dict[str, int] = {}
         samples = []
         for j, s in enumerate(g.samples):
@@ -189,10 +195,29 @@ def groups_from_proto(
                     finish_reason=_FINISH.get(s.finish_reason, "unspecified"),
                     completion_token_ids=tuple(s.completion_token_ids) if uses_token_ids else (),
                     prompt_token_ids=tuple(s.prompt_token_ids) if uses_token_ids else (),
+                    prompt_parts=parts if uses_prompt_parts else (),
                 )
             )
-        out.append(GroupInput(group_id=gid, prompt_id=g.prompt_id, samples=tuple(samples), metadata=group_meta))
+        out.append(
+            GroupInput(
+                group_id=gid, prompt_id=g.prompt_id, samples=tuple(samples), metadata=group_meta, prompt_parts=parts
+            )
+        )
     return out
+
+
+def _prompt_parts(at: str, g: common_pb2.Group) -> tuple[media.PromptPart, ...]:
+    """The group's prompt parts, their structure checked (the contract's bounds); a function that reads a
+    part's media decodes it itself (tauflow.media.decode): a part that does not decode fails that function."""
+    if not g.prompt_parts:
+        return ()
+    try:
+        parts = media_wire.from_proto(g.prompt_parts, "prompt_parts")
+        media.check_structure(parts, media.MediaLimits(), "prompt_parts")
+    except media.InvalidMedia as e:
+        field, _, why = str(e).partition(" ")
+        raise InvalidRequest(f"{at}.{field.rstrip(':')}", why) from e
+    return tuple(parts)
 
 
 def sample_timeout_s(d: duration_pb2.Duration, max_sample_timeout_s: float) -> float:
@@ -240,7 +265,7 @@ def _plain(value: struct_pb2.Value, field: str) -> Any:
 
 def score_job(request: reward_pb2.ScoreRequest, fn: RewardFunction, config: RewardConfig, n_samples: int) -> ScoreJob:
     limits = config.limits
-    groups = groups_from_proto(request.groups, fn.uses_token_ids, limits)
+    groups = groups_from_proto(request.groups, fn.uses_token_ids, limits, fn.uses_prompt_parts)
     timeout_s = fn.timeout_s
     if request.HasField("sample_timeout"):
         timeout_s = sample_timeout_s(request.sample_timeout, config.max_sample_timeout_s)

@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 
+PromptMedia = Mapping[str, torch.Tensor] | None
+"""A prompt's encoder inputs for a multimodal model (pixel values, audio features, grids), or None."""
+
+
 class InvalidRequestError(ValueError):
     """A generate request the engine cannot serve as asked (the service answers INVALID_ARGUMENT)."""
 
@@ -238,14 +242,20 @@ class GenerationEngine(ABC):
     # -- generation ---------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future[list[list[Completion]]]:
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, media: Sequence[PromptMedia] | None = None
+    ) -> Future[list[list[Completion]]]:
         """Queue ``params.n`` completions of each prompt (token ids). The future's result has one list of ``n``
-        completions per prompt, in order. Raises InvalidRequestError (bad prompt or params) or
-        EngineClosedError at once; the future fails only on an engine error."""
+        completions per prompt, in order. ``media``: for a multimodal model, each prompt's encoder inputs
+        (tauflow.media.processor's ``Processed.inputs``; None or ``{}`` for a text prompt), its media
+        placeholders already in its token ids. Raises InvalidRequestError (bad prompt or params, media the
+        model cannot take) or EngineClosedError at once; the future fails only on an engine error."""
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, media: Sequence[PromptMedia] | None = None
+    ) -> list[list[Completion]]:
         """``submit`` for asyncio callers; cancelling the caller cancels the request."""
-        return await asyncio.wrap_future(self.submit(prompts, params))
+        return await asyncio.wrap_future(self.submit(prompts, params, media))
 
     # -- scoring ------------------------------------------------------------------------------------------------
 

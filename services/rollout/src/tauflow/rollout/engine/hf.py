@@ -44,6 +44,7 @@ from tauflow.rollout.engine.base import (
     FinishReason,
     GenerationEngine,
     InvalidRequestError,
+    PromptMedia,
     SamplingParams,
     ScoredSequence,
     Scores,
@@ -94,10 +95,18 @@ def _map_cache(cache: Any, fn: Any, other: Any = None) -> None:
 
 
 class _Request:
-    __slots__ = ("counted", "future", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
+    __slots__ = ("counted", "future", "media", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
 
-    def __init__(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], stop_ids: list[int]):
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        stop_ids: list[int],
+        media: list[dict[str, torch.Tensor] | None],
+    ):
         self.prompts = prompts
+        self.media = media  # per prompt: a multimodal prompt's encoder inputs, on the engine's device
         self.params = params
         self.seeds = seeds
         self.stop_ids = stop_ids
@@ -136,6 +145,7 @@ class _Staged:
 _ROW_FIELDS = (
     "last",
     "pos",
+    "delta",
     "n_gen",
     "max_new",
     "temp",
@@ -160,6 +170,7 @@ class _Batch:
     mask: torch.Tensor  # [B, L] long
     last: torch.Tensor  # [B] long
     pos: torch.Tensor  # [B] long
+    delta: torch.Tensor  # [B] long, a multimodal row's rope offset: its next position is pos + delta (Qwen's 3-D rope)
     n_gen: torch.Tensor  # [B] long, tokens generated so far
     max_new: torch.Tensor  # [B] long
     temp: torch.Tensor  # [B] float32
@@ -285,9 +296,10 @@ class HFEngine(GenerationEngine):
         self._recompute_kv = recompute_kv_on_swap
         self._rng = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         out_emb = model.get_output_embeddings()
-        self.vocab_size = int(out_emb.weight.shape[0]) if out_emb is not None else int(config.vocab_size)
-        self.max_context = getattr(config, "max_position_embeddings", None)
+        self.vocab_size = int(out_emb.weight.shape[0]) if out_emb is not None else int(text_config.vocab_size)
+        self.max_context = getattr(text_config, "max_position_embeddings", None)
         if eos_token_ids is None:
             gen = getattr(model, "generation_config", None)
             eos: Any = getattr(gen, "eos_token_id", None) if gen is not None else None
@@ -295,13 +307,21 @@ class HFEngine(GenerationEngine):
                 eos = getattr(config, "eos_token_id", None)
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        pad = getattr(config, "pad_token_id", None)
+        pad = getattr(text_config, "pad_token_id", None)
         self._pad = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
 
         forward = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward), None)
 
+        # a multimodal model keeps the rope offset of its last prefill here (Qwen's rope_deltas)
+        self._rope_state: torch.nn.Module | None = next((m for m in model.modules() if hasattr(m, "rope_deltas")), None)
+        from tauflow.media.processor import media_token_ids
+
+        # media placeholders and their markers are never sampled (the trainer scores with the same mask)
+        banned = media_token_ids(config) if self._rope_state is not None else []
+        self._banned = torch.tensor(banned, dtype=torch.long, device=self._device) if banned else None
+        self._media_kw = set(forward)
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._spec = {n: TensorSpec(p.dtype, tuple(p.shape)) for n, p in self._params.items()}
 
@@ -342,17 +362,19 @@ class HFEngine(GenerationEngine):
         **options: Any,
     ) -> HFEngine:
         """Load a Hugging Face checkpoint directory (``AutoModelForCausalLM.from_pretrained``) and start an engine on
-        it. ``load_tokenizer`` also loads its tokenizer, to decode ``Completion.text``."""
+        it (a multimodal folder: the image-text-to-text class its config names). ``load_tokenizer`` also loads its
+        tokenizer, to decode ``Completion.text``."""
         import transformers
-        from transformers import AutoModelForCausalLM
+
+        from tauflow.media.processor import load_model
 
         kwargs: dict[str, Any] = {}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         kwargs[dtype_kw] = dtype
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        model = model.to(device)  # type: ignore[arg-type]  # transformers' @wraps'd .to: typeshed binds no self
+        model = load_model(Path(path), **kwargs)
+        model = model.to(device)
         tokenizer = None
         if load_tokenizer:
             from transformers import AutoTokenizer
@@ -363,9 +385,14 @@ class HFEngine(GenerationEngine):
 
     # -- public API ---------------------------------------------------------------------------------------------
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Future[list[list[Completion]]]:
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, media: Sequence[PromptMedia] | None = None
+    ) -> Future[list[list[Completion]]]:
         if not prompts:
             raise InvalidRequestError("at least one prompt is needed")
+        if media is not None and len(media) != len(prompts):
+            raise InvalidRequestError(f"{len(media)} media entries for {len(prompts)} prompts")
+        inputs = [self._media_inputs(i, m) for i, m in enumerate(media or [None] * len(prompts))]
         vocab = self.vocab_size
         clean: list[list[int]] = []
         for i, prompt in enumerate(prompts):
@@ -384,7 +411,7 @@ class HFEngine(GenerationEngine):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
         stop_ids = list(dict.fromkeys((() if params.ignore_eos else self.eos_token_ids) + params.stop_token_ids))
         seeds = [params.seed if params.seed is not None else self._rng.getrandbits(64) for _ in clean]
-        req = _Request(clean, params, seeds, stop_ids)
+        req = _Request(clean, params, seeds, stop_ids, inputs)
         with self._cv:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
@@ -393,6 +420,18 @@ class HFEngine(GenerationEngine):
             self._cv.notify()
         req.future.add_done_callback(lambda f: self._on_request_done(req, f))
         return req.future
+
+    def _media_inputs(self, i: int, media: PromptMedia) -> dict[str, torch.Tensor] | None:
+        if not media:
+            return None
+        if self._rope_state is None:
+            raise InvalidRequestError(f"prompt {i} has media and the model is a text model")
+        unknown = sorted(k for k in media if k not in self._media_kw and k != "video_second_per_grid")
+        if unknown:
+            raise InvalidRequestError(f"prompt {i}: the model takes no {', '.join(unknown)}")
+        from tauflow.media.processor import accepted_inputs
+
+        return {k: v.to(self._device) for k, v in accepted_inputs(self._model, dict(media)).items()}
 
     def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
         if not sequences:
@@ -619,6 +658,8 @@ class HFEngine(GenerationEngine):
             positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
             logits = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
             scaled = logits[:, :-1].float() / job.temperature  # (no [rows, width, V] log-softmax beside it)
+            if self._banned is not None:
+                scaled = scaled.index_fill(-1, self._banned, float("-inf"))
             picked = scaled.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
             picked = picked.cpu()
             for k, i in enumerate(chunk):
@@ -646,7 +687,8 @@ class HFEngine(GenerationEngine):
         n_gen = b.n_gen.tolist()
         toks = b.toks.tolist()
         seqs = [row.req.prompts[row.prompt_index] + toks[k][: n_gen[k] - 1] for k, row in enumerate(b.rows)]
-        b.cache, b.mask, b.pos, _ = self._prefill(seqs)
+        media = [row.req.media[row.prompt_index] for row in b.rows]
+        b.cache, b.mask, b.pos, b.delta, _ = self._prefill(seqs, media)
         self.counters["kv_recomputed_tokens"] += sum(map(len, seqs))
 
     # -- batch membership --
@@ -671,8 +713,35 @@ class HFEngine(GenerationEngine):
         idx = torch.tensor(keep, device=self._device)
         self._batch = _select(b, idx, [b.rows[k] for k in keep])
 
-    def _prefill(self, seqs: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded forward over ``seqs``: (cache, mask [B, L], next positions [B], last logits [B, V])."""
+    def _prefill(
+        self, seqs: list[list[int]], media: Sequence[dict[str, torch.Tensor] | None] | None = None
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded forward over ``seqs``: (cache, mask [B, L], next positions [B], rope offsets [B], last
+        logits [B, V]). Text rows go together; a row with media goes alone (the model places its media and
+        computes its 3-D positions), and the rows' caches are then stitched together, left-padded."""
+        media = media or [None] * len(seqs)
+        text = [i for i, m in enumerate(media) if not m]
+        pieces: list[tuple[list[int], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        if text:
+            pieces.append((text, self._prefill_text([seqs[i] for i in text])))
+        pieces += [([i], self._prefill_media(seqs[i], m)) for i, m in enumerate(media) if m]
+        if len(pieces) == 1 and pieces[0][0] == list(range(len(seqs))):
+            return pieces[0][1]
+        length = max(p[1][1].shape[1] for p in pieces)
+        order = torch.tensor([i for rows, _ in pieces for i in rows], device=self._device).argsort()
+        cache, first_len = pieces[0][1][0], pieces[0][1][1].shape[1]
+        _map_cache(cache, lambda t: F.pad(t, (0, 0, length - first_len, 0)))  # keys and values: [B, H, L, D]
+        for _, (other, other_mask, *_) in pieces[1:]:
+            n = other_mask.shape[1]
+            _map_cache(cache, lambda x, y, n=n: torch.cat([x, F.pad(y, (0, 0, length - n, 0))]), other)
+        _map_cache(cache, lambda t: t.index_select(0, order))
+        mask = torch.cat([F.pad(p[1][1], (length - p[1][1].shape[1], 0)) for p in pieces]).index_select(0, order)
+        pos, delta, logits = (torch.cat([p[1][k] for p in pieces]).index_select(0, order) for k in (2, 3, 4))
+        return cache, mask, pos, delta, logits
+
+    def _prefill_text(
+        self, seqs: list[list[int]]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         length = max(map(len, seqs))
         ids = torch.tensor([[self._pad] * (length - len(s)) + s for s in seqs], device=self._device)
         mask = torch.tensor([[0] * (length - len(s)) + [1] * len(s) for s in seqs], device=self._device)
@@ -683,19 +752,38 @@ class HFEngine(GenerationEngine):
             kwargs[self._keep_kw] = 1
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
         self.counters["prefill_tokens"] += int(mask.sum())
-        return cache, mask, mask.sum(dim=1), out.logits[:, -1]
+        delta = torch.zeros(len(seqs), dtype=torch.long, device=self._device)
+        return cache, mask, mask.sum(dim=1), delta, out.logits[:, -1]
+
+    def _prefill_media(
+        self, seq: list[int], media: dict[str, torch.Tensor]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([seq], device=self._device)
+        mask = torch.ones_like(ids)
+        cache = _new_cache()
+        kwargs: dict[str, Any] = {self._cache_kw: cache, **media}
+        if self._keep_kw is not None:
+            kwargs[self._keep_kw] = 1
+        out = self._model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
+        deltas: Any = getattr(self._rope_state, "rope_deltas", None)
+        assert deltas is not None, "a multimodal model keeps its prefill's rope offset"
+        delta = torch.as_tensor(deltas).reshape(-1)[:1].to(device=self._device, dtype=torch.long)
+        self.counters["prefill_tokens"] += len(seq)
+        return cache, mask, mask.sum(dim=1), delta, out.logits[:, -1]
 
     def _admit(self, rows: list[_Row]) -> None:
         prompts: list[list[int]] = []
+        media: list[dict[str, torch.Tensor] | None] = []
         which: list[int] = []
         last: tuple[int, int] | None = None
         for row in rows:
             key = (id(row.req), row.prompt_index)
             if key != last:
                 prompts.append(row.req.prompts[row.prompt_index])
+                media.append(row.req.media[row.prompt_index])  # a group's media are encoded once, here
                 last = key
             which.append(len(prompts) - 1)
-        cache, mask, pos, logits = self._prefill(prompts)
+        cache, mask, pos, delta, logits = self._prefill(prompts, media)
         dev = self._device
         b = _Batch()
         b.rows = rows
@@ -703,7 +791,8 @@ class HFEngine(GenerationEngine):
             idx = torch.tensor(which, device=dev)
             _map_cache(cache, lambda t: t.index_select(0, idx))
             mask, pos, logits = mask.index_select(0, idx), pos.index_select(0, idx), logits.index_select(0, idx)
-        b.cache, b.mask, b.pos = cache, mask, pos
+            delta = delta.index_select(0, idx)
+        b.cache, b.mask, b.pos, b.delta = cache, mask, pos, delta
         params = [row.req.params for row in rows]
         seeds = [row.req.seeds[row.prompt_index] for row in rows]
         seeds = [s - (1 << 64) if s >= (1 << 63) else s for s in seeds]  # the int64 bit pattern
@@ -744,7 +833,7 @@ class HFEngine(GenerationEngine):
         out = self._model(
             input_ids=b.last[:, None],
             attention_mask=b.mask,
-            position_ids=b.pos[:, None],
+            position_ids=(b.pos + b.delta)[:, None],
             use_cache=True,
             **{self._cache_kw: b.cache},
         )
@@ -758,6 +847,8 @@ class HFEngine(GenerationEngine):
 
     def _sample(self, b: _Batch, logits: torch.Tensor) -> None:
         """Draw the next token of every row, record it, and finish rows that stop."""
+        if self._banned is not None:
+            logits = logits.index_fill(-1, self._banned, float("-inf"))
         uniforms = counter_uniforms(b.key, b.n_gen)
         tok, lp = sample_tokens(
             logits, b.temp, b.top_p, b.top_k, uniforms, truncate=b.truncate, any_greedy=b.any_greedy

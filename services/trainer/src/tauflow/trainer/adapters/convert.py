@@ -8,6 +8,7 @@ from google.protobuf.duration_pb2 import Duration
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.trainer.v1 import trainer_pb2
 from tauflow.core.protobuf import timestamp as _timestamp
+from tauflow.media import wire as media_wire
 from tauflow.trainer.backend import StepResult
 from tauflow.trainer.batch import Group, Sample
 from tauflow.trainer.checkpoint import CheckpointInfo
@@ -30,7 +31,8 @@ def sample_from_proto(pb: common_pb2.Sample) -> Sample:
 
 def group_from_proto(pb: common_pb2.Group) -> Group:
     baseline = pb.baseline_reward if pb.HasField("baseline_reward") else None
-    return Group(pb.group_id, [sample_from_proto(s) for s in pb.samples], baseline_reward=baseline)
+    parts = media_wire.from_proto(pb.prompt_parts, f"group {pb.group_id}: prompt_parts") if pb.prompt_parts else []
+    return Group(pb.group_id, [sample_from_proto(s) for s in pb.samples], baseline_reward=baseline, prompt_parts=parts)
 
 
 def step_to_proto(result: StepResult, groups_by_staleness: dict[int, int] | None = None) -> trainer_pb2.StepMetrics:
