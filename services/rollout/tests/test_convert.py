@@ -28,3 +28,17 @@ def test_the_greedy_baseline_travels_with_the_group_and_only_when_made() -> None
     made = group_to_proto(ProducedGroup("g", Prompt("p", [1]), [c], [""], baseline_reward=0.0))
     assert made.HasField("baseline_reward") and made.baseline_reward == 0.0  # 0 is a baseline, not "none"
     assert not group_to_proto(ProducedGroup("g", Prompt("p", [1]), [c], [""])).HasField("baseline_reward")
+
+
+def test_a_multimodal_prompts_parts_travel_once_per_group() -> None:
+    from tauflow import media
+    from tauflow.media import wire as media_wire
+    from tauflow.rollout.adapters.convert import group_to_proto
+    from tauflow.rollout.dataset import Prompt
+    from tauflow.rollout.ports import ProducedGroup
+
+    parts = [media.Media(media.Modality.AUDIO, "audio/wav", data=b"RIFF", num_tokens=3), media.Text("=")]
+    c = Completion([5], [-0.1], [0], FinishReason.STOP)
+    group = group_to_proto(ProducedGroup("g", Prompt("p", [1, 7, 7, 7, 2], parts=parts), [c, c], ["", ""]))
+    assert media_wire.from_proto(group.prompt_parts) == parts
+    assert all(list(s.prompt_token_ids) == [1, 7, 7, 7, 2] for s in group.samples)

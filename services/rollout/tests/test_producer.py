@@ -24,11 +24,15 @@ class FakeEngine:
 
     def __init__(self, block: bool = False) -> None:
         self.block = block
+        self.media: list[Any] = []  # the media of each generate call
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
         return True
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, media: Any = None
+    ) -> list[list[Completion]]:
+        self.media.append(media)
         if self.block:
             await asyncio.Event().wait()  # generation never ends: the service stops mid-ticket
         token = 7 if params.temperature == 0 else 5  # greedy decoding says 7, sampling 5
@@ -37,6 +41,7 @@ class FakeEngine:
 
 class FakeQueue:
     def __init__(self, too_large: frozenset[str] = frozenset(), release_s: float = 0.0) -> None:
+        self.groups: list[ProducedGroup] = []
         self.too_large = too_large
         self.release_s = release_s
         self.tickets: list[str] = []
@@ -53,6 +58,7 @@ class FakeQueue:
         if group.prompt.prompt_id in self.too_large:
             raise GroupRejected("too_large", f"group {group.group_id} is over the limit")
         self.puts.append((group.prompt.prompt_id, ticket_id))
+        self.groups.append(group)
 
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
         await asyncio.sleep(self.release_s)
@@ -82,7 +88,7 @@ def producer(
     engine: FakeEngine, queue: FakeQueue, prompt_ids: list[str], **kw: Any
 ) -> tuple[Producer, CollectorRegistry]:
     registry = CollectorRegistry()
-    prompts = itertools.cycle([Prompt(p, [1, 2]) for p in prompt_ids])
+    prompts = kw.pop("prompts", None) or itertools.cycle([Prompt(p, [1, 2]) for p in prompt_ids])
     config = RolloutConfig(
         model_path="unused",
         server_id="r0",
@@ -297,3 +303,36 @@ async def test_the_greedy_completions_reward_travels_with_its_group_as_the_basel
         assert [c.token_ids for c in g.completions] == [[5], [5]]  # ... which is not one of the samples
     plain, _ = producer(FakeEngine(), FakeQueue(), ["a"])
     assert plain.greedy is None  # off by default: no extra generation
+
+
+async def test_multimodal_prompts_are_processed_when_drawn_and_carry_their_parts() -> None:
+    from dataclasses import replace
+
+    from tauflow import media
+    from tauflow.media.processor import Processed
+
+    image = media.Media(media.Modality.IMAGE, "image/png", data=b"png bytes")
+
+    def process(parts: list[media.PromptPart]) -> Processed:
+        if any(isinstance(p, media.Text) and p.text == "bad" for p in parts):
+            raise media.InvalidMedia("prompt_parts[0].media: the data does not decode as image/png")
+        placed = [replace(p, grid_thw=(1, 2, 2), num_tokens=1) if isinstance(p, media.Media) else p for p in parts]
+        return Processed([1, 9, 2], {"pixel_values": "tensor"}, placed)
+
+    prompts = itertools.cycle([Prompt("mm", [], parts=[image, media.Text("=")]), Prompt("text", [1, 2]),
+                               Prompt("broken", [], parts=[media.Text("bad")])])  # fmt: skip
+    engine, queue = FakeEngine(), FakeQueue()
+    p, registry = producer(engine, queue, [], prompts=prompts, processor=process)
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.groups) >= 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    by_prompt = {g.prompt.prompt_id: g for g in queue.groups}
+    assert set(by_prompt) == {"mm", "text"}  # the broken prompt was never generated
+    assert by_prompt["mm"].prompt.token_ids == [1, 9, 2]
+    assert by_prompt["mm"].prompt.parts[0] == replace(image, grid_thw=(1, 2, 2), num_tokens=1)
+    assert by_prompt["text"].prompt.parts == [] and by_prompt["text"].prompt.media is None
+    assert {"pixel_values": "tensor"} in engine.media[0] and None in engine.media[0]  # per prompt, in order
+    assert p.prompts_skipped >= 1
+    assert registry.get_sample_value("tauflow_rollout_skipped_prompts_total", {"reason": "invalid_media"}) >= 1

@@ -7,10 +7,12 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2
 from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.media.processor import PartsProcessor
 from tauflow.rollout import __version__
 from tauflow.rollout.adapters.queue_client import GrpcQueue
 from tauflow.rollout.adapters.reward_client import GrpcReward
@@ -67,7 +69,12 @@ async def build(config: RolloutConfig) -> ServiceApp:
         )
         queue = GrpcQueue(config.queue_address, config.server_id, config.channel)
         reward = GrpcReward(config.reward_address, config.reward_fn, config.channel)
-        producer = Producer(engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics)
+        # a multimodal model's processor (None: a text model), from the same folder the trainer reads
+        processor = PartsProcessor.from_pretrained(config.model_path, media.MediaLimits.of(config.media.model_dump()))
+        producer = Producer(
+            engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics,
+            processor=processor,
+        )  # fmt: skip
     servicer = RolloutServicer(config, engine, weights, producer, encode, decode)
     metrics.watch(engine, servicer, producer)
     bound_port: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from tauflow.core.config import ChannelConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.core.config import ChannelConfig, MediaConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
 
 
 class SamplingConfig(StrictModel):
@@ -42,6 +42,7 @@ class RolloutConfig(ServiceConfig):
     prompt_field: str = "prompt"
     id_field: str = "id"
     metadata_fields: list[str] = Field(default_factory=lambda: ["answer"])
+    media: MediaConfig = Field(MediaConfig(), description="media URIs' roots and decoded bounds (multimodal prompts)")
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
     tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")

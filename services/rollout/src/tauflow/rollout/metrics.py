@@ -44,6 +44,13 @@ class RolloutMetrics:
             ["reason"],
             registry=registry,
         )
+        self.skipped_prompts = Counter(
+            "tauflow_rollout_skipped_prompts",
+            "Prompts drawn from the data set and not generated, by reason (invalid_media: parts the model "
+            "cannot take: undecodable media, a modality it lacks)",
+            ["reason"],
+            registry=registry,
+        )
         self.released_tickets = Counter(
             "tauflow_rollout_released_tickets",
             "Tickets given back to the queue unfilled, by why",

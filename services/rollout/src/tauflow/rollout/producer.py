@@ -43,6 +43,8 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from tauflow.core.telemetry import set_error, traceparent_of
+from tauflow.media import InvalidMedia, PromptPart, counts
+from tauflow.media.processor import Processed
 from tauflow.rollout.config import RolloutConfig, SamplingConfig
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams
@@ -50,6 +52,7 @@ from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.ports import GroupRejected, ProducedGroup, QueuePort, RewardPort, Ticket
 
 log = logging.getLogger(__name__)
+MAX_SKIPPED_IN_A_ROW = 1000  # prompts the model cannot take, drawn in a row, before the producer gives up
 EMPTY_TICKET_WARNING_S = 60.0  # at most one warning this often when dynamic sampling filters a whole ticket
 tracer = trace.get_tracer("tauflow.rollout")
 
@@ -65,6 +68,7 @@ class Producer:
         *,
         decode: Callable[[list[int]], str] | None = None,
         metrics: RolloutMetrics | None = None,
+        processor: Callable[[list[PromptPart]], Processed] | None = None,
         reserve_wait_s: float = 5.0,
         release_timeout_s: float = 2.0,  # deadline of the releases on shutdown, which must not hold the stop up
     ) -> None:
@@ -82,6 +86,10 @@ class Producer:
         self.dynamic_sampling = config.dynamic_sampling
         self.decode = decode or (lambda ids: "")
         self.metrics = metrics or RolloutMetrics.null()
+        self.processor = processor
+        """A multimodal model's processor: a drawn prompt's parts -> its token ids and encoder inputs."""
+        self.prompts_skipped = 0
+        """Prompts whose parts this model cannot take (undecodable media, a modality it lacks), not generated."""
         self.reserve_wait_s = reserve_wait_s
         self.release_timeout_s = release_timeout_s
         self.groups_produced = 0
@@ -118,14 +126,15 @@ class Producer:
         n_prompts = ticket.n_groups
         if self.dynamic_sampling.enabled:
             n_prompts = math.ceil(ticket.n_groups * self.dynamic_sampling.oversample)
-        prompts = [next(self.prompts) for _ in range(n_prompts)]
+        prompts = [await self._draw() for _ in range(n_prompts)]
         async with self._working_on(ticket, prompts) as root:
             await self._wait_for_version(ticket.min_policy_version)
             with _child("rollout.generate", root) as span:
                 token_ids = [p.token_ids for p in prompts]
+                inputs = [p.media for p in prompts] if any(p.media for p in prompts) else None
                 completions, greedy = await asyncio.gather(
-                    self.engine.generate(token_ids, self.sampling),
-                    self.engine.generate(token_ids, self.greedy) if self.greedy is not None else _nothing(),
+                    self.engine.generate(token_ids, self.sampling, inputs),
+                    self.engine.generate(token_ids, self.greedy, inputs) if self.greedy is not None else _nothing(),
                 )
                 span.set_attributes(_generation_attributes(completions))
             groups = self._groups(ticket, prompts, completions)
@@ -143,6 +152,29 @@ class Producer:
                 await self.queue.release(ticket.ticket_id)
                 self.metrics.released_tickets.labels("dropped" if not all(accepted) else "filtered").inc()
             self._open_tickets.discard(ticket.ticket_id)
+
+    async def _draw(self) -> Prompt:
+        """The next prompt, a multimodal one processed (off the event loop: it decodes media). A prompt the
+        model cannot take is skipped, logged and counted; a data set of nothing else stops the producer."""
+        for _ in range(MAX_SKIPPED_IN_A_ROW):
+            prompt = next(self.prompts)
+            if not prompt.needs_processing:
+                return prompt
+            if self.processor is None:
+                why = "the prompt has parts and the model has no processor (a text model)"
+            else:
+                try:
+                    processed = await asyncio.to_thread(self.processor, prompt.parts)
+                except (InvalidMedia, ValueError) as e:
+                    why = str(e)
+                else:
+                    return dataclasses.replace(
+                        prompt, token_ids=processed.token_ids, parts=processed.parts, media=processed.inputs
+                    )
+            self.prompts_skipped += 1
+            self.metrics.skipped_prompts.labels("invalid_media").inc()
+            log.warning("prompt skipped: %s", why, extra={"prompt_id": prompt.prompt_id})
+        raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} prompts in a row could not be processed; see the log")
 
     def _filter(self, groups: list[ProducedGroup], ticket: Ticket, root: trace.Span) -> list[ProducedGroup]:
         """Dynamic sampling: the groups with a signal (rewards not all equal), at most the ticket's room."""
@@ -347,6 +379,12 @@ def _group_attributes(g: ProducedGroup) -> dict[str, AttributeValue]:
         "rl.prompt_tokens": len(g.prompt.token_ids) * len(g.completions),
         "rl.completion_tokens": sum(len(c.token_ids) for c in g.completions),
     }
+    if g.prompt.parts:  # what the group's media weigh, by modality (the queue carries them once per group)
+        weights = counts(g.prompt.parts)
+        for kind, n in weights.parts.items():
+            if kind != "text":
+                attributes[f"rl.media.{kind}_parts"] = n
+                attributes[f"rl.media.{kind}_bytes"] = weights.bytes[kind]
     if g.rewards:
         scores = reward_scores(g)
         attributes["rl.reward_mean"] = sum(scores) / len(scores)

@@ -6,6 +6,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2
+from tauflow.media import wire as media_wire
 from tauflow.rollout.engine.base import Completion, EngineState, EngineStats, FinishReason, SamplingParams
 from tauflow.rollout.ports import ProducedGroup
 
@@ -54,6 +55,7 @@ def group_to_proto(g: ProducedGroup, traceparent: str = "") -> common_pb2.Group:
         sample.reward.CopyFrom(reward)
     if g.baseline_reward is not None:
         group.baseline_reward = g.baseline_reward
+    group.prompt_parts.extend(media_wire.to_proto(g.prompt.parts))
     return group
 
 
