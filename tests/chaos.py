@@ -72,17 +72,30 @@ def schedule(seed: int, steps: int, kills_per_role: int = 1, stops: tuple[str, .
 def settings(out: Path, model: Path, dataset: Path, tokens: Path, steps: int, groups_per_step: int = 4) -> list[str]:
     """The run's --set settings: few steps of the tiny model, short leases, checkpoints and deadlines."""
     return [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={steps}", f"groups_per_step={groups_per_step}", "group_size=4",
-        "max_staleness=1", "stall_timeout_s=240", "max_restarts=10", "restart_window_s=60",
-        "services.rollout.groups_per_ticket=2", f"services.rollout.channel.default_timeout_s={CALL_DEADLINE_S}",
-        "services.trainer.checkpoint_every_steps=3", "services.trainer.lease_s=4",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={steps}",
+        f"groups_per_step={groups_per_step}",
+        "group_size=4",
+        "max_staleness=1",
+        "stall_timeout_s=240",
+        "max_restarts=10",
+        "restart_window_s=60",
+        "services.rollout.groups_per_ticket=2",
+        f"services.rollout.channel.default_timeout_s={CALL_DEADLINE_S}",
+        "services.trainer.checkpoint_every_steps=3",
+        "services.trainer.lease_s=4",
         f"services.weights.deadlines.group_s={BROADCAST_DEADLINE_S}",
         f"services.weights.deadlines.confirm_s={BROADCAST_DEADLINE_S}",
         # Every record stays in the log (no compaction in a run this short anyway): the accounting reads
         # every Put the queue ever acknowledged from it.
         "services.queue.wal.compact_min_bytes=1099511627776",
-        "services.queue.external.enabled=true", "services.queue.external.port=0",
+        "services.queue.external.enabled=true",
+        "services.queue.external.port=0",
         f"services.queue.external.tokens_file={tokens}",
     ]
 
@@ -194,8 +207,17 @@ class Report:
 class ChaosRun:
     """One chaos run in ``work`` (its run folder is ``work/run``), from start to the accounting."""
 
-    def __init__(self, work: Path, model: Path, dataset: Path, steps: int, faults: list[Fault], seed: int = 0,
-                 groups_per_step: int = 4, timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        work: Path,
+        model: Path,
+        dataset: Path,
+        steps: int,
+        faults: list[Fault],
+        seed: int = 0,
+        groups_per_step: int = 4,
+        timeout_s: float = 900.0,
+    ) -> None:
         self.work, self.out, self.steps, self.faults, self.seed = work, work / "run", steps, faults, seed
         self.deadline = time.monotonic() + timeout_s
         token = secrets.token_urlsafe(24)
@@ -262,8 +284,10 @@ class ChaosRun:
         else:
             before: tuple[float, float] = (0.0, 0.0)
             if fault.role == "rollout":  # a member of the sidecar, or no broadcast would wait for it
-                self._wait("the rollout to be an active member of the sidecar",
-                           lambda: self._metric("weights", "tauflow_weights_members", "state", "active") >= 1)
+                self._wait(
+                    "the rollout to be an active member of the sidecar",
+                    lambda: self._metric("weights", "tauflow_weights_members", "state", "active") >= 1,
+                )
                 before = (max(0.0, self._failed_broadcasts()), max(0.0, self._joins()))
                 began = time.monotonic()
             os.kill(fault.pid, signal.SIGSTOP)
@@ -294,9 +318,13 @@ class ChaosRun:
     def _stop_evidence(self, fault: Fault, failed_before: float, joins_before: float) -> None:
         """A stopped rollout misses the sidecar's broadcast deadlines: the sidecar counts the failed broadcasts
         and drops it, and the rollout, running again, joins again (bounded waits)."""
+
         def shown() -> bool:
             failed, joins = self._failed_broadcasts(), self._joins()
-            fault.evidence = {"weights_failed_broadcasts": failed - failed_before, "rollout_sidecar_rejoins": joins - joins_before}
+            fault.evidence = {
+                "weights_failed_broadcasts": failed - failed_before,
+                "rollout_sidecar_rejoins": joins - joins_before,
+            }
             return failed > failed_before and joins > joins_before
 
         self._wait("the stopped rollout in the metrics", shown)
@@ -404,7 +432,9 @@ def account(out: Path, copy: Path, steps: int, external_acked: set[str], report:
     if len(puts) != len(acknowledged):
         problems.append(f"{len(puts) - len(acknowledged)} groups were accepted twice")
     if external_acked - acknowledged:
-        problems.append(f"acknowledged to the outside producer but not in the queue's log: {sorted(external_acked - acknowledged)[:10]}")
+        problems.append(
+            f"acknowledged to the outside producer but not in the queue's log: {sorted(external_acked - acknowledged)[:10]}"
+        )
     checkpoint = out / "checkpoints" / f"v{steps:08d}" / "trainer_state.json"
     trained_list = json.loads(checkpoint.read_text())["trained_group_ids"] if checkpoint.exists() else []
     if not checkpoint.exists():
@@ -417,14 +447,21 @@ def account(out: Path, copy: Path, steps: int, external_acked: set[str], report:
     # before the ack (the queue was down longer than the lease, which then expired at its restart), and the
     # queue, taking it back, found it stale. Trained once, so not lost; but the queue counts it as evicted.
     report.evicted_after_training = len(trained & gone)
-    for name, a, b in (("trained and still in the queue", trained, left), ("evicted and still in the queue", gone, left)):
+    for name, a, b in (
+        ("trained and still in the queue", trained, left),
+        ("evicted and still in the queue", gone, left),
+    ):
         if a & b:
             problems.append(f"{len(a & b)} groups {name}: {sorted(a & b)[:10]}")
     if trained - acknowledged:
-        problems.append(f"{len(trained - acknowledged)} groups trained that the queue never accepted: {sorted(trained - acknowledged)[:10]}")
+        problems.append(
+            f"{len(trained - acknowledged)} groups trained that the queue never accepted: {sorted(trained - acknowledged)[:10]}"
+        )
     lost = acknowledged - trained - left - gone
     if lost:
-        problems.append(f"{len(lost)} accepted groups neither trained, nor in the queue, nor evicted: {sorted(lost)[:10]}")
+        problems.append(
+            f"{len(lost)} accepted groups neither trained, nor in the queue, nor evicted: {sorted(lost)[:10]}"
+        )
     summary = json.loads((out / "summary.json").read_text())
     if summary["status"] != "completed" or summary["staleness_violations"] != 0:
         problems.append(f"summary: status {summary['status']}, {summary['staleness_violations']} staleness violations")

@@ -40,17 +40,42 @@ def budget(default: int) -> int:
 # -- strategies over descriptors ---------------------------------------------------------------------
 
 _INT = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 
 
 def integers(lo: int, hi: int) -> st.SearchStrategy[int]:
-    edges = sorted({v for v in (0, 1, 2, -1, lo, hi, lo + 1, hi - 1, 2**31 - 1, 2**32 - 1, 2**53, 2**53 + 1,
-                                2**63 - 1, -(2**53) - 1) if lo <= v <= hi})
+    edges = sorted(
+        {
+            v
+            for v in (
+                0,
+                1,
+                2,
+                -1,
+                lo,
+                hi,
+                lo + 1,
+                hi - 1,
+                2**31 - 1,
+                2**32 - 1,
+                2**53,
+                2**53 + 1,
+                2**63 - 1,
+                -(2**53) - 1,
+            )
+            if lo <= v <= hi
+        }
+    )
     return st.one_of(st.sampled_from(edges), st.integers(0, min(hi, 64)), st.integers(lo, hi))
 
 
@@ -66,8 +91,26 @@ def strings(small: bool = False) -> st.SearchStrategy[str]:
         st.just(""),
         st.text(any_char, max_size=12),
         st.text(non_ascii, min_size=1, max_size=12),  # non-ASCII only
-        st.sampled_from(["\x00", "a\x00b", "../../etc/passwd", "/", " ", "%s%n", "\u202e", "🦙" * 3, "x:0",
-                         "127.0.0.1:1", "file:///dev/zero", "shm://x", "gloo", "nccl", "float32", "-1"]),
+        st.sampled_from(
+            [
+                "\x00",
+                "a\x00b",
+                "../../etc/passwd",
+                "/",
+                " ",
+                "%s%n",
+                "\u202e",
+                "🦙" * 3,
+                "x:0",
+                "127.0.0.1:1",
+                "file:///dev/zero",
+                "shm://x",
+                "gloo",
+                "nccl",
+                "float32",
+                "-1",
+            ]
+        ),
         st.builds(lambda c, n: c * n, st.sampled_from(["x", "é", "\x00"]), st.integers(200, 200_000)),
     )
 
@@ -96,8 +139,10 @@ def _scalar(f: FieldDescriptor, small: bool = False) -> st.SearchStrategy[Any]:
 def _time(d: Descriptor) -> st.SearchStrategy[Message]:
     """Durations and Timestamps with in-range, edge and out-of-range seconds and nanos (the wire allows any)."""
     cls = message_factory.GetMessageClass(d)
-    secs = st.one_of(integers(-(2**63), 2**63 - 1), st.sampled_from([315_576_000_000, 315_576_000_001, 253_402_300_800,
-                                                                       -62_135_596_801, 86_400 * 365, 3600, 5]))
+    secs = st.one_of(
+        integers(-(2**63), 2**63 - 1),
+        st.sampled_from([315_576_000_000, 315_576_000_001, 253_402_300_800, -62_135_596_801, 86_400 * 365, 3600, 5]),
+    )
     nanos = st.one_of(st.sampled_from([0, 1, -1, 999_999_999, 1_000_000_000, -(10**9)]), integers(-(2**31), 2**31 - 1))
     return st.builds(lambda s, n: cls(seconds=s, nanos=n), secs, nanos)
 
@@ -132,8 +177,11 @@ def _field_value(f: FieldDescriptor, depth: int, small: bool = False) -> st.Sear
             return st.dictionaries(_scalar(key, True), v, max_size=3)
         return st.one_of(
             st.dictionaries(_scalar(key, True), v, max_size=4),
-            st.builds(lambda n, x: {(str(i) if key.type == FieldDescriptor.TYPE_STRING else i): x for i in range(n)},
-                      st.integers(500, 5000), v),
+            st.builds(
+                lambda n, x: {(str(i) if key.type == FieldDescriptor.TYPE_STRING else i): x for i in range(n)},
+                st.integers(500, 5000),
+                v,
+            ),
         )
     if not f.is_repeated:
         return _element(f, depth, small)
@@ -193,11 +241,11 @@ def _mutate(raw: bytes, ops: list[tuple[int, int, int, bytes]], numbers: Sequenc
         elif kind == 2:  # insert bytes
             data[i:i] = blob
         elif kind == 3:  # delete a range
-            del data[i:i + 1 + value % 16]
+            del data[i : i + 1 + value % 16]
         elif kind == 4:  # truncate
             del data[i:]
         elif kind == 5:  # duplicate a range (a repeated or re-set field)
-            data[i:i] = data[i:i + 1 + value % 64]
+            data[i:i] = data[i : i + 1 + value % 64]
         elif kind == 6:  # append a known field number with any wire type (incl. groups and invalid ones)
             number = numbers[value % len(numbers)] if numbers else 1 + value % 20
             wire_type = (value >> 8) % 8
@@ -209,10 +257,15 @@ def _mutate(raw: bytes, ops: list[tuple[int, int, int, bytes]], numbers: Sequenc
     return bytes(data)
 
 
-_BLOBS = st.one_of(st.binary(max_size=16), st.sampled_from([b"\xff\xfe", b"\xc0\x80", b"\xed\xa0\x80", b"\x80" * 11,
-                                                            b"\xff" * 10 + b"\x01", b"\x0b\x0c", b"\x00" * 4]))
-_OPS = st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2**16), st.integers(0, 2**48), _BLOBS),
-                min_size=1, max_size=4)
+_BLOBS = st.one_of(
+    st.binary(max_size=16),
+    st.sampled_from(
+        [b"\xff\xfe", b"\xc0\x80", b"\xed\xa0\x80", b"\x80" * 11, b"\xff" * 10 + b"\x01", b"\x0b\x0c", b"\x00" * 4]
+    ),
+)
+_OPS = st.lists(
+    st.tuples(st.integers(0, 7), st.integers(0, 2**16), st.integers(0, 2**48), _BLOBS), min_size=1, max_size=4
+)
 
 
 def mutations(valid: Sequence[bytes], numbers: Sequence[int] = ()) -> st.SearchStrategy[bytes]:
@@ -281,7 +334,10 @@ class Fuzzer:
     observation of the server's state (e.g. its Stats), which a refused call must not change."""
 
     def __init__(
-        self, address: str, service: ServiceDescriptor, observe: Callable[[], Any] | None = None,
+        self,
+        address: str,
+        service: ServiceDescriptor,
+        observe: Callable[[], Any] | None = None,
         log: Callable[[], str] | None = None,
     ) -> None:
         self.address = address
@@ -325,7 +381,9 @@ class Fuzzer:
             return None
         after = self.observe()
         if code != C.OK and code != C.DEADLINE_EXCEEDED:
-            assert after == before, f"{what} was refused ({code.name}: {details}) yet changed state:\n{before}\n->\n{after}"
+            assert after == before, (
+                f"{what} was refused ({code.name}: {details}) yet changed state:\n{before}\n->\n{after}"
+            )
         return after
 
     def fuzz(self, method: Method, examples: int) -> Report:
@@ -333,9 +391,15 @@ class Fuzzer:
         state = {"before": self.observe() if self.observe else None}
         started = time.monotonic()
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=not os.environ.get("TAUFLOW_FUZZ_EXAMPLES"),
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-                  report_multiple_bugs=False)
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=not os.environ.get("TAUFLOW_FUZZ_EXAMPLES"),
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            report_multiple_bugs=False,
+        )
         @given(payload=requests(d, method.valid))
         def run(payload: bytes) -> None:
             state["before"] = self.check(method, payload.raw, state["before"])

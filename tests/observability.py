@@ -96,13 +96,70 @@ def dashboard_queries(path: Path) -> list[tuple[str, str]]:
 
 # PromQL words that are not metric names.
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset",
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values",
-    "group", "rate", "irate", "increase", "delta", "idelta", "deriv", "histogram_quantile", "clamp_min",
-    "clamp_max", "clamp", "abs", "ceil", "floor", "round", "sqrt", "exp", "ln", "log2", "log10", "time",
-    "timestamp", "vector", "scalar", "label_replace", "label_join", "absent", "absent_over_time", "changes",
-    "resets", "avg_over_time", "max_over_time", "min_over_time", "sum_over_time", "count_over_time",
-    "last_over_time", "quantile_over_time", "sort", "sort_desc", "inf", "nan", "le",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "idelta",
+    "deriv",
+    "histogram_quantile",
+    "clamp_min",
+    "clamp_max",
+    "clamp",
+    "abs",
+    "ceil",
+    "floor",
+    "round",
+    "sqrt",
+    "exp",
+    "ln",
+    "log2",
+    "log10",
+    "time",
+    "timestamp",
+    "vector",
+    "scalar",
+    "label_replace",
+    "label_join",
+    "absent",
+    "absent_over_time",
+    "changes",
+    "resets",
+    "avg_over_time",
+    "max_over_time",
+    "min_over_time",
+    "sum_over_time",
+    "count_over_time",
+    "last_over_time",
+    "quantile_over_time",
+    "sort",
+    "sort_desc",
+    "inf",
+    "nan",
+    "le",
 }
 
 
@@ -120,7 +177,7 @@ def query_names(expr: str) -> tuple[set[str], dict[str, set[str]]]:
     names = set()
     for m in re.finditer(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*", bare):
         token = m.group(0)
-        if token.lower() in _KEYWORDS or bare[m.end():].lstrip().startswith("("):
+        if token.lower() in _KEYWORDS or bare[m.end() :].lstrip().startswith("("):
             continue  # a keyword or a function call
         names.add(token)
     names |= {n for n in labels if n.lower() not in _KEYWORDS}
@@ -145,16 +202,30 @@ class Prometheus:
     def __init__(self, workdir: Path, targets: Path) -> None:
         self.port = _free_port()
         config = workdir / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
-            "scrape_configs": [{"job_name": "tauflow-run",
-                                "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
+                    "scrape_configs": [
+                        {
+                            "job_name": "tauflow-run",
+                            "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}],
+                        }
+                    ],
+                }
+            )
+        )
         self.log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 - open while the server runs
         self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -175,8 +246,7 @@ class Prometheus:
     def series(self, expr: str, start: float, end: float) -> dict[str, list[float]]:
         """Every sample of ``expr`` per series (keyed by its labels), one per second."""
         data = self.api("query_range", query=expr, start=start, end=end, step=1)
-        return {json.dumps(r["metric"], sort_keys=True): [float(v) for _, v in r["values"]]
-                for r in data["result"]}
+        return {json.dumps(r["metric"], sort_keys=True): [float(v) for _, v in r["values"]] for r in data["result"]}
 
     def one(self, expr: str, start: float, end: float) -> list[float]:
         found = self.series(expr, start, end)

@@ -14,6 +14,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDITION = ROOT / "examples" / "addition"
+OMNI = ROOT / "examples" / "omni"
 
 
 def tiny_addition(tmp_path: Path, problems: int = 200) -> tuple[Path, Path]:
@@ -57,8 +58,28 @@ def addition_command(prepared: Path, out: Path, *settings: str, evaluate: bool =
 
 def addition_run(prepared: Path, out: Path, *settings: str) -> dict[str, Any]:
     """Runs :func:`addition_command` to its end (exit 0 asserted); returns its summary."""
+    return finished_run(addition_command(prepared, out, *settings), out)
+
+
+def omni_run(prepared: Path, out: Path, *settings: str, text_only: bool = False) -> dict[str, Any]:
+    """`tauflow run examples/omni` on what its prepare step made in ``prepared``, to its end; returns its
+    summary. ``text_only``: the control, on the same prompts without their image and sound."""
+    suffix = "-text-only" if text_only else ""
+    sets = [
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={prepared / 'model'}",
+        f"dataset={prepared / f'train{suffix}.jsonl'}",
+        f"eval.dataset={prepared / f'heldout{suffix}.jsonl'}",
+        *settings,
+    ]
+    return finished_run(run_command(OMNI, sets), out)
+
+
+def finished_run(cmd: list[str], out: Path) -> dict[str, Any]:
+    """Runs a `tauflow run` command to its end (exit 0 asserted); returns its summary."""
     done = subprocess.run(
-        addition_command(prepared, out, *settings),
+        cmd,
         check=False,
         cwd=ROOT,
         capture_output=True,

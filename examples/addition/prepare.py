@@ -36,8 +36,12 @@ def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:
             chunk = pairs[i : i + 250]
             ids = torch.tensor([task.prompt_ids(a, b) for a, b in chunk])
             out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=task.MAX_NEW_TOKENS,
-                do_sample=False, eos_token_id=task.VOCAB[task.EOS], pad_token_id=task.VOCAB[task.PAD],
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=task.MAX_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=task.VOCAB[task.EOS],
+                pad_token_id=task.VOCAB[task.PAD],
             )[:, ids.shape[1] :].tolist()
             for (a, b), row in zip(chunk, out, strict=True):
                 want = task.answer_ids(a, b)
@@ -61,16 +65,34 @@ def sft_sample(a: int, b: int):
     return Sample(task.prompt_ids(a, b), answer, [0.0] * len(answer))  # log-probs unused by SFT
 
 
-def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 1e-3, batch: int = 64,
-            max_steps: int = 5000, hidden: int = 128, layers: int = 2, heads: int = 8) -> dict:
+def prepare(
+    out: Path,
+    seed: int = 0,
+    target: float = 0.30,
+    lr: float = 1e-3,
+    batch: int = 64,
+    max_steps: int = 5000,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 8,
+) -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
     from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
     from tauflow.trainer.optim import OptimConfig
+
     hf_logging.disable_progress_bar()
-    settings = {"recipe": 4, "seed": seed, "target": target, "lr": lr, "batch": batch, "hidden": hidden,
-                "layers": layers, "heads": heads}
+    settings = {
+        "recipe": 4,
+        "seed": seed,
+        "target": target,
+        "lr": lr,
+        "batch": batch,
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+    }
     stamp = out / "prepared.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("settings") == settings:
         return json.loads(stamp.read_text())
@@ -95,9 +117,16 @@ def prepare(out: Path, seed: int = 0, target: float = 0.30, lr: float = 1e-3, ba
     model_dir = out / "model"
     backend.model.save_pretrained(model_dir)
     task.build_tokenizer(model_dir)
-    info = {"settings": settings, "parameters": params, "sft_steps": step, "heldout_accuracy": accuracy["all"],
-            "heldout_accuracy_by_digits": {k: accuracy[k] for k in ("2", "3")},
-            "model": str(model_dir), "train": str(out / "train.jsonl"), "heldout": str(out / "heldout.jsonl")}
+    info = {
+        "settings": settings,
+        "parameters": params,
+        "sft_steps": step,
+        "heldout_accuracy": accuracy["all"],
+        "heldout_accuracy_by_digits": {k: accuracy[k] for k in ("2", "3")},
+        "model": str(model_dir),
+        "train": str(out / "train.jsonl"),
+        "heldout": str(out / "heldout.jsonl"),
+    }
     stamp.write_text(json.dumps(info, indent=2))
     return info
 
@@ -109,9 +138,11 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.30, help="held-out accuracy the warm start stops at")
     args = p.parse_args()
     info = prepare(args.out, seed=args.seed, target=args.target)
-    print(f"prepared {info['model']}: {info['parameters']} parameters, warm start {info['sft_steps']} SFT steps "
-          f"-> held-out accuracy {info['heldout_accuracy']:.1%} (2-digit sums "
-          f"{info['heldout_accuracy_by_digits']['2']:.1%}, 3-digit {info['heldout_accuracy_by_digits']['3']:.1%})")
+    print(
+        f"prepared {info['model']}: {info['parameters']} parameters, warm start {info['sft_steps']} SFT steps "
+        f"-> held-out accuracy {info['heldout_accuracy']:.1%} (2-digit sums "
+        f"{info['heldout_accuracy_by_digits']['2']:.1%}, 3-digit {info['heldout_accuracy_by_digits']['3']:.1%})"
+    )
 
 
 if __name__ == "__main__":

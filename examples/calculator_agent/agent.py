@@ -70,8 +70,9 @@ class Episode:
     tool_calls: int
 
 
-def play(rollout: RolloutClient, first: Completion, prompt: list[int], args: argparse.Namespace,
-         min_version: int) -> Episode:
+def play(
+    rollout: RolloutClient, first: Completion, prompt: list[int], args: argparse.Namespace, min_version: int
+) -> Episode:
     """Runs one episode from its first model turn: tool calls until the model answers or runs out."""
     t = Trajectory(prompt)
     t.add_completion(first)
@@ -84,8 +85,11 @@ def play(rollout: RolloutClient, first: Completion, prompt: list[int], args: arg
         t.add_observation(output)
         calls, last_tool = calls + 1, decode(output)
         [turn] = rollout.generate(
-            t.context, max_new_tokens=min(args.turn_tokens, room), stop_token_ids=[EQ],
-            temperature=args.temperature, min_policy_version=min_version,
+            t.context,
+            max_new_tokens=min(args.turn_tokens, room),
+            stop_token_ids=[EQ],
+            temperature=args.temperature,
+            min_policy_version=min_version,
         )
         t.add_completion(turn)
     answer = None
@@ -94,15 +98,20 @@ def play(rollout: RolloutClient, first: Completion, prompt: list[int], args: arg
     return Episode(t, answer, calls)
 
 
-def run_group(rollout: RolloutClient, reward: RewardClient | None, problem: list[int],
-              args: argparse.Namespace, min_version: int):
+def run_group(
+    rollout: RolloutClient, reward: RewardClient | None, problem: list[int], args: argparse.Namespace, min_version: int
+):
     """One group: ``group_size`` episodes of one problem, scored."""
     text = "+".join(map(str, problem))
     prompt = [VOCAB[BOS], *encode(text)]
     # The first turn of every episode shares the prompt: one call draws them all.
     firsts = rollout.generate(
-        prompt, n=args.group_size, max_new_tokens=min(args.turn_tokens, args.context - len(prompt)),
-        stop_token_ids=[EQ], temperature=args.temperature, min_policy_version=min_version,
+        prompt,
+        n=args.group_size,
+        max_new_tokens=min(args.turn_tokens, args.context - len(prompt)),
+        stop_token_ids=[EQ],
+        temperature=args.temperature,
+        min_policy_version=min_version,
     )
     with ThreadPoolExecutor(len(firsts)) as pool:  # the episodes' later turns are independent calls
         episodes = list(pool.map(lambda first: play(rollout, first, prompt, args, min_version), firsts))
@@ -126,6 +135,7 @@ def run_group(rollout: RolloutClient, reward: RewardClient | None, problem: list
 def addresses(args: argparse.Namespace) -> tuple[str, str, str]:
     """The queue's external port, the rollout and the reward service: given, or from a run's ready files."""
     if args.run_dir:
+
         def port(name: str, key: str) -> str:
             info = json.loads((Path(args.run_dir) / f"{name}.ready.json").read_text())
             if key not in info:
@@ -180,16 +190,23 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
             masks = [list(s.loss_mask) for s in group.samples]
             record = {
-                "group_id": group.group_id, "accepted": result.accepted, "ticket_version": ticket.min_policy_version,
+                "group_id": group.group_id,
+                "accepted": result.accepted,
+                "ticket_version": ticket.min_policy_version,
                 "behaviour_version": min(s.behaviour_version for s in group.samples),
                 "rewards": [s.reward.score for s in group.samples],
                 "masked_tokens": sum(m.count(False) for m in masks),
-                "trained_tokens": sum(len(s.completion_token_ids) if not m else m.count(True)
-                                      for s, m in zip(group.samples, masks, strict=True)),
+                "trained_tokens": sum(
+                    len(s.completion_token_ids) if not m else m.count(True)
+                    for s, m in zip(group.samples, masks, strict=True)
+                ),
             }
-            print(f"[{n + 1}/{args.groups}] {group.group_id} {group.prompt_id}: reward "
-                  f"{sum(record['rewards']) / len(record['rewards']):.2f}, {record['masked_tokens']} tool tokens "
-                  f"masked, version {record['behaviour_version']}, {time.monotonic() - started:.1f}s", flush=True)
+            print(
+                f"[{n + 1}/{args.groups}] {group.group_id} {group.prompt_id}: reward "
+                f"{sum(record['rewards']) / len(record['rewards']):.2f}, {record['masked_tokens']} tool tokens "
+                f"masked, version {record['behaviour_version']}, {time.monotonic() - started:.1f}s",
+                flush=True,
+            )
             if args.record:
                 with open(args.record, "a") as f:
                     f.write(json.dumps(record) + "\n")

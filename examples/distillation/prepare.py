@@ -34,8 +34,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/distillation/prepared"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--student", type=Path, default=None, help="where the student is prepared (default <out>/student); an "
-        "addition recipe's prepared folder of the same seed is reused as it is"
+        "--student",
+        type=Path,
+        default=None,
+        help="where the student is prepared (default <out>/student); an "
+        "addition recipe's prepared folder of the same seed is reused as it is",
     )
     args = p.parse_args()
     teacher = addition.prepare(args.out / "teacher", seed=args.seed, max_steps=5000, **TEACHER)

@@ -67,7 +67,10 @@ def test_breaking_check_fails_on_a_breaking_change(tmp_path: Path) -> None:
     queue.write_text(broken)
     run = subprocess.run(
         ["npx", "--yes", "@bufbuild/buf", "breaking", "--against", "released/v1.binpb"],
-        cwd=copy, capture_output=True, text=True, timeout=300,
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode != 0
     assert "consumer_id" in run.stdout + run.stderr

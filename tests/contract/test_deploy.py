@@ -38,8 +38,10 @@ def _project(dist: Path) -> dict[str, Any]:
     return tomllib.loads((dist / "pyproject.toml").read_text())["project"]
 
 
-DISTS = {_project(p.parent)["name"]: p.parent for p in [*ROOT.glob("libs/*/pyproject.toml"),
-                                                        *ROOT.glob("services/*/pyproject.toml")]}
+DISTS = {
+    _project(p.parent)["name"]: p.parent
+    for p in [*ROOT.glob("libs/*/pyproject.toml"), *ROOT.glob("services/*/pyproject.toml")]
+}
 VERSION = _project(ROOT / "services" / "queue")["version"]
 
 
@@ -121,8 +123,9 @@ def test_the_deployed_services_train_the_embedded_default_recipe(tmp_path: Path)
         for key, value in expected.items():
             if key.endswith(("_address", "model_path", "dataset", "wal.dir", "checkpoint_dir")):
                 continue  # where things are differs by deployment; checked below and by the compose/k8s tests
-            assert deployed.get(key) == value, f"deploy/config/{role}.yaml: {key} is {deployed.get(key)!r}, " \
-                                               f"the embedded default's is {value!r}"
+            assert deployed.get(key) == value, (
+                f"deploy/config/{role}.yaml: {key} is {deployed.get(key)!r}, the embedded default's is {value!r}"
+            )
         for key, address in peer_addresses(role).items():
             if key.endswith("_address"):
                 assert address == external[key.removesuffix("_address")], (role, key)
@@ -176,8 +179,9 @@ def test_each_role_has_an_image_target_that_runs_it_unprivileged_with_a_health_c
     assert role in stages(), f"deploy/docker/Dockerfile has no target {role}"
     installs = " ".join(v for v in _instructions(role, "RUN") if "pip install" in v)
     wheels = set(re.findall(r"/wheels/(tauflow_\w+)-\*\.whl", installs))
-    assert wheels == {d.replace("-", "_") for d in tauflow_dists(role)}, \
+    assert wheels == {d.replace("-", "_") for d in tauflow_dists(role)}, (
         "the image installs its service and exactly the tauflow distributions that one depends on"
+    )
     # torch roles stand on the pinned torch stage; the others have no torch at all
     assert stages()[role]["from"] == ("torch" if needs_torch(role) else "cpu-base")
     assert f"deploy/config/{role}.yaml {CONFIG_DIR}/{role}.yaml" in _instructions(role, "COPY")
@@ -203,7 +207,7 @@ def test_torch_is_installed_first_and_pinned_from_its_own_index() -> None:
     assert args["TORCH"] == "cuda", "the rollout, trainer and weights images are GPU-ready by default"
     assert _instructions("cpu-base", "ENV") == _instructions("cuda-base", "ENV"), "one runtime on both bases"
     setup = (ROOT / "scripts" / "setup").read_text()
-    assert f'TAUFLOW_TORCH_VERSION:-{args["TORCH_VERSION"]}' in setup, "the images pin the torch scripts/setup pins"
+    assert f"TAUFLOW_TORCH_VERSION:-{args['TORCH_VERSION']}" in setup, "the images pin the torch scripts/setup pins"
 
 
 def _global_args() -> list[tuple[str, str]]:
@@ -220,16 +224,18 @@ def _global_args() -> list[tuple[str, str]]:
 
 def test_the_build_context_keeps_what_the_dockerfile_copies() -> None:
     """.dockerignore excludes everything but what is re-included; every COPY and bind mount source is."""
-    included = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-                if line.startswith("!")]
+    included = [
+        line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    ]
     text = DOCKERFILE.read_text()
     sources = re.findall(r"^COPY (?!--from)(\S+)", text, re.MULTILINE)
     sources += re.findall(r"--mount=type=bind,source=([^,\s]+)", text)
     assert sources
     for source in sources:
         assert (ROOT / source).exists(), source
-        assert any(source.rstrip("/") == inc or source.startswith(inc + "/") for inc in included), \
+        assert any(source.rstrip("/") == inc or source.startswith(inc + "/") for inc in included), (
             f"{source} is copied but .dockerignore keeps it out of the build context"
+        )
 
 
 # -- compose -------------------------------------------------------------------------------------------
@@ -296,13 +302,18 @@ def test_compose_mounts_each_role_its_config_and_keeps_state_and_data_on_named_v
         mounts = _mounts(services[role])
         source = mounts[f"{CONFIG_DIR}/{role}.yaml"]
         assert (DEPLOY / source).resolve() == DEPLOY / "config" / f"{role}.yaml"
-    state = {"queue": config("queue")["wal"]["dir"], "trainer": config("trainer")["checkpoint_dir"],
-             "controller": config("controller")["run"]["out_dir"]}
+    state = {
+        "queue": config("queue")["wal"]["dir"],
+        "trainer": config("trainer")["checkpoint_dir"],
+        "controller": config("controller")["run"]["out_dir"],
+    }
     for role, path in state.items():
         assert _mount_of(path, _mounts(services[role])) in named, f"{role}: {path} is not on a named volume"
-    data = {"trainer": [config("trainer")["backend"]["model_path"]],
-            "rollout": [config("rollout")["model_path"], config("rollout")["dataset"]],
-            "controller": [config("controller")["run"]["model"], config("controller")["run"]["eval"]["dataset"]]}
+    data = {
+        "trainer": [config("trainer")["backend"]["model_path"]],
+        "rollout": [config("rollout")["model_path"], config("rollout")["dataset"]],
+        "controller": [config("controller")["run"]["model"], config("controller")["run"]["eval"]["dataset"]],
+    }
     prepared = _mount_of("/data/prepared", _mounts(services["prepare"]))
     assert prepared in named and "/data/prepared" in services["prepare"]["command"]
     for role, paths in data.items():
@@ -342,8 +353,11 @@ def test_compose_observability_override_traces_every_role_and_prometheus_scrapes
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
         assert env["OTEL_TRACES_EXPORTER"] == "otlp"
     prometheus = yaml.safe_load((DEPLOY / "observability" / "prometheus" / "prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]
-               if job.get("static_configs")}
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"]
+        for job in prometheus["scrape_configs"]
+        if job.get("static_configs")
+    }
     for role in ROLES:
         assert targets[f"tauflow-{role}"] == [f"{role}:{metrics_port(role)}"], role
 
@@ -353,8 +367,12 @@ def test_compose_files_pass_docker_compose_config(tmp_path: Path) -> None:
     all three files; v1 (Debian's docker-compose) the base and the GPU override (it knows neither the
     top-level `name` nor `include`, so it reads a copy without `name`)."""
     files = [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"], ["compose.yaml", "compose.observability.yaml"]]
-    v2 = shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
-                                                    timeout=30, check=False).returncode == 0
+    v2 = (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30, check=False).returncode
+        == 0
+    )
+
     def file_args(paths: list[Path]) -> list[str]:
         return [arg for path in paths for arg in ("-f", str(path))]
 
@@ -363,8 +381,17 @@ def test_compose_files_pass_docker_compose_config(tmp_path: Path) -> None:
     elif shutil.which("docker-compose"):
         base = tmp_path / "compose.yaml"
         base.write_text("\n".join(line for line in COMPOSE.read_text().splitlines() if not line.startswith("name:")))
-        commands = [["docker-compose", "--project-directory", str(DEPLOY),
-                     *file_args([base, *(DEPLOY / f for f in fs[1:])]), "config", "-q"] for fs in files[:2]]
+        commands = [
+            [
+                "docker-compose",
+                "--project-directory",
+                str(DEPLOY),
+                *file_args([base, *(DEPLOY / f for f in fs[1:])]),
+                "config",
+                "-q",
+            ]
+            for fs in files[:2]
+        ]
     else:
         pytest.skip("Docker Compose is not installed (Debian: apt-get install docker-compose)")
     for command in commands:
@@ -434,10 +461,14 @@ def test_overlay_has_a_workload_per_role_behind_a_service_at_the_address_the_con
             assert service is not None, f"{role}: {key} = {address} names no Service"
             (port_spec,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)] or [None]
             assert port_spec is not None, f"Service {host} does not expose {port} ({role}: {key})"
-            peers = [(w, c) for w, c in roles.values()
-                     if all(_pod_labels(w).get(k) == v for k, v in service["spec"]["selector"].items())]
-            assert any(_port_number(c, port_spec["targetPort"]) for _, c in peers), \
+            peers = [
+                (w, c)
+                for w, c in roles.values()
+                if all(_pod_labels(w).get(k) == v for k, v in service["spec"]["selector"].items())
+            ]
+            assert any(_port_number(c, port_spec["targetPort"]) for _, c in peers), (
                 f"Service {host}:{port} reaches no container serving that port ({role}: {key})"
+            )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
@@ -472,8 +503,11 @@ def test_every_container_reads_its_config_file_from_its_configmap(overlay: Path)
 def test_state_is_on_persistent_volumes_and_the_data_volume_is_read_only(overlay: Path) -> None:
     docs = rendered(overlay)
     roles = _role_containers(docs)
-    state = {"queue": config("queue")["wal"]["dir"], "trainer": config("trainer")["checkpoint_dir"],
-             "controller": config("controller")["run"]["out_dir"]}
+    state = {
+        "queue": config("queue")["wal"]["dir"],
+        "trainer": config("trainer")["checkpoint_dir"],
+        "controller": config("controller")["run"]["out_dir"],
+    }
     for role, path in state.items():
         workload, container = roles[role]
         assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] == 1
@@ -562,8 +596,9 @@ def test_the_observability_overlay_scrapes_and_traces_every_role() -> None:
         assert env["OTEL_TRACES_EXPORTER"] == "otlp"
     # Prometheus (deploy/observability/prometheus/prometheus-k8s.yml) resolves each job's DNS names to pods and
     # scrapes them on the job's port: for every role some name must select its pod, and the port be its metrics port.
-    (prometheus,) = [d for d in docs
-                     if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("prometheus-config")]
+    (prometheus,) = [
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("prometheus-config")
+    ]
     jobs = {j["job_name"]: j for j in yaml.safe_load(prometheus["data"]["prometheus.yml"])["scrape_configs"]}
     for role, (workload, container) in roles.items():
         hits = []
@@ -608,11 +643,13 @@ def test_the_trainer_ranks_join_rank_0s_rendezvous_with_a_rank_each(overlay: Pat
     lead, follow = _containers(leader)["trainer"], _containers(followers)["trainer"]
     assert set(_containers(followers)) == {"trainer"}, "the sidecar lives in rank 0's pod only"
     assert follow["image"] == lead["image"] and follow["command"] == lead["command"]
+
     # every rank reads the same config file, and the same ConfigMap (the generated name)
     def config_map(workload: dict[str, Any], container: dict[str, Any]) -> str:
         (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_DIR]
         (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
         return volume["configMap"]["name"]
+
     assert config_map(followers, follow) == config_map(leader, lead)
 
     # ranks: rank 0 sets none (0), the others the pod index, numbered from 1; world size = 1 + their replicas
@@ -622,8 +659,9 @@ def test_the_trainer_ranks_join_rank_0s_rendezvous_with_a_rank_each(overlay: Pat
     assert start == 1 and count >= 1
     rank_vars = {v["name"]: v for v in follow["env"] if v["name"] == "TAUFLOW_TRAINER_DISTRIBUTED__RANK"}
     assert rank_vars["TAUFLOW_TRAINER_DISTRIBUTED__RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX
-    envs = [container_environment(docs, lead, 0)] + [container_environment(docs, follow, start + i)
-                                                     for i in range(count)]
+    envs = [container_environment(docs, lead, 0)] + [
+        container_environment(docs, follow, start + i) for i in range(count)
+    ]
     assert [int(e.get("TAUFLOW_TRAINER_DISTRIBUTED__RANK", 0)) for e in envs] == list(range(count + 1))
     assert {e[WORLD_SIZE] for e in envs} == {str(count + 1)}, "the world size and the ranks' replicas disagree"
     assert len({e[MASTER] for e in envs}) == 1
@@ -683,10 +721,17 @@ def test_prometheus_scrapes_every_trainer_rank_and_the_sidecar_in_rank_0s_pod_on
     jobs = {j["job_name"]: j for j in prometheus["scrape_configs"]}
 
     def scraped(job: str, workload: dict[str, Any]) -> list[int]:
-        return [sd["port"] for sd in jobs[job]["dns_sd_configs"] for name in sd["names"]
-                if _selects(services[name]["selector"], workload)]
+        return [
+            sd["port"]
+            for sd in jobs[job]["dns_sd_configs"]
+            for name in sd["names"]
+            if _selects(services[name]["selector"], workload)
+        ]
 
-    assert scraped("tauflow-trainer", workloads["trainer"]) == scraped("tauflow-trainer", workloads["trainer-rank"]) \
+    assert (
+        scraped("tauflow-trainer", workloads["trainer"])
+        == scraped("tauflow-trainer", workloads["trainer-rank"])
         == [metrics_port("trainer")]
+    )
     assert scraped("tauflow-weights", workloads["trainer"]) == [metrics_port("weights")]
     assert scraped("tauflow-weights", workloads["trainer-rank"]) == []

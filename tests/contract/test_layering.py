@@ -31,7 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "src" / "tauflow").is_dir())
 WIRE_ROOTS = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "tauflow.api")
 WIRING = {"app", "__main__", "cli"}  # the modules that wire a program (cli: the controller's `tauflow`)
-LIB_ADAPTERS = {"weightsync": {"tauflow.weightsync.wire"}, "media": {"tauflow.media.wire"}}  # libraries whose domain/wire split is checked
+LIB_ADAPTERS = {
+    "weightsync": {"tauflow.weightsync.wire"},
+    "media": {"tauflow.media.wire"},
+}  # libraries whose domain/wire split is checked
 STALENESS_MODULE = "tauflow.core.staleness"
 
 
@@ -160,7 +163,11 @@ def test_each_peer_is_called_through_one_client_module(role: str) -> None:
     for peer, names in callers.items():
         if peer == role:  # its own contract: the servicer, app.py that registers it, and a client of a running
             # instance of it (the controller's: tauflow scale, set and status reach a running run)
-            allowed = {f"tauflow.{role}.adapters.servicer", f"tauflow.{role}.app", f"tauflow.{role}.adapters.{role}_client"}
+            allowed = {
+                f"tauflow.{role}.adapters.servicer",
+                f"tauflow.{role}.app",
+                f"tauflow.{role}.adapters.{role}_client",
+            }
             assert names <= allowed, f"{sorted(names - allowed)} import tauflow.{role}'s own stubs"
         else:
             assert names == {f"tauflow.{role}.adapters.{peer}_client"}, (

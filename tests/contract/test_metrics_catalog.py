@@ -71,15 +71,27 @@ def test_docs_list_exactly_the_metrics_the_services_register() -> None:
 def test_the_key_series_of_issue_4_exist() -> None:
     code = all_registered()
     for name in (
-        "tauflow_rollout_generated_tokens_total", "tauflow_rollout_engine_inflight_requests",
-        "tauflow_rollout_engine_policy_version", "tauflow_queue_depth_groups", "tauflow_queue_reserved_groups",
-        "tauflow_queue_evicted_total", "tauflow_queue_delivered_staleness_steps",
-        "tauflow_trainer_step_phase_duration_seconds", "tauflow_trainer_loss", "tauflow_trainer_reward_mean",
-        "tauflow_trainer_kl_behaviour_nats", "tauflow_trainer_clipped_tokens_ratio", "tauflow_trainer_grad_norm",
-        "tauflow_trainer_trained_tokens_total", "tauflow_weights_broadcast_bytes_total",
-        "tauflow_weights_broadcast_duration_seconds", "tauflow_weights_broadcasts_total",
-        "tauflow_controller_service_up", "tauflow_controller_service_restarts_total",
-        "tauflow_controller_service_answering", "tauflow_controller_service_unanswered_total",
+        "tauflow_rollout_generated_tokens_total",
+        "tauflow_rollout_engine_inflight_requests",
+        "tauflow_rollout_engine_policy_version",
+        "tauflow_queue_depth_groups",
+        "tauflow_queue_reserved_groups",
+        "tauflow_queue_evicted_total",
+        "tauflow_queue_delivered_staleness_steps",
+        "tauflow_trainer_step_phase_duration_seconds",
+        "tauflow_trainer_loss",
+        "tauflow_trainer_reward_mean",
+        "tauflow_trainer_kl_behaviour_nats",
+        "tauflow_trainer_clipped_tokens_ratio",
+        "tauflow_trainer_grad_norm",
+        "tauflow_trainer_trained_tokens_total",
+        "tauflow_weights_broadcast_bytes_total",
+        "tauflow_weights_broadcast_duration_seconds",
+        "tauflow_weights_broadcasts_total",
+        "tauflow_controller_service_up",
+        "tauflow_controller_service_restarts_total",
+        "tauflow_controller_service_answering",
+        "tauflow_controller_service_unanswered_total",
     ):
         assert name in code, name
 
@@ -114,14 +126,23 @@ def test_the_dashboards_cover_every_service_and_the_run_overview() -> None:
         for _, expr in dashboard_queries(path):
             used |= query_names(expr)[0]
     overview = {n for _, e in dashboard_queries(DASHBOARDS / "overview.json") for n in query_names(e)[0]}
-    for must in ("tauflow_trainer_reward_mean", "tauflow_controller_heldout_accuracy_ratio",
-                 "tauflow_queue_delivered_staleness_steps_sum", "tauflow_rollout_generated_tokens_total",
-                 "tauflow_queue_depth_groups", "tauflow_trainer_step_phase_duration_seconds_sum",
-                 "tauflow_weights_broadcast_duration_seconds_bucket"):
+    for must in (
+        "tauflow_trainer_reward_mean",
+        "tauflow_controller_heldout_accuracy_ratio",
+        "tauflow_queue_delivered_staleness_steps_sum",
+        "tauflow_rollout_generated_tokens_total",
+        "tauflow_queue_depth_groups",
+        "tauflow_trainer_step_phase_duration_seconds_sum",
+        "tauflow_weights_broadcast_duration_seconds_bucket",
+    ):
         assert must in overview, f"the run overview does not show {must}"
 
 
 def test_dashboard_files_are_what_the_builder_writes() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "deploy/observability/grafana/build_dashboards.py"), "--check"],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "deploy/observability/grafana/build_dashboards.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr

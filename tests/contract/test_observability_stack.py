@@ -25,7 +25,9 @@ PROMETHEUS_CONFIGS = [OBS / "prometheus" / "prometheus.yml", OBS / "prometheus" 
 def test_prometheus_config_passes_promtool(path: Path) -> None:
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus; .ci/run installs it)")
-    done = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["promtool", "check", "config", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -38,8 +40,10 @@ def test_prometheus_has_a_scrape_job_per_role(path: Path) -> None:
 def test_kustomize_renders_resources_that_kubernetes_validate_accepts() -> None:
     docs = render(K8S)
     validate(docs)
-    kinds = {(d["kind"], d["metadata"]["name"].rsplit("-", 1)[0] if d["kind"] == "ConfigMap" else d["metadata"]["name"])
-             for d in docs}
+    kinds = {
+        (d["kind"], d["metadata"]["name"].rsplit("-", 1)[0] if d["kind"] == "ConfigMap" else d["metadata"]["name"])
+        for d in docs
+    }
     for name in ("otel-collector", "jaeger", "prometheus", "grafana"):
         assert ("Deployment", name) in kinds and ("Service", name) in kinds, name
     for role in SERVICES:
@@ -65,7 +69,7 @@ def test_kustomize_mounts_the_same_configuration_as_compose() -> None:
     # in deploy/k8s selects the trainer's rank-0 pod, which holds it (tests/contract/test_deploy.py).
     for d in docs:
         if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics"):
-            role = d["metadata"]["name"][len("tauflow-"):-len("-metrics")]
+            role = d["metadata"]["name"][len("tauflow-") : -len("-metrics")]
             assert d["spec"]["clusterIP"] == "None"
             expected = {"app.kubernetes.io/part-of": "tauflow", "app.kubernetes.io/component": role}
             if role == "weights-sidecar":

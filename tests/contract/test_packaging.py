@@ -187,8 +187,11 @@ def _local_closure(name: str) -> list[Path]:
 
 def _modules(dist: Path) -> list[str]:
     src = dist / "src"
-    return sorted(".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
-                  for p in src.rglob("*.py") if p.name != "__main__.py")
+    return sorted(
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        for p in src.rglob("*.py")
+        if p.name != "__main__.py"
+    )
 
 
 @pytest.mark.skipif(SOLO_SKIP, reason="TAUFLOW_SKIP_SOLO_INSTALLS=1 (CI runs it: about 10 minutes on 2 cores)")
@@ -214,23 +217,38 @@ def test_each_role_starts_from_a_solo_install(role: str, tmp_path: Path) -> None
     modules = [m for d in dists for m in _modules(d)]
     imported = subprocess.run(
         [str(python), "-c", f"import importlib\nfor m in {modules!r}: importlib.import_module(m)"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert imported.returncode == 0, imported.stderr
 
-    printed = subprocess.run([str(bindir / f"tauflow-{role}"), "--print-config"], capture_output=True, text=True,
-                             env=env, cwd=tmp_path, timeout=120)
+    printed = subprocess.run(
+        [str(bindir / f"tauflow-{role}"), "--print-config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     # 0, or 2 with "invalid configuration" where a required key has no default (a model path): either way
     # the entry point and its config loaded; a missing module would be a traceback and exit 1.
     assert printed.returncode == 0 or (printed.returncode == 2 and "invalid configuration" in printed.stderr), (
-        printed.stderr)
+        printed.stderr
+    )
 
     if role in SERVES_ALONE:
         ready = tmp_path / "ready.json"
         settings = ["server.port=0", "metrics.port=0", *SERVES_ALONE[role]]
-        proc = subprocess.Popen([str(bindir / f"tauflow-{role}"), "--ready-file", str(ready),
-                                 *(a for s in settings for a in ("--set", s))],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        proc = subprocess.Popen(
+            [str(bindir / f"tauflow-{role}"), "--ready-file", str(ready), *(a for s in settings for a in ("--set", s))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
         try:
             deadline = time.monotonic() + 120
             while not ready.exists():
@@ -238,8 +256,13 @@ def test_each_role_starts_from_a_solo_install(role: str, tmp_path: Path) -> None
                 assert time.monotonic() < deadline, "not ready after 120 s"
                 time.sleep(0.1)
             port = json.loads(ready.read_text())["grpc_port"]
-            health = subprocess.run([str(python), "-m", "tauflow.core.healthcheck", f"127.0.0.1:{port}"],
-                                    capture_output=True, text=True, env=env, timeout=60)
+            health = subprocess.run(
+                [str(python), "-m", "tauflow.core.healthcheck", f"127.0.0.1:{port}"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+            )
             assert health.returncode == 0, health.stdout + health.stderr
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0, proc.communicate()[0].decode(errors="replace")

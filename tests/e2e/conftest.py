@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import ADDITION, ROOT
+from tests.runs import ADDITION, OMNI, ROOT
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +34,32 @@ def teacher(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     kept = os.environ.get("TAUFLOW_E2E_PREPARED")  # kept between sessions, beside the student
     out = Path(kept).parent / "distillation" if kept else tmp_path_factory.mktemp("distillation")
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "distillation" / "prepare.py"), "--out", str(out), "--student", str(prepared)],
+        [
+            sys.executable,
+            str(ROOT / "examples" / "distillation" / "prepare.py"),
+            "--out",
+            str(out),
+            "--student",
+            str(prepared),
+        ],
         check=True,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=1200,
     )
     return out / "teacher" / "model"
+
+
+@pytest.fixture(scope="session")
+def omni_prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The omni example's tiny thinker, warm-started, and its data sets with their images and sounds."""
+    kept = os.environ.get("TAUFLOW_E2E_PREPARED")
+    out = Path(kept).parent / "omni" if kept else tmp_path_factory.mktemp("omni")
+    subprocess.run(
+        [sys.executable, str(OMNI / "prepare.py"), "--out", str(out)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=1200,
+    )
+    return out

@@ -20,16 +20,26 @@ LEARNING_STEPS = 500
 def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepared: Path, tmp_path: Path) -> None:
     # Step-based criterion, never wall-clock: the issue's +25 points of greedy held-out accuracy within a
     # fixed number of steps, with the default recipe's schedule (its cosine runs over 1500 steps). The
-    # shipped recipe's runs gained 25 points by steps 100-400 (docs/rl-loop.md), hence 500 steps and the
-    # best evaluation in them.
-    summary = run(prepared, tmp_path / "run", f"steps={LEARNING_STEPS}", "eval.every_steps=50",
-                  "max_staleness=1", "services.trainer.backend.optim.total_steps=1500")
-    first, last = summary["evals"][0], summary["evals"][-1]
-    assert first["policy_version"] == 0 and last["policy_version"] >= LEARNING_STEPS
+    # shipped recipe's runs gained 25 points by steps 100-400 (docs/rl-loop.md), hence at most 500 steps;
+    # the run stops at the first evaluation 25 points over the warm start (which keeps CI short).
+    warm = json.loads((prepared / "prepared.json").read_text())["heldout_accuracy"]
+    summary = run(
+        prepared,
+        tmp_path / "run",
+        f"steps={LEARNING_STEPS}",
+        "eval.every_steps=50",
+        "max_staleness=1",
+        "services.trainer.backend.optim.total_steps=1500",
+        f"target_accuracy={warm + 0.25:.4f}",
+        "stop_at_target=true",
+    )
+    first = summary["evals"][0]
+    assert first["policy_version"] == 0 and abs(first["accuracy"] - warm) < 0.05  # the services see what prepare saw
     best = max(e["accuracy"] for e in summary["evals"])
-    assert best - first["accuracy"] >= 0.25, summary["evals"]
+    assert best >= warm + 0.25, summary["evals"]
+    assert len(summary["steps"]) <= LEARNING_STEPS
     rewards = [s["mean_reward"] for s in summary["steps"]]
-    assert sum(rewards[-50:]) / 50 - sum(rewards[:20]) / 20 >= 0.10, (rewards[:20], rewards[-50:])
+    assert sum(rewards[-20:]) / 20 - sum(rewards[:20]) / 20 >= 0.10, (rewards[:20], rewards[-20:])
     assert summary["staleness_violations"] == 0
 
 
@@ -52,10 +62,23 @@ def test_trainer_killed_mid_run_resumes_from_its_checkpoint_and_trains_no_group_
     import time
 
     out = tmp_path / "run"
-    cmd = command(prepared, out, "steps=24", "max_staleness=1", "services.trainer.checkpoint_every_steps=6",
-                  "services.trainer.lease_s=4", evaluate=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = command(
+        prepared,
+        out,
+        "steps=24",
+        "max_staleness=1",
+        "services.trainer.checkpoint_every_steps=6",
+        "services.trainer.lease_s=4",
+        evaluate=False,
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 600
     # Kill the trainer once it has checkpointed version 6 and trained beyond it.
@@ -76,7 +99,9 @@ def test_trainer_killed_mid_run_resumes_from_its_checkpoint_and_trains_no_group_
 
 
 @pytest.mark.timeout(1800)
-def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing(prepared: Path, tmp_path: Path) -> None:
+def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing(
+    prepared: Path, tmp_path: Path
+) -> None:
     """A rolling upgrade replaces one role at a time: SIGTERM (the service drains), a new process on the
     same port. The controller checks each new process's build and contracts, and the run finishes with
     every step trained on distinct groups, within the staleness bound."""
@@ -84,16 +109,25 @@ def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing
     import time
 
     out = tmp_path / "run"
-    cmd = command(prepared, out, "steps=30", "max_staleness=1", "services.trainer.checkpoint_every_steps=5",
-                  evaluate=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = command(
+        prepared, out, "steps=30", "max_staleness=1", "services.trainer.checkpoint_every_steps=5", evaluate=False
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 900
 
     def wait_for(what: str, done) -> None:
         while not done():
-            assert proc.poll() is None, f"the run ended while waiting for {what}: " + (proc.stderr.read() if proc.stderr else "")
+            assert proc.poll() is None, f"the run ended while waiting for {what}: " + (
+                proc.stderr.read() if proc.stderr else ""
+            )
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.1)
 
@@ -102,8 +136,13 @@ def test_reward_then_rollout_replaced_mid_run_as_a_rolling_upgrade_loses_nothing
         wait_for(f"version {after_version}", lambda v=after_version: (checkpoints / f"v{v:08d}").exists())
         pids[role] = json.loads((out / f"{role}.ready.json").read_text())["pid"]
         os.kill(pids[role], signal.SIGTERM)  # a graceful stop, as Kubernetes does before it replaces a pod
-        wait_for(f"the new {role}", lambda r=role: (out / f"{r}.ready.json").exists()
-                 and json.loads((out / f"{r}.ready.json").read_text())["pid"] != pids[r])
+        wait_for(
+            f"the new {role}",
+            lambda r=role: (
+                (out / f"{r}.ready.json").exists()
+                and json.loads((out / f"{r}.ready.json").read_text())["pid"] != pids[r]
+            ),
+        )
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     for role in ("reward", "rollout"):

@@ -14,7 +14,7 @@ import pytest
 from tests.runs import addition_run as run
 
 STEPS = 300  # upper bound: bench/algorithms.py measured each family past TARGET well before this
-TARGET = 0.55  # about +20 points over the warm start (34.6 %)
+TARGET = 0.50  # about +15 points over the warm start (34.6 %): learning beyond noise, at half the steps of +20
 
 FAMILIES = {
     "rloo": {},
@@ -49,12 +49,22 @@ def test_each_family_raises_heldout_accuracy_through_every_service(
     aggregation = "seq-mean-token-mean" if name == "gspo" else "seq-mean-token-sum"
     options = {"aggregation": aggregation, **FAMILIES[name]}
     summary = run(
-        prepared, tmp_path / "run", f"steps={STEPS}", "eval.every_steps=25", "max_staleness=1",
-        f"target_accuracy={TARGET}", "stop_at_target=true", "services.trainer.backend.optim.total_steps=1500",
+        prepared,
+        tmp_path / "run",
+        f"steps={STEPS}",
+        "eval.every_steps=25",
+        "max_staleness=1",
+        f"target_accuracy={TARGET}",
+        "stop_at_target=true",
+        "services.trainer.backend.optim.total_steps=1500",
         f"services.trainer.backend.algorithm={name}",
         "services.trainer.backend.algorithm_options=" + repr(options).replace("'", '"'),
         *SETTINGS.get(name, []),
-        *([f"services.trainer.backend.teacher_model_path={request.getfixturevalue('teacher')}"] if name == "opd" else []),
+        *(
+            [f"services.trainer.backend.teacher_model_path={request.getfixturevalue('teacher')}"]
+            if name == "opd"
+            else []
+        ),
     )
     first, best = summary["evals"][0], max(e["accuracy"] for e in summary["evals"])
     assert first["policy_version"] == 0 and first["accuracy"] < TARGET - 0.1
@@ -86,11 +96,11 @@ def test_the_teacher_as_its_own_deployment_scores_the_students_tokens(
     # sidecar) before the trainer, which asks it for the log-probs of every sampled token (ComputeLogprobs):
     # on-policy distillation's advantage form with the teacher as a deployment, not in the trainer's process.
     summary = run(
-        prepared, tmp_path / "run", "steps=20", "eval.every_steps=20", "max_staleness=1",
+        prepared, tmp_path / "run", "steps=10", "eval.every_steps=10", "max_staleness=1",
         "target_accuracy=null", "services.trainer.backend.algorithm=opd", f"teacher_model={teacher}",
     )  # fmt: skip
     assert summary["services"]["teacher"]["contracts"]["tauflow.api.rollout.v1"] >= 3  # checked: it scores
     kl = [s["metrics"]["kl_teacher"] for s in summary["steps"]]
-    assert len(kl) == 20 and all(math.isfinite(x) for x in kl)
+    assert len(kl) == 10 and all(math.isfinite(x) for x in kl)
     assert sum(kl) / len(kl) > 0.3, kl  # the 92 % teacher and the 33 % student disagree, token by token
     assert summary["staleness_violations"] == 0

@@ -61,14 +61,24 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
     model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={STEPS}", f"groups_per_step={GROUPS_PER_STEP}", "group_size=4",
-        "max_staleness=1", "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=3",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        f"groups_per_step={GROUPS_PER_STEP}",
+        "group_size=4",
+        "max_staleness=1",
+        "services.rollout.groups_per_ticket=2",
+        "services.trainer.checkpoint_every_steps=3",
         "services.trainer.lease_s=4",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    controller = subprocess.Popen(run_command(ADDITION, sets), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, env=env)
+    controller = subprocess.Popen(
+        run_command(ADDITION, sets), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 300
     # Kill the controller once the trainer has checkpointed version 6 (the newest three are kept) and trains on.
@@ -110,8 +120,9 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
     before = set(_trained(newest))
     assert acked and acked <= before  # a lease is acked only once a checkpoint holds its groups
 
-    done = subprocess.run(run_command(ADDITION, sets, "--resume"), cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        run_command(ADDITION, sets, "--resume"), cwd=ROOT, capture_output=True, text=True, env=env, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     resumed_from = int(newest.name[1:])
@@ -123,6 +134,7 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
     assert acked <= before <= set(trained)  # nothing acked or checkpointed before the kill is lost
     # Every step full, except for groups a step skipped by the trainer's rules: already trained (checkpointed
     # before the kill, their leases not acked yet: redelivered, skipped by id) or too stale.
-    skipped = sum(int(s["metrics"].get(f"skipped_{why}_groups", 0))
-                  for s in summary["steps"] for why in ("duplicate", "stale"))
+    skipped = sum(
+        int(s["metrics"].get(f"skipped_{why}_groups", 0)) for s in summary["steps"] for why in ("duplicate", "stale")
+    )
     assert len(trained) == STEPS * GROUPS_PER_STEP - skipped, skipped

@@ -36,8 +36,22 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _agent(out: Path, token_file: Path, record: Path, groups: int, seed: int) -> None:
-    cmd = [sys.executable, str(AGENT), "--run-dir", str(out), "--token-file", str(token_file), "--groups",
-           str(groups), "--group-size", "8", "--seed", str(seed), "--record", str(record)]
+    cmd = [
+        sys.executable,
+        str(AGENT),
+        "--run-dir",
+        str(out),
+        "--token-file",
+        str(token_file),
+        "--groups",
+        str(groups),
+        "--group-size",
+        "8",
+        "--seed",
+        str(seed),
+        "--record",
+        str(record),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
@@ -61,11 +75,20 @@ def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp
     token_file.write_text(agent_token)
     out, record = tmp_path / "run", tmp_path / "agent.jsonl"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={STEPS}", f"groups_per_step={GROUPS_PER_STEP}", "max_staleness=1",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        f"groups_per_step={GROUPS_PER_STEP}",
+        "max_staleness=1",
         "services.rollout.dataset=",  # the rollout serves Generate only: the agent is the run's one producer
-        "services.trainer.checkpoint_every_steps=4", "services.queue.external.enabled=true",
-        "services.queue.external.port=0", f"services.queue.external.tokens_file={tokens}",
+        "services.trainer.checkpoint_every_steps=4",
+        "services.queue.external.enabled=true",
+        "services.queue.external.port=0",
+        f"services.queue.external.tokens_file={tokens}",
     ]
     cmd = run_command(RECIPE, sets)
     run = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -105,8 +128,10 @@ def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp
                 assert "samples[1].loss_mask has 3 entries for 8 completion tokens" in e.details
             raw = queue_pb2_grpc.QueueServiceStub(probe.channel)
             as_probe = (("authorization", f"Bearer {probe_token}"),)
-            for call, request in ((raw.Get, q.GetRequest(max_groups=2)),
-                                  (raw.SetTrainerVersion, q.SetTrainerVersionRequest(policy_version=100))):
+            for call, request in (
+                (raw.Get, q.GetRequest(max_groups=2)),
+                (raw.SetTrainerVersion, q.SetTrainerVersionRequest(policy_version=100)),
+            ):
                 try:
                     call(request, metadata=as_probe, timeout=5)
                     raise AssertionError("the external port served a consumer's call")
@@ -114,7 +139,11 @@ def test_an_agent_outside_tauflow_trains_the_model_through_the_external_port(tmp
                     assert e.code() == grpc.StatusCode.UNIMPLEMENTED
             after = probe.stats()
             assert (after.trainer_version, after.accepted_groups, after.depth_groups, after.leased_groups) == (
-                stats.trainer_version, stats.accepted_groups, stats.depth_groups, stats.leased_groups)
+                stats.trainer_version,
+                stats.accepted_groups,
+                stats.depth_groups,
+                stats.leased_groups,
+            )
             assert after.accepted_groups == FIRST and after.depth_groups == 0  # (leased until a checkpoint)
             metrics = _external_metrics(queue_info["metrics_port"])
             assert metrics[("put_groups_total", "calculator-agent")] == FIRST

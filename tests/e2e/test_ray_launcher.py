@@ -42,8 +42,13 @@ ray.shutdown()
 def ray_address() -> Iterator[str]:
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **RAY_ENV})
+    head = subprocess.Popen(
+        [sys.executable, "-c", HEAD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **RAY_ENV},
+    )
     try:
         address = head.stdout.readline().strip()
         assert address, f"the Ray head did not start (exit code {head.wait(30)})"
@@ -88,15 +93,24 @@ def test_a_run_on_ray_trains_as_with_the_local_launcher_and_a_killed_trainer_com
     model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={STEPS}", "groups_per_step=4", "group_size=4", "max_staleness=1",
-        "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=3",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        "groups_per_step=4",
+        "group_size=4",
+        "max_staleness=1",
+        "services.rollout.groups_per_ticket=2",
+        "services.trainer.checkpoint_every_steps=3",
         "services.trainer.lease_s=4",
     ]
-    cmd = run_command(RECIPE, sets, "--launcher", "ray",
-           "--address", ray_address)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **RAY_ENV})
+    cmd = run_command(RECIPE, sets, "--launcher", "ray", "--address", ray_address)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **RAY_ENV}
+    )
     deadline = time.monotonic() + 300
     # Kill the trainer's process once it has checkpointed version 3 and trained beyond it.
     while not (out / "checkpoints" / "v00000003").exists() or not (out / "rollout.ready.json").exists():
@@ -138,9 +152,19 @@ def test_on_ray_two_trainer_ranks_train_and_rollout_scales_1_2_1_mid_run(ray_add
     out = tmp_path / "run"
     steps = 300  # tiny steps: enough of them that the scaling below happens while the run trains
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={steps}", "groups_per_step=4", "group_size=4", "max_staleness=1",
-        "services.rollout.groups_per_ticket=2", "trainer.world_size=2", "rollout.replicas=1",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={steps}",
+        "groups_per_step=4",
+        "group_size=4",
+        "max_staleness=1",
+        "services.rollout.groups_per_ticket=2",
+        "trainer.world_size=2",
+        "rollout.replicas=1",
     ]
     run = LiveRun(run_command(RECIPE, sets, "--launcher", "ray", "--address", ray_address), out, env=RAY_ENV)
     run.wait_for("the controller", run.controller_up)
@@ -159,9 +183,7 @@ def test_on_ray_two_trainer_ranks_train_and_rollout_scales_1_2_1_mid_run(ray_add
     assert len(state["trained_group_ids"]) == len(set(state["trained_group_ids"])) == steps * 4
 
 
-def test_a_lost_actor_comes_back_on_its_node_with_the_same_ports(
-    ray_address: str, tmp_path: Path, monkeypatch
-) -> None:
+def test_a_lost_actor_comes_back_on_its_node_with_the_same_ports(ray_address: str, tmp_path: Path, monkeypatch) -> None:
     import ray
 
     monkeypatch.setenv("TAUFLOW_QUEUE_LOG__FORMAT", "json")  # the controller's TAUFLOW_* reach the service
@@ -210,8 +232,11 @@ def test_a_role_the_cluster_has_no_room_for_fails_saying_what_it_needs(ray_addre
     launcher = RayLauncher(tmp_path, config, start_timeout_s=3.0)
     started = time.monotonic()
     try:
-        with pytest.raises(ServiceFailed, match=r"service 'trainer' failed: its Ray actor was not placed within 3s: "
-                           r"it needs \{'num_cpus': 1.0, 'num_gpus': 1.0\}; the cluster has .*'CPU': .* free"):
+        with pytest.raises(
+            ServiceFailed,
+            match=r"service 'trainer' failed: its Ray actor was not placed within 3s: "
+            r"it needs \{'num_cpus': 1.0, 'num_gpus': 1.0\}; the cluster has .*'CPU': .* free",
+        ):
             launcher.start(ServiceSpec("trainer", {"backend.device": "cuda"}))
     finally:
         launcher.stop()

@@ -104,6 +104,7 @@ def test_a_run_scaled_1_3_1_with_tau_changed_1_0_2_trains_every_delivered_group_
     run.wait_for("version 5", lambda: run.version() >= 5)
     assert "1 -> 3" in run.tauflow("scale", "rollout", "3")
     run.wait_for("3 serving rollout replicas", lambda: run.serving("rollout") == ["rollout", "rollout-1", "rollout-2"])
+
     # Every replica's metrics say which replica it is (and so do its Prometheus target's labels). The targets
     # file is rewritten once the controller has checked the new replicas, a moment after they serve.
     def rollout_targets() -> dict[str, dict]:
@@ -163,7 +164,9 @@ def test_sigkill_of_one_trainer_rank_and_one_rollout_replica_mid_run_loses_nothi
     run.wait_for("checkpoint 6", lambda: (checkpoints / "v00000006").exists())
     rank1 = run.pid("trainer-1")
     os.kill(rank1, signal.SIGKILL)  # rank 1 only: the launcher restarts the trainer's gang, which resumes
-    run.wait_for("the trainer back", lambda: (run.out / "trainer-1.ready.json").exists() and run.pid("trainer-1") != rank1)
+    run.wait_for(
+        "the trainer back", lambda: (run.out / "trainer-1.ready.json").exists() and run.pid("trainer-1") != rank1
+    )
     run.wait_for("checkpoint 18", lambda: (checkpoints / "v00000018").exists())
     replica1 = run.pid("rollout-1")
     os.kill(replica1, signal.SIGKILL)

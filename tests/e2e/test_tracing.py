@@ -50,22 +50,38 @@ def _value(v):
 
 def _span(s, service: str) -> dict[str, Any]:
     return {
-        "name": s.name, "service": service, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-        "parent_span_id": s.parent_span_id.hex() or None, "start_ns": s.start_time_unix_nano,
-        "end_ns": s.end_time_unix_nano, "status": {0: "UNSET", 1: "OK", 2: "ERROR"}[s.status.code],
+        "name": s.name,
+        "service": service,
+        "trace_id": s.trace_id.hex(),
+        "span_id": s.span_id.hex(),
+        "parent_span_id": s.parent_span_id.hex() or None,
+        "start_ns": s.start_time_unix_nano,
+        "end_ns": s.end_time_unix_nano,
+        "status": {0: "UNSET", 1: "OK", 2: "ERROR"}[s.status.code],
         "attributes": {a.key: _value(a.value) for a in s.attributes},
-        "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
-                   "attributes": {a.key: _value(a.value) for a in link.attributes}} for link in s.links],
+        "links": [
+            {
+                "trace_id": link.trace_id.hex(),
+                "span_id": link.span_id.hex(),
+                "attributes": {a.key: _value(a.value) for a in link.attributes},
+            }
+            for link in s.links
+        ],
     }
 
 
 def _linking(spans: list[dict[str, Any]], name: str, target: dict[str, Any]) -> list[dict[str, Any]]:
-    return [s for s in spans if s["name"] == name
-            and any(link["span_id"] == target["span_id"] and link["trace_id"] == target["trace_id"]
-                    for link in s["links"])]
+    return [
+        s
+        for s in spans
+        if s["name"] == name
+        and any(link["span_id"] == target["span_id"] and link["trace_id"] == target["trace_id"] for link in s["links"])
+    ]
 
 
-def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_broadcast_and_the_loads(tmp_path: Path) -> None:
+def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_broadcast_and_the_loads(
+    tmp_path: Path,
+) -> None:
     model, dataset = tiny_addition(tmp_path)
 
     receiver = Receiver()
@@ -75,15 +91,27 @@ def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_br
     server.start()
     out = tmp_path / "run"
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={STEPS}", "groups_per_step=4", "group_size=4", "max_staleness=1",
-        "traces_file=traces.jsonl", "services.rollout.groups_per_ticket=2",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        "groups_per_step=4",
+        "group_size=4",
+        "max_staleness=1",
+        "traces_file=traces.jsonl",
+        "services.rollout.groups_per_ticket=2",
         "services.trainer.checkpoint_every_steps=100",
     ]
     cmd = run_command(RECIPE, sets)
     env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200",
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
     }
     env.pop("OTEL_TRACES_EXPORTER", None)
     env.pop("OTEL_SDK_DISABLED", None)
@@ -125,8 +153,11 @@ def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_br
             assert phases["reward.score"]["end_ns"] <= put["start_ns"]
             # The Score call crossed into the reward process within the same trace (gRPC propagation).
             assert any(s["service"] == "tauflow-reward" and s["name"].endswith("/Score") for s in trace_spans)
-        publish = next(s for s in by_trace[step["trace_id"]]
-                       if s["parent_span_id"] == step["span_id"] and s["name"] == "weights.publish")
+        publish = next(
+            s
+            for s in by_trace[step["trace_id"]]
+            if s["parent_span_id"] == step["span_id"] and s["name"] == "weights.publish"
+        )
         broadcasts = [s for s in _linking(spans, "weights.broadcast", publish) if s["service"] == "tauflow-weights"]
         loads = [s for s in _linking(spans, "weights.load", publish) if s["service"] == "tauflow-rollout"]
         if broadcasts and loads:
@@ -144,8 +175,14 @@ def test_each_group_traced_from_rollout_to_queue_and_linked_from_the_step_the_br
     in_file = [json.loads(line) for line in lines]
     assert SERVICES <= {s["service"] for s in in_file}
     assert {s["span_id"] for s in in_file if s["name"] == "trainer.step"} >= {s["span_id"] for s in steps}
-    summary = subprocess.run([sys.executable, "-m", "tauflow.controller.cli", "trace", str(out)], check=False,
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    summary = subprocess.run(
+        [sys.executable, "-m", "tauflow.controller.cli", "trace", str(out)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert summary.returncode == 0, summary.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in summary.stdout.splitlines()[2:]}
     for phase in ("generate", "score", "queue_wait", "train", "publish", "broadcast", "load", "total"):

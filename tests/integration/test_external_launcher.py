@@ -23,16 +23,22 @@ RECIPE = ROOT / "examples" / "addition"
 STEPS = 6
 
 
-def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
-    tmp_path: Path, service_process
-) -> None:
+def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(tmp_path: Path, service_process) -> None:
     model, dataset = tiny_addition(tmp_path)
     out = tmp_path / "run"
     sets = [
         # A prepare step that fails: the services are deployed with their model already, nothing is prepared.
-        'prepare=[python, -c, "raise SystemExit(5)"]', f"out_dir={out}", f"model={model}",
-        f"dataset={dataset}", "eval.dataset=", "target_accuracy=null", f"steps={STEPS}",
-        "groups_per_step=4", "group_size=4", "max_staleness=1", "services.rollout.groups_per_ticket=2",
+        'prepare=[python, -c, "raise SystemExit(5)"]',
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        "groups_per_step=4",
+        "group_size=4",
+        "max_staleness=1",
+        "services.rollout.groups_per_ticket=2",
         "services.trainer.checkpoint_every_steps=100",
     ]
     # The deployment: each role configured with what the run derives for it.
@@ -43,10 +49,21 @@ def test_a_run_over_services_deployed_elsewhere_trains_and_leaves_them_running(
         services[role] = service_process(role, run._settings(role, addresses))
         addresses[role] = services[role].address
 
-    cmd = run_command(RECIPE, [*sets, *(f"external.{role}={address}" for role, address in addresses.items())],
-                      "--launcher", "external")
-    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = run_command(
+        RECIPE,
+        [*sets, *(f"external.{role}={address}" for role, address in addresses.items())],
+        "--launcher",
+        "external",
+    )
+    done = subprocess.run(
+        cmd,
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())

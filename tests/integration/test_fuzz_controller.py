@@ -27,8 +27,12 @@ def _closed_port() -> int:
 
 def test_every_controller_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     settings: dict[str, object] = {
-        "run.launcher": "external", "run.model": str(tmp_path / "model"), "run.dataset": str(tmp_path / "d.jsonl"),
-        "run.steps": 2, "run.out_dir": str(tmp_path / "run"), "run.start_timeout_s": 3600,
+        "run.launcher": "external",
+        "run.model": str(tmp_path / "model"),
+        "run.dataset": str(tmp_path / "d.jsonl"),
+        "run.steps": 2,
+        "run.out_dir": str(tmp_path / "run"),
+        "run.start_timeout_s": 3600,
     }
     for role in ROLES:
         settings[f"run.external.{role}"] = f"127.0.0.1:{_closed_port()}"

@@ -16,10 +16,17 @@ SERVICE = q.DESCRIPTOR.services_by_name["QueueService"]
 
 
 def test_every_queue_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
-    queue = service_process("queue", {
-        "wal.dir": "wal", "max_staleness": -1, "max_wait_s": 1, "capacity_groups": 500, "max_group_bytes": 1 << 20,
-        "groups_per_step": 4,
-    })
+    queue = service_process(
+        "queue",
+        {
+            "wal.dir": "wal",
+            "max_staleness": -1,
+            "max_wait_s": 1,
+            "capacity_groups": 500,
+            "max_group_bytes": 1 << 20,
+            "groups_per_step": 4,
+        },
+    )
     stub = queue_stub(queue.address)
     stub.Put(q.PutRequest(group=make_group("seed-0")))
     stub.Put(q.PutRequest(group=make_group("seed-1")))
@@ -34,13 +41,21 @@ def test_every_queue_rpc_survives_generated_and_mutated_requests(service_process
     short = Duration(nanos=100_000_000)
     methods = [
         Method("Stats", set(), [q.StatsRequest()]),
-        Method("Reserve", set(), [q.ReserveRequest(request_id="r1", producer_id="p", n_groups=1, wait=short)],
-               timeout_s=3, waits=True),
+        Method(
+            "Reserve",
+            set(),
+            [q.ReserveRequest(request_id="r1", producer_id="p", n_groups=1, wait=short)],
+            timeout_s=3,
+            waits=True,
+        ),
         Method("ReleaseReservation", {C.NOT_FOUND}, [q.ReleaseReservationRequest(ticket_id=ticket.ticket_id)]),
         Method("Put", {C.FAILED_PRECONDITION, C.UNAVAILABLE}, [q.PutRequest(group=make_group("g1"))]),
         Method("Get", set(), [q.GetRequest(consumer_id="t", max_groups=2, wait=short)], timeout_s=3, waits=True),
-        Method("RenewLease", {C.NOT_FOUND, C.FAILED_PRECONDITION},
-               [q.RenewLeaseRequest(lease_id=lease.lease_id, lease_duration=Duration(seconds=60))]),
+        Method(
+            "RenewLease",
+            {C.NOT_FOUND, C.FAILED_PRECONDITION},
+            [q.RenewLeaseRequest(lease_id=lease.lease_id, lease_duration=Duration(seconds=60))],
+        ),
         Method("Nack", {C.NOT_FOUND, C.FAILED_PRECONDITION}, [q.NackRequest(lease_id=lease.lease_id)]),
         Method("Ack", {C.NOT_FOUND, C.FAILED_PRECONDITION}, [q.AckRequest(lease_id=lease.lease_id)]),
         Method("SetMaxStaleness", set(), [q.SetMaxStalenessRequest(max_staleness=2)]),

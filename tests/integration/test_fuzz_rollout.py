@@ -36,30 +36,69 @@ def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_proce
         return s.membership_epoch, s.weights_group_name, e.state, e.policy_version, e.weight_update_in_progress
 
     sampling = pb.SamplingParams(n=2, max_new_tokens=4, seed=1, temperature=0.7)
-    init = pb.InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2,
-                                            group_name="g1", backend="gloo", membership_epoch=1,
-                                            timeout=Duration(seconds=1))
+    init = pb.InitWeightsUpdateGroupRequest(
+        master_address="127.0.0.1",
+        master_port=1,
+        rank_offset=1,
+        world_size=2,
+        group_name="g1",
+        backend="gloo",
+        membership_epoch=1,
+        timeout=Duration(seconds=1),
+    )
     update = pb.UpdateWeightsFromDistributedRequest(
-        names=["model.embed_tokens.weight"], dtypes=["float32"], shapes=[pb.TensorShape(dims=[16, 32])],
-        group_name="g1", policy_version=1, membership_epoch=1, bucket_index=0, bucket_count=1,
-        manifest_checksum="ab", trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
+        names=["model.embed_tokens.weight"],
+        dtypes=["float32"],
+        shapes=[pb.TensorShape(dims=[16, 32])],
+        group_name="g1",
+        policy_version=1,
+        membership_epoch=1,
+        bucket_index=0,
+        bucket_count=1,
+        manifest_checksum="ab",
+        trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
     )
     methods = [
         Method("GetStatus", set(), [pb.GetStatusRequest()]),
         # DEADLINE_EXCEEDED: waiting for a min_policy_version the server never reaches (it has no sidecar).
-        Method("Generate", {C.UNAVAILABLE, C.DEADLINE_EXCEEDED},
-               [pb.GenerateRequest(request_id="r", prompt_token_ids=task.prompt_ids(1, 2), sampling=sampling),
-                pb.GenerateRequest(prompt_text="12+34=", sampling=sampling)], timeout_s=3, waits=True),
-        Method("ComputeLogprobs", {C.UNAVAILABLE, C.DEADLINE_EXCEEDED},
-               [pb.ComputeLogprobsRequest(sequences=[pb.ScoredSequence(prompt_token_ids=task.prompt_ids(1, 2),
-                                                                       completion_token_ids=[5, 6, 2])],
-                                          temperature=0.7)], timeout_s=3),
-        Method("DestroyWeightsUpdateGroup", {C.DEADLINE_EXCEEDED}, [pb.DestroyWeightsUpdateGroupRequest(group_name="g1")]),
-        Method("UpdateWeightsFromDistributed",
-               {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.ABORTED, C.UNAVAILABLE, C.DATA_LOSS}, [update]),
-        Method("InitWeightsUpdateGroup",
-               {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.UNAVAILABLE, C.ABORTED},
-               [init], timeout_s=3, waits=True),
+        Method(
+            "Generate",
+            {C.UNAVAILABLE, C.DEADLINE_EXCEEDED},
+            [
+                pb.GenerateRequest(request_id="r", prompt_token_ids=task.prompt_ids(1, 2), sampling=sampling),
+                pb.GenerateRequest(prompt_text="12+34=", sampling=sampling),
+            ],
+            timeout_s=3,
+            waits=True,
+        ),
+        Method(
+            "ComputeLogprobs",
+            {C.UNAVAILABLE, C.DEADLINE_EXCEEDED},
+            [
+                pb.ComputeLogprobsRequest(
+                    sequences=[
+                        pb.ScoredSequence(prompt_token_ids=task.prompt_ids(1, 2), completion_token_ids=[5, 6, 2])
+                    ],
+                    temperature=0.7,
+                )
+            ],
+            timeout_s=3,
+        ),
+        Method(
+            "DestroyWeightsUpdateGroup", {C.DEADLINE_EXCEEDED}, [pb.DestroyWeightsUpdateGroupRequest(group_name="g1")]
+        ),
+        Method(
+            "UpdateWeightsFromDistributed",
+            {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.ABORTED, C.UNAVAILABLE, C.DATA_LOSS},
+            [update],
+        ),
+        Method(
+            "InitWeightsUpdateGroup",
+            {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.UNAVAILABLE, C.ABORTED},
+            [init],
+            timeout_s=3,
+            waits=True,
+        ),
     ]
     fuzzer = Fuzzer(server.address, SERVICE, observe, server.log_text)
     try:

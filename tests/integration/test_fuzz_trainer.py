@@ -18,10 +18,16 @@ SERVICE = pb.DESCRIPTOR.services_by_name["TrainerService"]
 def test_every_trainer_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
     model, _ = tiny_addition(tmp_path, problems=10)
     queue = service_process("queue", {"wal.dir": "wal", "max_staleness": 1})
-    trainer = service_process("trainer", {
-        "backend.model_path": model, "queue_address": queue.address, "checkpoint_dir": tmp_path / "checkpoints",
-        "groups_per_step": 2, "get_wait_s": 0.5,
-    })
+    trainer = service_process(
+        "trainer",
+        {
+            "backend.model_path": model,
+            "queue_address": queue.address,
+            "checkpoint_dir": tmp_path / "checkpoints",
+            "groups_per_step": 2,
+            "get_wait_s": 0.5,
+        },
+    )
     stub = trainer_pb2_grpc.TrainerServiceStub(
         create_sync_channel(trainer.address, [SERVICE], ChannelConfig(default_timeout_s=10))
     )
@@ -33,11 +39,17 @@ def test_every_trainer_rpc_survives_generated_and_mutated_requests(service_proce
     methods = [
         Method("GetStatus", set(), [pb.GetStatusRequest()]),
         Method("ListSteps", set(), [pb.ListStepsRequest(from_step=0, max_steps=10)]),
-        Method("SetMaxStaleness", set(), [pb.SetMaxStalenessRequest(max_staleness=1),
-                                          pb.SetMaxStalenessRequest(max_staleness=-1)]),
-        Method("SaveCheckpoint", {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED},
-               [pb.SaveCheckpointRequest(), pb.SaveCheckpointRequest(directory=str(tmp_path / "elsewhere"))],
-               timeout_s=20),
+        Method(
+            "SetMaxStaleness",
+            set(),
+            [pb.SetMaxStalenessRequest(max_staleness=1), pb.SetMaxStalenessRequest(max_staleness=-1)],
+        ),
+        Method(
+            "SaveCheckpoint",
+            {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED},
+            [pb.SaveCheckpointRequest(), pb.SaveCheckpointRequest(directory=str(tmp_path / "elsewhere"))],
+            timeout_s=20,
+        ),
         Method("Pause", {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED}, [pb.PauseRequest(reason="fuzz")]),
         Method("Resume", {C.FAILED_PRECONDITION}, [pb.ResumeRequest()]),
     ]

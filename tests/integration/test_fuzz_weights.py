@@ -18,10 +18,18 @@ SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]
 
 
 def test_every_weights_rpc_survives_generated_and_mutated_requests(service_process, tmp_path: Path) -> None:
-    car = service_process("weights", {
-        "deadlines.group_s": 1, "deadlines.confirm_s": 1, "deadlines.destroy_s": 1, "deadlines.rpc_margin_s": 0.5,
-        "deadlines.handoff_s": 5, "max_members": 32, "max_retained_bytes": 1 << 20,
-    })
+    car = service_process(
+        "weights",
+        {
+            "deadlines.group_s": 1,
+            "deadlines.confirm_s": 1,
+            "deadlines.destroy_s": 1,
+            "deadlines.rpc_margin_s": 0.5,
+            "deadlines.handoff_s": 5,
+            "max_members": 32,
+            "max_retained_bytes": 1 << 20,
+        },
+    )
     stub = weights_pb2_grpc.WeightsServiceStub(
         create_sync_channel(car.address, [SERVICE], ChannelConfig(default_timeout_s=10))
     )
@@ -36,16 +44,32 @@ def test_every_weights_rpc_survives_generated_and_mutated_requests(service_proce
         return latest, sorted((m.member_id, m.address, m.num_ranks) for m in s.members)
 
     publish = pb.PublishRequest(manifest=manifest, staging_uri=stager.uri)
-    confirm = pb.ConfirmVersionRequest(member_id="m0", policy_version=1, manifest_checksum=manifest.checksum,
-                                       membership_epoch=1)
+    confirm = pb.ConfirmVersionRequest(
+        member_id="m0", policy_version=1, manifest_checksum=manifest.checksum, membership_epoch=1
+    )
     methods = [
         # Publish first, with no member yet: a published version is what later broadcasts (to fuzzed members) send.
-        Method("Publish", {C.FAILED_PRECONDITION, C.NOT_FOUND, C.DATA_LOSS, C.DEADLINE_EXCEEDED},
-               [publish, pb.PublishRequest(manifest=manifest, staging_uri="file:///nonexistent")], timeout_s=10),
+        Method(
+            "Publish",
+            {C.FAILED_PRECONDITION, C.NOT_FOUND, C.DATA_LOSS, C.DEADLINE_EXCEEDED},
+            [publish, pb.PublishRequest(manifest=manifest, staging_uri="file:///nonexistent")],
+            timeout_s=10,
+        ),
         Method("GetManifest", {C.NOT_FOUND}, [pb.GetManifestRequest(policy_version=1), pb.GetManifestRequest()]),
-        Method("Join", {C.FAILED_PRECONDITION},  # RESOURCE_EXHAUSTED (membership full) is in ALWAYS
-               [pb.JoinRequest(member_id="m0", address="127.0.0.1:1", num_ranks=1, backends=["gloo"],
-                               model=manifest.model, loaded_policy_version=1)]),
+        Method(
+            "Join",
+            {C.FAILED_PRECONDITION},  # RESOURCE_EXHAUSTED (membership full) is in ALWAYS
+            [
+                pb.JoinRequest(
+                    member_id="m0",
+                    address="127.0.0.1:1",
+                    num_ranks=1,
+                    backends=["gloo"],
+                    model=manifest.model,
+                    loaded_policy_version=1,
+                )
+            ],
+        ),
         Method("ConfirmVersion", {C.NOT_FOUND, C.FAILED_PRECONDITION, C.DATA_LOSS}, [confirm]),
         Method("Leave", set(), [pb.LeaveRequest(member_id="m0", reason="fuzz")]),
         Method("GetStatus", set(), [pb.GetStatusRequest()]),

@@ -39,15 +39,31 @@ def test_prometheus_scrapes_every_service_and_the_key_series_move(tmp_path: Path
     out.mkdir()
     prometheus = Prometheus(tmp_path, out / "prometheus-targets.json")
     sets = [
-        "prepare=[]", f"out_dir={out}", f"model={model}", f"dataset={dataset}", "eval.dataset=",
-        "target_accuracy=null", f"steps={STEPS}", f"max_staleness={TAU}", f"groups_per_step={GROUPS_PER_STEP}",
-        "group_size=4", "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=100",
+        "prepare=[]",
+        f"out_dir={out}",
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        f"steps={STEPS}",
+        f"max_staleness={TAU}",
+        f"groups_per_step={GROUPS_PER_STEP}",
+        "group_size=4",
+        "services.rollout.groups_per_ticket=2",
+        "services.trainer.checkpoint_every_steps=100",
     ]
     cmd = run_command(ADDITION, sets)
     start = time.time()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         time.sleep(2)  # the last scrape
         end = time.time()
@@ -83,7 +99,9 @@ def test_prometheus_scrapes_every_service_and_the_key_series_move(tmp_path: Path
         assert max(depth) <= (TAU + 1) * GROUPS_PER_STEP, depth
         slack = prometheus.one(
             "tauflow_queue_pacing_limit_groups - tauflow_queue_accepted_groups - tauflow_queue_reserved_groups",
-            start, end)
+            start,
+            end,
+        )
         assert min(slack) >= 0, slack
         delivered = prometheus.one("tauflow_queue_delivered_staleness_steps_count", start, end)
         assert delivered[-1] >= STEPS * 3 // 4 * GROUPS_PER_STEP, delivered

@@ -54,17 +54,26 @@ def _evicted(metrics_port: object) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     return {
         s.labels["reason"]: s.value
-        for fam in text_string_to_metric_families(text) if fam.name == "tauflow_queue_evicted"
-        for s in fam.samples if s.name.endswith("_total")
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "tauflow_queue_evicted"
+        for s in fam.samples
+        if s.name.endswith("_total")
     }
 
 
 def test_poison_groups_are_refused_on_both_ports_and_training_goes_on(service_process, tmp_path: Path) -> None:
     (tmp_path / "tokens.yaml").write_text(f"agent: {TOKEN}\n")
-    queue = service_process("queue", {
-        "max_staleness": -1, "wal.dir": "wal", "external.enabled": "true", "external.port": 0,
-        "external.tokens_file": str(tmp_path / "tokens.yaml"), "max_lease_s": 3600,
-    })
+    queue = service_process(
+        "queue",
+        {
+            "max_staleness": -1,
+            "wal.dir": "wal",
+            "external.enabled": "true",
+            "external.port": 0,
+            "external.tokens_file": str(tmp_path / "tokens.yaml"),
+            "max_lease_s": 3600,
+        },
+    )
     internal = grpc.insecure_channel(queue.address)
     external = grpc.insecure_channel(f"127.0.0.1:{queue.info['external_port']}")
     auth = (("authorization", f"Bearer {TOKEN}"),)
@@ -102,8 +111,11 @@ def test_a_stored_group_no_consumer_can_decode_is_quarantined(service_process, t
     # The log of an older build that accepted a poison group between two good ones.
     wal = WriteAheadLog(tmp_path / "wal" / "queue.wal")
     old = QueueState(QueueConfig(max_staleness=-1), wal)
-    for gid, raw in (("a", make_group("a").SerializeToString()), ("bad", _poison("bad")),
-                     ("b", make_group("b").SerializeToString())):
+    for gid, raw in (
+        ("a", make_group("a").SerializeToString()),
+        ("bad", _poison("bad")),
+        ("b", make_group("b").SerializeToString()),
+    ):
         old.put(model.GroupRecord(gid, raw, 0, 10))
     wal.close()
     queue = service_process("queue", {"max_staleness": -1, "wal.dir": "wal"})

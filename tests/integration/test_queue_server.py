@@ -28,9 +28,7 @@ def _drain(stub, wait_s: float = 0.5) -> list[str]:
     """Gets and acks until the queue stays empty for ``wait_s``; returns the group ids."""
     ids: list[str] = []
     while True:
-        resp = stub.Get(
-            q.GetRequest(consumer_id="drain", max_groups=64, wait=_duration(wait_s))
-        )
+        resp = stub.Get(q.GetRequest(consumer_id="drain", max_groups=64, wait=_duration(wait_s)))
         if not resp.groups:
             return ids
         ids += [g.group.group_id for g in resp.groups]

@@ -37,8 +37,12 @@ def test_rollout_loop_reserves_generates_scores_and_puts(service_process, tmp_pa
     service_process(
         "rollout",
         {
-            "model_path": model, "dataset": tmp_path / "train.jsonl", "group_size": 3, "groups_per_ticket": 2,
-            "sampling.max_new_tokens": task.MAX_NEW_TOKENS, "queue_address": queue.address,
+            "model_path": model,
+            "dataset": tmp_path / "train.jsonl",
+            "group_size": 3,
+            "groups_per_ticket": 2,
+            "sampling.max_new_tokens": task.MAX_NEW_TOKENS,
+            "queue_address": queue.address,
             "reward_address": reward.address,
         },
     )

@@ -41,8 +41,9 @@ def rank_environments(port: int) -> list[dict[str, str]]:
     envs = [container_environment(docs, trainer_container("trainer"), 0)]
     followers = workloads["trainer-rank"]["spec"]
     first = followers.get("ordinals", {}).get("start", 0)
-    envs += [container_environment(docs, trainer_container("trainer-rank"), first + i)
-             for i in range(followers["replicas"])]
+    envs += [
+        container_environment(docs, trainer_container("trainer-rank"), first + i) for i in range(followers["replicas"])
+    ]
     for env in envs:
         key = "TAUFLOW_TRAINER_DISTRIBUTED__MASTER_ADDRESS"
         assert env[key] == "trainer-ranks:29400"  # tests/contract/test_deploy.py: the Service publishing rank 0
@@ -50,7 +51,9 @@ def rank_environments(port: int) -> list[dict[str, str]]:
     return envs
 
 
-def start_ranks(tmp_path: Path, settings: dict[str, object], envs: list[dict[str, str]], tag: str) -> list[ServiceProcess]:
+def start_ranks(
+    tmp_path: Path, settings: dict[str, object], envs: list[dict[str, str]], tag: str
+) -> list[ServiceProcess]:
     """Every rank at once (each waits in the rendezvous for the others), each in a folder of its own."""
     ranks = []
     for rank, env in enumerate(envs):
@@ -78,11 +81,26 @@ def start_ranks(tmp_path: Path, settings: dict[str, object], envs: list[dict[str
 
 
 def drive(sets: list[str], addresses: dict[str, str], steps: int, out: Path) -> dict[str, Any]:
-    cmd = run_command(RECIPE, [*sets, f"steps={steps}", f"out_dir={out}",
-                               *(f"external.{role}={address}" for role, address in addresses.items())],
-                      "--launcher", "external")
-    done = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = run_command(
+        RECIPE,
+        [
+            *sets,
+            f"steps={steps}",
+            f"out_dir={out}",
+            *(f"external.{role}={address}" for role, address in addresses.items()),
+        ],
+        "--launcher",
+        "external",
+    )
+    done = subprocess.run(
+        cmd,
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
@@ -95,13 +113,25 @@ def test_two_ranks_deployed_as_the_cpu_ranks_overlay_says_train_and_resume_after
     assert "TAUFLOW_TRAINER_DISTRIBUTED__RANK" not in envs[0] and envs[1]["TAUFLOW_TRAINER_DISTRIBUTED__RANK"] == "1"
 
     model, dataset = tiny_addition(tmp_path)
-    sets = ['prepare=[python, -c, "raise SystemExit(5)"]', f"model={model}", f"dataset={dataset}", "eval.dataset=",
-            "target_accuracy=null", "groups_per_step=4", "group_size=4", "max_staleness=1",
-            "services.rollout.groups_per_ticket=2", "services.trainer.checkpoint_every_steps=2"]
+    sets = [
+        'prepare=[python, -c, "raise SystemExit(5)"]',
+        f"model={model}",
+        f"dataset={dataset}",
+        "eval.dataset=",
+        "target_accuracy=null",
+        "groups_per_step=4",
+        "group_size=4",
+        "max_staleness=1",
+        "services.rollout.groups_per_ticket=2",
+        "services.trainer.checkpoint_every_steps=2",
+    ]
 
     def role_settings(role: str, steps: int, addresses: dict[str, str]) -> dict[str, object]:
-        config = load_config(RunConfig, path=RECIPE / "config.yaml",
-                             overrides=[*sets, f"steps={steps}", f"out_dir={tmp_path / 'layout'}"])
+        config = load_config(
+            RunConfig,
+            path=RECIPE / "config.yaml",
+            overrides=[*sets, f"steps={steps}", f"out_dir={tmp_path / 'layout'}"],
+        )
         return build_run(config)._settings(role, addresses)
 
     services, addresses = {}, {}
@@ -121,8 +151,7 @@ def test_two_ranks_deployed_as_the_cpu_ranks_overlay_says_train_and_resume_after
         # Both pods die (a node drains); Kubernetes starts them again, rank 1 on a node without rank 0's volume.
         for rank in ranks:
             rank.kill(signal.SIGKILL)
-        ranks = start_ranks(tmp_path, {**trainer_settings, **role_settings("trainer", STEPS, addresses)}, envs,
-                            "again")
+        ranks = start_ranks(tmp_path, {**trainer_settings, **role_settings("trainer", STEPS, addresses)}, envs, "again")
         checkpoint = Path(str(ranks[0].info["resumed_from"]))
         assert checkpoint.name == f"v{FIRST_STEPS:08d}", ranks[0].info
         assert not (tmp_path / "no-such-volume").exists()  # rank 1 read (and wrote) nothing there

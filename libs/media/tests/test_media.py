@@ -206,3 +206,18 @@ def test_jpeg_and_gif_images_decode_to_rgb() -> None:
         Image.fromarray(_picture()).save(buf, format=fmt)
         d = decode(Media(Modality.IMAGE, media_type, data=buf.getvalue(), width=32, height=24), LIMITS)
         assert d.image is not None and d.image.shape == (24, 32, 3)
+
+
+def test_a_parquet_data_set_reads_like_jsonl(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (the parquet extra) is not installed")
+    import pyarrow as pa
+
+    from tauflow.media import load_prompt_rows
+
+    (tmp_path / "q.png").write_bytes(image(_picture()).data or b"")
+    rows = [{"id": "a", "answer": "3", "prompt_parts": [{"type": "image", "path": "q.png", "text": None},
+                                                          {"type": "text", "path": None, "text": "n="}]}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    (row,) = load_prompt_rows(tmp_path / "d.parquet")
+    assert row.prompt_id == "a" and row.fields == {"answer": "3"}
+    assert isinstance(row.parts[0], Media) and row.parts[0].width == 32 and row.parts[1] == Text("n=")

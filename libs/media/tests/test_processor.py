@@ -70,7 +70,7 @@ def _last_logits(model, processed: list) -> torch.Tensor:
         ids = torch.tensor([p.token_ids])
         with torch.no_grad():
             logits = model(
-                input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, p.inputs)
+                input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, p.inputs, ids)
             ).logits
         out.append(logits[0])
     return out
@@ -98,7 +98,7 @@ def test_a_right_padded_batch_scores_as_the_prompts_alone(folder: Path, model) -
         ids[i, : len(p.token_ids)] = torch.tensor(p.token_ids)
         mask[i, : len(p.token_ids)] = 1
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, **accepted_inputs(model, collate(prompts))).logits
+        logits = model(input_ids=ids, attention_mask=mask, **accepted_inputs(model, collate(prompts), ids)).logits
     for i, p in enumerate(prompts):
         torch.testing.assert_close(logits[i, : len(p.token_ids)], alone[i], atol=1e-5, rtol=1e-4)
 
@@ -128,3 +128,24 @@ def test_the_video_layout_is_qwen2_vls(folder: Path) -> None:
     )(videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], return_tensors="pt")  # fmt: skip
     assert theirs["video_grid_thw"][0].tolist() == grid
     torch.testing.assert_close(ours, theirs["pixel_values_videos"], atol=2e-2, rtol=0)
+
+
+def test_the_qwen2_vl_family_takes_images_and_videos_and_refuses_sound(tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    tiny.build_qwen2_vl(tmp_path)
+    proc = PartsProcessor.from_pretrained(tmp_path)
+    assert proc is not None and proc.feature_extractor is None
+    vocab = tiny.vocabulary("0123456789+=? ", tiny.QWEN2_VL_TOKENS)
+    out = proc([_image(5), _clip(4), media.Text("1+2=")])
+    assert out.token_ids.count(vocab["<|image_pad|>"]) == 4 and out.token_ids.count(vocab["<|video_pad|>"]) == 8
+    assert out.token_ids[0] == vocab["<|vision_start|>"] and "video_second_per_grid" in out.inputs
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([out.token_ids])
+    kwargs = accepted_inputs(model, out.inputs, ids)
+    assert "video_second_per_grid" not in kwargs  # Qwen2-VL times no video
+    assert kwargs["mm_token_type_ids"].tolist()[0].count(1) == 4  # each token's modality: 4 image tokens
+    with torch.no_grad():
+        assert model(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs).logits.shape[1] == len(ids[0])
+    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[0\].media: this model takes no audio"):
+        proc([_sound(0.5)])

@@ -47,7 +47,9 @@ def prompts(omni: Path) -> list[Processed]:
 def _full_logprobs(model: Any, p: Processed, completion: list[int], temperature: float) -> list[float]:
     ids = torch.tensor([p.token_ids + completion])
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, p.inputs)).logits
+        logits = model(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, p.inputs, ids)
+        ).logits
     scaled = logits[0, :-1].float() / temperature
     scaled[:, media_token_ids(model.config)] = float("-inf")  # never sampled: the engine masks them
     lp = torch.log_softmax(scaled, -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -107,3 +109,22 @@ def test_media_a_text_model_cannot_take_are_refused(engine: HFEngine, prompts: l
         engine.submit([[1, 2]], SamplingParams(max_new_tokens=2), [prompts[0].inputs])
     with pytest.raises(InvalidRequestError, match="2 media entries for 1 prompts"):
         engine.submit([[1, 2]], SamplingParams(max_new_tokens=2), [None, None])
+
+
+def test_qwen2_vl_behaviour_logprobs_are_the_full_forward_too(tmp_path: Path) -> None:
+    tiny.build_qwen2_vl(tmp_path)
+    proc = PartsProcessor.from_pretrained(tmp_path)
+    assert proc is not None
+    rng = np.random.default_rng(1)
+    clip = media.video(np.stack([np.full((56, 56, 3), 60 * i, np.uint8) for i in range(2)]), fps=1)
+    prompts = [proc([media.image(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)), media.Text("1+2=")]),
+               proc([clip, media.Text("=")]), proc([media.Text("5+5=")])]  # fmt: skip
+    engine, reference = HFEngine.from_pretrained(tmp_path, seed=0), load_model(tmp_path).eval()
+    try:
+        params = SamplingParams(max_new_tokens=4, n=2, temperature=1.0, ignore_eos=True, seed=2)
+        out = engine.submit([p.token_ids for p in prompts], params, [p.inputs for p in prompts]).result(60)
+        for p, group in zip(prompts, out, strict=True):
+            for c in group:
+                assert c.logprobs == pytest.approx(_full_logprobs(reference, p, c.token_ids, 1.0), abs=1e-4)
+    finally:
+        engine.close()

@@ -56,7 +56,9 @@ def test_the_trainers_logprobs_are_the_models_own_on_each_sample(omni: Path) -> 
         batched = unpack(completion_logprobs(model, pack(samples, banned_ids=backend.banned_ids)).logprobs, samples)
         for s, got in zip(samples, batched, strict=True):
             ids = torch.tensor([s.prompt_ids + s.completion_ids])
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, s.media)).logits
+            logits = model(
+                input_ids=ids, attention_mask=torch.ones_like(ids), **accepted_inputs(model, s.media, ids)
+            ).logits
             scaled = logits[0, :-1].float()
             scaled[:, media_token_ids(model.config)] = float("-inf")  # as the engine, which never samples them
             lp = torch.log_softmax(scaled, -1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -91,9 +93,11 @@ def test_groups_the_model_cannot_take_are_skipped_not_trained(omni: Path, tiny_m
     text.prompt_parts = []
     for s in text.samples:
         s.prompt_ids = s.prompt_ids[-4:]  # a text prompt to the multimodal model: trained as sent
-    result = backend.train_step([good, forged, text])
-    assert result.groups == 2 and result.metrics["skipped_invalid_media_groups"] == 1
-    assert "g6" not in backend.trained_group_ids and {"g5", "g7"} <= backend.trained_group_ids
+    broken = _group(backend.processor, 9)
+    broken.prompt_parts = [media.Media(media.Modality.IMAGE, "image/png", data=b"not a png"), media.Text("=")]
+    result = backend.train_step([good, forged, text, broken])
+    assert result.groups == 2 and result.metrics["skipped_invalid_media_groups"] == 2
+    assert {"g6", "g9"}.isdisjoint(backend.trained_group_ids) and {"g5", "g7"} <= backend.trained_group_ids
     # a text policy cannot see the media: it does not train on the prompt's placeholders alone
     text_backend = TorchBackend(TorchBackendConfig(model_path=str(tiny_model_dir)))
     assert text_backend.processor is None

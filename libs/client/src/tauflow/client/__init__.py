@@ -12,10 +12,12 @@ from tauflow.client.channel import Tls, open_channel
 from tauflow.client.client import PutResult, QueueClient, RewardClient, RolloutClient, Ticket
 from tauflow.client.errors import TauflowError
 from tauflow.client.trajectory import Completion, Trajectory, make_group
+from tauflow.media import PromptRow, load_prompt_rows  # the data set format of multimodal prompts (docs/omni.md)
 
 __version__ = "0.1.0"
 __all__ = [
     "Completion",
+    "PromptRow",
     "PutResult",
     "QueueClient",
     "RewardClient",
@@ -24,6 +26,7 @@ __all__ = [
     "Ticket",
     "Tls",
     "Trajectory",
+    "load_prompt_rows",
     "make_group",
     "open_channel",
 ]

@@ -206,9 +206,10 @@ def collate(items: list[Processed]) -> dict[str, Any]:
     return {k: torch.cat([it.inputs[k] for it in items if k in it.inputs]) for k in keys}
 
 
-def accepted_inputs(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+def accepted_inputs(model: Any, inputs: dict[str, Any], input_ids: Any = None) -> dict[str, Any]:
     """``inputs`` under the names ``model.forward`` takes: Qwen2.5-VL calls the video timing
-    ``second_per_grid_ts``, Qwen2-VL takes none."""
+    ``second_per_grid_ts``, Qwen2-VL takes none; a model that asks for ``mm_token_type_ids`` (Qwen2-VL in
+    transformers 5: each token's modality, for its 3-D rope) gets them from ``input_ids`` ([B, T])."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
@@ -218,7 +219,27 @@ def accepted_inputs(model: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         for name in ("video_second_per_grid", "second_per_grid_ts"):
             if name in params:
                 out[name] = seconds
+    if out and input_ids is not None and "mm_token_type_ids" in params:
+        out["mm_token_type_ids"] = mm_token_types(model.config, input_ids)
     return {k: v for k, v in out.items() if k in params or any(p.kind == p.VAR_KEYWORD for p in params.values())}
+
+
+_PLACEHOLDER_TYPES = {  # config attribute -> the modality type transformers gives its tokens (0: text)
+    "image_token_id": 1, "image_token_index": 1, "video_token_id": 2, "video_token_index": 2,
+    "audio_token_id": 3, "audio_token_index": 3,
+}  # fmt: skip
+
+
+def mm_token_types(config: Any, input_ids: Any) -> Any:
+    """Each token's modality (0 text, 1 image, 2 video, 3 audio), as transformers' processors return it."""
+    import torch
+
+    types = torch.zeros_like(input_ids)
+    for name, kind in _PLACEHOLDER_TYPES.items():
+        token = getattr(config, name, None)
+        if isinstance(token, int):
+            types = torch.where(input_ids == token, kind, types)
+    return types
 
 
 def load_model(path: str | Path, **kwargs: Any) -> Any:

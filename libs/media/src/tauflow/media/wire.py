@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tauflow.api.common.v1 import common_pb2
-from tauflow.media.parts import InvalidMedia, Media, Modality, PromptPart, Text
+from tauflow.media.parts import InvalidMedia, Media, MediaLimits, Modality, PromptPart, Text
 
 _MODALITY = {
     Modality.IMAGE: common_pb2.MODALITY_IMAGE,
@@ -58,3 +58,17 @@ def from_proto(parts: Iterable[common_pb2.PromptPart], where: str = "prompt_part
             )
         )  # fmt: skip
     return out
+
+
+def field_bounds(prefix: str = "prompt_parts", limits: MediaLimits | None = None) -> dict[str, int]:
+    """The contract's bounds of a ``PromptPart`` list at ``prefix``, as tauflow.core.decoding.check_bounds
+    takes per-field bounds (its default for a string or bytes field is far smaller than a media part)."""
+    lim = limits or MediaLimits()
+    return {
+        prefix: lim.max_parts,
+        f"{prefix}.text": lim.max_text_chars,
+        f"{prefix}.media.data": lim.max_media_bytes,
+        f"{prefix}.media.uri": lim.max_uri_chars,
+        f"{prefix}.media.media_type": lim.max_media_type_chars,
+        f"{prefix}.media.grid_thw": 3,
+    }

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from tauflow import media
 from tauflow.controller.config import EvalConfig
 from tauflow.controller.ports import RewardPort, RolloutPort, ToScore
 
@@ -16,11 +18,18 @@ CALL_TIMEOUT_S = 120.0  # each call's own deadline: the rollout server is genera
 
 
 def read_heldout(config: EvalConfig) -> list[dict[str, Any]]:
-    """The held-out rows (``id``, ``prompt``, ``answer``), at most ``max_prompts``; none without a dataset."""
+    """The held-out rows (``id``, ``prompt`` or ``prompt_parts``, ``answer``), at most ``max_prompts``; none
+    without a dataset. A multimodal row's parts are read now (their files, relative to the data set)."""
     if not config.dataset:
         return []
     with open(config.dataset) as f:
-        return [json.loads(line) for line in f if line.strip()][: config.max_prompts]
+        rows = [json.loads(line) for line in f if line.strip()][: config.max_prompts]
+    for i, row in enumerate(rows):
+        if "prompt_parts" in row:
+            row["prompt_parts"] = media.parts_from_row(
+                row["prompt_parts"], Path(config.dataset).parent, f"{config.dataset}: row {i}: prompt_parts"
+            )
+    return rows
 
 
 async def evaluate(
@@ -32,7 +41,8 @@ async def evaluate(
 
     async def one(i: int, row: dict[str, Any]) -> ToScore:
         rollout = rollouts[i % len(rollouts)]
-        completion = await rollout.generate_greedy(row["prompt"], timeout_s=CALL_TIMEOUT_S)
+        prompt = row["prompt_parts"] if "prompt_parts" in row else row["prompt"]
+        completion = await rollout.generate_greedy(prompt, timeout_s=CALL_TIMEOUT_S)
         return ToScore(f"eval-{row['id']}", str(row["answer"]), completion)
 
     groups: list[ToScore] = []

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
+from tauflow.media import PromptPart
+
 
 class PeerError(RuntimeError):
     """A call to a service failed; ``code`` is the gRPC status code's name."""
@@ -107,7 +109,7 @@ class WeightsPort(Protocol):
 
 
 class RolloutPort(Protocol):
-    async def generate_greedy(self, prompt: str, timeout_s: float) -> Completion: ...
+    async def generate_greedy(self, prompt: str | list[PromptPart], timeout_s: float) -> Completion: ...
 
     async def close(self) -> None: ...
 

@@ -12,6 +12,7 @@ from tauflow.api.rollout.v1 import rollout_pb2
 from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
+from tauflow.media import wire as media_wire
 from tauflow.media.processor import PartsProcessor
 from tauflow.rollout import __version__
 from tauflow.rollout.adapters.queue_client import GrpcQueue
@@ -59,6 +60,8 @@ async def build(config: RolloutConfig) -> ServiceApp:
     )
     weights = WeightLoader(engine, config.server_id, sidecar)
     producer = queue = reward = None
+    # a multimodal model's processor (None: a text model), from the same folder the trainer reads
+    processor = PartsProcessor.from_pretrained(config.model_path, media.MediaLimits.of(config.media.model_dump()))
     if config.dataset:
         prompts = load_prompts(
             config.dataset,
@@ -69,13 +72,11 @@ async def build(config: RolloutConfig) -> ServiceApp:
         )
         queue = GrpcQueue(config.queue_address, config.server_id, config.channel)
         reward = GrpcReward(config.reward_address, config.reward_fn, config.channel)
-        # a multimodal model's processor (None: a text model), from the same folder the trainer reads
-        processor = PartsProcessor.from_pretrained(config.model_path, media.MediaLimits.of(config.media.model_dump()))
         producer = Producer(
             engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics,
             processor=processor,
         )  # fmt: skip
-    servicer = RolloutServicer(config, engine, weights, producer, encode, decode)
+    servicer = RolloutServicer(config, engine, weights, producer, encode, decode, processor)
     metrics.watch(engine, servicer, producer)
     bound_port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -111,7 +112,8 @@ async def build(config: RolloutConfig) -> ServiceApp:
 
     service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     return ServiceApp(
-        bindings=[ServiceBinding(service, servicer, servicer_adder(service))],
+        # a Generate's media parts are far larger than the default bound of a bytes field
+        bindings=[ServiceBinding(service, servicer, servicer_adder(service, {"Generate": media_wire.field_bounds()}))],
         background=background,
         close=close,
         info={"policy_version": engine.policy_version},

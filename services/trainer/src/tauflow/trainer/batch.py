@@ -161,7 +161,7 @@ class PackedBatch:
         from tauflow.media.processor import accepted_inputs
 
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                **accepted_inputs(model, self.media)}  # fmt: skip
+                **accepted_inputs(model, self.media, self.input_ids)}  # fmt: skip
 
 
 def pack(

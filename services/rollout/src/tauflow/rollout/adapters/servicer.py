@@ -12,8 +12,11 @@ from typing import NoReturn
 import grpc
 import torch
 
+from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
+from tauflow.media import wire as media_wire
+from tauflow.media.processor import Processed
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
@@ -57,6 +60,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         producer: Producer | None,
         encode: Callable[[str], list[int]] | None,
         decode: Callable[[list[int]], str] | None,
+        processor: Callable[[list[media.PromptPart]], Processed] | None = None,
     ) -> None:
         self.config = config  # max_n, max_in_flight, max_wait_s: what one client may ask of the server
         self.engine = engine
@@ -64,6 +68,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.producer = producer
         self.encode = encode
         self.decode = decode or (lambda ids: "")  # a model folder without a tokenizer: token ids only
+        self.processor = processor  # a multimodal model's (prompt_parts); None: a text model
         self.in_flight = 0
 
     # -- data plane ------------------------------------------------------------------------
@@ -71,10 +76,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        if bool(request.prompt_token_ids) == bool(request.prompt_text):
+        if sum(map(bool, (request.prompt_token_ids, request.prompt_text, request.prompt_parts))) != 1:
             await _abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt_token_ids and prompt_text"
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "set exactly one of prompt_token_ids, prompt_text and prompt_parts",
             )
+        parts: list[media.PromptPart] = []
+        if request.prompt_parts:
+            try:
+                parts = media_wire.from_proto(request.prompt_parts)
+                media.check_structure(parts, media.MediaLimits())
+            except media.InvalidMedia as e:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if self.processor is None:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_parts needs a multimodal model")
         if request.sampling.stop:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
         if request.prompt_text and self.encode is None:
@@ -92,12 +108,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"{self.in_flight} Generate calls in flight, this server's maximum",
             )
         prompt = list(request.prompt_token_ids)
-        if not prompt:
+        if request.prompt_text:
             assert self.encode is not None  # prompt_text without a tokenizer was refused above
             prompt = self.encode(request.prompt_text)
         started = time.monotonic()
         self.in_flight += 1
+        inputs = None
         try:
+            if parts:
+                assert self.processor is not None  # refused above
+                processed = await asyncio.to_thread(self.processor, parts)  # decodes media: off the event loop
+                prompt, inputs = processed.token_ids, [processed.inputs]
             params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
             if self.engine.policy_version < request.min_policy_version:
                 remaining = min(context.time_remaining() or self.config.max_wait_s, self.config.max_wait_s)
@@ -105,8 +126,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 if not ok:
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
             queued = time.monotonic()
-            [completions] = await self.engine.generate([prompt], params)
-        except InvalidRequestError as e:
+            [completions] = await self.engine.generate([prompt], params, inputs)
+        except (InvalidRequestError, media.InvalidMedia) as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineClosedError as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from tauflow.media.processor import accepted_inputs, media_token_ids
 from tauflow.rollout.engine.base import (
     Completion,
     EngineClosedError,
@@ -316,8 +317,6 @@ class HFEngine(GenerationEngine):
 
         # a multimodal model keeps the rope offset of its last prefill here (Qwen's rope_deltas)
         self._rope_state: torch.nn.Module | None = next((m for m in model.modules() if hasattr(m, "rope_deltas")), None)
-        from tauflow.media.processor import media_token_ids
-
         # media placeholders and their markers are never sampled (the trainer scores with the same mask)
         banned = media_token_ids(config) if self._rope_state is not None else []
         self._banned = torch.tensor(banned, dtype=torch.long, device=self._device) if banned else None
@@ -429,9 +428,8 @@ class HFEngine(GenerationEngine):
         unknown = sorted(k for k in media if k not in self._media_kw and k != "video_second_per_grid")
         if unknown:
             raise InvalidRequestError(f"prompt {i}: the model takes no {', '.join(unknown)}")
-        from tauflow.media.processor import accepted_inputs
 
-        return {k: v.to(self._device) for k, v in accepted_inputs(self._model, dict(media)).items()}
+        return {k: v.to(self._device) for k, v in dict(media).items()}
 
     def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
         if not sequences:
@@ -761,7 +759,7 @@ class HFEngine(GenerationEngine):
         ids = torch.tensor([seq], device=self._device)
         mask = torch.ones_like(ids)
         cache = _new_cache()
-        kwargs: dict[str, Any] = {self._cache_kw: cache, **media}
+        kwargs: dict[str, Any] = {self._cache_kw: cache, **accepted_inputs(self._model, media, ids)}
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
         out = self._model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
