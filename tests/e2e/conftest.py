@@ -12,19 +12,25 @@ import pytest
 from tests.runs import ADDITION, OMNI, ROOT
 
 
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The warm-started model and data sets (the recipe's prepare step, seed 0); TAUFLOW_E2E_PREPARED names a
-    folder to keep them in between sessions."""
-    out = Path(os.environ.get("TAUFLOW_E2E_PREPARED", tmp_path_factory.mktemp("prepared")))
+def _prepare(script: Path, out: Path, *args: str) -> Path:
+    """Runs an example's prepare step into ``out`` (idempotent: a folder made with the same settings is kept)."""
     subprocess.run(
-        [sys.executable, str(ADDITION / "prepare.py"), "--out", str(out)],
+        [sys.executable, str(script), "--out", str(out), *args],
         check=True,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=1200,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The warm-started model and data sets (the recipe's prepare step, seed 0); TAUFLOW_E2E_PREPARED names a
+    folder to keep them in between sessions."""
+    return _prepare(
+        ADDITION / "prepare.py", Path(os.environ.get("TAUFLOW_E2E_PREPARED", tmp_path_factory.mktemp("prepared")))
+    )
 
 
 @pytest.fixture(scope="session")
@@ -33,33 +39,15 @@ def teacher(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     the student that ``prepared`` already holds (examples/distillation/prepare.py reuses it)."""
     kept = os.environ.get("TAUFLOW_E2E_PREPARED")  # kept between sessions, beside the student
     out = Path(kept).parent / "distillation" if kept else tmp_path_factory.mktemp("distillation")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "distillation" / "prepare.py"),
-            "--out",
-            str(out),
-            "--student",
-            str(prepared),
-        ],
-        check=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=1200,
+    return (
+        _prepare(ROOT / "examples" / "distillation" / "prepare.py", out, "--student", str(prepared))
+        / "teacher"
+        / "model"
     )
-    return out / "teacher" / "model"
 
 
 @pytest.fixture(scope="session")
 def omni_prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The omni example's tiny thinker, warm-started, and its data sets with their images and sounds."""
     kept = os.environ.get("TAUFLOW_E2E_PREPARED")
-    out = Path(kept).parent / "omni" if kept else tmp_path_factory.mktemp("omni")
-    subprocess.run(
-        [sys.executable, str(OMNI / "prepare.py"), "--out", str(out)],
-        check=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=1200,
-    )
-    return out
+    return _prepare(OMNI / "prepare.py", Path(kept).parent / "omni" if kept else tmp_path_factory.mktemp("omni"))
