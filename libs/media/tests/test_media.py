@@ -8,6 +8,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -118,7 +119,12 @@ def test_media_over_a_bound_is_refused_before_its_pixels_are_decoded() -> None:
     big = image(_picture(64, 64))
     assert "more than 4000" in _refused([big], MediaLimits(max_image_pixels=4000))
     assert "bytes, more than 100" in _refused([big], MediaLimits(max_media_bytes=100))
-    assert "longer than 0.25 s" in _refused([audio(_tone(0.5), 16000)], MediaLimits(max_audio_seconds=0.25))
+    # samples are bounded at 48 kHz's worth of max_audio_seconds: 0.1 s is 4800 samples
+    assert "more than 4800 samples" in _refused([audio(_tone(0.5), 16000)], MediaLimits(max_audio_seconds=0.1))
+    assert "sample rate 16000 Hz is not in 1..8000" in _refused(
+        [audio(_tone(0.5), 16000)], MediaLimits(max_audio_rate=8000)
+    )
+    assert "frames have more than 1000 pixels" in _refused([video(_clip(2), fps=2)], MediaLimits(max_image_pixels=1000))
     clip = video(_clip(8), fps=4)
     assert "more than 5 frames" in _refused([clip], MediaLimits(max_video_frames=5))
     assert "pixels in all" in _refused([clip], MediaLimits(max_video_pixels=32 * 48 * 3))
@@ -151,6 +157,10 @@ def test_uris_are_read_only_under_a_media_root_and_checked_against_sha256(tmp_pa
         assert "not under a media root" in _refused([replace(good, uri=uri)], limits)
     assert "must be a file:// URI" in _refused([replace(good, uri="http://example.com/a.png")], limits)
     assert "cannot be read" in _refused([replace(good, uri=f"file://{root}/missing.png")], limits)
+    assert "is not a URI" in _refused([replace(good, uri="file://[x/a.png")], limits)
+    assert "is not a path" in _refused([replace(good, uri=f"file://{root}/a%00.png")], limits)
+    os.mkfifo(root / "pipe.png")  # a reader must not block on it
+    assert "does not name a regular file" in _refused([replace(good, uri=f"file://{root}/pipe.png")], limits)
     assert "do not match sha256" in _refused([replace(good, sha256="0" * 64)], limits)
     assert "64 lowercase hex" in _refused([replace(good, sha256="ABC")], limits)
 

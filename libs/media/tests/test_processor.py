@@ -4,6 +4,7 @@ result, the media change what it predicts, and a padded batch scores as the prom
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +106,19 @@ def test_a_right_padded_batch_scores_as_the_prompts_alone(folder: Path, model) -
 
 def test_media_the_model_cannot_take_are_refused_naming_the_part(folder: Path) -> None:
     proc = PartsProcessor.from_pretrained(folder)
-    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[1\]: a sound is longer|prompt_parts: a sound"):
+    with pytest.raises(
+        media.InvalidMedia, match=r"prompt_parts\[1\].media: the model's processor refused it \(the sound is longer"
+    ):
         proc([media.Text("x"), _sound(1.5)])
+    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[0\].media: too small for one audio token"):
+        proc([_sound(0.01)])
+    # text that spells the model's media tokens would place media that do not exist
+    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[1\].text spells the model's media tokens"):
+        proc([_image(0), media.Text("<|audio_bos|>=")])
+    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[0\].media: the producer's grid_thw \[1, 2, 2\]"):
+        proc([replace(_image(0), grid_thw=(1, 2, 2))])
+    with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[1\].media: the prompt's media pass 4000 pixels"):
+        PartsProcessor.from_pretrained(folder, media.MediaLimits(max_prompt_pixels=4000))([_image(0), _image(1)])
     bad = media.Media(media.Modality.IMAGE, "image/png", data=b"nope")
     with pytest.raises(media.InvalidMedia, match=r"prompt_parts\[0\].media: the data does not decode"):
         proc([bad])

@@ -69,9 +69,10 @@ def test_behaviour_logprobs_are_the_full_forward_on_the_parts(omni: Path, prompt
                 assert c.logprobs == pytest.approx(_full_logprobs(reference, p, c.token_ids, 1.0), abs=1e-4)
         # each prompt was prefilled once for its three samples
         assert engine.stats().counters["prefill_tokens"] == sum(len(p.token_ids) for p in prompts)
-        # the media matter: the same tokens without them draw other log-probs
-        alone = engine.submit([prompts[0].token_ids], params).result(60)[0]
-        assert alone[0].logprobs != pytest.approx(out[0][0].logprobs, abs=1e-3)
+        # the media matter: the same tokens with another image draw other log-probs
+        other = dict(prompts[0].inputs, pixel_values=prompts[0].inputs["pixel_values"].flip(0))
+        again = engine.submit([prompts[0].token_ids], params, [other]).result(60)[0]
+        assert again[0].logprobs != pytest.approx(out[0][0].logprobs, abs=1e-3)
     finally:
         engine.close()
 
@@ -126,5 +127,19 @@ def test_qwen2_vl_behaviour_logprobs_are_the_full_forward_too(tmp_path: Path) ->
         for p, group in zip(prompts, out, strict=True):
             for c in group:
                 assert c.logprobs == pytest.approx(_full_logprobs(reference, p, c.token_ids, 1.0), abs=1e-4)
+    finally:
+        engine.close()
+
+
+def test_media_tokens_without_their_media_are_refused(omni: Path) -> None:
+    from tauflow.rollout.engine.base import ScoredSequence
+
+    engine = HFEngine.from_pretrained(omni, seed=0)
+    try:
+        image_token = tiny.vocabulary("0123456789+=? ")["<|IMAGE|>"]
+        with pytest.raises(InvalidRequestError, match="prompt 0 holds the model's media tokens without its media"):
+            engine.submit([[1, image_token, 5]], SamplingParams(max_new_tokens=2))
+        with pytest.raises(InvalidRequestError, match=r"sequences\[0\] holds the model's media tokens"):
+            engine.submit_scoring([ScoredSequence([1, 5], [image_token])])
     finally:
         engine.close()

@@ -95,9 +95,18 @@ def test_groups_the_model_cannot_take_are_skipped_not_trained(omni: Path, tiny_m
         s.prompt_ids = s.prompt_ids[-4:]  # a text prompt to the multimodal model: trained as sent
     broken = _group(backend.processor, 9)
     broken.prompt_parts = [media.Media(media.Modality.IMAGE, "image/png", data=b"not a png"), media.Text("=")]
-    result = backend.train_step([good, forged, text, broken])
-    assert result.groups == 2 and result.metrics["skipped_invalid_media_groups"] == 2
-    assert {"g6", "g9"}.isdisjoint(backend.trained_group_ids) and {"g5", "g7"} <= backend.trained_group_ids
+    # media tokens where no media are (a completion, a text prompt) would fail the whole micro-batch's forward
+    image_token = backend.banned_ids[0]
+    sneaky_completion = _group(backend.processor, 10)
+    sneaky_completion.samples[1].completion_ids[0] = image_token
+    sneaky_prompt = _group(backend.processor, 11)
+    sneaky_prompt.prompt_parts = []
+    for s in sneaky_prompt.samples:
+        s.prompt_ids = [image_token, *s.prompt_ids[-4:]]
+    result = backend.train_step([good, forged, text, broken, sneaky_completion, sneaky_prompt])
+    assert result.groups == 2 and result.metrics["skipped_invalid_media_groups"] == 4
+    assert {"g6", "g9", "g10", "g11"}.isdisjoint(backend.trained_group_ids)
+    assert {"g5", "g7"} <= backend.trained_group_ids
     # a text policy cannot see the media: it does not train on the prompt's placeholders alone
     text_backend = TorchBackend(TorchBackendConfig(model_path=str(tiny_model_dir)))
     assert text_backend.processor is None

@@ -67,10 +67,16 @@ class MediaConfig(StrictModel):
         default_factory=list,
         description="folders file:// media URIs may name (a volume every service mounts); none: URIs are refused",
     )
-    max_image_pixels: int = Field(4096 * 4096, ge=1, description="pixels of one image")
-    max_audio_seconds: float = Field(600.0, gt=0, description="length of one sound")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="pixels of one image, or of one video frame")
+    max_audio_seconds: float = Field(
+        600.0, gt=0, description="length of one sound at 48 kHz (its samples bound: a higher rate, fewer seconds)"
+    )
+    max_audio_rate: int = Field(192_000, ge=1, description="sample rate of a sound, in Hz")
     max_video_frames: int = Field(768, ge=1, description="frames of one video")
     max_video_pixels: int = Field(1 << 27, ge=1, description="pixels of one video, summed over its frames")
+    max_prompt_pixels: int = Field(
+        1 << 27, ge=1, description="pixels of all of a prompt's images and videos, for a model's processor"
+    )
 
 
 class LogConfig(StrictModel):

@@ -12,6 +12,7 @@ import hashlib
 import io
 import mimetypes
 import os
+import stat
 import warnings
 import wave
 from dataclasses import dataclass, replace
@@ -70,32 +71,43 @@ def read_bytes(m: Media, limits: MediaLimits, at: str = "media") -> bytes:
 
 
 def _read_uri(uri: str, limits: MediaLimits, at: str) -> bytes:
-    parsed = urlparse(uri)
+    try:
+        parsed = urlparse(uri)
+    except ValueError as e:  # e.g. an unbalanced IPv6 bracket
+        raise InvalidMedia(f"{at}.uri is not a URI") from e
     if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
         raise InvalidMedia(f"{at}.uri must be a file:// URI (a path on a volume every service mounts)")
     if not limits.roots:
         raise InvalidMedia(f"{at}.uri: this service has no media roots configured, so it reads no URI")
-    path = Path(os.path.realpath(unquote(parsed.path)))  # resolves '..' and links before the root check
+    try:
+        path = Path(os.path.realpath(unquote(parsed.path)))  # resolves '..' and links before the root check
+    except ValueError as e:  # a NUL byte in the path
+        raise InvalidMedia(f"{at}.uri is not a path") from e
     if not any(path.is_relative_to(os.path.realpath(r)) for r in limits.roots):
         raise InvalidMedia(f"{at}.uri is not under a media root of this service")
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > limits.max_media_bytes:
-                raise InvalidMedia(f"{at}.uri names a file over {limits.max_media_bytes} bytes")
-            return f.read(limits.max_media_bytes + 1)
+        # O_NONBLOCK: a FIFO placed under a root must not hold the reader; only a regular file is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise InvalidMedia(f"{at}.uri cannot be read ({e.strerror})") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidMedia(f"{at}.uri does not name a regular file")
+        if info.st_size > limits.max_media_bytes:
+            raise InvalidMedia(f"{at}.uri names a file over {limits.max_media_bytes} bytes")
+        return f.read(limits.max_media_bytes + 1)
 
 
 def decode(m: Media, limits: MediaLimits, at: str = "media", *, keep: bool = True) -> Decoded:
     """The full decode of a part, checked against the sizes it gives. ``keep=False`` validates without
-    holding the pixels (a video is then decoded one frame at a time)."""
+    holding the pixels or the samples (a video and a sound are then decoded a frame at a time)."""
     check_media_structure(m, limits, at)
     data = read_bytes(m, limits, at)
     if m.modality is Modality.IMAGE:
         return _decode_image(m, data, limits, at)
     if m.modality is Modality.AUDIO:
-        return _decode_audio(m, data, limits, at)
+        return _decode_audio(m, data, limits, at, keep)
     return _decode_video(m, data, limits, at, keep)
 
 
@@ -134,39 +146,46 @@ def _decode_image(m: Media, data: bytes, limits: MediaLimits, at: str) -> Decode
     return Decoded(Modality.IMAGE, image=pixels)
 
 
-def _decode_audio(m: Media, data: bytes, limits: MediaLimits, at: str) -> Decoded:
+def _decode_audio(m: Media, data: bytes, limits: MediaLimits, at: str, keep: bool) -> Decoded:
     av = _quiet_ffmpeg()
     chunks: list[np.ndarray] = []
+    n = 0
     try:
         with av.open(io.BytesIO(data), format=AUDIO_TYPES[m.media_type]) as container:
             if not container.streams.audio:
                 raise InvalidMedia(f"{at}: the {m.media_type} data has no audio stream")
             stream = container.streams.audio[0]
             rate = int(stream.sample_rate or 0)
-            if rate <= 0:
-                raise InvalidMedia(f"{at}: the audio has no sample rate")
-            limit = int(limits.max_audio_seconds * rate)
+            if not 0 < rate <= limits.max_audio_rate:
+                raise InvalidMedia(f"{at}: the audio's sample rate {rate} Hz is not in 1..{limits.max_audio_rate}")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            n = 0
             for frame in container.decode(stream):
                 for out in resampler.resample(frame):
+                    samples = out.to_ndarray().reshape(-1)
+                    n += samples.size
+                    if not np.isfinite(samples).all():
+                        raise InvalidMedia(f"{at}: the audio has samples that are not finite")
+                    if keep:
+                        chunks.append(samples)
+                if n > limits.max_audio_samples:
+                    raise InvalidMedia(
+                        f"{at}: the audio has more than {limits.max_audio_samples} samples "
+                        f"({limits.max_audio_seconds:g} s at 48 kHz)"
+                    )
+            for out in resampler.resample(None):
+                n += out.samples
+                if keep:
                     chunks.append(out.to_ndarray().reshape(-1))
-                    n += chunks[-1].size
-                if n > limit:
-                    raise InvalidMedia(f"{at}: the audio is longer than {limits.max_audio_seconds:g} s")
-            chunks += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
     except InvalidMedia:
         raise
-    except Exception as e:
+    except Exception as e:  # FFmpeg's errors for bad bytes: all mean "does not decode"
         raise InvalidMedia(f"{at}: the data does not decode as {m.media_type} ({type(e).__name__})") from e
-    audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    if audio.size == 0:
+    if n == 0:
         raise InvalidMedia(f"{at}: the audio has no samples")
-    if not np.isfinite(audio).all():
-        raise InvalidMedia(f"{at}: the audio has samples that are not finite")
     _check_size(at, "sample_rate", m.sample_rate, rate)
-    _check_size(at, "num_samples", m.num_samples, audio.size)
-    return Decoded(Modality.AUDIO, audio=audio.astype(np.float32, copy=False), sample_rate=rate)
+    _check_size(at, "num_samples", m.num_samples, n)
+    audio = np.concatenate(chunks).astype(np.float32, copy=False) if keep else None
+    return Decoded(Modality.AUDIO, audio=audio, sample_rate=rate)
 
 
 def _decode_video(m: Media, data: bytes, limits: MediaLimits, at: str, keep: bool) -> Decoded:
@@ -179,6 +198,9 @@ def _decode_video(m: Media, data: bytes, limits: MediaLimits, at: str, keep: boo
             if not container.streams.video:
                 raise InvalidMedia(f"{at}: the {m.media_type} data has no video stream")
             stream = container.streams.video[0]
+            declared = (stream.codec_context.width or 0) * (stream.codec_context.height or 0)
+            if declared > limits.max_image_pixels:  # from the header: before a frame is allocated
+                raise InvalidMedia(f"{at}: the video's frames have more than {limits.max_image_pixels} pixels")
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             for frame in container.decode(stream):
                 if size is None:
@@ -186,6 +208,8 @@ def _decode_video(m: Media, data: bytes, limits: MediaLimits, at: str, keep: boo
                 elif size != (frame.width, frame.height):
                     raise InvalidMedia(f"{at}: the video's frames change size")
                 count += 1
+                if frame.width * frame.height > limits.max_image_pixels:
+                    raise InvalidMedia(f"{at}: the video's frames have more than {limits.max_image_pixels} pixels")
                 pixels += frame.width * frame.height
                 if count > limits.max_video_frames:
                     raise InvalidMedia(f"{at}: the video has more than {limits.max_video_frames} frames")

@@ -47,11 +47,17 @@ class MediaLimits:
     max_media_bytes: int = 32 << 20
     max_uri_chars: int = 2048
     max_media_type_chars: int = 128
-    max_image_pixels: int = 4096 * 4096
-    max_audio_seconds: float = 600.0
+    max_image_pixels: int = 4096 * 4096  # and of each video frame
+    max_audio_seconds: float = 600.0  # at 48 kHz: a sound at a higher rate gets as many samples, fewer seconds
+    max_audio_rate: int = 192_000
     max_video_frames: int = 768  # Qwen2.5-VL's own ceiling
     max_video_pixels: int = 1 << 27  # summed over the frames: 512 frames of 512 x 512
+    max_prompt_pixels: int = 1 << 27  # a model's processor: the pixels of all of a prompt's images and videos
     roots: tuple[Path, ...] = ()  # where file:// URIs may point; none: URIs are refused
+
+    @property
+    def max_audio_samples(self) -> int:
+        return int(self.max_audio_seconds * 48_000)
 
     @classmethod
     def of(cls, config: Mapping[str, Any]) -> MediaLimits:

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from tauflow.media.codec import decode, resample
-from tauflow.media.parts import InvalidMedia, Media, MediaLimits, Modality, PromptPart, Text
+from tauflow.media.codec import Decoded, decode, resample
+from tauflow.media.parts import InvalidMedia, MediaLimits, Modality, PromptPart, Text
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,12 @@ class PartsProcessor:
         self.limits = limits
         self.merge = int(image_processor.merge_size)
         self.temporal = int(image_processor.temporal_patch_size)
-        self.pad_ids = {
-            m: tokenizer.convert_tokens_to_ids(getattr(markers, m)[1])
-            for m in ("image", "video", "audio")
-            if getattr(markers, m) is not None
+        # every token of the family's markers: text that spells one is refused
+        self.media_ids = {
+            int(tokenizer.convert_tokens_to_ids(t))
+            for m in (markers.image, markers.video, markers.audio)
+            if m is not None
+            for t in m
         }
 
     @classmethod
@@ -103,82 +105,80 @@ class PartsProcessor:
         return cls(tokenizer, image_processor, feature_extractor, markers, limits or MediaLimits())
 
     def __call__(self, parts: list[PromptPart], where: str = "prompt_parts") -> Processed:
+        """The prompt's token ids (text parts tokenized one by one, each media part as its markers around its
+        placeholders) and its encoder inputs. A part the model cannot take is refused naming it: media that
+        do not decode, a modality the model lacks, media too small for one token or over the prompt's budget,
+        text that spells the model's media tokens (it would place media that do not exist), a grid or token
+        count given by the producer that this processor does not make."""
         import torch
 
-        text: list[str] = []
-        images: list[np.ndarray] = []
-        videos: list[tuple[np.ndarray, float]] = []
-        sounds: list[np.ndarray] = []
-        for i, part in enumerate(parts):
-            if isinstance(part, Text):
-                text.append(part.text)
-                continue
-            d = decode(part, self.limits, f"{where}[{i}].media")
-            marks = getattr(self.markers, str(part.modality))
-            if marks is None or (part.modality is Modality.AUDIO and self.feature_extractor is None):
-                raise InvalidMedia(f"{where}[{i}].media: this model takes no {part.modality}")
-            text.append(f"{marks[0]}\0{part.modality}\0{marks[2]}")  # the count comes once processed
-            if d.image is not None:
-                images.append(d.image)
-            elif d.frames is not None:
-                videos.append((d.frames, d.fps))
-            else:
-                assert d.audio is not None
-                sounds.append(resample(d.audio, d.sample_rate, int(self.feature_extractor.sampling_rate)))
-        inputs: dict[str, Any] = {}
-        counts: dict[str, list[int]] = {"image": [], "video": [], "audio": []}
-        grids: dict[str, list[tuple[int, ...]]] = {"image": [], "video": []}
-        if images:
-            out = self.image_processor(images=images, return_tensors="pt")
-            inputs["pixel_values"], inputs["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
-            grids["image"] = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
-            counts["image"] = [int(np.prod(g)) // self.merge**2 for g in grids["image"]]
-        if videos:
-            patches, vgrids, seconds = [], [], []
-            for frames, fps in videos:
-                p, g = self._video_patches(frames)
-                patches.append(p)
-                vgrids.append(g)
-                seconds.append(self.temporal / fps)
-            inputs["pixel_values_videos"] = torch.cat(patches)
-            inputs["video_grid_thw"] = torch.tensor(vgrids, dtype=torch.long)
-            inputs["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float)
-            grids["video"] = [tuple(g) for g in vgrids]
-            counts["video"] = [int(np.prod(g)) // self.merge**2 for g in vgrids]
-        if sounds:
-            fe = self.feature_extractor
-            out = fe(sounds, sampling_rate=fe.sampling_rate, padding="max_length", return_attention_mask=True,
-                     return_tensors="pt")  # fmt: skip
-            if max(s.size for s in sounds) > fe.n_samples:
-                raise InvalidMedia(f"{where}: a sound is longer than the model's {fe.n_samples / fe.sampling_rate:g} s")
-            inputs["input_features"], inputs["feature_attention_mask"] = out["input_features"], out["attention_mask"]
-            counts["audio"] = [_audio_tokens(int(n)) for n in out["attention_mask"].sum(-1)]
-        return self._assemble(text, parts, inputs, counts, grids)
-
-    def _assemble(self, text: list[str], parts: list[PromptPart], inputs: dict[str, Any],
-                  counts: dict[str, list[int]], grids: dict[str, list[tuple[int, ...]]]) -> Processed:  # fmt: skip
-        seen = {"image": 0, "video": 0, "audio": 0}
-        pieces: list[str] = []
+        ids: list[int] = []
         done: list[PromptPart] = []
-        for chunk, part in zip(text, parts, strict=True):
+        tensors: dict[str, list[Any]] = {}
+        budget = self.limits.max_prompt_pixels
+        for i, part in enumerate(parts):
+            at = f"{where}[{i}]"
             if isinstance(part, Text):
-                pieces.append(chunk)
+                piece = list(self.tokenizer(part.text, add_special_tokens=False)["input_ids"])
+                if self.media_ids.intersection(piece):
+                    raise InvalidMedia(f"{at}.text spells the model's media tokens; send media as media parts")
+                ids += piece
                 done.append(part)
                 continue
-            kind = str(part.modality)
-            n = counts[kind][seen[kind]]
-            grid = grids[kind][seen[kind]] if kind in grids else ()
-            seen[kind] += 1
-            pad = getattr(self.markers, kind)[1]
-            pieces.append(chunk.replace(f"\0{kind}\0", pad * n))
-            done.append(replace(part, num_tokens=n, grid_thw=grid) if isinstance(part, Media) else part)
-        ids = self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]
-        for kind, pad_id in self.pad_ids.items():
-            if ids.count(pad_id) != sum(counts[kind]):  # the tokenizer must keep each pad token whole
-                raise ValueError(
-                    f"the tokenizer split the {kind} placeholders: {ids.count(pad_id)} != {sum(counts[kind])}"
+            at = f"{at}.media"
+            marks = getattr(self.markers, str(part.modality))
+            if marks is None or (part.modality is Modality.AUDIO and self.feature_extractor is None):
+                raise InvalidMedia(f"{at}: this model takes no {part.modality}")
+            d = decode(part, self.limits, at)
+            pixels = d.image.shape[0] * d.image.shape[1] if d.image is not None else 0
+            pixels += int(np.prod(d.frames.shape[:3])) if d.frames is not None else 0
+            budget -= pixels
+            if budget < 0:
+                raise InvalidMedia(f"{at}: the prompt's media pass {self.limits.max_prompt_pixels} pixels in all")
+            try:
+                inputs, grid, n = self._encode(d)
+            except (ValueError, RuntimeError) as e:  # the processor's own refusals (e.g. an extreme aspect ratio)
+                raise InvalidMedia(f"{at}: the model's processor refused it ({str(e)[:200]})") from e
+            if n < 1:
+                raise InvalidMedia(f"{at}: too small for one {part.modality} token of this model")
+            if (part.grid_thw and tuple(part.grid_thw) != grid) or (part.num_tokens and part.num_tokens != n):
+                raise InvalidMedia(
+                    f"{at}: the producer's grid_thw {list(part.grid_thw)} / num_tokens {part.num_tokens} are not "
+                    f"this model's {list(grid)} / {n}"
                 )
-        return Processed(list(ids), inputs, done)
+            for key, value in inputs.items():
+                tensors.setdefault(key, []).append(value)
+            open_id, pad_id, close_id = (self.tokenizer.convert_tokens_to_ids(t) for t in marks)
+            ids += [open_id, *[pad_id] * n, close_id]
+            done.append(replace(part, num_tokens=n, grid_thw=grid))
+        return Processed(ids, {k: torch.cat(v) for k, v in tensors.items()}, done)
+
+    def _encode(self, d: Decoded) -> tuple[dict[str, Any], tuple[int, ...], int]:
+        """One decoded part's encoder inputs, its patch grid (empty for audio) and its placeholder count."""
+        import torch
+
+        if d.image is not None:
+            out = self.image_processor(images=[d.image], return_tensors="pt")
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+            return inputs, grid, int(np.prod(grid)) // self.merge**2
+        if d.frames is not None:
+            patches, vgrid = self._video_patches(d.frames)
+            inputs = {
+                "pixel_values_videos": patches,
+                "video_grid_thw": torch.tensor([vgrid], dtype=torch.long),
+                "video_second_per_grid": torch.tensor([self.temporal / d.fps], dtype=torch.float),
+            }
+            return inputs, tuple(vgrid), int(np.prod(vgrid)) // self.merge**2
+        assert d.audio is not None
+        fe = self.feature_extractor
+        sound = resample(d.audio, d.sample_rate, int(fe.sampling_rate))
+        if sound.size > fe.n_samples:
+            raise ValueError(f"the sound is longer than the model's {fe.n_samples / fe.sampling_rate:g} s")
+        out = fe([sound], sampling_rate=fe.sampling_rate, padding="max_length", return_attention_mask=True,
+                 return_tensors="pt")  # fmt: skip
+        inputs = {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"]}
+        return inputs, (), _audio_tokens(int(out["attention_mask"].sum()))
 
     def _video_patches(self, frames: np.ndarray) -> tuple[Any, list[int]]:
         """Qwen2-VL's video layout from the image processor's per-frame normalisation: frames resized and
@@ -224,20 +224,14 @@ def accepted_inputs(model: Any, inputs: dict[str, Any], input_ids: Any = None) -
     return {k: v for k, v in out.items() if k in params or any(p.kind == p.VAR_KEYWORD for p in params.values())}
 
 
-_PLACEHOLDER_TYPES = {  # config attribute -> the modality type transformers gives its tokens (0: text)
-    "image_token_id": 1, "image_token_index": 1, "video_token_id": 2, "video_token_index": 2,
-    "audio_token_id": 3, "audio_token_index": 3,
-}  # fmt: skip
-
-
 def mm_token_types(config: Any, input_ids: Any) -> Any:
     """Each token's modality (0 text, 1 image, 2 video, 3 audio), as transformers' processors return it."""
     import torch
 
     types = torch.zeros_like(input_ids)
-    for name, kind in _PLACEHOLDER_TYPES.items():
+    for name, kind in _MEDIA_TOKEN_TYPES.items():
         token = getattr(config, name, None)
-        if isinstance(token, int):
+        if kind and isinstance(token, int):
             types = torch.where(input_ids == token, kind, types)
     return types
 
@@ -266,12 +260,14 @@ def freeze_encoders(model: Any) -> int:
     return frozen
 
 
-# Config attributes naming a family's media tokens: placeholders and their open/close markers (Qwen2.5-Omni
-# says *_token_index for the placeholders, Qwen2-VL *_token_id).
-_MEDIA_TOKEN_ATTRS = (
-    "image_token_index", "image_token_id", "video_token_index", "video_token_id", "audio_token_index",
-    "audio_token_id", "vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id",
-)  # fmt: skip
+# Config attributes naming a family's media tokens: the placeholders (with the modality type transformers
+# gives their tokens: 1 image, 2 video, 3 audio; Qwen2.5-Omni says *_token_index, Qwen2-VL *_token_id) and
+# the markers around them (type 0: text).
+_MEDIA_TOKEN_TYPES = {
+    "image_token_id": 1, "image_token_index": 1, "video_token_id": 2, "video_token_index": 2,
+    "audio_token_id": 3, "audio_token_index": 3, "vision_start_token_id": 0, "vision_end_token_id": 0,
+    "audio_start_token_id": 0, "audio_end_token_id": 0,
+}  # fmt: skip
 
 
 def media_token_ids(config: Any) -> list[int]:
@@ -279,5 +275,5 @@ def media_token_ids(config: Any) -> list[int]:
     sampled placeholder would stand for media that do not exist (the next forward fails, or places media
     wrong), so the engine masks them before sampling and the trainer scores with the same mask; empty for a
     text model."""
-    ids = {getattr(config, name, None) for name in _MEDIA_TOKEN_ATTRS}
+    ids = {getattr(config, name, None) for name in _MEDIA_TOKEN_TYPES}
     return sorted(int(i) for i in ids if isinstance(i, int) and i >= 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tauflow.api.common.v1 import common_pb2
-from tauflow.media.parts import InvalidMedia, Media, MediaLimits, Modality, PromptPart, Text
+from tauflow.media.parts import InvalidMedia, Media, MediaLimits, Modality, PromptPart, Text, check_structure
 
 _MODALITY = {
     Modality.IMAGE: common_pb2.MODALITY_IMAGE,
@@ -57,6 +57,15 @@ def from_proto(parts: Iterable[common_pb2.PromptPart], where: str = "prompt_part
                 grid_thw=tuple(m.grid_thw), num_tokens=m.num_tokens,
             )
         )  # fmt: skip
+    return out
+
+
+def checked_parts(parts: Iterable[common_pb2.PromptPart], where: str = "prompt_parts",
+                  limits: MediaLimits | None = None) -> list[PromptPart]:  # fmt: skip
+    """``from_proto`` with the contract's structural bounds checked (counts, lengths, types, sources): what a
+    port checks before it takes a prompt's parts. Raises InvalidMedia naming the part."""
+    out = from_proto(parts, where)
+    check_structure(out, limits or MediaLimits(), where)
     return out
 
 

@@ -4,7 +4,6 @@ by the reward service."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,7 @@ def read_heldout(config: EvalConfig) -> list[dict[str, Any]]:
     without a dataset. A multimodal row's parts are read now (their files, relative to the data set)."""
     if not config.dataset:
         return []
-    with open(config.dataset) as f:
-        rows = [json.loads(line) for line in f if line.strip()][: config.max_prompts]
+    rows = media.read_rows(config.dataset)[: config.max_prompts]  # JSONL or Parquet
     for i, row in enumerate(rows):
         if "prompt_parts" in row:
             row["prompt_parts"] = media.parts_from_row(

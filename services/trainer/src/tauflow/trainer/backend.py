@@ -223,6 +223,10 @@ class StepPlan:
     def trained_tokens(self) -> int:
         return sum(s.trained_tokens for s in self.samples)
 
+    @property
+    def invalid_media_metric(self) -> dict[str, float]:
+        return {"skipped_invalid_media_groups": float(len(self.invalid_media))} if self.invalid_media else {}
+
 
 class TorchBackend:
     """Holds the policy (and reference) model and its optimizer; trains on groups; checkpoints.
@@ -406,7 +410,7 @@ class TorchBackend:
                 metrics={
                     "skipped_duplicate_groups": float(len(plan.duplicates)),
                     "skipped_stale_groups": float(len(plan.stale)),
-                    **({"skipped_invalid_media_groups": float(len(plan.invalid_media))} if plan.invalid_media else {}),
+                    **plan.invalid_media_metric,
                 },
                 skipped_duplicate_group_ids=plan.duplicates,
                 skipped_stale_group_ids=plan.stale,
@@ -436,7 +440,7 @@ class TorchBackend:
                 **({"kl_teacher": -plan.teacher_gap / plan.teacher_tokens} if plan.teacher_tokens else {}),
                 "skipped_duplicate_groups": float(len(plan.duplicates)),
                 "skipped_stale_groups": float(len(plan.stale)),
-                **({"skipped_invalid_media_groups": float(len(plan.invalid_media))} if plan.invalid_media else {}),
+                **plan.invalid_media_metric,
             }
         )
         return StepResult(
@@ -564,28 +568,36 @@ class TorchBackend:
     def _attach_media(self, groups: Sequence[Group]) -> dict[str, str]:
         """A multimodal policy: each group's encoder inputs, computed once from its prompt parts and shared by
         its samples, whose prompt tokens must be the processor's tokenization of those parts (so that the
-        trainer scores what the rollout generated from). Returns the groups it cannot take, with why."""
+        trainer scores what the rollout generated from). Media tokens anywhere else (a completion, a text
+        prompt) would stand for media that do not exist and fail the whole micro-batch's forward. Returns
+        the groups it cannot take, with why."""
         invalid: dict[str, str] = {}
-        if self.processor is None:
-            for g in groups:
-                if g.prompt_parts and any(not isinstance(p, media.Text) for p in g.prompt_parts):
+        banned = set(self.banned_ids)
+        for g in groups:
+            if self.processor is None:
+                if any(not isinstance(p, media.Text) for p in g.prompt_parts):
                     invalid[g.group_id] = "the prompt has media and the policy is a text model"
-        else:
-            for g in groups:
-                if not g.prompt_parts:  # a text prompt: the prompt's ids as sent
-                    for s in g.samples:
-                        s.media = {}
-                    continue
-                try:
-                    processed = self.processor(g.prompt_parts, where=f"group {g.group_id}: prompt_parts")
-                except (media.InvalidMedia, ValueError) as e:
-                    invalid[g.group_id] = str(e)
-                    continue
-                if any(s.prompt_ids != processed.token_ids for s in g.samples):
-                    invalid[g.group_id] = "the samples' prompt tokens are not the processor's tokenization of its parts"
+                continue
+            if any(banned.intersection(s.completion_ids) for s in g.samples):
+                invalid[g.group_id] = "a completion holds the model's media tokens"
+                continue
+            if not g.prompt_parts:  # a text prompt: the prompt's ids as sent
+                if any(banned.intersection(s.prompt_ids) for s in g.samples):
+                    invalid[g.group_id] = "a text prompt holds the model's media tokens (send media as prompt_parts)"
                     continue
                 for s in g.samples:
-                    s.media = processed.inputs
+                    s.media = {}
+                continue
+            try:
+                processed = self.processor(g.prompt_parts, where=f"group {g.group_id}: prompt_parts")
+            except media.InvalidMedia as e:
+                invalid[g.group_id] = str(e)
+                continue
+            if any(s.prompt_ids != processed.token_ids for s in g.samples):
+                invalid[g.group_id] = "the samples' prompt tokens are not the processor's tokenization of its parts"
+                continue
+            for s in g.samples:
+                s.media = processed.inputs
         for group_id, why in invalid.items():
             log.warning("group skipped: %s", why, extra={"group_id": group_id})
         return invalid

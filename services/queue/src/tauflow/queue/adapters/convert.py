@@ -105,11 +105,9 @@ def prompt_parts(group: common_pb2.Group, limits: media.MediaLimits, *, decode: 
     every media part (against the sizes it gives). Errors name the part."""
     where = f"group {group.group_id}: group.prompt_parts"
     try:
-        parts = media_wire.from_proto(group.prompt_parts, where)
+        parts = media_wire.checked_parts(group.prompt_parts, where, limits)
         if decode:
             media.validate(parts, limits, where)
-        else:
-            media.check_structure(parts, limits, where)
     except media.InvalidMedia as e:
         raise InvalidGroup(str(e)) from e
     return parts

@@ -74,6 +74,9 @@ def _seconds(value: Any, name: str) -> float:
         raise InvalidRequest(str(e)) from None
 
 
+MEDIA_DECODES = 2  # groups whose media Put decodes at once
+
+
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     def __init__(self, queue: QueueState, config: QueueConfig, metrics: QueueMetrics) -> None:
         self.state = queue
@@ -82,6 +85,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self._waiters: deque[_Waiter] = deque()
         self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
         self.media_limits = media.MediaLimits.of(config.media.model_dump())
+        self.media_decodes = asyncio.Semaphore(MEDIA_DECODES)
         metrics.observe(queue.stats())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -238,7 +242,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             record = wire.group_record(request.group, self.max_group_bytes)
             weights = media.PartCounts()
             if record.media_parts:  # decoding images, sounds and videos must not hold the event loop
-                weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
+                async with self.media_decodes:  # nor take every core: a few at once, the rest wait their turn
+                    weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
             if self.state.wal is not None and self.state.wal.broken is not None:
                 # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
                 raise WalWriteError(errno.EIO, self.state.wal.broken)

@@ -212,8 +212,7 @@ def _prompt_parts(at: str, g: common_pb2.Group) -> tuple[media.PromptPart, ...]:
     if not g.prompt_parts:
         return ()
     try:
-        parts = media_wire.from_proto(g.prompt_parts, "prompt_parts")
-        media.check_structure(parts, media.MediaLimits(), "prompt_parts")
+        parts = media_wire.checked_parts(g.prompt_parts)
     except media.InvalidMedia as e:
         field, _, why = str(e).partition(" ")
         raise InvalidRequest(f"{at}.{field.rstrip(':')}", why) from e

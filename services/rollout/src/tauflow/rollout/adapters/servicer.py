@@ -85,8 +85,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         parts: list[media.PromptPart] = []
         if request.prompt_parts:
             try:
-                parts = media_wire.from_proto(request.prompt_parts)
-                media.check_structure(parts, media.MediaLimits())
+                parts = media_wire.checked_parts(request.prompt_parts)
             except media.InvalidMedia as e:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if self.processor is None:

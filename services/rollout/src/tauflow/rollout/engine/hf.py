@@ -320,6 +320,7 @@ class HFEngine(GenerationEngine):
         # media placeholders and their markers are never sampled (the trainer scores with the same mask)
         banned = media_token_ids(config) if self._rope_state is not None else []
         self._banned = torch.tensor(banned, dtype=torch.long, device=self._device) if banned else None
+        self._banned_set = frozenset(banned)
         self._media_kw = set(forward)
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._spec = {n: TensorSpec(p.dtype, tuple(p.shape)) for n, p in self._params.items()}
@@ -392,6 +393,10 @@ class HFEngine(GenerationEngine):
         if media is not None and len(media) != len(prompts):
             raise InvalidRequestError(f"{len(media)} media entries for {len(prompts)} prompts")
         inputs = [self._media_inputs(i, m) for i, m in enumerate(media or [None] * len(prompts))]
+        for i, (prompt, m) in enumerate(zip(prompts, inputs, strict=True)):
+            if m is None and self._banned_set.intersection(int(t) for t in prompt):
+                # they would stand for media that do not exist: the forward of the whole batch would fail
+                raise InvalidRequestError(f"prompt {i} holds the model's media tokens without its media")
         vocab = self.vocab_size
         clean: list[list[int]] = []
         for i, prompt in enumerate(prompts):
@@ -429,7 +434,7 @@ class HFEngine(GenerationEngine):
         if unknown:
             raise InvalidRequestError(f"prompt {i}: the model takes no {', '.join(unknown)}")
 
-        return {k: v.to(self._device) for k, v in dict(media).items()}
+        return dict(media)  # moved to the device when prefilled (not on the caller's thread, not while queued)
 
     def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
         if not sequences:
@@ -443,6 +448,8 @@ class HFEngine(GenerationEngine):
             if not prompt:
                 raise InvalidRequestError(f"sequences[{i}].prompt_token_ids is empty")
             ids = prompt + completion
+            if self._banned_set.intersection(ids):
+                raise InvalidRequestError(f"sequences[{i}] holds the model's media tokens (media are not scored yet)")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise InvalidRequestError(f"sequences[{i}] has a token id outside [0, {vocab})")
             if self.max_context is not None and len(ids) > self.max_context:
@@ -759,7 +766,8 @@ class HFEngine(GenerationEngine):
         ids = torch.tensor([seq], device=self._device)
         mask = torch.ones_like(ids)
         cache = _new_cache()
-        kwargs: dict[str, Any] = {self._cache_kw: cache, **accepted_inputs(self._model, media, ids)}
+        on_device = {k: v.to(self._device) for k, v in media.items()}
+        kwargs: dict[str, Any] = {self._cache_kw: cache, **accepted_inputs(self._model, on_device, ids)}
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
         out = self._model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
