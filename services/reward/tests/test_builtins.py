@@ -200,3 +200,15 @@ def test_math_config_is_checked() -> None:
         Math.validate_config({**Math.default_config, "extraction": ["latex", "pictures"]})
     assert e.value.key.startswith("extraction")
     assert Math.validate_config({**Math.default_config, "float_rounding": 3.0})["float_rounding"] == 3
+
+
+def test_math_reads_a_gsm8k_reference_through_reference_pattern() -> None:
+    m = Math()
+    solution = "She sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert run(m, sample("so \\boxed{72}", solution), reference_pattern=r"####\s*(.+)") == 1.0
+    assert run(m, sample("so \\boxed{24}", solution), reference_pattern=r"####\s*(.+)") == 0.0
+    with pytest.raises(ValueError, match="does not match reference_pattern"):
+        run(m, sample("\\boxed{72}", "72"), reference_pattern=r"####\s*(.+)")
+    with pytest.raises(ConfigInvalid) as e:
+        m.validate_config({**m.default_config, "reference_pattern": "(("})
+    assert e.value.key == "reference_pattern"

@@ -54,10 +54,13 @@ def config(**kw: object) -> RewardConfig:
 
 def test_builtins_are_registered_with_their_executors() -> None:
     reg = build_registry(config(load_entry_points=False))
-    assert [f.name for f in reg.functions()] == ["exact_match", "format", "math"]
-    assert reg.get("exact_match").executor is Executor.INLINE
-    assert reg.get("format").executor is Executor.INLINE
-    assert reg.get("math").executor is Executor.PROCESS
+    inline = {"exact_match", "format", "qa", "multiple_choice"}  # cheap and trusted: a call on a thread
+    pooled = {"math", "ifeval", "code", "compose", "remote_rm", "genrm"}  # killable: a timeout is enforced
+    assert [f.name for f in reg.functions()] == sorted(inline | pooled)
+    assert all(reg.get(name).executor is Executor.INLINE for name in inline)
+    assert all(reg.get(name).executor is Executor.PROCESS for name in pooled)
+    assert reg.get("remote_rm").service_only_keys == {"url", "api_key_env"}
+    assert reg.get("genrm").service_only_keys == {"address"}
     assert reg.get("").name == "exact_match"  # the default
 
 

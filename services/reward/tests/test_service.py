@@ -135,7 +135,9 @@ def metric(service: ServiceProcess, name: str, **labels: str) -> float:
 def test_lists_builtins_and_entry_points(stub: reward_pb2_grpc.RewardServiceStub) -> None:
     resp = stub.ListRewardFunctions(reward_pb2.ListRewardFunctionsRequest())
     by_name = {f.name: f for f in resp.reward_functions}
-    assert list(by_name) == ["exact_match", "format", "judge", "math", "picky", "spin"]  # sorted, no 'broken'
+    builtins = ["code", "compose", "exact_match", "format", "genrm", "ifeval", "math", "multiple_choice", "qa"]
+    builtins.append("remote_rm")
+    assert list(by_name) == sorted([*builtins, "judge", "picky", "spin"])  # sorted, no 'broken'
     assert resp.default_reward_fn == "exact_match"
     assert by_name["exact_match"].default_config["ignore_case"] is True  # the service setting applied
     assert by_name["spin"].timeout.ToTimedelta().total_seconds() == 0.4

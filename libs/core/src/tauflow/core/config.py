@@ -17,7 +17,7 @@ import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -77,6 +77,29 @@ class MediaConfig(StrictModel):
     max_prompt_pixels: int = Field(
         1 << 27, ge=1, description="pixels of all of a prompt's images and videos, for a model's processor"
     )
+
+
+class DataConfig(StrictModel):
+    """How a data set's rows become prompts and the reward's metadata (docs/data.md): which column holds what,
+    and whether prompts go through the model's chat template. Read by tauflow.media.data_rows."""
+
+    id_column: str = Field("id", min_length=1, description="the prompt's id (default: the row's index)")
+    prompt_column: str = Field("prompt", min_length=1, description="the prompt as text")
+    messages_column: str = Field(
+        "messages", min_length=1, description="the prompt as a chat: a list of {role, content}"
+    )
+    answer_column: str = Field("answer", min_length=1, description="the reference answer (metadata 'answer')")
+    metadata_columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="more of the reward's metadata: key -> column (a value that is not a string goes as JSON)",
+    )
+    split: str = Field("train", min_length=1, description="the split of a DatasetDict saved with save_to_disk")
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="auto: chats go through the model's chat template, text as it is; always: text is asked as "
+        "the user's turn of a chat too; never: text only (a chat is refused)",
+    )
+    system_prompt: str = Field("", description="a system turn put before every chat that has none")
 
 
 class LogConfig(StrictModel):

@@ -7,6 +7,7 @@ embedded omni example's model and the tests'; ``build_qwen2_vl``: a Qwen2-VL (im
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,109 @@ def build(out: str | Path, chars: str = "0123456789+=? ", hidden: int = 64, laye
 
 def _plain(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+# -- a tiny instruct model: byte-level BPE trained here, a ChatML chat template --------------------------------
+
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the turn format of Qwen's instruct models: each turn "<|im_start|>{role}\n{content}<|im_end|>\n"; the
+# generation prompt opens the assistant's turn, and the model ends its turn with <|im_end|> (its EOS).
+CHATML_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_chat_tokenizer(out: str | Path, corpus: list[str], vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on ``corpus`` by the ``tokenizers`` library, with ChatML's special
+    tokens and chat template, saved with ``save_pretrained`` (what a real instruct checkpoint ships)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=CHAT_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def build_chat_model(
+    out: str | Path,
+    corpus: list[str],
+    vocab_size: int = 512,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    max_positions: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """A tiny Qwen2 instruct model in ``out``: ``build_chat_tokenizer`` and a randomly initialised model of its
+    vocabulary, whose EOS is <|im_end|> (``from_pretrained`` loads both)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+    out = Path(out)
+    tokenizer = build_chat_tokenizer(out, corpus, vocab_size)
+    eos, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=pad,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out)
+    return out
+
+
+def sft_chat(
+    model_dir: str | Path, pairs: Sequence[tuple[list[dict[str, str]], str]], steps: int, lr: float, seed: int = 0
+) -> float:
+    """Fine-tunes the chat model in ``model_dir`` on (chat, reply) pairs — the loss on the reply and its
+    <|im_end|> only — and saves it back; returns the last batch's loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = []
+    for chat, reply in pairs:
+        prompt = tok.encode(
+            tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
+        answer = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        rows.append((prompt + answer, [-100] * len(prompt) + answer))
+    width = max(len(ids) for ids, _ in rows)
+    pad = tok.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in rows])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r, _ in rows])[:, None]).long()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        batch = torch.randint(0, len(rows), (min(32, len(rows)),))
+        loss = model(input_ids=ids[batch], attention_mask=mask[batch], labels=labels[batch]).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.save_pretrained(model_dir)
+    return float(loss.detach())

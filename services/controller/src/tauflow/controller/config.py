@@ -14,10 +14,12 @@ from typing import Any
 
 from pydantic import Field
 
-from tauflow.core.config import ServiceConfig, StrictModel
+from tauflow.core.config import DataConfig, ServiceConfig, StrictModel
 
 ROLES = ("queue", "reward", "weights", "trainer", "rollout")
 TEACHER = "teacher"  # the optional role of on-policy distillation's teacher (teacher_model): a rollout server
+JUDGE = "judge"  # the optional role of an LLM judge (judge_model) that the reward's genrm asks: a rollout server
+SCORERS = (TEACHER, JUDGE)  # rollout servers with frozen weights, no data set and no weight sidecar
 
 
 class EvalConfig(StrictModel):
@@ -25,6 +27,7 @@ class EvalConfig(StrictModel):
     every_steps: int = Field(50, ge=1)
     max_prompts: int = Field(500, ge=1)
     reward_fn: str = ""
+    split: str = Field("test", min_length=1, description="the split of a DatasetDict folder (save_to_disk)")
 
 
 class RayConfig(StrictModel):
@@ -96,7 +99,18 @@ class RunConfig(StrictModel):
         "a rollout server of its own (role teacher) serves; the trainer asks it for the log-probs of the "
         "student's tokens (backend.teacher_address). Empty: no teacher server",
     )
-    dataset: str = Field(..., description="training prompts (JSONL or Parquet with prompt and answer)")
+    judge_model: str = Field(
+        "",
+        description="an LLM judge as its own deployment: a Hugging Face folder that a rollout server of its own "
+        "(role judge, weights never trained) serves; the reward's genrm asks it (functions.genrm.config.address "
+        "is set to it). Empty: no judge",
+    )
+    dataset: str = Field(
+        ..., description="training prompts: JSONL, Parquet, a folder of them, or a save_to_disk folder (docs/data.md)"
+    )
+    data: DataConfig = Field(
+        DataConfig(), description="the data sets' columns and the chat template's use, for training and eval alike"
+    )
     max_staleness: int = Field(
         1, ge=-1, description="tau: 0 on-policy, N bounded, -1 unbounded (tauflow set max-staleness changes it)"
     )
@@ -141,10 +155,10 @@ class RunConfig(StrictModel):
 
     def model_post_init(self, _: Any) -> None:
         for key, by_role, known in (
-            ("services", self.services, (*ROLES, TEACHER)),
+            ("services", self.services, (*ROLES, *SCORERS)),
             ("external", self.external, ROLES),
-            ("ray.num_cpus", self.ray.num_cpus, (*ROLES, TEACHER)),
-            ("ray.num_gpus", self.ray.num_gpus, (*ROLES, TEACHER)),
+            ("ray.num_cpus", self.ray.num_cpus, (*ROLES, *SCORERS)),
+            ("ray.num_gpus", self.ray.num_gpus, (*ROLES, *SCORERS)),
         ):
             unknown = set(by_role) - set(known)
             if unknown:

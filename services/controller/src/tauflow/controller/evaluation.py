@@ -5,43 +5,54 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from tauflow import media
 from tauflow.controller.config import EvalConfig
-from tauflow.controller.ports import RewardPort, RolloutPort, ToScore
+from tauflow.controller.ports import ChatPrompt, HeldOutPrompt, RewardPort, RolloutPort, ToScore
+from tauflow.core.config import DataConfig
+from tauflow.media import DataRow
 
 BATCH = 64  # prompts asked of each rollout server at once
 CALL_TIMEOUT_S = 120.0  # each call's own deadline: the rollout server is generating for training meanwhile
 
 
-def read_heldout(config: EvalConfig) -> list[dict[str, Any]]:
-    """The held-out rows (``id``, ``prompt`` or ``prompt_parts``, ``answer``), at most ``max_prompts``; none
-    without a dataset. A multimodal row's parts are read now (their files, relative to the data set)."""
+def read_heldout(config: EvalConfig, data: DataConfig | None = None) -> list[DataRow]:
+    """The held-out rows, read with the run's column mapping ``data`` (and the eval's ``split``), at most
+    ``max_prompts``; none without a data set. A multimodal row's parts are read now (their files)."""
     if not config.dataset:
         return []
-    rows = media.read_rows(config.dataset)[: config.max_prompts]  # JSONL or Parquet
-    for i, row in enumerate(rows):
-        if "prompt_parts" in row:
-            row["prompt_parts"] = media.parts_from_row(
-                row["prompt_parts"], Path(config.dataset).parent, f"{config.dataset}: row {i}: prompt_parts"
-            )
-    return rows
+    mapping = {**(data or DataConfig()).model_dump(), "split": config.split}
+    return media.data_rows(config.dataset, mapping)[: config.max_prompts]
+
+
+def _prompt(row: DataRow) -> HeldOutPrompt:
+    if row.parts is not None:
+        return row.parts
+    if row.messages is not None:
+        return ChatPrompt(row.messages)
+    if row.token_ids is not None:
+        return row.token_ids
+    assert row.text is not None  # data_rows gives exactly one form
+    return row.text
 
 
 async def evaluate(
-    rollouts: Sequence[RolloutPort], reward: RewardPort, rows: list[dict[str, Any]], reward_fn: str
+    rollouts: Sequence[RolloutPort],
+    reward: RewardPort,
+    rows: list[DataRow],
+    reward_fn: str,
+    stop: Sequence[str] = (),
+    max_new_tokens: int = 0,
 ) -> tuple[float, int]:
     """The share of greedy answers scored 1, and the oldest version an engine answered with (it may lag
     or, with tau > 0, differ from the trainer's). The prompts are spread over the rollout servers
-    ``rollouts`` (prompt i to server i mod R), each answering its share at once."""
+    ``rollouts`` (prompt i to server i mod R), each answering its share at once; ``stop`` and
+    ``max_new_tokens`` are the training's (0: the rollout server's default)."""
 
-    async def one(i: int, row: dict[str, Any]) -> ToScore:
+    async def one(i: int, row: DataRow) -> ToScore:
         rollout = rollouts[i % len(rollouts)]
-        prompt = row["prompt_parts"] if "prompt_parts" in row else row["prompt"]
-        completion = await rollout.generate_greedy(prompt, timeout_s=CALL_TIMEOUT_S)
-        return ToScore(f"eval-{row['id']}", str(row["answer"]), completion)
+        completion = await rollout.generate_greedy(_prompt(row), CALL_TIMEOUT_S, stop, max_new_tokens)
+        return ToScore(f"eval-{row.prompt_id}", row.metadata, completion)
 
     groups: list[ToScore] = []
     batch = BATCH * len(rollouts)

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import yaml
+
 from tauflow.controller.health import HealthProbe
 from tauflow.controller.ports import HealthCheck
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
@@ -546,8 +548,16 @@ def is_service_process(pid: int, role: str) -> bool:
 
 
 def _format(value: Any) -> str:
+    """A setting as ``--set key=VALUE`` text that the service reads back (as YAML) to the same value."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, dict)):
         return json.dumps(value)
+    if isinstance(value, str) and value:
+        try:
+            same = yaml.safe_load(value) == value
+        except yaml.YAMLError:
+            same = False
+        # "####\s*(.+)" would read as a comment (null), "1e3" or "true" as a number or a bool: quote them
+        return value if same else json.dumps(value)
     return str(value)

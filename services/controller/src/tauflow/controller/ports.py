@@ -28,6 +28,17 @@ class PeerUnavailable(PeerError):
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    """A held-out prompt as a chat: the rollout server applies the model's chat template."""
+
+    messages: list[dict[str, str]]
+
+
+# A held-out prompt in the form its data set row gave: text, a chat, multimodal parts, or token ids.
+HeldOutPrompt = str | ChatPrompt | list[PromptPart] | list[int]
+
+
+@dataclass(frozen=True)
 class TrainerStep:
     """One optimizer step as the trainer lists it."""
 
@@ -68,10 +79,10 @@ class Completion:
 
 @dataclass(frozen=True)
 class ToScore:
-    """A held-out prompt's completion, with the answer it should give."""
+    """A held-out prompt's completion, with the reward's metadata (the answer it should give, and more)."""
 
     group_id: str
-    answer: str
+    metadata: dict[str, str]
     completion: Completion
 
 
@@ -109,7 +120,9 @@ class WeightsPort(Protocol):
 
 
 class RolloutPort(Protocol):
-    async def generate_greedy(self, prompt: str | list[PromptPart], timeout_s: float) -> Completion: ...
+    async def generate_greedy(
+        self, prompt: HeldOutPrompt, timeout_s: float, stop: Sequence[str] = (), max_new_tokens: int = 0
+    ) -> Completion: ...
 
     async def close(self) -> None: ...
 

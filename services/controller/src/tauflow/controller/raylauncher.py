@@ -70,6 +70,7 @@ def role_resources(role: str, settings: Mapping[str, Any], config: RayConfig) ->
         "trainer": str(settings.get("backend.device", "cpu")).startswith("cuda"),
         "rollout": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
         "teacher": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
+        "judge": str(settings.get("engine_options.device", "cpu")).startswith("cuda"),
         "weights": settings.get("backend") == "nccl",
     }.get(role, False)
     return {

@@ -17,9 +17,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, ROLES, TEACHER, RunConfig, flatten
+from tauflow.controller.config import JUDGE, MAX_ROLLOUT_REPLICAS, ROLES, SCORERS, TEACHER, RunConfig, flatten
 from tauflow.controller.dial import TauChange
 from tauflow.controller.evaluation import evaluate, read_heldout
 from tauflow.controller.launcher import Launcher, LaunchFailed, Rendezvous, Service, ServiceSpec, instance_name
@@ -41,13 +40,22 @@ from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
+from tauflow.media import DataRow
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
-STOP_ORDER = ["rollout", "trainer", "teacher", "weights", "reward", "queue"]  # roles: every process of each at once
+STOP_ORDER = [
+    "rollout",
+    "trainer",
+    "teacher",
+    "weights",
+    "reward",
+    "judge",
+    "queue",
+]  # roles: every process of each at once
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 
@@ -134,7 +142,11 @@ class Run:
                 "max_staleness": config.max_staleness,
                 "groups_per_step": config.groups_per_step,
             },
-            "reward": {"default_reward_fn": config.reward_fn},
+            "reward": {
+                "default_reward_fn": config.reward_fn,
+                **({"functions.genrm.config.address": addresses[JUDGE]} if addresses.get(JUDGE) else {}),
+            },
+            JUDGE: {"model_path": config.judge_model, "server_id": JUDGE},
             "weights": {},
             "trainer": {
                 "backend.model_path": config.model,
@@ -166,6 +178,7 @@ class Run:
                 "weights_address": addresses.get("weights", ""),
                 "reward_fn": config.reward_fn,
                 "sampling.temperature": config.temperature,
+                **flatten({"data": config.data.model_dump(exclude_defaults=True)}),  # (the defaults are the service's)
             },
         }
         return {**base[role], **flatten(config.services.get(role, {}))}
@@ -182,7 +195,7 @@ class Run:
                 "distributed.strategy": self.config.trainer.strategy,
             }
         name = instance_name(role, index)
-        module = "rollout" if role == TEACHER else role
+        module = "rollout" if role in SCORERS else role
         # Each process's spans name it (service.instance.id), as its Prometheus target does (`instance_name`).
         resource = f"service.instance.id={name},tauflow.role={role},tauflow.replica={index}"
         inherited = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
@@ -263,6 +276,8 @@ class Run:
         roles = list(ROLES)
         if self.config.teacher_model:
             roles.insert(roles.index("trainer"), TEACHER)
+        if self.config.judge_model:  # before the reward service that asks it
+            roles.insert(roles.index("reward"), JUDGE)
         return roles
 
     def _start_role(self, role: str, addresses: Mapping[str, str]) -> list[Service]:
@@ -280,7 +295,7 @@ class Run:
     # -- follow --------------------------------------------------------------------------
 
     async def follow(self, addresses: Mapping[str, str]) -> RunSummary:
-        heldout = read_heldout(self.config.eval)
+        heldout = read_heldout(self.config.eval, self.config.data)
         following = Following(progressed_at=time.monotonic())
         async with self.connect(addresses) as peers:
             self._peers = peers
@@ -415,14 +430,22 @@ class Run:
         return version
 
     async def _evaluate(
-        self, peers: Peers, heldout: list[dict[str, Any]], version: int, done: bool, following: Following
+        self, peers: Peers, heldout: list[DataRow], version: int, done: bool, following: Following
     ) -> Evaluated:
         progress = self.progress
         progress.message = f"evaluating version {version}"
         self.on_progress(progress)
         try:
             rollouts = await peers.rollouts(self._rollout_addresses())
-            accuracy, engine_version = await evaluate(rollouts, peers.reward, heldout, self.config.eval.reward_fn)
+            sampling = self.config.services.get(ROLLOUT, {}).get("sampling", {})  # the training's stops and length
+            accuracy, engine_version = await evaluate(
+                rollouts,
+                peers.reward,
+                heldout,
+                self.config.eval.reward_fn,
+                stop=sampling.get("stop", ()),
+                max_new_tokens=sampling.get("max_new_tokens", 0),
+            )
             following.eval_failures = 0
         except PeerUnavailable as e:
             following.eval_failures += 1

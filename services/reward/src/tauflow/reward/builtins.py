@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import re2
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tauflow.reward.api import SampleInput, Score
 
@@ -65,6 +65,17 @@ MAX_PATTERN_CHARS = 2048
 MAX_KEY_CHARS = 256  # answer_key: a metadata key (limits.max_id_chars by default)
 
 
+def _compiled(pattern: str) -> str:
+    """``pattern`` if RE2 compiles it (an empty one is no pattern)."""
+    if pattern:
+        _compile(pattern, ())
+    return pattern
+
+
+# A regular expression of a config: RE2, checked when the config is validated; "" is none.
+RE2Pattern = Annotated[str, Field(max_length=MAX_PATTERN_CHARS), AfterValidator(_compiled)]
+
+
 class _Options(BaseModel):
     # NaN and infinities are refused: a score of NaN would reach the trainer as a reward.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -79,16 +90,9 @@ class ExactMatchOptions(_Options):
     ignore_case: bool = False
     collapse_whitespace: bool = True
     # When set, the completion's answer is group 1 (else the whole match) of the pattern's last match.
-    extract_pattern: str = Field("", max_length=MAX_PATTERN_CHARS)
+    extract_pattern: RE2Pattern = ""
     correct_score: float = 1.0
     incorrect_score: float = 0.0
-
-    @field_validator("extract_pattern")
-    @classmethod
-    def _compiles(cls, v: str) -> str:
-        if v:
-            _compile(v, ())
-        return v
 
 
 _SPACES = re.compile(r"\s+")
@@ -214,6 +218,9 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 class MathOptions(_Options):
     answer_key: str = Field("answer", min_length=1, max_length=MAX_KEY_CHARS)
+    # When set, the reference is group 1 (else the whole match) of the pattern's last match in it: GSM8K's
+    # answers are a worked solution ending "#### 72" (reference_pattern "####\\s*(.+)").
+    reference_pattern: RE2Pattern = ""
     extraction: list[Literal["latex", "expr", "string"]] = Field(["latex", "expr"], min_length=1, max_length=3)
     extraction_mode: Literal["any_match", "first_match"] = "any_match"
     boxed_match_priority: int = Field(0, ge=-1, le=1000)  # math-verify's: 0 first, 50 its default, -1 off
@@ -263,6 +270,11 @@ class Math:
         from math_verify import parse, verify
 
         reference = _reference(sample, config["answer_key"])
+        if config["reference_pattern"]:
+            found = _last_match(_compile(config["reference_pattern"], ()), reference)
+            if found is None:
+                raise ValueError(f"the reference answer {reference[:80]!r} does not match reference_pattern")
+            reference = found.strip()
         # The reference is parsed with math-verify's defaults (LaTeX, then plain expressions); the
         # completion with the configured targets. verify() is not symmetric: the gold goes first.
         gold = _parse_reference(reference)

@@ -8,6 +8,7 @@ defaults and validates it once per call.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
-from tauflow.reward import builtins, worker
+from tauflow.reward import builtins, compose, worker
 from tauflow.reward.api import ENTRY_POINT_GROUP
 from tauflow.reward.config import Executor, FunctionSettings, RewardConfig
 from tauflow.reward.errors import InvalidRequest, NotFound, cut, shown
@@ -26,7 +27,15 @@ BUILTINS: dict[str, tuple[str, Executor]] = {
     "exact_match": ("tauflow.reward.builtins:ExactMatch", Executor.INLINE),
     "format": ("tauflow.reward.builtins:Format", Executor.INLINE),
     "math": ("tauflow.reward.builtins:Math", Executor.PROCESS),
+    "qa": ("tauflow.reward.answers:QuestionAnswering", Executor.INLINE),
+    "multiple_choice": ("tauflow.reward.answers:MultipleChoice", Executor.INLINE),
+    "ifeval": ("tauflow.reward.ifeval:InstructionFollowing", Executor.PROCESS),
+    "remote_rm": ("tauflow.reward.remote:RemoteRewardModel", Executor.PROCESS),
+    "code": ("tauflow.reward.code_exec:CodeExecution", Executor.PROCESS),
+    "genrm": ("tauflow.reward.genrm:GenerativeJudge", Executor.PROCESS),
 }
+# A weighted sum of the others: its validation reads the registry (see ``build_registry``).
+COMPOSE = ("compose", "tauflow.reward.compose:Compose")
 
 
 class RegistryError(ValueError):
@@ -46,12 +55,21 @@ class RewardFunction:
     executor: Executor
     source: str
     isolated_keys: frozenset[str] = frozenset()
+    service_only_keys: frozenset[str] = frozenset()
     uses_prompt_parts: bool = False
     validate: Callable[[dict[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
 
-    def resolve_config(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``overrides`` over the defaults, validated; ``InvalidRequest`` names the key (``config.<key>``)."""
+    def resolve_config(self, overrides: Mapping[str, Any] | None, *, from_request: bool = True) -> dict[str, Any]:
+        """``overrides`` over the defaults, validated; ``InvalidRequest`` names the key (``config.<key>``). A
+        request may not set the function's ``service_only_keys`` (an address, the name of a secret)."""
         overrides = dict(overrides or {})
+        if from_request:
+            locked = sorted(self.service_only_keys.intersection(overrides))
+            if locked:
+                raise InvalidRequest(
+                    f"config.{locked[0]}",
+                    f"set only in the service's settings (functions.{self.name}.config), not by a request",
+                )
         unknown = sorted(set(overrides) - set(self.default_config))
         if unknown:
             keys = ", ".join(sorted(self.default_config)) or "none"
@@ -120,6 +138,7 @@ def describe(
         executor=executor,
         source=source,
         isolated_keys=frozenset(getattr(obj, "isolated_keys", None) or ()),
+        service_only_keys=frozenset(getattr(obj, "service_only_keys", None) or ()),
         validate=validate if callable(validate) else None,
     )
 
@@ -212,6 +231,9 @@ def build_registry(config: RewardConfig, entry_points: Iterable[metadata.EntryPo
             except Exception as e:  # noqa: BLE001 - a broken plug-in must not stop the service
                 reg.load_errors[ep.name] = f"{type(e).__name__}: {e}"
                 log.warning("reward entry point failed to load", extra={"entry_point": source, "error": str(e)})
+    name, ref = COMPOSE
+    composed = describe(name, worker.load_object(ref), ref, source="built-in", executor=Executor.PROCESS, **defaults)
+    reg.add(replace(composed, validate=functools.partial(compose.resolved, reg)))
     for name, settings in config.functions.items():
         _apply(reg, name, settings)
     if config.default_reward_fn and config.default_reward_fn not in reg:
@@ -232,7 +254,7 @@ def _apply(reg: Registry, name: str, settings: FunctionSettings) -> None:
         return
     fn = reg.get(name)
     try:
-        default_config = fn.resolve_config(settings.config)
+        default_config = fn.resolve_config(settings.config, from_request=False)
     except InvalidRequest as e:
         raise RegistryError(f"functions.{name}.{e}") from None
     reg.replace(

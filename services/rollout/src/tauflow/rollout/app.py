@@ -4,8 +4,6 @@ data set is configured, the RolloutService API, the weight loader, and membershi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from pathlib import Path
 
 from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2
@@ -25,35 +23,32 @@ from tauflow.rollout.engine import engine_class
 from tauflow.rollout.membership import SidecarMembership
 from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.producer import Producer
+from tauflow.rollout.text import TextCodec
 from tauflow.rollout.weights import WeightLoader
 
-
-def _tokenizer(
-    model_path: str,
-) -> tuple[Callable[[str], list[int]] | None, Callable[[list[int]], str] | None]:
-    """(encode, decode) with the model folder's tokenizer; (None, None) for a folder without one."""
-    if not (Path(model_path) / "tokenizer_config.json").exists():
-        return None, None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-
-    def decode(ids: list[int]) -> str:
-        text = tok.decode(ids, skip_special_tokens=True)
-        assert isinstance(text, str)  # one sequence decodes to one string (decode also takes a batch)
-        return text
-
-    return (lambda text: list(tok.encode(text))), decode
+# A Generate's media parts, text and chats are far larger than the default bounds of a string or bytes field.
+GENERATE_BOUNDS = {
+    **media_wire.field_bounds(),
+    "prompt_text": 1 << 18,
+    "prompt_messages": media.MAX_MESSAGES,
+    "prompt_messages.role": 32,
+    "prompt_messages.content": 1 << 18,
+}
 
 
 async def build(config: RolloutConfig) -> ServiceApp:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    codec = TextCodec.from_folder(config.model_path)  # None: a model that takes token ids only
     engine = engine_class(config.engine).from_pretrained(
-        config.model_path, engine_id=f"{config.server_id}-{config.engine}", seed=config.seed, **config.engine_options
+        config.model_path,
+        engine_id=f"{config.server_id}-{config.engine}",
+        seed=config.seed,
+        **({"detokenize": codec.decode} if codec is not None else {}),  # for stop strings
+        **config.engine_options,
     )
-    encode, decode = _tokenizer(config.model_path)
+    decode = codec.decode if codec is not None else None
     metrics = RolloutMetrics()
     sidecar = (
         GrpcSidecar(config.weights_address, config.channel, model=config.model_path) if config.weights_address else None
@@ -63,20 +58,14 @@ async def build(config: RolloutConfig) -> ServiceApp:
     # a multimodal model's processor (None: a text model), from the same folder the trainer reads
     processor = PartsProcessor.from_pretrained(config.model_path, media.MediaLimits.of(config.media.model_dump()))
     if config.dataset:
-        prompts = load_prompts(
-            config.dataset,
-            encode,
-            prompt_field=config.prompt_field,
-            id_field=config.id_field,
-            metadata_fields=tuple(config.metadata_fields),
-        )
+        prompts = load_prompts(config.dataset, codec, config.data.model_dump())
         queue = GrpcQueue(config.queue_address, config.server_id, config.channel)
         reward = GrpcReward(config.reward_address, config.reward_fn, config.channel)
         producer = Producer(
             engine, epochs(prompts, config.seed), queue, reward, config, decode=decode, metrics=metrics,
             processor=processor,
         )  # fmt: skip
-    servicer = RolloutServicer(config, engine, weights, producer, encode, decode, processor)
+    servicer = RolloutServicer(config, engine, weights, producer, codec, processor)
     metrics.watch(engine, servicer, producer)
     bound_port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -113,7 +102,7 @@ async def build(config: RolloutConfig) -> ServiceApp:
     service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
     return ServiceApp(
         # a Generate's media parts are far larger than the default bound of a bytes field
-        bindings=[ServiceBinding(service, servicer, servicer_adder(service, {"Generate": media_wire.field_bounds()}))],
+        bindings=[ServiceBinding(service, servicer, servicer_adder(service, {"Generate": GENERATE_BOUNDS}))],
         background=background,
         close=close,
         info={"policy_version": engine.policy_version},

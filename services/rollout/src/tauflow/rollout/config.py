@@ -6,7 +6,15 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from tauflow.core.config import ChannelConfig, MediaConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.core.config import (
+    ChannelConfig,
+    DataConfig,
+    MediaConfig,
+    MetricsConfig,
+    ServerConfig,
+    ServiceConfig,
+    StrictModel,
+)
 
 
 class SamplingConfig(StrictModel):
@@ -15,6 +23,9 @@ class SamplingConfig(StrictModel):
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(16, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(
+        default_factory=list, max_length=16, description="stop strings: a completion ends when its text holds one"
+    )
 
 
 class DynamicSamplingConfig(StrictModel):
@@ -39,9 +50,9 @@ class RolloutConfig(ServiceConfig):
     engine: str = Field("hf", description="generation backend: hf (sglang: a later issue)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="passed to the engine")
     dataset: str = Field("", description="training prompts (JSONL/Parquet); empty: serve Generate only")
-    prompt_field: str = "prompt"
-    id_field: str = "id"
-    metadata_fields: list[str] = Field(default_factory=lambda: ["answer"])
+    data: DataConfig = Field(
+        DataConfig(), description="the data set's columns, and the chat template's use (docs/data.md)"
+    )
     media: MediaConfig = Field(MediaConfig(), description="media URIs' roots and decoded bounds (multimodal prompts)")
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")

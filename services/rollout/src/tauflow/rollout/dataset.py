@@ -1,18 +1,16 @@
-"""Prompt data sets: JSONL or Parquet rows with a prompt (text, token ids, or typed parts with media), an id
-and an answer."""
+"""Prompt data sets: JSONL, Parquet or save_to_disk rows with a prompt (text, a chat, token ids, or typed parts
+with media), an id and the reward's metadata."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tauflow import media
-from tauflow.media.dataset import read_rows
-
-PARTS_FIELD = "prompt_parts"
+from tauflow.rollout.text import NoChatTemplate, TextCodec
 
 
 @dataclass(frozen=True)
@@ -30,35 +28,29 @@ class Prompt:
         return bool(self.parts) and not self.token_ids
 
 
-def load_prompts(
-    path: str | Path,
-    encode: Callable[[str], list[int]] | None,
-    *,
-    prompt_field: str = "prompt",
-    id_field: str = "id",
-    metadata_fields: tuple[str, ...] = ("answer",),
-) -> list[Prompt]:
-    """Rows become prompts; a row with ``prompt_token_ids`` is taken as is, text goes through ``encode``, and
-    ``prompt_parts`` (the multimodal format, docs/omni.md) are read now (their files) and processed when drawn."""
+def load_prompts(path: str | Path, codec: TextCodec | None, data: Mapping[str, Any] | None = None) -> list[Prompt]:
+    """Rows become prompts (tauflow.media.data_rows with the column mapping ``data``, DataConfig as a
+    mapping): token ids are taken as they are, text is tokenized, a chat goes through the model's chat
+    template, and multimodal parts are read now (their files) and processed when drawn (docs/data.md)."""
     prompts = []
-    for i, row in enumerate(read_rows(path)):
-        meta = {k: str(row[k]) for k in metadata_fields if k in row}
-        prompt_id = str(row.get(id_field, i))
-        if PARTS_FIELD in row:
-            parts = media.parts_from_row(row[PARTS_FIELD], Path(path).parent, f"{path}: row {i}: {PARTS_FIELD}")
-            prompts.append(Prompt(prompt_id, [], meta, parts))
+    for row in media.data_rows(path, data):
+        where = f"{path}: prompt {row.prompt_id}"
+        if row.parts is not None:
+            prompts.append(Prompt(row.prompt_id, [], row.metadata, row.parts))
             continue
-        if "prompt_token_ids" in row:
-            ids = [int(t) for t in row["prompt_token_ids"]]
-        elif prompt_field in row:
-            if encode is None:
-                raise ValueError(f"{path}: row {i} has text but the model has no tokenizer")
-            ids = encode(str(row[prompt_field]))
+        if row.token_ids is not None:
+            ids = row.token_ids
+        elif codec is None:
+            raise ValueError(f"{where} has text but the model has no tokenizer")
+        elif row.messages is not None:
+            try:
+                ids = codec.encode_chat(row.messages)
+            except NoChatTemplate as e:
+                raise ValueError(f"{where} is a chat: {e}") from None
         else:
-            raise ValueError(f"{path}: row {i} has neither '{prompt_field}', 'prompt_token_ids' nor '{PARTS_FIELD}'")
-        prompts.append(Prompt(prompt_id, ids, meta))
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
+            assert row.text is not None  # data_rows gives exactly one form
+            ids = codec.encode(row.text)
+        prompts.append(Prompt(row.prompt_id, ids, row.metadata))
     return prompts
 
 

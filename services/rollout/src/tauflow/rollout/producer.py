@@ -302,6 +302,7 @@ def sampling_params(config: SamplingConfig, n: int = 1) -> SamplingParams:
         top_p=config.top_p,
         top_k=config.top_k,
         stop_token_ids=tuple(config.stop_token_ids),
+        stop=tuple(config.stop),
         n=n,
     )
 

@@ -35,6 +35,12 @@ REQUIREMENTS: dict[str, Requirement] = {
         rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
         revisions={"tauflow.api.rollout.v1": 3},
     ),
+    # an LLM judge that the reward's genrm asks with chats (GenerateRequest.prompt_messages, revision 5)
+    "judge": Requirement.of(
+        "rollout",
+        rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        revisions={"tauflow.api.rollout.v1": 5},
+    ),
 }
 
 

@@ -42,5 +42,5 @@ def completion(reply: rollout_pb2.GenerateResponse) -> Completion:
 
 
 def group(item: ToScore) -> common_pb2.Group:
-    """A held-out completion as the reward service scores it: its samples, and the answer in the metadata."""
-    return common_pb2.Group(group_id=item.group_id, samples=item.completion.samples, metadata={"answer": item.answer})
+    """A held-out completion as the reward service scores it: its samples, and the row's metadata."""
+    return common_pb2.Group(group_id=item.group_id, samples=item.completion.samples, metadata=item.metadata)

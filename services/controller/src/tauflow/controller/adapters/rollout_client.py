@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from tauflow import media
+from collections.abc import Sequence
+
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.controller.adapters import convert
 from tauflow.controller.adapters.errors import peer_errors
-from tauflow.controller.ports import Completion
+from tauflow.controller.ports import ChatPrompt, Completion, HeldOutPrompt
 from tauflow.core.channel import create_channel
 from tauflow.media import wire as media_wire
 
@@ -19,13 +20,22 @@ class RolloutClient:
         self._channel = create_channel(address, [SERVICE])
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
 
-    async def generate_greedy(self, prompt: str | list[media.PromptPart], timeout_s: float) -> Completion:
-        """The greedy answer to a text prompt, or to a multimodal prompt's parts (rollout revision 4)."""
+    async def generate_greedy(
+        self, prompt: HeldOutPrompt, timeout_s: float, stop: Sequence[str] = (), max_new_tokens: int = 0
+    ) -> Completion:
+        """The greedy answer to a prompt: text, a chat (rollout revision 5), a multimodal prompt's parts (revision
+        4), or token ids. ``stop`` and ``max_new_tokens`` (0: the server's default) as in training."""
         request = rollout_pb2.GenerateRequest(sampling=GREEDY)
+        request.sampling.stop.extend(stop)
+        request.sampling.max_new_tokens = max_new_tokens
         if isinstance(prompt, str):
             request.prompt_text = prompt
+        elif isinstance(prompt, ChatPrompt):
+            request.prompt_messages.extend(rollout_pb2.ChatMessage(**m) for m in prompt.messages)
+        elif prompt and isinstance(prompt[0], int):
+            request.prompt_token_ids.extend(prompt)
         else:
-            request.prompt_parts.extend(media_wire.to_proto(prompt))
+            request.prompt_parts.extend(media_wire.to_proto(prompt))  # type: ignore[arg-type]
         with peer_errors("rollout"):
             reply = await self._stub.Generate(request, timeout=timeout_s)
         return convert.completion(reply)

@@ -69,6 +69,7 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams, default_max_new_tokens: i
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
     )
 
 

@@ -16,11 +16,13 @@ from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
 from tauflow.media import wire as media_wire
+from tauflow.media.dataset import checked_messages
 from tauflow.media.processor import Processed
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
 from tauflow.rollout.producer import Producer
+from tauflow.rollout.text import TextCodec
 from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
 from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
 from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
@@ -58,16 +60,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         engine: GenerationEngine,
         weights: WeightLoader,
         producer: Producer | None,
-        encode: Callable[[str], list[int]] | None,
-        decode: Callable[[list[int]], str] | None,
+        codec: TextCodec | None,
         processor: Callable[[list[media.PromptPart]], Processed] | None = None,
     ) -> None:
         self.config = config  # max_n, max_in_flight, max_wait_s: what one client may ask of the server
         self.engine = engine
         self.weights = weights
         self.producer = producer
-        self.encode = encode
-        self.decode = decode or (lambda ids: "")  # a model folder without a tokenizer: token ids only
+        self.codec = codec  # None: a model folder without a tokenizer takes and gives token ids only
         self.processor = processor  # a multimodal model's (prompt_parts); None: a text model
         self.in_flight = 0
 
@@ -76,11 +76,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        if sum(map(bool, (request.prompt_token_ids, request.prompt_text, request.prompt_parts))) != 1:
+        forms = (request.prompt_token_ids, request.prompt_text, request.prompt_parts, request.prompt_messages)
+        if sum(map(bool, forms)) != 1:
             await _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "set exactly one of prompt_token_ids, prompt_text and prompt_parts",
+                "set exactly one of prompt_token_ids, prompt_text, prompt_parts and prompt_messages",
             )
         parts: list[media.PromptPart] = []
         if request.prompt_parts:
@@ -90,10 +91,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if self.processor is None:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_parts needs a multimodal model")
-        if request.sampling.stop:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop (stop strings) is not supported yet")
-        if request.prompt_text and self.encode is None:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt_text needs a model with a tokenizer")
+        if (request.prompt_text or request.prompt_messages) and self.codec is None:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prompt_text and prompt_messages need a model with a tokenizer",
+            )
+        messages: list[dict[str, str]] = []
+        if request.prompt_messages:
+            try:
+                messages = checked_messages(
+                    [{"role": m.role, "content": m.content} for m in request.prompt_messages], "prompt_messages"
+                )
+            except ValueError as e:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            assert self.codec is not None  # refused above
+            if not self.codec.has_chat_template:
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "prompt_messages: the model's tokenizer has no chat template",
+                )
         if request.sampling.n > self.config.max_n:
             await _abort(
                 context,
@@ -107,9 +125,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"{self.in_flight} Generate calls in flight, this server's maximum",
             )
         prompt = list(request.prompt_token_ids)
-        if request.prompt_text:
-            assert self.encode is not None  # prompt_text without a tokenizer was refused above
-            prompt = self.encode(request.prompt_text)
+        if request.prompt_text or messages:
+            assert self.codec is not None  # text without a tokenizer was refused above
+            # (a long chat or text is tokenized off the event loop)
+            if messages:
+                prompt = await asyncio.to_thread(self.codec.encode_chat, messages)
+            else:
+                prompt = await asyncio.to_thread(self.codec.encode, request.prompt_text)
         started = time.monotonic()
         self.in_flight += 1
         inputs = None
@@ -135,7 +157,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         resp = rollout_pb2.GenerateResponse(
             request_id=request.request_id,
             prompt_token_ids=prompt,
-            samples=[sample_to_proto(i, prompt, c, self.decode(c.token_ids)) for i, c in enumerate(completions)],
+            samples=[
+                sample_to_proto(i, prompt, c, self.codec.decode(c.token_ids) if self.codec else "")
+                for i, c in enumerate(completions)
+            ],
             engine_id=self.engine.stats().engine_id,
         )
         resp.queue_duration.FromNanoseconds(int((queued - started) * 1e9))

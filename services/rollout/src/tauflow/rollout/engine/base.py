@@ -60,7 +60,7 @@ class EngineClosedError(RuntimeError):
 class FinishReason(enum.IntEnum):
     """Why a completion ended; the numbers are those of ``tauflow.api.common.v1.FinishReason``."""
 
-    STOP = 1  # a stop token (EOS or one of stop_token_ids) was sampled; it is part of the completion
+    STOP = 1  # a stop token (EOS or one of stop_token_ids) was sampled, or a stop string completed; kept
     LENGTH = 2  # max_new_tokens were generated
     ABORT = 3  # the engine shut down, or the request was cancelled, before the completion ended
 
@@ -76,17 +76,23 @@ class EngineState(enum.IntEnum):
 
 
 _U64 = 1 << 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample, per prompt. Mirrors ``tauflow.api.rollout.v1.SamplingParams`` (without stop strings).
+    """How to sample, per prompt. Mirrors ``tauflow.api.rollout.v1.SamplingParams``.
 
     - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
     - ``top_p`` in (0, 1]: keep the smallest set of most likely tokens whose probability sums to at least top_p.
     - ``top_k`` 0 means no limit.
     - ``stop_token_ids`` end a completion (the stop token is kept); the model's EOS tokens always do, unless
       ``ignore_eos``.
+    - ``stop`` strings end a completion when its decoded text (special tokens skipped) first contains one; the
+      tokens up to and including the one that completed it are kept, so the text ends with the string (and
+      whatever else that last token spells): what the policy sampled is what is trained. They need an engine
+      with the model's tokenizer.
     - ``seed``: reproducible draws on one engine and version. Sample ``j`` of *every* prompt of a call draws
       from the stream ``(seed, j)``, so a prompt gets the same completions whether it is sent alone or in a
       batch with others. ``None`` draws a fresh random seed per prompt.
@@ -100,9 +106,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(dict.fromkeys(self.stop)))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop: {len(self.stop)} strings, at most {MAX_STOP_STRINGS}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequestError(f"stop[{i}]: a stop string must have 1 to {MAX_STOP_CHARS} characters")
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.n, int) and self.n >= 1):

@@ -27,7 +27,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +96,18 @@ def _map_cache(cache: Any, fn: Any, other: Any = None) -> None:
 
 
 class _Request:
-    __slots__ = ("counted", "future", "media", "params", "prompts", "remaining", "results", "seeds", "stop_ids")
+    __slots__ = (
+        "counted",
+        "future",
+        "media",
+        "params",
+        "prompts",
+        "remaining",
+        "results",
+        "seeds",
+        "stop_ids",
+        "stop_window",
+    )
 
     def __init__(
         self,
@@ -111,6 +122,9 @@ class _Request:
         self.params = params
         self.seeds = seeds
         self.stop_ids = stop_ids
+        # Tokens decoded to look for a stop string that the newest token may have completed: a byte-level
+        # token spells at least one byte (a few more tokens cover a character split across tokens).
+        self.stop_window = max((len(s.encode()) for s in params.stop), default=0) + 4
         self.results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
         self.remaining = len(prompts) * params.n
         self.counted = True  # still counted in the engine's in-flight requests
@@ -187,10 +201,12 @@ class _Batch:
     n_done: int
     truncate: bool
     any_greedy: bool
+    any_stop_strings: bool
 
     def refresh_flags(self) -> None:
         self.truncate = bool(((self.top_k > 0) | (self.top_p < 1)).any())
         self.any_greedy = bool((self.temp <= 0).any())
+        self.any_stop_strings = any(r.req.params.stop for r in self.rows)
 
     @property
     def size(self) -> int:
@@ -238,6 +254,7 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
     out.n_done = a.n_done + b.n_done
     out.truncate = a.truncate or b.truncate
     out.any_greedy = a.any_greedy or b.any_greedy
+    out.any_stop_strings = a.any_stop_strings or b.any_stop_strings
     return out
 
 
@@ -274,6 +291,7 @@ class HFEngine(GenerationEngine):
         recompute_kv_on_swap: bool = True,
         eos_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
     ) -> None:
         super().__init__(engine_id, policy_version)
         config = model.config
@@ -291,6 +309,10 @@ class HFEngine(GenerationEngine):
         self._device = next(model.parameters()).device
         self.model_name = model_name or str(getattr(config, "_name_or_path", "") or type(model).__name__)
         self._tokenizer = tokenizer
+        # token ids -> text, for stop strings (the rollout service passes its tokenizer's decode)
+        self._detokenize = detokenize or (
+            None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        )
         self._max_running = max_running
         self._max_prefill_tokens = max_prefill_tokens
         self._batch_wait_s = batch_wait_s
@@ -411,6 +433,8 @@ class HFEngine(GenerationEngine):
                     f"model's context of {self.max_context}"
                 )
             clean.append(ids)
+        if params.stop and self._detokenize is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer, and this engine has none")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
         stop_ids = list(dict.fromkeys((() if params.ignore_eos else self.eos_token_ids) + params.stop_token_ids))
@@ -869,6 +893,8 @@ class HFEngine(GenerationEngine):
         b.n_gen += active
         b.last = tok
         stopped = (tok[:, None] == b.stop).any(dim=1) if b.stop.shape[1] else torch.zeros_like(active)
+        if b.any_stop_strings:
+            stopped = stopped | self._stop_string_hits(b, active)
         finished = stopped | (b.n_gen >= b.max_new)
         if b.n_done:
             finished &= active
@@ -877,6 +903,22 @@ class HFEngine(GenerationEngine):
             b.finish = torch.where(finished, torch.where(stopped, _STOP, _LENGTH), b.finish)
             b.done |= finished
             self._harvest(b, finished.nonzero()[:, 0])
+
+    def _stop_string_hits(self, b: _Batch, active: torch.Tensor) -> torch.Tensor:
+        """Rows whose newest token completed one of their stop strings. Only the tail is decoded: an earlier
+        occurrence would have stopped the row at an earlier step."""
+        assert self._detokenize is not None  # submit refuses stop strings without it
+        hits = torch.zeros_like(active)
+        lengths, running = b.n_gen.tolist(), active.tolist()
+        for r, row in enumerate(b.rows):
+            strings = row.req.params.stop
+            if not strings or not running[r]:
+                continue
+            n = lengths[r]
+            tail = self._detokenize(b.toks[r, max(0, n - row.req.stop_window) : n].tolist())
+            if any(s in tail for s in strings):
+                hits[r] = True
+        return hits
 
     def _harvest(self, b: _Batch, idx: torch.Tensor) -> None:
         b.n_done += int(idx.numel())

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from tauflow.api.common.v1 import common_pb2 as tauflow_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tauflow/api/rollout/v1/rollout.proto\x12\x16tauflow.api.rollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\"tauflow/api/common/v1/common.proto\"\xef\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.tauflow.api.rollout.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x04\x12\x37\n\x0cprompt_parts\x18\x06 \x03(\x0b\x32!.tauflow.api.common.v1.PromptPart\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x07samples\x18\x03 \x03(\x0b\x32\x1d.tauflow.api.common.v1.Sample\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x31\n\x0equeue_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13generation_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"H\n\x0eScoredSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"}\n\x16\x43omputeLogprobsRequest\x12\x39\n\tsequences\x18\x01 \x03(\x0b\x32&.tauflow.api.rollout.v1.ScoredSequence\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"&\n\x12\x43ompletionLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\x83\x01\n\x17\x43omputeLogprobsResponse\x12=\n\tsequences\x18\x01 \x03(\x0b\x32*.tauflow.api.rollout.v1.CompletionLogprobs\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\x12\n\x10GetStatusRequest\"\xfb\x01\n\x11GetStatusResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x35\n\x07\x65ngines\x18\x02 \x03(\x0b\x32$.tauflow.api.rollout.v1.EngineStatus\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\r\x12\x18\n\x10in_flight_groups\x18\x04 \x01(\r\x12\x17\n\x0fgroups_produced\x18\x05 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x06 \x01(\x04\x12\x1a\n\x12weights_group_name\x18\x07 \x01(\t\x12\x17\n\x0fgroups_filtered\x18\x08 \x01(\x04\"\xcb\x02\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x32\n\x05state\x18\x04 \x01(\x0e\x32#.tauflow.api.rollout.v1.EngineState\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12!\n\x19weight_update_in_progress\x18\x06 \x01(\x08\x12 \n\x18receiving_policy_version\x18\x07 \x01(\x04\x12\x11\n\tnum_ranks\x18\x08 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\t \x01(\r\x12\x19\n\x11running_sequences\x18\n \x01(\r\x12\x19\n\x11waiting_sequences\x18\x0b \x01(\r\x12\x12\n\nlast_error\x18\x0c \x01(\t\"\xe0\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x18\n\x10membership_epoch\x18\x07 \x01(\x04\x12*\n\x07timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\"3\n\x1eInitWeightsUpdateGroupResponse\x12\x11\n\tnum_ranks\x18\x01 \x01(\r\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\xec\x02\n#UpdateWeightsFromDistributedRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0e\n\x06\x64types\x18\x02 \x03(\t\x12\x33\n\x06shapes\x18\x03 \x03(\x0b\x32#.tauflow.api.rollout.v1.TensorShape\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x13\n\x0b\x66lush_cache\x18\x05 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x07 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x08 \x01(\r\x12\x14\n\x0c\x62ucket_count\x18\t \x01(\r\x12\x13\n\x0bload_format\x18\n \x01(\t\x12\x19\n\x11manifest_checksum\x18\x0b \x01(\t\x12:\n\rtrace_context\x18\x0c \x01(\x0b\x32#.tauflow.api.common.v1.TraceContext\"n\n$UpdateWeightsFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\r\x12\x18\n\x10version_complete\x18\x03 \x01(\x08\"6\n DestroyWeightsUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"6\n!DestroyWeightsUpdateGroupResponse\x12\x11\n\tdestroyed\x18\x01 \x01(\x08*\xba\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12$\n ENGINE_STATE_WAITING_FOR_WEIGHTS\x10\x02\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x03\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x04\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x05\x32\x92\x06\n\x0eRolloutService\x12]\n\x08Generate\x12\'.tauflow.api.rollout.v1.GenerateRequest\x1a(.tauflow.api.rollout.v1.GenerateResponse\x12w\n\x0f\x43omputeLogprobs\x12..tauflow.api.rollout.v1.ComputeLogprobsRequest\x1a/.tauflow.api.rollout.v1.ComputeLogprobsResponse\"\x03\x90\x02\x01\x12\x65\n\tGetStatus\x12(.tauflow.api.rollout.v1.GetStatusRequest\x1a).tauflow.api.rollout.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x8c\x01\n\x16InitWeightsUpdateGroup\x12\x35.tauflow.api.rollout.v1.InitWeightsUpdateGroupRequest\x1a\x36.tauflow.api.rollout.v1.InitWeightsUpdateGroupResponse\"\x03\x90\x02\x02\x12\x99\x01\n\x1cUpdateWeightsFromDistributed\x12;.tauflow.api.rollout.v1.UpdateWeightsFromDistributedRequest\x1a<.tauflow.api.rollout.v1.UpdateWeightsFromDistributedResponse\x12\x95\x01\n\x19\x44\x65stroyWeightsUpdateGroup\x12\x38.tauflow.api.rollout.v1.DestroyWeightsUpdateGroupRequest\x1a\x39.tauflow.api.rollout.v1.DestroyWeightsUpdateGroupResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tauflow/api/rollout/v1/rollout.proto\x12\x16tauflow.api.rollout.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\"tauflow/api/common/v1/common.proto\"\xef\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x38\n\x08sampling\x18\x04 \x01(\x0b\x32&.tauflow.api.rollout.v1.SamplingParams\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x04\x12\x37\n\x0cprompt_parts\x18\x06 \x03(\x0b\x32!.tauflow.api.common.v1.PromptPart\x12<\n\x0fprompt_messages\x18\x07 \x03(\x0b\x32#.tauflow.api.rollout.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x07samples\x18\x03 \x03(\x0b\x32\x1d.tauflow.api.common.v1.Sample\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x31\n\x0equeue_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13generation_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"H\n\x0eScoredSequence\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x63ompletion_token_ids\x18\x02 \x03(\x05\"}\n\x16\x43omputeLogprobsRequest\x12\x39\n\tsequences\x18\x01 \x03(\x0b\x32&.tauflow.api.rollout.v1.ScoredSequence\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"&\n\x12\x43ompletionLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"\x83\x01\n\x17\x43omputeLogprobsResponse\x12=\n\tsequences\x18\x01 \x03(\x0b\x32*.tauflow.api.rollout.v1.CompletionLogprobs\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\x12\n\x10GetStatusRequest\"\xfb\x01\n\x11GetStatusResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x35\n\x07\x65ngines\x18\x02 \x03(\x0b\x32$.tauflow.api.rollout.v1.EngineStatus\x12\x1a\n\x12in_flight_requests\x18\x03 \x01(\r\x12\x18\n\x10in_flight_groups\x18\x04 \x01(\r\x12\x17\n\x0fgroups_produced\x18\x05 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x06 \x01(\x04\x12\x1a\n\x12weights_group_name\x18\x07 \x01(\t\x12\x17\n\x0fgroups_filtered\x18\x08 \x01(\x04\"\xcb\x02\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x32\n\x05state\x18\x04 \x01(\x0e\x32#.tauflow.api.rollout.v1.EngineState\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12!\n\x19weight_update_in_progress\x18\x06 \x01(\x08\x12 \n\x18receiving_policy_version\x18\x07 \x01(\x04\x12\x11\n\tnum_ranks\x18\x08 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\t \x01(\r\x12\x19\n\x11running_sequences\x18\n \x01(\r\x12\x19\n\x11waiting_sequences\x18\x0b \x01(\r\x12\x12\n\nlast_error\x18\x0c \x01(\t\"\xe0\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x18\n\x10membership_epoch\x18\x07 \x01(\x04\x12*\n\x07timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\"3\n\x1eInitWeightsUpdateGroupResponse\x12\x11\n\tnum_ranks\x18\x01 \x01(\r\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\xec\x02\n#UpdateWeightsFromDistributedRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0e\n\x06\x64types\x18\x02 \x03(\t\x12\x33\n\x06shapes\x18\x03 \x03(\x0b\x32#.tauflow.api.rollout.v1.TensorShape\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x13\n\x0b\x66lush_cache\x18\x05 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x07 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x08 \x01(\r\x12\x14\n\x0c\x62ucket_count\x18\t \x01(\r\x12\x13\n\x0bload_format\x18\n \x01(\t\x12\x19\n\x11manifest_checksum\x18\x0b \x01(\t\x12:\n\rtrace_context\x18\x0c \x01(\x0b\x32#.tauflow.api.common.v1.TraceContext\"n\n$UpdateWeightsFromDistributedResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x02 \x01(\r\x12\x18\n\x10version_complete\x18\x03 \x01(\x08\"6\n DestroyWeightsUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"6\n!DestroyWeightsUpdateGroupResponse\x12\x11\n\tdestroyed\x18\x01 \x01(\x08*\xba\x01\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12$\n ENGINE_STATE_WAITING_FOR_WEIGHTS\x10\x02\x12\x18\n\x14\x45NGINE_STATE_SERVING\x10\x03\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x04\x12\x17\n\x13\x45NGINE_STATE_FAILED\x10\x05\x32\x92\x06\n\x0eRolloutService\x12]\n\x08Generate\x12\'.tauflow.api.rollout.v1.GenerateRequest\x1a(.tauflow.api.rollout.v1.GenerateResponse\x12w\n\x0f\x43omputeLogprobs\x12..tauflow.api.rollout.v1.ComputeLogprobsRequest\x1a/.tauflow.api.rollout.v1.ComputeLogprobsResponse\"\x03\x90\x02\x01\x12\x65\n\tGetStatus\x12(.tauflow.api.rollout.v1.GetStatusRequest\x1a).tauflow.api.rollout.v1.GetStatusResponse\"\x03\x90\x02\x01\x12\x8c\x01\n\x16InitWeightsUpdateGroup\x12\x35.tauflow.api.rollout.v1.InitWeightsUpdateGroupRequest\x1a\x36.tauflow.api.rollout.v1.InitWeightsUpdateGroupResponse\"\x03\x90\x02\x02\x12\x99\x01\n\x1cUpdateWeightsFromDistributed\x12;.tauflow.api.rollout.v1.UpdateWeightsFromDistributedRequest\x1a<.tauflow.api.rollout.v1.UpdateWeightsFromDistributedResponse\x12\x95\x01\n\x19\x44\x65stroyWeightsUpdateGroup\x12\x38.tauflow.api.rollout.v1.DestroyWeightsUpdateGroupRequest\x1a\x39.tauflow.api.rollout.v1.DestroyWeightsUpdateGroupResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,42 +41,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTSERVICE'].methods_by_name['InitWeightsUpdateGroup']._serialized_options = b'\220\002\002'
   _globals['_ROLLOUTSERVICE'].methods_by_name['DestroyWeightsUpdateGroup']._loaded_options = None
   _globals['_ROLLOUTSERVICE'].methods_by_name['DestroyWeightsUpdateGroup']._serialized_options = b'\220\002\002'
-  _globals['_ENGINESTATE']._serialized_start=2729
-  _globals['_ENGINESTATE']._serialized_end=2915
+  _globals['_ENGINESTATE']._serialized_start=2837
+  _globals['_ENGINESTATE']._serialized_end=3023
   _globals['_SAMPLINGPARAMS']._serialized_start=133
   _globals['_SAMPLINGPARAMS']._serialized_end=372
   _globals['_GENERATEREQUEST']._serialized_start=375
-  _globals['_GENERATEREQUEST']._serialized_end=602
-  _globals['_GENERATERESPONSE']._serialized_start=605
-  _globals['_GENERATERESPONSE']._serialized_end=843
-  _globals['_SCOREDSEQUENCE']._serialized_start=845
-  _globals['_SCOREDSEQUENCE']._serialized_end=917
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=919
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1044
-  _globals['_COMPLETIONLOGPROBS']._serialized_start=1046
-  _globals['_COMPLETIONLOGPROBS']._serialized_end=1084
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1087
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1218
-  _globals['_GETSTATUSREQUEST']._serialized_start=1220
-  _globals['_GETSTATUSREQUEST']._serialized_end=1238
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1241
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1492
-  _globals['_ENGINESTATUS']._serialized_start=1495
-  _globals['_ENGINESTATUS']._serialized_end=1826
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=1829
-  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=2053
-  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=2055
-  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=2106
-  _globals['_TENSORSHAPE']._serialized_start=2108
-  _globals['_TENSORSHAPE']._serialized_end=2135
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=2138
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=2502
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_start=2504
-  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_end=2614
-  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_start=2616
-  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_end=2670
-  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=2672
-  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=2726
-  _globals['_ROLLOUTSERVICE']._serialized_start=2918
-  _globals['_ROLLOUTSERVICE']._serialized_end=3704
+  _globals['_GENERATEREQUEST']._serialized_end=664
+  _globals['_CHATMESSAGE']._serialized_start=666
+  _globals['_CHATMESSAGE']._serialized_end=710
+  _globals['_GENERATERESPONSE']._serialized_start=713
+  _globals['_GENERATERESPONSE']._serialized_end=951
+  _globals['_SCOREDSEQUENCE']._serialized_start=953
+  _globals['_SCOREDSEQUENCE']._serialized_end=1025
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1027
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1152
+  _globals['_COMPLETIONLOGPROBS']._serialized_start=1154
+  _globals['_COMPLETIONLOGPROBS']._serialized_end=1192
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1195
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1326
+  _globals['_GETSTATUSREQUEST']._serialized_start=1328
+  _globals['_GETSTATUSREQUEST']._serialized_end=1346
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1349
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1600
+  _globals['_ENGINESTATUS']._serialized_start=1603
+  _globals['_ENGINESTATUS']._serialized_end=1934
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=1937
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=2161
+  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=2163
+  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=2214
+  _globals['_TENSORSHAPE']._serialized_start=2216
+  _globals['_TENSORSHAPE']._serialized_end=2243
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=2246
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=2610
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_start=2612
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_end=2722
+  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_start=2724
+  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_end=2778
+  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=2780
+  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=2834
+  _globals['_ROLLOUTSERVICE']._serialized_start=3026
+  _globals['_ROLLOUTSERVICE']._serialized_end=3812
 # @@protoc_insertion_point(module_scope)

@@ -49,20 +49,30 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "min_policy_version", "prompt_parts")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "min_policy_version", "prompt_parts", "prompt_messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PARTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
     sampling: SamplingParams
     min_policy_version: int
     prompt_parts: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptPart]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., prompt_parts: _Optional[_Iterable[_Union[_common_pb2.PromptPart, _Mapping]]] = ...) -> None: ...
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., prompt_parts: _Optional[_Iterable[_Union[_common_pb2.PromptPart, _Mapping]]] = ..., prompt_messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "samples", "engine_id", "queue_duration", "generation_duration")

@@ -1,0 +1,592 @@
+"""The built-in reward ``code``: runs the program in a completion against the sample's tests, in a sandbox.
+
+The program is a fenced code block of the completion (by default the last ```python block, else the last
+untagged one); the tests come from the sample's metadata (``tests``, else the group's), in one of two formats:
+
+* assert tests: Python source run after the program in the same process (one case), or a JSON list of such
+  sources, each run as its own case (partial credit);
+* stdin/stdout tests, the APPS / CodeContests / LiveCodeBench format ``{"inputs": [...], "outputs": [...]}``:
+  the program runs once per case with the input on stdin, and its stdout must equal the output once each
+  line's trailing whitespace and the trailing blank lines are dropped.
+
+A case passes when the program exits with status 0 within its limits (and, for stdin/stdout, prints the
+expected output). An assert case also needs the runner's per-case token on stdout, written only once the
+tests ran to their end, so that ``sys.exit(0)``, ``exit()`` or ``os._exit(0)`` before the asserts fail.
+
+The sandbox, and what it does and does not stop
+------------------------------------------------
+Each case is a fresh ``python -I -S -B`` (isolated mode: no PYTHON* variables, no site-packages, no user
+site, no bytecode written; so programs get the standard library only) with an empty environment (PATH, LANG,
+MALLOC_ARENA_MAX, and HOME and TMPDIR set to the case's directory), in its own session and process group,
+a new temporary directory as its working directory (deleted afterwards), stdin from the case's input (else
+/dev/null), and its stdout and stderr read up to ``max_output_bytes`` each. A runner (``_RUNNER``) sets the
+child up before the program runs, in this order:
+
+1. resource limits: RLIMIT_CPU (``cpu_time_s``: SIGXCPU, SIGKILL a second later), RLIMIT_AS (``memory_mb``:
+   allocations past it raise MemoryError), RLIMIT_FSIZE (10 MiB a file), RLIMIT_CORE 0;
+2. its own network namespace, with nothing in it but a loopback that is down: as root by
+   ``unshare(CLONE_NEWNET)``; as any other user inside a new user namespace (``CLONE_NEWUSER |
+   CLONE_NEWNET``) where unprivileged user namespaces are allowed; Docker's and Kubernetes' default seccomp
+   profiles refuse them, and there the child shares the service's network, which only the audit hook
+   refuses. Inside a user namespace RLIMIT_NPROC is set too (64 tasks, threads included), since the kernel
+   (5.14+) then counts the sandbox's tasks alone. It is not set otherwise: root is exempt from it, and in the
+   service's own user namespace it would count every process and thread of the service's user;
+3. ``PR_SET_NO_NEW_PRIVS``, and every capability dropped (the bounding set, then the permitted, effective
+   and inheritable sets): a child of a root service cannot ``setns`` back to the host's network, mount,
+   load modules, trace other processes or override file permissions; it is still uid 0, though, the owner
+   of whatever root owns;
+4. ``PR_SET_PDEATHSIG`` SIGKILL: a child dies with its worker (the service kills workers past a sample's
+   timeout);
+5. a Python audit hook (``sys.addaudithook``) that refuses network use (sockets other than AF_UNIX, connect,
+   bind, sendto, sendmsg, name look-ups); starting or signalling processes (``subprocess``, ``os.system``,
+   ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``, ``os.fork``, ``os.forkpty``, ``os.kill``,
+   ``os.killpg``; ``_posixsubprocess``, whose ``fork_exec`` raises no audit event, is a stub); ``ctypes``;
+   ``resource.setrlimit``; the ways back to the hook itself (``gc.get_objects`` and its kin, replacing a
+   function's ``__code__``); ``os.open`` of a directory (so that no ``dir_fd`` exists to resolve paths
+   the hook never sees); and changing files outside the case's directory (opening for writing, removing,
+   renaming, linking, chmod, chown, truncate, utime).
+
+What holds is what the kernel enforces: the resource limits, the network namespace where there is one, the
+capabilities dropped, the SIGKILL of the whole process group at ``wall_time_s`` (or at the output cap), and
+a throwaway working directory. The audit hook is defence in depth, not a boundary (PEP 578 says as much):
+native code gets past it. ctypes, the usual way, is refused, but a memory-corruption bug in the interpreter
+or in a C extension, or a race that swaps a path between the hook's check and the open, is enough. Past
+the hook a program can reach the network where the child has no namespace of its own, write wherever the
+service's user may write, and signal the service's other processes. No layer covers reading the host's
+filesystem (the service's config, other files its user can read), the total size of what a case writes
+(RLIMIT_FSIZE bounds one file), or kernel attack surface; that takes a container, gVisor, nsjail or a
+remote sandbox. For untrusted code at scale run the reward service in its own container, as deploy/ does
+(as the unprivileged uid 10001, over a root-owned environment), never as root (a program past the hook would
+own every root-owned file), and give that container no secrets, a network policy that lets it reach nothing
+but its callers, and a size-bounded tmpfs as TMPDIR.
+
+Asserts run in the program's own process, so a program can defeat them (an ``__eq__`` that always returns
+True, a patched builtin, a frame walk that finds the token): stdin/stdout tests, compared outside the
+sandbox, are the robust format for RL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import marshal
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from tauflow.reward.api import SampleInput, Score
+from tauflow.reward.builtins import MAX_KEY_CHARS, _Options, _reference, _validate
+
+MAX_FILE_BYTES = 10 << 20  # RLIMIT_FSIZE: the most a program may write to one file
+MAX_TASKS = 64  # RLIMIT_NPROC inside a user namespace: the sandbox's processes and threads
+# What the child sees of the environment; HOME and TMPDIR are its own directory (tempfile writes there).
+# RLIMIT_AS counts address space reserved, not used: glibc reserves 64 MiB for each thread's malloc arena,
+# which under 512 MiB stopped a program at 14 threads (54 with two arenas).
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"}
+_READ_CHUNK = 1 << 16
+
+
+class CodeOptions(_Options):
+    tests_key: str = Field("tests", min_length=1, max_length=MAX_KEY_CHARS)
+    tests_format: Literal["auto", "asserts", "io"] = "auto"
+    extract: Literal["last_block", "first_block", "whole"] = "last_block"
+    scoring: Literal["all_or_nothing", "fraction"] = "all_or_nothing"
+    # With all_or_nothing, the cases after the first failure are not run (fraction runs them all).
+    stop_on_first_failure: bool = True
+    correct_score: float = 1.0
+    incorrect_score: float = 0.0
+    cpu_time_s: int = Field(5, ge=1, le=60)  # per case (RLIMIT_CPU counts whole seconds)
+    wall_time_s: float = Field(10.0, gt=0, le=300)  # per case
+    # All the cases of a sample together; the cases it leaves unrun fail. Keep it below the function's
+    # timeout_s (60 s), past which the service kills the worker and reports the sample as a timeout.
+    total_time_s: float = Field(50.0, gt=0, le=3600)
+    memory_mb: int = Field(512, ge=16, le=16384)
+    max_output_bytes: int = Field(1 << 20, ge=1, le=64 << 20)  # per stream and case; more fails the case
+    max_program_chars: int = Field(100_000, ge=1, le=1_000_000)  # a longer program fails, not run
+    max_tests_chars: int = Field(1_000_000, ge=1, le=64_000_000)
+    max_cases: int = Field(64, ge=1, le=1024)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of the program: ``tests`` (assert source) run after it, or ``stdin`` fed to it and its
+    stdout compared with ``expected``."""
+
+    tests: str | None = None
+    stdin: str | None = None
+    expected: str | None = None
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    returncode: int | None  # negative: the signal that ended it
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool  # past wall_time_s, or ended by RLIMIT_CPU (SIGXCPU, or SIGKILL at the hard limit)
+    output_exceeded: bool  # stdout or stderr past max_output_bytes (then killed)
+    # An assert case: the runner got to the end of the tests (the program did not end the process before
+    # them). A stdin/stdout case: always True (its output is what counts).
+    finished: bool
+    duration_s: float
+
+
+class CodeExecution:
+    description = (
+        "Runs the program in the completion (its last ```python block) against the tests in "
+        "Sample.metadata['tests'] (else Group.metadata['tests']): Python asserts (source, or a JSON list run "
+        'one case each) or stdin/stdout cases {"inputs": [...], "outputs": [...]}, each case in a '
+        "sandboxed subprocess (CPU, memory and wall-time limits, no network, a throwaway directory); "
+        "1 when every case passes, else 0 (scoring='fraction': the fraction passed). Standard library only."
+    )
+    default_config: ClassVar[dict[str, Any]] = CodeOptions().model_dump()
+    timeout_s = 60.0
+    fallback_score = 0.0
+
+    @staticmethod
+    def validate_config(config: dict[str, Any]) -> dict[str, Any]:
+        return _validate(CodeOptions, config)
+
+    def __call__(self, sample: SampleInput, config: dict[str, Any]) -> Score:
+        cases = parse_tests(
+            _reference(sample, config["tests_key"]),
+            config["tests_format"],
+            max_chars=config["max_tests_chars"],
+            max_cases=config["max_cases"],
+        )
+        components = {"code_found": 0.0, "passed": 0.0, "cases": float(len(cases)), "timeouts": 0.0}
+        program = extract_program(sample.completion_text, config["extract"])
+        if program is None:
+            return Score(config["incorrect_score"], components)
+        components["code_found"] = 1.0
+        passed = timeouts = 0
+        if len(program) <= config["max_program_chars"]:
+            stop = config["scoring"] == "all_or_nothing" and config["stop_on_first_failure"]
+            deadline = time.monotonic() + config["total_time_s"]
+            for case in cases:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                result = run_case(
+                    program,
+                    case,
+                    cpu_time_s=config["cpu_time_s"],
+                    memory_mb=config["memory_mb"],
+                    wall_time_s=min(config["wall_time_s"], left),
+                    max_output_bytes=config["max_output_bytes"],
+                )
+                timeouts += result.timed_out
+                if case_passed(case, result):
+                    passed += 1
+                elif stop:
+                    break
+        components.update(passed=float(passed), timeouts=float(timeouts))
+        low, high = config["incorrect_score"], config["correct_score"]
+        if config["scoring"] == "fraction":
+            return Score(low + (high - low) * passed / len(cases), components)
+        return Score(high if passed == len(cases) else low, components)
+
+
+# -- the program --------------------------------------------------------------------------------
+
+_PYTHON_TAGS = frozenset({"python", "py", "python3", "py3"})
+
+
+def extract_program(text: str, mode: str = "last_block") -> str | None:
+    """The program in a completion: ``"whole"`` the text itself; else the first or last fenced block
+    tagged python (py, python3), or when there is none the first or last untagged block (a block tagged
+    with another language, ``text`` or ``bash``, is never the program). ``None`` when there is no block."""
+    if mode == "whole":
+        return text if text.strip() else None
+    tagged: list[str] = []
+    untagged: list[str] = []
+    tag: str | None = None  # inside a block: its tag ("" when untagged)
+    body: list[str] = []
+    for line in text.splitlines():
+        fence = line.strip()
+        if tag is None:
+            if fence.startswith("```"):
+                tag = fence[3:].strip().split(" ")[0].lower()
+                body = []
+        elif fence.startswith("```") and not fence.strip("`"):
+            if tag in _PYTHON_TAGS:
+                tagged.append("\n".join(body) + "\n")
+            elif not tag:
+                untagged.append("\n".join(body) + "\n")
+            tag = None
+        else:
+            body.append(line)
+    blocks = tagged or untagged
+    if not blocks:
+        return None
+    return blocks[0] if mode == "first_block" else blocks[-1]
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def parse_tests(text: str, fmt: str = "auto", *, max_chars: int = 1_000_000, max_cases: int = 64) -> list[Case]:
+    """The cases of a sample's tests (see the module's docstring); ``ValueError`` for tests that cannot
+    be run as given (malformed, too long, too many cases), which the service reports as the sample's error."""
+    if len(text) > max_chars:
+        raise ValueError(f"the tests are {len(text)} characters long; max_tests_chars is {max_chars}")
+    parsed: Any = None
+    if fmt == "io":
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"stdin/stdout tests are not valid JSON: {e}") from None
+    elif text.lstrip()[:1] in ("{", "["):
+        with contextlib.suppress(ValueError):
+            parsed = json.loads(text)
+    if fmt == "io" or (fmt == "auto" and isinstance(parsed, dict)):
+        cases = _io_cases(parsed)
+    elif isinstance(parsed, list):
+        cases = [Case(tests=_assert_source(t, f"tests[{i}]")) for i, t in enumerate(parsed)]
+    elif isinstance(parsed, dict):
+        raise ValueError("assert tests must be Python source or a JSON list of Python sources, not an object")
+    else:
+        cases = [Case(tests=_assert_source(text, "tests"))]
+    if not cases:
+        raise ValueError("the tests hold no case")
+    if len(cases) > max_cases:
+        raise ValueError(f"the tests hold {len(cases)} cases; max_cases is {max_cases}")
+    return cases
+
+
+def _io_cases(parsed: Any) -> list[Case]:
+    if not isinstance(parsed, dict) or "inputs" not in parsed or "outputs" not in parsed:
+        raise ValueError('stdin/stdout tests must be a JSON object {"inputs": [...], "outputs": [...]}')
+    if parsed.get("fn_name"):
+        raise ValueError("call-based tests (fn_name) are not supported; only stdin/stdout cases are")
+    inputs, outputs = parsed["inputs"], parsed["outputs"]
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        raise ValueError("stdin/stdout tests: inputs and outputs must be lists")  # noqa: TRY004 - bad data
+    if len(inputs) != len(outputs):
+        raise ValueError(f"stdin/stdout tests: {len(inputs)} inputs but {len(outputs)} outputs")
+    for name, values in (("inputs", inputs), ("outputs", outputs)):
+        for i, v in enumerate(values):
+            if not isinstance(v, str):
+                raise ValueError(f"stdin/stdout tests: {name}[{i}] is a {type(v).__name__}, not a string")  # noqa: TRY004
+    return [Case(stdin=i, expected=o) for i, o in zip(inputs, outputs, strict=True)]
+
+
+def _assert_source(source: Any, where: str) -> str:
+    if not isinstance(source, str):
+        raise ValueError(f"{where} is a {type(source).__name__}, not Python source")  # noqa: TRY004
+    if not source.strip():
+        raise ValueError(f"{where} is empty: it would pass any program that runs")
+    try:
+        compile(source, where, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:  # (ValueError: a NUL character)
+        raise ValueError(f"{where} is not valid Python: {e}") from None
+    return source
+
+
+def _normalise_output(text: str) -> str:
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def case_passed(case: Case, result: CaseResult) -> bool:
+    if result.returncode != 0 or result.timed_out or result.output_exceeded or not result.finished:
+        return False
+    if case.expected is None:
+        return True
+    return _normalise_output(result.stdout.decode(errors="replace")) == _normalise_output(case.expected)
+
+
+# -- the sandbox ---------------------------------------------------------------------------------
+
+# Run in the child by ``python -I -S -B -c _RUNNER <fd>``, where fd is an unlinked file holding the
+# marshalled (program, tests, cpu_s, memory_bytes, file_bytes, max_tasks, parent_pid, token).
+_RUNNER = r"""
+import sys
+
+
+def _hook_for(root, os):
+    deny = frozenset((
+        "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.kill",
+        "os.killpg", "os.startfile", "os.setns", "os.unshare", "subprocess.Popen", "signal.pthread_kill",
+        "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
+        "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname",
+        "resource.setrlimit", "resource.prlimit", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+    ))
+    # event: (the indices of its path arguments, of its dir_fd arguments)
+    mutating = {
+        "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
+        "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)),
+        "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)), "os.truncate": ((0,), ()),
+        "os.utime": ((0,), (3,)), "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
+        "os.chflags": ((0,), ()), "os.lchflags": ((0,), ()),
+    }
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    devices = frozenset(("/dev/null", "/dev/stdout", "/dev/stderr"))
+    realpath, readlink, isdir, join, dirname = (
+        os.path.realpath, os.readlink, os.path.isdir, os.path.join, os.path.dirname
+    )
+    prefix = root.rstrip("/") + "/"
+
+    def resolved(path):
+        if isinstance(path, int):
+            return readlink("/proc/self/fd/%d" % path)
+        if isinstance(path, (str, bytes)) or type(path).__module__ == "pathlib":
+            return realpath(os.fsdecode(path))
+        return None  # any other os.PathLike may answer differently the second time
+
+    def inside(path):
+        try:
+            p = resolved(path)
+        except (OSError, ValueError, TypeError):
+            return False
+        return p is not None and (p == root or p.startswith(prefix))
+
+    def refuse(event, what=None):
+        raise PermissionError("sandbox: %s is not allowed" % (event if what is None else "%s (%s)" % (what, event)))
+
+    def hook(event, args):
+        if event in deny or event.startswith("ctypes."):
+            refuse(event)
+        elif event == "open":
+            path, mode, flags = args
+            if isinstance(path, int) or (isinstance(path, str) and path in devices):
+                return
+            if isinstance(flags, int) and flags & writing and not inside(path):
+                refuse(event, "writing outside the working directory")
+            if mode is None:  # os.open: a directory would be a dir_fd, for paths the checks here never see
+                try:
+                    is_dir = isdir(path)
+                except (OSError, ValueError, TypeError):
+                    is_dir = False
+                if is_dir:
+                    refuse(event, "opening a directory")
+        elif event in mutating:
+            paths, dir_fds = mutating[event]
+            if any(args[i] not in (None, -1) for i in dir_fds):
+                refuse(event, "dir_fd")
+            for i in paths:
+                if not inside(args[i]):
+                    refuse(event, "changing files outside the working directory")
+            if event == "os.symlink":  # its target, relative to the link's directory
+                if not inside(join(dirname(resolved(args[1])), os.fsdecode(args[0]))):
+                    refuse(event, "a link out of the working directory")
+        elif event == "socket.__new__":
+            if args[1] != 1:  # AF_UNIX (socketpair) only
+                refuse(event, "network access")
+        elif event == "import":
+            if args[0] in ("_posixsubprocess", "_ctypes", "ctypes"):
+                refuse(event, "importing " + str(args[0]))
+        elif event == "object.__setattr__":
+            if args[1] == "__code__":
+                refuse(event, "replacing a function's code")
+
+    return hook
+
+
+def _set_up():
+    import builtins
+    import marshal
+    import os
+    import resource
+
+    with open(int(sys.argv[1]), "rb") as f:
+        program, tests, cpu_s, memory, file_bytes, max_tasks, parent, token = marshal.loads(f.read())
+    sys.argv = ["solution.py"]
+    sys.dont_write_bytecode = True
+
+    def limit(which, soft, hard):
+        ceiling = resource.getrlimit(which)[1]
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        resource.setrlimit(which, (soft, hard))
+
+    limit(resource.RLIMIT_CORE, 0, 0)
+    limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
+    limit(resource.RLIMIT_AS, memory, memory)
+    limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
+
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if uid == 0:
+        libc.unshare(0x40000000)  # CLONE_NEWNET
+    elif libc.unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
+        maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid)))
+        for name, text in maps:
+            try:
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+            except OSError:
+                pass
+        limit(resource.RLIMIT_NPROC, max_tasks, max_tasks)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())  # every set empty
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL (after the changes of credentials, which reset it)
+    if os.getppid() != parent:
+        os._exit(70)
+
+    def fork_exec(*args, **kwargs):
+        raise PermissionError("sandbox: starting processes is not allowed (_posixsubprocess.fork_exec)")
+
+    stub = type(sys)("_posixsubprocess")
+    stub.fork_exec = fork_exec
+    sys.modules["_posixsubprocess"] = stub
+    builtins.exit = builtins.quit = sys.exit  # (site, which is not imported, adds them)
+    sys.addaudithook(_hook_for(os.path.realpath(os.getcwd()), os))
+
+    main = type(sys)("__main__")
+    main.__builtins__ = builtins
+    main.__file__ = "solution.py"
+    sys.modules["__main__"] = main
+    return program, tests, token, main.__dict__
+
+
+def _run():
+    import os
+
+    program, tests, token, namespace = _set_up()
+    exec(compile(program, "solution.py", "exec"), namespace)
+    if tests is not None:
+        exec(compile(tests, "tests.py", "exec"), namespace)
+    if token:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, token)
+        os._exit(0)
+
+
+_run()
+"""
+
+
+def run_case(
+    program: str,
+    case: Case,
+    *,
+    cpu_time_s: int = 5,
+    memory_mb: int = 512,
+    wall_time_s: float = 10.0,
+    max_output_bytes: int = 1 << 20,
+    executable: str | None = None,
+) -> CaseResult:
+    """Runs ``program`` (then ``case.tests``) once in the sandbox, in a new temporary directory deleted
+    afterwards; ``case_passed`` tells whether the result passes."""
+    token = secrets.token_hex(16).encode() if case.tests is not None else b""
+    payload = (
+        program,
+        case.tests,
+        max(1, math.ceil(cpu_time_s)),
+        memory_mb << 20,
+        MAX_FILE_BYTES,
+        MAX_TASKS,
+        os.getpid(),
+        token,
+    )
+    workdir = tempfile.mkdtemp(prefix="tauflow-code-")
+    start = time.monotonic()
+    try:
+        with tempfile.TemporaryFile() as payload_file, tempfile.TemporaryFile() as stdin_file:
+            payload_file.write(marshal.dumps(payload))
+            payload_file.seek(0)
+            if case.stdin is not None:
+                stdin_file.write(case.stdin.encode())
+                stdin_file.seek(0)
+            proc = subprocess.Popen(
+                [executable or sys.executable, "-I", "-S", "-B", "-c", _RUNNER, str(payload_file.fileno())],
+                stdin=stdin_file if case.stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env={**_ENV, "HOME": workdir, "TMPDIR": workdir},
+                start_new_session=True,
+                pass_fds=(payload_file.fileno(),),
+            )
+        try:
+            stdout, stderr, killed, exceeded = _communicate(proc, start + wall_time_s, max_output_bytes)
+        finally:
+            _kill_group(proc)
+            proc.wait()
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()
+            proc.stderr.close()
+    finally:
+        _remove(workdir)
+    code = proc.returncode
+    cpu_limit = not exceeded and code in (-signal.SIGXCPU, -signal.SIGKILL)
+    finished = True
+    if token:  # written by the runner once the tests ran to their end
+        finished = stdout.endswith(token)
+        stdout = stdout[: -len(token)] if finished else stdout
+    return CaseResult(code, stdout, stderr, killed or cpu_limit, exceeded, finished, time.monotonic() - start)
+
+
+def _communicate(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+    """Reads the child's stdout and stderr until both close, ``cap`` bytes each; (stdout, stderr, timed out,
+    output exceeded). Past the deadline or the cap the process group is killed at once."""
+    assert proc.stdout is not None and proc.stderr is not None
+    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _kill_group(proc)
+                return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), True, False
+            for key, _ in selector.select(left):
+                data = os.read(key.fd, _READ_CHUNK)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = buffers[key.fd]
+                buffer += data
+                if len(buffer) > cap:
+                    _kill_group(proc)
+                    del buffer[cap:]
+                    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), False, True
+    out, err = bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()])
+    try:  # both streams closed: the program has ended, or closed them and runs on
+        proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return out, err, True, False
+    return out, err, False, False
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _remove(path: str) -> None:
+    """Removes the case's directory, even where the program took away its own permissions in it."""
+    try:
+        shutil.rmtree(path)
+        return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        os.chmod(path, stat.S_IRWXU)
+    for parent, dirs, _ in os.walk(path):  # top-down: each directory made readable before it is entered
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(parent, name), stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,200 @@
+"""``qa``, ``multiple_choice`` and ``compose``, called directly (no pool, no gRPC)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tauflow.reward.answers import MultipleChoice, QuestionAnswering, extract_choice, squad_normalise, token_f1
+from tauflow.reward.api import SampleInput, Score
+from tauflow.reward.builtins import ConfigInvalid, MissingReference
+from tauflow.reward.compose import Compose
+from tauflow.reward.config import RewardConfig
+from tauflow.reward.errors import InvalidRequest
+from tauflow.reward.registry import build_registry
+
+
+def sample(text: str, **metadata: str) -> SampleInput:
+    return SampleInput(sample_id="0", completion_text=text, metadata=metadata)
+
+
+def run(fn: Any, s: SampleInput, **overrides: Any) -> Score:
+    result = fn(s, fn.validate_config({**fn.default_config, **overrides}))
+    assert isinstance(result, Score)
+    return result
+
+
+# -- qa -----------------------------------------------------------------------------------------
+
+
+def test_squad_normalisation_and_f1_match_the_published_metric() -> None:
+    assert squad_normalise("The  Eiffel-Tower!") == "eiffeltower"
+    assert squad_normalise("an apple, a pear") == "apple pear"
+    # prediction "the big red fox" vs "red fox": tokens big red fox / red fox: P = 2/3, R = 1 -> F1 = 0.8
+    assert token_f1("the big red fox", "red fox") == pytest.approx(0.8)
+    assert token_f1("blue", "red fox") == 0.0
+    assert token_f1("fox fox", "fox") == pytest.approx(2 * 0.5 * 1 / 1.5)  # a bag: the repeat counts once
+    assert token_f1("", "") == 1.0 and token_f1("the", "fox") == 0.0  # "the" normalises to nothing
+
+
+def test_qa_scores_f1_or_exact_match_against_the_best_reference() -> None:
+    qa = QuestionAnswering()
+    got = run(qa, sample("The Red Fox.", answer="red fox"))
+    assert got.score == 1.0 and got.components == {"answer_found": 1.0, "exact_match": 1.0, "f1": 1.0}
+    got = run(qa, sample("the big red fox", answer=json.dumps(["a dog", "red fox"])))
+    assert got.score == pytest.approx(0.8) and got.components["exact_match"] == 0.0
+    assert run(qa, sample("the big red fox", answer="red fox"), metric="exact_match").score == 0.0
+    assert (
+        run(qa, sample("Denver Broncos", answer=json.dumps(["Broncos", "Denver Broncos"])), metric="exact_match").score
+        == 1.0
+    )
+    # a reference that only looks like a list stays one string when told so
+    assert run(qa, sample("[1, 2]", answer="[1, 2]"), references="single", metric="exact_match").score == 1.0
+
+
+def test_qa_extracts_the_answer_and_refuses_bad_references() -> None:
+    qa = QuestionAnswering()
+    text = "Let me think. The capital is Paris.\nAnswer: Paris"
+    assert run(qa, sample(text, answer="Paris"), extract_pattern=r"Answer:\s*(.+)").score == 1.0
+    assert run(qa, sample(text, answer="Paris")).score < 0.5  # the whole reasoning dilutes F1
+    missing = run(qa, sample("no marker", answer="Paris"), extract_pattern=r"Answer:\s*(.+)")
+    assert missing.score == 0.0 and missing.components["answer_found"] == 0.0
+    with pytest.raises(ValueError, match="JSON list"):
+        run(qa, sample("x", answer="[not json"))
+    with pytest.raises(ValueError, match="at most 64"):
+        run(qa, sample("x", answer=json.dumps(["a"] * 65)))
+    with pytest.raises(MissingReference):
+        run(qa, sample("x"))
+    with pytest.raises(ConfigInvalid) as e:
+        qa.validate_config({**qa.default_config, "metric": "bleu"})
+    assert e.value.key == "metric"
+
+
+# -- multiple_choice ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "letter"),
+    [
+        ("C", "C"),
+        ("(C)", "C"),
+        ("**C**", "C"),
+        ("C.", "C"),
+        ("The answer is (B).", "B"),
+        ("the answer is B because...", "B"),
+        ("Answer: D", "D"),
+        ("**Answer:** A", "A"),
+        ("**Answer: A**", "A"),
+        ("Answer: $C$", "C"),
+        ("so the final answer is \\boxed{D}", "D"),
+        ("\\boxed{\\text{B}}", "B"),
+        ("\\boxed{(A)}", "A"),
+        ("I pick option C.", "C"),
+        # the strongest form wins over a later, weaker one; its last match over an earlier draft
+        ("Answer: A. Hmm, no. Answer: B\n\nC", "B"),
+        ("Answer: A ... \\boxed{C}", "C"),
+        ("Lots of reasoning about A and B.\nB", "B"),
+        ("Lots of reasoning about A and B.", None),  # no commitment: letters inside prose are not answers
+        ("Answer: Z", None),  # not an allowed letter
+        ("", None),
+    ],
+)
+def test_choice_extraction_reads_the_letter_in_the_forms_models_write(text: str, letter: str | None) -> None:
+    assert extract_choice(text, "ABCD") == letter
+
+
+def test_multiple_choice_scores_the_committed_letter() -> None:
+    mc = MultipleChoice()
+    assert run(mc, sample("Answer: B", answer="B")).score == 1.0
+    assert run(mc, sample("Answer: B", answer="(C)")).score == 0.0
+    unsure = run(mc, sample("It could be A or B", answer="A"))
+    assert unsure.score == 0.0 and unsure.components == {"answer_found": 0.0}
+    assert run(mc, sample("answer: b", answer="B")).score == 0.0
+    assert run(mc, sample("answer: b", answer="B"), ignore_case=True).score == 1.0
+    assert run(mc, sample("Answer: E", answer="D"), letters="ABCD").components == {"answer_found": 0.0}
+    with pytest.raises(ValueError, match="neither one of the letters ABCD"):
+        run(mc, sample("Answer: E", answer="E"), letters="ABCD")
+    with pytest.raises(ValueError, match="neither one of the letters"):
+        run(mc, sample("Answer: A", answer="Paris"))
+    with pytest.raises(ConfigInvalid) as e:
+        mc.validate_config({**mc.default_config, "letters": "AAB"})
+    assert e.value.key == "letters"
+
+
+def test_multiple_choice_with_option_texts_gpqa_style() -> None:
+    mc = MultipleChoice()
+    options = json.dumps(["Helium", "Neon", "Argon", "Krypton"])
+    # the reference is the correct option's text; the completion may answer with the letter or the text
+    assert run(mc, sample("Answer: C", answer="Argon", choices=options), choices_key="choices").score == 1.0
+    assert run(mc, sample("Answer: B", answer="Argon", choices=options), choices_key="choices").score == 0.0
+    assert run(mc, sample("I think it is\nargon", answer="Argon", choices=options), choices_key="choices").score == 1.0
+    with pytest.raises(ValueError, match="at most 4 strings"):
+        run(mc, sample("A", answer="A", choices=json.dumps(list("abcde"))), choices_key="choices", letters="ABCD")
+
+
+def test_choice_extraction_is_linear_on_hostile_text() -> None:
+    # Adjacent \s* under a backtracking engine would take hours here; RE2 reads it in milliseconds.
+    assert extract_choice("answer" + " " * 200_000 + "!", "ABCD") is None
+
+
+# -- compose ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose_fn() -> Any:
+    return build_registry(RewardConfig(load_entry_points=False)).get("compose")
+
+
+def score_composed(compose_fn: Any, text: str, config: dict[str, Any], **metadata: str) -> Score:
+    return Compose()(sample(text, **metadata), compose_fn.resolve_config(config))
+
+
+def test_compose_sums_weighted_parts_with_their_components(compose_fn: Any) -> None:
+    config = {
+        "parts": [
+            {"fn": "math", "weight": 1.0},
+            {"fn": "format", "weight": 0.5, "config": {"pattern": "<answer>.*</answer>", "mode": "search"}},
+        ],
+        "bias": -0.25,
+    }
+    got = score_composed(compose_fn, "<answer>\\boxed{4}</answer>", config, answer="4")
+    assert got.score == pytest.approx(1.0 + 0.5 - 0.25)
+    assert got.components == {"math": 1.0, "math.answer_found": 1.0, "format": 1.0}
+    got = score_composed(compose_fn, "\\boxed{5}", config, answer="4")
+    assert got.score == pytest.approx(-0.25) and got.components["format"] == 0.0
+
+
+def test_compose_gate_gives_the_fail_score_and_skips_the_parts(compose_fn: Any) -> None:
+    config = {
+        "parts": [{"fn": "math"}],
+        "gate": {"fn": "format", "config": {"pattern": r"<answer>.*</answer>"}, "fail_score": -1.0},
+    }
+    assert score_composed(compose_fn, "<answer>\\boxed{4}</answer>", config, answer="4").score == 1.0
+    gated = score_composed(compose_fn, "4", config, answer="4")
+    assert gated.score == -1.0 and gated.components == {"gate": 0.0}  # math was never run
+
+
+def test_a_failing_part_costs_only_that_part(compose_fn: Any) -> None:
+    config = {"parts": [{"fn": "math"}, {"fn": "format", "config": {"pattern": "x", "mode": "search"}, "weight": 2}]}
+    got = score_composed(compose_fn, "x", config)  # no reference: math raises MissingReference
+    assert got.score == 2.0 and got.components["error.math"] == 1.0 and got.components["math"] == 0.0
+
+
+def test_compose_config_is_checked_part_by_part_and_refs_come_from_the_registry(compose_fn: Any) -> None:
+    def refused(config: dict[str, Any]) -> str:
+        with pytest.raises(InvalidRequest) as e:
+            compose_fn.resolve_config(config)
+        return str(e.value)
+
+    assert refused({"parts": [{"fn": "nope"}]}).startswith("config.parts.0.fn: 'nope' is not a registered")
+    assert refused({"parts": [{"fn": "compose"}]}).startswith("config.parts.0.fn:")
+    assert refused({"parts": [{"fn": "format", "config": {"mode": "all"}}]}).startswith("config.parts.0.config.mode:")
+    assert refused({"parts": [{"fn": "math"}, {"fn": "math"}]}).startswith("config: two parts share a label")
+    assert refused({"parts": [{"fn": "math"}] * 9}).startswith("config.parts:")
+    assert refused({"gate": {"fn": "math", "min_score": float("nan")}}).startswith("config.gate.min_score:")
+    # a request's own reference is replaced: it cannot make a worker import a module of its choosing
+    resolved = compose_fn.resolve_config({"parts": [{"fn": "math", "ref": "os:system", "fallback_score": 9}]})
+    assert resolved["parts"][0]["ref"] == "tauflow.reward.builtins:Math"
+    assert resolved["parts"][0]["fallback_score"] == 0.0

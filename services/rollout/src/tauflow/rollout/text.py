@@ -1,0 +1,51 @@
+"""The model folder's tokenizer, as the rollout service uses it: text and chats to token ids, ids to text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class NoChatTemplate(ValueError):
+    """A chat prompt for a tokenizer that has no chat template."""
+
+
+class TextCodec:
+    """Encodes prompts and decodes completions with the tokenizer saved in the model's folder
+    (``AutoTokenizer.from_pretrained``, as a real checkpoint ships it)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_folder(cls, model_path: str | Path) -> TextCodec | None:
+        """The folder's tokenizer; ``None`` for a folder without one (a model that takes token ids only)."""
+        if not (Path(model_path) / "tokenizer_config.json").exists():
+            return None
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_path))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Text as it is (no chat template), with the special tokens the tokenizer adds to any text."""
+        return list(self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A chat through the model's chat template, the assistant's turn opened (``add_generation_prompt``).
+        The template is rendered to text and the text tokenized without special tokens added: the template
+        already wrote them (and ``apply_chat_template(tokenize=True)`` returns a different type per
+        transformers release)."""
+        if not self.has_chat_template:
+            raise NoChatTemplate("the model's tokenizer has no chat template (tokenizer_config.json chat_template)")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string (decode also takes a batch)
+        return text

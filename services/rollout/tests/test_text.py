@@ -1,0 +1,80 @@
+"""The real-model path of the rollout engine: a chat model's template (TextCodec) and stop strings, on a tiny
+Qwen2 with a byte-level BPE tokenizer trained here and a ChatML template (tauflow.media.tiny)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tauflow.media import tiny
+from tauflow.rollout.engine.base import FinishReason, InvalidRequestError, SamplingParams
+from tauflow.rollout.engine.hf import HFEngine
+from tauflow.rollout.text import NoChatTemplate, TextCodec
+
+CORPUS = [f"Natalia sold {n} clips in April and half as many in May. How many in all? {n * 3 // 2}" for n in range(40)]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.build_chat_model(tmp_path_factory.mktemp("chat"), CORPUS, vocab_size=320, hidden=32, layers=1)
+
+
+@pytest.fixture(scope="module")
+def codec(chat_model: Path) -> TextCodec:
+    found = TextCodec.from_folder(chat_model)
+    assert found is not None
+    return found
+
+
+def test_a_chat_goes_through_the_models_template_with_the_assistant_turn_open(codec: TextCodec) -> None:
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many clips?"}]
+    ids = codec.encode_chat(chat)
+    text = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHow many clips?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ids == codec.tokenizer.encode(text, add_special_tokens=False)
+    start, end = codec.tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.count(start) == 3 and ids.count(end) == 2  # the special tokens are single tokens, not spelled out
+    assert codec.decode(codec.encode("How many clips?")) == "How many clips?"
+    codec_without = TextCodec(codec.tokenizer.__class__.from_pretrained(codec.tokenizer.name_or_path))
+    codec_without.tokenizer.chat_template = None
+    with pytest.raises(NoChatTemplate):
+        codec_without.encode_chat(chat)
+
+
+def test_stop_strings_end_a_completion_where_its_text_first_holds_one(chat_model: Path, codec: TextCodec) -> None:
+    engine = HFEngine.from_pretrained(chat_model, seed=0, detokenize=codec.decode)
+    try:
+        prompt = codec.encode_chat([{"role": "user", "content": "How many clips?"}])
+        free = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        [[full]] = engine.submit([prompt], free).result(timeout=120)
+        text = codec.decode(full.token_ids)
+        assert len(text) > 12, text
+        stop = text[8:11]  # three characters from the middle of what greedy decoding writes
+        first = text.index(stop) + len(stop)
+        [[cut]] = engine.submit([prompt], dataclasses.replace(free, stop=(stop, "never-said"))).result(timeout=120)
+        assert cut.finish_reason is FinishReason.STOP
+        n = len(cut.token_ids)
+        assert cut.token_ids == full.token_ids[:n] and cut.logprobs == pytest.approx(full.logprobs[:n])
+        # it holds the stop string, and one token fewer does not: it ended at the first token that completed it
+        assert stop in codec.decode(cut.token_ids) and stop not in codec.decode(cut.token_ids[:-1])
+        assert len(codec.decode(cut.token_ids)) >= first
+        [[never]] = engine.submit([prompt], dataclasses.replace(free, stop=("§§",))).result(timeout=120)
+        assert never.finish_reason is FinishReason.LENGTH and never.token_ids == full.token_ids
+    finally:
+        engine.close()
+
+
+def test_stop_strings_are_bounded_and_need_a_tokenizer(chat_model: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="stop: 17 strings, at most 16"):
+        SamplingParams(stop=tuple(str(i) for i in range(17)))
+    with pytest.raises(InvalidRequestError, match=r"stop\[1\]: a stop string must have 1 to 256 characters"):
+        SamplingParams(stop=("a", ""))
+    engine = HFEngine.from_pretrained(chat_model, seed=0)  # no tokenizer given
+    try:
+        with pytest.raises(InvalidRequestError, match="stop strings need the model's tokenizer"):
+            engine.submit([[5, 6]], SamplingParams(stop=("x",)))
+    finally:
+        engine.close()
