@@ -4,8 +4,9 @@ in the reward's components; a judge that is gone costs each sample its fallback 
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import pytest
@@ -18,11 +19,20 @@ from tauflow.media import tiny
 GENRM = Path(__file__).resolve().parents[2] / "examples" / "genrm"
 
 
+def _genrm_task() -> ModuleType:
+    """examples/genrm/task.py, under a name of its own (other examples have a task.py too)."""
+    spec = importlib.util.spec_from_file_location("genrm_task", GENRM / "task.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+task = _genrm_task()
+
+
 @pytest.fixture(scope="module")
 def judge_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(GENRM))
-    import task
-
     out = tiny.build_chat_model(
         tmp_path_factory.mktemp("judge"), task.corpus(), vocab_size=300, hidden=32, layers=1, heads=2
     )
@@ -45,8 +55,6 @@ def _score(stub: reward_pb2_grpc.RewardServiceStub, texts: list[str], config: di
 def test_the_reward_service_asks_the_judge_deployment_and_records_its_verdict(
     service_process, judge_model: Path
 ) -> None:
-    import task  # (examples/genrm, on the path since the fixture)
-
     judge = service_process("rollout", {"model_path": str(judge_model), "server_id": "judge"})
     settings = {
         "pool.workers": 1,

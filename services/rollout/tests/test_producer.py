@@ -98,6 +98,7 @@ def producer(
         sampling=SamplingConfig(max_new_tokens=1),
         dynamic_sampling=DynamicSamplingConfig(**kw.pop("dynamic_sampling", {})),
         greedy_baseline=kw.pop("greedy_baseline", False),
+        max_prompt_tokens=kw.pop("max_prompt_tokens", 0),
     )
     return Producer(
         engine,
@@ -336,3 +337,16 @@ async def test_multimodal_prompts_are_processed_when_drawn_and_carry_their_parts
     assert {"pixel_values": "tensor"} in engine.media[0] and None in engine.media[0]  # per prompt, in order
     assert p.prompts_skipped >= 1
     assert registry.get_sample_value("tauflow_rollout_skipped_prompts_total", {"reason": "invalid_media"}) >= 1
+
+
+async def test_prompts_over_max_prompt_tokens_are_skipped_and_counted() -> None:
+    prompts = itertools.cycle([Prompt("short", [1, 2]), Prompt("long", [1, 2, 3, 4, 5])])
+    queue = FakeQueue()
+    p, registry = producer(FakeEngine(), queue, [], prompts=prompts, max_prompt_tokens=4)
+    task = asyncio.create_task(p.run())
+    await wait_until(lambda: len(queue.groups) >= 4)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert {g.prompt.prompt_id for g in queue.groups} == {"short"}
+    assert registry.get_sample_value("tauflow_rollout_skipped_prompts_total", {"reason": "too_long"}) >= 1

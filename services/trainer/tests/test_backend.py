@@ -435,3 +435,32 @@ def test_remax_trains_against_the_greedy_baseline_and_skips_groups_without_one(t
     assert result.trained_tokens == 8  # the other group's 4 samples x 2 tokens
     assert result.metrics["advantage_mean"] == pytest.approx(0.0)  # ±0.5 around the greedy reward 0.5
     assert any(not torch.equal(before[k], v) for k, v in params(backend).items())
+
+
+def test_mask_truncated_keeps_a_cut_completion_in_the_baseline_and_out_of_the_loss(tiny_model_dir: Path) -> None:
+    """DAPO's overlong filtering: the truncated sample counts in the group's mean but trains nothing, so the
+    step equals the same step where that sample's loss mask is all zeros."""
+    import dataclasses as dc
+
+    from tauflow.trainer.batch import Group, Sample
+
+    def group(truncated_mask: bool) -> Group:
+        samples = [
+            Sample([5, 6], [7, 8, 9], [-1.0] * 3, reward=r, sample_id=str(i), truncated=(i == 2))
+            for i, r in enumerate([1.0, 0.0, 0.0, 1.0])
+        ]
+        if truncated_mask:
+            samples[2] = dc.replace(samples[2], loss_mask=[False] * 3, truncated=False)
+        return Group("g", samples)
+
+    results = []
+    for option, masked in ((True, False), (False, True)):
+        backend = TorchBackend(config(tiny_model_dir, algorithm_options={"mask_truncated": option}))
+        result = backend.train_step([group(masked)])
+        results.append((result, params(backend)))
+    (masked_run, a), (reference_run, b) = results
+    assert (
+        masked_run.metrics["masked_truncated_samples"] == 1.0
+        and reference_run.metrics["masked_truncated_samples"] == 0.0
+    )
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # the same update

@@ -54,6 +54,9 @@ class RolloutConfig(ServiceConfig):
         DataConfig(), description="the data set's columns, and the chat template's use (docs/data.md)"
     )
     media: MediaConfig = Field(MediaConfig(), description="media URIs' roots and decoded bounds (multimodal prompts)")
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="a drawn prompt of more tokens is skipped and counted (reason too_long); 0: no limit"
+    )
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
     tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")

@@ -47,7 +47,7 @@ class RolloutMetrics:
         self.skipped_prompts = Counter(
             "tauflow_rollout_skipped_prompts",
             "Prompts drawn from the data set and not generated, by reason (invalid_media: parts the model "
-            "cannot take: undecodable media, a modality it lacks)",
+            "cannot take: undecodable media, a modality it lacks; too_long: over max_prompt_tokens)",
             ["reason"],
             registry=registry,
         )

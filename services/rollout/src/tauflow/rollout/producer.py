@@ -88,8 +88,9 @@ class Producer:
         self.metrics = metrics or RolloutMetrics.null()
         self.processor = processor
         """A multimodal model's processor: a drawn prompt's parts -> its token ids and encoder inputs."""
+        self.max_prompt_tokens = config.max_prompt_tokens
         self.prompts_skipped = 0
-        """Prompts whose parts this model cannot take (undecodable media, a modality it lacks), not generated."""
+        """Prompts this model cannot take (undecodable media, a modality it lacks, too long), not generated."""
         self.reserve_wait_s = reserve_wait_s
         self.release_timeout_s = release_timeout_s
         self.groups_produced = 0
@@ -158,23 +159,30 @@ class Producer:
         model cannot take is skipped, logged and counted; a data set of nothing else stops the producer."""
         for _ in range(MAX_SKIPPED_IN_A_ROW):
             prompt = next(self.prompts)
-            if not prompt.needs_processing:
-                return prompt
-            if self.processor is None:
-                why = "the prompt has parts and the model has no processor (a text model)"
-            else:
+            reason = why = ""
+            processor = self.processor
+            if prompt.needs_processing and processor is None:
+                reason, why = "invalid_media", "the prompt has parts and the model has no processor (a text model)"
+            elif prompt.needs_processing and processor is not None:
                 try:
-                    processed = await asyncio.to_thread(self.processor, prompt.parts)
+                    processed = await asyncio.to_thread(processor, prompt.parts)
                 except (InvalidMedia, ValueError) as e:
-                    why = str(e)
+                    reason, why = "invalid_media", str(e)
                 else:
-                    return dataclasses.replace(
+                    prompt = dataclasses.replace(
                         prompt, token_ids=processed.token_ids, parts=processed.parts, media=processed.inputs
                     )
+            if not reason and self.max_prompt_tokens and len(prompt.token_ids) > self.max_prompt_tokens:
+                reason, why = (
+                    "too_long",
+                    f"{len(prompt.token_ids)} tokens, over max_prompt_tokens {self.max_prompt_tokens}",
+                )
+            if not reason:
+                return prompt
             self.prompts_skipped += 1
-            self.metrics.skipped_prompts.labels("invalid_media").inc()
+            self.metrics.skipped_prompts.labels(reason).inc()
             log.warning("prompt skipped: %s", why, extra={"prompt_id": prompt.prompt_id})
-        raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} prompts in a row could not be processed; see the log")
+        raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} prompts in a row could not be taken; see the log")
 
     def _filter(self, groups: list[ProducedGroup], ticket: Ticket, root: trace.Span) -> list[ProducedGroup]:
         """Dynamic sampling: the groups with a signal (rewards not all equal), at most the ticket's room."""

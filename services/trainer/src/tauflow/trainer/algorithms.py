@@ -103,6 +103,9 @@ class AlgorithmConfig:
     max_response_length: int | None = None
     """The completion length limit the shaping counts from (the rollout's max_new_tokens)."""
     overlong_penalty: float = 1.0
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: a completion cut at the length limit (finish reason length) trains nothing;
+    it still counts in its group's baseline (its reward is what a cut answer earns)."""
 
     # The policy loss (losses.py).
     loss: str = "ppo"

@@ -208,6 +208,7 @@ class StepPlan:
     """The step's samples in ``mini_batches`` parts (in order, sizes differing by one at most)."""
     skipped_zero: int = 0
     rejected: int = 0
+    masked_truncated: int = 0
     """Samples dropped by the rejection bounds on their importance weight."""
     kl_reward: float = 0.0
     """Σ of the per-token KL put in the reward, over the trained tokens ..."""
@@ -435,6 +436,7 @@ class TorchBackend:
                 "skipped_zero_advantage_groups": float(plan.skipped_zero),
                 **({"no_baseline_groups": float(plan.no_baseline)} if alg.config.estimator == "remax" else {}),
                 "rejected_samples": float(plan.rejected),
+                "masked_truncated_samples": float(plan.masked_truncated),
                 **({"kl_reward": plan.kl_reward / plan.kl_reward_tokens} if plan.kl_reward_tokens else {}),
                 # the sampled reverse KL to the teacher, per trained token: what distillation drives down
                 **({"kl_teacher": -plan.teacher_gap / plan.teacher_tokens} if plan.teacher_tokens else {}),
@@ -533,6 +535,9 @@ class TorchBackend:
                 continue
             for si, (s, a) in enumerate(zip(g.samples, adv, strict=True)):
                 if s.trained_tokens == 0:
+                    continue
+                if cfg.mask_truncated and s.truncated:
+                    plan.masked_truncated += 1  # counted in the group's baseline above; trains nothing
                     continue
                 if cfg.rejects and _rejected(forwarded[id(s)]["prox"], s, cfg):
                     plan.rejected += 1  # the group's baseline still counted it; it trains nothing

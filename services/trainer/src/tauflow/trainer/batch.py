@@ -40,6 +40,8 @@ class Sample:
     """Policy version that generated each completion token; None or empty: use behaviour_version."""
     behaviour_version: int | None = None
     sample_id: str = ""
+    truncated: bool = False
+    """The completion ended at the length limit (finish reason length), not by itself."""
     media: dict[str, torch.Tensor] | None = None
     """A multimodal model's encoder inputs for the prompt (tauflow.media.processor: pixel values, audio
     features, grids), shared by the group's samples; ``{}`` for a text prompt to such a model; None for a

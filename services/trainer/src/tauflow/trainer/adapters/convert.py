@@ -26,6 +26,7 @@ def sample_from_proto(pb: common_pb2.Sample) -> Sample:
         versions=list(pb.token_versions) or None,
         behaviour_version=pb.behaviour_version,
         sample_id=pb.sample_id,
+        truncated=pb.finish_reason == common_pb2.FINISH_REASON_LENGTH,
     )
 
 
