@@ -14,7 +14,7 @@ import pytest
 from tests.runs import addition_run as run
 
 STEPS = 300  # upper bound: bench/algorithms.py measured each family past TARGET well before this
-TARGET = 0.50  # about +15 points over the warm start (34.6 %): learning beyond noise, at half the steps of +20
+TARGET = 0.45  # +10 points over the warm start (34.6 %), about 5 standard errors of the 500-prompt held-out set
 
 FAMILIES = {
     "rloo": {},
@@ -67,7 +67,7 @@ def test_each_family_raises_heldout_accuracy_through_every_service(
         ),
     )
     first, best = summary["evals"][0], max(e["accuracy"] for e in summary["evals"])
-    assert first["policy_version"] == 0 and first["accuracy"] < TARGET - 0.1
+    assert first["policy_version"] == 0 and first["accuracy"] < TARGET - 0.05
     assert best >= TARGET, summary["evals"]
     assert summary["staleness_violations"] == 0
     updates = {s["metrics"].get("updates") for s in summary["steps"]}

@@ -94,7 +94,7 @@ def test_a_run_scaled_1_3_1_with_tau_changed_1_0_2_trains_every_delivered_group_
 ) -> None:
     # Long enough that the changes below (each a `tauflow` command, a replica's start) happen well within it
     # on a fast machine: the run does not wait for them.
-    steps = 300
+    steps = 200
     out = tmp_path / "run"
     run = LiveRun(addition_command(
         prepared, out, f"steps={steps}", "max_staleness=1", "rollout.replicas=1",

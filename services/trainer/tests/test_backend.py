@@ -464,3 +464,18 @@ def test_mask_truncated_keeps_a_cut_completion_in_the_baseline_and_out_of_the_lo
         and reference_run.metrics["masked_truncated_samples"] == 0.0
     )
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # the same update
+
+
+def test_fp16_mixed_precision_keeps_fp32_master_weights_and_a_loss_scale(tiny_model_dir: Path, make_groups) -> None:
+    """float16 autocast (on CPU here): the step trains, the weights and optimizer stay float32, and fp16's
+    dynamic loss scale is applied and reported; bfloat16 needs none."""
+    fp16 = TorchBackend(config(tiny_model_dir, autocast_dtype="float16"))
+    before = params(fp16)
+    result = fp16.train_step(make_groups(0, 2))
+    assert result.committed and 0 < result.metrics["loss_scale"] <= 65536.0
+    assert all(p.dtype == torch.float32 for p in fp16.model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in params(fp16).items())  # it stepped
+    bf16 = TorchBackend(config(tiny_model_dir, autocast_dtype="bfloat16"))
+    assert "loss_scale" not in bf16.train_step(make_groups(0, 2)).metrics
+    with pytest.raises(ValueError, match="float16 with a critic is not supported"):
+        TorchBackend(config(tiny_model_dir, autocast_dtype="float16", algorithm="ppo"))

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from opentelemetry import trace
@@ -98,8 +98,10 @@ class TorchBackendConfig:
     pad_token_id: int | None = None
     """None: the model config's pad_token_id, else 0 (padded positions are masked either way)."""
     device: str = "cpu"
-    autocast_dtype: str | None = None
-    """e.g. "bfloat16" on GPU: forward under torch.autocast; weights and optimizer stay float32."""
+    autocast_dtype: Literal["bfloat16", "float16"] | None = None
+    """Mixed precision: the forward and backward under torch.autocast in this dtype, the weights and the
+    optimizer's state float32 (master weights). bfloat16 on GPUs that have it; float16 adds a dynamic loss
+    scale (torch.amp.GradScaler). None (fp32) is the default, and what CPUs want."""
     gradient_checkpointing: bool = False
     compute_entropy: bool = True
     train_encoders: bool = False
@@ -283,6 +285,11 @@ class TorchBackend:
             else (getattr(self.model.config, "pad_token_id", None) or 0)
         )
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
+        fp16 = config.autocast_dtype == "float16"
+        self._scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
+        if fp16 and self.algorithm.config.uses_critic:
+            raise ValueError("autocast_dtype float16 with a critic is not supported: use bfloat16")
         if self.processor is not None and self.algorithm.config.uses_critic:
             raise ValueError("a critic for a multimodal policy is not supported yet (docs/omni.md)")
         if self.algorithm.config.uses_reference:
@@ -370,7 +377,11 @@ class TorchBackend:
 
     def _update(self) -> dict[str, float]:
         """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step)."""
-        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip)
+        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, of the loss times fp16's loss scale when there is one."""
+        (self._scaler.scale(loss) if self._scaler is not None else loss).backward()
 
     def _optimizer_step(self) -> dict[str, float]:
         """One update, then the schedule's step (a step of one update: SFT)."""
@@ -819,7 +830,7 @@ class TorchBackend:
                                 mb.norm,
                             )
                             with self._accumulating(model, last):
-                                (out.loss * scale if scale != 1.0 else out.loss).backward()
+                                self._backward(out.loss * scale if scale != 1.0 else out.loss)
                             if real:
                                 parts.append({**out.sums, "micro_batches": 1.0})
                         if critic is not None:
@@ -854,6 +865,8 @@ class TorchBackend:
         metrics["updates"] = float(len(updates))
         metrics["grad_norm"] = sum(u["grad_norm"] for u in updates) / max(len(updates), 1)
         metrics["skipped_nonfinite_grad"] = sum(u["skipped_nonfinite_grad"] for u in updates)
+        if updates and "loss_scale" in updates[-1]:  # fp16: the scale after the step's last update
+            metrics["loss_scale"] = updates[-1]["loss_scale"]
         metrics["lr"] = lr
         if critic is not None:
             metrics["critic_updates"] = float(len(critic_updates))
@@ -894,7 +907,7 @@ class TorchBackend:
             with self._autocast():
                 lp = completion_logprobs(self.model, mb, temperature=1.0)
             out = sft_loss(lp.logprobs, mb.loss_mask, norm)
-            out.loss.backward()
+            self._backward(out.loss)
             parts.append(out.sums)
         metrics = summarize(parts)
         metrics.update(self._optimizer_step())

@@ -68,11 +68,18 @@ def build_optimizer(
 
 
 def clip_and_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """One optimizer update of ``model``'s accumulated gradients: clip their global norm, step, clear them.
     A non-finite norm skips the update (``skipped_nonfinite_grad`` = 1). Under FSDP2 the norm is that of
-    the whole gradient over every rank's shard, so every rank decides alike."""
+    the whole gradient over every rank's shard, so every rank decides alike. With fp16's ``scaler`` the
+    gradients (of a scaled loss) are unscaled first, and the scale adapts: halved after an overflow, grown
+    after a run of good steps (torch.amp.GradScaler)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip is not None else math.inf
     grad_norm = 0.0
@@ -86,4 +93,8 @@ def clip_and_step(
     else:
         skipped = 1.0
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
+    out = {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
+    if scaler is not None:
+        scaler.update()
+        out["loss_scale"] = float(scaler.get_scale())
+    return out
