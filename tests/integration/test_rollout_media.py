@@ -80,7 +80,9 @@ def test_bad_media_are_refused_naming_the_part(service_process, omni: Path) -> N
         err.value.details() or "")  # fmt: skip
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(rollout_pb2.GenerateRequest(prompt_parts=parts, prompt_text="x"), timeout=60)
-    assert "exactly one of prompt_token_ids, prompt_text and prompt_parts" in (err.value.details() or "")
+    assert "exactly one of prompt_token_ids, prompt_text, prompt_parts and prompt_messages" in (
+        err.value.details() or ""
+    )
 
 
 def test_a_text_model_refuses_prompt_parts(service_process, tmp_path: Path) -> None:

@@ -198,3 +198,24 @@ def test_compose_config_is_checked_part_by_part_and_refs_come_from_the_registry(
     resolved = compose_fn.resolve_config({"parts": [{"fn": "math", "ref": "os:system", "fallback_score": 9}]})
     assert resolved["parts"][0]["ref"] == "tauflow.reward.builtins:Math"
     assert resolved["parts"][0]["fallback_score"] == 0.0
+
+
+def test_compose_parts_take_the_services_settings_of_their_functions() -> None:
+    from tauflow.reward.config import FunctionSettings
+
+    functions = {
+        "compose": FunctionSettings(config={"parts": [{"fn": "math"}]}),  # listed first: applied last
+        "math": FunctionSettings(config={"reference_pattern": r"####\s*(.+)"}),
+    }
+    reg = build_registry(RewardConfig(load_entry_points=False, functions=functions))
+    part = reg.get("compose").default_config["parts"][0]
+    assert part["config"]["reference_pattern"] == r"####\s*(.+)"
+    got = Compose()(sample("\\boxed{72}", answer="so 72\n#### 72"), reg.get("compose").resolve_config({}))
+    assert got.score == 1.0
+
+
+def test_a_blank_completion_is_no_choice() -> None:
+    mc = MultipleChoice()
+    options = json.dumps(["Helium", "Neon"])
+    got = run(mc, sample("   \n ", answer="A", choices=options), choices_key="choices", letters="AB")
+    assert got.score == 0.0 and got.components == {"answer_found": 0.0}

@@ -582,3 +582,24 @@ def test_fill_and_parse_score_directly() -> None:
     assert parse_score("SCORE:10", {**cfg, "normalise": False}) == (10.0, 10.0)
     whole = {**cfg, "score_pattern": r"\d+"}  # no group: the whole match
     assert parse_score("n 3 4", whole) == (pytest.approx(0.3), 3.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"protocol": "json", "url": "grpc://rm:50053"}, "url"),  # a gRPC address is protocol tauflow's
+        ({"protocol": "tauflow", "url": "http://rm:8000/score"}, "url"),
+        ({"protocol": "tauflow", "url": "grpc://rm:50053", "api_key_env": "TAUFLOW_RM_X"}, "api_key_env"),
+    ],
+)
+def test_protocol_tauflow_takes_a_grpc_address_and_no_token(
+    overrides: dict[str, Any], key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TAUFLOW_RM_X", "t")
+    with pytest.raises(ConfigInvalid) as e:
+        RemoteRewardModel.validate_config({**RemoteRewardModel.default_config, **overrides})
+    assert e.value.key == key
+    fine = RemoteRewardModel.validate_config(
+        {**RemoteRewardModel.default_config, "protocol": "tauflow", "url": "grpc://rm:50053"}
+    )
+    assert fine["url"] == "grpc://rm:50053"

@@ -86,6 +86,7 @@ def data_rows(path: str | Path, data: Mapping[str, Any] | None = None) -> list[D
     ``split``, ``chat_template``, ``system_prompt``; docs/data.md). A metadata value that is not a string
     (a list of tests, a dict) is passed to the reward as JSON."""
     d = {**_DATA_DEFAULTS, **(data or {})}
+    base = Path(path) if Path(path).is_dir() else Path(path).parent  # where a row's relative media paths start
     out = []
     for i, row in enumerate(read_rows(path, d["split"])):
         where = f"{path}: row {i}"
@@ -94,7 +95,7 @@ def data_rows(path: str | Path, data: Mapping[str, Any] | None = None) -> list[D
             metadata["answer"] = _as_text(row[d["answer_column"]])
         prompt_id = str(row.get(d["id_column"], i))
         if row.get("prompt_parts") is not None:
-            parts = parts_from_row(row["prompt_parts"], Path(path).parent, f"{where}: prompt_parts")
+            parts = parts_from_row(row["prompt_parts"], base, f"{where}: prompt_parts")
             out.append(DataRow(prompt_id, metadata, parts=parts))
         elif row.get("prompt_token_ids") is not None:
             out.append(DataRow(prompt_id, metadata, token_ids=[int(t) for t in row["prompt_token_ids"]]))

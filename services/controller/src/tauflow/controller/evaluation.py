@@ -8,7 +8,15 @@ from collections.abc import Sequence
 
 from tauflow import media
 from tauflow.controller.config import EvalConfig
-from tauflow.controller.ports import ChatPrompt, HeldOutPrompt, RewardPort, RolloutPort, ToScore
+from tauflow.controller.ports import (
+    SERVER_DEFAULTS,
+    ChatPrompt,
+    GreedySampling,
+    HeldOutPrompt,
+    RewardPort,
+    RolloutPort,
+    ToScore,
+)
 from tauflow.core.config import DataConfig
 from tauflow.media import DataRow
 
@@ -41,17 +49,16 @@ async def evaluate(
     reward: RewardPort,
     rows: list[DataRow],
     reward_fn: str,
-    stop: Sequence[str] = (),
-    max_new_tokens: int = 0,
+    sampling: GreedySampling = SERVER_DEFAULTS,
 ) -> tuple[float, int]:
     """The share of greedy answers scored 1, and the oldest version an engine answered with (it may lag
     or, with tau > 0, differ from the trainer's). The prompts are spread over the rollout servers
-    ``rollouts`` (prompt i to server i mod R), each answering its share at once; ``stop`` and
-    ``max_new_tokens`` are the training's (0: the rollout server's default)."""
+    ``rollouts`` (prompt i to server i mod R), each answering its share at once; ``sampling``: how the
+    training's completions end."""
 
     async def one(i: int, row: DataRow) -> ToScore:
         rollout = rollouts[i % len(rollouts)]
-        completion = await rollout.generate_greedy(_prompt(row), CALL_TIMEOUT_S, stop, max_new_tokens)
+        completion = await rollout.generate_greedy(_prompt(row), CALL_TIMEOUT_S, sampling)
         return ToScore(f"eval-{row.prompt_id}", row.metadata, completion)
 
     groups: list[ToScore] = []

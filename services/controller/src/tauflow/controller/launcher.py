@@ -552,12 +552,14 @@ def _format(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, dict)):
-        return json.dumps(value)
+        return json.dumps(value, ensure_ascii=False)  # (an escaped emoji reads back as two lone surrogates)
+    if isinstance(value, Path):
+        value = str(value)
     if isinstance(value, str) and value:
         try:
             same = yaml.safe_load(value) == value
         except yaml.YAMLError:
             same = False
         # "####\s*(.+)" would read as a comment (null), "1e3" or "true" as a number or a bool: quote them
-        return value if same else json.dumps(value)
+        return value if same else json.dumps(value, ensure_ascii=False)
     return str(value)

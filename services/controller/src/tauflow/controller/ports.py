@@ -39,6 +39,18 @@ HeldOutPrompt = str | ChatPrompt | list[PromptPart] | list[int]
 
 
 @dataclass(frozen=True)
+class GreedySampling:
+    """How held-out answers end: the training's stop strings, stop token ids and length (0: the server's)."""
+
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 0
+
+
+SERVER_DEFAULTS = GreedySampling()
+
+
+@dataclass(frozen=True)
 class TrainerStep:
     """One optimizer step as the trainer lists it."""
 
@@ -121,7 +133,7 @@ class WeightsPort(Protocol):
 
 class RolloutPort(Protocol):
     async def generate_greedy(
-        self, prompt: HeldOutPrompt, timeout_s: float, stop: Sequence[str] = (), max_new_tokens: int = 0
+        self, prompt: HeldOutPrompt, timeout_s: float, sampling: GreedySampling = SERVER_DEFAULTS
     ) -> Completion: ...
 
     async def close(self) -> None: ...

@@ -27,6 +27,7 @@ from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.ports import (
     CheckPeer,
     Connect,
+    GreedySampling,
     PeerError,
     Peers,
     PeerUnavailable,
@@ -429,6 +430,15 @@ class Run:
             progress.tokens_per_s = following.tokens / max(poll.at_s, 1e-9)
         return version
 
+    def _greedy_sampling(self) -> GreedySampling:
+        """How the training's completions end (services.rollout's sampling, nested or dotted), for eval."""
+        rollout = flatten(self.config.services.get(ROLLOUT, {}))
+        return GreedySampling(
+            stop=tuple(rollout.get("sampling.stop", ())),
+            stop_token_ids=tuple(rollout.get("sampling.stop_token_ids", ())),
+            max_new_tokens=int(rollout.get("sampling.max_new_tokens", 0)),
+        )
+
     async def _evaluate(
         self, peers: Peers, heldout: list[DataRow], version: int, done: bool, following: Following
     ) -> Evaluated:
@@ -437,14 +447,8 @@ class Run:
         self.on_progress(progress)
         try:
             rollouts = await peers.rollouts(self._rollout_addresses())
-            sampling = self.config.services.get(ROLLOUT, {}).get("sampling", {})  # the training's stops and length
             accuracy, engine_version = await evaluate(
-                rollouts,
-                peers.reward,
-                heldout,
-                self.config.eval.reward_fn,
-                stop=sampling.get("stop", ()),
-                max_new_tokens=sampling.get("max_new_tokens", 0),
+                rollouts, peers.reward, heldout, self.config.eval.reward_fn, self._greedy_sampling()
             )
             following.eval_failures = 0
         except PeerUnavailable as e:

@@ -198,8 +198,9 @@ class MultipleChoice:
         options = _choices(sample, config["choices_key"], letters) if config["choices_key"] else []
         gold = _letter_of(reference, letters, options)
         answer = extract_choice(sample.completion_text, letters, config["ignore_case"])
-        if answer is None and options:  # the completion may spell out an option instead of its letter
-            said = squad_normalise(sample.completion_text.strip().splitlines()[-1] if sample.completion_text else "")
+        lines = sample.completion_text.strip().splitlines()
+        if answer is None and options and lines:  # the completion may spell out an option instead of its letter
+            said = squad_normalise(lines[-1])
             hits = [letters[i] for i, o in enumerate(options) if squad_normalise(o) == said]
             answer = hits[0] if len(hits) == 1 else None
         if answer is None:

@@ -6,7 +6,7 @@ import logging
 
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
-from tauflow.reward import __version__
+from tauflow.reward import __version__, worker
 from tauflow.reward.adapters.servicer import SERVICE, RewardServicer, add_reward_servicer_to_server
 from tauflow.reward.config import Executor, RewardConfig
 from tauflow.reward.metrics import RewardMetrics
@@ -24,6 +24,7 @@ async def build(config: RewardConfig) -> ServiceApp:
             extra={"fn": fn.name, "executor": fn.executor.value, "timeout_s": fn.timeout_s, "source": fn.source},
         )
     process_refs = [fn.ref for fn in registry.functions() if fn.executor is Executor.PROCESS]
+    worker.not_dumpable()  # the service's environment (secrets) unreadable through /proc by its sandboxes
     scorer = Scorer(config.pool, process_refs)
     await scorer.start()
     metrics = RewardMetrics()

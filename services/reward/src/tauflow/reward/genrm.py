@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
@@ -63,6 +63,12 @@ class GenRMOptions(_Options):
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be host:port")
         return v
+
+    @model_validator(mode="after")
+    def _range(self) -> GenRMOptions:
+        if self.normalise and not self.max_score > self.min_score:
+            raise ValueError("max_score must be greater than min_score")
+        return self
 
     @field_validator("template")
     @classmethod

@@ -234,7 +234,8 @@ def build_registry(config: RewardConfig, entry_points: Iterable[metadata.EntryPo
     name, ref = COMPOSE
     composed = describe(name, worker.load_object(ref), ref, source="built-in", executor=Executor.PROCESS, **defaults)
     reg.add(replace(composed, validate=functools.partial(compose.resolved, reg)))
-    for name, settings in config.functions.items():
+    # compose's settings last: its parts' configs are resolved against their functions' settled defaults
+    for name, settings in sorted(config.functions.items(), key=lambda item: item[0] == COMPOSE[0]):
         _apply(reg, name, settings)
     if config.default_reward_fn and config.default_reward_fn not in reg:
         raise RegistryError(

@@ -109,7 +109,8 @@ _TOKEN = re.compile(r"[!-~]+")  # visible ASCII: what a header value can carry w
 
 
 class RemoteOptions(_Options):
-    protocol: Literal["json", "openai"] = "json"
+    protocol: Literal["json", "openai", "tauflow"] = "json"
+    remote_fn: str = Field("", max_length=MAX_KEY_CHARS)  # tauflow: the remote service's reward_fn ("": its default)
     url: str = Field("", max_length=MAX_URL_CHARS)  # required: "" is refused when a call is made
     api_key_env: str = Field("", max_length=MAX_KEY_CHARS)
     request_timeout_s: float = Field(30.0, gt=0, le=600)
@@ -172,8 +173,8 @@ def check_url(url: str) -> None:
     if not url.isascii() or not url.isprintable() or any(c in url for c in " \\"):
         raise ValueError("must be printable ASCII without spaces or backslashes (write a non-ASCII host in punycode)")
     parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"scheme {parts.scheme[:16]!r} is not allowed; only http and https")
+    if parts.scheme.lower() not in ("http", "https", "grpc"):
+        raise ValueError(f"scheme {parts.scheme[:16]!r} is not allowed; only http, https and grpc (protocol tauflow)")
     if "@" in parts.netloc:
         raise ValueError("must not carry credentials (user:password@); use api_key_env for a bearer token")
     if not parts.hostname:
@@ -376,6 +377,53 @@ def _json_results(answer: Any, n: int) -> list[Result]:
     ]
 
 
+def _tauflow_batch(stub: Any, call: _Call, group: GroupInput, indices: Sequence[int]) -> list[Result]:
+    """One ``Score`` of another tauflow reward service (protocol tauflow): the batch's samples as one group,
+    ``remote_fn`` scoring them there. A sample the remote could not score (its status ERROR or TIMEOUT) gets
+    ``fallback_score`` and ``remote_error`` 1; the call failing fails the batch."""
+    import grpc
+
+    from tauflow.api.common.v1 import common_pb2
+    from tauflow.api.reward.v1 import reward_pb2
+
+    c = call.config
+    samples = [group.samples[i] for i in indices]
+    request = reward_pb2.ScoreRequest(
+        reward_fn=c["remote_fn"],
+        groups=[
+            common_pb2.Group(
+                group_id=group.group_id,
+                prompt_id=group.prompt_id,
+                metadata=dict(group.metadata),
+                samples=[
+                    common_pb2.Sample(
+                        sample_id=s.sample_id, completion_text=s.completion_text, metadata=dict(s.metadata)
+                    )
+                    for s in samples
+                ],
+            )
+        ],
+    )
+    left = call.deadline - time.monotonic()
+    if left < MIN_ATTEMPT_S:
+        raise _Failure("the group's budget_s ran out before the call")
+    try:
+        reply = stub.Score(request, timeout=min(c["request_timeout_s"], left))
+    except grpc.RpcError as e:
+        raise _Failure(f"Score answered {e.code().name}") from None
+    got = reply.groups[0].samples if len(reply.groups) == 1 else []
+    if len(got) != len(samples):
+        raise _Failure(f"the answer scores {len(got)} samples for a batch of {len(samples)}")
+    out: list[Result] = []
+    for s in got:
+        if s.reward.status != common_pb2.REWARD_STATUS_OK:
+            out.append((c["fallback_score"], {"remote_error": 1.0}))
+            continue
+        parts = {k: v for k, v in list(s.reward.components.items())[: MAX_COMPONENTS - 2] if k not in _OWN_COMPONENTS}
+        out.append((_number(s.reward.score, "score"), {k: _number(v, k[:64]) for k, v in parts.items()}))
+    return out
+
+
 def fill(template: str, values: Mapping[str, str]) -> str:
     """``template`` with each ``{name}`` of ``values`` replaced, in one pass: a value is never read as a
     template (a completion holding ``{prompt}`` or ``{0.__class__}`` stays as it is)."""
@@ -478,13 +526,34 @@ class RemoteRewardModel:
 
     def __init__(self) -> None:
         self._client: httpx2.Client | None = None
+        self._stubs: dict[str, Any] = {}
         self._lock = threading.Lock()
+
+    def stub(self, url: str) -> Any:
+        """A RewardService stub of the tauflow reward service at ``grpc://host:port``, one channel per
+        process: the channel factory's, whose policy retries UNAVAILABLE (Score is idempotent)."""
+        with self._lock:
+            if url not in self._stubs:
+                from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
+                from tauflow.core.channel import create_sync_channel
+
+                service = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
+                channel = create_sync_channel(urlsplit(url).netloc, [service])
+                self._stubs[url] = reward_pb2_grpc.RewardServiceStub(channel)
+            return self._stubs[url]
 
     @staticmethod
     def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         c = _validate(RemoteOptions, config)
         if c["max_score"] <= c["min_score"]:
             raise ConfigInvalid("max_score", "must be greater than min_score")
+        grpc_url = c["url"].lower().startswith("grpc://")
+        if c["url"] and grpc_url != (c["protocol"] == "tauflow"):
+            raise ConfigInvalid("url", "grpc://host:port is protocol tauflow's, and protocol tauflow takes only that")
+        if c["protocol"] == "tauflow" and c["api_key_env"]:
+            raise ConfigInvalid(
+                "api_key_env", "protocol tauflow sends no token (reach the service on a trusted network)"
+            )
         if c["api_key_env"]:
             try:
                 _bearer(c["api_key_env"])
@@ -529,6 +598,12 @@ class RemoteRewardModel:
 
             def run(job: range) -> list[Result]:
                 return _json_batch(call, group, job)
+        elif config["protocol"] == "tauflow":
+            jobs = _batches(n, config["max_batch"])
+            stub = self.stub(config["url"])
+
+            def run(job: range) -> list[Result]:
+                return _tauflow_batch(stub, call, group, job)
         else:
             jobs = [range(i, i + 1) for i in range(n)]
 
@@ -582,7 +657,7 @@ def _scores(
                 out[i] = failure
             continue
         for i, (score, parts) in zip(job, outcome, strict=True):
-            out[i] = Score(score, {**parts, "remote_error": 0.0})
+            out[i] = Score(score, {"remote_error": 0.0, **parts})  # (a remote sample's own error sets it)
     if failed:
         log.warning(
             "remote_rm: %d of %d requests of group %r failed; their samples get fallback_score %g; first: %s",

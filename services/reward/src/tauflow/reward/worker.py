@@ -58,9 +58,22 @@ def register_local(ref: str, fn: Any) -> None:
     _resolved[ref] = fn
 
 
+def not_dumpable() -> None:
+    """``prctl(PR_SET_DUMPABLE, 0)``: no process of the same uid may read this one's memory or
+    ``/proc/<pid>/environ`` (where a reward function's bearer token lives). The ``code`` sandbox's programs
+    run as the same uid where no user namespace is allowed (a container's default seccomp profile). Linux
+    only; elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+
+
 def init_worker(sys_path: Sequence[str], refs: Sequence[str], service_pid: int | None = None) -> None:
     """Pool initializer: mirror the service's import path, load the functions ahead of the first call,
     and end this worker when the service process is gone (``service_pid``)."""
+    not_dumpable()
     # SIGTERM (how the pool stops a task past its timeout) ends the worker at once. Pebble's own handler is
     # Python, which runs only between bytecodes: a task inside C code (an RE2 match, a C extension) lived on
     # until the SIGKILL 3 s later, and the pool's manager thread, waiting for it, held back every result.

@@ -20,6 +20,7 @@ from tauflow.rollout.adapters.weights_client import GrpcSidecar
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.dataset import epochs, load_prompts
 from tauflow.rollout.engine import engine_class
+from tauflow.rollout.engine.base import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tauflow.rollout.membership import SidecarMembership
 from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.producer import Producer
@@ -33,6 +34,8 @@ GENERATE_BOUNDS = {
     "prompt_messages": media.MAX_MESSAGES,
     "prompt_messages.role": 32,
     "prompt_messages.content": 1 << 18,
+    "sampling.stop": MAX_STOP_STRINGS,
+    "sampling.stop[]": MAX_STOP_CHARS,
 }
 
 
@@ -49,6 +52,11 @@ async def build(config: RolloutConfig) -> ServiceApp:
         **config.engine_options,
     )
     decode = codec.decode if codec is not None else None
+    eos = codec.eos_token_id if codec is not None else None
+    if eos is not None and hasattr(engine, "eos_token_ids") and eos not in engine.eos_token_ids:
+        # the tokenizer's EOS (an instruct model's end of turn) stops generation too, where the checkpoint's
+        # generation_config does not list it
+        engine.eos_token_ids = (*engine.eos_token_ids, eos)
     metrics = RolloutMetrics()
     sidecar = (
         GrpcSidecar(config.weights_address, config.channel, model=config.model_path) if config.weights_address else None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tauflow import media
-from tauflow.rollout.text import NoChatTemplate, TextCodec
+from tauflow.rollout.text import ChatTemplateError, TextCodec
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def load_prompts(path: str | Path, codec: TextCodec | None, data: Mapping[str, A
         elif row.messages is not None:
             try:
                 ids = codec.encode_chat(row.messages)
-            except NoChatTemplate as e:
+            except ChatTemplateError as e:
                 raise ValueError(f"{where} is a chat: {e}") from None
         else:
             assert row.text is not None  # data_rows gives exactly one form

@@ -7,7 +7,12 @@ from pathlib import Path
 from typing import Any
 
 
-class NoChatTemplate(ValueError):
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot format a chat: it has none, or it refused this one (a system turn
+    Gemma's does not take, roles Llama-2's wants alternating)."""
+
+
+class NoChatTemplate(ChatTemplateError):
     """A chat prompt for a tokenizer that has no chat template."""
 
 
@@ -17,6 +22,16 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._specials = tuple(
+            {*getattr(tokenizer, "all_special_tokens", ()), *(t.content for t in added.values() if t.special)}
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's end-of-sequence token (an instruct model's end of turn)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, int) else None
 
     @classmethod
     def from_folder(cls, model_path: str | Path) -> TextCodec | None:
@@ -42,7 +57,18 @@ class TextCodec:
         transformers release)."""
         if not self.has_chat_template:
             raise NoChatTemplate("the model's tokenizer has no chat template (tokenizer_config.json chat_template)")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        for i, m in enumerate(messages):
+            # The rendered text is tokenized as a whole: a special token spelled in a message would become that
+            # token, and end its turn or open another (a policy forging turns in a judge's chat)
+            spelled = next((t for t in self._specials if t in m["content"]), None)
+            if spelled is not None:
+                raise ChatTemplateError(f"message {i} spells the special token {spelled[:40]!r}")
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception in a template), and kin
+            raise ChatTemplateError(
+                f"the model's chat template refused it: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:

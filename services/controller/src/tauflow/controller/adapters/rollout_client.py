@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.controller.adapters import convert
 from tauflow.controller.adapters.errors import peer_errors
-from tauflow.controller.ports import ChatPrompt, Completion, HeldOutPrompt
+from tauflow.controller.ports import SERVER_DEFAULTS, ChatPrompt, Completion, GreedySampling, HeldOutPrompt
 from tauflow.core.channel import create_channel
 from tauflow.media import wire as media_wire
 
@@ -21,13 +19,14 @@ class RolloutClient:
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
 
     async def generate_greedy(
-        self, prompt: HeldOutPrompt, timeout_s: float, stop: Sequence[str] = (), max_new_tokens: int = 0
+        self, prompt: HeldOutPrompt, timeout_s: float, sampling: GreedySampling = SERVER_DEFAULTS
     ) -> Completion:
         """The greedy answer to a prompt: text, a chat (rollout revision 5), a multimodal prompt's parts (revision
-        4), or token ids. ``stop`` and ``max_new_tokens`` (0: the server's default) as in training."""
+        4), or token ids; it ends as training's completions do (``sampling``)."""
         request = rollout_pb2.GenerateRequest(sampling=GREEDY)
-        request.sampling.stop.extend(stop)
-        request.sampling.max_new_tokens = max_new_tokens
+        request.sampling.stop.extend(sampling.stop)
+        request.sampling.stop_token_ids.extend(sampling.stop_token_ids)
+        request.sampling.max_new_tokens = sampling.max_new_tokens
         if isinstance(prompt, str):
             request.prompt_text = prompt
         elif isinstance(prompt, ChatPrompt):

@@ -22,7 +22,7 @@ from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_p
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
 from tauflow.rollout.producer import Producer
-from tauflow.rollout.text import TextCodec
+from tauflow.rollout.text import ChatTemplateError, TextCodec
 from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
 from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
 from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
@@ -50,6 +50,7 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
     raise AssertionError("unreachable: abort raises")
 
 
+MAX_CHAT_CHARS = 1 << 18  # prompt_messages: their content in all (as prompt_text's bound)
 MAX_SCORE_SEQUENCES = 4096  # ComputeLogprobs: sequences per call (the contract's bound)
 
 
@@ -124,23 +125,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.in_flight} Generate calls in flight, this server's maximum",
             )
+        if sum(len(m["content"]) for m in messages) > MAX_CHAT_CHARS:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_messages: over {MAX_CHAT_CHARS} characters of content in all",
+            )
         prompt = list(request.prompt_token_ids)
-        if request.prompt_text or messages:
-            assert self.codec is not None  # text without a tokenizer was refused above
-            # (a long chat or text is tokenized off the event loop)
-            if messages:
-                prompt = await asyncio.to_thread(self.codec.encode_chat, messages)
-            else:
-                prompt = await asyncio.to_thread(self.codec.encode, request.prompt_text)
         started = time.monotonic()
-        self.in_flight += 1
+        self.in_flight += 1  # from here: tokenizing counts too
         inputs = None
         try:
+            params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
+            if request.prompt_text or messages:
+                assert self.codec is not None  # text without a tokenizer was refused above
+                # (a long chat or text is tokenized off the event loop)
+                if messages:
+                    prompt = await asyncio.to_thread(self.codec.encode_chat, messages)
+                else:
+                    prompt = await asyncio.to_thread(self.codec.encode, request.prompt_text)
             if parts:
                 assert self.processor is not None  # refused above
                 processed = await asyncio.to_thread(self.processor, parts)  # decodes media: off the event loop
                 prompt, inputs = processed.token_ids, [processed.inputs]
-            params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
             if self.engine.policy_version < request.min_policy_version:
                 remaining = min(context.time_remaining() or self.config.max_wait_s, self.config.max_wait_s)
                 ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
@@ -150,6 +157,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             [completions] = await self.engine.generate([prompt], params, inputs)
         except (InvalidRequestError, media.InvalidMedia) as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ChatTemplateError as e:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prompt_messages: {e}")
         except EngineClosedError as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:

@@ -116,6 +116,10 @@ class SamplingParams:
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
                 raise InvalidRequestError(f"stop[{i}]: a stop string must have 1 to {MAX_STOP_CHARS} characters")
+            try:
+                s.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequestError(f"stop[{i}]: not valid Unicode text (a lone surrogate)") from None
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.n, int) and self.n >= 1):

@@ -105,6 +105,7 @@ class _Request:
         "remaining",
         "results",
         "seeds",
+        "stop_finals",
         "stop_ids",
         "stop_window",
     )
@@ -125,6 +126,7 @@ class _Request:
         # Tokens decoded to look for a stop string that the newest token may have completed: a byte-level
         # token spells at least one byte (a few more tokens cover a character split across tokens).
         self.stop_window = max((len(s.encode()) for s in params.stop), default=0) + 4
+        self.stop_finals = frozenset(s[-1] for s in params.stop) | {"\ufffd"}  # (U+FFFD: a split character)
         self.results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
         self.remaining = len(prompts) * params.n
         self.counted = True  # still counted in the engine's in-flight requests
@@ -909,10 +911,13 @@ class HFEngine(GenerationEngine):
         occurrence would have stopped the row at an earlier step."""
         assert self._detokenize is not None  # submit refuses stop strings without it
         hits = torch.zeros_like(active)
-        lengths, running = b.n_gen.tolist(), active.tolist()
+        lengths, running, newest = b.n_gen.tolist(), active.tolist(), b.last.tolist()
         for r, row in enumerate(b.rows):
             strings = row.req.params.stop
             if not strings or not running[r]:
+                continue
+            # a stop string is completed by a token that spells its last character: most steps end here
+            if not row.req.stop_finals.intersection(self._detokenize([newest[r]])):
                 continue
             n = lengths[r]
             tail = self._detokenize(b.toks[r, max(0, n - row.req.stop_window) : n].tolist())
