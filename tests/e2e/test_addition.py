@@ -36,7 +36,7 @@ def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepare
     first = summary["evals"][0]
     assert first["policy_version"] == 0 and abs(first["accuracy"] - warm) < 0.05  # the services see what prepare saw
     best = max(e["accuracy"] for e in summary["evals"])
-    assert best >= warm + 0.25, summary["evals"]
+    assert best >= round(warm + 0.25, 4), summary["evals"]  # (the target the run was given: 0.328 + 0.25 > 0.578)
     assert len(summary["steps"]) <= LEARNING_STEPS
     # and the sampled reward rose with it (a fresh-clone CI run: 0.152 -> 0.227 over the 100 steps it took)
     rewards = [s["mean_reward"] for s in summary["steps"]]

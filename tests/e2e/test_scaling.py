@@ -52,7 +52,7 @@ def test_two_trainer_ranks_and_two_rollout_replicas_raise_heldout_accuracy_by_25
     )  # fmt: skip
     evals = summary["evals"]
     best = max(e["accuracy"] for e in evals)
-    assert best - min(start, evals[0]["accuracy"]) >= 0.25, (start, evals)
+    assert best - min(start, evals[0]["accuracy"]) >= 0.25 - 1e-9, (start, evals)  # (0.578 - 0.328 < 0.25 in floats)
     assert evals[-1]["policy_version"] <= 500
     assert summary["staleness_violations"] == 0
     # Both ranks and both replicas were processes of the run, each checked by the controller.

@@ -67,11 +67,14 @@ sandbox, are the robust format for RL.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import json
 import marshal
 import math
 import os
+import re
 import secrets
 import selectors
 import shutil
@@ -80,17 +83,22 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tauflow.reward.api import SampleInput, Score
 from tauflow.reward.builtins import MAX_KEY_CHARS, _Options, _reference, _validate
 
 MAX_FILE_BYTES = 10 << 20  # RLIMIT_FSIZE: the most a program may write to one file
 MAX_TASKS = 64  # RLIMIT_NPROC inside a user namespace: the sandbox's processes and threads
+TIMEOUT_S = 60.0  # CodeExecution.timeout_s: past it the service kills the worker, mid-case
+# wall_time_s and total_time_s must leave this much of TIMEOUT_S: a sample's cases end before the worker's
+# timeout, and its results come back as a score, not a timeout.
+TIMEOUT_MARGIN_S = 5.0
 # What the child sees of the environment; HOME and TMPDIR are its own directory (tempfile writes there).
 # RLIMIT_AS counts address space reserved, not used: glibc reserves 64 MiB for each thread's malloc arena,
 # which under 512 MiB stopped a program at 14 threads (54 with two arenas).
@@ -108,15 +116,25 @@ class CodeOptions(_Options):
     correct_score: float = 1.0
     incorrect_score: float = 0.0
     cpu_time_s: int = Field(5, ge=1, le=60)  # per case (RLIMIT_CPU counts whole seconds)
-    wall_time_s: float = Field(10.0, gt=0, le=300)  # per case
-    # All the cases of a sample together; the cases it leaves unrun fail. Keep it below the function's
-    # timeout_s (60 s), past which the service kills the worker and reports the sample as a timeout.
-    total_time_s: float = Field(50.0, gt=0, le=3600)
+    wall_time_s: float = Field(10.0, gt=0)  # per case
+    # All the cases of a sample together; the cases it leaves unrun fail. Both at most the function's
+    # timeout_s (60 s) less 5 s: past timeout_s the service kills the worker and the sample is a timeout.
+    total_time_s: float = Field(50.0, gt=0)
     memory_mb: int = Field(512, ge=16, le=16384)
     max_output_bytes: int = Field(1 << 20, ge=1, le=64 << 20)  # per stream and case; more fails the case
     max_program_chars: int = Field(100_000, ge=1, le=1_000_000)  # a longer program fails, not run
     max_tests_chars: int = Field(1_000_000, ge=1, le=64_000_000)
     max_cases: int = Field(64, ge=1, le=1024)
+
+    @field_validator("wall_time_s", "total_time_s")
+    @classmethod
+    def _within_the_timeout(cls, v: float) -> float:
+        if v > TIMEOUT_S - TIMEOUT_MARGIN_S:
+            raise ValueError(
+                f"must be at most {TIMEOUT_S - TIMEOUT_MARGIN_S:g} s: the code function's timeout_s is "
+                f"{TIMEOUT_S:g} s, past which the service kills its worker mid-case"
+            )
+        return v
 
 
 @dataclass(frozen=True)
@@ -151,7 +169,7 @@ class CodeExecution:
         "1 when every case passes, else 0 (scoring='fraction': the fraction passed). Standard library only."
     )
     default_config: ClassVar[dict[str, Any]] = CodeOptions().model_dump()
-    timeout_s = 60.0
+    timeout_s = TIMEOUT_S
     fallback_score = 0.0
 
     @staticmethod
@@ -312,94 +330,188 @@ def case_passed(case: Case, result: CaseResult) -> bool:
 # -- the sandbox ---------------------------------------------------------------------------------
 
 # Run in the child by ``python -I -S -B -c _RUNNER <fd>``, where fd is an unlinked file holding the
-# marshalled (program, tests, cpu_s, memory_bytes, file_bytes, max_tasks, parent_pid, token).
+# marshalled (program, tests, cpu_s, memory_bytes, file_bytes, max_tasks, parent_pid, token). Run with any
+# other ``__name__`` it only defines its functions (the tests read the hook that way).
 _RUNNER = r"""
 import sys
 
+_FAR = 1000000000  # the hook's code starts at this line: a traceback entry this deep is one of its frames
 
-def _hook_for(root, os):
+
+def _resolve(path, base, fns):
+    # The absolute path that ``path`` names, every symbolic link in it resolved as the kernel walks it (a
+    # component that does not exist is kept as it is), relative to ``base`` (None: the working directory);
+    # None when ``path`` is neither str nor bytes (an os.PathLike may answer differently when open() asks it
+    # again) or holds more than 40 links. Pure: what it calls comes in ``fns``; no global, closure, default
+    # or mutable local (a signal handler sees a running frame's locals), so nothing a program can reach
+    # changes its answer. It catches nothing: an error refuses the event.
+    type_, issubclass_, str_, bytes_, as_str, as_bytes, decode, encoding, lstat, readlink, exists, getcwd = fns
+    kind = type_(path)
+    if kind is str_:
+        pass
+    elif kind is bytes_:
+        path = decode(path, encoding, "surrogateescape")
+    elif issubclass_(kind, str_):  # the characters open() uses, whatever the subclass's methods say
+        path = as_str(path)
+    elif issubclass_(kind, bytes_):
+        path = decode(as_bytes(path), encoding, "surrogateescape")
+    else:
+        return None
+    if not path.startswith("/"):
+        path = (getcwd() if base is None else base) + "/" + path
+    done, rest, links = "", path, 0
+    while rest:
+        name, _, rest = rest.partition("/")
+        if name == "" or name == ".":
+            continue
+        if name == "..":
+            done = done[: done.rfind("/")]
+            continue
+        step = done + "/" + name
+        if not exists(step, 0, follow_symlinks=False) or lstat(step).st_mode & 0o170000 != 0o120000:
+            done = step
+            continue
+        links += 1
+        if links > 40:
+            return None
+        target = readlink(step)
+        if target.startswith("/"):
+            done = ""
+        rest = target + "/" + rest
+    return done or "/"
+
+
+def _hook_for(root, proc, proc_dev, posix, encoding):
+    # Everything the hook reads is bound here, before the program runs, to what a program cannot change:
+    # str, int, tuple and frozenset values, built-in functions and types, and _resolve. The hook reads no
+    # global (the runner's globals are a dict that any frame walk reaches), calls no Python function of the
+    # standard library (os.path.realpath, os.fsdecode: their modules can be patched) nor a method a program's
+    # object could override, keeps no mutable local, and catches no exception (one raised by a signal
+    # handler inside it would turn a refusal into a pass): whatever goes wrong refuses the event.
     deny = frozenset((
         "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.kill",
         "os.killpg", "os.startfile", "os.setns", "os.unshare", "subprocess.Popen", "signal.pthread_kill",
         "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
         "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo", "socket.sethostname",
+        "syslog.openlog", "syslog.syslog",
         "resource.setrlimit", "resource.prlimit", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+        "sys._current_frames", "sys._current_exceptions",
+        # A new interpreter has no audit hook: the hook would not see anything it runs.
+        "cpython.PyInterpreterState_New",
+        # SQLite writes its files itself (ATTACH DATABASE too), past the "open" checks.
+        "sqlite3.connect", "sqlite3.connect/handle", "sqlite3.enable_load_extension", "sqlite3.load_extension",
     ))
-    # event: (the indices of its path arguments, of its dir_fd arguments)
-    mutating = {
-        "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
-        "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)),
-        "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)), "os.truncate": ((0,), ()),
-        "os.utime": ((0,), (3,)), "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
-        "os.chflags": ((0,), ()), "os.lchflags": ((0,), ()),
-    }
-    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    devices = frozenset(("/dev/null", "/dev/stdout", "/dev/stderr"))
-    realpath, readlink, isdir, join, dirname = (
-        os.path.realpath, os.readlink, os.path.isdir, os.path.join, os.path.dirname
+    # Modules refused by the last part of their name (so that a spec named "x._ctypes" does not pass),
+    # besides every "_test*" module (CPython's test helpers read and write raw memory).
+    denied_modules = frozenset((
+        "_posixsubprocess", "_ctypes", "ctypes", "_sqlite3", "_dbm", "_gdbm", "_xxsubinterpreters",
+        "_xxinterpchannels", "_ctypes_test", "_xxtestfuzz",
+    ))
+    # event, the indices of its path arguments, of its dir_fd arguments
+    mutating = (
+        ("os.remove", (0,), (1,)), ("os.rmdir", (0,), (1,)), ("os.mkdir", (0,), (2,)),
+        ("os.rename", (0, 1), (2, 3)), ("os.link", (0, 1), (2, 3)), ("os.symlink", (1,), (2,)),
+        ("os.chmod", (0,), (2,)), ("os.chown", (0,), (3,)), ("os.truncate", (0,), ()),
+        ("os.utime", (0,), (3,)), ("os.setxattr", (0,), ()), ("os.removexattr", (0,), ()),
+        ("os.chflags", (0,), ()), ("os.lchflags", (0,), ()),
     )
-    prefix = root.rstrip("/") + "/"
-
-    def resolved(path):
-        if isinstance(path, int):
-            return readlink("/proc/self/fd/%d" % path)
-        if isinstance(path, (str, bytes)) or type(path).__module__ == "pathlib":
-            return realpath(os.fsdecode(path))
-        return None  # any other os.PathLike may answer differently the second time
-
-    def inside(path):
-        try:
-            p = resolved(path)
-        except (OSError, ValueError, TypeError):
-            return False
-        return p is not None and (p == root or p.startswith(prefix))
-
-    def refuse(event, what=None):
-        raise PermissionError("sandbox: %s is not allowed" % (event if what is None else "%s (%s)" % (what, event)))
+    mutating_events = frozenset(m[0] for m in mutating)
+    writing = posix.O_WRONLY | posix.O_RDWR | posix.O_CREAT | posix.O_TRUNC | posix.O_APPEND
+    devices = frozenset(("/dev/null", "/dev/stdout", "/dev/stderr"))
+    type_, issubclass_, str_, int_, refused = type, issubclass, str, int, PermissionError
+    as_str, as_int, stat, exists, readlink, resolve = str.__str__, int.__index__, posix.stat, posix.access, posix.readlink, _resolve
+    fns = (
+        type, issubclass, str, bytes, str.__str__, bytes.__bytes__, bytes.decode, encoding, posix.lstat,
+        posix.readlink, posix.access, posix.getcwd,
+    )
+    try:
+        raise ValueError
+    except ValueError as e:
+        traceback_type = type(e.__traceback__)
+    prefix, proc_prefix = root + "/", proc + "/"
 
     def hook(event, args):
         if event in deny or event.startswith("ctypes."):
-            refuse(event)
-        elif event == "open":
+            raise refused("sandbox: %s is not allowed" % event)
+        if event == "open":
             path, mode, flags = args
-            if isinstance(path, int) or (isinstance(path, str) and path in devices):
+            if issubclass_(type_(path), int_):  # a descriptor already open
                 return
-            if isinstance(flags, int) and flags & writing and not inside(path):
-                refuse(event, "writing outside the working directory")
-            if mode is None:  # os.open: a directory would be a dir_fd, for paths the checks here never see
-                try:
-                    is_dir = isdir(path)
-                except (OSError, ValueError, TypeError):
-                    is_dir = False
-                if is_dir:
-                    refuse(event, "opening a directory")
-        elif event in mutating:
-            paths, dir_fds = mutating[event]
-            if any(args[i] not in (None, -1) for i in dir_fds):
-                refuse(event, "dir_fd")
+            if type_(path) is str_ and path in devices:
+                return
+            if type_(flags) is not int_:
+                raise refused("sandbox: open with flags that are not an int is not allowed")
+            p = resolve(path, None, fns)
+            if p is None:
+                raise refused("sandbox: open of a path object is not allowed (pass str(path))")
+            if flags & writing and not (p == root or p.startswith(prefix)):
+                raise refused("sandbox: writing outside the working directory (open) is not allowed")
+            st = stat(p) if exists(p, 0) else None
+            if p == "/proc" or p.startswith("/proc/") or (st is not None and st.st_dev == proc_dev):
+                if not (p == proc or p.startswith(proc_prefix)):
+                    raise refused("sandbox: reading another process's /proc (open) is not allowed")
+            # os.open of a directory would give a dir_fd, for paths that the checks here never see
+            if mode is None and st is not None and st.st_mode & 0o170000 == 0o040000:
+                raise refused("sandbox: opening a directory (open) is not allowed")
+        elif event in mutating_events:
+            for name, paths, dir_fds in mutating:
+                if name == event:
+                    break
+            for i in dir_fds:
+                if args[i] is not None and args[i] != -1:
+                    raise refused("sandbox: dir_fd (%s) is not allowed" % event)
             for i in paths:
-                if not inside(args[i]):
-                    refuse(event, "changing files outside the working directory")
+                target = args[i]
+                if issubclass_(type_(target), int_):  # a descriptor: the file it is open on
+                    target = readlink("/proc/self/fd/%d" % as_int(target))
+                    if not target.startswith("/"):  # a pipe, a socket
+                        raise refused("sandbox: %s of a descriptor that is no file is not allowed" % event)
+                p = resolve(target, None, fns)
+                if p is None or not (p == root or p.startswith(prefix)):
+                    raise refused("sandbox: changing files outside the working directory (%s) is not allowed" % event)
             if event == "os.symlink":  # its target, relative to the link's directory
-                if not inside(join(dirname(resolved(args[1])), os.fsdecode(args[0]))):
-                    refuse(event, "a link out of the working directory")
+                link = resolve(args[1], None, fns)
+                p = resolve(args[0], link[: link.rfind("/")] or "/", fns)
+                if p is None or not (p == root or p.startswith(prefix)):
+                    raise refused("sandbox: a link out of the working directory (os.symlink) is not allowed")
         elif event == "socket.__new__":
             if args[1] != 1:  # AF_UNIX (socketpair) only
-                refuse(event, "network access")
+                raise refused("sandbox: network access (socket.__new__) is not allowed")
         elif event == "import":
-            if args[0] in ("_posixsubprocess", "_ctypes", "ctypes"):
-                refuse(event, "importing " + str(args[0]))
-        elif event == "object.__setattr__":
-            if args[1] == "__code__":
-                refuse(event, "replacing a function's code")
+            name = args[0]
+            if not issubclass_(type_(name), str_):
+                raise refused("sandbox: importing a module whose name is no str is not allowed")
+            name = as_str(name)
+            last = name[name.rfind(".") + 1 :]
+            if last in denied_modules or last.startswith("_test"):
+                raise refused("sandbox: importing %s is not allowed" % name)
+        elif event == "object.__setattr__":  # (only __code__, __defaults__ and the like raise it)
+            if type_(args[1]) is not str_ or (args[0] is resolve and args[1] == "__code__"):
+                raise refused("sandbox: replacing the sandbox's code (object.__setattr__) is not allowed")
+        elif event == "object.__getattr__":
+            # tb_frame of the hook's own frames (a refusal's traceback holds them): the way to its frame
+            tb = args[0]
+            if args[1] == "tb_frame" and (type_(tb) is not traceback_type or not 0 <= tb.tb_lineno < 1000000000):
+                raise refused("sandbox: the sandbox's frames (tb_frame) are not reachable")
 
     return hook
+
+
+def _far(code, by):
+    # ``code`` and the code in it with their line numbers ``by`` further down
+    consts = tuple(_far(c, by) if type(c) is type(code) else c for c in code.co_consts)
+    return code.replace(co_firstlineno=code.co_firstlineno + by, co_consts=consts)
+
+
+_hook_for = type(_hook_for)(_far(_hook_for.__code__, _FAR), globals(), "_hook_for")
+_resolve = type(_resolve)(_far(_resolve.__code__, _FAR), globals(), "_resolve")
 
 
 def _set_up():
     import builtins
     import marshal
     import os
+    import posix
     import resource
 
     with open(int(sys.argv[1]), "rb") as f:
@@ -440,6 +552,9 @@ def _set_up():
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL (after the changes of credentials, which reset it)
     if os.getppid() != parent:
         os._exit(70)
+    del libc, ctypes
+    for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
+        del sys.modules[name]  # an import of ctypes is then refused, not served from the cache
 
     def fork_exec(*args, **kwargs):
         raise PermissionError("sandbox: starting processes is not allowed (_posixsubprocess.fork_exec)")
@@ -448,7 +563,12 @@ def _set_up():
     stub.fork_exec = fork_exec
     sys.modules["_posixsubprocess"] = stub
     builtins.exit = builtins.quit = sys.exit  # (site, which is not imported, adds them)
-    sys.addaudithook(_hook_for(os.path.realpath(os.getcwd()), os))
+    try:
+        proc_dev = os.stat("/proc").st_dev
+    except OSError:
+        proc_dev = -1
+    root, proc = os.path.realpath(os.getcwd()), "/proc/%d" % os.getpid()
+    sys.addaudithook(_hook_for(root, proc, proc_dev, posix, sys.getfilesystemencoding()))
 
     main = type(sys)("__main__")
     main.__builtins__ = builtins
@@ -471,7 +591,8 @@ def _run():
         os._exit(0)
 
 
-_run()
+if __name__ == "__main__":
+    _run()
 """
 
 
@@ -486,7 +607,8 @@ def run_case(
     executable: str | None = None,
 ) -> CaseResult:
     """Runs ``program`` (then ``case.tests``) once in the sandbox, in a new temporary directory deleted
-    afterwards; ``case_passed`` tells whether the result passes."""
+    afterwards (or, where the process is killed first, by a later case: see ``_case_parent``);
+    ``case_passed`` tells whether the result passes."""
     token = secrets.token_hex(16).encode() if case.tests is not None else b""
     payload = (
         program,
@@ -498,7 +620,7 @@ def run_case(
         os.getpid(),
         token,
     )
-    workdir = tempfile.mkdtemp(prefix="tauflow-code-")
+    workdir = tempfile.mkdtemp(dir=_case_parent())
     start = time.monotonic()
     try:
         with tempfile.TemporaryFile() as payload_file, tempfile.TemporaryFile() as stdin_file:
@@ -577,7 +699,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _remove(path: str) -> None:
-    """Removes the case's directory, even where the program took away its own permissions in it."""
+    """Removes a case's directory (a real directory, never a symbolic link), even where the program took
+    away its own permissions in it. Links in it are removed, never followed (chmod would follow them)."""
     try:
         shutil.rmtree(path)
         return
@@ -587,6 +710,88 @@ def _remove(path: str) -> None:
         os.chmod(path, stat.S_IRWXU)
     for parent, dirs, _ in os.walk(path):  # top-down: each directory made readable before it is entered
         for name in dirs:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(parent, name), stat.S_IRWXU)
+            sub = os.path.join(parent, name)
+            if not os.path.islink(sub):
+                with contextlib.suppress(OSError):
+                    os.chmod(sub, stat.S_IRWXU)
     shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the cases' directories ----------------------------------------------------------------------
+
+# <TMPDIR>/tauflow-code-<pid>-<mkdtemp's suffix>: the directory of one process's cases
+_OWNED = re.compile(r"tauflow-code-([0-9]+)-[A-Za-z0-9_]+")
+_own_lock = threading.Lock()
+_own: tuple[int, str, int] | None = None  # this process's (pid, directory, descriptor locking it)
+
+
+def _case_parent() -> str:
+    """This process's directory for its cases' directories, ``<TMPDIR>/tauflow-code-<pid>-XXXXXXXX``, made
+    at its first case and locked (``flock``) for as long as the process lives; first removes the directories
+    of processes that died without removing theirs.
+
+    A case's ``finally`` removes its directory, but the service kills a worker past a sample's timeout
+    (SIGTERM, whose default action skips every ``finally``), and a request can make that happen at will (a
+    short ``sample_timeout``). So every case sweeps: a directory whose lock is free and whose pid no longer
+    runs belongs to a dead process, whichever worker made it. A live process's lock is held (the kernel
+    releases it at its death), so a directory in use is never swept, even by a service in another pid
+    namespace that shares TMPDIR; the pid covers the moment between a directory's creation and its lock.
+    """
+    global _own
+    with _own_lock:
+        pid = os.getpid()
+        if _own is None or _own[0] != pid or not os.path.isdir(_own[1]):
+            if _own is not None:  # a fork's copy of its parent's descriptor, or a directory removed
+                with contextlib.suppress(OSError):
+                    os.close(_own[2])
+            path = tempfile.mkdtemp(prefix=f"tauflow-code-{pid}-")
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _own = (pid, path, fd)
+        own = _own[1]
+    _sweep(os.path.dirname(own), own)
+    return own
+
+
+def _sweep(tmp: str, own: str) -> None:
+    """Removes the case directories under ``tmp`` whose process is dead (see ``_case_parent``)."""
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        match = _OWNED.fullmatch(name)
+        path = os.path.join(tmp, name)
+        if match is not None and path != own and _abandoned(path, int(match[1])):
+            _remove(path)
+
+
+def _abandoned(path: str, pid: int) -> bool:
+    """Whether ``path`` (a case directory of process ``pid``) is this user's real directory, unlocked, and
+    ``pid`` runs no more. Anything else (a symbolic link, another user's, an error) is left alone."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or pid <= 0:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # locked: its process lives
+        return False
+    finally:
+        os.close(fd)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (PermissionError: it runs, as another user)
+        return False
+    return False  # its lock is free yet the pid runs: not locked yet, or the pid is reused (swept later)
+
+
+@atexit.register
+def _remove_own() -> None:
+    if _own is not None and _own[0] == os.getpid():
+        _remove(_own[1])
