@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dis
+import fcntl
 import json
+import multiprocessing
 import os
+import posix
+import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import textwrap
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +24,7 @@ import pytest
 from tauflow.reward.api import SampleInput, Score
 from tauflow.reward.builtins import ConfigInvalid, MissingReference
 from tauflow.reward.code_exec import (
+    _RUNNER,
     Case,
     CaseResult,
     CodeExecution,
@@ -208,6 +217,11 @@ def test_stdout_is_compared_line_by_line_without_trailing_whitespace() -> None:
         ({"cpu_time_s": 61}, "cpu_time_s"),
         ({"wall_time_s": 0}, "wall_time_s"),
         ({"wall_time_s": 301}, "wall_time_s"),
+        # Both within the function's timeout_s (60 s) less 5 s: past it the worker is killed mid-case.
+        ({"wall_time_s": 55.5}, "wall_time_s"),
+        ({"total_time_s": 56}, "total_time_s"),
+        ({"total_time_s": 3600}, "total_time_s"),
+        ({"wall_time_s": 300, "total_time_s": 3600}, "wall_time_s"),
         ({"memory_mb": 8}, "memory_mb"),
         ({"memory_mb": 1 << 20}, "memory_mb"),
         ({"max_cases": 0}, "max_cases"),
@@ -229,6 +243,8 @@ def test_bad_configs_are_refused_naming_the_key(overrides: dict[str, Any], key: 
 def test_the_default_config_validates_to_itself() -> None:
     assert CodeExecution.validate_config(dict(CodeExecution.default_config)) == CodeExecution.default_config
     assert CodeExecution.timeout_s >= CodeExecution.default_config["total_time_s"] + 5
+    limits = {**CodeExecution.default_config, "wall_time_s": 55, "total_time_s": 55}
+    assert CodeExecution.validate_config(limits)["total_time_s"] == 55
 
 
 # -- the sandbox --------------------------------------------------------------------------------
@@ -333,6 +349,11 @@ def test_standard_library_modules_that_start_processes_still_import_and_threads_
         "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 9))",
         "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (60, 60))",
         "import gc\ngc.get_objects()",
+        # A new interpreter has no audit hook of its own.
+        "import _xxsubinterpreters as i\ni.run_string(i.create(), 'import os; os.system(\"echo escaped\")')",
+        "import _testcapi\n_testcapi.run_in_subinterp('import os; os.system(\"echo escaped\")')",
+        "import sys\nsys._current_frames()",
+        "import syslog\nsyslog.syslog('escaped')",
     ],
 )
 def test_processes_signals_and_the_network_are_refused(attempt: str) -> None:
@@ -394,3 +415,318 @@ def test_max_output_bytes_is_a_bound_on_each_case() -> None:
     s = sample(fenced("print('x' * 2000)\n"), json.dumps({"inputs": [""], "outputs": ["x" * 2000]}))
     assert score(s, max_output_bytes=2001).score == 1.0
     assert score(s, max_output_bytes=2000).score == 0.0  # the newline is one byte too many
+
+
+# -- the audit hook holds --------------------------------------------------------------------------
+
+
+def _runner_functions() -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "tauflow_runner"}  # (not "__main__": defines, runs nothing)
+    exec(_RUNNER, namespace)  # noqa: S102 - the module's own runner
+    return namespace
+
+
+def test_the_hook_reads_no_global_and_holds_only_values_a_program_cannot_change() -> None:
+    # What a frame walk reaches of the hook (its locals: the values it closes over; its globals: the
+    # runner's) must not change what it decides: no global read, no mutable value, no closure but its own
+    # (a function's cells can be rebound), no exception caught, no list or dict built while it runs.
+    runner = _runner_functions()
+    hook = runner["_hook_for"]("/nonexistent/work", "/proc/1", -1, posix, "utf-8")
+    immutable_kinds = (
+        str, bytes, int, float, type(None), types.BuiltinFunctionType, types.MethodDescriptorType,
+        types.WrapperDescriptorType,
+    )  # fmt: skip
+
+    def check(value: Any) -> None:
+        if isinstance(value, (tuple, frozenset)):
+            for item in value:
+                check(item)
+        elif isinstance(value, type):
+            assert not value.__flags__ & (1 << 9), value  # a built-in type (not a heap type: no attributes set)
+        elif isinstance(value, types.FunctionType):
+            assert value is runner["_resolve"] and value.__closure__ is None and value.__defaults__ is None
+        else:
+            assert isinstance(value, immutable_kinds), (type(value), value)
+
+    for cell in hook.__closure__:
+        check(cell.cell_contents)
+    for fn in (hook, runner["_resolve"]):
+        assert fn.__code__.co_firstlineno >= 10**9  # its traceback entries are told apart by their line
+        assert fn.__code__.co_exceptiontable == b""
+        opnames = {i.opname for i in dis.get_instructions(fn)}
+        assert not opnames & {"LOAD_GLOBAL", "LOAD_NAME", "STORE_DEREF", "IMPORT_NAME"}, opnames
+        assert not {op for op in opnames if op.startswith("BUILD_")} - {"BUILD_TUPLE", "BUILD_SLICE", "BUILD_STRING"}
+    # And it decides as it should, called here directly (it is not installed in this process).
+    with pytest.raises(PermissionError, match="outside the working directory"):
+        hook("open", ("/nonexistent/elsewhere", "w", os.O_WRONLY | os.O_CREAT))
+    hook("open", ("/nonexistent/work/a/../b.txt", "w", os.O_WRONLY | os.O_CREAT))
+    with pytest.raises(PermissionError, match="another process's /proc"):
+        hook("open", ("/proc/1/../2/environ", "r", os.O_RDONLY))
+    with pytest.raises(PermissionError, match="importing x._sqlite3"):
+        hook("import", ("x._sqlite3", None, None, None, None))
+
+
+def test_a_traceback_walk_to_the_hook_s_frame_does_not_disable_it(tmp_path: Path) -> None:
+    # The attack: a refusal's traceback leads (tb_next) down to the hook's frame, whose locals held its
+    # tables, mutable; clearing them let the program change files anywhere.
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    program = f"""
+        import os
+        outside = {str(outside)!r}
+        walked = []
+        try:
+            os.remove(outside)
+        except PermissionError as e:
+            tb = e.__traceback__
+            while tb is not None:
+                try:
+                    frame = tb.tb_frame
+                except PermissionError:
+                    walked.append("refused")
+                else:
+                    walked.append(frame.f_code.co_name)
+                    if frame.f_code.co_filename != "solution.py":
+                        state = frame.f_locals
+                        if "mutating" in state:
+                            state["mutating"].clear()
+                        for value in list(state.values()):
+                            if isinstance(value, (dict, set, list)):
+                                value.clear()
+                tb = tb.tb_next
+        print(walked)
+        for attempt in (
+            lambda: os.remove(outside),
+            lambda: os.rename(outside, outside + ".moved"),
+            lambda: os.link(outside, "here"),
+            lambda: os.chmod(outside, 0o777),
+        ):
+            try:
+                attempt()
+                print("allowed")
+            except PermissionError:
+                print("refused")
+        """
+    result = run(program)
+    walked, *attempts = result.stdout.decode().splitlines()
+    assert walked == "['<module>', 'refused']" and attempts == ["refused"] * 4, result.stdout + result.stderr
+    assert outside.read_text() == "keep" and [p.name for p in tmp_path.iterdir()] == ["outside.txt"]
+    assert outside.stat().st_mode & 0o777 != 0o777
+
+
+def test_the_hook_s_running_frame_holds_nothing_to_change(tmp_path: Path) -> None:
+    # A signal handler gets the frame it interrupts: now and then the hook's own, running. Clearing its
+    # containers, rebinding closures' cells, replacing its helper's code: none of it lets a change through.
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    program = f"""
+        import os, signal, time, types
+        outside, inside = {str(outside)!r}, os.getcwd()
+        permissive = eval("lambda *args: %r" % inside)
+        hits = refused = 0
+
+        def handler(signum, frame):
+            global hits, refused
+            while frame is not None:
+                if frame.f_code.co_filename == "<string>" and frame.f_code.co_name not in ("<module>", "_run"):
+                    hits += 1
+                    for value in list(frame.f_locals.values()):
+                        if isinstance(value, (dict, set, list, bytearray)):
+                            value.clear()
+                        if isinstance(value, types.FunctionType):
+                            for cell in value.__closure__ or ():
+                                cell.cell_contents = inside
+                            try:
+                                value.__code__ = permissive.__code__
+                            except PermissionError:
+                                refused += 1
+                frame = frame.f_back
+
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+        deadline, removed = time.monotonic() + 1.0, False
+        while hits < 50 and time.monotonic() < deadline and not removed:
+            try:
+                os.remove(outside)
+                removed = True
+            except PermissionError:
+                pass
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        print(hits > 0, refused > 0, removed)
+        """
+    result = run(program)
+    assert result.stdout == b"True True False\n", result.stdout + result.stderr
+    assert outside.read_text() == "keep"
+
+
+def test_patching_the_standard_library_does_not_disable_the_hook(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    program = f"""
+        import builtins, genericpath, os, posixpath
+        cwd = os.getcwd()
+        builtins.isinstance = lambda *args: True
+        os.path.realpath = posixpath.realpath = lambda path, **kwargs: cwd
+        os.fsdecode = lambda path: cwd
+        os.path.isdir = genericpath.isdir = posixpath.isdir = lambda path: False
+        for attempt in (
+            lambda: open({str(tmp_path / "escape.txt")!r}, "w"),
+            lambda: os.remove({str(outside)!r}),
+            lambda: os.open("/", os.O_RDONLY),
+            lambda: open("/proc/%d/cmdline" % os.getppid(), "rb"),
+        ):
+            try:
+                attempt()
+                print("allowed")
+            except PermissionError:
+                print("refused")
+        """
+    result = run(program)
+    assert result.stdout.decode().splitlines() == ["refused"] * 4, result.stdout + result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["outside.txt"]
+
+
+def test_sqlite_and_dbm_cannot_make_files_outside_the_working_directory(tmp_path: Path) -> None:
+    # SQLite opens its files itself, past the hook's "open" checks (ATTACH DATABASE as well): refused whole.
+    attached = tmp_path / "attached.db"
+    program = f"""
+        for attempt in (
+            "import sqlite3; sqlite3.connect({str(tmp_path / "made.db")!r}).execute('create table t (x)')",
+            "import sqlite3; sqlite3.connect(':memory:').execute(\\"attach '{attached}' as a\\")",
+            "import importlib.util, _imp; s = importlib.util.find_spec('_sqlite3'); s.name = 'x._sqlite3'; "
+            "_imp.create_dynamic(s)",
+            "import dbm; dbm.open({str(tmp_path / "made.dbm")!r}, 'c')",
+            "import _gdbm",
+            "import _dbm",
+        ):
+            try:
+                exec(attempt)
+                print("allowed")
+            except PermissionError:
+                print("refused")
+        """
+    result = run(program)
+    assert result.stdout.decode().splitlines() == ["refused"] * 6, result.stdout + result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_other_processes_proc_files_cannot_be_opened() -> None:
+    # Where the child runs as the service's uid without a user namespace of its own, /proc/<worker>/environ
+    # (a bearer token) is readable unless the worker is not dumpable; the hook refuses it either way. As
+    # root, the kernel refuses environ to the child (no capabilities), not cmdline: the message tells.
+    program = """
+        import os
+        parent = os.getppid()
+        for path in (
+            "/proc/%d/environ" % parent,
+            "/proc/%d/cmdline" % parent,
+            "/proc/self/../%d/cmdline" % parent,
+            b"/proc/%d/cmdline" % parent,
+            "/proc/1/cmdline",
+        ):
+            try:
+                with open(path, "rb") as f:
+                    print("read", len(f.read()))
+            except PermissionError as e:
+                print(e)
+        try:
+            os.open("/proc/%d/environ" % parent, os.O_RDONLY)
+        except PermissionError as e:
+            print(e)
+        print(all(open(p).read() for p in ("/proc/self/status", "/proc/thread-self/status", "/proc/self/net/dev")))
+        """
+    result = run(program)
+    *refusals, own = result.stdout.decode().splitlines()
+    assert refusals == ["sandbox: reading another process's /proc (open) is not allowed"] * 6, result.stdout
+    assert own == "True", result.stderr
+
+
+def test_standard_library_modules_that_walk_frames_or_replace_code_still_work() -> None:
+    program = '''
+        import asyncio, collections, doctest, traceback, typing
+
+        def double(x):
+            """
+            >>> double(2)
+            4
+            """
+            return 2 * x
+
+        try:
+            1 / 0
+        except ZeroDivisionError:
+            print(traceback.format_exc().splitlines()[-1])
+        print(doctest.testmod().failed, collections.namedtuple("P", "a")(1).a, typing.TypeVar("T"))
+        print(asyncio.run(asyncio.sleep(0, "async")))
+        '''
+    result = run(program)
+    expected = ["ZeroDivisionError: division by zero", "0 1 ~T", "async"]
+    assert result.stdout.decode().splitlines() == expected, result.stderr
+
+
+# -- the cases' directories ----------------------------------------------------------------------
+
+
+def _owned_dirs(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"tauflow-code-{pid}-*"))
+
+
+def _run_forever() -> None:
+    run_case("import time\ntime.sleep(60)\n", Case(stdin="", expected=""), wall_time_s=50)
+
+
+def test_the_directory_of_a_killed_worker_is_swept_by_the_next_case() -> None:
+    # The service ends a worker past a sample's timeout with SIGTERM: no finally runs, the case's
+    # directory stays behind. The next case, in any process, removes it.
+    worker = multiprocessing.get_context("fork").Process(target=_run_forever)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(p.is_dir() for d in _owned_dirs(worker.pid or 0) for p in d.iterdir()):
+            assert time.monotonic() < deadline, "the worker's case never started"
+            time.sleep(0.02)
+    finally:
+        worker.terminate()
+        worker.join()
+    left = _owned_dirs(worker.pid or 0)
+    assert len(left) == 1 and any(p.is_dir() for p in left[0].iterdir())  # what the kill leaves
+    run("print(1)")
+    assert not left[0].exists()
+
+
+def test_each_case_sweeps_the_directories_of_dead_processes_only(tmp_path: Path) -> None:
+    tmp = Path(tempfile.gettempdir())
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    leftover = tmp / f"tauflow-code-{ended.pid}-leftover"  # its process is gone
+    starting = tmp / f"tauflow-code-{sleeper.pid}-starting"  # not locked yet, but its process runs
+    locked = tmp / f"tauflow-code-{ended.pid}-locked"  # locked by a live process, whatever its pid says
+    link = tmp / f"tauflow-code-{ended.pid}-link"  # a symbolic link is never followed
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (leftover / "tmpcase" / "sub").mkdir(parents=True)
+    (leftover / "tmpcase" / "output.txt").write_text("left")
+    starting.mkdir()
+    locked.mkdir()
+    link.symlink_to(victim)
+    fd = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        run("print(1)")
+        assert not leftover.exists()
+        assert starting.is_dir() and locked.is_dir() and link.is_symlink() and (victim / "sub").is_dir()
+        sleeper.kill()
+        sleeper.wait()
+        os.close(fd)
+        fd = -1
+        run("print(1)")
+        assert not starting.exists() and not locked.exists() and link.is_symlink()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        sleeper.kill()
+        sleeper.wait()
+        link.unlink(missing_ok=True)
+        for d in (leftover, starting, locked):
+            shutil.rmtree(d, ignore_errors=True)

@@ -426,9 +426,9 @@ def test_a_token_variable_must_be_set_and_well_named(monkeypatch: pytest.MonkeyP
     ("url", "problem"),
     [
         ("", "required"),
-        ("ftp://example.com/score", "only http and https"),
-        ("file:///etc/passwd", "only http and https"),
-        ("example.com/score", "only http and https"),
+        ("ftp://example.com/score", "only http, https and grpc"),
+        ("file:///etc/passwd", "only http, https and grpc"),
+        ("example.com/score", "only http, https and grpc"),
         ("http://user:pw@example.com/score", "credentials"),
         ("http://token@example.com/score", "credentials"),
         ("http://example.com/" + "x" * 2048, "at most 2048"),

@@ -18,9 +18,13 @@ The sandbox, and what it does and does not stop
 Each case is a fresh ``python -I -S -B`` (isolated mode: no PYTHON* variables, no site-packages, no user
 site, no bytecode written; so programs get the standard library only) with an empty environment (PATH, LANG,
 MALLOC_ARENA_MAX, and HOME and TMPDIR set to the case's directory), in its own session and process group,
-a new temporary directory as its working directory (deleted afterwards), stdin from the case's input (else
-/dev/null), and its stdout and stderr read up to ``max_output_bytes`` each. A runner (``_RUNNER``) sets the
-child up before the program runs, in this order:
+a new temporary directory as its working directory, and stdin from the case's input (else /dev/null); its
+stdout and stderr are read up to ``max_output_bytes`` each. The case's directory is deleted afterwards; it
+lies in its worker process's own ``<TMPDIR>/tauflow-code-<pid>-*``, locked while that process lives, so
+that the directory of a worker killed mid-case (past a sample's timeout: no ``finally`` runs) is removed
+by the next case of any worker (``_case_parent``). ``wall_time_s`` and ``total_time_s`` must leave 5 s of
+the function's ``timeout_s``. A runner (``_RUNNER``) sets the child up before the program runs, in this
+order:
 
 1. resource limits: RLIMIT_CPU (``cpu_time_s``: SIGXCPU, SIGKILL a second later), RLIMIT_AS (``memory_mb``:
    allocations past it raise MemoryError), RLIMIT_FSIZE (10 MiB a file), RLIMIT_CORE 0;
@@ -38,27 +42,55 @@ child up before the program runs, in this order:
 4. ``PR_SET_PDEATHSIG`` SIGKILL: a child dies with its worker (the service kills workers past a sample's
    timeout);
 5. a Python audit hook (``sys.addaudithook``) that refuses network use (sockets other than AF_UNIX, connect,
-   bind, sendto, sendmsg, name look-ups); starting or signalling processes (``subprocess``, ``os.system``,
-   ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``, ``os.fork``, ``os.forkpty``, ``os.kill``,
-   ``os.killpg``; ``_posixsubprocess``, whose ``fork_exec`` raises no audit event, is a stub); ``ctypes``;
-   ``resource.setrlimit``; the ways back to the hook itself (``gc.get_objects`` and its kin, replacing a
-   function's ``__code__``); ``os.open`` of a directory (so that no ``dir_fd`` exists to resolve paths
-   the hook never sees); and changing files outside the case's directory (opening for writing, removing,
-   renaming, linking, chmod, chown, truncate, utime).
+   bind, sendto, sendmsg, name look-ups, syslog); starting or signalling processes (``subprocess``,
+   ``os.system``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``, ``os.fork``, ``os.forkpty``, ``os.kill``,
+   ``os.killpg``, ``signal.pthread_kill``; ``_posixsubprocess``, whose ``fork_exec`` raises no audit event,
+   is a stub); new interpreters (``_xxsubinterpreters``: a new one has no audit hook); ``ctypes`` and
+   CPython's ``_test*`` modules; ``resource.setrlimit``; SQLite and dbm (``_sqlite3``, ``_dbm``, ``_gdbm``,
+   which open their files themselves, ``ATTACH DATABASE`` too); ``os.open`` of a directory (so that no
+   ``dir_fd`` exists to resolve paths the hook never sees); opening anything under ``/proc`` but the
+   child's own ``/proc/<pid>`` (``/proc/self``), another process's above all (``/proc/<worker>/environ``);
+   and changing files outside the case's directory (opening for writing, removing, renaming, linking,
+   chmod, chown, truncate, utime). Paths are checked as the kernel will walk them (symbolic links and
+   ``..`` resolved).
+
+   The program cannot switch the hook off from Python: everything the hook reads is bound before the
+   program runs to values nothing can change (strings, numbers, tuples, frozensets, built-in functions and
+   types, and one helper function without globals or closure, whose ``__code__`` cannot be replaced); it
+   reads no global, calls no Python function of the standard library (a program can patch
+   ``os.path.realpath`` or ``builtins.isinstance``) nor a method of the program's objects, keeps no mutable
+   local and catches no exception. A program that reaches its frame anyway finds nothing to change there (a
+   signal handler is handed the frame it interrupts, now and then the hook's; ``f_back`` and ``f_locals``
+   raise no audit event). ``tb_frame`` of the hook's frames in a refusal's traceback (told apart by their
+   line numbers, from 10**9), ``sys._current_frames`` and ``gc.get_objects`` and its kin are refused
+   besides. ``sys._getframe``, and ``tb_frame`` of other frames, stay allowed (logging, doctest, traceback,
+   typing and namedtuple need them): they reach only the program's frames and the runner's.
+
+Reading ``/proc/<pid>/environ`` of a worker (a reward function's bearer token) is stopped by the kernel,
+not by the hook: a worker is not dumpable (``PR_SET_DUMPABLE`` 0, set by the service and its pool workers),
+so no process of its uid without CAP_SYS_PTRACE may read its memory or environment. A child of a root
+service lacks the capabilities of its parent, which the kernel requires too; but where the child cannot
+get a user namespace and runs under the worker's own uid, nothing else stops it.
 
 What holds is what the kernel enforces: the resource limits, the network namespace where there is one, the
-capabilities dropped, the SIGKILL of the whole process group at ``wall_time_s`` (or at the output cap), and
-a throwaway working directory. The audit hook is defence in depth, not a boundary (PEP 578 says as much):
-native code gets past it. ctypes, the usual way, is refused, but a memory-corruption bug in the interpreter
-or in a C extension, or a race that swaps a path between the hook's check and the open, is enough. Past
-the hook a program can reach the network where the child has no namespace of its own, write wherever the
-service's user may write, and signal the service's other processes. No layer covers reading the host's
-filesystem (the service's config, other files its user can read), the total size of what a case writes
-(RLIMIT_FSIZE bounds one file), or kernel attack surface; that takes a container, gVisor, nsjail or a
-remote sandbox. For untrusted code at scale run the reward service in its own container, as deploy/ does
-(as the unprivileged uid 10001, over a root-owned environment), never as root (a program past the hook would
-own every root-owned file), and give that container no secrets, a network policy that lets it reach nothing
-but its callers, and a size-bounded tmpfs as TMPDIR.
+capabilities dropped, the SIGKILL of the whole process group at ``wall_time_s`` (or at the output cap), a
+throwaway working directory, and a worker that is not dumpable. The audit hook is defence in depth, not a
+boundary (PEP 578 says as much): native code gets past it. ctypes, the usual way, is refused, but a
+memory-corruption bug in the interpreter or in a C extension, crafted bytecode (``marshal.loads`` makes a
+code object of any bytes, and imports need it), or a race that swaps a path (a symbolic link) between the
+hook's check and the kernel's walk is enough. Nor does the hook see what raises no audit event:
+``os.mkfifo`` and ``os.mknod`` (empty files and FIFOs anywhere the service's user may write),
+``_posixshmem.shm_open`` (files in /dev/shm), ``os.pidfd_open`` with ``signal.pidfd_send_signal`` (signals to
+the service's processes, which share the child's uid), ``_imp.create_builtin`` of a ``_posixsubprocess`` a
+Python build links in (CPython's own builds load it from a file, which the hook refuses). Past the hook a
+program can reach the network where the child has no namespace of its own, write wherever the service's
+user may write, and signal the service's other processes. No layer covers reading the host's filesystem
+(the service's config, other files its user can read), the total size of what a case writes (RLIMIT_FSIZE
+bounds one file), or kernel attack surface; that takes a container, gVisor, nsjail or a remote sandbox. For
+untrusted code at scale run the reward service in its own container, as deploy/ does (as the unprivileged
+uid 10001, over a root-owned environment), never as root (a program past the hook would own every
+root-owned file), and give that container no secrets, a network policy that lets it reach nothing but its
+callers, and a size-bounded tmpfs as TMPDIR.
 
 Asserts run in the program's own process, so a program can defeat them (an ``__eq__`` that always returns
 True, a patched builtin, a frame walk that finds the token): stdin/stdout tests, compared outside the
@@ -341,10 +373,10 @@ _FAR = 1000000000  # the hook's code starts at this line: a traceback entry this
 def _resolve(path, base, fns):
     # The absolute path that ``path`` names, every symbolic link in it resolved as the kernel walks it (a
     # component that does not exist is kept as it is), relative to ``base`` (None: the working directory);
-    # None when ``path`` is neither str nor bytes (an os.PathLike may answer differently when open() asks it
-    # again) or holds more than 40 links. Pure: what it calls comes in ``fns``; no global, closure, default
-    # or mutable local (a signal handler sees a running frame's locals), so nothing a program can reach
-    # changes its answer. It catches nothing: an error refuses the event.
+    # None when ``path`` is neither str nor bytes (the events pass an os.PathLike's path, converted once) or
+    # holds more than 40 links. Pure: what it calls comes in ``fns``; no global, closure, default or mutable
+    # local (a signal handler sees a running frame's locals), so nothing a program can reach changes its
+    # answer. It catches nothing: an error refuses the event.
     type_, issubclass_, str_, bytes_, as_str, as_bytes, decode, encoding, lstat, readlink, exists, getcwd = fns
     kind = type_(path)
     if kind is str_:
@@ -419,7 +451,8 @@ def _hook_for(root, proc, proc_dev, posix, encoding):
     writing = posix.O_WRONLY | posix.O_RDWR | posix.O_CREAT | posix.O_TRUNC | posix.O_APPEND
     devices = frozenset(("/dev/null", "/dev/stdout", "/dev/stderr"))
     type_, issubclass_, str_, int_, refused = type, issubclass, str, int, PermissionError
-    as_str, as_int, stat, exists, readlink, resolve = str.__str__, int.__index__, posix.stat, posix.access, posix.readlink, _resolve
+    as_str, as_int, resolve = str.__str__, int.__index__, _resolve
+    stat, exists, readlink = posix.stat, posix.access, posix.readlink
     fns = (
         type, issubclass, str, bytes, str.__str__, bytes.__bytes__, bytes.decode, encoding, posix.lstat,
         posix.readlink, posix.access, posix.getcwd,
@@ -443,7 +476,7 @@ def _hook_for(root, proc, proc_dev, posix, encoding):
                 raise refused("sandbox: open with flags that are not an int is not allowed")
             p = resolve(path, None, fns)
             if p is None:
-                raise refused("sandbox: open of a path object is not allowed (pass str(path))")
+                raise refused("sandbox: open of a path that is neither str nor bytes is not allowed")
             if flags & writing and not (p == root or p.startswith(prefix)):
                 raise refused("sandbox: writing outside the working directory (open) is not allowed")
             st = stat(p) if exists(p, 0) else None
