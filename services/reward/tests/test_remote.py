@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from tauflow.reward import remote, worker
+from tauflow.reward import worker
+from tauflow.reward.adapters import remote
+from tauflow.reward.adapters.remote import RemoteOptions, RemoteRewardModel, fill, parse_score
 from tauflow.reward.api import GroupInput, SampleInput, Score
 from tauflow.reward.builtins import ConfigInvalid
-from tauflow.reward.remote import RemoteOptions, RemoteRewardModel, fill, parse_score
 
 TOKEN_ENV = "TAUFLOW_RM_TEST_TOKEN"
 
@@ -388,7 +389,7 @@ def test_the_token_appears_in_no_result_message_or_log(
     config |= {"api_key_env": TOKEN_ENV, "fallback_score": -1.0}
     with caplog.at_level(logging.DEBUG):
         results = rm(make_group(["a", "b"]), config)
-        outcomes = worker.call_group("tauflow.reward.remote:RemoteRewardModel", make_group(["a"]), config)
+        outcomes = worker.call_group("tauflow.reward.adapters.remote:RemoteRewardModel", make_group(["a"]), config)
     assert failed(results, -1.0, 401.0)
     assert all(ok for ok, *_ in outcomes)  # a per-sample fallback, not an error of the group
     assert "HTTP 401" in caplog.text
@@ -491,7 +492,7 @@ def test_the_defaults_are_as_documented() -> None:
 
 
 def test_importing_the_module_loads_no_http_library() -> None:
-    code = "import sys, tauflow.reward.remote; print(sorted({'httpx2', 'tenacity'} & set(sys.modules)))"
+    code = "import sys, tauflow.reward.adapters.remote; print(sorted({'httpx2', 'tenacity'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -30,9 +30,9 @@ BUILTINS: dict[str, tuple[str, Executor]] = {
     "qa": ("tauflow.reward.answers:QuestionAnswering", Executor.INLINE),
     "multiple_choice": ("tauflow.reward.answers:MultipleChoice", Executor.INLINE),
     "ifeval": ("tauflow.reward.ifeval:InstructionFollowing", Executor.PROCESS),
-    "remote_rm": ("tauflow.reward.remote:RemoteRewardModel", Executor.PROCESS),
+    "remote_rm": ("tauflow.reward.adapters.remote:RemoteRewardModel", Executor.PROCESS),
     "code": ("tauflow.reward.code_exec:CodeExecution", Executor.PROCESS),
-    "genrm": ("tauflow.reward.genrm:GenerativeJudge", Executor.PROCESS),
+    "genrm": ("tauflow.reward.adapters.genrm:GenerativeJudge", Executor.PROCESS),
 }
 # A weighted sum of the others: its validation reads the registry (see ``build_registry``).
 COMPOSE = ("compose", "tauflow.reward.compose:Compose")

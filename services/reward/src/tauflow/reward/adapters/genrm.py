@@ -21,11 +21,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from tauflow.core.channel import ChannelConfig, create_sync_channel
-from tauflow.reward.api import GroupInput, SampleInput, Score
-from tauflow.reward.builtins import MAX_KEY_CHARS, RE2Pattern, _Options, _validate
-from tauflow.reward.remote import (
+from tauflow.reward.adapters.remote import (
     DEFAULT_SCORE_PATTERN,
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_TEMPLATE,
@@ -34,8 +30,9 @@ from tauflow.reward.remote import (
     fill,
     parse_score,
 )
-
-ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
+from tauflow.reward.adapters.rollout_client import JudgeFailed, judge_reply
+from tauflow.reward.api import GroupInput, SampleInput, Score
+from tauflow.reward.builtins import MAX_KEY_CHARS, RE2Pattern, _Options, _validate
 
 
 class GenRMOptions(_Options):
@@ -91,27 +88,16 @@ class GenerativeJudge:
     timeout_s = 300.0  # a group's judgements: request_timeout_s each, max_concurrency at once
     fallback_score = 0.0
 
-    def __init__(self) -> None:
-        self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
-
     @staticmethod
     def validate_config(config: dict[str, Any]) -> dict[str, Any]:
         return _validate(GenRMOptions, config)
 
-    def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:  # one channel per judge and worker process, kept: a channel per call would redial
-            stub = rollout_pb2_grpc.RolloutServiceStub(create_sync_channel(address, [ROLLOUT], ChannelConfig()))
-            self._stubs[address] = stub
-        return stub
-
     def __call__(self, group: GroupInput, config: dict[str, Any]) -> list[Score]:
-        stub = self._stub(config["address"])
         with ThreadPoolExecutor(min(config["max_concurrency"], len(group.samples))) as pool:
-            return list(pool.map(lambda s: self._judge(stub, s, config), group.samples))
+            return list(pool.map(lambda s: self._judge(s, config), group.samples))
 
     @staticmethod
-    def _judge(stub: rollout_pb2_grpc.RolloutServiceStub, sample: SampleInput, c: dict[str, Any]) -> Score:
+    def _judge(sample: SampleInput, c: dict[str, Any]) -> Score:
         user = fill(
             c["template"],
             {
@@ -120,22 +106,19 @@ class GenerativeJudge:
                 "reference": sample.get(c["answer_key"]) or "",
             },
         )
-        request = rollout_pb2.GenerateRequest(
-            request_id=f"genrm-{sample.group_id}-{sample.sample_id}"[:128],
-            prompt_messages=[
-                rollout_pb2.ChatMessage(role="system", content=c["system_prompt"]),
-                rollout_pb2.ChatMessage(role="user", content=user),
-            ],
-            sampling=rollout_pb2.SamplingParams(
-                n=1, temperature=0.0, max_new_tokens=c["max_new_tokens"], stop=c["stop"]
-            ),
-        )
         start = time.monotonic()
         try:
-            reply = stub.Generate(request, timeout=c["request_timeout_s"])
-            score, raw = parse_score(reply.samples[0].completion_text, c)
+            reply = judge_reply(
+                c["address"],
+                [("system", c["system_prompt"]), ("user", user)],
+                max_new_tokens=c["max_new_tokens"],
+                stop=c["stop"],
+                timeout_s=c["request_timeout_s"],
+                request_id=f"genrm-{sample.group_id}-{sample.sample_id}",
+            )
+            score, raw = parse_score(reply, c)
         except _Failure:
             return Score(c["fallback_score"], {"judge_error": 1.0})
-        except Exception:  # noqa: BLE001 - a judge that fails (grpc.RpcError) costs this sample only
+        except JudgeFailed:  # a judge that fails costs this sample only
             return Score(c["fallback_score"], {"judge_error": 1.0, "judge_seconds": time.monotonic() - start})
         return Score(score, {"judge_score": raw, "judge_error": 0.0})

@@ -377,50 +377,33 @@ def _json_results(answer: Any, n: int) -> list[Result]:
     ]
 
 
-def _tauflow_batch(stub: Any, call: _Call, group: GroupInput, indices: Sequence[int]) -> list[Result]:
+def _tauflow_batch(call: _Call, group: GroupInput, indices: Sequence[int]) -> list[Result]:
     """One ``Score`` of another tauflow reward service (protocol tauflow): the batch's samples as one group,
     ``remote_fn`` scoring them there. A sample the remote could not score (its status ERROR or TIMEOUT) gets
     ``fallback_score`` and ``remote_error`` 1; the call failing fails the batch."""
-    import grpc
-
-    from tauflow.api.common.v1 import common_pb2
-    from tauflow.api.reward.v1 import reward_pb2
+    from tauflow.reward.adapters.reward_client import ScoreFailed, score_remotely
 
     c = call.config
     samples = [group.samples[i] for i in indices]
-    request = reward_pb2.ScoreRequest(
-        reward_fn=c["remote_fn"],
-        groups=[
-            common_pb2.Group(
-                group_id=group.group_id,
-                prompt_id=group.prompt_id,
-                metadata=dict(group.metadata),
-                samples=[
-                    common_pb2.Sample(
-                        sample_id=s.sample_id, completion_text=s.completion_text, metadata=dict(s.metadata)
-                    )
-                    for s in samples
-                ],
-            )
-        ],
-    )
     left = call.deadline - time.monotonic()
     if left < MIN_ATTEMPT_S:
         raise _Failure("the group's budget_s ran out before the call")
     try:
-        reply = stub.Score(request, timeout=min(c["request_timeout_s"], left))
-    except grpc.RpcError as e:
-        raise _Failure(f"Score answered {e.code().name}") from None
-    got = reply.groups[0].samples if len(reply.groups) == 1 else []
+        got = score_remotely(
+            c["url"], c["remote_fn"], group.group_id, group.prompt_id, dict(group.metadata), samples,
+            min(c["request_timeout_s"], left),
+        )  # fmt: skip
+    except ScoreFailed as e:
+        raise _Failure(str(e)) from None
     if len(got) != len(samples):
         raise _Failure(f"the answer scores {len(got)} samples for a batch of {len(samples)}")
     out: list[Result] = []
-    for s in got:
-        if s.reward.status != common_pb2.REWARD_STATUS_OK:
+    for ok, score, components in got:
+        if not ok:
             out.append((c["fallback_score"], {"remote_error": 1.0}))
             continue
-        parts = {k: v for k, v in list(s.reward.components.items())[: MAX_COMPONENTS - 2] if k not in _OWN_COMPONENTS}
-        out.append((_number(s.reward.score, "score"), {k: _number(v, k[:64]) for k, v in parts.items()}))
+        kept = [(k, v) for k, v in components.items() if k not in _OWN_COMPONENTS][: MAX_COMPONENTS - 2]
+        out.append((_number(score, "score"), {k: _number(v, k[:64]) for k, v in kept}))
     return out
 
 
@@ -526,21 +509,7 @@ class RemoteRewardModel:
 
     def __init__(self) -> None:
         self._client: httpx2.Client | None = None
-        self._stubs: dict[str, Any] = {}
         self._lock = threading.Lock()
-
-    def stub(self, url: str) -> Any:
-        """A RewardService stub of the tauflow reward service at ``grpc://host:port``, one channel per
-        process: the channel factory's, whose policy retries UNAVAILABLE (Score is idempotent)."""
-        with self._lock:
-            if url not in self._stubs:
-                from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
-                from tauflow.core.channel import create_sync_channel
-
-                service = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
-                channel = create_sync_channel(urlsplit(url).netloc, [service])
-                self._stubs[url] = reward_pb2_grpc.RewardServiceStub(channel)
-            return self._stubs[url]
 
     @staticmethod
     def validate_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -600,10 +569,9 @@ class RemoteRewardModel:
                 return _json_batch(call, group, job)
         elif config["protocol"] == "tauflow":
             jobs = _batches(n, config["max_batch"])
-            stub = self.stub(config["url"])
 
             def run(job: range) -> list[Result]:
-                return _tauflow_batch(stub, call, group, job)
+                return _tauflow_batch(call, group, job)
         else:
             jobs = [range(i, i + 1) for i in range(n)]
 
