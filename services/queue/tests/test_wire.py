@@ -139,3 +139,49 @@ def test_get_response_overhead_stays_within_the_budget_get_counts() -> None:
     assert len(encoded) <= budget
     assert queue_pb2.GetResponse.FromString(encoded).groups[2].staleness == 2**64 - 1
     assert wire.deliverable_group_bytes(1 << 20) == (1 << 20) - wire.RESPONSE_HEAD_BYTES - wire.DELIVERY_OVERHEAD_BYTES
+
+
+def _sample_bytes(completion_field: bytes) -> bytes:
+    head = common_pb2.Sample(sample_id="0", prompt_token_ids=[1]).SerializeToString()
+    return head + _varint(3 << 3 | 2) + _varint(len(completion_field)) + completion_field
+
+
+def _group_of(sample: bytes) -> bytes:
+    return common_pb2.Group(group_id="g").SerializeToString() + _varint(3 << 3 | 2) + _varint(len(sample)) + sample
+
+
+@pytest.mark.parametrize(
+    ("packed", "fast"),
+    [
+        (_varint(5) + _varint(2**28 - 1), True),  # 4-byte varints: the fast path reads them
+        (_varint(5) + _varint(2**28), False),  # a 5-byte varint: the full decode decides
+        (_varint(2**64 - 3), False),  # a negative int32 (10 bytes)
+    ],
+)
+def test_fast_path_reads_only_short_varints(packed: bytes, fast: bool) -> None:
+    raw = _group_of(_sample_bytes(packed))
+    assert (wire.group_record_fast(raw, LIMIT) is not None) is fast
+    full = common_pb2.Group.FromString(raw)
+    try:
+        expected = convert.group_to_record(full, LIMIT).n_tokens
+    except convert.InvalidGroup as e:
+        with pytest.raises(convert.InvalidGroup, match=str(e)[:30]):
+            wire.group_record(raw, LIMIT)
+        return
+    assert wire.group_record(raw, LIMIT).n_tokens == expected
+
+
+def test_a_packed_field_cut_inside_a_varint_is_refused_as_the_full_decode_refuses_it() -> None:
+    raw = _group_of(_sample_bytes(_varint(5) + b"\x80"))  # the last varint never ends
+    assert wire.group_record_fast(raw, LIMIT) is None
+    with pytest.raises(convert.InvalidGroup, match="does not decode"):
+        wire.group_record(raw, LIMIT)
+
+
+def test_a_string_that_is_not_utf8_is_refused_even_where_the_token_arrays_are_fine() -> None:
+    sample = common_pb2.Sample(prompt_token_ids=[1], completion_token_ids=[2]).SerializeToString()
+    sample += _varint(1 << 3 | 2) + _varint(2) + b"\xff\xfe"  # sample_id, not UTF-8
+    raw = _group_of(sample)
+    assert wire.group_record_fast(raw, LIMIT) is None
+    with pytest.raises(convert.InvalidGroup, match="does not decode"):
+        wire.group_record(raw, LIMIT)

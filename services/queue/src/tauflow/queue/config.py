@@ -68,6 +68,9 @@ class QueueConfig(ServiceConfig):
     )
     reservation_ttl_s: float = Field(600.0, gt=0, description="unused tickets are released after this")
     max_wait_s: float = Field(60.0, ge=0, description="cap on the long-poll of Reserve and Get")
+    stream_window: int = Field(
+        8, ge=1, le=256, description="groups of one PutStream validated and stored ahead of their answers"
+    )
     sweep_interval_s: float = Field(0.5, gt=0, description="how often expired leases are redelivered")
     dedup_window: int = Field(1_000_000, ge=0, description="acked group ids remembered for idempotent Put")
     media: MediaConfig = MediaConfig()

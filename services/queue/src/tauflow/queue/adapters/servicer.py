@@ -15,7 +15,7 @@ import enum
 import errno
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,7 +24,7 @@ from google.protobuf import message_factory
 
 from tauflow import media
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.core.decoding import checked_deserializer, refusing_undecodable
+from tauflow.core.decoding import Undecodable, check_bounds, checked_deserializer, refusing_undecodable
 from tauflow.core.protobuf import duration_seconds
 from tauflow.core.status import error_info_trailer
 from tauflow.queue.adapters import convert, wire
@@ -75,6 +75,7 @@ def _seconds(value: Any, name: str) -> float:
 
 
 MEDIA_DECODES = 2  # groups whose media Put decodes at once
+_PUT_LIMITS = {"group": 2**31}  # (the group's own bounds are the queue's: convert.py)
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
@@ -108,13 +109,14 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 w.woken.set()
                 room += w.need
 
-    async def _refuse(
-        self,
-        context: grpc.aio.ServicerContext,
-        method: str,
-        err: QueueError | convert.InvalidGroup | WalWriteError,
-    ) -> None:
-        reason = None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
+    def _classify(
+        self, method: str, err: QueueError | convert.InvalidGroup | WalWriteError
+    ) -> tuple[grpc.StatusCode, queue_pb2.ErrorReason | None, str]:
+        """The status code, ErrorReason (or None) and message of a refusal; counted and, for the log's
+        failures, logged."""
+        reason: queue_pb2.ErrorReason | None = (
+            None  # RESOURCE_EXHAUSTED says why, so that producers retry only what can succeed
+        )
         if isinstance(err, (convert.GroupTooLarge, GroupOverCapacity)):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
         elif isinstance(err, QueueFull):
@@ -131,7 +133,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         else:
             code = _STATUS[type(err)]
         self.metrics.rejected.labels(method, code.name).inc()
-        message = str(err)
+        return code, reason, str(err)
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        err: QueueError | convert.InvalidGroup | WalWriteError,
+    ) -> None:
+        code, reason, message = self._classify(method, err)
         trailer = (
             () if reason is None else error_info_trailer(code, message, queue_pb2.ErrorReason.Name(reason), _DOMAIN)
         )
@@ -233,77 +243,146 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "ReleaseProducerReservations", run)
 
+    async def _put(self, request: wire.RawPutRequest, owner: str | None) -> tuple[bool, int]:
+        """Validates and stores one group; returns (newly accepted, groups waiting). Put and PutStream."""
+        if not request.group:
+            raise convert.InvalidGroup("group must be set")
+        record = wire.group_record(request.group, self.max_group_bytes)
+        weights = media.PartCounts()
+        if record.media_parts:  # decoding images, sounds and videos must not hold the event loop
+            async with self.media_decodes:  # nor take every core: a few at once, the rest wait their turn
+                weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
+        if self.state.wal is not None and self.state.wal.broken is not None:
+            # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
+            raise WalWriteError(errno.EIO, self.state.wal.broken)
+        accepted, depth = self.state.put(record, request.ticket_id, owner)
+        if accepted:
+            if self.state.wal is not None:
+                await self.state.wal.commit()
+            self.metrics.put_groups.inc()
+            self.metrics.put_bytes.inc(record.size)
+            for kind, n in weights.parts.items():
+                if kind != "text":
+                    self.metrics.put_media_parts.labels(kind).inc(n)
+                    self.metrics.put_media_bytes.labels(kind).inc(weights.bytes[kind])
+            self._notify()
+        return accepted, depth
+
     async def Put(
         self, request: wire.RawPutRequest, context: grpc.aio.ServicerContext, owner: str | None = None
     ) -> queue_pb2.PutResponse:
         async def run() -> queue_pb2.PutResponse:
-            if not request.group:
-                raise convert.InvalidGroup("group must be set")
-            record = wire.group_record(request.group, self.max_group_bytes)
-            weights = media.PartCounts()
-            if record.media_parts:  # decoding images, sounds and videos must not hold the event loop
-                async with self.media_decodes:  # nor take every core: a few at once, the rest wait their turn
-                    weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
-            if self.state.wal is not None and self.state.wal.broken is not None:
-                # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
-                raise WalWriteError(errno.EIO, self.state.wal.broken)
-            accepted, depth = self.state.put(record, request.ticket_id, owner)
-            if accepted:
-                if self.state.wal is not None:
-                    await self.state.wal.commit()
-                self.metrics.put_groups.inc()
-                self.metrics.put_bytes.inc(record.size)
-                for kind, n in weights.parts.items():
-                    if kind != "text":
-                        self.metrics.put_media_parts.labels(kind).inc(n)
-                        self.metrics.put_media_bytes.labels(kind).inc(weights.bytes[kind])
-                self._notify()
+            accepted, depth = await self._put(request, owner)
             outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
             return queue_pb2.PutResponse(outcome=outcome, depth_groups=depth)
 
         return await self._call(context, "Put", run)
 
+    async def PutStream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Put for many groups on one stream: up to ``stream_window`` groups are validated and appended
+        ahead of their answers (so that they share an fsync, as concurrent Puts do); the answers go out
+        in the order the groups came in, each once its group is durable or refused."""
+        window = asyncio.Semaphore(self.config.stream_window)
+        answers: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue()  # bounded by `window`
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    await window.acquire()
+                    answers.put_nowait(asyncio.ensure_future(self._put_answer(request)))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+                window.release()
+            await reader  # (a failed read of the client's stream ends the call with its error)
+        finally:
+            reader.cancel()
+            while not answers.empty():  # the call ended early: what was appended stays, unanswered
+                pending = answers.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+
+    async def _put_answer(self, request: Any) -> bytes:
+        """One group of PutStream: stored or refused, the answer serialized (a refusal changes nothing)."""
+        with self.metrics.rpc_duration.labels("PutStream").time():
+            try:
+                if isinstance(request, Undecodable):
+                    raise convert.InvalidGroup(f"request does not decode as {request.message}: {request.reason}")
+                try:
+                    check_bounds(request, _PUT_LIMITS)
+                except ValueError as e:
+                    raise convert.InvalidGroup(str(e)) from None
+                accepted, depth = await self._put(request, None)
+            except (QueueError, convert.InvalidGroup, WalWriteError) as err:
+                code, reason, message = self._classify("PutStream", err)
+                return queue_pb2.PutStreamResponse(
+                    code=code.value[0], message=message, reason=reason
+                ).SerializeToString()
+        outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
+        return queue_pb2.PutStreamResponse(outcome=outcome, depth_groups=depth).SerializeToString()
+
+    async def _get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Leases one batch (or none within the wait); the GetResponse serialized. Get and Deliver."""
+        consumer_version = request.consumer_version if request.HasField("consumer_version") else None
+        lease_s = _seconds(request.lease_duration, "lease_duration")
+        wait_s = _seconds(request.wait, "wait")
+        evicted = 0
+
+        def attempt() -> GetResult | None:
+            nonlocal evicted
+            result = self.state.get(
+                request.consumer_id,
+                request.max_groups,
+                request.min_groups,
+                request.max_tokens,
+                lease_s,
+                consumer_version,
+                # the batch must fit the response message (the groups are spliced in as they are)
+                max_bytes=self.config.server.max_message_bytes - wire.RESPONSE_HEAD_BYTES,
+                overhead_bytes=wire.DELIVERY_OVERHEAD_BYTES,
+            )
+            evicted += result.evicted_stale
+            if result.evicted_stale:
+                self.metrics.evicted.labels("stale").inc(result.evicted_stale)
+            if result.quarantined:
+                self.metrics.evicted.labels("invalid").inc(result.quarantined)
+            if result.evicted_stale or result.quarantined:
+                self._notify()
+            return result if result.lease is not None else None
+
+        result = await self._poll(context, wait_s, attempt, _Wants.GROUPS, request.min_groups)
+        if result is None:
+            empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.state.trainer_version)
+            return empty.SerializeToString()
+        result.evicted_stale = evicted
+        self.metrics.delivered_groups.inc(len(result.deliveries))
+        for d in result.deliveries:
+            self.metrics.delivered_staleness.observe(d.staleness)
+        self._notify()
+        return wire.encode_get_response(result, self.state.trainer_version)
+
     async def Get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
-        async def run() -> bytes:
-            consumer_version = request.consumer_version if request.HasField("consumer_version") else None
-            lease_s = _seconds(request.lease_duration, "lease_duration")
-            wait_s = _seconds(request.wait, "wait")
-            evicted = 0
+        return await self._call(context, "Get", lambda: self._get(request, context))
 
-            def attempt() -> GetResult | None:
-                nonlocal evicted
-                result = self.state.get(
-                    request.consumer_id,
-                    request.max_groups,
-                    request.min_groups,
-                    request.max_tokens,
-                    lease_s,
-                    consumer_version,
-                    # the batch must fit the response message (the groups are spliced in as they are)
-                    max_bytes=self.config.server.max_message_bytes - wire.RESPONSE_HEAD_BYTES,
-                    overhead_bytes=wire.DELIVERY_OVERHEAD_BYTES,
+    async def Deliver(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Get on one stream: each request is answered, in turn, by the batch it asks for."""
+        async for request in requests:
+            if isinstance(request, Undecodable):
+                self.metrics.rejected.labels("Deliver", "INVALID_ARGUMENT").inc()
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"request does not decode as {request.message}: {request.reason}"
                 )
-                evicted += result.evicted_stale
-                if result.evicted_stale:
-                    self.metrics.evicted.labels("stale").inc(result.evicted_stale)
-                if result.quarantined:
-                    self.metrics.evicted.labels("invalid").inc(result.quarantined)
-                if result.evicted_stale or result.quarantined:
-                    self._notify()
-                return result if result.lease is not None else None
-
-            result = await self._poll(context, wait_s, attempt, _Wants.GROUPS, request.min_groups)
-            if result is None:
-                empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.state.trainer_version)
-                return empty.SerializeToString()
-            result.evicted_stale = evicted
-            self.metrics.delivered_groups.inc(len(result.deliveries))
-            for d in result.deliveries:
-                self.metrics.delivered_staleness.observe(d.staleness)
-            self._notify()
-            return wire.encode_get_response(result, self.state.trainer_version)
-
-        return await self._call(context, "Get", run)
+            try:
+                check_bounds(request)
+            except ValueError as e:
+                self.metrics.rejected.labels("Deliver", "INVALID_ARGUMENT").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            batch = await self._call(context, "Deliver", lambda: self._get(request.get, context))  # noqa: B023
+            yield wire.delivery(batch)
 
     async def Ack(self, request: queue_pb2.AckRequest, context: grpc.aio.ServicerContext) -> queue_pb2.AckResponse:
         async def run() -> queue_pb2.AckResponse:
@@ -428,9 +507,18 @@ def add_queue_servicer_to_server(
         limits = None
         if method.name == "Put":
             request_class = wire.PutRequestView
-            limits = {"group": 2**31}  # (the group's own bounds are the queue's: convert.py)
-        if method.name == "Get":
+            limits = _PUT_LIMITS
+        if method.name in ("Get", "PutStream", "Deliver"):
             serialize = bytes
+        if method.name == "PutStream":
+            request_class = wire.PutRequestView  # (the same fields as PutRequest)
+        if method.client_streaming:  # the method answers each undecodable message itself
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                getattr(servicer, method.name),
+                request_deserializer=checked_deserializer(request_class),
+                response_serializer=serialize,
+            )
+            continue
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             # A request that does not decode in full is INVALID_ARGUMENT, not UNKNOWN (tauflow.core.decoding).
             refusing_undecodable(getattr(servicer, method.name), limits),

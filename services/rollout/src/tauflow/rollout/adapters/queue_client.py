@@ -1,5 +1,9 @@
 """The queue, as the producer's ``QueuePort``: reserve and put retried while the queue is down or full
-(both idempotent), release best effort."""
+(both idempotent), release best effort.
+
+Groups go out on one long-lived PutStream (queue.v1 revision 4) shared by every concurrent put; a group
+refused on the stream fails as the same unary Put would (its status and reason), so the retry policy is
+the same. A queue older than revision 4 answers UNIMPLEMENTED: the client then puts with unary calls."""
 
 from __future__ import annotations
 
@@ -11,13 +15,26 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ChannelConfig
 from tauflow.core.protobuf import duration
-from tauflow.core.status import error_reason
+from tauflow.core.status import error_info_trailer, error_reason
+from tauflow.core.streams import OrderedStream, rpc_error
 from tauflow.rollout.adapters.convert import group_to_proto
 from tauflow.rollout.adapters.retry import over_message_limit, until_it_works
 from tauflow.rollout.ports import GroupRejected, ProducedGroup, Ticket
 
 log = logging.getLogger(__name__)
 _TOO_LARGE = queue_pb2.ErrorReason.Name(queue_pb2.ERROR_REASON_GROUP_TOO_LARGE)
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
+
+
+def _refusal(answer: queue_pb2.PutStreamResponse) -> grpc.aio.AioRpcError:
+    """A group refused on the stream, as the error the unary Put raises (its ErrorInfo reason included)."""
+    code = _CODES.get(answer.code, grpc.StatusCode.UNKNOWN)
+    trailer: tuple[tuple[str, bytes], ...] = ()
+    if answer.reason:
+        reason = queue_pb2.ErrorReason.Name(answer.reason)
+        trailer = error_info_trailer(code, answer.message, reason, queue_pb2.DESCRIPTOR.package)
+    return rpc_error(code, answer.message, trailer)
 
 
 def _never_fits(e: grpc.aio.AioRpcError) -> bool:
@@ -31,9 +48,19 @@ def _never_fits(e: grpc.aio.AioRpcError) -> bool:
 
 class GrpcQueue:
     def __init__(self, address: str, producer_id: str, channel: ChannelConfig) -> None:
-        self.channel = create_channel(address, [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]], channel)
+        self.channel = create_channel(address, [_SERVICE], channel)
         self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
         self.producer_id = producer_id
+        self.put_timeout_s = channel.default_timeout_s
+        self.max_send_bytes = channel.max_message_bytes
+        self.streaming = True  # until the queue says it has no PutStream
+        # Requests go out serialized by put(), which must know their size (see _put_once).
+        put_stream = self.channel.stream_stream(
+            f"/{_SERVICE.full_name}/PutStream",
+            request_serializer=bytes,
+            response_deserializer=queue_pb2.PutStreamResponse.FromString,
+        )
+        self.put_stream = OrderedStream(lambda lifetime_s: put_stream(timeout=lifetime_s))
 
     async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None:
         request = queue_pb2.ReserveRequest(
@@ -47,19 +74,37 @@ class GrpcQueue:
         return Ticket(resp.ticket.ticket_id, resp.ticket.n_groups, resp.ticket.min_policy_version)
 
     async def put(self, group: ProducedGroup, ticket_id: str) -> None:
-        request = queue_pb2.PutRequest(group=group_to_proto(group), ticket_id=ticket_id)
+        request = queue_pb2.PutStreamRequest(group=group_to_proto(group), ticket_id=ticket_id)
+        raw = request.SerializeToString()
         try:
             async for attempt in until_it_works(_never_fits):
                 with attempt:
-                    await self.stub.Put(request)
+                    await self._put_once(request, raw)
         except grpc.aio.AioRpcError as e:
             if _never_fits(e):
-                raise GroupRejected("too_large", f"{request.ByteSize()} bytes: {e.details()}") from None
+                raise GroupRejected("too_large", f"{len(raw)} bytes: {e.details()}") from None
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 # Weights newer than the trainer's version: the trainer was resumed from an older
                 # checkpoint, and this group comes from a line of weights it abandoned.
                 raise GroupRejected("future_version", e.details() or "") from None
             raise
+
+    async def _put_once(self, request: queue_pb2.PutStreamRequest, raw: bytes) -> None:
+        # A message over gRPC's limit would end the stream, failing every group on it: such a group goes
+        # alone as a unary Put, which fails with the right error for it only.
+        if self.streaming and len(raw) <= self.max_send_bytes:
+            try:
+                answer = await self.put_stream.request(raw, self.put_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("the queue has no PutStream (older than queue.v1 revision 4): putting with unary calls")
+                self.streaming = False
+            else:
+                if answer.code:
+                    raise _refusal(answer)
+                return
+        await self.stub.Put(queue_pb2.PutRequest(group=request.group, ticket_id=request.ticket_id))
 
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
         try:
@@ -88,4 +133,5 @@ class GrpcQueue:
         return resp.released_tickets
 
     async def close(self) -> None:
+        await self.put_stream.close()
         await self.channel.close()

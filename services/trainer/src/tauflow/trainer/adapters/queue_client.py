@@ -1,5 +1,8 @@
 """The trainer's side of the queue service (implements ports.QueuePort): lease batches, ack and renew
-them, report versions."""
+them, report versions.
+
+Batches come on one long-lived Deliver stream (queue.v1 revision 4): each get_batch asks for one batch on
+it, as a Get would. A queue older than revision 4 answers UNIMPLEMENTED: the client then uses Get."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ChannelConfig
 from tauflow.core.protobuf import duration as _duration
+from tauflow.core.streams import OrderedStream
 from tauflow.trainer.adapters.convert import group_from_proto
 from tauflow.trainer.adapters.retry import TRANSIENT, until_it_works
 from tauflow.trainer.ports import Batch
@@ -24,6 +28,8 @@ class GrpcQueue:
         self.channel = create_channel(address, [queue_pb2.DESCRIPTOR.services_by_name["QueueService"]], channel)
         self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
         self.consumer_id = consumer_id
+        self.streaming = True  # until the queue says it has no Deliver
+        self.deliver = OrderedStream(lambda lifetime_s: self.stub.Deliver(timeout=lifetime_s))
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
         request = queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase)
@@ -41,7 +47,7 @@ class GrpcQueue:
             wait=_duration(wait_s),
         )
         try:
-            resp = await self.stub.Get(request, timeout=wait_s + 30)
+            resp = await self._get(request, timeout_s=wait_s + 30)
         except grpc.aio.AioRpcError as e:
             if e.code() in TRANSIENT:
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name})
@@ -56,6 +62,19 @@ class GrpcQueue:
             trace_contexts=[d.group.trace_context.traceparent for d in resp.groups],
             max_staleness=resp.max_staleness if resp.HasField("max_staleness") else None,
         )
+
+    async def _get(self, request: queue_pb2.GetRequest, timeout_s: float) -> queue_pb2.GetResponse:
+        if self.streaming:
+            try:
+                answer = await self.deliver.request(queue_pb2.DeliverRequest(get=request), timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("the queue has no Deliver (older than queue.v1 revision 4): leasing with Get")
+                self.streaming = False
+            else:
+                return answer.batch
+        return await self.stub.Get(request, timeout=timeout_s)
 
     async def ack(self, lease_id: str) -> None:
         try:
@@ -83,4 +102,5 @@ class GrpcQueue:
             log.warning("lease expired before its renewal", extra={"lease": lease_id})
 
     async def close(self) -> None:
+        await self.deliver.close()
         await self.channel.close()

@@ -113,6 +113,28 @@ class PutResponse(_message.Message):
     depth_groups: int
     def __init__(self, outcome: _Optional[_Union[PutOutcome, str]] = ..., depth_groups: _Optional[int] = ...) -> None: ...
 
+class PutStreamRequest(_message.Message):
+    __slots__ = ("group", "ticket_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TICKET_ID_FIELD_NUMBER: _ClassVar[int]
+    group: _common_pb2.Group
+    ticket_id: str
+    def __init__(self, group: _Optional[_Union[_common_pb2.Group, _Mapping]] = ..., ticket_id: _Optional[str] = ...) -> None: ...
+
+class PutStreamResponse(_message.Message):
+    __slots__ = ("outcome", "depth_groups", "code", "message", "reason")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    outcome: PutOutcome
+    depth_groups: int
+    code: int
+    message: str
+    reason: ErrorReason
+    def __init__(self, outcome: _Optional[_Union[PutOutcome, str]] = ..., depth_groups: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...
+
 class GetRequest(_message.Message):
     __slots__ = ("consumer_id", "max_groups", "min_groups", "max_tokens", "lease_duration", "wait", "consumer_version")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +188,18 @@ class GetResponse(_message.Message):
     trainer_version: int
     max_staleness: int
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[DeliveredGroup, _Mapping]]] = ..., evicted_stale: _Optional[int] = ..., trainer_version: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class DeliverRequest(_message.Message):
+    __slots__ = ("get",)
+    GET_FIELD_NUMBER: _ClassVar[int]
+    get: GetRequest
+    def __init__(self, get: _Optional[_Union[GetRequest, _Mapping]] = ...) -> None: ...
+
+class DeliverResponse(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: GetResponse
+    def __init__(self, batch: _Optional[_Union[GetResponse, _Mapping]] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -71,10 +71,20 @@ class QueueServiceStub:
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutStream = channel.stream_stream(
+                '/tauflow.api.queue.v1.QueueService/PutStream',
+                request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/tauflow.api.queue.v1.QueueService/Get',
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetResponse.FromString,
+                _registered_method=True)
+        self.Deliver = channel.stream_stream(
+                '/tauflow.api.queue.v1.QueueService/Deliver',
+                request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/tauflow.api.queue.v1.QueueService/Ack',
@@ -186,6 +196,26 @@ class QueueServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutStream(self, request_iterator, context):
+        """Puts groups on one stream, for producers that send many (revision 4). Each
+        message is one group and its ticket, as in PutRequest; the queue answers
+        each with one PutStreamResponse, in the order they were sent, once the
+        group is on disk (as Put) or refused. A refused group does not end the
+        stream: its answer carries the status code, message and reason Put would
+        have returned, and changes nothing. The queue works on at most a few groups
+        of one stream ahead of their answers (its stream_window); gRPC's flow
+        control holds back a producer that sends faster.
+        Retry class: not idempotent as a call (the channel never retries a
+        stream), but each group is, by group_id: after a broken stream the
+        producer sends every group that had no answer again, on a new stream (an
+        answer lost with the stream then comes back as DUPLICATE).
+        Status: of each group, in its answer; of the stream, UNAVAILABLE while
+        draining, else as any call. Unary Put stays for simple clients.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """Leases a batch of groups to one consumer until the lease deadline. Groups
         that are too stale for the consumer's version are evicted, never
@@ -197,6 +227,25 @@ class QueueServiceServicer:
         groups when none arrived in time. A stored group that does not decode or
         validate (written by an older build) is never delivered: it is evicted with
         reason "invalid" and kept aside in the queue's quarantine folder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deliver(self, request_iterator, context):
+        """Leases batches on one stream, for a consumer that trains many steps
+        (revision 4). Each message asks for one batch exactly as a GetRequest does
+        (its consumer_version, limits, lease and wait) and is answered by one
+        DeliverResponse, in order, once the batch is leased or the wait ran out
+        (then with no groups). The consumer asks for the next batch when it is
+        ready for it: a batch is judged against the version the consumer names in
+        its request, which a push without a request could not know. Leases are
+        acked, nacked and renewed as Get's.
+        Retry class: not idempotent, as Get (a batch lost with a broken stream
+        comes back when its lease expires).
+        Status: a request Get would refuse ends the stream with Get's status
+        (INVALID_ARGUMENT naming the field) and changes nothing; UNAVAILABLE
+        while draining.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,10 +338,20 @@ def add_QueueServiceServicer_to_server(servicer, server):
                     request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutResponse.SerializeToString,
             ),
+            'PutStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutStream,
+                    request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.SerializeToString,
+            ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetResponse.SerializeToString,
+            ),
+            'Deliver': grpc.stream_stream_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
@@ -461,6 +520,33 @@ class QueueService:
             _registered_method=True)
 
     @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tauflow.api.queue.v1.QueueService/PutStream',
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.SerializeToString,
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Get(request,
             target,
             options=(),
@@ -477,6 +563,33 @@ class QueueService:
             '/tauflow.api.queue.v1.QueueService/Get',
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetRequest.SerializeToString,
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tauflow.api.queue.v1.QueueService/Deliver',
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverRequest.SerializeToString,
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.DeliverResponse.FromString,
             options,
             channel_credentials,
             insecure,

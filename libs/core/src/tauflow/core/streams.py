@@ -1,0 +1,132 @@
+"""A long-lived bidirectional call used as a pipe of unary calls: the server answers every message with
+exactly one message, in the order received (queue.v1's PutStream and Deliver). Concurrent callers share
+one stream as if each made its own call, without paying a call's setup (a new HTTP/2 stream, its flow-
+control window starting small, metadata, interceptors) per message.
+
+A stream ends: its deadline, a broken connection, a restarted server. Every caller still waiting on it
+then gets the stream's ``grpc.aio.AioRpcError`` (which the caller's retry policy judges as it would a
+unary call's), and the next request opens a new stream. Streams are renewed before their deadline: after
+half their lifetime new requests go to a fresh stream, and the old one is closed for writing, so the
+server finishes it once it has answered what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+OpenCall = Callable[[float], Any]  # lifetime (s) -> a grpc.aio.StreamStreamCall
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, Any], ...] = ()) -> grpc.aio.AioRpcError:
+    """An AioRpcError made here (an answer that carries a status, or a stream that stopped answering), so
+    that callers handle it exactly as a failed unary call."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class _Stream:
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.pending: deque[asyncio.Future[Any]] = deque()
+        self.opened = time.monotonic()
+        self.failed: BaseException | None = None
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        error: BaseException
+        try:
+            async for answer in self.call:
+                if not self.pending:  # an answer nobody asked for: the server broke the one-for-one rule
+                    raise rpc_error(grpc.StatusCode.INTERNAL, "the stream answered a message that was never sent")
+                waiter = self.pending.popleft()
+                if not waiter.done():
+                    waiter.set_result(answer)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stream ended before answering every message")
+        except grpc.aio.AioRpcError as e:
+            error = e
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed")
+        except Exception as e:  # noqa: BLE001 - e.g. an answer that does not decode: fail the waiters with it
+            error = rpc_error(grpc.StatusCode.INTERNAL, f"the stream failed: {type(e).__name__}")
+        self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        self.failed = self.failed or error
+        while self.pending:
+            waiter = self.pending.popleft()
+            if not waiter.done():
+                waiter.set_exception(self.failed)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+
+
+class OrderedStream:
+    """Requests on one shared bidirectional call; ``open_call(lifetime_s)`` starts a new one (with that
+    deadline)."""
+
+    def __init__(self, open_call: OpenCall, lifetime_s: float = 600.0) -> None:
+        self.open_call = open_call
+        self.lifetime_s = lifetime_s
+        self._stream: _Stream | None = None
+        self._lock = asyncio.Lock()  # the order of writes is the order of answers
+
+    def _current(self) -> _Stream:
+        stream = self._stream
+        if stream is not None and stream.failed is None and stream.reader.done() is False:
+            if time.monotonic() - stream.opened < self.lifetime_s / 2:
+                return stream
+            self._retire(stream)
+        self._stream = _Stream(self.open_call(self.lifetime_s))
+        return self._stream
+
+    @staticmethod
+    def _retire(stream: _Stream) -> None:
+        async def finish() -> None:  # the server ends the stream once it has answered everything sent
+            with contextlib.suppress(Exception):
+                await stream.call.done_writing()
+
+        asyncio.ensure_future(finish())
+
+    async def request(self, message: Any, timeout_s: float) -> Any:
+        """Sends ``message`` and returns its answer; raises grpc.aio.AioRpcError as a unary call would
+        (DEADLINE_EXCEEDED when no answer came within ``timeout_s``: that stream is then given up)."""
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            stream = self._current()
+            answer: asyncio.Future[Any] = loop.create_future()
+            stream.pending.append(answer)
+            try:  # (a server that stops reading holds the write back: it too has the deadline)
+                await asyncio.wait_for(stream.call.write(message), timeout_s)
+            except TimeoutError:
+                stream.fail(
+                    rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"the stream took no message in {timeout_s:.3g} s")
+                )
+                stream.close()
+            except Exception as e:  # noqa: BLE001 - AioRpcError, or InvalidStateError once the call is over
+                stream.fail(e if isinstance(e, grpc.aio.AioRpcError) else _ended())
+                stream.close()
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except TimeoutError:
+            stream.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream in {timeout_s:.3g} s"))
+            stream.close()  # what it still holds is answered on no stream: the callers retry or expire it
+            if self._stream is stream:
+                self._stream = None
+            return await answer  # (raises the error just set, or the answer that raced it)
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+def _ended() -> grpc.aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, "the stream ended before the message could be sent")

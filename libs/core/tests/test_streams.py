@@ -1,0 +1,113 @@
+"""OrderedStream against a real gRPC server: concurrent callers get their own answers, a failed stream fails
+exactly the callers waiting on it, a silent one times out, and the next call opens a new stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tauflow.core.streams import OrderedStream
+
+_METHOD = "/test.Pipe/Echo"
+
+
+class Pipe:
+    """Answers each message with itself, in order; b"die" aborts the stream, b"mute" is never answered."""
+
+    def __init__(self) -> None:
+        self.streams = 0
+        self.finished_ok = 0
+
+    async def echo(self, requests, context):
+        self.streams += 1
+        async for message in requests:
+            if message == b"die":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+            if message == b"mute":
+                await asyncio.sleep(3600)
+            await asyncio.sleep(0.01 * (message[-1] % 3))  # answers take different times, and stay in order
+            yield message
+        self.finished_ok += 1
+
+
+async def _serve(pipe: Pipe) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(pipe.echo)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Pipe", {"Echo": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _client(address: str, lifetime_s: float = 600.0) -> tuple[grpc.aio.Channel, OrderedStream]:
+    channel = grpc.aio.insecure_channel(address)
+    call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)
+    return channel, OrderedStream(lambda lifetime: call(timeout=lifetime), lifetime_s)
+
+
+def test_concurrent_callers_share_one_stream_and_each_gets_its_own_answer() -> None:
+    async def scenario() -> None:
+        pipe = Pipe()
+        server, address = await _serve(pipe)
+        channel, stream = _client(address)
+        try:
+            messages = [f"m{i}".encode() for i in range(40)]
+            answers = await asyncio.gather(*(stream.request(m, 10) for m in messages))
+            assert answers == messages
+            assert pipe.streams == 1
+        finally:
+            await stream.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_stream_fails_its_waiters_and_the_next_request_opens_a_new_one() -> None:
+    async def scenario() -> None:
+        pipe = Pipe()
+        server, address = await _serve(pipe)
+        channel, stream = _client(address)
+        try:
+            assert await stream.request(b"a0", 10) == b"a0"
+            results = await asyncio.gather(
+                stream.request(b"a1", 10), stream.request(b"die", 10), stream.request(b"a2", 10), return_exceptions=True
+            )
+            assert results[0] == b"a1"  # answered before the stream broke
+            for failed in results[1:]:
+                assert isinstance(failed, grpc.aio.AioRpcError) and failed.code() == grpc.StatusCode.UNAVAILABLE
+            assert await stream.request(b"a3", 10) == b"a3"
+            assert pipe.streams == 2
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # no answer: the deadline, then a new stream
+                await stream.request(b"mute", 0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await stream.request(b"a4", 10) == b"a4"
+            assert pipe.streams == 3
+        finally:
+            await stream.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_is_renewed_before_its_deadline_and_the_old_one_ends_cleanly() -> None:
+    async def scenario() -> None:
+        pipe = Pipe()
+        server, address = await _serve(pipe)
+        channel, stream = _client(address, lifetime_s=0.6)
+        try:
+            for i in range(4):  # each past half the lifetime of the stream before it
+                assert await stream.request(f"r{i}".encode(), 10) == f"r{i}".encode()
+                await asyncio.sleep(0.35)
+            assert pipe.streams == 4
+            assert pipe.finished_ok == 3  # the retired streams were closed for writing, not cut off
+        finally:
+            await stream.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
