@@ -459,7 +459,7 @@ def summarize(results: list[Result], variants: list[tuple[str, str]]) -> list[di
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'size':>5}  {'variant':<20} {'msgs/s':>9} {'MB/s':>8} {'(min-max)':>15} "
+        f"{'size':>5}  {'variant':<27} {'msgs/s':>9} {'MB/s':>8} {'(min-max)':>15} "
         f"{'ratio':>6} {'srv ms/msg':>10} {'cli ms/msg':>10} {'grp/Get':>7}"
     )
     print(head)
@@ -469,7 +469,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ratio = "" if r["variant"] == "echo" or r["ratio_vs_echo"] is None else f"{r['ratio_vs_echo']:.2f}"
         gpg = f"{r['groups_per_get']:.1f}" if "groups_per_get" in r else ""
         print(
-            f"{r['size']:>5}  {r['variant']:<20} {r['msgs_per_s']:>9.0f} {r['mb_per_s']:>8.1f} {spread:>15} "
+            f"{r['size']:>5}  {r['variant']:<27} {r['msgs_per_s']:>9.0f} {r['mb_per_s']:>8.1f} {spread:>15} "
             f"{ratio:>6} {r['server_cpu_ms_per_msg']:>10.3f} {r['client_cpu_ms_per_msg']:>10.3f} {gpg:>7}"
         )
 
