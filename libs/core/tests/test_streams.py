@@ -111,3 +111,53 @@ def test_a_stream_is_renewed_before_its_deadline_and_the_old_one_ends_cleanly() 
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+class _FakeCall:
+    """A call whose first write may hang (as grpc.aio's does until the call's metadata is sent) and that
+    answers each message that really went out with itself."""
+
+    def __init__(self, hang_first_write: bool) -> None:
+        self.sent: asyncio.Queue[bytes] = asyncio.Queue()
+        self.hang = hang_first_write
+        self.cancelled = False
+
+    async def write(self, message: bytes) -> None:
+        if self.hang:
+            self.hang = False
+            await asyncio.sleep(3600)
+        await self.sent.put(message)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self.sent.get()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def done_writing(self) -> None:
+        pass
+
+
+def test_a_caller_cancelled_mid_write_never_shifts_the_answers_of_the_others() -> None:
+    async def scenario() -> None:
+        calls: list[_FakeCall] = []
+
+        def open_call(lifetime_s: float) -> _FakeCall:
+            calls.append(_FakeCall(hang_first_write=not calls))
+            return calls[-1]
+
+        stream = OrderedStream(open_call)
+        first = asyncio.create_task(stream.request(b"A", 10))
+        await asyncio.sleep(0.05)
+        first.cancel()  # while its write hangs: the message may or may not have gone out
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        answers = await asyncio.gather(stream.request(b"B", 5), stream.request(b"C", 5))
+        assert answers == [b"B", b"C"]  # each its own answer, on a new stream
+        assert len(calls) == 2 and calls[0].cancelled
+        await stream.close()
+
+    asyncio.run(scenario())

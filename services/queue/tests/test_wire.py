@@ -185,3 +185,15 @@ def test_a_string_that_is_not_utf8_is_refused_even_where_the_token_arrays_are_fi
     assert wire.group_record_fast(raw, LIMIT) is None
     with pytest.raises(convert.InvalidGroup, match="does not decode"):
         wire.group_record(raw, LIMIT)
+
+
+def test_a_logprob_just_above_the_bound_in_float64_is_refused_by_both_paths() -> None:
+    import numpy as np
+
+    g = common_pb2.Group(group_id="g")
+    g.samples.add(sample_id="0", prompt_token_ids=[1], completion_token_ids=[2], behaviour_logprobs=[1e-3])
+    assert float(np.float32(1e-3)) > convert.MAX_LOGPROB  # what the wire carries is float32's 1e-3
+    raw = g.SerializeToString()
+    assert wire.group_record_fast(raw, LIMIT) is None
+    with pytest.raises(convert.InvalidGroup, match="behaviour_logprobs"):
+        wire.group_record(raw, LIMIT)

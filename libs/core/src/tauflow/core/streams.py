@@ -62,6 +62,7 @@ class _Stream:
             waiter = self.pending.popleft()
             if not waiter.done():
                 waiter.set_exception(self.failed)
+                waiter.add_done_callback(_retrieved)  # (a caller that gave up never reads it)
 
     def close(self) -> None:
         self.call.cancel()
@@ -77,6 +78,7 @@ class OrderedStream:
         self.lifetime_s = lifetime_s
         self._stream: _Stream | None = None
         self._lock = asyncio.Lock()  # the order of writes is the order of answers
+        self._retiring: set[asyncio.Future[None]] = set()
 
     def _current(self) -> _Stream:
         stream = self._stream
@@ -87,13 +89,14 @@ class OrderedStream:
         self._stream = _Stream(self.open_call(self.lifetime_s))
         return self._stream
 
-    @staticmethod
-    def _retire(stream: _Stream) -> None:
+    def _retire(self, stream: _Stream) -> None:
         async def finish() -> None:  # the server ends the stream once it has answered everything sent
             with contextlib.suppress(Exception):
                 await stream.call.done_writing()
 
-        asyncio.ensure_future(finish())
+        task = asyncio.ensure_future(finish())
+        self._retiring.add(task)  # (a task only the loop refers to may be collected before it runs)
+        task.add_done_callback(self._retiring.discard)
 
     async def request(self, message: Any, timeout_s: float) -> Any:
         """Sends ``message`` and returns its answer; raises grpc.aio.AioRpcError as a unary call would
@@ -113,6 +116,13 @@ class OrderedStream:
             except Exception as e:  # noqa: BLE001 - AioRpcError, or InvalidStateError once the call is over
                 stream.fail(e if isinstance(e, grpc.aio.AioRpcError) else _ended())
                 stream.close()
+            except BaseException:  # cancelled mid-write: whether the message went out is unknown, so every
+                # later answer could land on the wrong caller. The stream is given up instead.
+                stream.fail(rpc_error(grpc.StatusCode.CANCELLED, "a write on the stream was cancelled"))
+                stream.close()
+                if self._stream is stream:
+                    self._stream = None
+                raise
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
         except TimeoutError:
@@ -126,6 +136,11 @@ class OrderedStream:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _ended() -> grpc.aio.AioRpcError:

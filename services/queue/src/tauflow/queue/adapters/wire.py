@@ -166,7 +166,8 @@ def group_record_fast(raw: bytes, max_group_bytes: int, view: Any | None = None)
             if len(logprobs) != 4 * n:
                 return None
             lp = np.frombuffer(logprobs, dtype="<f4")
-            if not (np.isfinite(lp).all() and (lp <= convert.MAX_LOGPROB).all()):
+            # (in float64, as the full decode compares: float32(1e-3) is above 1e-3)
+            if not (np.isfinite(lp).all() and (lp.astype(np.float64) <= convert.MAX_LOGPROB).all()):
                 return None
         if mask and (len(mask) != n or _bytes_of(mask).max() > 1):
             return None  # (one byte per flag while every flag is 0 or 1)

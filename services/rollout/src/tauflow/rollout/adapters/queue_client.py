@@ -96,10 +96,13 @@ class GrpcQueue:
             try:
                 answer = await self.put_stream.request(raw, self.put_timeout_s)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the queue has no PutStream (older than queue.v1 revision 4): putting with unary calls")
+                    self.streaming = False
+                elif not over_message_limit(e):
                     raise
-                log.info("the queue has no PutStream (older than queue.v1 revision 4): putting with unary calls")
-                self.streaming = False
+                # else: a message over the queue's own limit ended the stream, this group's or another's on
+                # it: this group goes alone as a unary Put, which fails only if it is the one too large
             else:
                 if answer.code:
                     raise _refusal(answer)
