@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -146,3 +147,46 @@ def test_groups_a_stream_answered_survive_a_sigkill(service_process) -> None:
         stub.Ack(q.AckRequest(lease_id=resp.lease.lease_id))
     assert set(promised) <= set(delivered), "a group the stream answered OK was lost"
     assert len(delivered) == len(set(delivered))
+
+
+def test_a_draining_queue_ends_its_streams_at_once_rather_than_at_the_end_of_its_grace(service_process) -> None:
+    queue = service_process("queue", {"wal.dir": "wal", "max_staleness": -1, "server.drain_grace_s": 60})
+    more = threading.Event()
+
+    def groups():
+        for i in range(3):
+            yield _put(make_group(f"d{i}"))
+        more.wait(60)  # an open stream with nothing more to send
+
+    put_channel, put_stream = _raw_stream(queue.address, "PutStream")
+    answers = put_stream(groups(), timeout=60)
+    got = [q.PutStreamResponse.FromString(next(answers)) for _ in range(3)]
+    assert all(a.outcome == q.PUT_OUTCOME_ACCEPTED for a in got)
+
+    deliver_channel, deliver = _raw_stream(queue.address, "Deliver")
+    batches: list[q.GetResponse] = []
+    requests = iter(
+        [
+            _deliver(consumer_id="t", max_groups=3, min_groups=3, wait=_duration(5)),
+            _deliver(consumer_id="t", max_groups=1, wait=_duration(50)),  # a long poll: nothing is left
+        ]
+    )
+    consumer = threading.Thread(
+        target=lambda: batches.extend(q.DeliverResponse.FromString(r).batch for r in deliver(requests, timeout=60))
+    )
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while len(batches) < 1:
+        assert time.monotonic() < deadline, "the first batch did not come"
+        time.sleep(0.01)
+    time.sleep(0.2)  # the second request is now a long poll in the queue
+
+    started = time.monotonic()
+    assert queue.kill(signal.SIGTERM) == 0  # drained and exited cleanly
+    assert time.monotonic() - started < 30, "the drain waited for its streams' grace (60 s)"
+    assert list(answers) == []  # the put stream ended OK, after its answers
+    consumer.join(10)
+    assert [len(b.groups) for b in batches] == [3, 0]  # the long poll was answered (empty), then the end
+    more.set()
+    put_channel.close()
+    deliver_channel.close()

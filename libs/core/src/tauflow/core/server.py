@@ -106,6 +106,7 @@ class ServiceApp:
     close: Callable[[], Awaitable[None] | None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     on_serving: Callable[[int], None] | None = None  # told the bound port (e.g. to register with a peer)
+    on_drain: Callable[[], None] | None = None  # told the drain begins (e.g. to end long-lived streams)
     extra_servers: Sequence[ExtraServer] = ()
 
 
@@ -378,6 +379,8 @@ async def serve(
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([failed, stopped], return_when=asyncio.FIRST_COMPLETED)
     log.info("draining", extra={"grace_s": config.drain_grace_s})
+    if app.on_drain is not None:
+        app.on_drain()
     await asyncio.gather(*(s.drain() for s in servers))
     for t in (*tasks, failed, stopped):
         t.cancel()

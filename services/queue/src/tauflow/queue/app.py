@@ -40,6 +40,7 @@ async def build(config: QueueConfig) -> ServiceApp:
         close=wal.close,
         info={"wal": str(wal.path)},
         extra_servers=[external_server(config.external, servicer, metrics)] if config.external.enabled else [],
+        on_drain=servicer.drain,
     )
 
 

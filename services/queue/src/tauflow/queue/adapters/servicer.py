@@ -87,6 +87,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
         self.media_limits = media.MediaLimits.of(config.media.model_dump())
         self.media_decodes = asyncio.Semaphore(MEDIA_DECODES)
+        self.draining = asyncio.Event()  # set when the service drains: the streams end
         metrics.observe(queue.stats())
 
     # -- plumbing ----------------------------------------------------------------------
@@ -170,7 +171,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 if result is not None:
                     return result
                 left = until - loop.time()
-                if left <= 0:
+                if left <= 0 or self.draining.is_set():  # (a draining queue answers its long polls now)
                     return None
                 deadline = self.state.next_deadline()  # wake for a lease or ticket expiry too
                 if deadline is not None:
@@ -287,7 +288,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         async def read() -> None:
             try:
-                async for request in requests:
+                async for request in _until(requests, self.draining):
                     await window.acquire()
                     answers.put_nowait(asyncio.ensure_future(self._put_answer(request)))
             finally:
@@ -370,7 +371,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
     async def Deliver(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Get on one stream: each request is answered, in turn, by the batch it asks for."""
-        async for request in requests:
+        async for request in _until(requests, self.draining):
             if isinstance(request, Undecodable):
                 self.metrics.rejected.labels("Deliver", "INVALID_ARGUMENT").inc()
                 await context.abort(
@@ -447,6 +448,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
 
         return await self._call(context, "Stats", run)
 
+    def drain(self) -> None:
+        """The service drains: each stream answers what it has read and ends (OK), so that its client goes
+        on with a new stream (the restarted queue) at once rather than when the drain grace runs out."""
+        self.draining.set()
+        for w in self._waiters:  # long polls answer now, empty, and their streams end
+            w.woken.set()
+
     # -- background ----------------------------------------------------------------------
 
     async def sweep_forever(self) -> None:
@@ -487,6 +495,25 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
                 log.error("compaction failed; the log stays as it is", extra={"error": str(e)})
             self.metrics.observe(self.state.stats())
+
+
+async def _until(requests: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """The messages of a stream until ``stop`` is set (then the stream is read no further)."""
+    it = aiter(requests)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        while not stop.is_set():
+            message = asyncio.ensure_future(anext(it))
+            await asyncio.wait((message, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not message.done():
+                message.cancel()
+                return
+            try:
+                yield message.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stopped.cancel()
 
 
 SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]

@@ -209,10 +209,10 @@ class QueueServiceServicer:
         stream), but each group is, by group_id: after a broken stream the
         producer sends every group that had no answer again, on a new stream (an
         answer lost with the stream then comes back as DUPLICATE).
-        Status: of each group, in its answer. A queue that drains keeps an open
-        stream until its drain grace runs out, then ends it CANCELLED (what it
-        answered stands; the producer sends the rest again). Unary Put stays for
-        simple clients.
+        Status: of each group, in its answer. A queue that drains (to stop)
+        answers the groups it has read and ends the stream OK; a group sent after
+        that had no answer, and the producer sends it again on a new stream.
+        Unary Put stays for simple clients.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,8 +246,9 @@ class QueueServiceServicer:
         Retry class: not idempotent, as Get (a batch lost with a broken stream
         comes back when its lease expires).
         Status: a request Get would refuse ends the stream with Get's status
-        (INVALID_ARGUMENT naming the field) and changes nothing; a draining queue
-        ends the stream CANCELLED when its drain grace runs out.
+        (INVALID_ARGUMENT naming the field) and changes nothing. A queue that
+        drains answers a waiting request at once (no groups) and ends the stream
+        OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
