@@ -10,11 +10,13 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -194,24 +196,78 @@ def _modules(dist: Path) -> list[str]:
     )
 
 
-@pytest.mark.skipif(SOLO_SKIP, reason="TAUFLOW_SKIP_SOLO_INSTALLS=1 (CI runs it: about 10 minutes on 2 cores)")
+def _pip(python: Path) -> list[str]:
+    return [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+
+
+@pytest.fixture(scope="module")
+def torch_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh environment with only torch (pinned to this environment's build, as scripts/setup installs it,
+    never a bare `torch`) and its own dependencies: made once, then copied as hard links into each role's
+    environment that needs torch, so that the roles do not unpack the same 700 MB three times."""
+    venv = tmp_path_factory.mktemp("torch") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [*_pip(venv / "bin" / "python"), f"torch=={importlib.metadata.version('torch')}"], check=True, timeout=600
+    )
+    return venv
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
+    """Every tauflow distribution built once into a wheel, from its directory, as pip builds it when a
+    container installs the directory: each role's environment then installs those wheels, instead of pip
+    building the same libraries again for every role."""
+    out = tmp_path_factory.mktemp("wheels")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps", "-w", str(out)]
+        + [str(d) for d in DISTS],
+        check=True,
+        timeout=900,
+    )
+    built = {}
+    for d in DISTS:
+        name = _project(d)["name"].replace("-", "_")
+        (wheel,) = out.glob(f"{name}-*.whl")
+        built[d] = wheel
+    return built
+
+
+def _fresh_venv(venv: Path, with_torch: Callable[[], Path] | None) -> None:
+    """A new environment at ``venv``: empty, or (``with_torch``) a hard-linked copy of the torch-only one (a
+    virtual environment finds its prefix from where its pyvenv.cfg is, so the copy is an environment of its
+    own; pip replaces files rather than writing into them, so the original is never changed)."""
+    if with_torch is None:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        return
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system: a copy
+            shutil.copy2(src, dst)
+
+    shutil.copytree(with_torch(), venv, symlinks=True, copy_function=link)
+
+
+@pytest.mark.skipif(SOLO_SKIP, reason="TAUFLOW_SKIP_SOLO_INSTALLS=1 (CI runs it: several minutes on 2 cores)")
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("role", ROLES)
-def test_each_role_starts_from_a_solo_install(role: str, tmp_path: Path) -> None:
+def test_each_role_starts_from_a_solo_install(
+    role: str, tmp_path: Path, request: pytest.FixtureRequest, wheelhouse: dict[Path, Path]
+) -> None:
     """``tauflow-<role>`` installed as its container installs it — the distribution and the tauflow libs it
-    declares, from their directories (not editable), into a fresh environment with nothing else — imports
+    declares, built from their directories (not editable), into a fresh environment with nothing else — imports
     every module, runs its entry point, and (where it needs no peer) serves until healthy and drains on
     SIGTERM. The one environment of the other tests holds every distribution, so a dependency that only a
     sibling declares goes unseen there (the trainer crashed at start for want of tenacity)."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python, bindir = venv / "bin" / "python", venv / "bin"
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     dists = _local_closure(f"tauflow-{role}")
-    if "torch" in set().union(*(_requirement_names(_project(d).get("dependencies", [])) for d in dists)):
-        # torch first and pinned to this environment's build, as scripts/setup does: never a bare `torch`
-        subprocess.run([*pip, f"torch=={importlib.metadata.version('torch')}"], check=True, timeout=600)
-    subprocess.run([*pip, *map(str, dists)], check=True, timeout=600)
+    needs_torch = "torch" in set().union(*(_requirement_names(_project(d).get("dependencies", [])) for d in dists))
+    # torch first, as scripts/setup installs it
+    _fresh_venv(venv, (lambda: request.getfixturevalue("torch_venv")) if needs_torch else None)
+    python, bindir = venv / "bin" / "python", venv / "bin"
+    subprocess.run([*_pip(python), *(str(wheelhouse[d]) for d in dists)], check=True, timeout=600)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
 
     modules = [m for d in dists for m in _modules(d)]
