@@ -501,19 +501,29 @@ async def _until(requests: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIter
     """The messages of a stream until ``stop`` is set (then the stream is read no further)."""
     it = aiter(requests)
     stopped = asyncio.ensure_future(stop.wait())
+    message: asyncio.Future[Any] | None = None
     try:
         while not stop.is_set():
             message = asyncio.ensure_future(anext(it))
             await asyncio.wait((message, stopped), return_when=asyncio.FIRST_COMPLETED)
             if not message.done():
-                message.cancel()
                 return
             try:
-                yield message.result()
+                item = message.result()
             except StopAsyncIteration:
                 return
+            message = None
+            yield item
     finally:
         stopped.cancel()
+        if message is not None:  # a read left pending (or ended): its outcome is nobody's
+            message.cancel()
+            message.add_done_callback(_ignore_outcome)
+
+
+def _ignore_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 SERVICE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]

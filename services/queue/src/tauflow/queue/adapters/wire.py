@@ -98,6 +98,12 @@ def _bytes_of(raw: bytes) -> np.ndarray:
 
 _SMALL_ARRAY = 1024  # bytes: below, bytes operations beat numpy's per-call cost; above, numpy wins
 _CONTINUATION = bytes(range(0x80, 0x100))  # a byte that says "the varint goes on"
+_SINGLE_BYTE = bytes(range(0x80))  # a byte that is a whole varint
+# The largest float32 at most MAX_LOGPROB: a float32 passes the full decode's float64 comparison exactly when
+# it is at most this (float32(1e-3) itself is above 1e-3).
+_MAX_LOGPROB_F32 = np.float32(convert.MAX_LOGPROB)
+if float(_MAX_LOGPROB_F32) > convert.MAX_LOGPROB:
+    _MAX_LOGPROB_F32 = np.nextafter(_MAX_LOGPROB_F32, np.float32(-np.inf))
 _LONG_VARINT = re.compile(b"[\\x80-\\xff]{%d}" % _MAX_TOKEN_VARINT)  # that many in a row: a longer varint
 
 
@@ -116,6 +122,13 @@ def _short_varint_count(raw: bytes) -> int | None:
     for k in range(1, _MAX_TOKEN_VARINT):
         window &= more[k : len(more) - _MAX_TOKEN_VARINT + 1 + k]
     return None if window.any() else len(more) - int(np.count_nonzero(more))
+
+
+def _all_below(raw: bytes, bound: int) -> bool:
+    """Whether every byte of ``raw`` is below ``bound``."""
+    if len(raw) <= _SMALL_ARRAY:  # (bytes.translate deletes slowly: for short arrays only)
+        return not raw.translate(None, bytes(range(bound)) if bound != 0x80 else _SINGLE_BYTE)
+    return int(_bytes_of(raw).max()) < bound
 
 
 def _one_chunk(chunks: Any) -> bytes | None:
@@ -145,47 +158,58 @@ def group_record_fast(raw: bytes, max_group_bytes: int, view: Any | None = None)
     view = decode_view(raw) if view is None else view
     if view is None or not view.group_id or not view.samples or view.prompt_parts:
         return None
-    behaviour: int | None = None
-    newest = 0
+    # One pass over the samples gathers their arrays; the numeric checks then run once per group, over the
+    # arrays joined (numpy's per-call cost, paid per sample, was most of the time of a small group).
     n_tokens = 0
-    for s in view.samples:
+    logprob_chunks: list[bytes] = []
+    mask_chunks: list[bytes] = []
+    version_chunks: list[bytes] = []
+    version_samples: list[int] = []  # the samples that carry token versions, in order
+    stated = []  # each sample's behaviour_version
+    for i, s in enumerate(view.samples):
         if any(f.field_number in _PACKED for f in unknown_fields.UnknownFieldSet(s)):
             return None  # an unpacked repeated field: only the full decode reads it right
-        chunks = [_one_chunk(c) for c in (s.prompt_token_ids, s.completion_token_ids, s.behaviour_logprobs)]
-        chunks += [_one_chunk(s.token_versions), _one_chunk(s.loss_mask)]
-        if any(c is None for c in chunks):
+        prompt = _one_chunk(s.prompt_token_ids)
+        completion = _one_chunk(s.completion_token_ids)
+        logprobs = _one_chunk(s.behaviour_logprobs)
+        versions = _one_chunk(s.token_versions)
+        mask = _one_chunk(s.loss_mask)
+        if prompt is None or completion is None or logprobs is None or versions is None or mask is None:
             return None
-        prompt, completion, logprobs, versions, mask = chunks
-        assert prompt is not None and completion is not None and logprobs is not None
-        assert versions is not None and mask is not None
         n = _short_varint_count(completion)
         n_prompt = _short_varint_count(prompt)
         if not n or not n_prompt:
             return None
-        if logprobs:
-            if len(logprobs) != 4 * n:
-                return None
-            lp = np.frombuffer(logprobs, dtype="<f4")
-            # (in float64, as the full decode compares: float32(1e-3) is above 1e-3)
-            if not (np.isfinite(lp).all() and (lp.astype(np.float64) <= convert.MAX_LOGPROB).all()):
-                return None
-        if mask and (len(mask) != n or _bytes_of(mask).max() > 1):
-            return None  # (one byte per flag while every flag is 0 or 1)
+        if (logprobs and len(logprobs) != 4 * n) or (mask and len(mask) != n) or (versions and len(versions) != n):
+            return None  # (one byte per flag and per version: see below)
+        logprob_chunks.append(logprobs)
+        mask_chunks.append(mask)
         if versions:
-            v = _bytes_of(versions)
-            if len(versions) != n or v.max() >= 0x80:
-                return None  # versions >= 128 are multi-byte varints: the full decode takes them
-            oldest = int(v.min())
-            if s.behaviour_version and s.behaviour_version != oldest:
-                return None
-            newest = max(newest, int(v.max()))
-        else:
-            oldest = s.behaviour_version
-            newest = max(newest, oldest)
-        behaviour = oldest if behaviour is None else min(behaviour, oldest)
+            version_chunks.append(versions)
+            version_samples.append(i)
+        stated.append(s.behaviour_version)
         n_tokens += n_prompt + n
-    assert behaviour is not None
-    return GroupRecord(view.group_id, raw, behaviour, n_tokens, newest_version=newest, media_parts=0)
+    if logprob_chunks:
+        lp = np.frombuffer(b"".join(logprob_chunks), dtype="<f4")
+        if not (np.isfinite(lp).all() and (lp <= _MAX_LOGPROB_F32).all()):
+            return None
+    if not _all_below(b"".join(mask_chunks), 2):
+        return None  # a flag other than 0 or 1 (a longer varint): the full decode reads it
+    oldest = list(stated)  # a sample's behaviour version: its oldest token's, else the one stated
+    newest = max(stated)
+    if version_chunks:
+        joined = b"".join(version_chunks)
+        if not _all_below(joined, 0x80):
+            return None  # versions >= 128 are multi-byte varints: the full decode takes them
+        v = _bytes_of(joined)
+        starts = np.cumsum([0] + [len(c) for c in version_chunks[:-1]])
+        lows, highs = np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)
+        for i, low in zip(version_samples, lows.tolist(), strict=True):
+            if stated[i] and stated[i] != low:
+                return None
+            oldest[i] = low
+        newest = max(newest, int(highs.max()))
+    return GroupRecord(view.group_id, raw, min(oldest), n_tokens, newest_version=newest, media_parts=0)
 
 
 def decode_group(raw: bytes) -> common_pb2.Group:
