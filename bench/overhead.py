@@ -112,16 +112,15 @@ class InProcessLoop:
 
         # The engine as the rollout service builds it (rollout/app.py: build).
         self.codec = TextCodec.from_folder(rollout.model_path)
+        eos = self.codec.eos_token_id if self.codec is not None else None
         self.engine = engine_class(rollout.engine).from_pretrained(
             rollout.model_path,
             engine_id=f"{rollout.server_id}-{rollout.engine}",
             seed=rollout.seed,
             **({"detokenize": self.codec.decode} if self.codec is not None else {}),
+            **({"extra_eos_token_ids": (eos,)} if eos is not None else {}),
             **rollout.engine_options,
         )
-        eos = self.codec.eos_token_id if self.codec is not None else None
-        if eos is not None and hasattr(self.engine, "eos_token_ids") and eos not in self.engine.eos_token_ids:
-            self.engine.eos_token_ids = (*self.engine.eos_token_ids, eos)
         self.sampling = sampling_params(rollout.sampling, n=rollout.group_size)
         self.prompts = epochs(load_prompts(rollout.dataset, self.codec, rollout.data.model_dump()), rollout.seed)
 

@@ -227,6 +227,19 @@ def test_stats_and_from_pretrained(engine: HFEngine, model_dir: Path) -> None:
     assert threading.active_count() >= 2
 
 
+def test_extra_eos_ids_end_completions_beside_the_checkpoints(model_dir: Path) -> None:
+    probe = HFEngine.from_pretrained(model_dir, seed=0)
+    try:  # the token the model draws first for this prompt, made an end of sequence
+        first = probe.submit([[1, 5, 6]], SamplingParams(max_new_tokens=1, temperature=0)).result(30)[0][0]
+    finally:
+        probe.close()
+    stop = first.token_ids[0]
+    with HFEngine.from_pretrained(model_dir, seed=0, extra_eos_token_ids=(stop, 2)) as engine:
+        assert engine.eos_token_ids == ((2, stop) if stop != 2 else (2,))
+        out = engine.submit([[1, 5, 6]], SamplingParams(max_new_tokens=8, temperature=0)).result(30)[0][0]
+    assert out.token_ids == [stop] and out.finish_reason == FinishReason.STOP
+
+
 def test_the_service_command_names_a_missing_model_path() -> None:
     done = subprocess.run([sys.executable, "-m", "tauflow.rollout"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2

@@ -44,19 +44,18 @@ async def build(config: RolloutConfig) -> ServiceApp:
 
     hf_logging.disable_progress_bar()
     codec = TextCodec.from_folder(config.model_path)  # None: a model that takes token ids only
+    eos = codec.eos_token_id if codec is not None else None
     engine = engine_class(config.engine).from_pretrained(
         config.model_path,
         engine_id=f"{config.server_id}-{config.engine}",
         seed=config.seed,
         **({"detokenize": codec.decode} if codec is not None else {}),  # for stop strings
+        # the tokenizer's EOS (an instruct model's end of turn) stops generation too, where the checkpoint's
+        # generation_config does not list it
+        **({"extra_eos_token_ids": (eos,)} if eos is not None else {}),
         **config.engine_options,
     )
     decode = codec.decode if codec is not None else None
-    eos = codec.eos_token_id if codec is not None else None
-    if eos is not None and hasattr(engine, "eos_token_ids") and eos not in engine.eos_token_ids:
-        # the tokenizer's EOS (an instruct model's end of turn) stops generation too, where the checkpoint's
-        # generation_config does not list it
-        engine.eos_token_ids = (*engine.eos_token_ids, eos)
     metrics = RolloutMetrics()
     sidecar = (
         GrpcSidecar(config.weights_address, config.channel, model=config.model_path) if config.weights_address else None

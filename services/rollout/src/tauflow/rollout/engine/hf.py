@@ -274,7 +274,9 @@ class HFEngine(GenerationEngine):
     idle engine waits after the first request for others to join its first batch; ``recompute_kv_on_swap``
     (default True) re-prefills in-flight sequences after a weight swap so that their later tokens are sampled
     from exactly the new weights (False keeps the cache computed with the old weights: faster, and the
-    behaviour log-probs are then those of a mixture); ``seed`` seeds the draw of seeds for requests without one.
+    behaviour log-probs are then those of a mixture); ``seed`` seeds the draw of seeds for requests without one;
+    ``eos_token_ids`` replaces the ids that end a completion (default: the checkpoint's generation config), and
+    ``extra_eos_token_ids`` adds to them (the rollout adds its tokenizer's EOS: an instruct model's end of turn).
     """
 
     backend: ClassVar[str] = "hf"
@@ -292,6 +294,7 @@ class HFEngine(GenerationEngine):
         batch_wait_s: float = 0.002,
         recompute_kv_on_swap: bool = True,
         eos_token_ids: Sequence[int] | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
     ) -> None:
@@ -331,7 +334,7 @@ class HFEngine(GenerationEngine):
             if eos is None:
                 eos = getattr(config, "eos_token_id", None)
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in (*eos_token_ids, *extra_eos_token_ids)))
         pad = getattr(text_config, "pad_token_id", None)
         self._pad = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
 
