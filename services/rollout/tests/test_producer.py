@@ -142,7 +142,9 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     queue = FakeQueue(release_s=0.2)
     p, registry = producer(FakeEngine(block=True), queue, ["a", "b"], tickets=2, release_timeout_s=1.5)
     task = asyncio.create_task(p.run())
-    await wait_until(lambda: len(queue.tickets) == 2)
+    await wait_until(lambda: len(queue.tickets) == 4)  # two generating, two reserved ahead
+    await asyncio.sleep(0.05)
+    assert len(queue.tickets) == 4  # and no more
     task.cancel()
     await asyncio.sleep(0.05)
     task.cancel()  # a second cancellation while the releases are under way does not cut them short
@@ -151,12 +153,12 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     # (the count follows the last release by one turn of the event loop: wait for both)
     await wait_until(
         lambda: (
-            len(queue.released) == 2
+            len(queue.released) == 4
             and registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None
         )
     )
-    assert sorted(queue.released) == [("t0", 1.5), ("t1", 1.5)]  # each with the short deadline
-    assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 2
+    assert sorted(queue.released) == [(f"t{i}", 1.5) for i in range(4)]  # each with the short deadline
+    assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 4
     assert p.groups_in_flight == 0
 
 
@@ -350,3 +352,30 @@ async def test_prompts_over_max_prompt_tokens_are_skipped_and_counted() -> None:
         await task
     assert {g.prompt.prompt_id for g in queue.groups} == {"short"}
     assert registry.get_sample_value("tauflow_rollout_skipped_prompts_total", {"reason": "too_long"}) >= 1
+
+
+async def test_the_next_ticket_generates_while_the_last_is_scored_and_at_most_as_many_more_wait_to_finish() -> None:
+    class BlockedReward(FakeReward):
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+            self.waiting = 0
+
+        async def score(self, groups: Sequence[ProducedGroup]) -> None:
+            self.waiting += 1
+            await self.go.wait()
+            await super().score(groups)
+
+    engine, queue, reward = FakeEngine(), FakeQueue(), BlockedReward()
+    p, _ = producer(engine, queue, ["a", "b"], tickets=1, reward=reward)
+    task = asyncio.create_task(p.run())
+    # one ticket generates at a time; the first, scored (blocked), lets the second generate; the third
+    # waits until one of the two open tickets is done
+    await wait_until(lambda: reward.waiting == 2)
+    await asyncio.sleep(0.05)
+    assert (len(engine.media), len(queue.tickets), queue.puts) == (2, 2, [])
+    reward.go.set()
+    await wait_until(lambda: len(queue.puts) >= 8)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert p.groups_in_flight == 0

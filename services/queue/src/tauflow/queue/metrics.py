@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from tauflow.core.staleness import pacing_limit
@@ -89,17 +91,21 @@ class QueueMetrics:
             registry=registry,
         )
 
-    def observe(self, stats: Stats) -> None:
-        self.depth_groups.set(stats.depth_groups)
-        self.depth_bytes.set(stats.depth_bytes)
-        self.leased_groups.set(stats.leased_groups)
-        self.reserved_groups.set(stats.reserved_groups)
-        self.accepted_groups.set(stats.accepted_groups)
-        self.trainer_version.set(stats.trainer_version)
-        self.wal_bytes.set(stats.wal_bytes)
-        self.max_staleness.set(stats.max_staleness)
-        self.groups_per_step.set(stats.groups_per_step)
-        limit = pacing_limit(stats.trainer_version, stats.max_staleness, stats.groups_per_step)
-        self.pacing_limit.set(stats.capacity_groups if limit is None else limit)
-        self.capacity_groups.set(stats.capacity_groups)
-        self.capacity_bytes.set(stats.capacity_bytes)
+    def watch(self, stats: Callable[[], Stats]) -> None:
+        """The gauges read ``stats()`` when scraped (not on every change: a put is too frequent for that)."""
+
+        def read(field: str) -> Callable[[], float]:
+            return lambda: getattr(stats(), field)
+
+        for field in (
+            "depth_groups", "depth_bytes", "leased_groups", "reserved_groups", "accepted_groups", "trainer_version",
+            "wal_bytes", "max_staleness", "groups_per_step", "capacity_groups", "capacity_bytes",
+        ):  # fmt: skip
+            getattr(self, field).set_function(read(field))
+
+        def limit() -> float:
+            now = stats()
+            bound = pacing_limit(now.trainer_version, now.max_staleness, now.groups_per_step)
+            return now.capacity_groups if bound is None else bound
+
+        self.pacing_limit.set_function(limit)

@@ -51,6 +51,8 @@ class ProducedGroup:
     tracestate: str = ""
     baseline_reward: float | None = None
     """The reward of the prompt's greedy completion (REMAX's baseline), when the producer made one."""
+    encoded: object = field(default=None, init=False, repr=False, compare=False)
+    """The adapters' wire form of the group, kept between the reward call and the put (opaque here)."""
 
     @property
     def behaviour_version(self) -> int:

@@ -14,7 +14,10 @@ Tracing (docs/observability.md): one trace per ticket, as the work is batched: a
 stores it and the trainer links to it: from the link, the group's trace leads back to the generation and
 the scoring that made it. (A span per group per phase cost 9 % of a step on 2 cores: bench/README.md.)
 
-Several tickets are worked on at once, so generation overlaps scoring and puts. A group the queue can
+Up to ``tickets_in_flight`` tickets generate at once, and a ticket gives up its place as soon as its
+generation ends: the next ticket generates while the last one is scored and put, so the engine is not idle
+while the reward service and the queue work (at most ``tickets_in_flight`` more tickets are being scored
+and put meanwhile). A group the queue can
 never take (larger than its bounds) is dropped, logged and counted, and the rest of its ticket released;
 production goes on. With dynamic sampling (``dynamic_sampling.enabled``, DAPO's), a group whose rewards
 are all equal is filtered before it reaches the queue (it would train nothing under a group baseline) and
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -105,25 +109,41 @@ class Producer:
         self._open_tickets: set[str] = set()  # granted and not yet filled or released
 
     async def run(self) -> None:
-        """Works on ``tickets_in_flight`` tickets at once until cancelled, or until a ticket fails."""
-        workers = _Workers(self.tickets_in_flight)
+        """Generates ``tickets_in_flight`` tickets at once (and scores and puts as many more) until
+        cancelled, or until a ticket fails."""
+        workers = _Workers(generating=self.tickets_in_flight, finishing=self.tickets_in_flight)
         # A process with this producer id that was killed left its tickets behind: give them back first.
         await self.queue.release_predecessors()
+        # A Reserve per open ticket waits in the queue at once: when the trainer's new version opens room,
+        # the tickets are granted together, the first prefilled in one batch, the next ready to start as
+        # soon as a place to generate frees (no Reserve in between).
+        places = self.tickets_in_flight * 2
+        reservers = [asyncio.create_task(self._reserve_forever(workers)) for _ in range(places)]
         try:
-            while True:
-                await workers.free_slot()
-                ticket = await self.queue.reserve(uuid.uuid4().hex, self.groups_per_ticket, self.reserve_wait_s)
-                if ticket is None:
-                    workers.slot_unused()
-                    continue
-                self._open_tickets.add(ticket.ticket_id)
-                workers.start(self._produce(ticket))
+            done, _ = await asyncio.wait(reservers, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # (the ticket that failed)
         finally:
+            for task in reservers:
+                task.cancel()
             # Runs while the producer is being cancelled (the service stops): shielded, so that a second
             # cancellation does not cut the releases short.
             await asyncio.shield(self._stop(workers.cancel_all()))
 
-    async def _produce(self, ticket: Ticket) -> None:
+    async def _reserve_forever(self, workers: _Workers) -> None:
+        while True:
+            await workers.open_slot()
+            ticket = await self.queue.reserve(uuid.uuid4().hex, self.groups_per_ticket, self.reserve_wait_s)
+            if ticket is None:
+                workers.slot_unused()
+                continue
+            self._open_tickets.add(ticket.ticket_id)
+            await workers.generate_slot()
+            workers.start(functools.partial(self._produce, ticket))
+
+    async def _produce(self, ticket: Ticket, generated: Callable[[], None] = lambda: None) -> None:
+        """Generates, scores and puts the ticket's groups; ``generated()`` is called once its generation
+        is done (the next ticket may generate meanwhile)."""
         n_prompts = ticket.n_groups
         if self.dynamic_sampling.enabled:
             n_prompts = math.ceil(ticket.n_groups * self.dynamic_sampling.oversample)
@@ -138,6 +158,7 @@ class Producer:
                     self.engine.generate(token_ids, self.greedy, inputs) if self.greedy is not None else _nothing(),
                 )
                 span.set_attributes(_generation_attributes(completions))
+            generated()
             groups = self._groups(ticket, prompts, completions)
             baselines = self._groups(ticket, prompts, greedy) if greedy else []
             with _child("reward.score", root, **{"rl.groups": len(groups)}):
@@ -258,11 +279,15 @@ class Producer:
     async def _put(self, group: ProducedGroup, ticket_id: str, root: trace.Span = trace.INVALID_SPAN) -> bool:
         """Puts one group; False when the queue refused it for good (dropped: production goes on). The
         group's ``queue.put`` span is the one its trace context names (the trainer links to it)."""
+        # (not made current: a put makes no traced call, and attaching a context per group costs)
+        span = tracer.start_span(
+            "queue.put", context=trace.set_span_in_context(root), attributes=_group_attributes(group)
+        )
         try:
-            with _child("queue.put", root, **_group_attributes(group)) as span:
-                group.traceparent, group.tracestate = traceparent_of(span)
-                await self.queue.put(group, ticket_id)
+            group.traceparent, group.tracestate = traceparent_of(span)
+            await self.queue.put(group, ticket_id)
         except GroupRejected as e:
+            set_error(span, e)
             self.groups_dropped += 1
             self.metrics.dropped_groups.labels(e.reason).inc()
             log.error(
@@ -270,6 +295,11 @@ class Producer:
                 extra={"group_id": group.group_id, "reason": e.reason, "error": str(e)},
             )
             return False
+        except Exception as e:
+            set_error(span, e)
+            raise
+        finally:
+            span.end()
         return True
 
     async def _stop(self, tasks: list[asyncio.Task[None]]) -> None:
@@ -316,35 +346,55 @@ def sampling_params(config: SamplingConfig, n: int = 1) -> SamplingParams:
 
 
 class _Workers:
-    """The tickets worked on, at most ``limit`` at once. The first that failed is raised by the next
-    ``free_slot``: the producer stops, so that the service exits and is restarted."""
+    """The tickets worked on: at most ``generating`` of them generate at once, and at most ``finishing``
+    more are reserved ahead or scored and put after their generation. The first that failed is raised by
+    the next wait for a slot: the producer stops, so that the service exits and is restarted."""
 
-    def __init__(self, limit: int) -> None:
-        self._slots = asyncio.Semaphore(limit)
+    def __init__(self, generating: int, finishing: int) -> None:
+        self._generating = asyncio.Semaphore(generating)
+        self._open = asyncio.Semaphore(generating + finishing)
         self._tasks: set[asyncio.Task[None]] = set()
         self._failures: list[BaseException] = []
 
-    async def free_slot(self) -> None:
-        await self._slots.acquire()
+    async def open_slot(self) -> None:
+        """Until one more ticket may be open (reserved, generated, scored or put)."""
+        await self._open.acquire()
+        self._raise_failure()
+
+    async def generate_slot(self) -> None:
+        """Until an open ticket may start generating (then ``start`` it)."""
+        await self._generating.acquire()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
         if self._failures:
             raise self._failures[0]
 
     def slot_unused(self) -> None:
-        self._slots.release()
+        """The open slot taken for a Reserve that granted nothing."""
+        self._open.release()
 
-    def start(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
+    def start(self, work: Callable[[Callable[[], None]], Coroutine[Any, Any, None]]) -> None:
+        """Runs ``work(generated)``, which calls ``generated()`` when its generation is done; it gives
+        up its place to generate then, or when it ends, whichever comes first."""
+        done_generating = False
+
+        def generated() -> None:
+            nonlocal done_generating
+            if not done_generating:
+                done_generating = True
+                self._generating.release()
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            generated()
+            self._open.release()
+            if not task.cancelled() and task.exception() is not None:
+                self._failures.append(task.exception())  # type: ignore[arg-type]
+
+        task = asyncio.create_task(work(generated))
         self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._slots.release()
-        if task.cancelled():
-            return
-        failure = task.exception()
-        if failure is not None:
-            self._failures.append(failure)
+        task.add_done_callback(done)
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         tasks = list(self._tasks)

@@ -88,13 +88,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.media_limits = media.MediaLimits.of(config.media.model_dump())
         self.media_decodes = asyncio.Semaphore(MEDIA_DECODES)
         self.draining = asyncio.Event()  # set when the service drains: the streams end
-        metrics.observe(queue.stats())
+        self._readers: set[_Reading] = set()  # the PutStreams' readers
+        metrics.watch(queue.stats)
 
     # -- plumbing ----------------------------------------------------------------------
 
     def _notify(self) -> None:
-        """After a state change: updates the gauges and wakes the waiters that it may serve."""
-        self.metrics.observe(self.state.stats())
+        """After a state change: wakes the waiters that it may serve."""
         groups = self.state.depth_groups  # groups waiting, not yet promised to a woken Get
         room = 0  # groups promised to the Reserve waiters woken so far
         for w in self._waiters:
@@ -286,15 +286,32 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         window = asyncio.Semaphore(self.config.stream_window)
         answers: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue()  # bounded by `window`
 
+        reading = _Reading()
+
         async def read() -> None:
+            # (a drain cancels the read that waits for the client, not what was read: see drain())
+            it = aiter(requests)
             try:
-                async for request in _until(requests, self.draining):
+                while not self.draining.is_set():
+                    reading.waiting = True
+                    try:
+                        request = await anext(it)
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.CancelledError:
+                        if self.draining.is_set():
+                            return
+                        raise
+                    finally:
+                        reading.waiting = False
                     await window.acquire()
                     answers.put_nowait(asyncio.ensure_future(self._put_answer(request)))
             finally:
                 answers.put_nowait(None)
 
-        reader = asyncio.create_task(read())
+        reader = reading.task = asyncio.create_task(read())
+        self._readers.add(reading)
+        reader.add_done_callback(lambda _: self._readers.discard(reading))
         try:
             while (answer := await answers.get()) is not None:
                 yield await answer
@@ -454,6 +471,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.draining.set()
         for w in self._waiters:  # long polls answer now, empty, and their streams end
             w.woken.set()
+        for reading in self._readers:  # PutStreams stop waiting for their clients' next groups
+            if reading.waiting and reading.task is not None:
+                reading.task.cancel()
 
     # -- background ----------------------------------------------------------------------
 
@@ -494,7 +514,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 self.state.compact()
             except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
                 log.error("compaction failed; the log stays as it is", extra={"error": str(e)})
-            self.metrics.observe(self.state.stats())
+
+
+class _Reading:
+    """A PutStream's reader: its task, and whether it waits for the client's next message."""
+
+    __slots__ = ("task", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.waiting = False
 
 
 async def _until(requests: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIterator[Any]:

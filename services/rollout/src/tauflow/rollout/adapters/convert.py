@@ -37,25 +37,38 @@ def sample_to_proto(index: int, prompt_ids: list[int], c: Completion, text: str 
     )
 
 
-def group_to_proto(g: ProducedGroup, traceparent: str = "") -> common_pb2.Group:
-    created = Timestamp()
-    created.FromNanoseconds(int(g.created_at * 1e9))
-    group = common_pb2.Group(
-        group_id=g.group_id,
-        prompt_id=g.prompt.prompt_id,
-        samples=[sample_to_proto(i, g.prompt.token_ids, c, t) for i, (c, t) in enumerate(zip(g.completions, g.texts))],
-        producer_id=g.producer_id,
-        created_at=created,
-        metadata=g.prompt.metadata,
-        trace_context=common_pb2.TraceContext(
-            traceparent=traceparent or g.traceparent, tracestate=g.tracestate if not traceparent else ""
-        ),
-    )
-    for sample, reward in zip(group.samples, g.rewards, strict=False):
-        sample.reward.CopyFrom(reward)
+def group_to_proto(g: ProducedGroup) -> common_pb2.Group:
+    """The group as the reward service and the queue take it. Its samples are encoded once and kept with
+    the group (``g.encoded``), since the reward call and the put send the same ones; what changes between
+    the two (rewards, the REMAX baseline, the trace context) is set anew each time. Callers copy the
+    message into their request and must not change it."""
+    group = g.encoded
+    if not isinstance(group, common_pb2.Group):
+        created = Timestamp()
+        created.FromNanoseconds(int(g.created_at * 1e9))
+        group = common_pb2.Group(
+            group_id=g.group_id,
+            prompt_id=g.prompt.prompt_id,
+            samples=[
+                sample_to_proto(i, g.prompt.token_ids, c, t) for i, (c, t) in enumerate(zip(g.completions, g.texts))
+            ],
+            producer_id=g.producer_id,
+            created_at=created,
+            metadata=g.prompt.metadata,
+        )
+        group.prompt_parts.extend(media_wire.to_proto(g.prompt.parts))
+        g.encoded = group
+    for i, sample in enumerate(group.samples):
+        if i < len(g.rewards):
+            sample.reward.CopyFrom(g.rewards[i])
+        else:
+            sample.ClearField("reward")
     if g.baseline_reward is not None:
         group.baseline_reward = g.baseline_reward
-    group.prompt_parts.extend(media_wire.to_proto(g.prompt.parts))
+    else:
+        group.ClearField("baseline_reward")
+    group.trace_context.traceparent = g.traceparent
+    group.trace_context.tracestate = g.tracestate
     return group
 
 

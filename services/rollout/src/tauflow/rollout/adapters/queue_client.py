@@ -18,7 +18,7 @@ from tauflow.core.protobuf import duration
 from tauflow.core.status import error_info_trailer, error_reason
 from tauflow.core.streams import OrderedStream, rpc_error
 from tauflow.rollout.adapters.convert import group_to_proto
-from tauflow.rollout.adapters.retry import over_message_limit, until_it_works
+from tauflow.rollout.adapters.retry import call_until_it_works, over_message_limit, until_it_works
 from tauflow.rollout.ports import GroupRejected, ProducedGroup, Ticket
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,7 @@ class GrpcQueue:
         request = queue_pb2.PutStreamRequest(group=group_to_proto(group), ticket_id=ticket_id)
         raw = request.SerializeToString()
         try:
-            async for attempt in until_it_works(_never_fits):
-                with attempt:
-                    await self._put_once(request, raw)
+            await call_until_it_works(lambda: self._put_once(request, raw), _never_fits)
         except grpc.aio.AioRpcError as e:
             if _never_fits(e):
                 raise GroupRejected("too_large", f"{len(raw)} bytes: {e.details()}") from None

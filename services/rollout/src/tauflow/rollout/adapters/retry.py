@@ -3,12 +3,17 @@ calls that are idempotent, so that data is never dropped; never for a call that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
 from tauflow.core.status import error_reason
+
+T = TypeVar("T")
+FIRST_WAIT_S = 0.1
 
 # CANCELLED: the server cancelled the call (a peer draining to stop cancels what it had in flight); our own
 # cancellation raises asyncio.CancelledError instead, and is never retried.
@@ -40,6 +45,21 @@ def until_it_works(never_fits: NeverFits = over_message_limit) -> AsyncRetrying:
     """Retries an idempotent call while ``transient``."""
     return AsyncRetrying(
         retry=retry_if_exception(lambda e: transient(e, never_fits)),
-        wait=wait_exponential(0.1, max=5.0),
+        wait=wait_exponential(FIRST_WAIT_S, max=5.0),
         reraise=True,
     )
+
+
+async def call_until_it_works(call: Callable[[], Awaitable[T]], never_fits: NeverFits = over_message_limit) -> T:
+    """``call()`` retried as ``until_it_works`` does. The first attempt goes without tenacity, whose
+    bookkeeping per attempt costs as much as the call itself for one put of a small group."""
+    try:
+        return await call()
+    except grpc.aio.AioRpcError as e:
+        if not transient(e, never_fits):
+            raise
+    await asyncio.sleep(FIRST_WAIT_S)
+    async for attempt in until_it_works(never_fits):
+        with attempt:
+            return await call()
+    raise AssertionError("unreachable: tenacity returns or raises")  # (for the type checker)

@@ -9,7 +9,7 @@ from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ChannelConfig
 from tauflow.rollout.adapters.convert import group_to_proto
-from tauflow.rollout.adapters.retry import until_it_works
+from tauflow.rollout.adapters.retry import call_until_it_works
 from tauflow.rollout.ports import ProducedGroup
 
 
@@ -21,9 +21,7 @@ class GrpcReward:
 
     async def score(self, groups: Sequence[ProducedGroup]) -> None:
         request = reward_pb2.ScoreRequest(groups=[group_to_proto(g) for g in groups], reward_fn=self.reward_fn)
-        async for attempt in until_it_works():
-            with attempt:
-                resp = await self.stub.Score(request)
+        resp = await call_until_it_works(lambda: self.stub.Score(request))
         for group, scored in zip(groups, resp.groups, strict=True):
             group.rewards = [s.reward for s in scored.samples]
 
