@@ -35,7 +35,7 @@ from google.protobuf.duration_pb2 import Duration
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
-from tauflow.queue.adapters import wire
+from tauflow.core.protobuf import length_delimited
 
 HOST = "127.0.0.1"
 
@@ -201,7 +201,7 @@ def main() -> int:
             stub = queue_pb2_grpc.QueueServiceStub(channel)
             put = channel.unary_unary("/tauflow.api.queue.v1.QueueService/Put")
             calls = [
-                (put, b"".join(wire._length_delimited(1, poison)), 5),
+                (put, b"".join(length_delimited(1, poison)), 5),
                 (stub.Reserve, q.ReserveRequest(request_id="r" * (3 << 20), n_groups=1), 5),
                 (stub.Get, q.GetRequest(max_groups=1, lease_duration=Duration(seconds=10**11)), 5),
                 (stub.Get, q.GetRequest(max_groups=10**6, min_groups=10**6, wait=Duration(seconds=30)),

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
+from tauflow.core.protobuf import varint
 from tauflow.core.testing import make_group, queue_stub
 from tauflow.queue import model
-from tauflow.queue.adapters import wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.state import QueueState
 from tauflow.queue.wal import WriteAheadLog
@@ -25,7 +25,7 @@ TOKEN = "t" * 32
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return wire._varint(number << 3 | 2) + wire._varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def _poison(gid: str) -> bytes:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.protobuf import varint
 from tauflow.queue import model
 from tauflow.queue.adapters import convert, wire
 
@@ -17,7 +18,7 @@ LIMIT = 1 << 24
 
 
 def _varint(n: int) -> bytes:
-    return wire._varint(n)
+    return varint(n)
 
 
 samples = st.builds(

@@ -5,7 +5,7 @@ REVISIONS: dict[str, int] = {
     "tauflow.api.common.v1": 3,
     "tauflow.api.controller.v1": 2,
     "tauflow.api.info.v1": 1,
-    "tauflow.api.queue.v1": 4,
+    "tauflow.api.queue.v1": 5,
     "tauflow.api.reward.v1": 1,
     "tauflow.api.rollout.v1": 5,
     "tauflow.api.trainer.v1": 1,

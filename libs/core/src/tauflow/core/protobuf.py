@@ -1,4 +1,5 @@
-"""Conversions every service needs between Python seconds and the protobuf well-known time types."""
+"""Conversions every service needs between Python seconds and the protobuf well-known time types, and the
+two pieces of the wire format used to splice serialized messages into a message without decoding them."""
 
 from __future__ import annotations
 
@@ -37,3 +38,21 @@ def duration_seconds(value: Duration, field: str) -> float:
     if s < 0 or n < 0:
         raise ValueError(f"{field} must not be negative")
     return s + n / 1e9
+
+
+def varint(value: int) -> bytes:
+    """A non-negative integer as a protobuf base-128 varint."""
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def length_delimited(field_number: int, payload: bytes) -> list[bytes]:
+    """A length-delimited field (a message, bytes or string) as its parts: key, length, payload."""
+    return [varint(field_number << 3 | 2), varint(len(payload)), payload]

@@ -76,6 +76,8 @@ def _seconds(value: Any, name: str) -> float:
 
 MEDIA_DECODES = 2  # groups whose media Put decodes at once
 _PUT_LIMITS = {"group": 2**31}  # (the group's own bounds are the queue's: convert.py)
+MAX_PUT_BATCH = 1024  # entries of one PutBatch (queue.proto)
+_PUT_BATCH_LIMITS = {"puts": MAX_PUT_BATCH, "puts.group": 2**31}
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
@@ -324,24 +326,38 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 if pending is not None:
                     pending.cancel()
 
+    async def PutBatch(self, request: Any, context: grpc.aio.ServicerContext) -> queue_pb2.PutBatchResponse:
+        """Put for several groups in one call: each entry answered as PutStream answers a group. They are
+        validated and appended in order, then share one fsync."""
+
+        async def run() -> queue_pb2.PutBatchResponse:
+            if not request.puts:
+                raise convert.InvalidGroup("puts must have at least one entry")
+            results = await asyncio.gather(*(self._put_result(put, "PutBatch") for put in request.puts))
+            return queue_pb2.PutBatchResponse(results=results)
+
+        return await self._call(context, "PutBatch", run)
+
     async def _put_answer(self, request: Any) -> bytes:
-        """One group of PutStream: stored or refused, the answer serialized (a refusal changes nothing)."""
+        """One group of PutStream, its answer serialized."""
         with self.metrics.rpc_duration.labels("PutStream").time():
+            return (await self._put_result(request, "PutStream")).SerializeToString()
+
+    async def _put_result(self, request: Any, method: str) -> queue_pb2.PutStreamResponse:
+        """One group of PutStream or PutBatch: stored or refused, its answer (a refusal changes nothing)."""
+        try:
+            if isinstance(request, Undecodable):
+                raise convert.InvalidGroup(f"request does not decode as {request.message}: {request.reason}")
             try:
-                if isinstance(request, Undecodable):
-                    raise convert.InvalidGroup(f"request does not decode as {request.message}: {request.reason}")
-                try:
-                    check_bounds(request, _PUT_LIMITS)
-                except ValueError as e:
-                    raise convert.InvalidGroup(str(e)) from None
-                accepted, depth = await self._put(request, None)
-            except (QueueError, convert.InvalidGroup, WalWriteError) as err:
-                code, reason, message = self._classify("PutStream", err)
-                return queue_pb2.PutStreamResponse(
-                    code=code.value[0], message=message, reason=reason
-                ).SerializeToString()
+                check_bounds(request, _PUT_LIMITS)
+            except ValueError as e:
+                raise convert.InvalidGroup(str(e)) from None
+            accepted, depth = await self._put(request, None)
+        except (QueueError, convert.InvalidGroup, WalWriteError) as err:
+            code, reason, message = self._classify(method, err)
+            return queue_pb2.PutStreamResponse(code=code.value[0], message=message, reason=reason)
         outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
-        return queue_pb2.PutStreamResponse(outcome=outcome, depth_groups=depth).SerializeToString()
+        return queue_pb2.PutStreamResponse(outcome=outcome, depth_groups=depth)
 
     async def _get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Leases one batch (or none within the wait); the GetResponse serialized. Get and Deliver."""
@@ -562,7 +578,8 @@ def add_queue_servicer_to_server(
     servicer: Any, server: grpc.aio.Server, methods: Collection[str] | None = None
 ) -> None:
     """Registers the servicer like the generated function does, with the two wire fast paths:
-    Put receives its group as bytes, Get returns its response already serialized (see wire.py).
+    Put, PutStream and PutBatch receive groups as bytes, Get and Deliver return their responses already
+    serialized (see wire.py).
     ``methods`` limits the registration to those methods (the others answer UNIMPLEMENTED)."""
     handlers = {}
     for method in SERVICE.methods:
@@ -578,6 +595,9 @@ def add_queue_servicer_to_server(
             serialize = bytes
         if method.name == "PutStream":
             request_class = wire.PutRequestView  # (the same fields as PutRequest)
+        if method.name == "PutBatch":
+            request_class = wire.PutBatchRequestView
+            limits = _PUT_BATCH_LIMITS
         if method.client_streaming:  # the method answers each undecodable message itself
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 getattr(servicer, method.name),

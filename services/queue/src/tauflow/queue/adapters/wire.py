@@ -34,7 +34,7 @@ from google.protobuf.message import Message
 from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
-from tauflow.core.protobuf import timestamp
+from tauflow.core.protobuf import length_delimited, timestamp, varint
 from tauflow.queue.adapters import convert
 from tauflow.queue.model import GetResult, GroupRecord
 
@@ -45,7 +45,8 @@ _PACKED = (2, 3, 4, 5, 6)  # Sample fields the view reads as bytes
 def _build_views() -> dict[str, type[Message]]:
     """``GroupView``: common.v1's Group schema whole (every field, type and UTF-8 check the full decode
     makes), except that the Sample's packed arrays are ``repeated bytes`` (one element per chunk on the
-    wire); ``PutRequestView``: a PutRequest whose group is bytes."""
+    wire); ``PutRequestView``: a PutRequest whose group is bytes; ``PutBatchRequestView``: a
+    PutBatchRequest of those."""
     fdp = descriptor_pb2.FileDescriptorProto()
     common_pb2.DESCRIPTOR.CopyToProto(fdp)
     old, new = f".{fdp.package}.", ".tauflow.queue.wire."
@@ -67,6 +68,10 @@ def _build_views() -> dict[str, type[Message]]:
     put = fdp.message_type.add(name="PutRequestView")
     put.field.add(name="group", number=1, type=_F.TYPE_BYTES, label=_F.LABEL_OPTIONAL)
     put.field.add(name="ticket_id", number=2, type=_F.TYPE_STRING, label=_F.LABEL_OPTIONAL)
+    batch = fdp.message_type.add(name="PutBatchRequestView")
+    batch.field.add(
+        name="puts", number=1, type=_F.TYPE_MESSAGE, label=_F.LABEL_REPEATED, type_name=f"{new}PutRequestView"
+    )
     pool = descriptor_pool.DescriptorPool()
     for dep in common_pb2.DESCRIPTOR.dependencies:
         dep_proto = descriptor_pb2.FileDescriptorProto()
@@ -75,13 +80,18 @@ def _build_views() -> dict[str, type[Message]]:
     pool.Add(fdp)
     return {
         view: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"tauflow.queue.wire.{name}"))
-        for view, name in (("GroupView", "Group"), ("PutRequestView", "PutRequestView"))
+        for view, name in (
+            ("GroupView", "Group"),
+            ("PutRequestView", "PutRequestView"),
+            ("PutBatchRequestView", "PutBatchRequestView"),
+        )
     }
 
 
 _VIEWS = _build_views()
 GroupView = _VIEWS["GroupView"]
 PutRequestView = _VIEWS["PutRequestView"]
+PutBatchRequestView = _VIEWS["PutBatchRequestView"]
 _MAX_TOKEN_VARINT = 4  # bytes: token ids below 2^28 (every vocabulary); longer ones take the full decode
 
 
@@ -257,22 +267,6 @@ def invalid_reason(raw: bytes, max_group_bytes: int) -> str | None:
 # -- encoding a GetResponse from stored bytes ------------------------------------------------
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _length_delimited(field_number: int, payload: bytes) -> list[bytes]:
-    return [_varint(field_number << 3 | 2), _varint(len(payload)), payload]
-
-
 # Upper bounds of what encode_get_response adds around the stored group bytes (every varint at its
 # longest): the lease, evicted_stale and trainer_version once, and per group the two field headers
 # plus behaviour_version, staleness, redeliveries and accepted_at. Get budgets its batch with them.
@@ -310,9 +304,9 @@ def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
             redeliveries=d.redeliveries,
             accepted_at=timestamp(d.group.accepted_at),
         ).SerializeToString()
-        inner = _length_delimited(_GROUP_FIELD, d.group.payload)
+        inner = length_delimited(_GROUP_FIELD, d.group.payload)
         size = sum(len(p) for p in inner) + len(rest)
-        parts += [_varint(_GROUPS_FIELD << 3 | 2), _varint(size), *inner, rest]
+        parts += [varint(_GROUPS_FIELD << 3 | 2), varint(size), *inner, rest]
     return b"".join(parts)
 
 
@@ -321,4 +315,4 @@ _BATCH_FIELD = queue_pb2.DeliverResponse.DESCRIPTOR.fields_by_name["batch"].numb
 
 def delivery(get_response: bytes) -> bytes:
     """A serialized DeliverResponse around a serialized GetResponse (a field header and the bytes)."""
-    return b"".join(_length_delimited(_BATCH_FIELD, get_response))
+    return b"".join(length_delimited(_BATCH_FIELD, get_response))

@@ -135,6 +135,18 @@ class PutStreamResponse(_message.Message):
     reason: ErrorReason
     def __init__(self, outcome: _Optional[_Union[PutOutcome, str]] = ..., depth_groups: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...
 
+class PutBatchRequest(_message.Message):
+    __slots__ = ("puts",)
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    puts: _containers.RepeatedCompositeFieldContainer[PutRequest]
+    def __init__(self, puts: _Optional[_Iterable[_Union[PutRequest, _Mapping]]] = ...) -> None: ...
+
+class PutBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStreamResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStreamResponse, _Mapping]]] = ...) -> None: ...
+
 class GetRequest(_message.Message):
     __slots__ = ("consumer_id", "max_groups", "min_groups", "max_tokens", "lease_duration", "wait", "consumer_version")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -76,6 +76,11 @@ class QueueServiceStub:
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.FromString,
                 _registered_method=True)
+        self.PutBatch = channel.unary_unary(
+                '/tauflow.api.queue.v1.QueueService/PutBatch',
+                request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/tauflow.api.queue.v1.QueueService/Get',
                 request_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.GetRequest.SerializeToString,
@@ -218,6 +223,26 @@ class QueueServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBatch(self, request, context):
+        """Puts several groups in one call, for producers that make them in batches
+        (revision 5): each entry is one group and its ticket, as in PutRequest,
+        and is answered by one entry of `results`, in the same order, as PutStream
+        answers a group. The call returns once every accepted group is on disk
+        (one fsync for the batch). A refused group changes nothing and does not
+        keep the others out.
+        Retry class: idempotent (by the group_id of each entry: after a lost
+        response the producer sends the batch again, and what the queue already
+        holds comes back DUPLICATE).
+        Status: INVALID_ARGUMENT when `puts` is empty or longer than 1024 entries,
+        or an entry's ticket_id is over its bound (the message names the field);
+        RESOURCE_EXHAUSTED when the request is over gRPC's message limit (send
+        fewer groups a call); UNAVAILABLE while draining. Otherwise OK, with the
+        status of each group in its result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """Leases a batch of groups to one consumer until the lease deadline. Groups
         that are too stale for the consumer's version are evicted, never
@@ -345,6 +370,11 @@ def add_QueueServiceServicer_to_server(servicer, server):
                     servicer.PutStream,
                     request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.SerializeToString,
+            ),
+            'PutBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBatch,
+                    request_deserializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchResponse.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
@@ -539,6 +569,33 @@ class QueueService:
             '/tauflow.api.queue.v1.QueueService/PutStream',
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamRequest.SerializeToString,
             tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tauflow.api.queue.v1.QueueService/PutBatch',
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchRequest.SerializeToString,
+            tauflow_dot_api_dot_queue_dot_v1_dot_queue__pb2.PutBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
