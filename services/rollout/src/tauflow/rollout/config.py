@@ -59,7 +59,11 @@ class RolloutConfig(ServiceConfig):
     )
     group_size: int = Field(8, ge=1, description="samples per prompt (G)")
     groups_per_ticket: int = Field(8, ge=1, description="groups reserved and generated together")
-    tickets_in_flight: int = Field(2, ge=1, description="tickets worked on at once (overlap)")
+    tickets_in_flight: int = Field(
+        2,
+        ge=1,
+        description="tickets generated at once; as many more are reserved ahead or being scored and put",
+    )
     sampling: SamplingConfig = SamplingConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     greedy_baseline: bool = Field(
