@@ -105,7 +105,7 @@ def _produced(group_id: str, tokens: int) -> ProducedGroup:
 
 
 class CountingPuts:
-    """Wraps the queue client's one put attempt (on the stream, or unary), counting the attempts."""
+    """Wraps the queue client's one put attempt (in a batch, on the stream, or unary), counting the attempts."""
 
     def __init__(self, client: GrpcQueue) -> None:
         self.attempt = client._put_once
@@ -123,8 +123,12 @@ async def eventually(predicate, timeout_s: float = 15.0) -> None:
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["PutStream", "unary Put"])
-def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(service_process, streaming) -> None:
+@pytest.mark.parametrize(
+    ("batching", "streaming"), [(True, True), (False, True), (False, False)], ids=["PutBatch", "PutStream", "unary Put"]
+)
+def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(
+    service_process, batching: bool, streaming: bool
+) -> None:
     queue = service_process(
         "queue", {"wal.dir": "wal", "max_staleness": -1, "capacity_groups": 1, "max_group_bytes": 4000}
     )
@@ -132,6 +136,7 @@ def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(serv
 
     async def scenario() -> None:
         client = GrpcQueue(queue.address, "r0", ChannelConfig(default_timeout_s=10))
+        client.batching = batching  # (False: as against a queue older than queue.v1 revision 5)
         client.streaming = streaming  # (False: as against a queue older than queue.v1 revision 4)
         stub_calls = CountingPuts(client)
         try:

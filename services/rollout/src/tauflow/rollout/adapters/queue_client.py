@@ -110,42 +110,36 @@ class GrpcQueue:
             raise
 
     async def _put_once(self, request: queue_pb2.PutStreamRequest, raw: bytes) -> None:
-        # A group over the batch's byte bound goes alone (a batch over gRPC's limit would fail every group
-        # in it); one that fails for the message limit all the same goes alone as a unary Put, which fails
-        # with the right error for it only.
-        if self.batching and len(raw) <= self.put_batch.max_bytes:
+        # The ways, best first: in a batch, on the stream, alone. A group over a way's byte bound takes the
+        # next (a message over gRPC's limit would fail every group of its batch or stream); one whose batch
+        # or stream the message limit ended all the same goes alone as a unary Put, which fails with the
+        # right error for it only.
+        ways = (
+            ("batching", "PutBatch", 5, self.put_batch.max_bytes, lambda: self.put_batch.request(raw)),
+            (
+                "streaming",
+                "PutStream",
+                4,
+                self.max_send_bytes,
+                lambda: self.put_stream.request(raw, self.put_timeout_s),
+            ),
+        )
+        for switch, method, revision, max_bytes, send in ways:
+            if not getattr(self, switch) or len(raw) > max_bytes:
+                continue
             try:
-                answer = await self.put_batch.request(raw)
+                answer = await send()
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("the queue has no PutBatch (older than queue.v1 revision 5): putting on a stream")
-                    self.batching = False
-                elif not over_message_limit(e):
+                    log.info(f"the queue has no {method} (older than queue.v1 revision {revision}): the next way")
+                    setattr(self, switch, False)
+                    continue
+                if not over_message_limit(e):
                     raise
-                else:
-                    await self._put_unary(request)
-                    return
-            else:
-                if answer.code:
-                    raise _refusal(answer)
-                return
-        # A message over gRPC's limit would end the stream, failing every group on it: such a group goes
-        # alone as a unary Put, which fails with the right error for it only.
-        if self.streaming and len(raw) <= self.max_send_bytes:
-            try:
-                answer = await self.put_stream.request(raw, self.put_timeout_s)
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("the queue has no PutStream (older than queue.v1 revision 4): putting with unary calls")
-                    self.streaming = False
-                elif not over_message_limit(e):
-                    raise
-                # else: a message over the queue's own limit ended the stream, this group's or another's on
-                # it: this group goes alone as a unary Put, which fails only if it is the one too large
-            else:
-                if answer.code:
-                    raise _refusal(answer)
-                return
+                break
+            if answer.code:
+                raise _refusal(answer)
+            return
         await self._put_unary(request)
 
     async def _put_unary(self, request: queue_pb2.PutStreamRequest) -> None:
