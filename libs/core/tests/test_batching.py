@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tauflow.core.batching import CallBatcher
+from tauflow.core.batching import BatcherClosed, CallBatcher
 
 
 class Recorder:
@@ -59,10 +59,12 @@ async def test_a_failed_call_fails_each_of_its_callers_and_a_cancelled_caller_le
     assert send.calls == [[b"a", b"b"]]
 
 
-async def test_closing_cancels_the_callers_of_the_calls_in_flight() -> None:
+async def test_closing_fails_the_callers_in_flight_and_refuses_new_requests() -> None:
     batcher = CallBatcher(Recorder(delay_s=10), max_items=10, max_bytes=100)
     waiting = asyncio.ensure_future(batcher.request(b"a"))
     await asyncio.sleep(0.01)
     await batcher.close()
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(BatcherClosed):  # a failure the caller sees, not a cancellation it never asked for
         await waiting
+    with pytest.raises(BatcherClosed):
+        await batcher.request(b"b")

@@ -313,3 +313,28 @@ async def test_a_broken_log_refuses_even_duplicates_and_ends_the_service(tmp_pat
     assert [c.name for c in aborted] == ["UNAVAILABLE"]
     with pytest.raises(RuntimeError, match="write-ahead log is broken"):
         await asyncio.wait_for(servicer.watch_log(), 5)
+
+
+async def test_a_duplicate_is_answered_only_once_its_first_copy_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    wal = WriteAheadLog(tmp_path / "q.wal")
+    q_ = QueueState(QueueConfig(max_staleness=-1), wal)
+    servicer = QueueServicer(q_, QueueConfig(max_staleness=-1), QueueMetrics(CollectorRegistry()))
+    synced = threading.Event()
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.wait(10), real_fsync(fd)))  # the disk is slow
+    put = wire.PutRequestView(group=make_group("g").SerializeToString())
+    first = asyncio.create_task(servicer.Put(put, _Context()))
+    await asyncio.sleep(0.1)
+    again = asyncio.create_task(servicer.Put(put, _Context()))  # a retry while the first copy is being synced
+    await asyncio.sleep(0.2)
+    assert not again.done()  # no DUPLICATE before the fsync: it vouches for g as OK does
+    synced.set()
+    answers = await asyncio.wait_for(asyncio.gather(first, again), 10)
+    assert [a.outcome for a in answers] == [q.PUT_OUTCOME_ACCEPTED, q.PUT_OUTCOME_DUPLICATE]

@@ -31,9 +31,12 @@ class CallBatcher(Generic[A]):
         self._pending_bytes = 0
         self._flush_scheduled = False
         self._calls: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def request(self, item: bytes) -> A:
         """The answer to ``item`` (an item over ``max_bytes`` goes alone)."""
+        if self._closed:
+            raise BatcherClosed("the client is closed")
         loop = asyncio.get_running_loop()
         if self._pending and (len(self._pending) >= self.max_items or self._pending_bytes + len(item) > self.max_bytes):
             self._flush()  # the batch is full: it goes now, this item starts the next
@@ -67,16 +70,27 @@ class CallBatcher(Generic[A]):
                 if not answer.done():
                     answer.set_exception(e)
             return
-        except BaseException:  # the batcher closes: its callers are cancelled
+        except BaseException:  # the batcher closes: its callers learn it (they were not cancelled)
             for _, answer in batch:
-                answer.cancel()
+                if not answer.done():
+                    answer.set_exception(BatcherClosed("the client closed while the call was in flight"))
             raise
         for (_, answer), value in zip(batch, answers, strict=True):
             if not answer.done():  # (a caller cancelled meanwhile)
                 answer.set_result(value)
 
     async def close(self) -> None:
-        """Cancels the batch calls in flight (their callers get CancelledError)."""
+        """Refuses new requests and ends the calls in flight; their callers, and those whose batch had not
+        gone out yet, get BatcherClosed."""
+        self._closed = True
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        for _, answer in batch:
+            if not answer.done():
+                answer.set_exception(BatcherClosed("the client closed before the call went out"))
         for call in list(self._calls):
             call.cancel()
         await asyncio.gather(*self._calls, return_exceptions=True)
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was closed: no call was or will be made for the request (not worth retrying)."""

@@ -128,7 +128,7 @@ class Producer:
                 task.cancel()
             # Runs while the producer is being cancelled (the service stops): shielded, so that a second
             # cancellation does not cut the releases short.
-            await asyncio.shield(self._stop(workers.cancel_all()))
+            await asyncio.shield(self._stop(reservers + workers.cancel_all()))
 
     async def _reserve_forever(self, workers: _Workers) -> None:
         while True:

@@ -259,9 +259,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
             raise WalWriteError(errno.EIO, self.state.wal.broken)
         accepted, depth = self.state.put(record, request.ticket_id, owner)
+        if self.state.wal is not None:
+            # (a duplicate too: its first copy's record may still await its fsync, and DUPLICATE vouches
+            # for it as OK does)
+            await self.state.wal.commit()
         if accepted:
-            if self.state.wal is not None:
-                await self.state.wal.commit()
             self.metrics.put_groups.inc()
             self.metrics.put_bytes.inc(record.size)
             for kind, n in weights.parts.items():
@@ -327,8 +329,9 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     pending.cancel()
 
     async def PutBatch(self, request: Any, context: grpc.aio.ServicerContext) -> queue_pb2.PutBatchResponse:
-        """Put for several groups in one call: each entry answered as PutStream answers a group. They are
-        validated and appended in order, then share one fsync."""
+        """Put for several groups in one call: each entry answered as PutStream answers a group, in order.
+        Each is validated and stored as Put stores it (an entry with media after its media are checked),
+        and they share one fsync."""
 
         async def run() -> queue_pb2.PutBatchResponse:
             if not request.puts:

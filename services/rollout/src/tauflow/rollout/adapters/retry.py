@@ -41,11 +41,12 @@ def transient(e: BaseException, never_fits: NeverFits = over_message_limit) -> b
     return isinstance(e, grpc.aio.AioRpcError) and e.code() in TRANSIENT and not never_fits(e)
 
 
-def until_it_works(never_fits: NeverFits = over_message_limit) -> AsyncRetrying:
-    """Retries an idempotent call while ``transient``."""
+def until_it_works(never_fits: NeverFits = over_message_limit, first_wait_s: float | None = None) -> AsyncRetrying:
+    """Retries an idempotent call while ``transient``, waiting ``first_wait_s`` (default FIRST_WAIT_S) after
+    the first failure, twice that after the next, and so on up to 5 s."""
     return AsyncRetrying(
         retry=retry_if_exception(lambda e: transient(e, never_fits)),
-        wait=wait_exponential(FIRST_WAIT_S, max=5.0),
+        wait=wait_exponential(FIRST_WAIT_S if first_wait_s is None else first_wait_s, max=5.0),
         reraise=True,
     )
 
@@ -59,7 +60,7 @@ async def call_until_it_works(call: Callable[[], Awaitable[T]], never_fits: Neve
         if not transient(e, never_fits):
             raise
     await asyncio.sleep(FIRST_WAIT_S)
-    async for attempt in until_it_works(never_fits):
+    async for attempt in until_it_works(never_fits, first_wait_s=2 * FIRST_WAIT_S):  # (the backoff goes on)
         with attempt:
             return await call()
     raise AssertionError("unreachable: tenacity returns or raises")  # (for the type checker)
