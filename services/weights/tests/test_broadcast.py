@@ -86,3 +86,19 @@ def test_join_refuses_a_group_larger_than_max_group_ranks_and_changes_nothing() 
     assert set(membership.members) == {"a"} and membership.epoch == epoch
     membership.join("b", "127.0.0.1:2", 24, ("gloo",), None, "")  # exactly at the bound
     assert set(membership.members) == {"a", "b"}
+
+
+async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_not_a_repeat() -> None:
+    """A member killed and restarted on the same address before the sidecar noticed joins with older
+    weights than it confirmed: it is in no group, so it must be brought up to date, not ignored (a stalled
+    run, before the fix: its data could never be made, so no new version came to reach it)."""
+    release, called = asyncio.Event(), asyncio.Event()
+    sidecar = Sidecar(WeightsConfig(), FakeStore(), lambda address: FakeMember(release, called))
+    membership = sidecar.membership
+    membership.join("r", "127.0.0.1:1", 1, ("gloo",), 0, "")
+    membership.members["r"].confirmed_version = 49  # (as ConfirmVersion records it after a broadcast)
+    epoch = membership.epoch
+    assert membership.join("r", "127.0.0.1:1", 1, ("gloo",), 49, "") == epoch + 1  # a repeat: nothing changes
+    assert membership.members["r"].confirmed_version == 49
+    assert membership.join("r", "127.0.0.1:1", 1, ("gloo",), 0, "") == epoch + 1  # the restarted process
+    assert membership.members["r"].confirmed_version == 0  # re-added: the next broadcast brings it up to date

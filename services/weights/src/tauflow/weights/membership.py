@@ -145,8 +145,17 @@ class Membership:
         old = self.members.get(member_id)
         # A Join repeated by a live member changes nothing. A LEAVING member said it was going: a Join under its
         # id is its restarted process (a rolling restart reuses the id and the port), a new member to bring up
-        # to date, which must not be mistaken for the old one (it would never get a broadcast).
-        if old is not None and old.state in (MemberState.JOINING, MemberState.ACTIVE) and old.address == address:
+        # to date, which must not be mistaken for the old one (it would never get a broadcast). So is a Join
+        # whose loaded version is not the one the member confirmed: a process killed and restarted on the same
+        # port before the sidecar noticed, which serves older weights and is in no group (left as it was, it
+        # would wait for a broadcast that only its data could bring about).
+        repeated = loaded_version is None or old is None or loaded_version == old.confirmed_version
+        if (
+            old is not None
+            and old.state in (MemberState.JOINING, MemberState.ACTIVE)
+            and old.address == address
+            and repeated
+        ):
             return self.epoch if old.state is MemberState.ACTIVE else self.epoch + 1
         live = [m for m in self.members.values() if m.state is not MemberState.FAILED and m.member_id != member_id]
         if len(live) >= self.config.max_members:
