@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -347,6 +348,19 @@ def test_a_format_1_log_opens_and_is_rewritten_as_format_2(tmp_path: Path) -> No
     q2.put(group("new"))
     close(q2)
     assert summary(open_state(path))["pending"] == before["pending"] + ["new"]
+
+
+def test_frame_checksums_are_zlibs_crc32_so_logs_stay_readable_by_any_build() -> None:
+    # The frames' crcs come from zlib-ng (faster); they must be the values zlib.crc32 gives, which every
+    # log written before, and every reader, uses.
+    fmt = FormatV2.new()
+    rng = random.Random(7)
+    for size in (0, 1, 63, 4096, 1 << 20):
+        meta, blob = b'{"k":1}', rng.randbytes(size)
+        head = fmt.frame(PUT, 3, meta, blob)[0]
+        *_, meta_crc, blob_crc = struct.unpack_from("<4sBQIIII", head)
+        assert (meta_crc, blob_crc) == (zlib.crc32(meta), zlib.crc32(blob))
+    assert fmt.file_header()[-4:] == struct.pack("<I", zlib.crc32(MAGIC_V2 + fmt.key))
 
 
 def test_a_damaged_format_1_log_is_refused_then_recovered_past(tmp_path: Path) -> None:

@@ -121,6 +121,9 @@ def test_spliced_get_response_decodes_like_a_built_one() -> None:
     assert [d.redeliveries for d in decoded.groups] == [0, 1, 2]
     assert all(d.staleness == 2 and d.behaviour_version == 2 for d in decoded.groups)
     assert decoded.groups[1].accepted_at.ToNanoseconds() == int((1700000001.25) * 1e9)
+    # Deliver's answer wraps the same pieces: its batch is that GetResponse
+    delivered = queue_pb2.DeliverResponse.FromString(wire.delivery(wire.get_response_parts(result, 4)))
+    assert delivered.batch == stamped
 
 
 def test_get_response_overhead_stays_within_the_budget_get_counts() -> None:

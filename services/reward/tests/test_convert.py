@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 from google.protobuf import duration_pb2, struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.reward.adapters import convert
@@ -123,6 +125,38 @@ def test_every_string_and_list_of_a_group_is_bounded(edit: dict[str, Any], field
         convert.groups_from_proto(_with(**edit), uses_token_ids=False, limits=LIMITS)
     assert e.value.field == field and f"(limits.{key})" in str(e.value) and str(e.value).startswith(field + ": ")
     convert.groups_from_proto(request_groups(), uses_token_ids=False, limits=LIMITS)  # the unedited groups pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sample_id=st.text(max_size=6),
+    text=st.text(max_size=6),
+    tokens=st.lists(st.integers(0, (1 << 31) - 1), max_size=6),
+    logprobs=st.lists(st.floats(-50, 0), max_size=6),
+    mask=st.lists(st.booleans(), max_size=6),
+    limit=st.integers(1, 8),
+    token_limit=st.integers(0, 8),
+)
+def test_the_quick_bound_check_accepts_only_what_the_field_by_field_check_accepts(
+    sample_id: str,
+    text: str,
+    tokens: list[int],
+    logprobs: list[float],
+    mask: list[bool],
+    limit: int,
+    token_limit: int,
+) -> None:
+    sample = common_pb2.Sample(
+        sample_id=sample_id,
+        completion_text=text,
+        completion_token_ids=tokens,
+        prompt_token_ids=tokens[:2],
+        behaviour_logprobs=logprobs,
+        loss_mask=mask,
+    )
+    limits = LimitsConfig(max_id_chars=limit, max_text_chars=limit, max_tokens_per_sample=token_limit)
+    if convert._sample_in_bounds(sample, limits):
+        convert._check_sample("s", sample, limits)  # raises if the quick check let an oversized field through
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ then the JSON meta and the blob. ``tag`` is a BLAKE2b of the 29 bytes before it,
 key: bytes a client controls (a group's payload) cannot pass for a frame, because the key never leaves
 the file. ``marker`` is derived from the key too, so recovery finds frame candidates past damage with
 one memory search. The body is covered by plain crc32s (cheap over 1 MB groups) that the tag covers in
-turn. ``seq`` numbers the records of a file from 0, so recovery can say which records a damaged stretch
+turn. They are zlib's crc32, computed by zlib-ng's (the same values, 4-5x faster than the system zlib's:
+0.07 against 0.32 ms per MB here). ``seq`` numbers the records of a file from 0, so recovery can say which records a damaged stretch
 held. A frame whose tag checks has trustworthy lengths: its extent is known even when its body is bad.
 
 Format 1 (read, then rewritten as format 2): ``TAUFLOW-QUEUE-WAL\\x01\\n``, then frames of
@@ -24,11 +25,12 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from zlib_ng.zlib_ng import crc32
 
 MAGIC_V1 = b"TAUFLOW-QUEUE-WAL\x01\n"
 MAGIC_V2 = b"TAUFLOW-QUEUE-WAL\x02\n"
@@ -85,10 +87,10 @@ class FormatV2:
 
     def file_header(self) -> bytes:
         head = MAGIC_V2 + self.key
-        return head + _FILE_CRC.pack(zlib.crc32(head))
+        return head + _FILE_CRC.pack(crc32(head))
 
     def frame(self, kind: int, seq: int, meta: bytes, blob: bytes) -> list[bytes]:
-        head = _HEAD_V2.pack(self.marker, kind, seq, len(meta), len(blob), zlib.crc32(meta), zlib.crc32(blob))
+        head = _HEAD_V2.pack(self.marker, kind, seq, len(meta), len(blob), crc32(meta), crc32(blob))
         return [head + self._tag(head), meta, blob]
 
     def _tag(self, head: bytes) -> bytes:
@@ -106,15 +108,15 @@ class FormatV2:
             meta = None
             if meta_len <= min(_SALVAGE_META_BYTES, end - body):
                 meta = mm[body : body + meta_len]
-                meta = meta if meta_len and zlib.crc32(meta) == meta_crc else None
+                meta = meta if meta_len and crc32(meta) == meta_crc else None
             return Bad(pos, "header", meta=meta)
         if meta_len + blob_len > end - body:  # lengths are trustworthy here (the tag checked them)
             return Bad(pos, "partial", seq)
         meta = mm[body : body + meta_len]
-        if zlib.crc32(meta) != meta_crc:
+        if crc32(meta) != meta_crc:
             return Bad(pos, "checksum", seq)
         blob = mm[body + meta_len : body + meta_len + blob_len]
-        if zlib.crc32(blob) != blob_crc:
+        if crc32(blob) != blob_crc:
             return Bad(pos, "checksum", seq, meta)
         return Frame(pos, body + meta_len + blob_len, kind, seq, meta, blob)
 
@@ -137,7 +139,7 @@ class FormatV1:
         if meta_len + blob_len > end - body:
             return Bad(pos, "partial")  # a torn header or garbage lengths: never allocated
         meta, blob = mm[body : body + meta_len], mm[body + meta_len : body + meta_len + blob_len]
-        if zlib.crc32(blob, zlib.crc32(meta)) != crc:
+        if crc32(blob, crc32(meta)) != crc:
             return Bad(pos, "checksum", meta=meta if meta.startswith(b'{"') else None)
         if not meta.startswith(b"{"):
             return Bad(pos, "checksum")  # e.g. zeros: an all-zero header has a valid crc and no meta
@@ -161,7 +163,7 @@ def open_format(mm: mmap.mmap) -> tuple[Format, int]:
     if mm[: len(MAGIC_V2)] != MAGIC_V2:
         raise BadHeader("it is not a tauflow queue log (unknown file header)")
     end = len(MAGIC_V2) + _KEY_BYTES
-    if len(mm) < end + _FILE_CRC.size or _FILE_CRC.unpack_from(mm, end)[0] != zlib.crc32(mm[:end]):
+    if len(mm) < end + _FILE_CRC.size or _FILE_CRC.unpack_from(mm, end)[0] != crc32(mm[:end]):
         raise BadHeader("its file header is damaged (no record can be checked without it)")
     return FormatV2(mm[len(MAGIC_V2) : end]), end + _FILE_CRC.size
 

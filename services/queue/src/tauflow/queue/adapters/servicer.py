@@ -362,8 +362,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         outcome = queue_pb2.PUT_OUTCOME_ACCEPTED if accepted else queue_pb2.PUT_OUTCOME_DUPLICATE
         return queue_pb2.PutStreamResponse(outcome=outcome, depth_groups=depth)
 
-    async def _get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
-        """Leases one batch (or none within the wait); the GetResponse serialized. Get and Deliver."""
+    async def _get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> list[bytes]:
+        """Leases one batch (or none within the wait); the GetResponse serialized, in pieces. Get and Deliver."""
         consumer_version = request.consumer_version if request.HasField("consumer_version") else None
         lease_s = _seconds(request.lease_duration, "lease_duration")
         wait_s = _seconds(request.wait, "wait")
@@ -394,16 +394,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         result = await self._poll(context, wait_s, attempt, _Wants.GROUPS, request.min_groups)
         if result is None:
             empty = queue_pb2.GetResponse(evicted_stale=evicted, trainer_version=self.state.trainer_version)
-            return empty.SerializeToString()
+            return [empty.SerializeToString()]
         result.evicted_stale = evicted
         self.metrics.delivered_groups.inc(len(result.deliveries))
         for d in result.deliveries:
             self.metrics.delivered_staleness.observe(d.staleness)
         self._notify()
-        return wire.encode_get_response(result, self.state.trainer_version)
+        return wire.get_response_parts(result, self.state.trainer_version)
 
     async def Get(self, request: queue_pb2.GetRequest, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._call(context, "Get", lambda: self._get(request, context))
+        return b"".join(await self._call(context, "Get", lambda: self._get(request, context)))
 
     async def Deliver(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Get on one stream: each request is answered, in turn, by the batch it asks for."""

@@ -289,8 +289,9 @@ _GROUP_FIELD = queue_pb2.DeliveredGroup.DESCRIPTOR.fields_by_name["group"].numbe
 _GROUPS_FIELD = queue_pb2.GetResponse.DESCRIPTOR.fields_by_name["groups"].number
 
 
-def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
-    """The serialized GetResponse, with each stored group spliced in as is."""
+def get_response_parts(result: GetResult, trainer_version: int) -> list[bytes]:
+    """The serialized GetResponse in pieces, each stored group spliced in as is: ``Get`` joins them,
+    ``Deliver`` wraps them (``delivery``), so that a group's bytes are copied once into the answer."""
     head = queue_pb2.GetResponse(evicted_stale=result.evicted_stale, trainer_version=trainer_version)
     if result.lease is not None:
         head.lease.CopyFrom(convert.lease_to_proto(result.lease))
@@ -307,12 +308,18 @@ def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
         inner = length_delimited(_GROUP_FIELD, d.group.payload)
         size = sum(len(p) for p in inner) + len(rest)
         parts += [varint(_GROUPS_FIELD << 3 | 2), varint(size), *inner, rest]
-    return b"".join(parts)
+    return parts
+
+
+def encode_get_response(result: GetResult, trainer_version: int) -> bytes:
+    """The serialized GetResponse, with each stored group spliced in as is."""
+    return b"".join(get_response_parts(result, trainer_version))
 
 
 _BATCH_FIELD = queue_pb2.DeliverResponse.DESCRIPTOR.fields_by_name["batch"].number
 
 
-def delivery(get_response: bytes) -> bytes:
-    """A serialized DeliverResponse around a serialized GetResponse (a field header and the bytes)."""
-    return b"".join(length_delimited(_BATCH_FIELD, get_response))
+def delivery(get_response: list[bytes]) -> bytes:
+    """A serialized DeliverResponse around a GetResponse's pieces (``get_response_parts``)."""
+    size = sum(len(p) for p in get_response)
+    return b"".join([varint(_BATCH_FIELD << 3 | 2), varint(size), *get_response])

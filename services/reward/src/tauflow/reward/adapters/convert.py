@@ -136,16 +136,12 @@ def _check_sample(at: str, s: common_pb2.Sample, limits: LimitsConfig) -> None:
 
 
 def _sample_in_bounds(s: common_pb2.Sample, limits: LimitsConfig) -> bool:
-    """The common case at a glance (one expression, no path built); ``_check_sample`` names what is not."""
-    tokens = limits.max_tokens_per_sample
+    """The common case at a glance (one expression, no path built); ``_check_sample`` names what is not.
+    A sample's serialized size bounds its text's characters and every list's length (each value takes at
+    least a byte), so one ``ByteSize`` (in C) stands for a length check per field."""
     return (
         len(s.sample_id) <= limits.max_id_chars
-        and len(s.completion_text) <= limits.max_text_chars
-        and len(s.completion_token_ids) <= tokens
-        and len(s.prompt_token_ids) <= tokens
-        and len(s.behaviour_logprobs) <= tokens
-        and len(s.token_versions) <= tokens
-        and len(s.loss_mask) <= tokens
+        and s.ByteSize() <= min(limits.max_text_chars, limits.max_tokens_per_sample)
         and not s.metadata
         and not s.HasField("reward")
     )
@@ -175,7 +171,8 @@ def groups_from_proto(
         sample_ids: dict[str, int] = {}
         samples = []
         for j, s in enumerate(g.samples):
-            if not _sample_in_bounds(s, limits):
+            plain = _sample_in_bounds(s, limits)  # (then its metadata is empty)
+            if not plain:
                 _check_sample(f"{at}.samples[{j}]", s, limits)
             sid = s.sample_id
             if sid in sample_ids:
@@ -188,7 +185,7 @@ def groups_from_proto(
                 SampleInput(
                     sample_id=sid,
                     completion_text=s.completion_text,
-                    metadata=dict(s.metadata),
+                    metadata={} if plain else dict(s.metadata),
                     group_metadata=group_meta,
                     group_id=gid,
                     prompt_id=g.prompt_id,
