@@ -67,7 +67,14 @@ SAMPLES_PER_GROUP = 8
 VOCAB = 151_936
 TARGET_RATIO = 0.7  # the issue's target: queue >= 0.7 x echo at 1 MB
 TARGET_RATIOS = {"1MB": TARGET_RATIO, "64KB": 0.5}  # (issue #17: the streaming path, >= 0.5 at 64 KB)
-TRANSPORTS = {"unary": ("unary",), "stream": ("stream",), "both": ("unary", "stream")}
+TRANSPORTS = {
+    "unary": ("unary",),
+    "stream": ("stream",),
+    "batch": ("batch",),
+    "both": ("unary", "stream"),
+    "all": ("unary", "stream", "batch"),
+}
+BATCH_NAME = {"unary": "queue", "stream": "queue-stream", "batch": "queue-batch"}
 
 
 # -- subprocesses ----------------------------------------------------------------------
@@ -298,6 +305,7 @@ class QueueClient:
     channel: grpc.aio.Channel
     mode: str
     streaming: bool = False
+    batch_groups: int = 0  # > 0: PutBatch of this many groups a call (and Deliver), as the rollout puts
 
     def __post_init__(self) -> None:
         self.stub = queue_pb2_grpc.QueueServiceStub(self.channel)
@@ -322,6 +330,10 @@ class QueueClient:
         )
         self.put_stream = OrderedStream(lambda lifetime_s: put_stream(timeout=lifetime_s))
         self.deliver = OrderedStream(lambda lifetime_s: deliver(timeout=lifetime_s))
+        self.put_batch = self.channel.unary_unary(
+            base + "PutBatch", request_serializer=None if raw else queue_pb2.PutBatchRequest.SerializeToString,
+            response_deserializer=queue_pb2.PutBatchResponse.FromString,
+        )
 
 
 async def run_queue(
@@ -353,6 +365,9 @@ async def run_queue(
         req = queue_pb2.PutStreamRequest() if client.streaming else queue_pb2.PutRequest()
         req.group.CopyFrom(template)  # once per producer: a real producer serializes its group, no more
         while next_index < n:
+            if client.batch_groups:
+                await put_batch()
+                continue
             gid = f"{prefix}-{next_index:06d}"
             next_index += 1
             if raw:
@@ -371,6 +386,26 @@ async def run_queue(
                 resp = await stub.Put(message, timeout=120)
             if resp.outcome != queue_pb2.PUT_OUTCOME_ACCEPTED:
                 raise RuntimeError(f"put {gid}: outcome {resp.outcome}")
+
+    async def put_batch() -> None:
+        nonlocal next_index
+        ids = [f"{prefix}-{i:06d}" for i in range(next_index, min(n, next_index + client.batch_groups))]
+        next_index += len(ids)
+        if raw:  # a PutBatchRequest is its PutRequests (field 1), each a group (field 1)
+            message: Any = b"".join(
+                _length_delimited(1, _length_delimited(1, _length_delimited(1, gid.encode()) + body_bytes))
+                for gid in ids
+            )
+        else:
+            message = queue_pb2.PutBatchRequest()
+            for gid in ids:
+                put = message.puts.add()
+                put.group.CopyFrom(template)
+                put.group.group_id = gid
+        resp = await client.put_batch(message, timeout=120)
+        for gid, result in zip(ids, resp.results, strict=True):
+            if result.code or result.outcome != queue_pb2.PUT_OUTCOME_ACCEPTED:
+                raise RuntimeError(f"put {gid}: status {result.code} {result.message} outcome {result.outcome}")
 
     gets = 0
     seen: set[str] = set()
@@ -499,12 +534,12 @@ async def bench(args: argparse.Namespace, servers: Servers, workdir: Path) -> di
     queue_variants: dict[str, tuple[str, list[str]]] = {}
     streaming: dict[str, bool] = {}
     for transport in TRANSPORTS[args.transport]:
-        name = "queue" if transport == "unary" else "queue-stream"
+        name = BATCH_NAME[transport]
         queue_variants[f"{name}(fsync={args.fsync})"] = (args.fsync, sizes)
         if args.fsync != "never" and "1MB" in sizes and not args.no_fsync_never_row:
             queue_variants[f"{name}(fsync=never)"] = ("never", ["1MB"])
     for variant in queue_variants:
-        streaming[variant] = variant.startswith("queue-stream")
+        streaming[variant] = variant.startswith(("queue-stream", "queue-batch"))  # (a batch's consumer: Deliver)
     queues: dict[str, Server] = {}
     for i, (variant, (fsync, _)) in enumerate(queue_variants.items()):
         wal_dir = Path(tempfile.mkdtemp(prefix=f"wal{i}-", dir=args.wal_parent or workdir))
@@ -517,7 +552,8 @@ async def bench(args: argparse.Namespace, servers: Servers, workdir: Path) -> di
     for variant, server in queues.items():
         ch = create_channel(f"{HOST}:{server.port}", [QUEUE_SERVICE])
         channels.append(ch)
-        clients[variant] = QueueClient(ch, args.client, streaming[variant])
+        batch_groups = args.batch_groups if variant.startswith("queue-batch") else 0
+        clients[variant] = QueueClient(ch, args.client, streaming[variant], batch_groups)
 
     run_id = f"{os.getpid():x}{int(time.time()):x}"
     seq = 0
@@ -620,8 +656,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client", default="proto", choices=["proto", "raw"],
                    help="proto: generated stubs, groups encoded/decoded as messages (a real client); "
                    "raw: groups sent and received as opaque bytes, like the echo (isolates the service)")
-    p.add_argument("--transport", default="both", choices=list(TRANSPORTS),
-                   help="unary: Put and Get; stream: PutStream and Deliver (queue.v1 revision 4); both (default)")
+    p.add_argument("--transport", default="all", choices=list(TRANSPORTS),
+                   help="unary: Put and Get; stream: PutStream and Deliver (queue.v1 revision 4); batch: PutBatch "
+                   "(revision 5) and Deliver, as the rollout and the trainer call them; both: unary and stream; "
+                   "all (default)")
+    p.add_argument("--batch-groups", type=int, default=16,
+                   help="groups per PutBatch call (default 16: a ticket of the embedded default)")
     p.add_argument("--put-concurrency", type=int, default=4, help="Puts in flight at once (default 4)")
     p.add_argument("--get-max-groups", type=int, default=8, help="max_groups of each Get (default 8)")
     p.add_argument("--get-wait-ms", type=float, default=50.0, help="long-poll wait of each Get (default 50)")
