@@ -630,6 +630,7 @@ async def bench(args: argparse.Namespace, servers: Servers, workdir: Path) -> di
         "wal_fs": f"{wal_parent} ({_fs_type(wal_parent)})",
         "transport": args.transport,
         "put_concurrency": args.put_concurrency,
+        "batch_groups": args.batch_groups,
         "get_max_groups": args.get_max_groups,
         "get_wait_ms": args.get_wait_ms,
         "queue_set": args.queue_set,
@@ -642,6 +643,13 @@ async def bench(args: argparse.Namespace, servers: Servers, workdir: Path) -> di
         "queue_stats": stats,
         "runs": [{**asdict(r), "mb_per_s": r.mb_per_s, "msgs_per_s": r.msgs_per_s} for r in results],
     }
+
+
+def _batch_groups(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 1024:  # (the queue's MAX_PUT_BATCH)
+        raise argparse.ArgumentTypeError(f"{n}: a PutBatch holds 1 to 1024 groups")
+    return n
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -660,7 +668,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="unary: Put and Get; stream: PutStream and Deliver (queue.v1 revision 4); batch: PutBatch "
                    "(revision 5) and Deliver, as the rollout and the trainer call them; both: unary and stream; "
                    "all (default)")
-    p.add_argument("--batch-groups", type=int, default=16,
+    p.add_argument("--batch-groups", type=_batch_groups, default=16,
                    help="groups per PutBatch call (default 16: a ticket of the embedded default)")
     p.add_argument("--put-concurrency", type=int, default=4, help="Puts in flight at once (default 4)")
     p.add_argument("--get-max-groups", type=int, default=8, help="max_groups of each Get (default 8)")
@@ -707,7 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{report['rounds']} rounds, medians; MB = 10^6 bytes, one direction"
         )
         print(
-            f"queue: max_staleness=-1, {report['put_concurrency']} Puts in flight, Get max_groups="
+            f"queue: max_staleness=-1, {report['put_concurrency']} Puts (batch: PutBatches of "
+            f"{report['batch_groups']} groups) in flight, Get max_groups="
             f"{report['get_max_groups']} wait={report['get_wait_ms']:g}ms then Ack, {report['client']} client; "
             f"fsync policy: {args.fsync} (+ never row at 1MB); WAL on {report['wal_fs']}"
         )

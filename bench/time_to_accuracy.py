@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -79,7 +80,12 @@ def analyse(summary: dict, targets: list[float]) -> dict:
 
 
 def _median(values: list[float]) -> float | None:
+    values = [v for v in values if not math.isnan(v)]  # (NaN: a run with no step that waited)
     return statistics.median(values) if values else None
+
+
+def _cell(value: float | None) -> str:
+    return f"{value:>6.3f}" if value is not None else f"{'-':>6}"
 
 
 def summarize(runs: dict[int, dict[int, dict]], targets: list[float]) -> dict[int, dict]:
@@ -97,7 +103,8 @@ def summarize(runs: dict[int, dict[int, dict]], targets: list[float]) -> dict[in
         for key in ("step_s", "wait_s", "train_s", "publish_share", "final_accuracy", "overlap"):
             values = [r[key] for r in by_seed.values() if r.get(key) is not None]
             row[key] = _median(values)
-        row["min_final_accuracy"] = min(r["final_accuracy"] for r in by_seed.values())
+        finals = [r["final_accuracy"] for r in by_seed.values() if r["final_accuracy"] is not None]
+        row["min_final_accuracy"] = min(finals) if finals else None  # (None: a run without evaluations)
         table[tau] = row
     return table
 
@@ -152,8 +159,8 @@ def main() -> None:
         overlap = f"{row['overlap']:.0%}" if row["overlap"] is not None else "-"
         print(
             f"{tau:>4} " + " ".join(cells) + f" {row['step_s']:>7.3f} {row['wait_s']:>7.3f} {overlap:>7}"
-            f" {row['train_s']:>7.3f} {row['publish_share']:>12.1%} {row['final_accuracy']:>6.3f}"
-            f" {row['min_final_accuracy']:>6.3f}"
+            f" {row['train_s']:>7.3f} {row['publish_share']:>12.1%} {_cell(row['final_accuracy'])}"
+            f" {_cell(row['min_final_accuracy'])}"
         )
     print("BENCH_JSON " + json.dumps({"targets": targets, "seeds": seeds, "table": table, "runs": runs}))
 
