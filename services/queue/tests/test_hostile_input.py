@@ -140,6 +140,9 @@ def test_bad_numbers_are_invalid_arguments_naming_the_field() -> None:
         (lambda g: g.samples[0].metadata.update({"k" * 300: "v"}), "samples[0].metadata"),
         (lambda g: setattr(g.samples[1].reward, "message", "m" * 5000), "samples[1].reward.message"),
         (lambda g: setattr(g.samples[1], "sample_id", "s" * 300), "samples[1].sample_id"),
+        (lambda g: setattr(g.samples[1], "sample_id", g.samples[0].sample_id), "samples[1].sample_id"),  # a repeat
+        (lambda g: setattr(g.samples[0].reward, "score", math.nan), "samples[0].reward.score"),
+        (lambda g: g.samples[1].reward.components.update({f"c{i}": 1.0 for i in range(65)}), "samples[1].reward"),
     ],
 )
 def test_every_string_and_list_of_a_group_has_a_bound(mutate, field: str) -> None:

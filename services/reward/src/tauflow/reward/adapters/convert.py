@@ -137,11 +137,17 @@ def _check_sample(at: str, s: common_pb2.Sample, limits: LimitsConfig) -> None:
 
 def _sample_in_bounds(s: common_pb2.Sample, limits: LimitsConfig) -> bool:
     """The common case at a glance (one expression, no path built); ``_check_sample`` names what is not.
-    A sample's serialized size bounds its text's characters and every list's length (each value takes at
-    least a byte), so one ``ByteSize`` (in C) stands for a length check per field."""
+    (Not one ``ByteSize``: upb encodes the whole sample for it, which costs more than these lengths for a
+    sample of a thousand tokens.)"""
+    tokens = limits.max_tokens_per_sample
     return (
         len(s.sample_id) <= limits.max_id_chars
-        and s.ByteSize() <= min(limits.max_text_chars, limits.max_tokens_per_sample)
+        and len(s.completion_text) <= limits.max_text_chars
+        and len(s.completion_token_ids) <= tokens
+        and len(s.prompt_token_ids) <= tokens
+        and len(s.behaviour_logprobs) <= tokens
+        and len(s.token_versions) <= tokens
+        and len(s.loss_mask) <= tokens
         and not s.metadata
         and not s.HasField("reward")
     )
