@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -255,6 +256,37 @@ def test_a_restarted_producer_gives_back_its_predecessors_tickets(tmp_path: Path
             grpc.StatusCode.INVALID_ARGUMENT,
             "producer_id must be set",
         )
+    finally:
+        proc.stop()
+
+
+def test_a_producer_released_by_id_has_its_waiting_reserve_answered_ungranted(tmp_path: Path) -> None:
+    """A stopping rollout gives up on its waiting Reserves and then releases by producer id: a Reserve the
+    queue has not yet seen cancelled must not be granted the room that release frees (its ticket would
+    hold pacing room that no one fills until the TTL). Another producer's waiting Reserve is granted it."""
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\n")
+    try:
+        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
+        for request_id in ("r1", "r2"):
+            assert internal.Reserve(
+                q.ReserveRequest(request_id=request_id, producer_id="rollout-0", n_groups=2), timeout=5
+            ).granted
+        wait = Duration(seconds=20)
+        own = internal.Reserve.future(
+            q.ReserveRequest(request_id="r3", producer_id="rollout-0", n_groups=2, wait=wait), timeout=30
+        )
+        other = internal.Reserve.future(
+            q.ReserveRequest(request_id="s1", producer_id="rollout-1", n_groups=2, wait=wait), timeout=30
+        )
+        time.sleep(0.5)  # both wait in line: the queue is at its pacing limit
+        assert not own.done() and not other.done()
+        released = internal.ReleaseProducerReservations(
+            q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5
+        )
+        assert (released.released_tickets, released.released_groups) == (2, 4)
+        assert not own.result(timeout=5).granted  # answered now, not after its 20 s
+        assert other.result(timeout=5).granted
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 2  # rollout-1's ticket only
     finally:
         proc.stop()
 

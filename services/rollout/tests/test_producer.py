@@ -40,14 +40,18 @@ class FakeEngine:
 
 
 class FakeQueue:
-    def __init__(self, too_large: frozenset[str] = frozenset(), release_s: float = 0.0) -> None:
+    def __init__(
+        self, too_large: frozenset[str] = frozenset(), release_s: float = 0.0, release_by_producer: bool = True
+    ) -> None:
         self.groups: list[ProducedGroup] = []
         self.too_large = too_large
         self.release_s = release_s
         self.tickets: list[str] = []
         self.puts: list[tuple[str, str]] = []  # (prompt id, ticket id)
         self.released: list[tuple[str, float | None]] = []
-        self.predecessors_released: int | None = None  # tickets reserved when release_predecessors was called
+        self.predecessors_released: int | None = None  # tickets reserved when release_producer was first called
+        self.release_by_producer = release_by_producer  # False: a queue without ReleaseProducerReservations
+        self.released_by_producer: list[tuple[list[str], float | None]] = []
 
     async def reserve(self, request_id: str, n_groups: int, wait_s: float) -> Ticket | None:
         await asyncio.sleep(0)
@@ -64,9 +68,18 @@ class FakeQueue:
         await asyncio.sleep(self.release_s)
         self.released.append((ticket_id, timeout_s))
 
-    async def release_predecessors(self) -> int:
-        self.predecessors_released = len(self.tickets)  # before any Reserve of this producer
-        return 0
+    async def release_producer(self, timeout_s: float | None = None) -> int | None:
+        if self.predecessors_released is None:
+            self.predecessors_released = len(self.tickets)  # before any Reserve of this producer
+        await asyncio.sleep(self.release_s)
+        if not self.release_by_producer:
+            return None
+        done = {t for t, _ in self.released} | {t for _, t in self.puts}
+        for earlier, _ in self.released_by_producer:
+            done |= set(earlier)
+        held = [t for t in self.tickets if t not in done]  # (a ticket with a put counts as filled)
+        self.released_by_producer.append((held, timeout_s))
+        return len(held)
 
 
 class FakeReward:
@@ -138,8 +151,9 @@ async def test_a_group_the_queue_can_never_take_is_dropped_and_production_goes_o
     assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "dropped"}) >= 2
 
 
-async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelled_again() -> None:
-    queue = FakeQueue(release_s=0.2)
+@pytest.mark.parametrize("by_producer", [True, False], ids=["by_producer", "one_by_one"])
+async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelled_again(by_producer: bool) -> None:
+    queue = FakeQueue(release_s=0.2, release_by_producer=by_producer)
     p, registry = producer(FakeEngine(block=True), queue, ["a", "b"], tickets=2, release_timeout_s=1.5)
     task = asyncio.create_task(p.run())
     await wait_until(lambda: len(queue.tickets) == 4)  # two generating, two reserved ahead
@@ -150,14 +164,15 @@ async def test_a_stopped_producer_releases_its_unfilled_tickets_even_if_cancelle
     task.cancel()  # a second cancellation while the releases are under way does not cut them short
     with pytest.raises(asyncio.CancelledError):
         await task
-    # (the count follows the last release by one turn of the event loop: wait for both)
+    # (the count follows the last release by one turn of the event loop: wait for it)
     await wait_until(
-        lambda: (
-            len(queue.released) == 4
-            and registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None
-        )
+        lambda: registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) is not None
     )
-    assert sorted(queue.released) == [(f"t{i}", 1.5) for i in range(4)]  # each with the short deadline
+    if by_producer:  # all at once, with the short deadline (the first call, at the start, had none)
+        assert queue.released_by_producer == [([], None), ([f"t{i}" for i in range(4)], 1.5)]
+        assert queue.released == []
+    else:  # a queue without ReleaseProducerReservations: each ticket known, with the short deadline
+        assert sorted(queue.released) == [(f"t{i}", 1.5) for i in range(4)]
     assert registry.get_sample_value("tauflow_rollout_released_tickets_total", {"why": "stopped"}) == 4
     assert p.groups_in_flight == 0
 

@@ -70,9 +70,12 @@ class QueuePort(Protocol):
     async def release(self, ticket_id: str, timeout_s: float | None = None) -> None:
         """Gives back the unused part of a ticket; best effort (an unreleased ticket expires by itself)."""
 
-    async def release_predecessors(self) -> int:
-        """Gives back the tickets an earlier process with this producer id held (it was killed, and they
-        would hold pacing room until their TTL); returns how many. Best effort."""
+    async def release_producer(self, timeout_s: float | None = None) -> int | None:
+        """Gives back every ticket this producer id holds, and has the queue answer its Reserves still
+        waiting ungranted: at the start those of an earlier process (killed, its tickets would hold pacing
+        room until their TTL), at the stop this process's own, a ticket granted to a Reserve it gave up on
+        included. Returns how many tickets, or None when the queue could not be asked (best effort: an
+        unreleased ticket expires by itself)."""
 
 
 class RewardPort(Protocol):

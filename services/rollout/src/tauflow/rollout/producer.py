@@ -113,7 +113,9 @@ class Producer:
         cancelled, or until a ticket fails."""
         workers = _Workers(generating=self.tickets_in_flight, finishing=self.tickets_in_flight)
         # A process with this producer id that was killed left its tickets behind: give them back first.
-        await self.queue.release_predecessors()
+        released = await self.queue.release_producer()
+        if released:
+            log.info("released the tickets of this producer's previous process", extra={"tickets": released})
         # A Reserve per open ticket waits in the queue at once: when the trainer's new version opens room,
         # the tickets are granted together, the first prefilled in one batch, the next ready to start as
         # soon as a place to generate frees (no Reserve in between).
@@ -307,16 +309,20 @@ class Producer:
         await self._release_open_tickets()
 
     async def _release_open_tickets(self) -> None:
-        """Gives the queue back the room of the tickets not filled, each under a short deadline so that an
-        unreachable queue does not hold the stop up (an unreleased ticket expires by its TTL)."""
+        """Gives the queue back the room of the tickets not filled, under a short deadline so that an
+        unreachable queue does not hold the stop up (an unreleased ticket expires by its TTL). All of this
+        producer's at once: a Reserve given up on at the stop may have been granted a ticket it never
+        heard of, and a release of its own tickets could grant one to such a Reserve."""
         open_tickets, self._open_tickets = sorted(self._open_tickets), set()
-        if not open_tickets:
-            return
-        await asyncio.gather(
-            *(self.queue.release(t, self.release_timeout_s) for t in open_tickets), return_exceptions=True
-        )
-        self.metrics.released_tickets.labels("stopped").inc(len(open_tickets))
-        log.info("released the unfilled tickets", extra={"tickets": len(open_tickets)})
+        released = await self.queue.release_producer(self.release_timeout_s)
+        if released is None:  # (a queue without ReleaseProducerReservations: the tickets known, one by one)
+            await asyncio.gather(
+                *(self.queue.release(t, self.release_timeout_s) for t in open_tickets), return_exceptions=True
+            )
+            released = len(open_tickets)
+        if released:
+            self.metrics.released_tickets.labels("stopped").inc(released)
+            log.info("released the unfilled tickets", extra={"tickets": released})
 
 
 async def _nothing() -> list[list[Completion]]:

@@ -64,7 +64,9 @@ class _Wants(enum.Enum):
 class _Waiter:
     wants: _Wants
     need: int
+    producer_id: str = ""  # (a Reserve's)
     woken: asyncio.Event = field(default_factory=asyncio.Event)
+    abandoned: bool = False  # its producer released all it holds: answer ungranted
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -157,6 +159,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         attempt: Callable[[], T | None],
         wants: _Wants,
         need: int,
+        producer_id: str = "",
     ) -> T | None:
         """Calls ``attempt`` until it returns a value or the wait runs out; between attempts the call
         waits in line until a change may serve it (``wants`` ``need`` groups or room)."""
@@ -166,9 +169,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if remaining is not None:
             wait_s = min(wait_s, remaining - _MARGIN_S)
         until = loop.time() + wait_s
-        waiter = _Waiter(wants, max(need, 1))
+        waiter = _Waiter(wants, max(need, 1), producer_id)
         try:
             while True:
+                if waiter.abandoned:
+                    return None
                 result = attempt()
                 if result is not None:
                     return result
@@ -210,7 +215,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 return ticket
 
             wait_s = _seconds(request.wait, "wait")
-            ticket = await self._poll(context, wait_s, attempt, _Wants.ROOM, request.n_groups)
+            ticket = await self._poll(context, wait_s, attempt, _Wants.ROOM, request.n_groups, request.producer_id)
             resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.state.trainer_version)
             if ticket is not None:
                 resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
@@ -236,6 +241,12 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     ) -> queue_pb2.ReleaseProducerReservationsResponse:
         async def run() -> queue_pb2.ReleaseProducerReservationsResponse:
             tickets, groups = self.state.release_producer(request.producer_id)
+            # The producer's Reserves still waiting were given up on (its process stops, or was killed) but
+            # may not be cancelled here yet: granted now, a ticket would hold room that no one fills.
+            for waiter in self._waiters:
+                if waiter.producer_id == request.producer_id:
+                    waiter.abandoned = True
+                    waiter.woken.set()
             if tickets:
                 log.info(
                     "released a producer's tickets",

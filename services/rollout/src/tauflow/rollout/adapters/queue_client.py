@@ -153,22 +153,18 @@ class GrpcQueue:
         except grpc.aio.AioRpcError as e:
             log.warning("could not release a ticket; it expires by itself", extra={"code": e.code().name})
 
-    async def release_predecessors(self) -> int:
+    async def release_producer(self, timeout_s: float | None = None) -> int | None:
         request = queue_pb2.ReleaseProducerReservationsRequest(producer_id=self.producer_id)
         try:
-            async for attempt in until_it_works():
-                with attempt:
-                    resp = await self.stub.ReleaseProducerReservations(request)
+            if timeout_s is not None:  # (at the stop: one try, under a short deadline)
+                resp = await self.stub.ReleaseProducerReservations(request, timeout=timeout_s)
+            else:
+                async for attempt in until_it_works():
+                    with attempt:
+                        resp = await self.stub.ReleaseProducerReservations(request)
         except grpc.aio.AioRpcError as e:  # e.g. UNIMPLEMENTED: a queue older than revision 2
-            log.warning(
-                "could not release a predecessor's tickets; they expire by themselves", extra={"code": e.code().name}
-            )
-            return 0
-        if resp.released_tickets:
-            log.info(
-                "released the tickets of this producer's previous process",
-                extra={"tickets": resp.released_tickets, "groups": resp.released_groups},
-            )
+            log.warning("could not release this producer's tickets", extra={"code": e.code().name})
+            return None
         return resp.released_tickets
 
     async def close(self) -> None:

@@ -169,11 +169,14 @@ class QueueServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseProducerReservations(self, request, context):
-        """Gives back every ticket a producer holds. A producer that was restarted
+        """Gives back every ticket a producer holds, and answers that producer's
+        Reserves still waiting as not granted. A producer that was restarted
         calls it before its first Reserve: the tickets of its killed predecessor
         (same producer_id) could not be released by it, and would hold pacing room
-        until their TTL. Only one process may use a producer_id. Internal port only
-        (revision 2).
+        until their TTL. A producer that stops calls it after giving up on its
+        waiting Reserves: one the queue had not yet seen cancelled would otherwise
+        be granted a ticket no one fills. Only one process may use a producer_id.
+        Internal port only (revision 2).
         Retry class: idempotent.
         Status: INVALID_ARGUMENT when producer_id is empty or too long.
         """
