@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import task
 
-from tauflow.media import tiny
+from tauflow.models import tiny
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The GenRM recipe's task: a policy answers short requests, and an LLM judge grades whether the reply thanks
 the user (Score: 10) or not (Score: 0). Both models are tiny Qwen2 instruct models built here
-(tauflow.media.tiny: byte-level BPE, ChatML); ``tiny.sft_chat`` teaches each its part by supervised
+(tauflow.models.tiny: byte-level BPE, ChatML); ``tiny.sft_chat`` teaches each its part by supervised
 fine-tuning on chats — the judge its verdicts, the policy a weak start (it thanks the user a third of the
 time)."""
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tauflow.media import tiny
+from tauflow.models import tiny
 
 HERE = Path(__file__).parent
 SYSTEM = "Solve the problem step by step. Put the final answer in \\boxed{}."

@@ -36,7 +36,7 @@ def greedy_accuracy(model, rows: list, vocab: dict[str, int], banned: list[int],
     """Exact match of the greedy answer: the right digit, then EOS (every prompt has the same length)."""
     import torch
 
-    from tauflow.media.processor import accepted_inputs, collate
+    from tauflow.models.processor import accepted_inputs, collate
 
     right = 0
     with torch.no_grad():
@@ -61,8 +61,8 @@ def prepare(out: Path, seed: int = 0, target: float = 0.4, lr: float = 2e-3, bat
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tauflow.media import tiny
-    from tauflow.media.processor import PartsProcessor, media_token_ids
+    from tauflow.models import tiny
+    from tauflow.models.processor import PartsProcessor, media_token_ids
     from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
     from tauflow.trainer.batch import Sample
     from tauflow.trainer.optim import OptimConfig

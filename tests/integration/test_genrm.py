@@ -14,7 +14,7 @@ from google.protobuf import struct_pb2
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
-from tauflow.media import tiny
+from tauflow.models import tiny
 
 GENRM = Path(__file__).resolve().parents[2] / "examples" / "genrm"
 

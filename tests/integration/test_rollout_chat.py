@@ -12,7 +12,7 @@ import pytest
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from tauflow.media import tiny
+from tauflow.models import tiny
 from tauflow.rollout.dataset import load_prompts
 from tauflow.rollout.text import TextCodec
 

@@ -13,8 +13,8 @@ import pytest
 
 from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from tauflow.media import tiny
 from tauflow.media import wire as media_wire
+from tauflow.models import tiny
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample, completion_logprobs, pack, unpack
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tauflow import media
-from tauflow.media import tiny
-from tauflow.media.processor import PartsProcessor, Processed, accepted_inputs, load_model, media_token_ids
+from tauflow.models import tiny
+from tauflow.models.processor import PartsProcessor, Processed, accepted_inputs, load_model, media_token_ids
 from tauflow.rollout.engine import FinishReason, InvalidRequestError, SamplingParams
 from tauflow.rollout.engine.hf import HFEngine
 

@@ -327,7 +327,7 @@ async def test_multimodal_prompts_are_processed_when_drawn_and_carry_their_parts
     from dataclasses import replace
 
     from tauflow import media
-    from tauflow.media.processor import Processed
+    from tauflow.models.processor import Processed
 
     image = media.Media(media.Modality.IMAGE, "image/png", data=b"png bytes")
 

@@ -1,5 +1,5 @@
 """The real-model path of the rollout engine: a chat model's template (TextCodec) and stop strings, on a tiny
-Qwen2 with a byte-level BPE tokenizer trained here and a ChatML template (tauflow.media.tiny)."""
+Qwen2 with a byte-level BPE tokenizer trained here and a ChatML template (tauflow.models.tiny)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tauflow.media import tiny
+from tauflow.models import tiny
 from tauflow.rollout.engine.base import FinishReason, InvalidRequestError, SamplingParams
 from tauflow.rollout.engine.hf import HFEngine
 from tauflow.rollout.text import NoChatTemplate, TextCodec

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tauflow import media
-from tauflow.media import tiny
-from tauflow.media.processor import PartsProcessor, accepted_inputs, media_token_ids
+from tauflow.models import tiny
+from tauflow.models.processor import PartsProcessor, accepted_inputs, media_token_ids
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample, completion_logprobs, pack, unpack
 from tauflow.trainer.optim import OptimConfig

@@ -11,7 +11,7 @@ from tauflow.core.app import service_main
 from tauflow.core.decoding import servicer_adder
 from tauflow.core.server import ServiceApp, ServiceBinding
 from tauflow.media import wire as media_wire
-from tauflow.media.processor import PartsProcessor
+from tauflow.models.processor import PartsProcessor
 from tauflow.rollout import __version__
 from tauflow.rollout.adapters.queue_client import GrpcQueue
 from tauflow.rollout.adapters.reward_client import GrpcReward

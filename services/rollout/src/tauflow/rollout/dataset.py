@@ -21,7 +21,7 @@ class Prompt:
     parts: list[media.PromptPart] = field(default_factory=list)
     """A multimodal prompt's parts (tauflow.media); its token ids are the processor's, made when it is drawn."""
     media: dict[str, Any] | None = None
-    """Its encoder inputs, with its token ids, once processed (tauflow.media.processor)."""
+    """Its encoder inputs, with its token ids, once processed (tauflow.models.processor)."""
 
     @property
     def needs_processing(self) -> bool:

@@ -48,7 +48,7 @@ from opentelemetry.util.types import AttributeValue
 
 from tauflow.core.telemetry import set_error, traceparent_of
 from tauflow.media import InvalidMedia, PromptPart, counts
-from tauflow.media.processor import Processed
+from tauflow.models.processor import Processed
 from tauflow.rollout.config import RolloutConfig, SamplingConfig
 from tauflow.rollout.dataset import Prompt
 from tauflow.rollout.engine.base import Completion, GenerationEngine, SamplingParams

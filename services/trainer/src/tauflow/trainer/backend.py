@@ -31,7 +31,7 @@ from opentelemetry import trace
 
 from tauflow import media
 from tauflow.core.staleness import UNBOUNDED, too_stale
-from tauflow.media.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
+from tauflow.models.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
 from tauflow.trainer.advantages import Advantage, Scored
 from tauflow.trainer.algorithms import Algorithm, get_algorithm
 from tauflow.trainer.batch import (

@@ -43,7 +43,7 @@ class Sample:
     truncated: bool = False
     """The completion ended at the length limit (finish reason length), not by itself."""
     media: dict[str, torch.Tensor] | None = None
-    """A multimodal model's encoder inputs for the prompt (tauflow.media.processor: pixel values, audio
+    """A multimodal model's encoder inputs for the prompt (tauflow.models.processor: pixel values, audio
     features, grids), shared by the group's samples; ``{}`` for a text prompt to such a model; None for a
     text model."""
 
@@ -160,7 +160,7 @@ class PackedBatch:
         if self.media is None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
                     "position_ids": self.position_ids}  # fmt: skip
-        from tauflow.media.processor import accepted_inputs
+        from tauflow.models.processor import accepted_inputs
 
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
                 **accepted_inputs(model, self.media, self.input_ids)}  # fmt: skip

@@ -17,7 +17,7 @@ from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
 from tauflow.media import wire as media_wire
 from tauflow.media.dataset import checked_messages
-from tauflow.media.processor import Processed
+from tauflow.models.processor import Processed
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence

@@ -264,7 +264,7 @@ class GenerationEngine(ABC):
     ) -> Future[list[list[Completion]]]:
         """Queue ``params.n`` completions of each prompt (token ids). The future's result has one list of ``n``
         completions per prompt, in order. ``media``: for a multimodal model, each prompt's encoder inputs
-        (tauflow.media.processor's ``Processed.inputs``; None or ``{}`` for a text prompt), its media
+        (tauflow.models.processor's ``Processed.inputs``; None or ``{}`` for a text prompt), its media
         placeholders already in its token ids. Raises InvalidRequestError (bad prompt or params, media the
         model cannot take) or EngineClosedError at once; the future fails only on an engine error."""
 

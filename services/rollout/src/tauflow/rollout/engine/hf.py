@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from tauflow.media.processor import accepted_inputs, media_token_ids
+from tauflow.models.processor import accepted_inputs, media_token_ids
 from tauflow.rollout.engine.base import (
     Completion,
     EngineClosedError,
@@ -393,7 +393,7 @@ class HFEngine(GenerationEngine):
         tokenizer, to decode ``Completion.text``."""
         import transformers
 
-        from tauflow.media.processor import load_model
+        from tauflow.models.processor import load_model
 
         kwargs: dict[str, Any] = {}
         if attn_implementation is not None:

@@ -1,4 +1,4 @@
-"""Parts -> a multimodal model's inputs (tauflow.media.processor) on the tiny Qwen2.5-Omni thinker built
+"""Parts -> a multimodal model's inputs (tauflow.models.processor) on the tiny Qwen2.5-Omni thinker built
 here: each media part becomes as many placeholder tokens as its encoder yields, the model runs on the
 result, the media change what it predicts, and a padded batch scores as the prompts do one by one."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tauflow import media
-from tauflow.media import tiny
-from tauflow.media.processor import PartsProcessor, accepted_inputs, collate
+from tauflow.models import tiny
+from tauflow.models.processor import PartsProcessor, accepted_inputs, collate
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ processor's per-frame output in pairs along time, as Qwen2-VL's video processor 
 Families: Qwen2.5-Omni's thinker and Qwen3-Omni's (image, audio, video: ``<|IMAGE|>``, ``<|AUDIO|>``,
 ``<|VIDEO|>`` between their bos/eos markers), Qwen2-VL and Qwen2.5-VL (image, video:
 ``<|image_pad|>``/``<|video_pad|>`` between ``<|vision_start|>``/``<|vision_end|>``). The family is read
-from the tokenizer's special tokens. Needs ``transformers`` and ``torch`` (the ``models`` extra).
+from the tokenizer's special tokens.
 """
 
 from __future__ import annotations
