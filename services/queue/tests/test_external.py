@@ -232,9 +232,11 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         proc.stop()
 
 
-def test_a_restarted_producer_gives_back_its_predecessors_tickets(tmp_path: Path) -> None:
+def test_a_producer_released_by_id_gives_back_its_tickets_and_its_waiting_reserves_get_none(tmp_path: Path) -> None:
     """On the internal port only: the tickets of a killed producer hold pacing room until their TTL; its
-    successor releases them by producer id (the chaos run's stall, docs/reliability.md)."""
+    successor releases them by producer id (the chaos run's stall, docs/reliability.md). A stopping rollout
+    does the same after giving up on its waiting Reserves: one the queue has not yet seen cancelled must not
+    be granted the room the release frees (no one would fill its ticket). Another producer's is."""
     proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\n")
     try:
         internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
@@ -244,41 +246,14 @@ def test_a_restarted_producer_gives_back_its_predecessors_tickets(tmp_path: Path
             ).granted
         full = internal.Reserve(q.ReserveRequest(request_id="r3", producer_id="rollout-0", n_groups=1), timeout=5)
         assert not full.granted  # (0 + 1 + 1) x 2 groups: the pacing limit
-        released = internal.ReleaseProducerReservations(
-            q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5
-        )
-        assert (released.released_tickets, released.released_groups) == (2, 4)
-        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 0
-        assert internal.Reserve(
-            q.ReserveRequest(request_id="r4", producer_id="rollout-0", n_groups=2), timeout=5
-        ).granted
-        assert _code(internal.ReleaseProducerReservations, q.ReleaseProducerReservationsRequest()) == (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "producer_id must be set",
-        )
-    finally:
-        proc.stop()
-
-
-def test_a_producer_released_by_id_has_its_waiting_reserve_answered_ungranted(tmp_path: Path) -> None:
-    """A stopping rollout gives up on its waiting Reserves and then releases by producer id: a Reserve the
-    queue has not yet seen cancelled must not be granted the room that release frees (its ticket would
-    hold pacing room that no one fills until the TTL). Another producer's waiting Reserve is granted it."""
-    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\n")
-    try:
-        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
-        for request_id in ("r1", "r2"):
-            assert internal.Reserve(
-                q.ReserveRequest(request_id=request_id, producer_id="rollout-0", n_groups=2), timeout=5
-            ).granted
         wait = Duration(seconds=20)
-        own = internal.Reserve.future(
-            q.ReserveRequest(request_id="r3", producer_id="rollout-0", n_groups=2, wait=wait), timeout=30
+        own, other = (
+            internal.Reserve.future(
+                q.ReserveRequest(request_id=request_id, producer_id=producer, n_groups=2, wait=wait), timeout=30
+            )
+            for request_id, producer in (("r4", "rollout-0"), ("s1", "rollout-1"))
         )
-        other = internal.Reserve.future(
-            q.ReserveRequest(request_id="s1", producer_id="rollout-1", n_groups=2, wait=wait), timeout=30
-        )
-        time.sleep(0.5)  # both wait in line: the queue is at its pacing limit
+        time.sleep(0.5)  # both wait in line
         assert not own.done() and not other.done()
         released = internal.ReleaseProducerReservations(
             q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5
@@ -287,6 +262,13 @@ def test_a_producer_released_by_id_has_its_waiting_reserve_answered_ungranted(tm
         assert not own.result(timeout=5).granted  # answered now, not after its 20 s
         assert other.result(timeout=5).granted
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 2  # rollout-1's ticket only
+        assert internal.Reserve(
+            q.ReserveRequest(request_id="r5", producer_id="rollout-0", n_groups=2), timeout=5
+        ).granted  # the producer's next Reserve (its successor's) is granted as before
+        assert _code(internal.ReleaseProducerReservations, q.ReleaseProducerReservationsRequest()) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "producer_id must be set",
+        )
     finally:
         proc.stop()
 
