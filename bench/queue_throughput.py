@@ -48,6 +48,7 @@ from google.protobuf.duration_pb2 import Duration
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.channel import create_channel
+from tauflow.core.protobuf import length_delimited
 from tauflow.core.streams import OrderedStream
 
 HERE = Path(__file__).resolve().parent
@@ -283,17 +284,8 @@ def _shadow_messages() -> dict[str, type]:
     }
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _length_delimited(field_number: int, data: bytes) -> bytes:
-    return _varint(field_number << 3 | 2) + _varint(len(data)) + data
+    return b"".join(length_delimited(field_number, data))
 
 
 @dataclass

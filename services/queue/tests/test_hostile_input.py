@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2 as q
-from tauflow.core.protobuf import varint
+from tauflow.core.protobuf import field_header
 from tauflow.core.testing import make_group
 from tauflow.queue import model
 from tauflow.queue.adapters import convert, wire
@@ -96,7 +96,7 @@ def test_put_accepts_a_mutated_group_exactly_when_protobuf_decodes_and_validatio
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+    return field_header(number, len(payload)) + payload
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,12 @@ def varint(value: int) -> bytes:
             return bytes(out)
 
 
+def field_header(field_number: int, size: int) -> bytes:
+    """The key and length of a length-delimited field of ``size`` bytes: what goes before its payload,
+    which may then be spliced in as several pieces."""
+    return varint(field_number << 3 | 2) + varint(size)
+
+
 def length_delimited(field_number: int, payload: bytes) -> list[bytes]:
-    """A length-delimited field (a message, bytes or string) as its parts: key, length, payload."""
-    return [varint(field_number << 3 | 2), varint(len(payload)), payload]
+    """A length-delimited field (a message, bytes or string) as its parts: header, payload."""
+    return [field_header(field_number, len(payload)), payload]

@@ -34,7 +34,7 @@ from google.protobuf.message import Message
 from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
-from tauflow.core.protobuf import length_delimited, timestamp, varint
+from tauflow.core.protobuf import field_header, length_delimited, timestamp
 from tauflow.queue.adapters import convert
 from tauflow.queue.model import GetResult, GroupRecord
 
@@ -307,7 +307,7 @@ def get_response_parts(result: GetResult, trainer_version: int) -> list[bytes]:
         ).SerializeToString()
         inner = length_delimited(_GROUP_FIELD, d.group.payload)
         size = sum(len(p) for p in inner) + len(rest)
-        parts += [varint(_GROUPS_FIELD << 3 | 2), varint(size), *inner, rest]
+        parts += [field_header(_GROUPS_FIELD, size), *inner, rest]
     return parts
 
 
@@ -322,4 +322,4 @@ _BATCH_FIELD = queue_pb2.DeliverResponse.DESCRIPTOR.fields_by_name["batch"].numb
 def delivery(get_response: list[bytes]) -> bytes:
     """A serialized DeliverResponse around a GetResponse's pieces (``get_response_parts``)."""
     size = sum(len(p) for p in get_response)
-    return b"".join([varint(_BATCH_FIELD << 3 | 2), varint(size), *get_response])
+    return b"".join([field_header(_BATCH_FIELD, size), *get_response])
