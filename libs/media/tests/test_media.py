@@ -219,8 +219,8 @@ def test_jpeg_and_gif_images_decode_to_rgb() -> None:
 
 
 def test_a_parquet_data_set_reads_like_jsonl(tmp_path: Path) -> None:
-    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (the parquet extra) is not installed")
-    import pyarrow as pa
+    import pyarrow as pa  # (a dependency of tauflow-media: read_rows reads Parquet)
+    import pyarrow.parquet as pq
 
     from tauflow.media import load_prompt_rows
 
