@@ -17,10 +17,12 @@ import pytest
 from tests.chaos import KILLED, ChaosRun, schedule
 from tests.runs import tiny_addition
 
-SEED, STEPS = 0, 150
+SEED, STEPS = 0, 300
 # The faults fall where a 30-step run puts them (its first 60 %); the steps after them leave the run the time
 # to go through them all and bring the last killed role back while it trains: a tiny step takes as little as
-# 0.06 s, and a 30- or 60-step run could end while the test still waited for a role to come back.
+# 0.06 s, and a 30- or 60-step run could end while the test still waited for a role to come back. 150 steps
+# once ended while the stopped rollout (12 s, the outside producer feeding the trainer meanwhile) was still
+# on its way back into the sidecar.
 FAULT_STEPS = 30
 
 
