@@ -213,7 +213,7 @@ def test_sft_step_lowers_the_nll(tiny_model_dir: Path) -> None:
     assert b.version == 5 and losses[-1] < losses[0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
     b = TorchBackend(config(tiny_model_dir, device="cuda", autocast_dtype="bfloat16"))
     r = b.train_step(make_groups(0, 2))
