@@ -18,7 +18,9 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 5, 6, 7], [1, 3], [1, 9, 10, 11, 12, 13, 14]]
 
 
-def _full_logprobs_on(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+def _full_logprobs_on(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> list[float]:
     device = next(model.parameters()).device
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + completion], device=device)).logits[0].float()
