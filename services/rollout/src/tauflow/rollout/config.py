@@ -47,7 +47,7 @@ class RolloutConfig(ServiceConfig):
     metrics: MetricsConfig = MetricsConfig(port=9462)
     server_id: str = Field("rollout-0", description="unique per rollout server in a run")
     model_path: str = Field(..., description="Hugging Face folder of the initial policy")
-    engine: str = Field("hf", description="generation backend: hf (sglang: a later issue)")
+    engine: str = Field("hf", description="generation backend: hf, or sglang (experimental: docs/gpu.md)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="passed to the engine")
     dataset: str = Field("", description="training prompts (JSONL/Parquet); empty: serve Generate only")
     data: DataConfig = Field(

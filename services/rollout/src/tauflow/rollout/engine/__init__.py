@@ -1,5 +1,5 @@
 """Generation engines of the rollout service: the interface (``base``), the sampler (``sampling``) and the backends
-(``hf``: transformers, CPU or GPU; ``sglang``: not written yet). Backends load lazily: ``engine_class("hf")``."""
+(``hf``: transformers, CPU or GPU; ``sglang``: an SGLang server over HTTP, experimental). Backends load lazily: ``engine_class("hf")``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from tauflow.rollout.engine.base import (
     check_weight_specs,
 )
 
-BACKENDS = {"hf": "tauflow.rollout.engine.hf:HFEngine"}
+BACKENDS = {
+    "hf": "tauflow.rollout.engine.hf:HFEngine",
+    "sglang": "tauflow.rollout.engine.sglang:SGLangEngine",  # experimental: docs/gpu.md
+}
 
 
 def engine_class(backend: str) -> type[GenerationEngine]:

@@ -1,0 +1,662 @@
+"""The ``sglang`` engine (experimental): an SGLang server behind the engine interface, over SGLang's HTTP API.
+
+Written against SGLang's documented HTTP API (0.5.x; docs/gpu.md says which versions and what was verified):
+it has been tested only against ``FakeSGLangServer`` (services/rollout/tests), a fake that records the calls,
+because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
+
+- **Generation.** Each sample of each prompt is one ``POST /generate`` with ``input_ids`` and
+  ``return_logprob``; SGLang's radix cache shares the prompt's prefill among the ``n`` samples. Its output
+  log-probs are those of the temperature-scaled distribution before top-k/top-p truncation, as this
+  interface defines them (greedy: temperature 1), so they pass through unchanged.
+- **Weight swaps at a safe point.** A staged version is loaded with ``/pause_generation`` →
+  ``/update_weights_from_tensor`` (CUDA IPC handles of the staged tensors: the server must share this
+  machine and its GPUs) → ``/continue_generation``. ``swap_mode``:
+
+  * ``retract`` (SGLang ≥ 0.5.19, the default there): running requests are retracted to the waiting queue
+    and re-prefilled with the new weights; nothing is aborted. Per-token versions come from the answer's
+    ``weight_versions`` spans.
+  * ``abort`` (older servers): running requests are answered with what they generated so far; this engine
+    resubmits each one with its tokens appended to the prompt and fewer new tokens to go, so the caller
+    never sees the abort. Every segment ran under one version, so per-token versions are exact.
+
+  Where a segment's versions cannot be told apart (a retract-mode answer without spans, after a swap), its
+  tokens carry the older version: a lower bound, so the queue's staleness check stays safe.
+- **Versions.** Every update names its ``weight_version`` (the policy version as a string), and the server
+  is told the initial one, so answers say which weights produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from tauflow.rollout.engine.base import (
+    Completion,
+    EngineClosedError,
+    EngineState,
+    EngineStats,
+    FinishReason,
+    GenerationEngine,
+    InvalidRequestError,
+    PromptMedia,
+    SamplingParams,
+    TensorSpec,
+    WeightUpdateError,
+    check_weight_specs,
+)
+
+_log = logging.getLogger(__name__)
+
+SwapMode = Literal["auto", "retract", "abort"]
+RETRACT_SINCE = (0, 5, 19)  # pause_generation(mode="retract") and per-token weight_versions spans
+UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update and /end_weight_update
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class SGLangError(RuntimeError):
+    """The SGLang server answered a call with an error (or not at all)."""
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer`` format for ``/update_weights_from_tensor``: a ``ForkingPickler``
+    dump, base64 text. CUDA tensors travel as CUDA IPC handles (no copy through the host); the caller keeps
+    them alive until the server has answered."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def weight_spec_of_folder(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
+    """Every weight name of a Hugging Face folder's model (tied aliases included), built on the meta device:
+    what this engine accepts in a weight update, without loading a weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if dtype is None:
+        declared = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+        dtype = getattr(torch, declared) if isinstance(declared, str) else declared
+    return {
+        name: TensorSpec(dtype if dtype is not None and p.is_floating_point() else p.dtype, tuple(p.shape))
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+@dataclass(slots=True)
+class _Staged:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    future: Future[int]
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One completion being generated, across the segments a swap in abort mode splits it into."""
+
+    prompt: list[int]
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class SGLangEngine(GenerationEngine):
+    """An SGLang server (launched by ``from_pretrained`` or already running at ``base_url``) as a tauflow
+    generation engine. Thread-safe; its HTTP calls run on an event loop thread of its own."""
+
+    backend: ClassVar[str] = "sglang"
+
+    def __init__(
+        self,
+        base_url: str,
+        spec: Mapping[str, TensorSpec],
+        *,
+        vocab_size: int,
+        max_context: int | None = None,
+        engine_id: str = "sglang-0",
+        policy_version: int = 0,
+        model_name: str = "",
+        eos_token_ids: Sequence[int] = (),
+        extra_eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        swap_mode: SwapMode = "auto",
+        tp_size: int | None = None,
+        ipc_device: str | None = None,
+        max_concurrent_requests: int = 512,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 600.0,
+        api_key: str | None = None,
+        server_process: subprocess.Popen[bytes] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+
+        super().__init__(engine_id, policy_version)
+        if max_concurrent_requests < 1 or request_timeout_s <= 0 or control_timeout_s <= 0:
+            raise ValueError("max_concurrent_requests and the timeouts must be positive")
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model_name or self.base_url
+        self.vocab_size = int(vocab_size)
+        self.max_context = max_context
+        self.eos_token_ids = tuple(dict.fromkeys(int(t) for t in (*eos_token_ids, *extra_eos_token_ids)))
+        self._extra_eos = tuple(int(t) for t in extra_eos_token_ids)  # the server stops on the checkpoint's own
+        self._spec = dict(spec)
+        self._seed_base = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._ipc_device = ipc_device if ipc_device is not None else ("cuda" if torch.cuda.is_available() else None)
+        self._server_process = server_process
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._detokenize = detokenize
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._lock = threading.Lock()
+        self._staged: list[_Staged] = []
+        self._newest_staged = self._version
+        self._closing = False
+        self._swapping = False
+        self._swaps = 0  # weight swaps done, to tell whether one happened while a segment ran
+        self._in_flight = 0
+        self._running = 0
+        self._last_error = ""
+        self.counters: dict[str, float] = {
+            "requests": 0,
+            "sequences": 0,
+            "segments": 0,
+            "resumed_segments": 0,
+            "weight_swaps": 0,
+            "weight_swap_seconds": 0.0,
+        }
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tauflow-sglang-{engine_id}", daemon=True)
+        self._thread.start()
+        self._http = self._call(self._open_client(headers, max_concurrent_requests)).result()
+        self._serving = self._call(self._make_event()).result()
+        self._updater: asyncio.Task[None] | None = None
+        try:
+            info = self._call(self._get("/get_server_info")).result()
+            self.server_version = str(info.get("version", "0"))
+            self._tp_size = int(tp_size or info.get("tp_size") or 1)
+            newer = _version_tuple(self.server_version)
+            self._swap_mode: Literal["retract", "abort"] = (
+                ("retract" if newer >= RETRACT_SINCE else "abort") if swap_mode == "auto" else swap_mode
+            )
+            self._update_session = newer >= UPDATE_SESSION_SINCE
+            # the server labels its answers with the version it serves from now on (abort nothing)
+            self._call(
+                self._post("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
+            ).result()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- building --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        base_url: str = "",
+        server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        startup_timeout_s: float = 900.0,
+        dtype: str | None = None,
+        **options: Any,
+    ) -> SGLangEngine:
+        """The engine of the model in the Hugging Face folder ``path``: on the SGLang server at ``base_url`` (which
+        must serve that folder), or on one started here (``python -m sglang.launch_server``, with
+        ``server_args`` after tauflow's own; it stops with the engine). ``options`` are the constructor's."""
+        from transformers import AutoConfig, GenerationConfig
+
+        path = str(Path(path))
+        config = AutoConfig.from_pretrained(path)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        spec = weight_spec_of_folder(path, getattr(torch, dtype) if dtype and dtype != "auto" else None)
+        eos: Any = None
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = getattr(config, "eos_token_id", None)
+        options.setdefault("eos_token_ids", [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+        options.setdefault("model_name", path)
+        options.setdefault("vocab_size", int(text.vocab_size))
+        options.setdefault("max_context", getattr(text, "max_position_embeddings", None))
+        process = None
+        if not base_url:
+            port = port or _free_port(host)
+            version = int(options.get("policy_version", 0))
+            command = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--host", host]
+            command += ["--port", str(port), "--weight-version", str(version)]
+            command += ["--dtype", dtype] if dtype else []
+            process = subprocess.Popen([*command, *server_args])
+            base_url = f"http://{host}:{port}"
+            try:
+                _wait_until_healthy(base_url, process, startup_timeout_s)
+            except BaseException:
+                process.terminate()
+                process.wait(30)
+                raise
+        return cls(base_url, spec, server_process=process, **options)
+
+    # -- the event loop thread -------------------------------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _open_client(self, headers: dict[str, str], connections: int) -> Any:
+        import httpx
+
+        limits = httpx.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
+        timeout = httpx.Timeout(self._request_timeout_s, connect=10.0)
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=timeout)
+
+    async def _make_event(self) -> asyncio.Event:
+        event = asyncio.Event()
+        event.set()
+        return event
+
+    async def _post(self, route: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
+        import httpx
+
+        try:
+            r = await self._http.post(route, json=body, timeout=timeout or self._control_timeout_s)
+        except httpx.HTTPError as e:
+            raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
+        answer = _json_or_text(r)
+        refused = isinstance(answer, dict) and answer.get("success") is False
+        if r.status_code >= 400 or refused:
+            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(answer)}")
+        return answer
+
+    async def _get(self, route: str) -> Any:
+        import httpx
+
+        try:
+            r = await self._http.get(route, timeout=self._control_timeout_s)
+        except httpx.HTTPError as e:
+            raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
+        if r.status_code >= 400:
+            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(_json_or_text(r))}")
+        return _json_or_text(r)
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, media: Sequence[PromptMedia] | None = None
+    ) -> Future[list[list[Completion]]]:
+        if not prompts:
+            raise InvalidRequestError("at least one prompt is needed")
+        if media is not None and any(media):
+            raise InvalidRequestError("the sglang engine takes text prompts only (media: use the hf engine)")
+        if params.ignore_eos and params.stop_token_ids:
+            raise InvalidRequestError(
+                "ignore_eos with stop_token_ids: SGLang's ignore_eos turns off every stop token, so the sglang "
+                "engine cannot stop at stop_token_ids while ignoring EOS"
+            )
+        if params.stop and self._detokenize is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer, and this engine has none")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        clean: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise InvalidRequestError(f"prompt {i} is empty")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequestError(f"prompt {i} has a token id outside [0, {self.vocab_size})")
+            if self.max_context is not None and len(ids) + params.max_new_tokens > self.max_context:
+                raise InvalidRequestError(
+                    f"prompt {i}: {len(ids)} prompt tokens + max_new_tokens {params.max_new_tokens} exceed the "
+                    f"model's context of {self.max_context}"
+                )
+            clean.append(ids)
+        with self._lock:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            self._in_flight += 1
+            self.counters["requests"] += 1
+            self.counters["sequences"] += len(clean) * params.n
+        future: Future[list[list[Completion]]] = self._call(self._generate(clean, params))
+        future.add_done_callback(self._request_done)
+        return future
+
+    def _request_done(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        rid = uuid.uuid4().hex
+        # sample j of every prompt draws from the stream (seed, j), as the interface asks; SGLang honours a
+        # per-request sampling_seed only when launched with --enable-deterministic-inference
+        seed = params.seed if params.seed is not None else self._seed_base + hash(rid)
+        samples = [
+            _Sample(prompt, f"{rid}-{i}-{j}", [], [], []) for i, prompt in enumerate(prompts) for j in range(params.n)
+        ]
+        tasks = [
+            asyncio.ensure_future(self._sample(s, params, (seed + k % params.n) % (1 << 63)))
+            for k, s in enumerate(samples)
+        ]
+        try:
+            done = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            # the server keeps decoding what a gone client asked for unless told
+            self._loop.create_task(self._abort_quietly([s.rid for s in samples]))
+            raise
+        return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    async def _abort_quietly(self, rids: list[str]) -> None:
+        for rid in rids:
+            try:
+                await self._post("/abort_request", {"rid": rid}, timeout=10.0)
+            except SGLangError as e:
+                _log.warning("could not abort %s on %s: %s", rid, self.base_url, e)
+
+    async def _sample(self, sample: _Sample, params: SamplingParams, seed: int) -> Completion:
+        segment = 0
+        while True:
+            await self._serving.wait()  # no segment starts while a swap is under way
+            remaining = params.max_new_tokens - len(sample.token_ids)
+            swaps, version = self._swaps, self._version
+            body = {
+                "input_ids": sample.prompt + sample.token_ids,
+                "sampling_params": self._sampling_params(params, remaining, seed),
+                "return_logprob": True,
+                "rid": f"{sample.rid}-{segment}",
+                "stream": False,
+            }
+            self._running += 1
+            try:
+                answer = await self._post("/generate", body, timeout=self._request_timeout_s)
+            finally:
+                self._running -= 1
+            self.counters["segments"] += 1
+            if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+                raise SGLangError(f"/generate: an answer without meta_info: {str(answer)[:200]}")
+            meta = answer["meta_info"]
+            entries = meta.get("output_token_logprobs") or []
+            sample.token_ids += [int(e[1]) for e in entries]
+            sample.logprobs += [float(e[0]) for e in entries]
+            sample.versions += self._versions_of(meta, len(entries), version, swaps)
+            reason = _FINISH.get(str((meta.get("finish_reason") or {}).get("type")), FinishReason.ABORT)
+            if len(sample.token_ids) >= params.max_new_tokens and reason is FinishReason.ABORT:
+                reason = FinishReason.LENGTH
+            swapped = self._swaps != swaps or self._swapping
+            if reason is not FinishReason.ABORT or self._closing or not swapped:
+                text = self._detokenize(sample.token_ids) if self._detokenize and params.stop else None
+                return Completion(sample.token_ids, sample.logprobs, sample.versions, reason, text)
+            # aborted by a swap in abort mode: go on from where it stopped, with the new weights
+            segment += 1
+            self.counters["resumed_segments"] += 1
+
+    def _sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "ignore_eos": params.ignore_eos,
+            "sampling_seed": seed,
+            "skip_special_tokens": True,
+        }
+        stop_ids = list(dict.fromkeys((() if params.ignore_eos else self._extra_eos) + params.stop_token_ids))
+        if stop_ids:
+            out["stop_token_ids"] = stop_ids
+        if params.stop:
+            out["stop"] = list(params.stop)
+            out["no_stop_trim"] = True  # the text ends with the stop string, as the tokens do
+        return out
+
+    def _versions_of(self, meta: Mapping[str, Any], count: int, version: int, swaps: int) -> list[int]:
+        """The policy version of each of a segment's ``count`` tokens: ``version`` was served when it was sent,
+        ``swaps`` swaps were done by then."""
+        spans = meta.get("weight_versions")
+        if isinstance(spans, list) and spans:
+            out: list[int | None] = [None] * count
+            for span in spans:
+                v = _int_or_none(span.get("version")) if isinstance(span, dict) else None
+                if v is None:
+                    continue
+                for k in range(max(0, int(span.get("start", 0))), min(count, int(span.get("end", count)))):
+                    out[k] = v
+            if all(v is not None for v in out):
+                return [int(v) for v in out]  # type: ignore[arg-type]
+        if self._swaps == swaps and not self._swapping:
+            labelled = _int_or_none(meta.get("weight_version"))
+            return [labelled if labelled is not None else version] * count
+        if self._swap_mode == "abort" and _int_or_none(meta.get("weight_version")) is not None:
+            return [int(meta["weight_version"])] * count  # a segment never straddles a swap in abort mode
+        return [version] * count  # cannot tell: the older version, a lower bound
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+
+    def weight_spec(self) -> Mapping[str, TensorSpec]:
+        return dict(self._spec)
+
+    @property
+    def newest_version(self) -> int:
+        with self._lock:
+            return self._newest_staged
+
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False) -> Future[int]:
+        version = int(version)
+        if self._closing:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise WeightUpdateError(f"weights must be tensors: {bad[:5]}")
+        check_weight_specs(self._spec, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+        staged: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            spec = self._spec[name]
+            buf = t.detach().to(device=self._ipc_device or t.device, dtype=spec.dtype).contiguous()
+            if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+                raise WeightUpdateError(f"{name}: has non-finite values (nan or inf)")
+            staged[name] = buf
+        future: Future[int] = Future()
+        with self._lock:
+            if self._closing:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            if version <= self._newest_staged and not rebase:
+                raise WeightUpdateError(
+                    f"version {version} is not newer than version {self._newest_staged} (served or staged)"
+                )
+            if rebase:  # the trainer resumed from an older checkpoint: what was staged after it is void
+                for dropped in self._staged:
+                    dropped.future.cancel()
+                self._staged.clear()
+            self._newest_staged = version
+            self._staged.append(_Staged(version, staged, future))
+        self._loop.call_soon_threadsafe(self._start_updater)
+        return future
+
+    def _start_updater(self) -> None:
+        if self._updater is None or self._updater.done():
+            self._updater = self._loop.create_task(self._load_staged())
+
+    async def _load_staged(self) -> None:
+        while True:
+            with self._lock:
+                if not self._staged or self._closing:
+                    return
+                staged = self._staged.pop(0)
+            if not staged.future.set_running_or_notify_cancel():
+                continue  # dropped by a re-base
+            started = time.perf_counter()
+            try:
+                await self._swap(staged.version, staged.tensors)
+            except BaseException as e:
+                self._last_error = f"weight update to version {staged.version}: {e}"
+                _log.error("%s", self._last_error)
+                staged.future.set_exception(e if isinstance(e, Exception) else SGLangError(str(e)))
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            self.counters["weight_swaps"] += 1
+            self.counters["weight_swap_seconds"] += time.perf_counter() - started
+            self._publish_version(staged.version)
+            staged.future.set_result(staged.version)
+
+    async def _swap(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Pause at a safe point, load ``version`` through CUDA IPC handles, go on."""
+        self._serving.clear()
+        self._swapping = True
+        try:
+            await self._post("/pause_generation", {"mode": self._swap_mode})
+            try:
+                if self._update_session:
+                    await self._post("/begin_weight_update", {"selector": "all"})
+                serialized = serialize_named_tensors(list(tensors.items()))
+                await self._post(
+                    "/update_weights_from_tensor",
+                    {
+                        "serialized_named_tensors": [serialized] * self._tp_size,
+                        "load_format": None,
+                        "flush_cache": True,  # the prefix cache holds the old weights' keys and values
+                        "abort_all_requests": False,
+                        "weight_version": str(version),
+                    },
+                )
+                if self._update_session:
+                    await self._post("/end_weight_update", {})
+            finally:
+                self._swaps += 1
+                await self._post("/continue_generation", {})
+        finally:
+            self._swapping = False
+            self._serving.set()
+            if self._ipc_device is not None and self._ipc_device.startswith("cuda"):
+                torch.cuda.ipc_collect()  # the server has copied them: release what it held open
+
+    # -- life cycle ------------------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            staged = [s.version for s in self._staged]
+            newest, in_flight = self._newest_staged, self._in_flight
+        update = bool(staged) or newest > self._version or self._swapping
+        return EngineStats(
+            engine_id=self.engine_id,
+            backend=self.backend,
+            model=self.model_name,
+            state=EngineState.DRAINING if self._closing else EngineState.SERVING,
+            policy_version=self._version,
+            in_flight_requests=in_flight,
+            running_sequences=self._running,
+            waiting_sequences=0,
+            weight_update_in_progress=update,
+            receiving_policy_version=newest if update else 0,
+            last_error=self._last_error,
+            counters=dict(self.counters),
+        )
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight (those requests resolve with ABORT completions of the tokens so far), fail
+        the staged versions, close the HTTP client, and stop the server if this engine started it."""
+        with self._lock:
+            if self._closing and not self._thread.is_alive():
+                return
+            self._closing = True
+            staged, self._staged = self._staged, []
+        for s in staged:
+            s.future.set_exception(EngineClosedError(f"engine {self.engine_id} is closed"))
+        if self._thread.is_alive():
+            try:
+                self._call(self._shutdown(timeout)).result(timeout + 5)
+            except Exception as e:  # noqa: BLE001 - closing goes on whatever the server says
+                _log.warning("closing %s: %s", self.engine_id, e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if self._server_process is not None and self._server_process.poll() is None:
+            self._server_process.terminate()
+            try:
+                self._server_process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._server_process.kill()
+
+    async def _shutdown(self, timeout: float) -> None:
+        if not hasattr(self, "_http"):
+            return
+        self._serving.set()  # segments waiting for a swap see the engine closing and end
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if pending and self._in_flight:
+            try:
+                await self._post("/abort_request", {"rid": "", "abort_all": True}, timeout=10.0)
+            except SGLangError as e:
+                _log.warning("could not abort the requests of %s: %s", self.engine_id, e)
+            await asyncio.wait(pending, timeout=timeout)
+        await self._http.aclose()
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_or_text(response: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _message_of(answer: Any) -> str:
+    if isinstance(answer, dict):
+        error = answer.get("error")
+        message = error.get("message") if isinstance(error, dict) else answer.get("message", error)
+        return str(message)[:500]
+    return str(answer)[:500]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_until_healthy(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SGLangError(f"the SGLang server exited with code {process.returncode} while starting")
+        try:
+            if httpx.get(f"{base_url}/health_generate", timeout=30.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2.0)
+    raise SGLangError(f"the SGLang server at {base_url} was not healthy within {timeout_s:.0f} s")

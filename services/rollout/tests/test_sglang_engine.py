@@ -1,0 +1,277 @@
+"""tauflow's side of the sglang engine, against ``FakeSGLangServer`` (a FAKE that records the calls; SGLang
+itself needs a GPU): what each /generate asks, how answers become completions with per-token versions, the
+safe-point swap (pause, update from tensors, continue) in retract mode and in abort mode (resumed segments),
+refused weights and requests, a failed update, cancellation and shutdown."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tauflow.rollout.engine import (
+    EngineClosedError,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    WeightUpdateError,
+    engine_class,
+)
+from tauflow.rollout.engine.sglang import SGLangEngine, SGLangError
+
+from .fake_sglang import FakeSGLangServer
+
+PROMPTS = [[1, 5, 6, 7], [1, 3]]
+
+
+def expected_tokens(last: int, versions: list[int], vocab: int = 16) -> list[int]:
+    """The fake's tokens after ``last``, one per version."""
+    out = []
+    for v in versions:
+        last = (3 * last + 1 + v) % vocab
+        out.append(last)
+    return out
+
+
+def generates(fake: FakeSGLangServer) -> list[Any]:
+    return [body for route, body in fake.calls if route == "/generate"]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeSGLangServer]:
+    with FakeSGLangServer() as server:
+        yield server
+
+
+@pytest.fixture
+def engine(fake: FakeSGLangServer, model_dir: Path) -> Iterator[SGLangEngine]:
+    eng = SGLangEngine.from_pretrained(model_dir, base_url=fake.url, seed=5, ipc_device=None)
+    yield eng
+    eng.close()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_generate_asks_per_sample_and_maps_the_answers(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
+    assert fake.calls[:2] == [
+        ("/get_server_info", {}),
+        ("/update_weight_version", {"new_version": "0", "abort_all_requests": False}),
+    ]
+    params = SamplingParams(max_new_tokens=6, n=3, temperature=0.7, top_p=0.9, ignore_eos=True, seed=40)
+    out = engine.submit(PROMPTS, params).result(30)
+    assert [len(group) for group in out] == [3, 3]
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for c in group:
+            assert c.token_ids == expected_tokens(prompt[-1], [0] * 6)
+            assert c.logprobs == [-0.1] * 6 and c.versions == [0] * 6
+            assert c.finish_reason is FinishReason.LENGTH
+    bodies = generates(fake)
+    assert len(bodies) == 6  # one per sample: n is never sent, each sample has its own seed stream
+    assert sorted((tuple(b["input_ids"]), b["sampling_params"]["sampling_seed"]) for b in bodies) == sorted(
+        (tuple(p), 40 + j) for p in PROMPTS for j in range(3)
+    )
+    sp = bodies[0]["sampling_params"]
+    assert sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == -1 and sp["ignore_eos"] is True
+    assert bodies[0]["return_logprob"] is True and bodies[0]["stream"] is False
+    assert engine.stats().counters["sequences"] == 6
+
+
+def test_eos_and_stop_tokens_end_completions_and_are_kept(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
+    # from 5: 0, 1, 4, 13, 8, 9, 12, 5, ...; from 3: 10, 15, 14, 11, 2 (EOS)
+    (stop_at_4,), (eos,) = engine.submit([[5], [3]], SamplingParams(max_new_tokens=12, stop_token_ids=(4,))).result(30)
+    assert stop_at_4.token_ids == [0, 1, 4] and stop_at_4.finish_reason is FinishReason.STOP
+    assert eos.token_ids == [10, 15, 14, 11, 2] and eos.finish_reason is FinishReason.STOP
+    assert generates(fake)[0]["sampling_params"]["stop_token_ids"] == [4]
+
+
+def _swap_mid_generation(engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any) -> list[Any]:
+    fake.token_delay_s = 0.01
+    params = SamplingParams(max_new_tokens=20, n=2, ignore_eos=True, seed=1)
+    future = engine.submit(PROMPTS, params)
+    wait_for(lambda: len(generates(fake)) == 4)
+    time.sleep(0.05)  # a few tokens in
+    new = make_model(seed=1).state_dict()
+    assert engine.stage_weights(1, new).result(30) == 1
+    assert engine.policy_version == 1
+    out = future.result(30)
+    record = fake.loaded[0]
+    assert record["weight_version"] == "1"
+    assert [(n, shape, dtype) for n, shape, dtype, _ in record["rank0"]] == [
+        (n, tuple(t.shape), "float32") for n, t in new.items()
+    ]
+    assert [s for *_, s in record["rank0"]] == pytest.approx([float(t.sum()) for t in new.values()])
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for c in group:
+            assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 20  # nothing was lost
+            switch = c.versions.index(1)
+            assert 0 < switch < 20 and c.versions == [0] * switch + [1] * (20 - switch)
+            assert c.token_ids == expected_tokens(prompt[-1], c.versions)
+            assert c.logprobs == [-0.1] * switch + [-0.2] * (20 - switch)
+    return out
+
+
+def test_a_swap_in_retract_mode_keeps_requests_running_and_versions_per_token(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    _swap_mid_generation(engine, fake, make_model)
+    swap = [(r, b) for r, b in fake.calls if r not in ("/generate", "/get_server_info", "/update_weight_version")]
+    assert [r for r, _ in swap] == [
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+    assert swap[0][1] == {"mode": "retract"} and fake.loaded[0]["paused"] == "retract"
+    assert swap[2][1]["flush_cache"] is True and swap[2][1]["abort_all_requests"] is False
+    assert len(generates(fake)) == 4  # retracted, not aborted: no request was sent twice
+
+
+def test_a_swap_in_abort_mode_resumes_the_aborted_requests(model_dir: Path, make_model: Any) -> None:
+    with FakeSGLangServer(version="0.5.10") as fake:  # no retract mode, no spans, no update session
+        engine = SGLangEngine.from_pretrained(model_dir, base_url=fake.url, ipc_device=None)
+        try:
+            _swap_mid_generation(engine, fake, make_model)
+            routes = [r for r in fake.routes() if r not in ("/generate", "/get_server_info", "/update_weight_version")]
+            assert routes == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation"]
+            assert fake.calls[[r for r, _ in fake.calls].index("/pause_generation")][1] == {"mode": "abort"}
+            bodies = generates(fake)
+            assert len(bodies) == 8  # every sample was aborted once and resumed once
+            for b in bodies[4:]:
+                first = next(x for x in bodies[:4] if x["rid"] == b["rid"].rsplit("-", 1)[0] + "-0")
+                done = len(b["input_ids"]) - len(first["input_ids"])
+                assert b["input_ids"][: len(first["input_ids"])] == first["input_ids"] and done > 0
+                assert b["sampling_params"]["max_new_tokens"] == 20 - done
+            assert engine.stats().counters["resumed_segments"] == 4
+        finally:
+            engine.close()
+
+
+def test_bad_weights_are_refused_at_once_and_nothing_is_sent(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    good = make_model(seed=1).state_dict()
+    before = len(fake.calls)
+    with pytest.raises(WeightUpdateError, match="unknown weight name"):
+        engine.stage_weights(1, {**good, "extra.weight": good["lm_head.weight"]})
+    name = "model.embed_tokens.weight"
+    with pytest.raises(WeightUpdateError, match="shape"):
+        engine.stage_weights(1, {**good, name: good[name][:, :8]})
+    with pytest.raises(WeightUpdateError, match="not newer"):
+        engine.stage_weights(0, good)
+    with pytest.raises(WeightUpdateError, match="non-finite"):
+        engine.stage_weights(1, {name: good[name] * float("nan")})
+    time.sleep(0.05)
+    assert len(fake.calls) == before and engine.policy_version == 0
+
+
+def test_a_failed_update_fails_its_version_and_generation_goes_on(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    fake.fail_next_update = "out of memory while loading"
+    with pytest.raises(SGLangError, match="out of memory while loading"):
+        engine.stage_weights(1, make_model(seed=1).state_dict()).result(30)
+    assert fake.routes()[-1] == "/continue_generation"  # not left paused
+    assert engine.policy_version == 0 and "out of memory" in engine.stats().last_error
+    (c,), _ = engine.submit(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    assert c.versions == [0, 0, 0]
+    assert engine.stage_weights(2, make_model(seed=2).state_dict()).result(30) == 2  # a later version loads
+
+
+def test_a_rebase_drops_what_was_staged_after_it(engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any) -> None:
+    fake.token_delay_s = 0.01
+    engine.submit([[1]], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    wait_for(lambda: generates(fake))
+    first = engine.stage_weights(3, make_model(seed=1).state_dict())
+    second = engine.stage_weights(4, make_model(seed=2).state_dict())
+    rebased = engine.stage_broadcast(2, make_model(seed=3).state_dict())  # at or below the newest: a re-base
+    assert rebased.result(30) == 2 and engine.policy_version == 2
+    assert second.cancelled()
+    assert first.done()
+    assert [r["weight_version"] for r in fake.loaded][-1] == "2"
+
+
+def test_requests_the_engine_cannot_serve_are_refused_at_once(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
+    before = len(fake.calls)
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        engine.submit(PROMPTS, SamplingParams(ignore_eos=True, stop_token_ids=(3,)))
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.submit([[1, 99]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.submit([[1] * 60], SamplingParams(max_new_tokens=10))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.submit([[]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="text prompts only"):
+        engine.submit([[1]], SamplingParams(), media=[{"pixel_values": None}])  # type: ignore[dict-item]
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        engine.submit([[1]], SamplingParams(stop=("x",)))
+    assert len(fake.calls) == before
+
+
+def test_cancelling_a_request_aborts_it_on_the_server(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
+    fake.token_delay_s = 0.01
+    future = engine.submit([[1, 4]], SamplingParams(max_new_tokens=60, n=2, ignore_eos=True))
+    wait_for(lambda: len(generates(fake)) == 2)
+    assert future.cancel()
+    wait_for(lambda: len([b for r, b in fake.calls if r == "/abort_request"]) == 2)
+    aborted = {b["rid"] for r, b in fake.calls if r == "/abort_request"}
+    assert {b["rid"].rsplit("-", 1)[0] for b in generates(fake)} == aborted
+    (c,), = engine.submit([[1]], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(30)  # fmt: skip
+    assert len(c.token_ids) == 2
+
+
+def test_close_answers_in_flight_requests_with_what_they_have(model_dir: Path) -> None:
+    with FakeSGLangServer(token_delay_s=0.01) as fake:
+        engine = SGLangEngine.from_pretrained(model_dir, base_url=fake.url, ipc_device=None)
+        future = engine.submit(PROMPTS, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        wait_for(lambda: len(generates(fake)) == 2)
+        time.sleep(0.05)
+        engine.close()
+        for (c,) in future.result(5):
+            assert c.finish_reason is FinishReason.ABORT and 0 < len(c.token_ids) < 60
+            assert len(c.versions) == len(c.logprobs) == len(c.token_ids)
+        assert ("/abort_request", {"rid": "", "abort_all": True}) in fake.calls
+        with pytest.raises(EngineClosedError):
+            engine.submit(PROMPTS, SamplingParams())
+        with pytest.raises(EngineClosedError):
+            engine.stage_weights(1, {})
+
+
+def test_the_backend_loads_by_name_and_an_unreachable_server_is_an_error(model_dir: Path) -> None:
+    assert engine_class("sglang") is SGLangEngine
+    with pytest.raises(SGLangError, match="get_server_info"):
+        SGLangEngine.from_pretrained(model_dir, base_url="http://127.0.0.1:9", control_timeout_s=2.0)
+
+
+def test_a_rollout_server_with_the_sglang_backend_serves_generate(model_dir: Path, tmp_path: Path) -> None:
+    """The rollout service as its own process, built with ``engine: sglang`` on the fake server's URL."""
+    import grpc
+
+    from tauflow.api.common.v1 import common_pb2
+    from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+    from tauflow.core.testing import ServiceProcess
+
+    with FakeSGLangServer() as fake:
+        settings = {"model_path": str(model_dir), "engine": "sglang", "engine_options.base_url": fake.url}
+        server = ServiceProcess("rollout", tmp_path, settings).start(timeout_s=60)
+        try:
+            stub = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(server.address))
+            sampling = rollout_pb2.SamplingParams(max_new_tokens=5, n=2, ignore_eos=True)
+            reply = stub.Generate(rollout_pb2.GenerateRequest(prompt_token_ids=[1, 5], sampling=sampling), timeout=30)
+            assert len(reply.samples) == 2
+            for s in reply.samples:
+                assert list(s.completion_token_ids) == expected_tokens(5, [0] * 5)
+                assert list(s.behaviour_logprobs) == pytest.approx([-0.1] * 5)
+                assert list(s.token_versions) == [0] * 5 and s.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            (status,) = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).engines
+            assert status.backend == "sglang" and status.engine_id == "rollout-0-sglang"
+        finally:
+            server.stop()
