@@ -1,0 +1,180 @@
+"""Hugging Face ↔ megatron-core weights (tauflow.trainer.megatron.convert): exact round trips, tensor- and
+pipeline-parallel shards that merge back, and, where megatron-core is installed, its real GPTModel built on the
+CPU from the same config: the converted weights load into it name for name, and its q/k/v split and gated MLP
+compute what the Hugging Face layer computes (its full forward needs CUDA: the gpu-marked equivalence test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tauflow.trainer.megatron.convert import (
+    MegatronLayout,
+    hf_to_mcore,
+    mcore_to_hf,
+    merge_shards,
+    pipeline_layers,
+    shard,
+)
+
+
+def qwen2(layers: int = 4, tied: bool = False) -> Any:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def llama_tied() -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def full_state(model: Any) -> dict[str, torch.Tensor]:
+    return dict(model.state_dict())
+
+
+@pytest.mark.parametrize("fused_norms", [False, True], ids=["local-spec", "te-spec"])
+@pytest.mark.parametrize("make", [qwen2, llama_tied], ids=["qwen2-gqa-bias", "llama-tied"])
+def test_hf_to_megatron_and_back_is_exact(make: Any, fused_norms: bool) -> None:
+    model = make()
+    layout = MegatronLayout.from_hf_config(model.config, fused_norms=fused_norms)
+    hf = full_state(model)
+    mc = hf_to_mcore(hf, layout)
+    assert ("output_layer.weight" in mc) is not layout.tied_embeddings
+    qkv = mc["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape == ((layout.num_attention_heads + 2 * layout.num_query_groups) * layout.head_dim, 32)
+    back = mcore_to_hf(mc, layout)
+    assert back.keys() == hf.keys()
+    for name, t in hf.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_the_qkv_layout_is_megatrons_groups_of_queries_then_key_then_value() -> None:
+    layout = MegatronLayout(
+        1, 4, num_attention_heads=4, num_query_groups=2, head_dim=1, ffn_hidden_size=4, vocab_size=8
+    )
+    hf = {
+        "model.layers.0.self_attn.q_proj.weight": torch.tensor([[10.0], [11.0], [12.0], [13.0]]),
+        "model.layers.0.self_attn.k_proj.weight": torch.tensor([[20.0], [21.0]]),
+        "model.layers.0.self_attn.v_proj.weight": torch.tensor([[30.0], [31.0]]),
+    }
+    packed = hf_to_mcore({**hf, **{n: torch.zeros(1) for n in _other_names(layout)}}, layout)[
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+    ]
+    assert packed.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]  # group 0: q0 q1 k0 v0; group 1: ...
+
+
+def _other_names(layout: MegatronLayout) -> list[str]:
+    p = "model.layers.0."
+    return [
+        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", p + "self_attn.o_proj.weight",
+        p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight",
+        p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+    ]  # fmt: skip
+
+
+def test_unknown_or_missing_weights_are_refused_by_name() -> None:
+    model = qwen2(layers=1)
+    layout = MegatronLayout.from_hf_config(model.config)
+    hf = full_state(model)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_norm.weight"):
+        hf_to_mcore({**hf, "model.layers.0.self_attn.q_norm.weight": torch.ones(8)}, layout)
+    del hf["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="up_proj"):
+        hf_to_mcore(hf, layout)
+
+
+def test_pipeline_stages_split_layers_evenly_first_stages_taking_the_remainder() -> None:
+    assert [list(pipeline_layers(5, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(pipeline_layers(4, 4, r)) for r in range(4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError):
+        pipeline_layers(2, 3, 0)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_tensor_and_pipeline_shards_merge_back_and_hold_their_part(tp: int, pp: int) -> None:
+    model = qwen2(layers=4)
+    layout = MegatronLayout.from_hf_config(model.config)
+    mc = hf_to_mcore(full_state(model), layout)
+    shards = [[shard(mc, layout, tp, t, pp, p) for t in range(tp)] for p in range(pp)]
+    first, last = shards[0][0], shards[-1][-1]
+    assert "embedding.word_embeddings.weight" in first and ("output_layer.weight" in first) is (pp == 1)
+    assert "output_layer.weight" in last and "decoder.final_layernorm.weight" in last
+    assert sum(1 for n in first if n.endswith("linear_fc2.weight")) == 4 // pp  # renumbered from 0 per stage
+    assert first["decoder.layers.0.self_attention.linear_qkv.weight"].shape[0] == (4 + 2 * 2) * 8 // tp
+    assert first["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 48 // tp, 32)
+    assert first["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 32 // tp)
+    merged = merge_shards(shards, layout)
+    assert merged.keys() == mc.keys()
+    for name, t in mc.items():
+        assert torch.equal(merged[name], t), name
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_query_groups_is_refused() -> None:
+    model = qwen2(layers=1)
+    layout = MegatronLayout.from_hf_config(model.config)
+    with pytest.raises(ValueError, match="query groups"):
+        shard(hf_to_mcore(full_state(model), layout), layout, tp_size=4, tp_rank=0)
+
+
+# -- against megatron-core's own GPTModel, on the CPU -------------------------------------------------------------
+
+
+@pytest.fixture
+def megatron_world(tmp_path: Path) -> Any:
+    """A one-rank gloo world with megatron's model-parallel state (TP = PP = 1)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_converted_weights_load_into_megatrons_gpt_model_and_compute_what_hf_computes(megatron_world: Any) -> None:
+    from tauflow.trainer.megatron.model import gpt_model, transformer_config
+
+    hf_model = qwen2(layers=2)
+    layout = MegatronLayout.from_hf_config(hf_model.config)
+    mc_model = gpt_model(hf_model.config, transformer_config(hf_model.config, use_cpu_initialization=True))
+    converted = hf_to_mcore(full_state(hf_model), layout)
+    result = mc_model.load_state_dict(converted, strict=False)
+    assert result.unexpected_keys == []
+    assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
+    assert mcore_to_hf(mc_model.state_dict(), layout).keys() == full_state(hf_model).keys()
+
+    torch.manual_seed(2)
+    hidden = torch.randn(5, 1, 32)  # megatron's [sequence, batch, hidden]
+    hf_layer, mc_layer = hf_model.model.layers[1], mc_model.decoder.layers[1]
+    with torch.no_grad():
+        q, k, v = mc_layer.self_attention.get_query_key_value_tensors(hidden)
+        attn = hf_layer.self_attn
+        assert torch.allclose(q, attn.q_proj(hidden).view(5, 1, 4, 8), atol=1e-6)
+        assert torch.allclose(k, attn.k_proj(hidden).view(5, 1, 2, 8), atol=1e-6)
+        assert torch.allclose(v, attn.v_proj(hidden).view(5, 1, 2, 8), atol=1e-6)
+        mlp_out, _ = mc_layer.mlp(hidden)
+        assert torch.allclose(mlp_out, hf_layer.mlp(hidden), atol=1e-6)
+        assert torch.allclose(mc_layer.input_layernorm(hidden), hf_layer.input_layernorm(hidden), atol=1e-6)
+        assert torch.allclose(mc_layer.pre_mlp_layernorm(hidden), hf_layer.post_attention_layernorm(hidden), atol=1e-6)
+        ids = torch.tensor([[3, 9, 27]])
+        embedded = mc_model.embedding(input_ids=ids, position_ids=torch.arange(3)[None])
+        assert torch.equal(embedded[:, 0], hf_model.model.embed_tokens(ids)[0])
+        logits, _ = mc_model.output_layer(hidden)
+        assert torch.allclose(logits, hf_model.lm_head(hidden), atol=1e-6)
