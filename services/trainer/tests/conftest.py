@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,3 +77,23 @@ def make_groups() -> Callable[..., list[Group]]:
         return groups
 
     return make
+
+
+@pytest.fixture
+def megatron_world(tmp_path: Path) -> Iterator[None]:
+    """A one-rank world with megatron's model-parallel state (TP = PP = 1): gloo, or the world a megatron
+    backend made already in this process (kept)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

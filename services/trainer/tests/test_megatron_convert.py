@@ -5,7 +5,6 @@ compute what the Hugging Face layer computes (its full forward needs CUDA: the g
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,20 +131,6 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_query_groups_is_refused
 
 
 # -- against megatron-core's own GPTModel, on the CPU -------------------------------------------------------------
-
-
-@pytest.fixture
-def megatron_world(tmp_path: Path) -> Any:
-    """A one-rank gloo world with megatron's model-parallel state (TP = PP = 1)."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def test_converted_weights_load_into_megatrons_gpt_model_and_compute_what_hf_computes(megatron_world: Any) -> None:

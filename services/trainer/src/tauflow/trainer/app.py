@@ -26,7 +26,7 @@ from tauflow.trainer.adapters.queue_client import GrpcQueue
 from tauflow.trainer.adapters.rollout_client import RolloutTeacher
 from tauflow.trainer.adapters.servicer import TrainerServicer
 from tauflow.trainer.adapters.weights_client import SidecarPublisher
-from tauflow.trainer.backend import TorchBackend
+from tauflow.trainer.backend import TorchBackend, backend_class
 from tauflow.trainer.checkpoint import latest_checkpoint
 from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.loop import TrainerLoop
@@ -97,7 +97,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
         if config.backend.teacher_address and leads
         else None
     )
-    backend = TorchBackend(
+    backend = backend_class(config.backend)(
         config.backend, checkpoint=checkpoint, group=group, teacher=teacher,
         media_limits=media.MediaLimits.of(config.media.model_dump()),
     )  # fmt: skip

@@ -110,10 +110,23 @@ class TorchBackendConfig:
     keep_checkpoints: int = 3
     """How many checkpoints save_checkpoint keeps in its directory (0: all)."""
     seed: int = 0
+    kind: Literal["torch", "megatron"] = "torch"
+    """torch: the Hugging Face model in plain PyTorch (data parallel: FSDP2 or DDP); megatron: megatron-core's
+    GPTModel (a Qwen2/Llama-style model; CUDA; the megatron extra; docs/gpu.md)."""
+    tensor_parallel: int = 1
+    """megatron: tensor-parallel size (1 for now)."""
+    pipeline_parallel: int = 1
+    """megatron: pipeline-parallel size (1 for now)."""
 
     def __post_init__(self) -> None:
         if self.padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side must be one of {PADDING_SIDES}, not {self.padding_side!r}")
+        if self.kind not in ("torch", "megatron"):
+            raise ValueError(f"kind must be torch or megatron, not {self.kind!r}")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError("tensor_parallel and pipeline_parallel must be at least 1")
+        if self.kind == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
             raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
         # The algorithm and its options, checked when the config loads (not at the first step).
@@ -1093,6 +1106,15 @@ class TorchBackend:
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])
+
+
+def backend_class(config: TorchBackendConfig) -> type[TorchBackend]:
+    """The backend ``config.kind`` names (megatron's imported only when named: megatron-core is an extra)."""
+    if config.kind == "megatron":
+        from tauflow.trainer.megatron.backend import MegatronBackend
+
+        return MegatronBackend
+    return TorchBackend
 
 
 def _rejected(proximal: Sequence[float], sample: Sample, config: Any) -> bool:
