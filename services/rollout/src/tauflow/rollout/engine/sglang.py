@@ -273,11 +273,11 @@ class SGLangEngine(GenerationEngine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _open_client(self, headers: dict[str, str], connections: int) -> Any:
-        import httpx
+        import httpx2
 
-        limits = httpx.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
-        timeout = httpx.Timeout(self._request_timeout_s, connect=10.0)
-        return httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=timeout)
+        limits = httpx2.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
+        timeout = httpx2.Timeout(self._request_timeout_s, connect=10.0)
+        return httpx2.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=timeout)
 
     async def _make_event(self) -> asyncio.Event:
         event = asyncio.Event()
@@ -285,11 +285,11 @@ class SGLangEngine(GenerationEngine):
         return event
 
     async def _post(self, route: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
-        import httpx
+        import httpx2
 
         try:
             r = await self._http.post(route, json=body, timeout=timeout or self._control_timeout_s)
-        except httpx.HTTPError as e:
+        except httpx2.HTTPError as e:
             raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
         answer = _json_or_text(r)
         refused = isinstance(answer, dict) and answer.get("success") is False
@@ -298,11 +298,11 @@ class SGLangEngine(GenerationEngine):
         return answer
 
     async def _get(self, route: str) -> Any:
-        import httpx
+        import httpx2
 
         try:
             r = await self._http.get(route, timeout=self._control_timeout_s)
-        except httpx.HTTPError as e:
+        except httpx2.HTTPError as e:
             raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(_json_or_text(r))}")
@@ -647,16 +647,16 @@ def _free_port(host: str) -> int:
 
 
 def _wait_until_healthy(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    import httpx
+    import httpx2
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SGLangError(f"the SGLang server exited with code {process.returncode} while starting")
         try:
-            if httpx.get(f"{base_url}/health_generate", timeout=30.0).status_code == 200:
+            if httpx2.get(f"{base_url}/health_generate", timeout=30.0).status_code == 200:
                 return
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             pass
         time.sleep(2.0)
     raise SGLangError(f"the SGLang server at {base_url} was not healthy within {timeout_s:.0f} s")
