@@ -153,6 +153,8 @@ class InProcessLoop:
         t4 = time.perf_counter()
         flat = [r for group in rewards for r in group]
         return {
+            "trained_tokens": float(result.trained_tokens),
+            "generated_tokens": float(sum(len(c.token_ids) for group in completions for c in group)),
             "generate_s": t1 - t0,
             "reward_s": t2 - t1,
             "train_s": t3 - t2,
@@ -236,6 +238,8 @@ def in_process(config: Any, steps: int, skip: int) -> dict[str, Any]:
         "steps": len(records), "measured_steps": len(measured), "step_s": median("step_s"),
         "generate_s": median("generate_s"), "reward_s": median("reward_s"), "train_s": median("train_s"),
         "weights_s": median("weights_s"), "cpu_per_step_s": cpu / max(1, len(measured)),
+        "trained_tokens_per_step": statistics.mean(r["trained_tokens"] for r in measured),
+        "generated_tokens_per_step": statistics.mean(r["generated_tokens"] for r in measured),
         "other_cores": (busy - cpu) / wall,  # cores other processes kept busy meanwhile (0 on an idle machine)
         "mean_reward": [r["mean_reward"] for r in records],
     }  # fmt: skip
@@ -275,6 +279,7 @@ def services(config: Any, skip: int) -> dict[str, Any]:
         "cpu_per_step_by_role_s": by_role, "cpu_per_step_s": sum(by_role.values()),
         "other_cores": (busy - services_cpu - own) / wall,  # cores other processes kept busy over the run
         "staleness_violations": summary["staleness_violations"],
+        "trained_tokens_per_step": statistics.mean(s["trained_tokens"] for s in measured),
         "mean_reward": [s["mean_reward"] for s in summary["steps"]],
     }  # fmt: skip
 
