@@ -36,7 +36,7 @@ IMAGE_HAS = {
     "typing-extensions", "setuptools",
 }  # fmt: skip
 # Imported lazily, never on the GPU run's path (media decoding, Parquet, Ray): left out to save room.
-SKIP = {"av", "pyarrow", "pillow", "ray"}
+SKIP = {"av", "pyarrow", "ray"}
 
 
 def canonical(name: str) -> str:
