@@ -38,7 +38,7 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
     """One rank: the steps of ``job`` (rank 0 leads, the others follow); rank 0 writes what it saw."""
     torch.set_num_threads(1)
     dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", strategy=strategy, timeout_s=120, keepalive_s=60)
-    group = RankGroup(dist, torch.device("cpu"))
+    group = RankGroup(dist, torch.device(job.get("device", "cpu")))  # (cuda: NCCL, the backend's auto choice)
     # Only rank 0 is told where the checkpoint is, as on Kubernetes, where only its pod has the volume.
     backend = TorchBackend(job["config"], checkpoint=job.get("resume") if rank == 0 else None, group=group)
     if rank != 0:
@@ -46,7 +46,7 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
         backend.close()
         return
     results = [backend.train_step(batch) for batch in job["batches"]]
-    weights = {k: v.clone() for k, v in backend.state_dict_for_publish().items()}
+    weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
     if job.get("checkpoint"):
         backend.save_checkpoint(job["checkpoint"])
     backend.close()
@@ -76,7 +76,7 @@ def one_process(job: dict[str, Any]) -> dict[str, Any]:
     results = [backend.train_step(batch) for batch in job["batches"]]
     if job.get("checkpoint"):
         backend.save_checkpoint(job["checkpoint"])
-    weights = {k: v.clone() for k, v in backend.state_dict_for_publish().items()}
+    weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
     return {"weights": weights, "metrics": [r.metrics for r in results]}
 
 
@@ -102,6 +102,17 @@ def test_two_ranks_make_the_update_of_one(
     for mine, theirs in zip(both["metrics"], single["metrics"], strict=True):
         for key in ("loss", "grad_norm", "tokens", "clip_fraction", "is_weight_mean", "entropy"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_cuda_rank_over_nccl_makes_the_update_of_the_plain_backend(
+    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    """FSDP2 and DDP on CUDA with NCCL (one rank: NCCL refuses two ranks on one GPU), against one process."""
+    batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
+    job = {"config": backend_config(tiny_model_dir, device="cuda"), "batches": batches, "device": "cuda"}
+    assert_same_weights(run_ranks(1, strategy, job, tmp_path)["weights"], one_process(job)["weights"])
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
