@@ -163,3 +163,20 @@ def test_converted_weights_load_into_megatrons_gpt_model_and_compute_what_hf_com
         assert torch.equal(embedded[:, 0], hf_model.model.embed_tokens(ids)[0])
         logits, _ = mc_model.output_layer(hidden)
         assert torch.allclose(logits, hf_model.lm_head(hidden), atol=1e-6)
+
+
+def test_the_rotary_base_is_the_checkpoints_and_scaled_rope_is_refused(megatron_world: Any) -> None:
+    from transformers import LlamaConfig, Qwen2Config
+
+    from tauflow.trainer.megatron.model import gpt_model, rope_theta, transformer_config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=48, rope_theta=1e6)  # fmt: skip
+    assert rope_theta(config) == 1e6
+    model = gpt_model(config, transformer_config(config, use_cpu_initialization=True))
+    head_dim = 8
+    expected = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    assert torch.allclose(model.rotary_pos_emb.inv_freq.float(), expected)
+    scaled = LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope scaling 'linear'"):
+        rope_theta(scaled)

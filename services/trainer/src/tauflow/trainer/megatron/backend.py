@@ -3,9 +3,10 @@
 Everything RL (the algorithms, advantages, losses, micro-batches, the optimizer, checkpoints' trainer state)
 is the ``torch`` backend's: ``MegatronBackend`` is a ``TorchBackend`` whose policy is a ``MegatronCausalLM``,
 megatron-core's GPTModel answering as a Hugging Face causal LM does (``forward(...).logits``, ``config``,
-``save_pretrained``). Weights enter from a Hugging Face folder and leave in Hugging Face names: checkpoints are
-Hugging Face folders (resumable by either backend) and the sidecar publishes Hugging Face names
-(``convert``). The reference and the teacher, forward only, stay Hugging Face models.
+``save_pretrained``). Weights enter from a Hugging Face folder and leave in Hugging Face names: a checkpoint's
+weights are a Hugging Face folder (any Hugging Face loader, or a new run of either backend, starts from it;
+its optimizer state resumes the megatron backend only: it is keyed by megatron's fused parameters), and the
+sidecar publishes Hugging Face names (``convert``). The reference and the teacher, forward only, stay Hugging Face models.
 
 Scope now: tensor- and pipeline-parallel size 1 on one CUDA device (what one GPU verifies;
 ``tests/test_megatron_backend.py``, marked gpu). megatron-core's forward assumes CUDA; on a CPU the model
@@ -47,7 +48,7 @@ def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_paral
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         mpu.model_parallel_cuda_manual_seed(seed)  # the RNG tracker megatron's dropout forks (0 here, but asked)
 
 

@@ -48,6 +48,18 @@ def transformer_config(
     )
 
 
+def rope_theta(hf_config: Any) -> float:
+    """The rotary base of a plain (unscaled) rotary embedding: ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` (4.x). A scaled one (llama3, yarn, dynamic, ...) is refused: megatron's GPTModel here
+    would silently compute a different embedding."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    params = getattr(text, "rope_parameters", None) or {}
+    scaling = params.get("rope_type") or (getattr(text, "rope_scaling", None) or {}).get("rope_type")
+    if scaling not in (None, "default"):
+        raise ValueError(f"rope scaling {scaling!r} is not supported by the megatron backend yet (plain rope only)")
+    return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
+
+
 def gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, post_process: bool = True) -> Any:
     """megatron-core's GPTModel (local layer spec: no Transformer Engine needed) with rotary embeddings as the
     Hugging Face model has them (rotate-half, ``rope_theta``), embeddings tied where the checkpoint ties them."""
@@ -58,12 +70,13 @@ def gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, post_pro
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        # RMSNorm named: with apex installed the default spec picks its FusedLayerNorm, which has no RMSNorm
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=layout.vocab_size,
         max_sequence_length=int(getattr(text, "max_position_embeddings", 4096)),
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(getattr(text, "rope_theta", 10000)),
+        rotary_base=rope_theta(hf_config),
     )
