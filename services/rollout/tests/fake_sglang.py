@@ -12,6 +12,8 @@ What it mimics (and what it does not):
   records names, shapes and sums; with ``session_required`` (SGLang ≥ 0.5.21) it refuses an update outside
   ``/begin_weight_update`` … ``/end_weight_update``.
 - ``weight_versions`` spans in ``meta_info`` only with ``report_spans`` (SGLang ≥ 0.5.19).
+- ``/abort_request`` matches a rid exactly (the tokenizer manager's lookup); a second ``/begin_weight_update``
+  while a session is open is refused, as SGLang refuses it.
 - No KV cache, no stop strings, no real sampling, no tensor parallelism.
 """
 
@@ -40,6 +42,7 @@ class FakeSGLangServer:
     def __init__(
         self,
         version: str = "0.5.23",
+        tp_size: int = 1,
         vocab: int = 16,
         eos: int = 2,
         token_delay_s: float = 0.002,
@@ -48,6 +51,7 @@ class FakeSGLangServer:
     ) -> None:
         parts = tuple(int(p) for p in version.split(".")[:3])
         self.version = version
+        self.tp_size = tp_size
         self.vocab, self.eos, self.token_delay_s = vocab, eos, token_delay_s
         self.report_spans = parts >= (0, 5, 19) if report_spans is None else report_spans
         self.session_required = parts >= (0, 5, 21) if session_required is None else session_required
@@ -191,6 +195,8 @@ class FakeSGLangServer:
         if route == "/update_weights_from_tensor":
             return self._update_from_tensor(body)
         if route == "/begin_weight_update":
+            if self._in_session:
+                return 400, {"success": False, "message": "a weight-update session is already open"}
             self._in_session = True
             return 200, {"success": True, "message": "begun"}
         if route == "/end_weight_update":
@@ -202,12 +208,12 @@ class FakeSGLangServer:
         if route == "/abort_request":
             with self._cv:
                 for rid, r in self._running.items():
-                    if body.get("abort_all") or (body.get("rid") and rid.startswith(body["rid"])):
+                    if body.get("abort_all") or rid == body.get("rid"):  # the tokenizer manager's exact match
                         r.aborted = True
                 self._cv.notify_all()
             return 200, None
         if route == "/get_server_info":
-            return 200, {"version": self.version, "tp_size": 1, "weight_version": self.weight_version}
+            return 200, {"version": self.version, "tp_size": self.tp_size, "weight_version": self.weight_version}
         if route == "/get_model_info":
             return 200, {"model_path": "fake", "is_generation": True, "weight_version": self.weight_version}
         if route in ("/health", "/health_generate"):

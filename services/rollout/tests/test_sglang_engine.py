@@ -20,7 +20,7 @@ from tauflow.rollout.engine import (
     WeightUpdateError,
     engine_class,
 )
-from tauflow.rollout.engine.sglang import SGLangEngine, SGLangError
+from tauflow.rollout.engine.sglang import SGLangEngine, SGLangError, sample_seed
 
 from .fake_sglang import FakeSGLangServer
 
@@ -76,12 +76,20 @@ def test_generate_asks_per_sample_and_maps_the_answers(engine: SGLangEngine, fak
     bodies = generates(fake)
     assert len(bodies) == 6  # one per sample: n is never sent, each sample has its own seed stream
     assert sorted((tuple(b["input_ids"]), b["sampling_params"]["sampling_seed"]) for b in bodies) == sorted(
-        (tuple(p), 40 + j) for p in PROMPTS for j in range(3)
-    )
+        (tuple(p), sample_seed(40, j)) for p in PROMPTS for j in range(3)
+    )  # sample j of every prompt draws from the stream (seed, j)
     sp = bodies[0]["sampling_params"]
     assert sp["temperature"] == 0.7 and sp["top_p"] == 0.9 and sp["top_k"] == -1 and sp["ignore_eos"] is True
     assert bodies[0]["return_logprob"] is True and bodies[0]["stream"] is False
     assert engine.stats().counters["sequences"] == 6
+    engine.submit([[1]], SamplingParams(max_new_tokens=2, top_k=1, temperature=0.7)).result(30)
+    greedy = generates(fake)[-1]["sampling_params"]
+    assert greedy["temperature"] == 0.0 and "sampling_seed" not in greedy  # top_k 1 is greedy; no seed: none sent
+
+
+def test_sample_streams_do_not_collide_across_seeds() -> None:
+    streams = {sample_seed(seed, j) for seed in range(64) for j in range(16)}
+    assert len(streams) == 64 * 16 and all(0 <= s < 1 << 63 for s in streams)
 
 
 def test_eos_and_stop_tokens_end_completions_and_are_kept(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
@@ -173,6 +181,24 @@ def test_bad_weights_are_refused_at_once_and_nothing_is_sent(
     assert len(fake.calls) == before and engine.policy_version == 0
 
 
+def test_a_failed_update_closes_its_update_session_so_the_next_version_loads(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    assert fake.session_required  # SGLang >= 0.5.21: a second begin_weight_update is refused while one is open
+    fake.fail_next_update = "bad weights"
+    with pytest.raises(SGLangError, match="bad weights"):
+        engine.stage_weights(1, make_model(seed=1).state_dict()).result(30)
+    assert engine.stage_weights(2, make_model(seed=2).state_dict()).result(30) == 2
+    assert [r for r in fake.routes() if "weight_update" in r] == ["/begin_weight_update", "/end_weight_update"] * 2
+
+
+def test_servers_the_engine_cannot_drive_are_refused_at_start(model_dir: Path) -> None:
+    with FakeSGLangServer(version="0.5.2") as old, pytest.raises(SGLangError, match=r"needs SGLang >= 0\.5\.6"):
+        SGLangEngine.from_pretrained(model_dir, base_url=old.url)
+    with FakeSGLangServer(tp_size=2) as sharded, pytest.raises(SGLangError, match="tp-size 1"):
+        SGLangEngine.from_pretrained(model_dir, base_url=sharded.url)
+
+
 def test_a_failed_update_fails_its_version_and_generation_goes_on(
     engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
 ) -> None:
@@ -223,7 +249,7 @@ def test_cancelling_a_request_aborts_it_on_the_server(engine: SGLangEngine, fake
     assert future.cancel()
     wait_for(lambda: len([b for r, b in fake.calls if r == "/abort_request"]) == 2)
     aborted = {b["rid"] for r, b in fake.calls if r == "/abort_request"}
-    assert {b["rid"].rsplit("-", 1)[0] for b in generates(fake)} == aborted
+    assert {b["rid"] for b in generates(fake)} == aborted  # the exact rids sent: SGLang ignores any other
     (c,), = engine.submit([[1]], SamplingParams(max_new_tokens=2, ignore_eos=True)).result(30)  # fmt: skip
     assert len(c.token_ids) == 2
 

@@ -1,6 +1,6 @@
 """The ``sglang`` engine (experimental): an SGLang server behind the engine interface, over SGLang's HTTP API.
 
-Written against SGLang's documented HTTP API (0.5.x; docs/gpu.md says which versions and what was verified):
+Written against SGLang's HTTP API (0.5.6 and later; docs/gpu.md says what was verified):
 it has been tested only against ``FakeSGLangServer`` (services/rollout/tests), a fake that records the calls,
 because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
 
@@ -12,7 +12,7 @@ because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
   ``/update_weights_from_tensor`` (CUDA IPC handles of the staged tensors: the server must share this
   machine and its GPUs) → ``/continue_generation``. ``swap_mode``:
 
-  * ``retract`` (SGLang ≥ 0.5.19, the default there): running requests are retracted to the waiting queue
+  * ``retract`` (SGLang ≥ 0.5.21, the default there): running requests are retracted to the waiting queue
     and re-prefilled with the new weights; nothing is aborted. Per-token versions come from the answer's
     ``weight_versions`` spans.
   * ``abort`` (older servers): running requests are answered with what they generated so far; this engine
@@ -65,7 +65,10 @@ from tauflow.rollout.engine.base import (
 _log = logging.getLogger(__name__)
 
 SwapMode = Literal["auto", "retract", "abort"]
-RETRACT_SINCE = (0, 5, 19)  # pause_generation(mode="retract") and per-token weight_versions spans
+MIN_VERSION = (0, 5, 6)  # pause_generation that waits for in-flight requests and takes a mode
+# pause_generation(mode="retract") with a cache flush that ignores the retracted (waiting) requests, and
+# per-token weight_versions spans (0.5.19 and 0.5.20 retract too, but their flush asserts on waiting requests)
+RETRACT_SINCE = (0, 5, 21)
 UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update and /end_weight_update
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -125,6 +128,7 @@ class _Sample:
 
     prompt: list[int]
     rid: str
+    segment_rid: str
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
@@ -150,7 +154,6 @@ class SGLangEngine(GenerationEngine):
         extra_eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         swap_mode: SwapMode = "auto",
-        tp_size: int | None = None,
         ipc_device: str | None = None,
         max_concurrent_requests: int = 512,
         request_timeout_s: float = 600.0,
@@ -203,8 +206,18 @@ class SGLangEngine(GenerationEngine):
         try:
             info = self._call(self._get("/get_server_info")).result()
             self.server_version = str(info.get("version", "0"))
-            self._tp_size = int(tp_size or info.get("tp_size") or 1)
+            self._tp_size = int(info.get("tp_size") or 1)
+            if self._tp_size != 1:
+                raise SGLangError(
+                    f"the SGLang server runs tensor parallel size {self._tp_size}: the sglang engine sends its "
+                    "weights as one rank's CUDA IPC handles, so it needs --tp-size 1 for now"
+                )
             newer = _version_tuple(self.server_version)
+            if newer < MIN_VERSION:
+                raise SGLangError(
+                    f"SGLang {self.server_version}: the sglang engine needs SGLang >= "
+                    f"{'.'.join(map(str, MIN_VERSION))} (a pause that waits for requests in flight, its modes)"
+                )
             self._swap_mode: Literal["retract", "abort"] = (
                 ("retract" if newer >= RETRACT_SINCE else "abort") if swap_mode == "auto" else swap_mode
             )
@@ -357,21 +370,20 @@ class SGLangEngine(GenerationEngine):
         rid = uuid.uuid4().hex
         # sample j of every prompt draws from the stream (seed, j), as the interface asks; SGLang honours a
         # per-request sampling_seed only when launched with --enable-deterministic-inference
-        seed = params.seed if params.seed is not None else self._seed_base + hash(rid)
         samples = [
-            _Sample(prompt, f"{rid}-{i}-{j}", [], [], []) for i, prompt in enumerate(prompts) for j in range(params.n)
+            _Sample(prompt, f"{rid}-{i}-{j}", "", [], [], [])
+            for i, prompt in enumerate(prompts)
+            for j in range(params.n)
         ]
-        tasks = [
-            asyncio.ensure_future(self._sample(s, params, (seed + k % params.n) % (1 << 63)))
-            for k, s in enumerate(samples)
-        ]
+        seeds = [None if params.seed is None else sample_seed(params.seed, k % params.n) for k in range(len(samples))]
+        tasks = [asyncio.ensure_future(self._sample(s, params, seed)) for s, seed in zip(samples, seeds, strict=True)]
         try:
             done = await asyncio.gather(*tasks)
         except asyncio.CancelledError:
             for task in tasks:
                 task.cancel()
             # the server keeps decoding what a gone client asked for unless told
-            self._loop.create_task(self._abort_quietly([s.rid for s in samples]))
+            self._loop.create_task(self._abort_quietly([s.segment_rid for s in samples if s.segment_rid]))
             raise
         return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
@@ -382,17 +394,20 @@ class SGLangEngine(GenerationEngine):
             except SGLangError as e:
                 _log.warning("could not abort %s on %s: %s", rid, self.base_url, e)
 
-    async def _sample(self, sample: _Sample, params: SamplingParams, seed: int) -> Completion:
+    async def _sample(self, sample: _Sample, params: SamplingParams, seed: int | None) -> Completion:
         segment = 0
         while True:
             await self._serving.wait()  # no segment starts while a swap is under way
+            if self._closing:  # woken by close() rather than by a finished swap
+                return Completion(sample.token_ids, sample.logprobs, sample.versions, FinishReason.ABORT)
             remaining = params.max_new_tokens - len(sample.token_ids)
             swaps, version = self._swaps, self._version
+            sample.segment_rid = f"{sample.rid}-{segment}"  # SGLang aborts by exact rid
             body = {
                 "input_ids": sample.prompt + sample.token_ids,
                 "sampling_params": self._sampling_params(params, remaining, seed),
                 "return_logprob": True,
-                "rid": f"{sample.rid}-{segment}",
+                "rid": sample.segment_rid,
                 "stream": False,
             }
             self._running += 1
@@ -419,16 +434,19 @@ class SGLangEngine(GenerationEngine):
             segment += 1
             self.counters["resumed_segments"] += 1
 
-    def _sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    def _sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
-            "temperature": params.temperature,
+            # greedy (top_k 1 too) as temperature 0: SGLang then reports temperature-1 log-probs whatever else
+            # is in its batch, as this interface defines greedy log-probs
+            "temperature": 0.0 if params.greedy else params.temperature,
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else -1,
             "ignore_eos": params.ignore_eos,
-            "sampling_seed": seed,
             "skip_special_tokens": True,
         }
+        if seed is not None:  # honoured by a server started with --enable-deterministic-inference
+            out["sampling_seed"] = seed
         stop_ids = list(dict.fromkeys((() if params.ignore_eos else self._extra_eos) + params.stop_token_ids))
         if stop_ids:
             out["stop_token_ids"] = stop_ids
@@ -536,19 +554,11 @@ class SGLangEngine(GenerationEngine):
             try:
                 if self._update_session:
                     await self._post("/begin_weight_update", {"selector": "all"})
-                serialized = serialize_named_tensors(list(tensors.items()))
-                await self._post(
-                    "/update_weights_from_tensor",
-                    {
-                        "serialized_named_tensors": [serialized] * self._tp_size,
-                        "load_format": None,
-                        "flush_cache": True,  # the prefix cache holds the old weights' keys and values
-                        "abort_all_requests": False,
-                        "weight_version": str(version),
-                    },
-                )
-                if self._update_session:
-                    await self._post("/end_weight_update", {})
+                try:
+                    await self._load_tensors(version, tensors)
+                finally:
+                    if self._update_session:  # closed even after a failed load: an open session refuses the next
+                        await self._post("/end_weight_update", {})
             finally:
                 self._swaps += 1
                 await self._post("/continue_generation", {})
@@ -557,6 +567,19 @@ class SGLangEngine(GenerationEngine):
             self._serving.set()
             if self._ipc_device is not None and self._ipc_device.startswith("cuda"):
                 torch.cuda.ipc_collect()  # the server has copied them: release what it held open
+
+    async def _load_tensors(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        serialized = serialize_named_tensors(list(tensors.items()))
+        await self._post(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [serialized],  # one TP rank (tp_size 1 is checked at start)
+                "load_format": None,
+                "flush_cache": True,  # the prefix cache holds the old weights' keys and values
+                "abort_all_requests": False,
+                "weight_version": str(version),
+            },
+        )
 
     # -- life cycle ------------------------------------------------------------------------------------------------
 
@@ -616,6 +639,15 @@ class SGLangEngine(GenerationEngine):
                 _log.warning("could not abort the requests of %s: %s", self.engine_id, e)
             await asyncio.wait(pending, timeout=timeout)
         await self._http.aclose()
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index``'s stream under request seed ``seed``: a 63-bit mix, so that (seed, index)
+    pairs do not collide as ``seed + index`` would (seed 5 sample 1 against seed 6 sample 0)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & ((1 << 64) - 1)  # splitmix64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (x ^ (x >> 31)) >> 1
 
 
 def _int_or_none(value: Any) -> int | None:
