@@ -14,8 +14,8 @@ disaggregated (issue #18, run by scripts/gpu-check; docs/gpu.md).
 
 Reported per path: median step time, trained and generated tokens per second, weight-update time
 (colocated: the in-GPU copy; disaggregated: the trainer's publish), mean reward per step, and GPU memory
-high-water marks per role (nvidia-smi's per-process figure, sampled every 0.5 s; the colocated process's
-allocator peak too), and the speedup of disaggregated τ = 1 over colocated τ = 0 in step time.
+high-water marks per role (each process's PyTorch allocator peak, from its metrics, and the device's use
+from nvidia-smi), and the speedup of disaggregated τ = 1 over colocated τ = 0 in step time.
 
     python bench/gpu_grpo.py --out runs/gpu-grpo                            # on a GPU
     python bench/gpu_grpo.py --device cpu --shape tiny --steps 4 --skip 1 --groups 8 --sft-max-s 20  # CPU smoke
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -55,48 +55,52 @@ SHAPES = {
 
 
 class GpuMemory:
-    """The GPU memory each process of a run holds, sampled from nvidia-smi every 0.5 s: high-water mark per role
-    (the roles from the run folder's ready files; this process is ``own_role``)."""
+    """GPU memory high-water marks, sampled every second: each service's own (its
+    ``tauflow_process_cuda_memory_peak_bytes``, scraped from the metrics port its ready file names; this
+    process's read directly, as ``own_role``) and the device's (nvidia-smi's memory.used: every process on the
+    GPU). Per-process figures come from the processes themselves, so they hold inside a container too, where
+    nvidia-smi lists the host's pids."""
 
     def __init__(self, run_dir: Path | None, own_role: str) -> None:
         self.run_dir, self.own_role = run_dir, own_role
         self.peak_mib: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
-        self.available = shutil.which("nvidia-smi") is not None
-        if self.available:
-            self._thread.start()
+        self._thread.start()
 
-    def _roles(self) -> dict[int, str]:
-        roles = {os.getpid(): self.own_role}
+    def _note(self, role: str, mib: float) -> None:
+        self.peak_mib[role] = max(self.peak_mib.get(role, 0.0), mib)
+
+    def _sample(self) -> None:
+        from tauflow.core.metrics import cuda_memory_peak_bytes
+
+        self._note(self.own_role, cuda_memory_peak_bytes() / 2**20)
         for ready in self.run_dir.glob("*.ready.json") if self.run_dir and self.run_dir.exists() else []:
             try:
-                roles[int(json.loads(ready.read_text())["pid"])] = ready.name.split(".")[0]
+                port = json.loads(ready.read_text())["metrics_port"]
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except (OSError, ValueError, KeyError):
-                continue
-        return roles
+                continue  # not serving yet, or gone
+            for line in body.splitlines():
+                if line.startswith("tauflow_process_cuda_memory_peak_bytes "):
+                    self._note(ready.name.split(".")[0], float(line.split()[1]) / 2**20)
+        if shutil.which("nvidia-smi"):
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"]
+            try:
+                used = subprocess.run(query, check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+                self._note("device (nvidia-smi)", float(used.splitlines()[0]))
+            except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+                pass
 
     def _loop(self) -> None:
-        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-        while not self._stop.wait(0.5):
-            try:
-                rows = subprocess.run(
-                    query, check=False, capture_output=True, text=True, timeout=10
-                ).stdout.splitlines()
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            roles = self._roles()
-            for row in rows:
-                pid, _, mib = row.partition(",")
-                role = roles.get(int(pid)) if pid.strip().isdigit() else None
-                if role is not None and mib.strip().replace(".", "", 1).isdigit():
-                    self.peak_mib[role] = max(self.peak_mib.get(role, 0.0), float(mib))
+        while not self._stop.wait(1.0):
+            self._sample()
 
     def stop(self) -> dict[str, float]:
         self._stop.set()
-        if self.available:
-            self._thread.join()
-        return dict(self.peak_mib)
+        self._thread.join()
+        self._sample()
+        return {role: round(mib, 1) for role, mib in self.peak_mib.items() if mib > 0}
 
 
 def greedy_accuracy(model: Any, pairs: list[tuple[int, int]], device: str) -> float:
@@ -202,20 +206,21 @@ def main() -> int:
 
     import torch
 
-    memory = GpuMemory(None, "colocated")
     if cuda:
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # the warm start ran in this process
+    memory = GpuMemory(None, "colocated")
     colocated = in_process(run_config(recipe, prepared, args.out / "colocated", args.steps, extra), args.steps,
                            args.skip)  # fmt: skip
     colocated["gpu_peak_mib"] = memory.stop()
     if cuda:
-        colocated["allocator_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         torch.cuda.empty_cache()
     colocated["weights_update_s"] = colocated["weights_s"]
     report["colocated_tau0"] = colocated
 
     config = run_config(recipe, prepared, args.out / "disaggregated", args.steps, [*extra, "max_staleness=1"])
-    memory = GpuMemory(config.run_dir, "controller")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    memory = GpuMemory(config.run_dir, "bench process (controller)")
     disaggregated = services(config, args.skip)
     disaggregated["gpu_peak_mib"] = memory.stop()
     disaggregated["weights_update_s"] = disaggregated["publish_s"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tauflow.core.metrics import MetricInfo, ScrapeCollector, catalog, serve_metrics
@@ -57,3 +58,19 @@ def test_a_metrics_server_serves_then_closes() -> None:
         assert "tauflow_x_up 1.0" in body
     finally:
         server.close()
+
+
+def test_the_cuda_memory_peak_sums_the_allocators_high_water_marks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from types import SimpleNamespace
+
+    from tauflow.core.metrics import cuda_memory_peak_bytes
+
+    peaks = {0: 3 << 30, 1: 1 << 20}
+    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 2, max_memory_reserved=peaks.__getitem__)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    assert cuda_memory_peak_bytes() == (3 << 30) + (1 << 20)
+    cuda.is_initialized = lambda: False  # torch imported, CUDA never touched
+    assert cuda_memory_peak_bytes() == 0.0
+    monkeypatch.delitem(sys.modules, "torch")
+    assert cuda_memory_peak_bytes() == 0.0

@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Info, disable_created_metrics, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Info,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -82,6 +91,21 @@ class ServerMetrics:
             registry=registry,
         )
         self.process.info(process_identity())
+        self.cuda_memory_peak = Gauge(
+            "tauflow_process_cuda_memory_peak_bytes",
+            "GPU memory this process's PyTorch caching allocator has reserved at most, over its devices (0: no CUDA)",
+            registry=registry,
+        )
+        self.cuda_memory_peak.set_function(cuda_memory_peak_bytes)
+
+
+def cuda_memory_peak_bytes() -> float:
+    """The high-water mark of GPU memory PyTorch reserved in this process, over every device; 0 where torch
+    was never imported or never touched CUDA (this module imports no torch: queue and reward have none)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0.0
+    return float(sum(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())))
 
 
 def process_identity() -> dict[str, str]:
