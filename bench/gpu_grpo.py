@@ -44,6 +44,7 @@ sys.path.insert(0, str(ADDITION))
 
 import task  # the addition task: tokenizer, problems, prompts  (after the paths)
 from overhead import in_process, run_config, services
+from prepare import greedy_accuracy  # examples/addition/prepare.py: the warm start's own measure
 
 SHAPES = {
     # Qwen2.5-0.5B's decoder (its config.json), over the task's vocabulary
@@ -103,26 +104,6 @@ class GpuMemory:
         return {role: round(mib, 1) for role, mib in self.peak_mib.items() if mib > 0}
 
 
-def greedy_accuracy(model: Any, pairs: list[tuple[int, int]], device: str) -> float:
-    """Greedy exact-match accuracy on ``pairs``."""
-    import torch
-
-    with torch.no_grad():
-        ids = torch.tensor([task.prompt_ids(a, b) for a, b in pairs], device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=task.MAX_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=task.VOCAB[task.EOS],
-            pad_token_id=task.VOCAB[task.PAD],
-        )
-    rows = out[:, ids.shape[1] :].tolist()
-    return sum(row[: len(task.answer_ids(a, b))] == task.answer_ids(a, b) for (a, b), row in zip(pairs, rows)) / len(
-        pairs
-    )
-
-
 def prepare(out: Path, shape: str, device: str, target: float, max_s: float, seed: int) -> dict[str, Any]:
     """``out/model`` (the shape from a config, warm-started by SFT on ``device`` until greedy held-out accuracy
     reaches ``target`` or ``max_s`` pass: GRPO needs groups whose rewards differ), the task's tokenizer and
@@ -161,7 +142,7 @@ def prepare(out: Path, shape: str, device: str, target: float, max_s: float, see
         answers = [(task.prompt_ids(a, b), task.answer_ids(a, b)) for a, b in pairs]
         losses.append(backend.sft_step([Sample(q, a, [0.0] * len(a)) for q, a in answers]).loss)  # log-probs unused
         if len(losses) % 25 == 0:
-            accuracy = greedy_accuracy(backend.model.eval(), heldout[:200], device)
+            accuracy = greedy_accuracy(backend.model.eval(), heldout[:200])["all"]
             backend.model.train()
     sft_s = time.perf_counter() - started
     backend.model.save_pretrained(out / "model")

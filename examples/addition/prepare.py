@@ -34,7 +34,7 @@ def greedy_accuracy(model, pairs: list[tuple[int, int]]) -> dict[str, float]:
     with torch.no_grad():
         for i in range(0, len(pairs), 250):
             chunk = pairs[i : i + 250]
-            ids = torch.tensor([task.prompt_ids(a, b) for a, b in chunk])
+            ids = torch.tensor([task.prompt_ids(a, b) for a, b in chunk], device=next(model.parameters()).device)
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

@@ -37,7 +37,9 @@ __all__ = [
     "SamplingParams",
     "TensorSpec",
     "WeightUpdateError",
+    "check_newer",
     "check_weight_specs",
+    "staged_copies",
 ]
 
 
@@ -227,6 +229,33 @@ def check_weight_specs(
     if problems:
         more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise WeightUpdateError("weights do not match the model: " + "; ".join(problems[:5]) + more)
+
+
+def staged_copies(
+    accepted: Mapping[str, TensorSpec],
+    tensors: Mapping[str, torch.Tensor],
+    place: Callable[[str, torch.Tensor], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """A weight update checked as every engine checks one (tensors only, ``check_weight_specs``, finite
+    values) and each tensor placed where the engine loads it from: ``place(name, tensor)``, a copy the
+    caller may not change. Raises WeightUpdateError and stages nothing."""
+    bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise WeightUpdateError(f"weights must be tensors: {bad[:5]}")
+    check_weight_specs(accepted, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
+    staged: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        buf = place(name, t.detach())
+        if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+            raise WeightUpdateError(f"{name}: has non-finite values (nan or inf)")
+        staged[name] = buf
+    return staged
+
+
+def check_newer(version: int, newest: int, rebase: bool) -> None:
+    """A staged version must be newer than the newest served or staged, unless it re-bases."""
+    if version <= newest and not rebase:
+        raise WeightUpdateError(f"version {version} is not newer than version {newest} (served or staged)")
 
 
 class GenerationEngine(ABC):

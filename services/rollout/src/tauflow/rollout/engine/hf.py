@@ -50,8 +50,8 @@ from tauflow.rollout.engine.base import (
     ScoredSequence,
     Scores,
     TensorSpec,
-    WeightUpdateError,
-    check_weight_specs,
+    check_newer,
+    staged_copies,
 )
 from tauflow.rollout.engine.sampling import counter_uniforms, row_keys, sample_tokens
 
@@ -508,27 +508,17 @@ class HFEngine(GenerationEngine):
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
             newest = self._newest_staged
-        if version <= newest and not rebase:
-            raise WeightUpdateError(f"version {version} is not newer than version {newest} (served or staged)")
-        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise WeightUpdateError(f"weights must be tensors: {bad[:5]}")
-        check_weight_specs(self._spec, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
-        staged: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            p = self._params[name]
-            buf = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
-            if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
-                raise WeightUpdateError(f"{name}: has non-finite values (nan or inf)")
-            staged[name] = buf
+        check_newer(version, newest, rebase)
+        staged = staged_copies(
+            self._spec,
+            tensors,
+            lambda name, t: t.to(device=self._params[name].device, dtype=self._params[name].dtype, copy=True),
+        )
         future: Future[int] = Future()
         with self._cv:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
-            if version <= self._newest_staged and not rebase:
-                raise WeightUpdateError(
-                    f"version {version} is not newer than version {self._newest_staged} (served or staged)"
-                )
+            check_newer(version, self._newest_staged, rebase)
             if rebase:  # the trainer resumed from an older checkpoint: what was staged after it is void
                 for dropped in self._staged:
                     dropped.future.cancel()

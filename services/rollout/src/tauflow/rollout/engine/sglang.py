@@ -58,8 +58,8 @@ from tauflow.rollout.engine.base import (
     PromptMedia,
     SamplingParams,
     TensorSpec,
-    WeightUpdateError,
-    check_weight_specs,
+    check_newer,
+    staged_copies,
 )
 
 _log = logging.getLogger(__name__)
@@ -490,25 +490,18 @@ class SGLangEngine(GenerationEngine):
         version = int(version)
         if self._closing:
             raise EngineClosedError(f"engine {self.engine_id} is closed")
-        bad = [n for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
-        if bad:
-            raise WeightUpdateError(f"weights must be tensors: {bad[:5]}")
-        check_weight_specs(self._spec, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
-        staged: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            spec = self._spec[name]
-            buf = t.detach().to(device=self._ipc_device or t.device, dtype=spec.dtype).contiguous()
-            if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
-                raise WeightUpdateError(f"{name}: has non-finite values (nan or inf)")
-            staged[name] = buf
+        staged = staged_copies(
+            self._spec,
+            tensors,
+            lambda name, t: t.to(
+                device=self._ipc_device or t.device, dtype=self._spec[name].dtype, copy=True
+            ).contiguous(),
+        )
         future: Future[int] = Future()
         with self._lock:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
-            if version <= self._newest_staged and not rebase:
-                raise WeightUpdateError(
-                    f"version {version} is not newer than version {self._newest_staged} (served or staged)"
-                )
+            check_newer(version, self._newest_staged, rebase)
             if rebase:  # the trainer resumed from an older checkpoint: what was staged after it is void
                 for dropped in self._staged:
                     dropped.future.cancel()
