@@ -37,6 +37,8 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         init_megatron(torch.device("cpu"), tensor_parallel=2)
     with pytest.raises(ValueError, match="padding_side: right"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", padding_side="left"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        MegatronBackend(config(tiny_model_dir, kind="megatron", device="cpu"))
 
 
 def test_the_gpt_model_holds_the_folders_weights_in_hugging_face_names(

@@ -140,6 +140,10 @@ class MegatronBackend(TorchBackend):
             raise ValueError("the megatron backend runs one rank for now (distributed.world_size: 1)")
         if config.padding_side != "right":
             raise ValueError("the megatron backend needs backend.padding_side: right")
+        if torch.device(config.device).type != "cuda":
+            raise ValueError(
+                f"the megatron backend needs a CUDA device (megatron-core's forward assumes one), not {config.device!r}"
+            )
         init_megatron(torch.device(config.device), config.tensor_parallel, config.pipeline_parallel, config.seed)
         super().__init__(config, **kwargs)
         if self.processor is not None:
