@@ -3,6 +3,11 @@
 The default, ``xxh3-64`` (xxHash), hashes ~15 GB/s on one core; ``crc32`` (zlib, ~2.4 GB/s)
 and ``sha256`` are accepted too. A checksum covers the bytes of all buckets in index
 order, padding included (the stager writes zero padding), and is hex encoded.
+
+``sum64x2`` is the one a GPU computes where the bytes are (the colocated hand-off, ``ipc``): the bytes,
+zero-padded to a multiple of 8, as little-endian 64-bit words w_1..w_n; s1 = Σ w_i and s2 = Σ i·w_i, both
+mod 2^64 (so a swap of two words changes s2); hex of s1 then s2. Not cryptographic: it catches torn,
+overwritten or mismatched versions, as a checksum here is for.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import zlib
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+import torch
 import xxhash
 
 DEFAULT_ALGORITHM = "xxh3-64"
@@ -33,10 +40,62 @@ class _Crc32:
         return f"{self.value:08x}"
 
 
+_MASK = (1 << 64) - 1
+
+
+class Sum64x2:
+    """``sum64x2`` over a stream of bytes (numpy; its uint64 arithmetic wraps mod 2^64)."""
+
+    def __init__(self) -> None:
+        self.s1 = self.s2 = 0
+        self.words = 0  # words summed so far
+        self._pending = b""  # a word's first bytes, until the next update completes it
+
+    def update(self, data: bytes | memoryview) -> None:
+        data = self._pending + bytes(data) if self._pending else memoryview(data).cast("B")
+        whole = len(data) - len(data) % 8
+        self._pending = bytes(data[whole:])
+        if whole:
+            self._add(np.frombuffer(data[:whole], dtype="<u8"))
+
+    def _add(self, words: np.ndarray) -> None:
+        index = np.arange(self.words + 1, self.words + 1 + len(words), dtype=np.uint64)
+        self.s1 = (self.s1 + int(words.sum(dtype=np.uint64))) & _MASK
+        self.s2 = (self.s2 + int((words * index).sum(dtype=np.uint64))) & _MASK
+        self.words += len(words)
+
+    def hexdigest(self) -> str:
+        s1, s2 = self.s1, self.s2
+        if self._pending:  # the last word, zero-padded
+            last = int.from_bytes(self._pending.ljust(8, b"\0"), "little")
+            s1, s2 = (s1 + last) & _MASK, (s2 + (self.words + 1) * last) & _MASK
+        return f"{s1:016x}{s2:016x}"
+
+
+def tensor_sum64x2(data: torch.Tensor, chunk_words: int = 1 << 24) -> str:
+    """``sum64x2`` of a uint8 tensor's bytes, computed on its own device (a GPU's bytes never leave it):
+    int64 arithmetic, whose two's-complement wrap is the mod 2^64 of the definition."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError("tensor_sum64x2 takes a flat uint8 tensor")
+    pad = (-data.numel()) % 8
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int64)  # little-endian on every device torch runs on
+    s1 = torch.zeros((), dtype=torch.int64, device=data.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), chunk_words):
+        chunk = words[start : start + chunk_words]
+        index = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=data.device)
+        s1 += chunk.sum()
+        s2 += (chunk * index).sum()
+    return f"{int(s1) & _MASK:016x}{int(s2) & _MASK:016x}"
+
+
 _FACTORIES: dict[str, Callable[[], Hasher]] = {
     "xxh3-64": xxhash.xxh3_64,
     "crc32": _Crc32,
     "sha256": hashlib.sha256,
+    "sum64x2": Sum64x2,
 }
 ALGORITHMS = tuple(_FACTORIES)
 

@@ -1,0 +1,124 @@
+"""The colocated hand-off (tauflow.weightsync.ipc) on the CPU, where the same code shares memory by file:
+another process opens a staged version without a copy and gets it bit for bit, the checksum catches a torn
+or overwritten buffer, the two buffers alternate, and a forged URI rebuilds nothing but tensors."""
+
+from __future__ import annotations
+
+import base64
+import multiprocessing
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tauflow.weightsync.checksum import new_hasher, tensor_sum64x2
+from tauflow.weightsync.errors import ChecksumMismatch, StagingError
+from tauflow.weightsync.ipc import DeviceStager, open_shared, read_shared, share
+from tauflow.weightsync.manifest import validate
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(17, 8, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(5, 8, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(3, generator=g),  # 12 bytes: padding follows
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def reference_sum64x2(data: bytes) -> str:
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
+    mask = (1 << 64) - 1
+    return f"{sum(words) & mask:016x}{sum((i + 1) * w for i, w in enumerate(words)) & mask:016x}"
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 4099])
+def test_sum64x2_is_its_definition_streamed_in_any_pieces_or_on_a_tensor(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    hasher = new_hasher("sum64x2")
+    for i in range(0, size, 5):  # pieces that split words
+        hasher.update(data[i : i + 5])
+    as_tensor = tensor_sum64x2(torch.tensor(list(data), dtype=torch.uint8), chunk_words=3)
+    assert hasher.hexdigest() == as_tensor == reference_sum64x2(data)
+
+
+def test_swapping_two_words_changes_the_checksum() -> None:
+    a, b = (7).to_bytes(8, "little"), (9).to_bytes(8, "little")
+    assert reference_sum64x2(a + b) != reference_sum64x2(b + a)
+
+
+def _open_in_child(uri: str, manifest: bytes, out: str) -> None:
+    tensors = read_shared(uri, pickle.loads(manifest))
+    torch.save({k: v.clone() for k, v in tensors.items()}, out)
+
+
+def test_another_process_opens_the_staged_version_bit_for_bit(tmp_path: Path) -> None:
+    stager = DeviceStager("cpu")
+    weights = state(1)
+    manifest, uri = stager.stage(weights, 1)
+    validate(manifest)
+    out = tmp_path / "seen.pt"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_open_in_child, args=(uri, pickle.dumps(manifest), str(out))
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    seen = torch.load(out)
+    assert seen.keys() == weights.keys()
+    for name, t in weights.items():
+        assert seen[name].dtype == t.dtype and torch.equal(seen[name], t), name
+
+
+def test_views_alias_the_buffer_and_two_buffers_alternate() -> None:
+    stager = DeviceStager("cpu")
+    m1, uri1 = stager.stage(state(1), 1)
+    m2, uri2 = stager.stage(state(2), 2)
+    m3, uri3 = stager.stage(state(3), 3)
+    assert uri1 == uri3 != uri2  # version 3 overwrote version 1's buffer, never version 2's
+    assert torch.equal(read_shared(uri2, m2)["step"], torch.tensor([2]))
+    with pytest.raises(ChecksumMismatch, match="version 1"):
+        read_shared(uri1, m1)  # overwritten by version 3: refused, not mixed
+    assert torch.equal(read_shared(uri3, m3)["step"], torch.tensor([3]))
+
+
+def test_a_torn_buffer_is_refused() -> None:
+    stager = DeviceStager("cpu")
+    manifest, uri = stager.stage(state(4), 4)
+    open_shared(uri)[3] ^= 0xFF  # one byte changed after staging
+    with pytest.raises(ChecksumMismatch):
+        read_shared(uri, manifest)
+    assert read_shared(uri, manifest, verify=False)  # what verify=False would have let through
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "ipc://" + base64.b64encode(pickle.dumps(_Evil())).decode(),
+        "ipc://" + base64.b64encode(pickle.dumps({"a": 1})).decode(),
+        "ipc://not base64!",
+        "shm://elsewhere",
+        "ipc://" + "A" * 20000,
+    ],
+    ids=["code", "not-a-tensor", "not-base64", "other-scheme", "too-long"],
+)
+def test_a_forged_uri_rebuilds_nothing_but_tensors(uri: str) -> None:
+    with pytest.raises(StagingError):
+        open_shared(uri)
+
+
+def test_a_buffer_too_small_for_the_manifest_is_refused() -> None:
+    manifest, _ = DeviceStager("cpu").stage(state(5), 5)
+    with pytest.raises(StagingError, match="cannot hold"):
+        read_shared(share(torch.zeros(8, dtype=torch.uint8)), manifest)
