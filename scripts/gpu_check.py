@@ -25,6 +25,7 @@ GPU_TESTS = [
     "services/trainer/tests/test_megatron_backend.py",
     "services/trainer/tests/test_megatron_convert.py",
     "services/trainer/tests/test_parallel.py",
+    "libs/weightsync/tests/test_ipc.py",
 ]
 
 

@@ -122,3 +122,26 @@ def test_a_buffer_too_small_for_the_manifest_is_refused() -> None:
     manifest, _ = DeviceStager("cpu").stage(state(5), 5)
     with pytest.raises(StagingError, match="cannot hold"):
         read_shared(share(torch.zeros(8, dtype=torch.uint8)), manifest)
+
+
+def _open_on_cuda(uri: str, manifest: bytes, out: str) -> None:
+    tensors = read_shared(uri, pickle.loads(manifest))
+    assert all(t.is_cuda for t in tensors.values())  # opened where they are: no copy through the host
+    torch.save({k: v.cpu() for k, v in tensors.items()}, out)
+
+
+@pytest.mark.gpu
+def test_a_cuda_version_is_opened_by_another_process_through_a_cuda_ipc_handle(tmp_path: Path) -> None:
+    stager = DeviceStager("cuda")
+    weights = {k: v.cuda() for k, v in state(6).items()}
+    manifest, uri = stager.stage(weights, 6)
+    out = tmp_path / "seen.pt"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_open_on_cuda, args=(uri, pickle.dumps(manifest), str(out))
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    seen = torch.load(out)
+    for name, t in weights.items():
+        assert torch.equal(seen[name], t.cpu()), name
