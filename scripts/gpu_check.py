@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -37,6 +39,8 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), gpus=torch.cuda.device_count())
+    shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    info["dev_shm_free_gib"] = round(shm.f_bavail * shm.f_frsize / 2**30, 2) if shm else None
     for module in ("transformers", "megatron.core", "grpc"):
         try:
             info[module] = getattr(__import__(module, fromlist=["__version__"]), "__version__", "?")
@@ -92,6 +96,11 @@ def main() -> int:
         report["seconds"] = round(time.perf_counter() - started, 1)
         path.write_text(json.dumps(report, indent=2))
 
+    if (report["environment"]["dev_shm_free_gib"] or 0) < 8:
+        # a container's /dev/shm (Docker's default: 64 MB) cannot hold a staged version: stage on disk
+        staging = Path(tempfile.gettempdir()) / "tauflow-staging"
+        staging.mkdir(exist_ok=True)
+        os.environ["TAUFLOW_STAGING_DIR"] = report["environment"]["staging_dir"] = str(staging)
     report["gpu_tests"] = gpu_tests(args.out, 0.35 * args.budget_s)
     save()
     left = args.budget_s - (time.perf_counter() - started) - 10

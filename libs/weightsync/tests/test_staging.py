@@ -9,11 +9,13 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tauflow.weightsync import Stager, remove_stale_staging
+from tauflow.weightsync.errors import StagingError
 from tauflow.weightsync.staging import OWN_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -95,3 +97,26 @@ def test_an_unlocked_file_of_the_pattern_is_stale() -> None:
     leftover.write_bytes(b"old version")
     assert leftover in remove_stale_staging()
     assert not leftover.exists()
+
+
+def test_a_stager_names_its_file_where_tauflow_staging_dir_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TAUFLOW_STAGING_DIR", str(tmp_path))
+    stager = Stager()
+    try:
+        assert stager.uri.startswith(f"file://{tmp_path}/tauflow-weights-")
+        manifest = stager.stage({"w": torch.ones(4)}, 1)
+        assert stager.path.stat().st_size == manifest.total_bytes
+    finally:
+        stager.close()
+
+
+def test_a_version_that_does_not_fit_is_refused_before_a_byte_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stager = Stager(f"file://{tmp_path}/staged")
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: SimpleNamespace(f_bavail=1, f_frsize=4096))
+    with pytest.raises(StagingError, match="0 MiB free and this version needs 0 MiB more.*TAUFLOW_STAGING_DIR"):
+        stager.stage({"w": torch.ones(1 << 16)}, 1)
+    assert stager.path.stat().st_size == 0  # nothing written, not even the file's length

@@ -16,6 +16,10 @@ lock, unlike a pid, is not fooled by pid reuse or by another pid namespace shari
 
 URIs: ``shm://NAME`` is the POSIX shared-memory object NAME, i.e. ``/dev/shm/NAME``
 on Linux; ``file:///abs/path`` is a file.
+
+A stager that names its own file puts it in ``TAUFLOW_STAGING_DIR`` when that is set (a container whose
+``/dev/shm`` is Docker's default 64 MB), else in ``/dev/shm``. Before writing a version it checks that the
+file system has room for it, and says so (StagingError) rather than failing half-way.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from tauflow.weightsync.manifest import (
 
 SHM_DIR = Path("/dev/shm")
 _CHUNK = 16 * 1024 * 1024
+STAGING_DIR_ENV = "TAUFLOW_STAGING_DIR"  # where a stager names its own file (default /dev/shm)
 OWN_PREFIX = "tauflow-weights-"  # files a Stager names itself: locked while in use, removable once not
 
 log = logging.getLogger(__name__)
@@ -88,7 +93,8 @@ class Stager:
     ) -> None:
         self._file = None  # our own file, held open (and locked) while this stager lives
         if uri is None:
-            directory = SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
+            override = os.environ.get(STAGING_DIR_ENV)
+            directory = Path(override) if override else SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
             remove_stale_staging(directory)
             self._file, own = _create_locked(directory)
             uri = f"shm://{own.name}" if directory == SHM_DIR else f"file://{own}"
@@ -115,7 +121,10 @@ class Stager:
         else:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != total:
+            size = os.fstat(fd).st_size
+            if size < total:
+                _check_room(fd, total - size, self.uri)
+            if size != total:
                 os.ftruncate(fd, total)
             for b in buckets:
                 end = 0
@@ -149,6 +158,18 @@ class Stager:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _check_room(fd: int, needed: int, uri: str) -> None:
+    """StagingError unless the staging file's file system has ``needed`` more bytes free."""
+    stat = os.fstatvfs(fd)
+    free = stat.f_bavail * stat.f_frsize
+    if free < needed:
+        raise StagingError(
+            f"staging area {uri!r}: its file system has {free / 2**20:.0f} MiB free and this version needs "
+            f"{needed / 2**20:.0f} MiB more; give /dev/shm more room (a container's --shm-size) or set "
+            f"{STAGING_DIR_ENV} to a directory that has it"
+        )
 
 
 def _create_locked(directory: Path) -> tuple[BinaryIO, Path]:
