@@ -181,7 +181,8 @@ def main() -> int:
         f"services.trainer.backend.device={args.device}", f"services.rollout.engine_options.device={args.device}",
         f"services.rollout.engine_options.dtype={dtype}", "services.trainer.backend.optim.lr=1e-5",
         "services.trainer.backend.optim.warmup_steps=0", "services.trainer.checkpoint_every_steps=1000",
-        *([f"services.trainer.backend.autocast_dtype={dtype}"] if cuda else []), *args.set,
+        *([f"services.trainer.backend.autocast_dtype={dtype}", f"services.trainer.publish_dtype={dtype}"] if cuda else []),
+        *args.set,
     ]  # fmt: skip
     recipe = ADDITION / "config.yaml"
 

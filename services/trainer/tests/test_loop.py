@@ -6,8 +6,10 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tauflow.core.staleness import UNBOUNDED
 from tauflow.trainer.adapters.convert import step_to_proto
@@ -59,10 +61,12 @@ class FakeQueue:
 class FakePublisher:
     def __init__(self) -> None:
         self.versions: list[tuple[int, bool]] = []
+        self.dtypes: set[torch.dtype] = set()
 
     async def publish(self, version, tensors, rebase=False):
         assert all(t.is_contiguous() for t in tensors.values())
         self.versions.append((version, rebase))
+        self.dtypes.update(t.dtype for t in tensors.values())
 
 
 def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides) -> TrainerLoop:
@@ -212,3 +216,14 @@ def test_a_batch_is_judged_by_the_tau_it_was_delivered_under(tiny_model_dir, mak
     later = make_groups(6, 2, prefix="later", version=0)  # staleness 3 now, delivered under τ = 0: dropped
     dropped = loop.backend.train_step(later, max_staleness=loop.delivered_tau([Batch("l3", later, max_staleness=0)]))
     assert not dropped.committed and dropped.skipped_stale_group_ids == [g.group_id for g in later]
+
+
+def test_versions_are_published_in_publish_dtype(
+    tiny_model_dir: Path, make_groups: Callable[..., Any], tmp_path: Path
+) -> None:
+    queue, publisher = FakeQueue(make_groups(1, 4), max_per_get=2), FakePublisher()
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1, groups_per_step=2,
+                 publish_dtype="bfloat16")  # fmt: skip
+    asyncio.run(loop.run())
+    assert publisher.versions[-1] == (1, False) and publisher.dtypes == {torch.bfloat16}
+    assert next(loop.backend.model.parameters()).dtype == torch.float32  # the trainer's own stay float32

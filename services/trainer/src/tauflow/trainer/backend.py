@@ -1000,7 +1000,7 @@ class TorchBackend:
             state = self.model.state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
-        return {name: t.detach().to(dtype) for name, t in state.items()}
+        return {name: t.detach().to(dtype) if t.is_floating_point() else t.detach() for name, t in state.items()}
 
     # ---------------------------------------------------------------------------------------------
     # Checkpoints

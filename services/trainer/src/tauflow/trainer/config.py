@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from tauflow.core.config import ChannelConfig, MediaConfig, MetricsConfig, ServerConfig, ServiceConfig
@@ -16,6 +18,11 @@ class TrainerConfig(ServiceConfig):
     backend: TorchBackendConfig
     queue_address: str = Field("127.0.0.1:50051", description="the queue service")
     weights_address: str = Field("", description="the weight sidecar; empty: versions are not published")
+    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="the dtype floating-point weights are published in (bfloat16 halves the bytes a version "
+        "moves; the engines cast to their own dtype anyway); None: the trainer's own (float32)",
+    )
     consumer_id: str = "trainer-0"
     groups_per_step: int = Field(8, ge=1, description="groups per optimizer step (one batch = one version)")
     max_staleness: int = Field(1, ge=UNBOUNDED, description="tau: groups staler than this are never trained on")

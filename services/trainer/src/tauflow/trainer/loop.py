@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -235,7 +236,8 @@ class TrainerLoop:
             "weights.publish", attributes={"rl.policy_version": self.version, "weights.rebase": rebase}
         ):
             # In a thread: with FSDP2 the full weights are gathered from every rank.
-            tensors = await asyncio.to_thread(self.backend.state_dict_for_publish)
+            dtype = getattr(torch, self.config.publish_dtype) if self.config.publish_dtype else None
+            tensors = await asyncio.to_thread(self.backend.state_dict_for_publish, dtype)
             await self.publisher.publish(self.version, tensors, rebase=rebase)
         self.published_version = self.version
 
