@@ -14,6 +14,7 @@ import pytest
 from tests.runs import addition_run as run
 
 STEPS = 300  # upper bound: bench/algorithms.py measured each family past TARGET well before this
+OPD_STEPS = 75
 TARGET = 0.45  # +10 points over the warm start (34.6 %), about 5 standard errors of the 500-prompt held-out set
 
 FAMILIES = {
@@ -48,14 +49,17 @@ def test_each_family_raises_heldout_accuracy_through_every_service(
     # The recipe's aggregation, but GSPO's own (per sequence): the override merges into the recipe's options.
     aggregation = "seq-mean-token-mean" if name == "gspo" else "seq-mean-token-sum"
     options = {"aggregation": aggregation, **FAMILIES[name]}
+    # Distillation runs a fixed 75 steps rather than stopping at the target: its KL check below compares the
+    # first ten steps with the last ten, and a run that hit the target at its first evaluation (step 25) had
+    # too few steps between them for the KL to fall by the margin (0.94 of its start, not 0.85).
     summary = run(
         prepared,
         tmp_path / "run",
-        f"steps={STEPS}",
+        f"steps={OPD_STEPS if name == 'opd' else STEPS}",
         "eval.every_steps=25",
         "max_staleness=1",
         f"target_accuracy={TARGET}",
-        "stop_at_target=true",
+        f"stop_at_target={'false' if name == 'opd' else 'true'}",
         "services.trainer.backend.optim.total_steps=1500",
         f"services.trainer.backend.algorithm={name}",
         "services.trainer.backend.algorithm_options=" + repr(options).replace("'", '"'),
