@@ -17,8 +17,8 @@ from typing import Any
 
 from tauflow.controller.app import build_run  # the run wired with its launcher and gRPC clients
 from tauflow.controller.config import ROLES, RunConfig
-from tauflow.controller.launcher import free_port
 from tauflow.core.config import load_config
+from tauflow.core.net import free_port
 from tauflow.core.testing import ServiceProcess
 from tests.deploy import DEPLOY, container_environment, render
 from tests.runs import run_command, tiny_addition

@@ -8,6 +8,7 @@ import base64
 import multiprocessing
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -56,19 +57,21 @@ def _open_in_child(uri: str, manifest: bytes, out: str) -> None:
     torch.save({k: v.clone() for k, v in tensors.items()}, out)
 
 
+def opened_in_a_child(target: Any, uri: str, manifest: Any, out: Path) -> dict[str, torch.Tensor]:
+    """What a spawned process (not our child by fork: nothing inherited) read from ``uri``."""
+    child = multiprocessing.get_context("spawn").Process(target=target, args=(uri, pickle.dumps(manifest), str(out)))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    return torch.load(out)
+
+
 def test_another_process_opens_the_staged_version_bit_for_bit(tmp_path: Path) -> None:
     stager = DeviceStager("cpu")
     weights = state(1)
     manifest, uri = stager.stage(weights, 1)
     validate(manifest)
-    out = tmp_path / "seen.pt"
-    child = multiprocessing.get_context("spawn").Process(
-        target=_open_in_child, args=(uri, pickle.dumps(manifest), str(out))
-    )
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
-    seen = torch.load(out)
+    seen = opened_in_a_child(_open_in_child, uri, manifest, tmp_path / "seen.pt")
     assert seen.keys() == weights.keys()
     for name, t in weights.items():
         assert seen[name].dtype == t.dtype and torch.equal(seen[name], t), name
@@ -135,13 +138,6 @@ def test_a_cuda_version_is_opened_by_another_process_through_a_cuda_ipc_handle(t
     stager = DeviceStager("cuda")
     weights = {k: v.cuda() for k, v in state(6).items()}
     manifest, uri = stager.stage(weights, 6)
-    out = tmp_path / "seen.pt"
-    child = multiprocessing.get_context("spawn").Process(
-        target=_open_on_cuda, args=(uri, pickle.dumps(manifest), str(out))
-    )
-    child.start()
-    child.join(120)
-    assert child.exitcode == 0
-    seen = torch.load(out)
+    seen = opened_in_a_child(_open_on_cuda, uri, manifest, tmp_path / "seen.pt")
     for name, t in weights.items():
         assert torch.equal(seen[name], t.cpu()), name

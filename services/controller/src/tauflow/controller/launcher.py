@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +50,7 @@ import yaml
 from tauflow.controller.health import HealthProbe
 from tauflow.controller.ports import HealthCheck
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
+from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -527,13 +527,6 @@ def spawn_service(
             cwd=cwd,
             start_new_session=True,
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at ``host`` now (a gang's rendezvous: its rank 0 binds it right after)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def is_service_process(pid: int, role: str) -> bool:

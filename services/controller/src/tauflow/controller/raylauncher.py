@@ -47,12 +47,12 @@ from tauflow.controller.launcher import (
     ManagedService,
     ProcessLauncher,
     ServiceFailed,
-    free_port,
     is_service_process,
     log_header,
     service_command,
     spawn_service,
 )
+from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
 

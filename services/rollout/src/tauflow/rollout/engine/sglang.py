@@ -33,7 +33,6 @@ import io
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from tauflow.core.net import free_port
 from tauflow.rollout.engine.base import (
     Completion,
     EngineClosedError,
@@ -201,7 +201,8 @@ class SGLangEngine(GenerationEngine):
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tauflow-sglang-{engine_id}", daemon=True)
         self._thread.start()
         self._http = self._call(self._open_client(headers, max_concurrent_requests)).result()
-        self._serving = self._call(self._make_event()).result()
+        self._serving = asyncio.Event()  # (bound to a loop on first use: the engine's)
+        self._serving.set()
         self._updater: asyncio.Task[None] | None = None
         try:
             info = self._call(self._get("/get_server_info")).result()
@@ -252,7 +253,7 @@ class SGLangEngine(GenerationEngine):
 
         path = str(Path(path))
         config = AutoConfig.from_pretrained(path)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config()
         spec = weight_spec_of_folder(path, getattr(torch, dtype) if dtype and dtype != "auto" else None)
         eos: Any = None
         try:
@@ -265,7 +266,7 @@ class SGLangEngine(GenerationEngine):
         options.setdefault("max_context", getattr(text, "max_position_embeddings", None))
         process = None
         if not base_url:
-            port = port or _free_port(host)
+            port = port or free_port(host)
             version = int(options.get("policy_version", 0))
             command = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--host", host]
             command += ["--port", str(port), "--weight-version", str(version)]
@@ -291,11 +292,6 @@ class SGLangEngine(GenerationEngine):
         limits = httpx2.Limits(max_connections=connections + 8, max_keepalive_connections=connections + 8)
         timeout = httpx2.Timeout(self._request_timeout_s, connect=10.0)
         return httpx2.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=timeout)
-
-    async def _make_event(self) -> asyncio.Event:
-        event = asyncio.Event()
-        event.set()
-        return event
 
     async def _post(self, route: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
         import httpx2
@@ -663,12 +659,6 @@ def _message_of(answer: Any) -> str:
         message = error.get("message") if isinstance(error, dict) else answer.get("message", error)
         return str(message)[:500]
     return str(answer)[:500]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_until_healthy(base_url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:

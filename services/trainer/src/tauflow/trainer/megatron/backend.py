@@ -15,7 +15,6 @@ builds and converts (the tests of this module) but does not run.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,12 +38,9 @@ def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_paral
             f"tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}: the megatron backend runs "
             "TP = PP = 1 for now (docs/gpu.md); the weight conversion already shards (megatron.convert.shard)"
         )
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    if not dist.is_initialized():  # one rank: nothing to rendezvous with, so an in-memory store
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     if device.type == "cuda":

@@ -61,7 +61,7 @@ class MegatronLayout:
 
     @classmethod
     def from_hf_config(cls, config: Any, fused_norms: bool = False) -> MegatronLayout:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config()
         model_type = getattr(text, "model_type", "")
         if model_type not in ("qwen2", "llama", "mistral", "qwen3"):
             raise ValueError(f"the megatron conversion knows Qwen2/Llama-style decoders, not {model_type!r}")

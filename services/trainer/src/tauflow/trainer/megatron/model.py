@@ -24,7 +24,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = MegatronLayout.from_hf_config(hf_config)
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = hf_config.get_text_config()
     return TransformerConfig(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -52,7 +52,7 @@ def rope_theta(hf_config: Any) -> float:
     """The rotary base of a plain (unscaled) rotary embedding: ``rope_parameters`` (transformers 5) or
     ``rope_theta`` (4.x). A scaled one (llama3, yarn, dynamic, ...) is refused: megatron's GPTModel here
     would silently compute a different embedding."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = hf_config.get_text_config()
     params = getattr(text, "rope_parameters", None) or {}
     scaling = params.get("rope_type") or (getattr(text, "rope_scaling", None) or {}).get("rope_type")
     if scaling not in (None, "default"):
@@ -67,7 +67,7 @@ def gpt_model(hf_config: Any, config: Any, *, pre_process: bool = True, post_pro
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layout = MegatronLayout.from_hf_config(hf_config)
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = hf_config.get_text_config()
     return GPTModel(
         config=config,
         # RMSNorm named: with apex installed the default spec picks its FusedLayerNorm, which has no RMSNorm
