@@ -44,10 +44,16 @@ def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepare
     assert summary["staleness_violations"] == 0
 
 
-def test_tau_zero_trains_only_on_policy_groups(prepared: Path, tmp_path: Path) -> None:
-    summary = run(prepared, tmp_path / "run", "steps=12", "eval.dataset=", "max_staleness=0")
+def test_tau_zero_colocated_trains_only_on_policy_groups(prepared: Path, tmp_path: Path) -> None:
+    # τ = 0 is the colocated baseline: the weights move by the ipc hand-off (the trainer's own buffer, read by
+    # the rollout server; shared memory on a CPU, CUDA IPC on a GPU), not through the sidecar's copy.
+    out = tmp_path / "run"
+    summary = run(prepared, out, "steps=12", "eval.dataset=", "max_staleness=0", "services.weights.backend=ipc")
     assert set(summary["staleness_histogram"]) == {"0"}
     assert sum(summary["staleness_histogram"].values()) == 12 * 64
+    sidecar_log = (out / "logs" / "weights.log").read_text()
+    assert sidecar_log.count("members loaded version from the shared buffer") >= 12, sidecar_log[-2000:]
+    assert "accepted version" in sidecar_log and "broadcast version" not in sidecar_log
 
 
 def test_tau_two_bounds_staleness_and_runs_ahead(prepared: Path, tmp_path: Path) -> None:

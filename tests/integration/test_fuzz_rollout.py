@@ -8,12 +8,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
 from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.rollout.v1 import rollout_pb2 as pb
 from tauflow.api.rollout.v1 import rollout_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
+from tauflow.weightsync.ipc import share
 from tests.fuzz import C, Fuzzer, Method, budget
 from tests.runs import ADDITION, tiny_addition
 
@@ -58,6 +60,19 @@ def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_proce
         manifest_checksum="ab",
         trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
     )
+    # A real shared buffer (the colocated hand-off's) whose bytes are not the manifest's: DATA_LOSS, or a
+    # mutation's INVALID_ARGUMENT; never a load.
+    shared = torch.zeros(16 * 32 * 4, dtype=torch.uint8)
+    from_tensor = pb.UpdateWeightsFromTensorRequest(
+        names=["model.embed_tokens.weight"],
+        dtypes=["float32"],
+        shapes=[pb.TensorShape(dims=[16, 32])],
+        staging_uri=share(shared),
+        policy_version=1,
+        membership_epoch=1,
+        manifest_checksum="ab",
+        trace_context=common_pb2.TraceContext(traceparent=f"00-{'ab' * 16}-{'cd' * 8}-01"),
+    )
     methods = [
         Method("GetStatus", set(), [pb.GetStatusRequest()]),
         # DEADLINE_EXCEEDED: waiting for a min_policy_version the server never reaches (it has no sidecar).
@@ -92,6 +107,7 @@ def test_every_rollout_rpc_survives_generated_and_mutated_requests(service_proce
             {C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.ABORTED, C.UNAVAILABLE, C.DATA_LOSS},
             [update],
         ),
+        Method("UpdateWeightsFromTensor", {C.DATA_LOSS, C.UNAVAILABLE}, [from_tensor]),
         Method(
             "InitWeightsUpdateGroup",
             {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.UNAVAILABLE, C.ABORTED},

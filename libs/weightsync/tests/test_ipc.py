@@ -5,6 +5,7 @@ or overwritten buffer, the two buffers alternate, and a forged URI rebuilds noth
 from __future__ import annotations
 
 import base64
+import dataclasses
 import multiprocessing
 import pickle
 from pathlib import Path
@@ -16,8 +17,10 @@ import torch
 
 from tauflow.weightsync.checksum import new_hasher, tensor_sum64x2
 from tauflow.weightsync.errors import ChecksumMismatch, StagingError
-from tauflow.weightsync.ipc import DeviceStager, open_shared, read_shared, share
+from tauflow.weightsync.ipc import DeviceStager, SharedReader, open_shared, read_shared, share, shared_request
 from tauflow.weightsync.manifest import validate
+from tauflow.weightsync.transfer import ReceiveError
+from tauflow.weightsync.wire import shared_request_from_proto, shared_request_to_proto
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -89,6 +92,32 @@ def test_views_alias_the_buffer_and_two_buffers_alternate() -> None:
     assert torch.equal(read_shared(uri3, m3)["step"], torch.tensor([3]))
 
 
+def test_a_uri_opens_any_number_of_times_and_its_file_goes_with_the_stagers_buffer() -> None:
+    # torch's pickle of a shared-memory tensor is good for one unpickling: a third open used to find the file
+    # gone (the colocated run stalled at its fifth version, the third of one buffer).
+    import gc
+    import os
+    import subprocess
+    import sys
+
+    buffer = torch.zeros(1000, dtype=torch.uint8)
+    uri = share(buffer)
+    opener = f"from tauflow.weightsync.ipc import open_shared; print(open_shared({uri!r}).numel())"
+    for _ in range(3):
+        opened = subprocess.run([sys.executable, "-c", opener], capture_output=True, text=True, timeout=120)
+        assert opened.stdout.strip() == "1000", opened.stderr[-500:]
+    for _ in range(3):
+        assert open_shared(uri).numel() == 1000  # in this process too
+
+    def files() -> list[str]:
+        return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
+
+    assert len(files()) == 1
+    del buffer
+    gc.collect()
+    assert files() == []  # nothing left behind in /dev/shm
+
+
 def test_a_torn_buffer_is_refused() -> None:
     stager = DeviceStager("cpu")
     manifest, uri = stager.stage(state(4), 4)
@@ -123,8 +152,52 @@ def test_a_forged_uri_rebuilds_nothing_but_tensors(uri: str) -> None:
 
 def test_a_buffer_too_small_for_the_manifest_is_refused() -> None:
     manifest, _ = DeviceStager("cpu").stage(state(5), 5)
+    small = torch.zeros(8, dtype=torch.uint8)  # (kept alive: a shared buffer lives as long as its owner's tensor)
     with pytest.raises(StagingError, match="cannot hold"):
-        read_shared(share(torch.zeros(8, dtype=torch.uint8)), manifest)
+        read_shared(share(small), manifest)
+
+
+def test_the_reader_loads_a_version_from_its_own_checked_copy() -> None:
+    stager, reader = DeviceStager("cpu", bucket_bytes=256), SharedReader()
+    weights = state(7)
+    manifest, uri = stager.stage(weights, 7)
+    assert len(manifest.buckets) > 1  # several buckets read as one: their layout is one bucket's
+    request = shared_request(manifest, uri, membership_epoch=3, flush_cache=True)
+    assert shared_request_from_proto(shared_request_to_proto(request)) == request
+    version = reader.read(request)
+    assert (version.policy_version, version.membership_epoch, version.flush_cache) == (7, 3, True)
+    assert version.loaded_checksum == version.manifest_checksum == manifest.checksum
+    assert version.nbytes == sum(t.numel() * t.element_size() for t in weights.values())
+    for name, t in weights.items():
+        assert version.tensors[name].dtype == t.dtype and torch.equal(version.tensors[name], t), name
+    # the engine gets views of the reader's copy: the trainer overwriting its buffer changes nothing there
+    open_shared(uri).zero_()
+    assert torch.equal(version.tensors["step"], torch.tensor([7]))
+
+
+def test_the_reader_refuses_an_overwritten_buffer_and_bad_requests_by_field() -> None:
+    stager, reader = DeviceStager("cpu"), SharedReader(label="rollout-0")
+    m1, uri1 = stager.stage(state(1), 1)
+    stager.stage(state(2), 2)
+    stager.stage(state(3), 3)  # into version 1's buffer
+    with pytest.raises(ChecksumMismatch, match="version 1 read by rollout-0"):
+        reader.read(shared_request(m1, uri1))
+    good = shared_request(*stager.stage(state(4), 4))
+    small = torch.zeros(8, dtype=torch.uint8)
+    bad = {
+        "names, dtypes and shapes": dataclasses.replace(good, names=good.names[:-1]),
+        "checksum_algorithm": dataclasses.replace(good, checksum_algorithm="xxh3-64"),
+        "manifest_checksum": dataclasses.replace(good, manifest_checksum=""),
+        r"shapes\[0\] has a negative dimension": dataclasses.replace(good, shapes=[[-17, 8], *good.shapes[1:]]),
+        "dtypes and shapes": dataclasses.replace(good, dtypes=["complex1024", *good.dtypes[1:]]),
+        "staging_uri": dataclasses.replace(good, staging_uri="shm://elsewhere"),
+        "staging_uri: the shared buffer does not hold": dataclasses.replace(good, staging_uri=share(small)),
+    }
+    for field, request in bad.items():
+        with pytest.raises(ReceiveError, match=field) as refused:
+            reader.read(request)
+        assert refused.value.kind == "invalid"
+    assert torch.equal(reader.read(good).tensors["step"], torch.tensor([4]))
 
 
 def _open_on_cuda(uri: str, manifest: bytes, out: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import tauflow.weights.broadcast as broadcast_module
 from tauflow.weights.config import WeightsConfig
-from tauflow.weights.errors import ResourceExhausted
+from tauflow.weights.errors import FailedPrecondition, ResourceExhausted
 from tauflow.weights.sidecar import Sidecar
 from tauflow.weightsync import GroupSpec
 
@@ -102,3 +102,75 @@ async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_
     assert membership.members["r"].confirmed_version == 49
     assert membership.join("r", "127.0.0.1:1", 1, ("gloo",), 0, "") == epoch + 1  # the restarted process
     assert membership.members["r"].confirmed_version == 0  # re-added: the next broadcast brings it up to date
+
+
+class SharedMember:
+    """A member of an ``ipc`` sidecar: records what it is asked to load; ``fail`` makes it refuse."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.requests: list[Any] = []
+        self.fail = fail
+
+    async def update_from_shared(self, request: Any, timeout_s: float) -> None:
+        self.requests.append(request)
+        if self.fail is not None:
+            raise self.fail
+
+    async def init_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        raise AssertionError("an ipc sidecar builds no group")
+
+    async def update_bucket(self, request: Any, timeout_s: float) -> None:
+        raise AssertionError("an ipc sidecar broadcasts no bucket")
+
+    async def destroy_group(self, group_name: str, timeout_s: float) -> None:
+        raise AssertionError("an ipc sidecar destroys no group")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_an_ipc_sidecar_has_each_member_load_the_trainers_buffer_and_copies_nothing() -> None:
+    import torch
+
+    from tauflow.weights.errors import InvalidRequest
+    from tauflow.weights.ports import MemberCallFailed
+    from tauflow.weightsync.ipc import DeviceStager
+
+    members = {"127.0.0.1:1": SharedMember(), "127.0.0.1:2": SharedMember()}
+    sidecar = Sidecar(WeightsConfig(backend="ipc"), FakeStore(), members.__getitem__)
+    stager = DeviceStager("cpu")
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(5)}
+    manifest, uri = stager.stage(weights, 1)
+    with pytest.raises(InvalidRequest, match="the ipc backend takes an ipc:// URI"):
+        await sidecar.retention.publish(manifest, "shm://tauflow-weights-1")
+    assert sidecar.retention.latest is None  # refused: nothing accepted
+    await sidecar.retention.publish(manifest, uri)
+    assert sidecar.retention.latest.buffer is None and sidecar.retention.retained_bytes() == 0
+    with pytest.raises(FailedPrecondition, match="the sidecar uses 'ipc'"):
+        sidecar.membership.join("x", "127.0.0.1:9", 1, ("gloo", "nccl"), None, "")
+    sidecar.membership.join("a", "127.0.0.1:1", 1, ("gloo", "ipc"), None, "")
+    sidecar.membership.join("b", "127.0.0.1:2", 1, ("ipc",), None, "")
+
+    async def confirm_when_asked() -> None:
+        while not all(m.requests for m in members.values()):
+            await asyncio.sleep(0.01)
+        for member_id in ("a", "b"):
+            sidecar.membership.confirm(member_id, 1, manifest.checksum, manifest.checksum)
+
+    confirming = asyncio.create_task(confirm_when_asked())
+    assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is True
+    await confirming
+    assert sidecar.broadcast.confirmed_version == 1 and sidecar.membership.epoch == 1
+    for m in members.values():
+        (request,) = m.requests
+        assert request.staging_uri == uri and request.policy_version == 1 and request.membership_epoch == 1
+        assert request.manifest_checksum == manifest.checksum and request.checksum_algorithm == "sum64x2"
+        assert list(request.names) == ["w", "b"] and [list(s) for s in request.shapes] == [[2, 3], [5]]
+
+    # A member that finds the buffer overwritten (DATA_LOSS) is dropped; the other stays.
+    members["127.0.0.1:2"].fail = MemberCallFailed("UpdateWeightsFromTensor", "127.0.0.1:2", "DATA_LOSS", "torn")
+    await sidecar.retention.publish(*stager.stage(weights, 2))
+    assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is False
+    states = {i: m.state.name for i, m in sidecar.membership.members.items()}
+    assert states == {"a": "ACTIVE", "b": "FAILED"}
+    assert "DATA_LOSS" in str(sidecar.membership.members["b"].last_error)

@@ -7,7 +7,7 @@ REVISIONS: dict[str, int] = {
     "tauflow.api.info.v1": 1,
     "tauflow.api.queue.v1": 5,
     "tauflow.api.reward.v1": 1,
-    "tauflow.api.rollout.v1": 5,
+    "tauflow.api.rollout.v1": 6,
     "tauflow.api.trainer.v1": 1,
     "tauflow.api.weights.v1": 1,
 }

@@ -3,6 +3,7 @@
 * ``manifest``: names, dtypes, shapes, bucket layout, version, checksum (``plan_buckets``, ``validate``).
 * ``staging``: the trainer → sidecar hand-off through ``/dev/shm`` (``Stager``, ``read_staged``).
 * ``group``: process groups per membership epoch on a TCPStore (``StoreHost``, ``WeightGroup``).
+* ``ipc``: the colocated hand-off (``DeviceStager`` on the trainer, ``SharedReader`` on the engine).
 * ``transfer``: bucket broadcast (``send_bucket``) and the receiver (``WeightReceiver``).
 * ``errors``: ``PhaseError`` names the phase and the peer of every failure.
 * ``wire``: the protobuf messages of the above, for the services' adapters; the only module that
@@ -22,6 +23,7 @@ from tauflow.weightsync.errors import (
     WeightSyncError,
 )
 from tauflow.weightsync.group import BACKENDS, GroupSpec, StoreHost, WeightGroup, connect_store
+from tauflow.weightsync.ipc import SharedReader, SharedRequest, shared_request
 from tauflow.weightsync.manifest import (
     ALIGN_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -69,6 +71,8 @@ __all__ = [
     "PhaseError",
     "ReceiveError",
     "ReceivedVersion",
+    "SharedReader",
+    "SharedRequest",
     "Stager",
     "StagingError",
     "StagingNotFound",
@@ -88,6 +92,7 @@ __all__ = [
     "read_staged",
     "remove_stale_staging",
     "send_bucket",
+    "shared_request",
     "staging_path",
     "validate",
 ]

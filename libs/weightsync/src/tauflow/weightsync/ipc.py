@@ -20,21 +20,25 @@ import base64
 import io
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tauflow.weightsync.checksum import tensor_sum64x2
-from tauflow.weightsync.errors import ChecksumMismatch, StagingError
+from tauflow.weightsync.errors import ChecksumMismatch, ManifestError, StagingError
 from tauflow.weightsync.manifest import (
     DEFAULT_BUCKET_BYTES,
     BucketSpec,
     Manifest,
+    canonical_layout,
     dtype_from_name,
     dtype_name,
+    nbytes_of,
     plan_buckets,
 )
+from tauflow.weightsync.transfer import ReceivedVersion, ReceiveError
 
 SCHEME = "ipc://"
 CHECKSUM = "sum64x2"
@@ -55,6 +59,11 @@ def share(buffer: torch.Tensor) -> str:
         buffer.share_memory_()
     out = io.BytesIO()
     ForkingPickler(out).dump(buffer)
+    if buffer.device.type == "cpu":
+        # torch counts the references to a shared-memory file in the file, and its pickle takes one that the
+        # one process that unpickles it gives back: a URI opened N times would drop N. Giving it back here (and
+        # taking one in open_shared) makes every open neutral; the file goes with the last reference.
+        buffer.untyped_storage()._shared_decref()
     return SCHEME + base64.b64encode(out.getvalue()).decode("ascii")
 
 
@@ -82,6 +91,8 @@ def open_shared(uri: str) -> torch.Tensor:
         raise StagingError(f"cannot open the shared buffer: {type(e).__name__}: {e}") from None
     if not isinstance(tensor, torch.Tensor):
         raise StagingError("the shared buffer is not a tensor")
+    if tensor.device.type == "cpu":
+        tensor.untyped_storage()._shared_incref()  # what unpickling gave back (share's comment)
     return tensor
 
 
@@ -152,3 +163,117 @@ def read_shared(uri: str, manifest: Manifest, *, verify: bool = True) -> dict[st
         start = b.offset_bytes + spec.offset_bytes
         out[spec.name] = buffer[start : start + spec.size_bytes].view(dtype_from_name(spec.dtype)).view(spec.shape)
     return out
+
+
+# -- the rollout side: RolloutService.UpdateWeightsFromTensor ---------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedRequest:
+    """One version to load from a shared buffer (UpdateWeightsFromTensorRequest, as plain data). The tensors
+    lie back to back in the canonical layout: a manifest's buckets follow each other without gaps and each
+    is 64-byte aligned, so all of them together have the layout of one bucket of every tensor."""
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    shapes: Sequence[Sequence[int]]
+    staging_uri: str
+    policy_version: int
+    manifest_checksum: str
+    membership_epoch: int = 0
+    checksum_algorithm: str = CHECKSUM
+    flush_cache: bool = False
+    traceparent: str = ""  # W3C context of the trainer's `weights.publish` of the version
+    tracestate: str = ""
+
+
+def shared_request(
+    manifest: Manifest,
+    staging_uri: str,
+    *,
+    membership_epoch: int = 0,
+    flush_cache: bool = False,
+    traceparent: str = "",
+    tracestate: str = "",
+) -> SharedRequest:
+    """The request that has a member load ``manifest``'s version from ``staging_uri`` (the sidecar's side)."""
+    specs = [spec for _, spec in manifest.tensors()]
+    return SharedRequest(
+        names=[t.name for t in specs],
+        dtypes=[t.dtype for t in specs],
+        shapes=[list(t.shape) for t in specs],
+        staging_uri=staging_uri,
+        policy_version=manifest.policy_version,
+        manifest_checksum=manifest.checksum,
+        membership_epoch=membership_epoch,
+        checksum_algorithm=manifest.checksum_algorithm,
+        flush_cache=flush_cache,
+        traceparent=traceparent,
+        tracestate=tracestate,
+    )
+
+
+class SharedReader:
+    """Engine side of the colocated hand-off: copies a shared version into a buffer of its own (device to
+    device), then checks that copy, so what the engine loads is exactly what was checked even if the trainer
+    overwrites its buffer meanwhile (a torn copy fails the check). The buffer is reused by the next version:
+    the engine copies the tensors it is given before it asks for another (calls are serialized by the
+    caller)."""
+
+    def __init__(self, *, label: str = "reader") -> None:
+        self.label = label
+        self._buffer: torch.Tensor | None = None
+
+    def read(self, req: SharedRequest) -> ReceivedVersion:
+        """The version ``req`` names, checked; ReceiveError('invalid') for a request that cannot be read,
+        ChecksumMismatch when the bytes are not the manifest's."""
+        started = time.monotonic()
+        n = len(req.names)
+        if n == 0 or len(req.dtypes) != n or len(req.shapes) != n:
+            raise ReceiveError(
+                "invalid",
+                f"names, dtypes and shapes must be non-empty and of one length, not "
+                f"{n}, {len(req.dtypes)}, {len(req.shapes)}",
+            )
+        if (req.checksum_algorithm or CHECKSUM) != CHECKSUM:
+            raise ReceiveError("invalid", f"checksum_algorithm must be {CHECKSUM!r}, not {req.checksum_algorithm!r}")
+        if not req.manifest_checksum:
+            raise ReceiveError("invalid", "manifest_checksum must be set")
+        bad = next((i for i, shape in enumerate(req.shapes) if any(d < 0 for d in shape)), None)
+        if bad is not None:
+            raise ReceiveError("invalid", f"shapes[{bad}] has a negative dimension: {list(req.shapes[bad])}")
+        try:
+            layout, total = canonical_layout(req.dtypes, req.shapes)
+        except (ManifestError, ValueError, OverflowError) as e:
+            raise ReceiveError("invalid", f"dtypes and shapes: {e}") from None
+        try:
+            source = open_shared(req.staging_uri)
+        except StagingError as e:
+            raise ReceiveError("invalid", f"staging_uri: {e}") from None
+        if source.dtype != torch.uint8 or source.dim() != 1 or source.numel() < total:
+            raise ReceiveError("invalid", f"staging_uri: the shared buffer does not hold the {total} bytes named")
+        buffer = self._buffer
+        if buffer is None or buffer.numel() != total or buffer.device != source.device:
+            self._buffer = buffer = torch.empty(total, dtype=torch.uint8, device=source.device)
+        buffer.copy_(source[:total])
+        del source  # (a CUDA IPC mapping is closed with its last tensor)
+        loaded = tensor_sum64x2(buffer)
+        if loaded != req.manifest_checksum:
+            raise ChecksumMismatch(
+                f"version {req.policy_version} read by {self.label}", CHECKSUM, req.manifest_checksum, loaded
+            )
+        tensors = {
+            name: buffer[offset : offset + size].view(dtype_from_name(dtype)).view(tuple(shape))
+            for name, dtype, shape, (offset, size) in zip(req.names, req.dtypes, req.shapes, layout, strict=True)
+        }
+        return ReceivedVersion(
+            policy_version=req.policy_version,
+            membership_epoch=req.membership_epoch,
+            tensors=tensors,
+            manifest_checksum=req.manifest_checksum,
+            loaded_checksum=loaded,
+            checksum_algorithm=CHECKSUM,
+            load_duration_s=time.monotonic() - started,
+            nbytes=sum(nbytes_of(d, s) for d, s in zip(req.dtypes, req.shapes, strict=True)),
+            flush_cache=req.flush_cache,
+        )

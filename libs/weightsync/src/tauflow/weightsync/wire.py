@@ -13,6 +13,7 @@ from tauflow.weightsync.manifest import BucketSpec, Manifest, TensorSpec
 
 if TYPE_CHECKING:  # (imported where used: they bring torch)
     from tauflow.weightsync.group import GroupSpec
+    from tauflow.weightsync.ipc import SharedRequest
     from tauflow.weightsync.transfer import BucketRequest
 
 
@@ -144,5 +145,40 @@ def bucket_request_to_proto(request: BucketRequest) -> rollout_pb2.UpdateWeights
         bucket_count=request.bucket_count,
         load_format=request.load_format,
         manifest_checksum=request.manifest_checksum,
+        trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
+    )
+
+
+def shared_request_from_proto(request: rollout_pb2.UpdateWeightsFromTensorRequest) -> SharedRequest:
+    """SharedRequest of an UpdateWeightsFromTensorRequest (the colocated hand-off)."""
+    from tauflow.weightsync.ipc import CHECKSUM, SharedRequest
+
+    return SharedRequest(
+        names=list(request.names),
+        dtypes=list(request.dtypes),
+        shapes=[list(s.dims) for s in request.shapes],
+        staging_uri=request.staging_uri,
+        policy_version=request.policy_version,
+        manifest_checksum=request.manifest_checksum,
+        membership_epoch=request.membership_epoch,
+        checksum_algorithm=request.checksum_algorithm or CHECKSUM,
+        flush_cache=request.flush_cache,
+        traceparent=request.trace_context.traceparent,
+        tracestate=request.trace_context.tracestate,
+    )
+
+
+def shared_request_to_proto(request: SharedRequest) -> rollout_pb2.UpdateWeightsFromTensorRequest:
+    """The UpdateWeightsFromTensorRequest of ``request`` (the inverse of shared_request_from_proto)."""
+    return rollout_pb2.UpdateWeightsFromTensorRequest(
+        names=list(request.names),
+        dtypes=list(request.dtypes),
+        shapes=[rollout_pb2.TensorShape(dims=list(s)) for s in request.shapes],
+        staging_uri=request.staging_uri,
+        flush_cache=request.flush_cache,
+        policy_version=request.policy_version,
+        membership_epoch=request.membership_epoch,
+        manifest_checksum=request.manifest_checksum,
+        checksum_algorithm=request.checksum_algorithm,
         trace_context=common_pb2.TraceContext(traceparent=request.traceparent, tracestate=request.tracestate),
     )

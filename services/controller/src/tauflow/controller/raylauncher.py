@@ -182,8 +182,14 @@ class RayLauncher(ProcessLauncher):
         return self._host_class.options(**options).remote()
 
     def _colocated_node(self, svc: ManagedService) -> str:
-        """The node of the role ``svc`` must share one with (the trainer's rank 0: the sidecar's); "" for any."""
-        other = self.services.get(COLOCATED.get(svc.role, "")) if svc.index == 0 else None
+        """The node of the role ``svc`` must share one with (the trainer's rank 0: the sidecar's; with the
+        sidecar's ``ipc`` backend every rollout server's too, as they read the trainer's buffer); "" for any."""
+        weights = self.services.get("weights")
+        shared = weights is not None and weights.spec.settings.get("backend") == "ipc"
+        if svc.role == "rollout" and shared:
+            other = weights
+        else:
+            other = self.services.get(COLOCATED.get(svc.role, "")) if svc.index == 0 else None
         return other.proc.node_id if other is not None and other.proc is not None else ""
 
     def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:

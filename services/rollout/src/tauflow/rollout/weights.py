@@ -4,7 +4,8 @@ init_weights_update_group / update_weights_from_distributed / destroy_weights_up
 A version arrives in buckets over the weight group; the receiver verifies it against the manifest's
 checksum (whose algorithm the sidecar's manifest names), the engine swaps it in at its next safe point,
 and the sidecar is told (confirm). Each version's load is one ``weights.load`` span, linked to the
-trainer's ``weights.publish`` of it. No grpc here: the sidecar is reached through ``SidecarPort``.
+trainer's ``weights.publish`` of it. Colocated with the trainer (the sidecar's ``ipc`` backend), a version
+arrives whole instead, as a buffer the trainer shares on this machine (``load_shared``). No grpc here: the sidecar is reached through ``SidecarPort``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tauflow.weightsync import (
     PhaseError,
     ReceivedVersion,
     ReceiveError,
+    SharedReader,
+    SharedRequest,
     WeightGroup,
     WeightReceiver,
 )
@@ -38,6 +41,17 @@ tracer = trace.get_tracer("tauflow.rollout")
 T = TypeVar("T")
 
 LOAD_ERRORS = (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError)  # what refuses a bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpanKey:
+    """What a ``weights.load`` span records of its request (a bucket's, or a shared load's)."""
+
+    policy_version: int
+    membership_epoch: int
+    bucket_count: int
+    traceparent: str
+    tracestate: str
 
 
 class WeightLoader:
@@ -50,6 +64,9 @@ class WeightLoader:
         self.member_id = member_id
         self.sidecar = sidecar
         self.receiver = WeightReceiver(label=member_id)
+        self.shared_reader = SharedReader(label=member_id)
+        # One shared load at a time: the reader's buffer is reused, and the engine copies out of it while staging.
+        self._shared_lock = asyncio.Lock()
         # The receiver's calls are serialized by its lock and may block for a whole rendezvous: on a thread
         # of their own they never take the default pool's threads, which Generate's waits need.
         self._receiver_thread = ThreadPoolExecutor(1, thread_name_prefix="weights")
@@ -95,6 +112,24 @@ class WeightLoader:
             self._confirm_in_background(version, *self._load_span(bucket, version))
         return version
 
+    async def load_shared(self, request: SharedRequest) -> ReceivedVersion:
+        """Loads a version from the trainer's shared buffer (UpdateWeightsFromTensor): copied and checked, then
+        swapped in at the engine's next safe point and confirmed in the background. Raises one of LOAD_ERRORS
+        when refused (the version being served is kept)."""
+        span_key = _SpanKey(
+            request.policy_version, request.membership_epoch, 1, request.traceparent, request.tracestate
+        )
+        self._load_started.setdefault((request.policy_version, request.membership_epoch), time.time_ns())
+        try:
+            async with self._shared_lock:
+                version = await self._on_receiver_thread(self.shared_reader.read, request)
+                await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
+        except LOAD_ERRORS as e:
+            self._load_span(span_key, None, e)
+            raise
+        self._confirm_in_background(version, *self._load_span(span_key, version))
+        return version
+
     async def _on_receiver_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._receiver_thread, fn, *args)
 
@@ -105,7 +140,7 @@ class WeightLoader:
         return self._checksum_algorithms.get(key, "")
 
     def _load_span(
-        self, bucket: BucketRequest, version: ReceivedVersion | None, error: BaseException | None = None
+        self, bucket: BucketRequest | _SpanKey, version: ReceivedVersion | None, error: BaseException | None = None
     ) -> tuple[str, str]:
         """Records ``weights.load`` (first bucket received -> version swapped in, or the failure) with a
         link to the trainer's ``weights.publish`` of the version; returns its trace context."""

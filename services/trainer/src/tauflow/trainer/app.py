@@ -105,7 +105,9 @@ async def build(config: TrainerConfig) -> ServiceApp:
         return follower(backend, config)
     queue = GrpcQueue(config.queue_address, config.consumer_id, config.channel)
     publisher = (
-        SidecarPublisher(config.weights_address, config.channel, model=config.backend.model_path)
+        SidecarPublisher(
+            config.weights_address, config.channel, model=config.backend.model_path, device=config.backend.device
+        )
         if config.weights_address
         else None
     )

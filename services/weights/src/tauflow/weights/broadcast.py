@@ -10,6 +10,10 @@ Each round, for the newest version:
    broadcasts the bucket;
 3. confirm: every member's ConfirmVersion (membership.py records them), within the confirm deadline.
 
+With the ``ipc`` backend (colocated: the members share the trainer's machine) there is no group: a membership
+change only starts a new epoch, and the transfer is one UpdateWeightsFromTensor per member, naming the
+trainer's shared buffer, which each member copies and checks on its own device.
+
 A member that fails a phase is dropped (state FAILED, with the error) and the others go on from the
 same version in a rebuilt group. Failed rounds are retried with a backoff.
 """
@@ -31,7 +35,16 @@ from tauflow.weights.events import Events, log
 from tauflow.weights.membership import Member, Membership, MemberState
 from tauflow.weights.metrics import WeightsMetrics
 from tauflow.weights.retention import Retention, Version
-from tauflow.weightsync import GroupSpec, Phase, PhaseError, StoreHost, WeightGroup, bucket_requests, send_bucket
+from tauflow.weightsync import (
+    GroupSpec,
+    Phase,
+    PhaseError,
+    StoreHost,
+    WeightGroup,
+    bucket_requests,
+    send_bucket,
+    shared_request,
+)
 
 tracer = trace.get_tracer("tauflow.weights")
 
@@ -88,9 +101,10 @@ class Broadcast:
         self.confirmed_version: int | None = None  # the newest version every active member confirmed
         self.progress: Progress | None = None
         self._group: WeightGroup | None = None
+        self.shared = config.backend == "ipc"
 
     def _needs_rebuild(self) -> bool:
-        return self._group is None or self.membership.group_outdated()
+        return (self._group is None and not self.shared) or self.membership.group_outdated()
 
     def _work(self) -> bool:
         latest = self.retention.latest
@@ -139,7 +153,8 @@ class Broadcast:
             with tracer.start_as_current_span("weights.broadcast", links=links) as span:
                 span.set_attribute("rl.policy_version", manifest.policy_version)
                 span.set_attribute("weights.bytes", manifest.total_bytes)
-                if self._needs_rebuild() and not await self._rebuild():
+                rebuild = self._new_roster if self.shared else self._rebuild
+                if self._needs_rebuild() and not await rebuild():
                     span.set_status(
                         trace.Status(trace.StatusCode.ERROR, str(self.events.last_error or "group init failed"))
                     )
@@ -149,7 +164,8 @@ class Broadcast:
                     return True
                 span.set_attribute("weights.membership_epoch", self.membership.epoch)
                 span.set_attribute("weights.members", len(members))
-                ok = await self._transfer(version, members) and await self._confirm(version, members)
+                transfer = self._transfer_shared if self.shared else self._transfer
+                ok = await transfer(version, members) and await self._confirm(version, members)
                 if not ok:  # a member failed a phase; the others get the version again in a rebuilt group
                     span.set_status(
                         trace.Status(trace.StatusCode.ERROR, str(self.events.last_error or "broadcast failed"))
@@ -291,6 +307,65 @@ class Broadcast:
         self.events.notify()
         return True
 
+    async def _new_roster(self) -> bool:
+        """ipc: the members of a new epoch; nothing to build (each reads the trainer's buffer on its own)."""
+        ids = self.membership.forget_group()
+        self.membership.settle_destroyed([self.membership.members[i] for i in ids if i in self.membership.members])
+        members = self.membership.eligible()
+        if members:
+            self.membership.next_epoch()
+            self.membership.group_ids = [m.member_id for m in members]
+            for m in members:
+                m.state = MemberState.ACTIVE
+        self.events.notify()
+        return True
+
+    def _record_sent(self, manifest_version: int, checksum: str, members: list[Member]) -> None:
+        for m in members:
+            m.sent[manifest_version] = checksum
+            while len(m.sent) > _KEEP_SENT:
+                m.sent.popitem(last=False)
+
+    async def _transfer_shared(self, version: Version, members: list[Member]) -> bool:
+        """ipc: every member loads the version from the trainer's buffer at once."""
+        manifest = version.manifest
+        epoch = self.membership.epoch
+        group_s = self.deadlines.group_s
+        self.progress = Progress(manifest.policy_version, epoch, Phase.TRANSFER, 1, self.events.clock())
+        self._set_phase(Phase.TRANSFER, group_s)
+        request = shared_request(
+            manifest,
+            version.staging_uri,
+            membership_epoch=epoch,
+            flush_cache=self.config.flush_cache,
+            traceparent=version.traceparent,
+            tracestate=version.tracestate,
+        )
+        self._record_sent(manifest.policy_version, manifest.checksum, members)
+        timeout = group_s + self.deadlines.rpc_margin_s
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(m.client.update_from_shared(request, timeout) for m in members), return_exceptions=True
+        )
+        if any(isinstance(r, BaseException) for r in results):
+            self._drop_culprits(
+                Phase.TRANSFER,
+                members,
+                [None, *results],
+                policy_version=manifest.policy_version,
+                membership_epoch=epoch,
+            )
+            return False
+        took = time.monotonic() - started
+        self.progress.buckets_sent, self.progress.bytes_sent = 1, manifest.total_bytes
+        self.metrics.phase_seconds.labels(Phase.TRANSFER.value).observe(took)
+        self.metrics.broadcast_bytes.inc(manifest.total_bytes * len(members))
+        log.info(
+            "members loaded version from the shared buffer",
+            extra={"policy_version": manifest.policy_version, "members": len(members), "seconds": round(took, 3)},
+        )
+        return True
+
     async def _transfer(self, version: Version, members: list[Member]) -> bool:
         group = self._group
         assert group is not None
@@ -314,10 +389,7 @@ class Broadcast:
         requests = [
             dataclasses.replace(r, traceparent=version.traceparent, tracestate=version.tracestate) for r in requests
         ]
-        for m in members:
-            m.sent[manifest.policy_version] = manifest.checksum
-            while len(m.sent) > _KEEP_SENT:
-                m.sent.popitem(last=False)
+        self._record_sent(manifest.policy_version, manifest.checksum, members)
         timeout = group_s + self.deadlines.rpc_margin_s
         started = time.monotonic()
         for bucket, request in zip(manifest.buckets, requests, strict=True):
@@ -329,6 +401,7 @@ class Broadcast:
                 self.membership.group_broken = True
                 return False
             self._set_phase(Phase.TRANSFER, group_s)
+            assert version.buffer is not None
             data = version.buffer[bucket.offset_bytes : bucket.offset_bytes + bucket.size_bytes]
             send = asyncio.to_thread(
                 send_bucket, group, bucket, data, policy_version=manifest.policy_version, load_format=load_format

@@ -40,7 +40,12 @@ class StoreConfig(StrictModel):
 class WeightsConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50055)
     metrics: MetricsConfig = MetricsConfig(port=9465)
-    backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="collective backend: gloo (CPU) or nccl (GPU)")
+    backend: str = Field(
+        "gloo",
+        pattern="^(gloo|nccl|ipc)$",
+        description="collective backend: gloo (CPU) or nccl (GPU); ipc: colocated, the members read the trainer's "
+        "shared buffer on their machine (no group, no copy here; docs/gpu.md)",
+    )
     device: str = Field("", description="device of the sender's buffers for nccl (e.g. cuda:0); empty: cpu / cuda")
     load_format: str = Field(
         "tauflow_flat_v1",

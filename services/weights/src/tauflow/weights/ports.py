@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from tauflow.weightsync import BucketRequest, GroupSpec
+from tauflow.weightsync import BucketRequest, GroupSpec, SharedRequest
 
 
 class MemberCallFailed(Exception):
@@ -32,6 +32,8 @@ class MemberClient(Protocol):
     async def update_bucket(self, request: BucketRequest, timeout_s: float) -> None: ...
 
     async def destroy_group(self, group_name: str, timeout_s: float) -> None: ...
+
+    async def update_from_shared(self, request: SharedRequest, timeout_s: float) -> None: ...
 
     async def close(self) -> None: ...
 

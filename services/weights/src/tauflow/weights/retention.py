@@ -35,6 +35,8 @@ from tauflow.weightsync import (
     staging_path,
     validate,
 )
+from tauflow.weightsync.ipc import MAX_URI_CHARS
+from tauflow.weightsync.ipc import SCHEME as IPC_SCHEME
 
 _KEEP_OUTCOMES = 32  # versions whose Publish outcome a repeat gets back
 
@@ -42,12 +44,13 @@ _KEEP_OUTCOMES = 32  # versions whose Publish outcome a repeat gets back
 @dataclass
 class Version:
     manifest: Manifest
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None: the ipc backend holds no bytes (members read staging_uri)
     accepted_at: float
     handoff_s: float
     traceparent: str = ""
     tracestate: str = ""
     broadcast_started: bool = False
+    staging_uri: str = ""  # the ipc backend's: the trainer's shared buffer
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,16 @@ class PublishOutcome:
     policy_version: int
     superseded_policy_version: int | None
     handoff_s: float
+
+
+def check_shared_uri(staging_uri: str) -> None:
+    """The ipc backend takes the trainer's ``ipc://`` URI as it is: its members open it (the sidecar has no
+    device of its own to open a CUDA IPC handle on), and check the bytes there."""
+    if not staging_uri.startswith(IPC_SCHEME) or len(staging_uri) > MAX_URI_CHARS:
+        raise StagingError(
+            f"staging_uri: the ipc backend takes an {IPC_SCHEME} URI of at most {MAX_URI_CHARS} characters "
+            f"(the trainer's shared buffer), not {staging_uri[:32]!r}"
+        )
 
 
 class BufferPool:
@@ -93,10 +106,15 @@ class Retention:
 
     def retained_bytes(self) -> int:
         versions = {id(v): v for v in (self.latest, self.broadcasting) if v is not None}
-        return sum(v.manifest.total_bytes for v in versions.values())
+        return sum(v.manifest.total_bytes for v in versions.values() if v.buffer is not None)
 
     def _release(self, version: Version | None) -> None:
-        if version is not None and version is not self.latest and version is not self.broadcasting:
+        if (
+            version is not None
+            and version.buffer is not None
+            and version is not self.latest
+            and version is not self.broadcasting
+        ):
             self._pool.give(version.buffer)
 
     # -- the broadcast holds the version it sends --
@@ -118,9 +136,13 @@ class Retention:
     async def publish(
         self, manifest: Manifest, staging_uri: str, rebase: bool = False, traceparent: str = "", tracestate: str = ""
     ) -> PublishOutcome:
+        shared = self.config.backend == "ipc"
         try:
             validate(manifest)
-            staging_path(staging_uri)
+            if shared:
+                check_shared_uri(staging_uri)
+            else:
+                staging_path(staging_uri)
         except (ManifestError, StagingError) as e:
             raise InvalidRequest(str(e)) from None
         version = manifest.policy_version
@@ -143,19 +165,21 @@ class Retention:
                     )
             held = self.broadcasting.manifest.total_bytes if self.broadcasting is not None else 0
             limit = self.config.max_retained_bytes
-            if held + manifest.total_bytes > limit:
+            if not shared and held + manifest.total_bytes > limit:
                 raise ResourceExhausted(
                     f"version {version} needs {manifest.total_bytes} bytes; with the {held} bytes of the version "
                     f"being broadcast that exceeds max_retained_bytes {limit}"
                 )
-            buf = self._pool.take(manifest.total_bytes)
+            buf = None if shared else self._pool.take(manifest.total_bytes)
             started = time.monotonic()
             try:
-                await asyncio.to_thread(
-                    read_staged, staging_uri, manifest, buf, deadline_s=self.config.deadlines.handoff_s
-                )
+                if buf is not None:  # (ipc: nothing to copy; the members read the trainer's buffer)
+                    await asyncio.to_thread(
+                        read_staged, staging_uri, manifest, buf, deadline_s=self.config.deadlines.handoff_s
+                    )
             except BaseException as e:
-                self._pool.give(buf)
+                if buf is not None:
+                    self._pool.give(buf)
                 self.metrics.handoff_failures.inc()
                 if isinstance(e, StagingNotFound):
                     raise NotFound(str(e)) from None
@@ -175,7 +199,15 @@ class Retention:
             if rebase:
                 for k in [k for k in self._outcomes if k >= version]:
                     del self._outcomes[k]
-            self.latest = Version(manifest, buf, self.events.clock(), handoff_s, traceparent, tracestate)
+            self.latest = Version(
+                manifest,
+                buf,
+                self.events.clock(),
+                handoff_s,
+                traceparent,
+                tracestate,
+                staging_uri=staging_uri if shared else "",
+            )
             self._release(latest)
             outcome = PublishOutcome(version, superseded, handoff_s)
             self._outcomes[version] = (manifest.checksum, outcome)

@@ -25,7 +25,7 @@ from tauflow.rollout.producer import Producer
 from tauflow.rollout.text import ChatTemplateError, TextCodec
 from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
 from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
-from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
+from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto, shared_request_from_proto
 
 _RECEIVE_STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -266,6 +266,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             policy_version=request.policy_version,
             bucket_index=request.bucket_index,
             version_complete=version is not None,
+        )
+
+    async def UpdateWeightsFromTensor(
+        self, request: rollout_pb2.UpdateWeightsFromTensorRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpdateWeightsFromTensorResponse:
+        try:
+            version = await self.weights.load_shared(shared_request_from_proto(request))
+        except LOAD_ERRORS as e:
+            await _abort(context, _refusal_code(e), str(e))
+        except EngineClosedError as e:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        return rollout_pb2.UpdateWeightsFromTensorResponse(
+            policy_version=version.policy_version, loaded_bytes=version.nbytes
         )
 
     async def DestroyWeightsUpdateGroup(

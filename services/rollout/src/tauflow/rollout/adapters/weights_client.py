@@ -45,7 +45,7 @@ class GrpcSidecar:
             member_id=member_id,
             address=address,
             num_ranks=self.num_ranks,
-            backends=["gloo", "nccl"],
+            backends=["gloo", "nccl", "ipc"],
             loaded_policy_version=loaded_version,
             model=self.model,
         )

@@ -10,8 +10,8 @@ import grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.weights.ports import MemberCallFailed
-from tauflow.weightsync import BucketRequest, GroupSpec
-from tauflow.weightsync.wire import bucket_request_to_proto, group_spec_to_proto
+from tauflow.weightsync import BucketRequest, GroupSpec, SharedRequest
+from tauflow.weightsync.wire import bucket_request_to_proto, group_spec_to_proto, shared_request_to_proto
 
 ROLLOUT = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]
 
@@ -54,6 +54,9 @@ class RolloutMemberClient:
         await self._call(
             "DestroyWeightsUpdateGroup", rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name), timeout_s
         )
+
+    async def update_from_shared(self, request: SharedRequest, timeout_s: float) -> None:
+        await self._call("UpdateWeightsFromTensor", shared_request_to_proto(request), timeout_s)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -244,6 +244,38 @@ class UpdateWeightsFromDistributedResponse(_message.Message):
     version_complete: bool
     def __init__(self, policy_version: _Optional[int] = ..., bucket_index: _Optional[int] = ..., version_complete: _Optional[bool] = ...) -> None: ...
 
+class UpdateWeightsFromTensorRequest(_message.Message):
+    __slots__ = ("names", "dtypes", "shapes", "staging_uri", "flush_cache", "policy_version", "membership_epoch", "manifest_checksum", "checksum_algorithm", "trace_context")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_URI_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    staging_uri: str
+    flush_cache: bool
+    policy_version: int
+    membership_epoch: int
+    manifest_checksum: str
+    checksum_algorithm: str
+    trace_context: _common_pb2.TraceContext
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtypes: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., staging_uri: _Optional[str] = ..., flush_cache: _Optional[bool] = ..., policy_version: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., manifest_checksum: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., trace_context: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsFromTensorResponse(_message.Message):
+    __slots__ = ("policy_version", "loaded_bytes")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    loaded_bytes: int
+    def __init__(self, policy_version: _Optional[int] = ..., loaded_bytes: _Optional[int] = ...) -> None: ...
+
 class DestroyWeightsUpdateGroupRequest(_message.Message):
     __slots__ = ("group_name",)
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]

@@ -91,6 +91,11 @@ class RolloutServiceStub:
                 request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
                 response_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromTensor = channel.unary_unary(
+                '/tauflow.api.rollout.v1.RolloutService/UpdateWeightsFromTensor',
+                request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+                response_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorResponse.FromString,
+                _registered_method=True)
         self.DestroyWeightsUpdateGroup = channel.unary_unary(
                 '/tauflow.api.rollout.v1.RolloutService/DestroyWeightsUpdateGroup',
                 request_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
@@ -244,6 +249,33 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromTensor(self, request, context):
+        """Loads a new policy version from memory the trainer shares on this machine
+        (SGLang's `update_weights_from_tensor`): the colocated hand-off, which the
+        weight sidecar drives when its backend is `ipc`. No group and no
+        collective: `staging_uri` names the trainer's staging buffer (a CUDA IPC
+        handle on a GPU, shared memory on a CPU), holding the tensors of `names`,
+        `dtypes` and `shapes` back to back in the canonical layout (each at the
+        next multiple of 64 bytes). The server copies the buffer into its engines'
+        memory (device to device, never through the host), checks the copy
+        against `manifest_checksum` with `checksum_algorithm`, swaps the version in
+        at a safe point between decoding steps without aborting in-flight
+        requests, and then calls WeightsService.ConfirmVersion.
+
+        Retry class: not idempotent (the sidecar resends a version after a
+        failure, to a member that rejoined). Status: INVALID_ARGUMENT when
+        `names`, `dtypes` and `shapes` are empty or differ in length, a dtype is
+        unknown, a name is not a parameter of the model or its dtype or shape does
+        not match, `staging_uri` is not an `ipc://` URI of a shared buffer that
+        holds the tensors, or `checksum_algorithm` is not "sum64x2"; DATA_LOSS
+        when the copy does not match `manifest_checksum` (the buffer was
+        overwritten by a newer version before it was read); UNAVAILABLE when the
+        engines are not started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DestroyWeightsUpdateGroup(self, request, context):
         """Leaves and destroys a weight-update process group (SGLang's
         `destroy_weights_update_group`), e.g. before the group of a new membership
@@ -286,6 +318,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeightsFromDistributed,
                     request_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.FromString,
                     response_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromTensor': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensor,
+                    request_deserializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.FromString,
+                    response_serializer=tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorResponse.SerializeToString,
             ),
             'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.DestroyWeightsUpdateGroup,
@@ -460,6 +497,33 @@ class RolloutService:
             '/tauflow.api.rollout.v1.RolloutService/UpdateWeightsFromDistributed',
             tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
             tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromDistributedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tauflow.api.rollout.v1.RolloutService/UpdateWeightsFromTensor',
+            tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorRequest.SerializeToString,
+            tauflow_dot_api_dot_rollout_dot_v1_dot_rollout__pb2.UpdateWeightsFromTensorResponse.FromString,
             options,
             channel_credentials,
             insecure,
