@@ -11,6 +11,9 @@ disaggregated (issue #18, run by scripts/gpu-check; docs/gpu.md).
   (bench/overhead.py's in-process loop; no gRPC, queue or sidecar).
 - **disaggregated, τ = 1**: ``tauflow run`` with every role its own process, trainer and rollout on the same
   GPU, the queue letting the rollout generate one version ahead; weights through the sidecar (gloo).
+- **colocated services, τ = 0** (``--colocated-services``, last): every role its own process on the GPU,
+  taking turns: the sidecar's ``ipc`` backend (the trainer's weights read by the engine through CUDA IPC),
+  the trainer's optimizer state offloaded between updates, the idle engine's cached memory released.
 
 Reported per path: median step time, trained and generated tokens per second, weight-update time
 (colocated: the in-GPU copy; disaggregated: the trainer's publish), mean reward per step, and GPU memory
@@ -167,6 +170,9 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=64, help="groups per step (8 samples each)")
     p.add_argument("--max-new-tokens", type=int, default=4, help="the task's answers take at most 4")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override, both paths")
+    p.add_argument("--colocated-services", action="store_true",
+                   help="a third path, last: every role its own process at τ = 0, colocated (the sidecar's ipc "
+                        "backend, the trainer's optimizer state offloaded, the idle engine's cache released)")
     args = p.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -208,17 +214,36 @@ def main() -> int:
     disaggregated["weights_update_s"] = disaggregated["publish_s"]
     report["disaggregated_tau1"] = disaggregated
     report["speedup_step_time"] = colocated["step_s"] / disaggregated["step_s"]
-    for name in ("colocated_tau0", "disaggregated_tau1"):
+    paths = ["colocated_tau0", "disaggregated_tau1"]
+    for name in paths:
         r = report[name]
         r["trained_tokens_per_s"] = r["trained_tokens_per_step"] / r["step_s"] if r.get("step_s") else None
+    (args.out / "gpu_grpo.json").write_text(json.dumps(report, indent=2))  # (again below with the third path)
 
-    print(f"{'path':22} {'step ms':>8} {'tokens/s':>9} {'weights ms':>10} {'reward first→last':>18}")
-    for name in ("colocated_tau0", "disaggregated_tau1"):
+    if args.colocated_services:
+        shared = ["max_staleness=0", "services.weights.backend=ipc"]
+        if cuda:
+            shared += ["services.trainer.backend.offload_optimizer=true",
+                       "services.rollout.engine_options.release_memory_when_idle=true"]
+        config = run_config(recipe, prepared, args.out / "colocated-services", args.steps, [*extra, *shared])
+        memory = GpuMemory(config.run_dir, "bench process (controller)")
+        r = services(config, args.skip)
+        r["gpu_peak_mib"] = memory.stop()
+        r["weights_update_s"] = r["publish_s"]
+        r["trained_tokens_per_s"] = r["trained_tokens_per_step"] / r["step_s"] if r.get("step_s") else None
+        report["colocated_services_tau0"] = r
+        report["speedup_step_time_vs_colocated_services"] = r["step_s"] / disaggregated["step_s"]
+        paths.append("colocated_services_tau0")
+
+    print(f"{'path':24} {'step ms':>8} {'tokens/s':>9} {'weights ms':>10} {'reward first→last':>18}")
+    for name in paths:
         r = report[name]
         rewards = r["mean_reward"]
-        print(f"{name:22} {r['step_s'] * 1000:8.1f} {r['trained_tokens_per_s'] or 0:9.0f} "
+        print(f"{name:24} {r['step_s'] * 1000:8.1f} {r['trained_tokens_per_s'] or 0:9.0f} "
               f"{r['weights_update_s'] * 1000:10.1f} {rewards[0]:8.3f}→{rewards[-1]:.3f}")  # fmt: skip
     print(f"disaggregated τ=1 / colocated τ=0 step-time speedup: {report['speedup_step_time']:.2f}×")
+    if "colocated_services_tau0" in report:
+        print(f"disaggregated τ=1 / colocated services τ=0: {report['speedup_step_time_vs_colocated_services']:.2f}×")
     (args.out / "gpu_grpo.json").write_text(json.dumps(report, indent=2))
     print("BENCH_JSON " + json.dumps(report))
     return 0

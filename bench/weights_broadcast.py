@@ -18,6 +18,11 @@ loopback, in alternating rounds:
              group set-up excluded (made once), per-bucket gRPC, the broadcast, the
              receivers' unpacking and checksum, and ConfirmVersion included.
 
+* sidecar-ipc - (``--ipc``) the same with the sidecar's ``ipc`` backend, the colocated hand-off: the trainer
+             stages into its own shared buffer (``DeviceStager``; CUDA IPC on a GPU, shared memory here),
+             Publish passes the URI on, and every fake server copies the buffer and checks its copy
+             (``SharedReader``), then confirms. No collective, no copy in the sidecar.
+
 Also measured: the trainer's blocking time per publish (its own write into the
 staging area + Publish, i.e. the sidecar's copy and checksum check).
 
@@ -159,20 +164,23 @@ class Plain:
 
 
 class Sidecar:
-    def __init__(self, n: int, workdir: Path, load_format: str, bucket_mb: float) -> None:
+    def __init__(self, n: int, workdir: Path, load_format: str, bucket_mb: float, backend: str = "gloo") -> None:
         sys.path.insert(0, str(ROOT))
         from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
         from tauflow.core.channel import ChannelConfig, create_sync_channel
         from tauflow.weightsync import Stager
+        from tauflow.weightsync.ipc import DeviceStager
 
         self.pb = weights_pb2
-        self.workdir = workdir
+        self.workdir = workdir = workdir / backend
+        workdir.mkdir(parents=True, exist_ok=True)
         ready = workdir / "weights.ready.json"
         args = [sys.executable, "-m", "tauflow.weights", "--ready-file", str(ready),
                 "--set", "server.port=0", "--set", "metrics.port=0", "--set", f"load_format={load_format}",
-                "--set", "log.level=WARNING"]
+                "--set", f"backend={backend}", "--set", "log.level=WARNING"]
         self.procs = [subprocess.Popen(args, env=_env(), preexec_fn=_pdeathsig,
                                        stdout=open(workdir / "weights.log", "wb"), stderr=subprocess.STDOUT)]
+        self.device_stager = DeviceStager("cpu", bucket_bytes=int(bucket_mb * 1024 * 1024)) if backend == "ipc" else None
         self.info = self._ready(ready, self.procs[0])
         self.address = f"127.0.0.1:{self.info['grpc_port']}"
         self.members = []
@@ -206,9 +214,12 @@ class Sidecar:
 
         self.version += 1
         t0 = time.perf_counter()
-        manifest = self.stager.stage(sd, self.version)
+        if self.device_stager is not None:
+            manifest, uri = self.device_stager.stage(sd, self.version)
+        else:
+            manifest, uri = self.stager.stage(sd, self.version), self.stager.uri
         t1 = time.perf_counter()
-        self.stub.Publish(self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=self.stager.uri))
+        self.stub.Publish(self.pb.PublishRequest(manifest=manifest_to_proto(manifest), staging_uri=uri))
         t2 = time.perf_counter()
         while True:
             s = self.stub.GetStatus(self.pb.GetStatusRequest())
@@ -241,6 +252,7 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=64, help="bucket size of the manifest (MiB)")
     ap.add_argument("--load-format", default="tauflow_flat_v1", choices=["tauflow_flat_v1", "per_tensor"])
     ap.add_argument("--quick", action="store_true", help="3 rounds")
+    ap.add_argument("--ipc", action="store_true", help="also the sidecar's ipc backend (the colocated hand-off)")
     ap.add_argument("--role", default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -260,7 +272,10 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tauflow-bench-weights-"))
     plain = Plain(args.receivers, args.mb, 2 * (rounds + WARMUP), sd)
     car = Sidecar(args.receivers, workdir, fmt, args.bucket_mb)
+    shared = Sidecar(args.receivers, workdir, fmt, args.bucket_mb, backend="ipc") if args.ipc else None
     runs: dict[str, list[float]] = {"plain": [], "plain-flat": [], "sidecar": [], "stage": [], "publish": []}
+    if shared is not None:
+        runs.update({"sidecar-ipc": [], "stage-ipc": [], "publish-ipc": []})
     try:
         for r in range(rounds + WARMUP):
             order = ["plain", "sidecar"] if r % 2 == 0 else ["sidecar", "plain"]
@@ -271,6 +286,8 @@ def main() -> int:
                     row["plain-flat"] = plain.run(flat=True)
                 else:
                     row["stage"], row["publish"], row["sidecar"] = car.publish(sd)
+                    if shared is not None:
+                        row["stage-ipc"], row["publish-ipc"], row["sidecar-ipc"] = shared.publish(sd)
             if r < WARMUP:
                 print("warm-up: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in row.items()), flush=True)
                 continue
@@ -282,6 +299,8 @@ def main() -> int:
                   f"(stage {1000 * row['stage']:.0f} + Publish {1000 * row['publish']:.0f})", flush=True)
     finally:
         car.close()
+        if shared is not None:
+            shared.close()
         plain.close()
     shutil.rmtree(workdir, ignore_errors=True)  # kept (with the servers' logs) when a round failed
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -293,6 +312,13 @@ def main() -> int:
         print(f"{k:<12} {bw[k]:8.0f} {med[k] * 1000:8.1f}")
     print(f"ratio sidecar / plain (per tensor)  = {bw['sidecar'] / bw['plain']:.2f}")
     print(f"ratio sidecar / best plain          = {bw['sidecar'] / best:.2f}   (target >= 0.8)")
+    if shared is not None:
+        bw["sidecar-ipc"] = nbytes / MB / med["sidecar-ipc"]
+        handoff_ipc = [a + b for a, b in zip(runs["stage-ipc"], runs["publish-ipc"], strict=True)]
+        print(f"{'sidecar-ipc':<12} {bw['sidecar-ipc']:8.0f} {med['sidecar-ipc'] * 1000:8.1f}")
+        print(f"ratio sidecar-ipc / sidecar (gloo)  = {bw['sidecar-ipc'] / bw['sidecar']:.2f}")
+        print(f"trainer blocking per publish, ipc: {statistics.median(handoff_ipc) * 1000:.1f} ms median "
+              f"(stage into its own buffer {med['stage-ipc'] * 1000:.1f} ms + Publish {med['publish-ipc'] * 1000:.1f} ms)")
     handoff = [a + b for a, b in zip(runs["stage"], runs["publish"], strict=True)]
     print(f"trainer blocking per publish: {statistics.median(handoff) * 1000:.1f} ms median "
           f"(stage into /dev/shm {med['stage'] * 1000:.1f} ms + Publish {med['publish'] * 1000:.1f} ms; "

@@ -150,6 +150,48 @@ def test_a_forged_uri_rebuilds_nothing_but_tensors(uri: str) -> None:
         open_shared(uri)
 
 
+def _raw_pickle(*ops: bytes) -> str:
+    return "ipc://" + base64.b64encode(b"\x80\x04" + b"".join(ops) + b".").decode()
+
+
+def _name(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+class _Allocate:
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return (torch.storage.UntypedStorage, (1 << 30,))
+
+
+def test_a_forged_uri_can_neither_reach_past_torch_nor_call_what_torch_does_not(tmp_path: Path) -> None:
+    pwned = tmp_path / "pwned"
+    forged = {
+        # a dotted name under torch reaches any module torch imports (os, sys, ...)
+        "dotted": _raw_pickle(_name("torch"), _name("os.system"), b"\x93", _name(f"touch {pwned}"), b"\x85R"),
+        "load": _raw_pickle(_name("torch"), _name("load"), b"\x93", _name(str(pwned)), b"\x85R"),
+        # an allowed class, called: a 1 GiB allocation of the sender's choosing
+        "allocate": "ipc://" + base64.b64encode(pickle.dumps(_Allocate(), protocol=4)).decode(),
+    }
+    for what, uri in forged.items():
+        with pytest.raises(StagingError, match="may only rebuild|may not call"):
+            open_shared(uri)
+        assert not pwned.exists(), what
+    # what torch writes for a CUDA tensor is let through to torch's own rebuild (which needs CUDA here)
+    cuda_args = (torch.Tensor, torch.Size([64]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"h" * 64,
+                 64, 0, False, b"/torch_1_2_3", 0, b"e" * 64, True)  # fmt: skip
+
+    class _CudaShaped:
+        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            return (rebuild_cuda_tensor, cuda_args)
+
+    uri = "ipc://" + base64.b64encode(pickle.dumps(_CudaShaped(), protocol=4)).decode()
+    with pytest.raises(StagingError) as refused:
+        open_shared(uri)
+    assert "may only rebuild" not in str(refused.value) and "may not call" not in str(refused.value)
+
+
 def test_a_buffer_too_small_for_the_manifest_is_refused() -> None:
     manifest, _ = DeviceStager("cpu").stage(state(5), 5)
     small = torch.zeros(8, dtype=torch.uint8)  # (kept alive: a shared buffer lives as long as its owner's tensor)
@@ -188,7 +230,11 @@ def test_the_reader_refuses_an_overwritten_buffer_and_bad_requests_by_field() ->
         "names, dtypes and shapes": dataclasses.replace(good, names=good.names[:-1]),
         "checksum_algorithm": dataclasses.replace(good, checksum_algorithm="xxh3-64"),
         "manifest_checksum": dataclasses.replace(good, manifest_checksum=""),
-        r"shapes\[0\] has a negative dimension": dataclasses.replace(good, shapes=[[-17, 8], *good.shapes[1:]]),
+        r"shapes\[0\] must have at most 8 dimensions": dataclasses.replace(good, shapes=[[-17, 8], *good.shapes[1:]]),
+        r"shapes\[1\] must have at most 8 dimensions": dataclasses.replace(
+            good, shapes=[good.shapes[0], [1] * 80000, *good.shapes[2:]]
+        ),
+        "names must be distinct": dataclasses.replace(good, names=[good.names[0]] * len(good.names)),
         "dtypes and shapes": dataclasses.replace(good, dtypes=["complex1024", *good.dtypes[1:]]),
         "staging_uri": dataclasses.replace(good, staging_uri="shm://elsewhere"),
         "staging_uri: the shared buffer does not hold": dataclasses.replace(good, staging_uri=share(small)),
@@ -197,7 +243,13 @@ def test_the_reader_refuses_an_overwritten_buffer_and_bad_requests_by_field() ->
         with pytest.raises(ReceiveError, match=field) as refused:
             reader.read(request)
         assert refused.value.kind == "invalid"
+    with pytest.raises(ReceiveError, match="more than the 64 this engine takes"):
+        reader.read(good, max_bytes=64)
     assert torch.equal(reader.read(good).tensors["step"], torch.tensor([4]))
+    assert reader._buffer is not None
+    with pytest.raises(ChecksumMismatch):
+        reader.read(dataclasses.replace(good, manifest_checksum="0" * 32))
+    assert reader._buffer is None  # a refused read keeps no buffer
 
 
 def _open_on_cuda(uri: str, manifest: bytes, out: str) -> None:

@@ -69,3 +69,24 @@ def test_cuda_swap_mid_generation_switches_versions_per_token(model_dir: Path, m
         assert all(p.is_cuda for p in engine._model.parameters())
     finally:
         engine.close()
+
+
+def test_cuda_an_idle_engine_hands_its_cached_memory_back_when_colocated(model_dir: Path) -> None:
+    # release_memory_when_idle (colocated mode): what the caching allocator holds unused goes back to the driver
+    # each time the engine runs out of work, where a trainer in another process can have it.
+    engine = HFEngine.from_pretrained(model_dir, device="cuda", dtype="float32", release_memory_when_idle=True)
+    try:
+        import time
+
+        scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del scratch  # 64 MiB cached by this process's allocator, unused
+        cached = torch.cuda.memory_reserved()
+        releases = engine.memory_releases
+        engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=1)).result(60)
+        deadline = time.monotonic() + 10
+        while engine.memory_releases == releases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.memory_releases > releases
+        assert torch.cuda.memory_reserved() <= cached - (64 << 20)
+    finally:
+        engine.close()

@@ -223,6 +223,37 @@ def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: M
     assert c.version == 1 and next(c.model.parameters()).is_cuda
 
 
+def test_offload_optimizer_needs_a_cuda_device(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="offload_optimizer needs a CUDA device"):
+        config(tiny_model_dir, offload_optimizer=True)
+
+
+@pytest.mark.gpu
+def test_cuda_offloaded_optimizer_state_leaves_the_gpu_between_updates_and_trains_alike(
+    tiny_model_dir: Path, make_groups: MakeGroups
+) -> None:
+    opts = {"device": "cuda", "optim": OptimConfig(lr=1e-2)}
+    plain, offloaded = (
+        TorchBackend(config(tiny_model_dir, **opts)),
+        TorchBackend(config(tiny_model_dir, offload_optimizer=True, **opts)),
+    )
+    for step in range(3):
+        groups = make_groups(step, 2)
+        plain.train_step(groups)
+        offloaded.train_step(groups)
+    params = sum(p.numel() for p in offloaded.model.parameters())
+    moments = [v for state in offloaded.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    assert moments and all(v.device.type == "cpu" and v.is_pinned() for v in moments)
+    assert offloaded._offload is not None and offloaded._offload.offloaded_bytes == 2 * 4 * params  # AdamW's moments
+    # what the GPU holds back: moving the state back costs that much device memory again
+    before = torch.cuda.memory_allocated()
+    offloaded._offload.to_device()
+    assert torch.cuda.memory_allocated() - before >= 2 * 4 * params
+    offloaded._offload.to_host()
+    for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # the same three updates
+
+
 # ------------------------------------------------------------------------------- PPO updates in a step
 
 

@@ -33,9 +33,10 @@ from tauflow.weightsync import (
     PhaseError,
     ReceivedVersion,
     ReceiveError,
+    SharedReader,
     WeightReceiver,
 )
-from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto
+from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto, shared_request_from_proto
 
 _KINDS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
@@ -57,6 +58,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
         self.out = out
         self.sidecar = sidecar
         self.receiver = WeightReceiver(label=member_id)
+        self.shared_reader = SharedReader(label=member_id)
         self.algorithms: dict[tuple[int, str], str] = {}
         self.served_version: int | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -109,6 +111,20 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             version_complete=version is not None,
         )
 
+    async def UpdateWeightsFromTensor(self, request, context):
+        """The sidecar's ipc backend: the version read whole from the trainer's shared buffer (as the real
+        rollout service's WeightLoader.load_shared does, minus the engine)."""
+        try:
+            version = await asyncio.to_thread(self.shared_reader.read, shared_request_from_proto(request))
+        except (ReceiveError, ChecksumMismatch) as e:
+            await self._abort(context, e)
+        if self.keep:
+            await asyncio.to_thread(self._keep, version)
+        task = asyncio.get_running_loop().create_task(self._confirm(version))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return rollout_pb2.UpdateWeightsFromTensorResponse(policy_version=version.policy_version)
+
     def _keep(self, v: ReceivedVersion) -> None:
         tensors = {k: t.clone() for k, t in v.tensors.items()}
         data = io.BytesIO()
@@ -158,7 +174,7 @@ async def serve(args: argparse.Namespace) -> None:
             member_id=args.member_id,
             address=f"127.0.0.1:{port}",
             num_ranks=1,
-            backends=["gloo"],
+            backends=["gloo", "ipc"],
             model=args.model,
         ),
         timeout=10,

@@ -4,6 +4,7 @@ while a group is being built must not break the loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -174,3 +175,45 @@ async def test_an_ipc_sidecar_has_each_member_load_the_trainers_buffer_and_copie
     states = {i: m.state.name for i, m in sidecar.membership.members.items()}
     assert states == {"a": "ACTIVE", "b": "FAILED"}
     assert "DATA_LOSS" in str(sidecar.membership.members["b"].last_error)
+
+
+async def test_an_ipc_member_that_finds_the_buffer_overwritten_by_a_newer_version_is_not_dropped() -> None:
+    """At τ >= 1 the trainer may stage a version into the buffer a member is still reading (its stager alternates
+    two): that member's DATA_LOSS is nobody's fault while a newer version waits, and the loop sends that one."""
+    import torch
+
+    from tauflow.weights.errors import InvalidRequest
+    from tauflow.weights.ports import MemberCallFailed
+    from tauflow.weightsync.ipc import DeviceStager
+
+    sidecar = Sidecar(WeightsConfig(backend="ipc"), FakeStore(), lambda address: member)
+    stager = DeviceStager("cpu")
+    weights = {"w": torch.ones(4)}
+
+    class Overtaken(SharedMember):
+        async def update_from_shared(self, request: Any, timeout_s: float) -> None:
+            self.requests.append(request)
+            if request.policy_version == 1:  # the trainer publishes 2 while this member reads 1
+                await sidecar.retention.publish(*stager.stage(weights, 2))
+                raise MemberCallFailed("UpdateWeightsFromTensor", "127.0.0.1:1", "DATA_LOSS", "overwritten")
+
+    member = Overtaken()
+    manifest, uri = stager.stage(weights, 1)
+    xxh = dataclasses.replace(manifest, checksum_algorithm="xxh3-64")
+    with pytest.raises(InvalidRequest, match="manifest.checksum_algorithm"):
+        await sidecar.retention.publish(xxh, uri)
+    await sidecar.retention.publish(manifest, uri)
+    sidecar.membership.join("a", "127.0.0.1:1", 1, ("ipc",), None, "")
+    assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is False
+    assert sidecar.membership.members["a"].state.name == "ACTIVE"  # not dropped
+
+    async def confirm_when_asked() -> None:
+        while len(member.requests) < 2:
+            await asyncio.sleep(0.01)
+        latest = sidecar.retention.latest
+        sidecar.membership.confirm("a", 2, latest.manifest.checksum, latest.manifest.checksum)
+
+    confirming = asyncio.create_task(confirm_when_asked())
+    assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is True  # the newest, at once
+    await confirming
+    assert [r.policy_version for r in member.requests] == [1, 2] and sidecar.broadcast.confirmed_version == 2

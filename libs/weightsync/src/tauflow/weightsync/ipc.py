@@ -19,10 +19,11 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,6 +42,8 @@ from tauflow.weightsync.manifest import (
 from tauflow.weightsync.transfer import ReceivedVersion, ReceiveError
 
 SCHEME = "ipc://"
+MAX_DIMS = 8  # dimensions of one tensor in a shared version
+MAX_TENSORS = 1 << 17  # tensors in one shared version (a large model has thousands)
 CHECKSUM = "sum64x2"
 MAX_URI_CHARS = 16384  # a CUDA IPC handle pickles to a few hundred bytes
 
@@ -67,15 +70,116 @@ def share(buffer: torch.Tensor) -> str:
     return SCHEME + base64.b64encode(out.getvalue()).decode("ascii")
 
 
-class _TorchOnly(pickle.Unpickler):
-    """Unpickles what torch's sharing reductions write, and nothing else."""
+_MAX_SHARED_BYTES = 1 << 42  # 4 TiB: more than any buffer a trainer stages
+_MANAGER = re.compile(rb"/[^\x00]{0,4000}/torch-shm-dir-[A-Za-z0-9_]{1,64}/manager\.sock")
+_SHM_NAME = re.compile(rb"/torch_[0-9]{1,12}_[0-9]{1,12}_[0-9]{1,12}")
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind)
+
+
+def _sizes(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) <= 8 and all(type(d) is int and 0 <= d < 2**40 for d in value)
+
+
+def _shared_callables() -> dict[Any, Callable[[tuple[Any, ...]], bool]]:
+    """What an ``ipc://`` URI may call, each with the check of its arguments: exactly the calls torch's sharing
+    reduction of one uint8 tensor makes (a shared-memory file on a CPU, a CUDA IPC handle on a GPU)."""
+    from torch.multiprocessing import reductions
+
+    untyped = torch.storage.UntypedStorage
+
+    def filename(a: tuple[Any, ...]) -> bool:  # (cls, manager socket, shm name, size in bytes)
+        return (
+            len(a) == 4
+            and a[0] is untyped
+            and _is(a[1], bytes)
+            and _MANAGER.fullmatch(a[1]) is not None
+            and _is(a[2], bytes)
+            and _SHM_NAME.fullmatch(a[2]) is not None
+            and type(a[3]) is int
+            and 0 <= a[3] <= _MAX_SHARED_BYTES
+        )
+
+    def typed(a: tuple[Any, ...]) -> bool:  # (untyped storage, dtype)
+        return len(a) == 2 and _is(a[0], untyped) and a[1] is torch.uint8
+
+    def tensor(a: tuple[Any, ...]) -> bool:  # (cls, typed storage, (offset, size, stride, requires_grad))
+        m = a[2] if len(a) == 3 else None
+        return (
+            a[0] is torch.Tensor
+            and _is(a[1], torch.storage.TypedStorage)
+            and isinstance(m, tuple)
+            and len(m) == 4
+            and type(m[0]) is int
+            and _sizes(tuple(m[1]))
+            and _sizes(tuple(m[2]))
+            and m[3] is False
+        )
+
+    def cuda_tensor(a: tuple[Any, ...]) -> bool:  # torch's 15 arguments of a CUDA IPC handle
+        return (
+            len(a) == 15
+            and a[0] is torch.Tensor
+            and _sizes(tuple(a[1]))
+            and _sizes(tuple(a[2]))
+            and a[4] in (untyped, torch.storage.TypedStorage)
+            and a[5] is torch.uint8
+            and a[10] is False
+            and all(type(a[i]) is int for i in (3, 6, 8, 9, 12))
+            and 0 <= a[8] <= _MAX_SHARED_BYTES
+            and all(_is(a[i], bytes) and len(a[i]) <= 1024 for i in (7, 11))
+            and (a[13] is None or (_is(a[13], bytes) and len(a[13]) <= 1024))
+            and type(a[14]) is bool
+        )
+
+    return {
+        reductions.rebuild_storage_filename: filename,
+        reductions.rebuild_typed_storage: typed,
+        reductions.rebuild_tensor: tensor,
+        reductions.rebuild_cuda_tensor: cuda_tensor,
+        torch.Size: lambda a: len(a) == 1 and _sizes(a[0]),
+    }
+
+
+class _TorchOnly(pickle._Unpickler):  # the Python unpickler: its opcodes can be overridden
+    """Unpickles what torch's sharing reduction of a uint8 tensor writes, and nothing else: names are looked up
+    in an allow-list (no dotted names), and a call (REDUCE) is made only of an allowed function with arguments
+    of the shapes torch writes; every other opcode that builds or calls objects is refused."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # (the Python unpickler's, typed here)
+    _GLOBALS: ClassVar[set[tuple[str, str]]] = {
+        ("torch.multiprocessing.reductions", n)
+        for n in ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_cuda_tensor")
+    } | {("torch", "Tensor"), ("torch", "Size"), ("torch", "uint8")}
+    _GLOBALS |= {("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")}
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._callables = _shared_callables()
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" or module.startswith(("torch.multiprocessing.", "torch.storage", "torch._utils")):
-            return super().find_class(module, name)
-        if (module, name) == ("collections", "OrderedDict"):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"an ipc:// URI may only rebuild torch tensors, not {module}.{name}")
+        if (module, name) not in self._GLOBALS:
+            raise pickle.UnpicklingError(f"an ipc:// URI may only rebuild a torch tensor, not {module}.{name}")
+        return super().find_class(module, name)
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        check = self._callables.get(func)
+        if check is None or not isinstance(args, tuple) or len(args) > 16 or not check(args):
+            raise pickle.UnpicklingError(f"an ipc:// URI may not call {getattr(func, '__name__', func)!r} so")
+        self.stack[-1] = func(*args)
+
+    def _refuse(self) -> None:
+        raise pickle.UnpicklingError("an ipc:// URI may only rebuild a torch tensor")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    for _op in (pickle.BUILD, pickle.INST, pickle.OBJ, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.EXT1, pickle.EXT2,
+                pickle.EXT4, pickle.PERSID, pickle.BINPERSID, pickle.GLOBAL):  # fmt: skip
+        dispatch[_op[0]] = _refuse
 
 
 def open_shared(uri: str) -> torch.Tensor:
@@ -86,12 +190,14 @@ def open_shared(uri: str) -> torch.Tensor:
 
     try:
         raw = base64.b64decode(uri[len(SCHEME) :], validate=True)
-        tensor = _TorchOnly(io.BytesIO(raw)).load()
-    except (ValueError, pickle.UnpicklingError, EOFError, RuntimeError, OSError, TypeError, AttributeError) as e:
+        tensor = _TorchOnly(raw).load()
+    except Exception as e:  # noqa: BLE001 - whatever a forged URI makes torch raise is the URI's fault
         raise StagingError(f"cannot open the shared buffer: {type(e).__name__}: {e}") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise StagingError("the shared buffer is not a tensor")
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise StagingError("the shared buffer is not a flat uint8 tensor")
     if tensor.device.type == "cpu":
+        if not tensor.is_shared():
+            raise StagingError("the shared buffer is not in shared memory")
         tensor.untyped_storage()._shared_incref()  # what unpickling gave back (share's comment)
     return tensor
 
@@ -224,28 +330,45 @@ class SharedReader:
         self.label = label
         self._buffer: torch.Tensor | None = None
 
-    def read(self, req: SharedRequest) -> ReceivedVersion:
-        """The version ``req`` names, checked; ReceiveError('invalid') for a request that cannot be read,
-        ChecksumMismatch when the bytes are not the manifest's."""
+    def read(self, req: SharedRequest, *, max_bytes: int = _MAX_SHARED_BYTES) -> ReceivedVersion:
+        """The version ``req`` names, checked; ReceiveError('invalid') for a request that cannot be read (or
+        names more than ``max_bytes``: the caller's bound, e.g. what its model's weights can take),
+        ChecksumMismatch when the bytes are not the manifest's. A refused read keeps no buffer."""
+        try:
+            return self._read(req, max_bytes)
+        except BaseException:
+            self._buffer = None  # (a refused request leaves no allocation of its choosing behind)
+            raise
+
+    def _read(self, req: SharedRequest, max_bytes: int) -> ReceivedVersion:
         started = time.monotonic()
         n = len(req.names)
-        if n == 0 or len(req.dtypes) != n or len(req.shapes) != n:
+        if not 0 < n <= MAX_TENSORS or len(req.dtypes) != n or len(req.shapes) != n:
             raise ReceiveError(
                 "invalid",
-                f"names, dtypes and shapes must be non-empty and of one length, not "
+                f"names, dtypes and shapes must be non-empty, of one length and at most {MAX_TENSORS} long, not "
                 f"{n}, {len(req.dtypes)}, {len(req.shapes)}",
             )
         if (req.checksum_algorithm or CHECKSUM) != CHECKSUM:
             raise ReceiveError("invalid", f"checksum_algorithm must be {CHECKSUM!r}, not {req.checksum_algorithm!r}")
         if not req.manifest_checksum:
             raise ReceiveError("invalid", "manifest_checksum must be set")
-        bad = next((i for i, shape in enumerate(req.shapes) if any(d < 0 for d in shape)), None)
-        if bad is not None:
-            raise ReceiveError("invalid", f"shapes[{bad}] has a negative dimension: {list(req.shapes[bad])}")
+        if len(set(req.names)) != n:
+            raise ReceiveError("invalid", "names must be distinct")
+        for i, shape in enumerate(req.shapes):
+            if len(shape) > MAX_DIMS or any(not 0 <= d < 2**40 for d in shape):
+                raise ReceiveError(
+                    "invalid",
+                    f"shapes[{i}] must have at most {MAX_DIMS} dimensions, each in 0..2^40: {list(shape)[:9]}",
+                )
         try:
             layout, total = canonical_layout(req.dtypes, req.shapes)
         except (ManifestError, ValueError, OverflowError) as e:
             raise ReceiveError("invalid", f"dtypes and shapes: {e}") from None
+        if total > max_bytes:
+            raise ReceiveError(
+                "invalid", f"dtypes and shapes: {total} bytes, more than the {max_bytes} this engine takes"
+            )
         try:
             source = open_shared(req.staging_uri)
         except StagingError as e:

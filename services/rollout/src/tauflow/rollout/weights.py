@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,7 @@ from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
 from tauflow.rollout.engine.base import GenerationEngine, WeightUpdateError
 from tauflow.rollout.ports import SidecarPort
 from tauflow.weightsync import (
+    ALIGN_BYTES,
     BucketRequest,
     ChecksumMismatch,
     GroupSpec,
@@ -67,6 +70,7 @@ class WeightLoader:
         self.shared_reader = SharedReader(label=member_id)
         # One shared load at a time: the reader's buffer is reused, and the engine copies out of it while staging.
         self._shared_lock = asyncio.Lock()
+        self._shared_bound: int | None = None
         # The receiver's calls are serialized by its lock and may block for a whole rendezvous: on a thread
         # of their own they never take the default pool's threads, which Generate's waits need.
         self._receiver_thread = ThreadPoolExecutor(1, thread_name_prefix="weights")
@@ -119,16 +123,27 @@ class WeightLoader:
         span_key = _SpanKey(
             request.policy_version, request.membership_epoch, 1, request.traceparent, request.tracestate
         )
-        self._load_started.setdefault((request.policy_version, request.membership_epoch), time.time_ns())
+        started = time.time_ns()  # (recorded for the span only when it ends: a refusal of another kind leaves none)
         try:
             async with self._shared_lock:
-                version = await self._on_receiver_thread(self.shared_reader.read, request)
+                read = functools.partial(self.shared_reader.read, max_bytes=self._max_shared_bytes())
+                version = await self._on_receiver_thread(read, request)
                 await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
         except LOAD_ERRORS as e:
+            self._load_started[(request.policy_version, request.membership_epoch)] = started
             self._load_span(span_key, None, e)
             raise
+        self._load_started[(request.policy_version, request.membership_epoch)] = started
         self._confirm_in_background(version, *self._load_span(span_key, version))
         return version
+
+    def _max_shared_bytes(self) -> int:
+        """The most bytes a shared version may name: every weight the engine takes, at 8 bytes an element (a
+        version may come in a wider dtype than the engine's, which casts it), and each tensor's alignment."""
+        if self._shared_bound is None:
+            specs = self.engine.weight_spec().values()
+            self._shared_bound = sum(8 * math.prod(s.shape) + ALIGN_BYTES for s in specs)
+        return self._shared_bound
 
     async def _on_receiver_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._receiver_thread, fn, *args)

@@ -55,7 +55,7 @@ from tauflow.trainer.checkpoint import (
 )
 from tauflow.trainer.critic import Critic, critic_source
 from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize, value_loss
-from tauflow.trainer.optim import OptimConfig, build_optimizer, clip_and_step
+from tauflow.trainer.optim import OptimConfig, OptimizerOffload, build_optimizer, clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 from tauflow.trainer.ports import TeacherPort
 
@@ -117,6 +117,10 @@ class TorchBackendConfig:
     """megatron: tensor-parallel size (1 for now)."""
     pipeline_parallel: int = 1
     """megatron: pipeline-parallel size (1 for now)."""
+    offload_optimizer: bool = False
+    """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
+    so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back
+    before each update). Needs a CUDA device; not with FSDP2."""
 
     def __post_init__(self) -> None:
         if self.padding_side not in PADDING_SIDES:
@@ -127,6 +131,8 @@ class TorchBackendConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be at least 1")
         if self.kind == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
+        if self.offload_optimizer and not self.device.startswith("cuda"):
+            raise ValueError(f"offload_optimizer needs a CUDA device (device: cuda), not device {self.device!r}")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
             raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
         # The algorithm and its options, checked when the config loads (not at the first step).
@@ -297,7 +303,9 @@ class TorchBackend:
             if config.pad_token_id is not None
             else (getattr(self.model.config, "pad_token_id", None) or 0)
         )
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        if config.offload_optimizer and group is not None and group.strategy == "fsdp":
+            raise ValueError("offload_optimizer is not supported with FSDP2 (strategy fsdp); use ddp or one rank")
+        self._build_optimizer()
         # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
         fp16 = config.autocast_dtype == "float16"
         self._scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
@@ -383,14 +391,24 @@ class TorchBackend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=getattr(torch, self.config.autocast_dtype))
 
+    def _build_optimizer(self) -> None:
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        self._offload = OptimizerOffload(self.optimizer) if self.config.offload_optimizer else None
+
     @property
     def lr(self) -> float:
         """The learning rate the next optimizer step will use."""
         return float(self.optimizer.param_groups[0]["lr"])
 
     def _update(self) -> dict[str, float]:
-        """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step)."""
-        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+        """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step); with offload_optimizer,
+        its state is on the GPU for the update only."""
+        if self._offload is None:
+            return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+        self._offload.to_device()
+        out = clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+        self._offload.to_host()
+        return out
 
     def _backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, of the loss times fp16's loss scale when there is one."""
@@ -1077,7 +1095,7 @@ class TorchBackend:
         path = resolve_checkpoint(path)
         self._weights_source = path
         self.model = self._forward_model = self._load_policy(path)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.config.optim)
+        self._build_optimizer()
         if self.critic is not None or self.algorithm.config.uses_critic:
             self.critic = None
             self._ensure_critic(path)

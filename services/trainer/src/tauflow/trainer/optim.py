@@ -98,3 +98,51 @@ def clip_and_step(
         scaler.update()
         out["loss_scale"] = float(scaler.get_scale())
     return out
+
+
+class OptimizerOffload:
+    """The optimizer's state in host memory between updates: colocated mode (docs/gpu.md), where the engine
+    generates on the same GPU while the trainer waits for its batch. AdamW keeps two float32 moments per
+    parameter, twice the float32 weights: the largest part of a trainer's memory that the engine can use.
+
+    ``to_host`` after an update copies every state tensor that lives on a GPU into a pinned host buffer of its
+    own (kept, so later updates allocate nothing) and frees the GPU copy; ``to_device`` before the next update
+    copies them back to their parameter's device. A state saved in a checkpoint meanwhile is the host copy (the
+    same values); a state loaded from one lands on the parameters' devices, which ``to_host`` handles alike."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # (id of the parameter, state key) -> buffer
+        self.offloaded_bytes = 0
+
+    def to_host(self) -> int:
+        """Moves the GPU-resident state to host memory; the bytes moved."""
+        moved = 0
+        for param, state in self.optimizer.state.items():
+            if param.device.type == "cpu":
+                continue
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or value.device != param.device:
+                    continue  # (e.g. AdamW's step count, a host scalar)
+                host = self._pinned.get((id(param), key))
+                if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    self._pinned[(id(param), key)] = host
+                host.copy_(value, non_blocking=True)
+                state[key] = host
+                moved += value.numel() * value.element_size()
+        if moved:
+            torch.cuda.synchronize()  # the host copies are complete before the GPU blocks are handed back
+            torch.cuda.empty_cache()  # ... to the driver, where the engine's process can have them
+        self.offloaded_bytes = moved
+        return moved
+
+    def to_device(self) -> None:
+        """Moves the offloaded state back to each parameter's device, before an update."""
+        for param, state in self.optimizer.state.items():
+            if param.device.type == "cpu":
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and self._pinned.get((id(param), key)) is value:
+                    state[key] = value.to(param.device, non_blocking=True)
+        self.offloaded_bytes = 0

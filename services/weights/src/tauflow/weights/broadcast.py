@@ -34,6 +34,7 @@ from tauflow.weights.config import DeadlinesConfig, WeightsConfig
 from tauflow.weights.events import Events, log
 from tauflow.weights.membership import Member, Membership, MemberState
 from tauflow.weights.metrics import WeightsMetrics
+from tauflow.weights.ports import MemberCallFailed
 from tauflow.weights.retention import Retention, Version
 from tauflow.weightsync import (
     GroupSpec,
@@ -79,6 +80,10 @@ class Progress:
     buckets_sent: int = 0
     bytes_sent: int = 0
     phase_deadline: float | None = None
+
+
+def _overwritten(err: BaseException) -> bool:
+    return isinstance(err, MemberCallFailed) and err.code == "DATA_LOSS"
 
 
 class Broadcast:
@@ -347,7 +352,16 @@ class Broadcast:
         results = await asyncio.gather(
             *(m.client.update_from_shared(request, timeout) for m in members), return_exceptions=True
         )
-        if any(isinstance(r, BaseException) for r in results):
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures and self.retention.latest is not version and all(_overwritten(r) for r in failures):
+            # The trainer staged a newer version into this buffer before every member read it: nobody's
+            # fault; the loop goes on with the newest.
+            log.info(
+                "shared buffer overwritten by a newer version before every member read it; sending the newest",
+                extra={"policy_version": manifest.policy_version},
+            )
+            return False
+        if failures:
             self._drop_culprits(
                 Phase.TRANSFER,
                 members,

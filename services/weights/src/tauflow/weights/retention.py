@@ -35,6 +35,7 @@ from tauflow.weightsync import (
     staging_path,
     validate,
 )
+from tauflow.weightsync.ipc import CHECKSUM as IPC_CHECKSUM
 from tauflow.weightsync.ipc import MAX_URI_CHARS
 from tauflow.weightsync.ipc import SCHEME as IPC_SCHEME
 
@@ -141,6 +142,11 @@ class Retention:
             validate(manifest)
             if shared:
                 check_shared_uri(staging_uri)
+                if manifest.checksum_algorithm != IPC_CHECKSUM:
+                    raise StagingError(
+                        f"manifest.checksum_algorithm: the ipc backend's members check {IPC_CHECKSUM!r}, "
+                        f"not {manifest.checksum_algorithm!r}"
+                    )
             else:
                 staging_path(staging_uri)
         except (ManifestError, StagingError) as e:

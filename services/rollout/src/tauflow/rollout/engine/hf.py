@@ -276,7 +276,11 @@ class HFEngine(GenerationEngine):
     from exactly the new weights (False keeps the cache computed with the old weights: faster, and the
     behaviour log-probs are then those of a mixture); ``seed`` seeds the draw of seeds for requests without one;
     ``eos_token_ids`` replaces the ids that end a completion (default: the checkpoint's generation config), and
-    ``extra_eos_token_ids`` adds to them (the rollout adds its tokenizer's EOS: an instruct model's end of turn).
+    ``extra_eos_token_ids`` adds to them (the rollout adds its tokenizer's EOS: an instruct model's end of turn);
+    ``release_memory_when_idle`` (colocated mode, docs/gpu.md) hands the GPU memory the engine's caching
+    allocator holds but no longer uses (the KV cache of the batch just finished, the staged copy of a swapped-in
+    version) back to the driver whenever the engine runs out of work, so that a trainer on the same GPU can
+    have it while it steps.
     """
 
     backend: ClassVar[str] = "hf"
@@ -297,6 +301,7 @@ class HFEngine(GenerationEngine):
         extra_eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        release_memory_when_idle: bool = False,
     ) -> None:
         super().__init__(engine_id, policy_version)
         config = model.config
@@ -312,6 +317,8 @@ class HFEngine(GenerationEngine):
         for p in model.parameters():
             p.requires_grad_(False)
         self._device = next(model.parameters()).device
+        self._release_when_idle = release_memory_when_idle and self._device.type == "cuda"
+        self.memory_releases = 0  # times the idle engine handed its cached GPU memory back
         self.model_name = model_name or str(getattr(config, "_name_or_path", "") or type(model).__name__)
         self._tokenizer = tokenizer
         # token ids -> text, for stop strings (the rollout service passes its tokenizer's decode)
@@ -591,6 +598,11 @@ class HFEngine(GenerationEngine):
             while True:
                 with self._cv:
                     was_idle = self._batch is None and not self._staged
+                    release = was_idle and self._release_when_idle and not self._has_work()
+                if release:  # out of work: what the last batch and swap used goes back to the driver
+                    torch.cuda.empty_cache()
+                    self.memory_releases += 1
+                with self._cv:
                     self._cv.wait_for(self._has_work)
                     if self._closing and not (self._drain and (self._waiting or self._batch is not None)):
                         break
