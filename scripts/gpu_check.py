@@ -85,7 +85,7 @@ def gpu_tests(out: Path, timeout_s: float) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
-    p.add_argument("--budget-s", type=float, default=450.0, help="the whole check's time (tests 35 %, GRPO the rest)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="the whole check's time (tests 35 %%, GRPO the rest)")
     p.add_argument("--bench-args", default="--colocated-services", help="extra arguments of bench/gpu_grpo.py")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -176,6 +176,14 @@ def test_a_forged_uri_can_neither_reach_past_torch_nor_call_what_torch_does_not(
         with pytest.raises(StagingError, match="may only rebuild|may not call"):
             open_shared(uri)
         assert not pwned.exists(), what
+    # the name of a real shared buffer with a larger size: torch would grow the file to it
+    buffer = torch.zeros(1000, dtype=torch.uint8)
+    raw = base64.b64decode(share(buffer)[len("ipc://") :])
+    grown = raw.replace(b"M\xe8\x03", b"J" + (1 << 24).to_bytes(4, "little"))  # (the size, 1000, as BININT2)
+    assert grown != raw
+    with pytest.raises(StagingError, match="may not call"):
+        open_shared("ipc://" + base64.b64encode(grown).decode())
+    assert open_shared("ipc://" + base64.b64encode(raw).decode()).numel() == 1000  # the file as it was
     # what torch writes for a CUDA tensor is let through to torch's own rebuild (which needs CUDA here)
     cuda_args = (torch.Tensor, torch.Size([64]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"h" * 64,
                  64, 0, False, b"/torch_1_2_3", 0, b"e" * 64, True)  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
 import re
 import time
@@ -75,6 +76,15 @@ _MANAGER = re.compile(rb"/[^\x00]{0,4000}/torch-shm-dir-[A-Za-z0-9_]{1,64}/manag
 _SHM_NAME = re.compile(rb"/torch_[0-9]{1,12}_[0-9]{1,12}_[0-9]{1,12}")
 
 
+def _shm_file_bytes(name: bytes) -> int:
+    """The size of the shared-memory file ``name`` (torch opens an existing one at the size it is told, growing
+    it: a forged size must not reach it); -1 when there is none."""
+    try:
+        return os.stat(b"/dev/shm" + name).st_size
+    except OSError:
+        return -1
+
+
 def _is(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
@@ -99,7 +109,7 @@ def _shared_callables() -> dict[Any, Callable[[tuple[Any, ...]], bool]]:
             and _is(a[2], bytes)
             and _SHM_NAME.fullmatch(a[2]) is not None
             and type(a[3]) is int
-            and 0 <= a[3] <= _MAX_SHARED_BYTES
+            and 0 <= a[3] <= _shm_file_bytes(a[2])
         )
 
     def typed(a: tuple[Any, ...]) -> bool:  # (untyped storage, dtype)
