@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tauflow.weightsync.checksum import new_hasher, tensor_sum64x2
+from tauflow.weightsync.checksum import _device_word_sums, new_hasher, tensor_sum64x2
 from tauflow.weightsync.errors import ChecksumMismatch, StagingError
 from tauflow.weightsync.ipc import DeviceStager, SharedReader, open_shared, read_shared, share, shared_request
 from tauflow.weightsync.manifest import validate
@@ -46,8 +46,27 @@ def test_sum64x2_is_its_definition_streamed_in_any_pieces_or_on_a_tensor(size: i
     hasher = new_hasher("sum64x2")
     for i in range(0, size, 5):  # pieces that split words
         hasher.update(data[i : i + 5])
-    as_tensor = tensor_sum64x2(torch.tensor(list(data), dtype=torch.uint8), chunk_words=3)
-    assert hasher.hexdigest() == as_tensor == reference_sum64x2(data)
+    as_tensor = tensor_sum64x2(torch.tensor(list(data), dtype=torch.uint8))
+    # the GPU's way (torch int64 ops, in chunks), run here on the CPU
+    words = torch.tensor(list(data + bytes(-size % 8)), dtype=torch.uint8).view(torch.int64)
+    on_device = "{:016x}{:016x}".format(*_device_word_sums(words, chunk_words=3))
+    assert hasher.hexdigest() == as_tensor == on_device == reference_sum64x2(data)
+
+
+def test_sum64x2_over_several_chunks_is_its_definition() -> None:
+    # more than one of the 2^20-word chunks the CPU path sums at a time, streamed in pieces that split them
+    words = np.random.default_rng(1).integers(0, 2**63, (1 << 20) + 777, dtype=np.uint64)
+    index = np.arange(1, len(words) + 1, dtype=np.uint64)
+    data = words.tobytes() + b"\x05"  # and a last, partial word
+    last = 5
+    mask = (1 << 64) - 1
+    s1 = (int(words.sum(dtype=np.uint64)) + last) & mask
+    s2 = (int((words * index).sum(dtype=np.uint64)) + (len(words) + 1) * last) & mask
+    expected = f"{s1:016x}{s2:016x}"
+    hasher = new_hasher("sum64x2")
+    for i in range(0, len(data), 3_000_001):
+        hasher.update(data[i : i + 3_000_001])
+    assert hasher.hexdigest() == tensor_sum64x2(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == expected
 
 
 def test_swapping_two_words_changes_the_checksum() -> None:

@@ -41,6 +41,23 @@ class _Crc32:
 
 
 _MASK = (1 << 64) - 1
+_CHUNK_WORDS = 1 << 20
+_steps: np.ndarray | None = None  # 1, 2, ..., _CHUNK_WORDS (8 MiB, made once)
+
+
+def _word_sums(words: np.ndarray, first: int) -> tuple[int, int]:
+    """(Σ w, Σ i·w) mod 2^64 of ``words`` numbered from ``first``: a chunk's Σ (base + j)·w_j is base·Σ w_j plus
+    a dot product with 1..n, whose uint64 arithmetic wraps mod 2^64 (10x faster than forming i·w)."""
+    global _steps
+    if _steps is None:
+        _steps = np.arange(1, _CHUNK_WORDS + 1, dtype=np.uint64)
+    s1 = s2 = 0
+    for start in range(0, len(words), _CHUNK_WORDS):
+        chunk = words[start : start + _CHUNK_WORDS]
+        total = int(chunk.sum(dtype=np.uint64))
+        s1 += total
+        s2 += (first + start - 1) * total + int(np.dot(chunk, _steps[: len(chunk)]))
+    return s1 & _MASK, s2 & _MASK
 
 
 class Sum64x2:
@@ -59,9 +76,8 @@ class Sum64x2:
             self._add(np.frombuffer(data[:whole], dtype="<u8"))
 
     def _add(self, words: np.ndarray) -> None:
-        index = np.arange(self.words + 1, self.words + 1 + len(words), dtype=np.uint64)
-        self.s1 = (self.s1 + int(words.sum(dtype=np.uint64))) & _MASK
-        self.s2 = (self.s2 + int((words * index).sum(dtype=np.uint64))) & _MASK
+        s1, s2 = _word_sums(words, self.words + 1)
+        self.s1, self.s2 = (self.s1 + s1) & _MASK, (self.s2 + s2) & _MASK
         self.words += len(words)
 
     def hexdigest(self) -> str:
@@ -74,21 +90,29 @@ class Sum64x2:
 
 def tensor_sum64x2(data: torch.Tensor, chunk_words: int = 1 << 24) -> str:
     """``sum64x2`` of a uint8 tensor's bytes, computed on its own device (a GPU's bytes never leave it):
-    int64 arithmetic, whose two's-complement wrap is the mod 2^64 of the definition."""
+    int64 arithmetic, whose two's-complement wrap is the mod 2^64 of the definition; on a CPU, numpy's."""
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise ValueError("tensor_sum64x2 takes a flat uint8 tensor")
     pad = (-data.numel()) % 8
     if pad:
         data = torch.cat([data, data.new_zeros(pad)])
-    words = data.view(torch.int64)  # little-endian on every device torch runs on
-    s1 = torch.zeros((), dtype=torch.int64, device=data.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=data.device)
+    if data.device.type == "cpu":  # (numpy's dot is an order of magnitude faster than torch's int64 ops here)
+        s1, s2 = _word_sums(data.contiguous().numpy().view("<u8"), 1)
+    else:
+        s1, s2 = _device_word_sums(data.view(torch.int64), chunk_words)  # little-endian wherever torch runs
+    return f"{s1:016x}{s2:016x}"
+
+
+def _device_word_sums(words: torch.Tensor, chunk_words: int) -> tuple[int, int]:
+    """``_word_sums`` on the words' own device, in torch (one scalar comes back per sum)."""
+    s1 = torch.zeros((), dtype=torch.int64, device=words.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), chunk_words):
         chunk = words[start : start + chunk_words]
-        index = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=data.device)
+        index = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=words.device)
         s1 += chunk.sum()
         s2 += (chunk * index).sum()
-    return f"{int(s1) & _MASK:016x}{int(s2) & _MASK:016x}"
+    return int(s1) & _MASK, int(s2) & _MASK
 
 
 _FACTORIES: dict[str, Callable[[], Hasher]] = {
