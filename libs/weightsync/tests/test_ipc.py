@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import multiprocessing
 import pickle
 from pathlib import Path
@@ -112,10 +113,9 @@ def test_views_alias_the_buffer_and_two_buffers_alternate() -> None:
 
 
 def test_a_uri_opens_any_number_of_times_and_its_file_goes_with_the_stagers_buffer() -> None:
-    # torch's pickle of a shared-memory tensor is good for one unpickling: a third open used to find the file
-    # gone (the colocated run stalled at its fifth version, the third of one buffer).
+    # torch counts a shared-memory file's references in the file, and its pickle of a tensor was good for one
+    # unpickling: a third open used to find the file gone (the colocated run stalled at its fifth version).
     import gc
-    import os
     import subprocess
     import sys
 
@@ -128,13 +128,11 @@ def test_a_uri_opens_any_number_of_times_and_its_file_goes_with_the_stagers_buff
     for _ in range(3):
         assert open_shared(uri).numel() == 1000  # in this process too
 
-    def files() -> list[str]:
-        return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
-
-    assert len(files()) == 1
+    path = Path("/dev/shm" + _fields_of(uri)["name"])
+    assert path.exists()
     del buffer
     gc.collect()
-    assert files() == []  # nothing left behind in /dev/shm
+    assert not path.exists()  # nothing left behind in /dev/shm
 
 
 def test_a_torn_buffer_is_refused() -> None:
@@ -177,46 +175,61 @@ def _name(text: str) -> bytes:
     return b"\x8c" + bytes([len(text)]) + text.encode()
 
 
-class _Allocate:
-    def __reduce__(self) -> tuple[object, tuple[int]]:
-        return (torch.storage.UntypedStorage, (1 << 30,))
+def _uri(fields: dict[str, Any]) -> str:
+    return "ipc://" + base64.b64encode(json.dumps(fields).encode()).decode()
 
 
-def test_a_forged_uri_can_neither_reach_past_torch_nor_call_what_torch_does_not(tmp_path: Path) -> None:
+def _fields_of(uri: str) -> dict[str, Any]:
+    return json.loads(base64.b64decode(uri[len("ipc://") :]))
+
+
+def test_a_uri_is_plain_data_a_pickle_is_refused_unread(tmp_path: Path) -> None:
     pwned = tmp_path / "pwned"
-    forged = {
-        # a dotted name under torch reaches any module torch imports (os, sys, ...)
-        "dotted": _raw_pickle(_name("torch"), _name("os.system"), b"\x93", _name(f"touch {pwned}"), b"\x85R"),
-        "load": _raw_pickle(_name("torch"), _name("load"), b"\x93", _name(str(pwned)), b"\x85R"),
-        # an allowed class, called: a 1 GiB allocation of the sender's choosing
-        "allocate": "ipc://" + base64.b64encode(pickle.dumps(_Allocate(), protocol=4)).decode(),
-    }
-    for what, uri in forged.items():
-        with pytest.raises(StagingError, match="may only rebuild|may not call"):
+    for uri in (
+        _raw_pickle(_name("torch"), _name("os.system"), b"\x93", _name(f"touch {pwned}"), b"\x85R"),
+        "ipc://" + base64.b64encode(pickle.dumps(torch.zeros(4, dtype=torch.uint8))).decode(),
+    ):
+        with pytest.raises(StagingError, match="base64 of a JSON object"):
             open_shared(uri)
-        assert not pwned.exists(), what
-    # the name of a real shared buffer with a larger size: torch would grow the file to it
+    assert not pwned.exists()
+
+
+def test_a_forged_uri_is_refused_by_field_and_leaves_the_shared_file_as_it_was() -> None:
     buffer = torch.zeros(1000, dtype=torch.uint8)
-    raw = base64.b64decode(share(buffer)[len("ipc://") :])
-    grown = raw.replace(b"M\xe8\x03", b"J" + (1 << 24).to_bytes(4, "little"))  # (the size, 1000, as BININT2)
-    assert grown != raw
-    with pytest.raises(StagingError, match="may not call"):
-        open_shared("ipc://" + base64.b64encode(grown).decode())
-    assert open_shared("ipc://" + base64.b64encode(raw).decode()).numel() == 1000  # the file as it was
-    # what torch writes for a CUDA tensor is let through to torch's own rebuild (which needs CUDA here)
-    cuda_args = (torch.Tensor, torch.Size([64]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 0, b"h" * 64,
-                 64, 0, False, b"/torch_1_2_3", 0, b"e" * 64, True)  # fmt: skip
-
-    class _CudaShaped:
-        def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            return (rebuild_cuda_tensor, cuda_args)
-
-    uri = "ipc://" + base64.b64encode(pickle.dumps(_CudaShaped(), protocol=4)).decode()
-    with pytest.raises(StagingError) as refused:
-        open_shared(uri)
-    assert "may only rebuild" not in str(refused.value) and "may not call" not in str(refused.value)
+    uri = share(buffer)
+    real = _fields_of(uri)
+    path = Path("/dev/shm" + real["name"])
+    on_disk = path.stat().st_size
+    forged = {
+        "no shared-memory file": {**real, "size": 1001},  # torch would grow the file to a larger size
+        "manager and name": {**real, "manager": "/run/docker.sock"},
+        "size must be": {**real, "size": 0},
+        "kind cpu": {**real, "extra": 1},
+        "size must be a int": {**real, "size": "1000"},
+        "ref_name and ref_offset": {
+            "kind": "cuda", "device": 0, "handle": base64.b64encode(bytes(65)).decode(), "size": 64, "offset": 0,
+            "ref_name": real["name"], "ref_offset": 10000, "event": "", "sync": True,
+        },
+        "handle must be 1 to 1024 bytes": {
+            "kind": "cuda", "device": 0, "handle": base64.b64encode(bytes(2000)).decode(), "size": 64, "offset": 0,
+            "ref_name": real["name"], "ref_offset": 0, "event": "", "sync": True,
+        },
+        "event must be 64 bytes": {
+            "kind": "cuda", "device": 0, "handle": base64.b64encode(bytes(65)).decode(), "size": 64, "offset": 0,
+            "ref_name": real["name"], "ref_offset": 0, "event": base64.b64encode(bytes(8)).decode(), "sync": True,
+        },
+    }  # fmt: skip
+    for field, fields in forged.items():
+        for _ in range(3):  # refused before torch's opener runs: no reference count of the file is touched
+            with pytest.raises(StagingError, match=field):
+                open_shared(_uri(fields))
+    assert path.stat().st_size == on_disk
+    buffer[7] = 9
+    assert int(open_shared(uri)[7]) == 9  # the trainer's buffer, unharmed
+    # a CUDA URI of the right shape reaches torch's opener (which needs CUDA here)
+    cuda = {**forged["ref_name and ref_offset"], "ref_offset": 5}
+    with pytest.raises(StagingError, match="cannot open the shared buffer"):
+        open_shared(_uri(cuda))
 
 
 def test_a_buffer_too_small_for_the_manifest_is_refused() -> None:

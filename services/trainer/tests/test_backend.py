@@ -230,7 +230,7 @@ def test_offload_optimizer_needs_a_cuda_device(tiny_model_dir: Path) -> None:
 
 @pytest.mark.gpu
 def test_cuda_offloaded_optimizer_state_leaves_the_gpu_between_updates_and_trains_alike(
-    tiny_model_dir: Path, make_groups: MakeGroups
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     opts = {"device": "cuda", "optim": OptimConfig(lr=1e-2)}
     plain, offloaded = (
@@ -252,6 +252,12 @@ def test_cuda_offloaded_optimizer_state_leaves_the_gpu_between_updates_and_train
     offloaded._offload.to_host()
     for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # the same three updates
+    # a resumed backend keeps the state off the GPU too, from the start
+    resumed = TorchBackend(
+        config(tiny_model_dir, offload_optimizer=True, **opts), checkpoint=offloaded.save_checkpoint(tmp_path).path
+    )
+    assert all(v.device.type == "cpu" for state in resumed.optimizer.state.values() for v in state.values())
+    resumed.train_step(make_groups(3, 2))
 
 
 # ------------------------------------------------------------------------------- PPO updates in a step

@@ -177,9 +177,13 @@ async def test_an_ipc_sidecar_has_each_member_load_the_trainers_buffer_and_copie
     assert "DATA_LOSS" in str(sidecar.membership.members["b"].last_error)
 
 
-async def test_an_ipc_member_that_finds_the_buffer_overwritten_by_a_newer_version_is_not_dropped() -> None:
+@pytest.mark.parametrize("published_meanwhile", [[2, 3], [2]])
+async def test_an_ipc_member_that_finds_the_buffer_overwritten_by_a_newer_version_is_not_dropped(
+    published_meanwhile: list[int],
+) -> None:
     """At τ >= 1 the trainer may stage a version into the buffer a member is still reading (its stager alternates
-    two): that member's DATA_LOSS is nobody's fault while a newer version waits, and the loop sends that one."""
+    two: version 3 goes where 1 was): that member's DATA_LOSS is nobody's fault, and the loop sends the newest.
+    With only version 2 published meanwhile (the other buffer) the DATA_LOSS is a real fault: dropped."""
     import torch
 
     from tauflow.weights.errors import InvalidRequest
@@ -193,8 +197,9 @@ async def test_an_ipc_member_that_finds_the_buffer_overwritten_by_a_newer_versio
     class Overtaken(SharedMember):
         async def update_from_shared(self, request: Any, timeout_s: float) -> None:
             self.requests.append(request)
-            if request.policy_version == 1:  # the trainer publishes 2 while this member reads 1
-                await sidecar.retention.publish(*stager.stage(weights, 2))
+            if request.policy_version == 1:  # the trainer publishes while this member reads version 1
+                for version in published_meanwhile:
+                    await sidecar.retention.publish(*stager.stage(weights, version))
                 raise MemberCallFailed("UpdateWeightsFromTensor", "127.0.0.1:1", "DATA_LOSS", "overwritten")
 
     member = Overtaken()
@@ -205,15 +210,18 @@ async def test_an_ipc_member_that_finds_the_buffer_overwritten_by_a_newer_versio
     await sidecar.retention.publish(manifest, uri)
     sidecar.membership.join("a", "127.0.0.1:1", 1, ("ipc",), None, "")
     assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is False
+    if published_meanwhile == [2]:
+        assert sidecar.membership.members["a"].state.name == "FAILED"
+        return
     assert sidecar.membership.members["a"].state.name == "ACTIVE"  # not dropped
 
     async def confirm_when_asked() -> None:
         while len(member.requests) < 2:
             await asyncio.sleep(0.01)
         latest = sidecar.retention.latest
-        sidecar.membership.confirm("a", 2, latest.manifest.checksum, latest.manifest.checksum)
+        sidecar.membership.confirm("a", 3, latest.manifest.checksum, latest.manifest.checksum)
 
     confirming = asyncio.create_task(confirm_when_asked())
     assert await asyncio.wait_for(sidecar.broadcast._broadcast_latest(), 10) is True  # the newest, at once
     await confirming
-    assert [r.policy_version for r in member.requests] == [1, 2] and sidecar.broadcast.confirmed_version == 2
+    assert [r.policy_version for r in member.requests] == [1, 3] and sidecar.broadcast.confirmed_version == 3

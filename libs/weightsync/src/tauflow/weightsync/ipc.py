@@ -10,21 +10,21 @@ and gives each tensor as a view, which the engine copies into its own weights (d
 The stager alternates two buffers: the engine reads version N from one while N+1 is written to the other;
 version N+2 overwrites N's, and a reader still copying N then sees a checksum mismatch, never a silent mix.
 
-An ``ipc://`` URI is a pickle of torch's own sharing reductions; ``read_shared`` unpickles it with an
-allow-list of torch's rebuild functions only, so a forged URI cannot run code.
+An ``ipc://`` URI is plain data (JSON: the shared-memory file, or the CUDA IPC handles, as torch's own sharing
+names them), never a pickle: a forged one can only name memory, and its fields are checked before torch's own
+opener runs.
 """
 
 from __future__ import annotations
 
 import base64
-import io
+import json
 import os
-import pickle
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -49,167 +49,145 @@ CHECKSUM = "sum64x2"
 MAX_URI_CHARS = 16384  # a CUDA IPC handle pickles to a few hundred bytes
 
 
+_MAX_SHARED_BYTES = 1 << 42  # 4 TiB: more than any buffer a trainer stages
+_SHM_HEADER_BYTES = 64  # torch's shared-memory file: its reference count, then the data
+_CUDA_REF_COUNTERS = 10000  # the counters in one of torch's CUDA IPC reference-counter files
+_MANAGER = re.compile(r"/[^\x00]{0,4000}/torch-shm-dir-[A-Za-z0-9_]{1,64}/manager\.sock")
+_SHM_NAME = re.compile(r"/torch_[0-9]{1,12}_[0-9]{1,12}_[0-9]{1,12}")
+_CPU_FIELDS: dict[str, type] = {"kind": str, "manager": str, "name": str, "size": int}
+_CUDA_FIELDS: dict[str, type] = {
+    "kind": str,
+    "device": int,
+    "handle": str,
+    "size": int,
+    "offset": int,
+    "ref_name": str,
+    "ref_offset": int,
+    "event": str,
+    "sync": bool,
+}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
 def share(buffer: torch.Tensor) -> str:
-    """An ``ipc://`` URI another process on this machine opens as the same memory (``open_shared``). The caller
-    keeps ``buffer`` alive while others may open it."""
-    from multiprocessing.reduction import ForkingPickler
+    """An ``ipc://`` URI another process on this machine opens as the same memory (``open_shared``): the base64
+    of a JSON object naming a flat uint8 buffer the way torch's own sharing does (``kind`` cpu: the shared-memory
+    file and its manager's socket; ``kind`` cuda: the CUDA IPC handles). Plain data, no pickle: a forged URI can
+    only name memory. The caller keeps ``buffer`` alive while others may open it."""
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
 
-    import torch.multiprocessing as mp
-
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.storage_offset() != 0:
+        raise StagingError("share takes a flat uint8 tensor that starts its storage")
+    storage = buffer.untyped_storage()
+    fields: dict[str, Any]
     if buffer.device.type == "cpu":
+        import torch.multiprocessing as mp
+
         # shared memory by file name: a process that is not our child can open it (a file descriptor would
-        # need our resource sharer's key)
+        # need our resource sharer's key); torch counts the file's references in the file
         mp.set_sharing_strategy("file_system")
         buffer.share_memory_()
-    out = io.BytesIO()
-    ForkingPickler(out).dump(buffer)
-    if buffer.device.type == "cpu":
-        # torch counts the references to a shared-memory file in the file, and its pickle takes one that the
-        # one process that unpickles it gives back: a URI opened N times would drop N. Giving it back here (and
-        # taking one in open_shared) makes every open neutral; the file goes with the last reference.
-        buffer.untyped_storage()._shared_decref()
-    return SCHEME + base64.b64encode(out.getvalue()).decode("ascii")
+        manager, name, size = storage._share_filename_cpu_()
+        shared_cache[name] = StorageWeakRef(storage)  # (an open in this process finds it, as torch's does)
+        fields = {"kind": "cpu", "manager": manager.decode(), "name": name.decode(), "size": int(size)}
+    else:
+        device, handle, size, offset, ref_name, ref_offset, event, sync = storage._share_cuda_()
+        shared_cache[handle] = StorageWeakRef(storage)
+        fields = {
+            "kind": "cuda",
+            "device": int(device),
+            "handle": _b64(handle),
+            "size": int(size),
+            "offset": int(offset),
+            "ref_name": ref_name.decode(),
+            "ref_offset": int(ref_offset),
+            "event": _b64(event) if event else "",
+            "sync": bool(sync),
+        }
+    return SCHEME + _b64(json.dumps(fields).encode())
 
 
-_MAX_SHARED_BYTES = 1 << 42  # 4 TiB: more than any buffer a trainer stages
-_MANAGER = re.compile(rb"/[^\x00]{0,4000}/torch-shm-dir-[A-Za-z0-9_]{1,64}/manager\.sock")
-_SHM_NAME = re.compile(rb"/torch_[0-9]{1,12}_[0-9]{1,12}_[0-9]{1,12}")
-
-
-def _shm_file_bytes(name: bytes) -> int:
-    """The size of the shared-memory file ``name`` (torch opens an existing one at the size it is told, growing
-    it: a forged size must not reach it); -1 when there is none."""
+def _shm_file_bytes(name: str) -> int:
+    """The size of the shared-memory file ``name``; -1 when there is none."""
     try:
-        return os.stat(b"/dev/shm" + name).st_size
+        return os.stat("/dev/shm" + name).st_size
     except OSError:
         return -1
 
 
-def _is(value: Any, kind: type) -> bool:
-    return isinstance(value, kind)
+def _fields(uri: str) -> dict[str, Any]:
+    """The JSON object of an ``ipc://`` URI, checked field by field (StagingError names the first wrong one)."""
+    if not uri.startswith(SCHEME) or len(uri) > MAX_URI_CHARS:
+        raise StagingError(f"not an {SCHEME} URI of at most {MAX_URI_CHARS} characters")
+    try:
+        fields = json.loads(base64.b64decode(uri[len(SCHEME) :], validate=True))
+    except (ValueError, UnicodeDecodeError):
+        raise StagingError(f"an {SCHEME} URI is the base64 of a JSON object (share)") from None
+    schema = _CPU_FIELDS if isinstance(fields, dict) and fields.get("kind") == "cpu" else _CUDA_FIELDS
+    if not isinstance(fields, dict) or fields.get("kind") not in ("cpu", "cuda") or set(fields) != set(schema):
+        raise StagingError(f"an {SCHEME} URI names kind cpu ({sorted(_CPU_FIELDS)}) or cuda ({sorted(_CUDA_FIELDS)})")
+    for key, kind in schema.items():
+        value = fields[key]
+        if type(value) is not kind or (isinstance(value, str) and len(value) > 4096):
+            raise StagingError(f"{key} must be a {kind.__name__}")
+    if not 0 < fields["size"] <= _MAX_SHARED_BYTES:
+        raise StagingError(f"size must be in 1..{_MAX_SHARED_BYTES}")
+    return fields
 
 
-def _sizes(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) <= 8 and all(type(d) is int and 0 <= d < 2**40 for d in value)
-
-
-def _shared_callables() -> dict[Any, Callable[[tuple[Any, ...]], bool]]:
-    """What an ``ipc://`` URI may call, each with the check of its arguments: exactly the calls torch's sharing
-    reduction of one uint8 tensor makes (a shared-memory file on a CPU, a CUDA IPC handle on a GPU)."""
-    from torch.multiprocessing import reductions
-
-    untyped = torch.storage.UntypedStorage
-
-    def filename(a: tuple[Any, ...]) -> bool:  # (cls, manager socket, shm name, size in bytes)
-        return (
-            len(a) == 4
-            and a[0] is untyped
-            and _is(a[1], bytes)
-            and _MANAGER.fullmatch(a[1]) is not None
-            and _is(a[2], bytes)
-            and _SHM_NAME.fullmatch(a[2]) is not None
-            and type(a[3]) is int
-            and 0 <= a[3] <= _shm_file_bytes(a[2])
-        )
-
-    def typed(a: tuple[Any, ...]) -> bool:  # (untyped storage, dtype)
-        return len(a) == 2 and _is(a[0], untyped) and a[1] is torch.uint8
-
-    def tensor(a: tuple[Any, ...]) -> bool:  # (cls, typed storage, (offset, size, stride, requires_grad))
-        m = a[2] if len(a) == 3 else None
-        return (
-            a[0] is torch.Tensor
-            and _is(a[1], torch.storage.TypedStorage)
-            and isinstance(m, tuple)
-            and len(m) == 4
-            and type(m[0]) is int
-            and _sizes(tuple(m[1]))
-            and _sizes(tuple(m[2]))
-            and m[3] is False
-        )
-
-    def cuda_tensor(a: tuple[Any, ...]) -> bool:  # torch's 15 arguments of a CUDA IPC handle
-        return (
-            len(a) == 15
-            and a[0] is torch.Tensor
-            and _sizes(tuple(a[1]))
-            and _sizes(tuple(a[2]))
-            and a[4] in (untyped, torch.storage.TypedStorage)
-            and a[5] is torch.uint8
-            and a[10] is False
-            and all(type(a[i]) is int for i in (3, 6, 8, 9, 12))
-            and 0 <= a[8] <= _MAX_SHARED_BYTES
-            and all(_is(a[i], bytes) and len(a[i]) <= 1024 for i in (7, 11))
-            and (a[13] is None or (_is(a[13], bytes) and len(a[13]) <= 1024))
-            and type(a[14]) is bool
-        )
-
-    return {
-        reductions.rebuild_storage_filename: filename,
-        reductions.rebuild_typed_storage: typed,
-        reductions.rebuild_tensor: tensor,
-        reductions.rebuild_cuda_tensor: cuda_tensor,
-        torch.Size: lambda a: len(a) == 1 and _sizes(a[0]),
-    }
-
-
-class _TorchOnly(pickle._Unpickler):  # the Python unpickler: its opcodes can be overridden
-    """Unpickles what torch's sharing reduction of a uint8 tensor writes, and nothing else: names are looked up
-    in an allow-list (no dotted names), and a call (REDUCE) is made only of an allowed function with arguments
-    of the shapes torch writes; every other opcode that builds or calls objects is refused."""
-
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
-    stack: list[Any]  # (the Python unpickler's, typed here)
-    _GLOBALS: ClassVar[set[tuple[str, str]]] = {
-        ("torch.multiprocessing.reductions", n)
-        for n in ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_cuda_tensor")
-    } | {("torch", "Tensor"), ("torch", "Size"), ("torch", "uint8")}
-    _GLOBALS |= {("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")}
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        self._callables = _shared_callables()
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self._GLOBALS:
-            raise pickle.UnpicklingError(f"an ipc:// URI may only rebuild a torch tensor, not {module}.{name}")
-        return super().find_class(module, name)
-
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        check = self._callables.get(func)
-        if check is None or not isinstance(args, tuple) or len(args) > 16 or not check(args):
-            raise pickle.UnpicklingError(f"an ipc:// URI may not call {getattr(func, '__name__', func)!r} so")
-        self.stack[-1] = func(*args)
-
-    def _refuse(self) -> None:
-        raise pickle.UnpicklingError("an ipc:// URI may only rebuild a torch tensor")
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    for _op in (pickle.BUILD, pickle.INST, pickle.OBJ, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.EXT1, pickle.EXT2,
-                pickle.EXT4, pickle.PERSID, pickle.BINPERSID, pickle.GLOBAL):  # fmt: skip
-        dispatch[_op[0]] = _refuse
+def _decode(value: str, what: str, length: int | None = None) -> bytes:
+    """``value``'s base64, of ``length`` bytes when given."""
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raise StagingError(f"{what} must be base64") from None
+    if length is not None and len(raw) != length:
+        raise StagingError(f"{what} must be {length} bytes")
+    return raw
 
 
 def open_shared(uri: str) -> torch.Tensor:
-    """The tensor an ``ipc://`` URI names (``share``); StagingError for anything else."""
-    if not uri.startswith(SCHEME) or len(uri) > MAX_URI_CHARS:
-        raise StagingError(f"not an {SCHEME} URI of at most {MAX_URI_CHARS} characters")
-    import torch.multiprocessing
+    """The flat uint8 tensor an ``ipc://`` URI names (``share``), mapped, not copied; StagingError for anything
+    else. Only torch's own openers run, with arguments checked first: a size beyond the shared file (torch would
+    grow it), a reference counter outside its file, and any other field out of its range are refused."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_storage_filename
 
+    f = _fields(uri)
+    size = f["size"]
+    if f["kind"] == "cpu":
+        if _MANAGER.fullmatch(f["manager"]) is None or _SHM_NAME.fullmatch(f["name"]) is None:
+            raise StagingError("manager and name must be a torch shared-memory manager's socket and file")
+        if size + _SHM_HEADER_BYTES > _shm_file_bytes(f["name"]):
+            raise StagingError(f"no shared-memory file {f['name']} holding {size} bytes")
+        try:
+            storage = rebuild_storage_filename(
+                torch.storage.UntypedStorage, f["manager"].encode(), f["name"].encode(), size
+            )
+        except Exception as e:  # noqa: BLE001 - whatever torch raises opening it, the URI named it
+            raise StagingError(f"cannot open the shared buffer: {type(e).__name__}: {e}") from None
+        # torch's opener gives back the reference its pickle would have taken (share takes none): take it
+        # again, so that every open is neutral and the file goes with the owner's last reference
+        storage._shared_incref()
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+    if not 0 <= f["device"] < 1024 or not 0 <= f["offset"] <= _MAX_SHARED_BYTES:
+        raise StagingError("device and offset must be in range")
+    if _SHM_NAME.fullmatch(f["ref_name"]) is None or not 0 <= f["ref_offset"] < _CUDA_REF_COUNTERS:
+        raise StagingError(f"ref_name and ref_offset must name one of torch's {_CUDA_REF_COUNTERS} CUDA IPC counters")
+    # torch's handle: a kind byte, then a cudaIpcMemHandle_t (64 bytes), or an expandable segment's handles
+    handle = _decode(f["handle"], "handle")
+    if not 1 <= len(handle) <= 1024:
+        raise StagingError("handle must be 1 to 1024 bytes")
+    event = _decode(f["event"], "event", 64) if f["event"] else None  # a cudaIpcEventHandle_t
     try:
-        raw = base64.b64decode(uri[len(SCHEME) :], validate=True)
-        tensor = _TorchOnly(raw).load()
-    except Exception as e:  # noqa: BLE001 - whatever a forged URI makes torch raise is the URI's fault
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size([size]), (1,), 0, torch.storage.TypedStorage, torch.uint8, f["device"], handle,
+            size, f["offset"], False, f["ref_name"].encode(), f["ref_offset"], event, f["sync"],
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001
         raise StagingError(f"cannot open the shared buffer: {type(e).__name__}: {e}") from None
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise StagingError("the shared buffer is not a flat uint8 tensor")
-    if tensor.device.type == "cpu":
-        if not tensor.is_shared():
-            raise StagingError("the shared buffer is not in shared memory")
-        tensor.untyped_storage()._shared_incref()  # what unpickling gave back (share's comment)
-    return tensor
 
 
 class DeviceStager:

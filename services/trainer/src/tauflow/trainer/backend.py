@@ -406,9 +406,10 @@ class TorchBackend:
         if self._offload is None:
             return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
         self._offload.to_device()
-        out = clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
-        self._offload.to_host()
-        return out
+        try:
+            return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+        finally:
+            self._offload.to_host()  # (after a failed update too: the engine's memory is not held hostage)
 
     def _backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, of the loss times fp16's loss scale when there is one."""
@@ -1114,6 +1115,8 @@ class TorchBackend:
             self.group.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self._offload is not None:
+            self._offload.to_host()  # (loaded onto the parameters' device: off it until the first update)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None and "critic_optimizer" in state:  # else a new critic: a fresh optimizer
             if self.group is not None:

@@ -353,9 +353,11 @@ class Broadcast:
             *(m.client.update_from_shared(request, timeout) for m in members), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
-        if failures and self.retention.latest is not version and all(_overwritten(r) for r in failures):
-            # The trainer staged a newer version into this buffer before every member read it: nobody's
-            # fault; the loop goes on with the newest.
+        latest = self.retention.latest
+        overwritten = latest is not None and latest is not version and latest.staging_uri == version.staging_uri
+        if failures and overwritten and all(_overwritten(r) for r in failures):
+            # The trainer staged a newer version into this very buffer (its stager alternates two) before every
+            # member read it: nobody's fault; the loop goes on with the newest.
             log.info(
                 "shared buffer overwritten by a newer version before every member read it; sending the newest",
                 extra={"policy_version": manifest.policy_version},
