@@ -89,6 +89,10 @@ def settings(out: Path, model: Path, dataset: Path, tokens: Path, steps: int, gr
         f"services.rollout.channel.default_timeout_s={CALL_DEADLINE_S}",
         "services.trainer.checkpoint_every_steps=3",
         "services.trainer.lease_s=4",
+        # A stopped rollout's unused tickets go back after this, so that the outside producer feeds the trainer
+        # while the rollout is stopped: a stop that caught it holding every ticket of the staleness window saw no
+        # version published, hence no broadcast to miss (the default, 600 s, outlasts the run).
+        f"services.queue.reservation_ttl_s={2 * BROADCAST_DEADLINE_S}",
         f"services.weights.deadlines.group_s={BROADCAST_DEADLINE_S}",
         f"services.weights.deadlines.confirm_s={BROADCAST_DEADLINE_S}",
         # Every record stays in the log (no compaction in a run this short anyway): the accounting reads
@@ -293,6 +297,8 @@ class ChaosRun:
             os.kill(fault.pid, signal.SIGSTOP)
             try:
                 time.sleep(STOP_S[fault.role])
+                if fault.role == "rollout":  # stopped until a broadcast missed it (a version must come meanwhile)
+                    self._wait("a broadcast to miss the stopped rollout", lambda: self._failed_broadcasts() > before[0])
             finally:
                 os.kill(fault.pid, signal.SIGCONT)
             fault.back_after_s = round(time.monotonic() - began, 1)

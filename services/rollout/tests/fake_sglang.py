@@ -59,6 +59,7 @@ class FakeSGLangServer:
         self.calls: list[tuple[str, Any]] = []
         self.loaded: list[dict[str, Any]] = []  # per update: weight_version, names, shapes, sums
         self.fail_next_update = ""
+        self.update_gate: threading.Event | None = None  # set: updates wait for it (a test holds one in flight)
         self._cv = threading.Condition()
         self._paused = ""  # "" (serving), "abort", "retract"
         self._in_session = False
@@ -165,6 +166,8 @@ class FakeSGLangServer:
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _update_from_tensor(self, body: dict[str, Any]) -> tuple[int, Any]:
+        if self.update_gate is not None:
+            self.update_gate.wait(30)
         if self.session_required and not self._in_session:
             return 400, {"success": False, "message": "must run between begin_weight_update() and end_weight_update()"}
         if self.fail_next_update:

@@ -5,6 +5,7 @@ refused weights and requests, a failed update, cancellation and shutdown."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,11 +215,15 @@ def test_a_failed_update_fails_its_version_and_generation_goes_on(
 
 def test_a_rebase_drops_what_was_staged_after_it(engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any) -> None:
     fake.token_delay_s = 0.01
+    weights = [make_model(seed=s).state_dict() for s in (1, 2, 3)]
     engine.submit([[1]], SamplingParams(max_new_tokens=30, ignore_eos=True))
     wait_for(lambda: generates(fake))
-    first = engine.stage_weights(3, make_model(seed=1).state_dict())
-    second = engine.stage_weights(4, make_model(seed=2).state_dict())
-    rebased = engine.stage_broadcast(2, make_model(seed=3).state_dict())  # at or below the newest: a re-base
+    fake.update_gate = threading.Event()  # version 3's update stays in flight until the re-base is staged
+    first = engine.stage_weights(3, weights[0])
+    wait_for(lambda: "/update_weights_from_tensor" in fake.routes())
+    second = engine.stage_weights(4, weights[1])
+    rebased = engine.stage_broadcast(2, weights[2])  # at or below the newest: a re-base
+    fake.update_gate.set()
     assert rebased.result(30) == 2 and engine.policy_version == 2
     assert second.cancelled()
     assert first.done()
