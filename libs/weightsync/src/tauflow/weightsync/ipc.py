@@ -46,7 +46,7 @@ SCHEME = "ipc://"
 MAX_DIMS = 8  # dimensions of one tensor in a shared version
 MAX_TENSORS = 1 << 17  # tensors in one shared version (a large model has thousands)
 CHECKSUM = "sum64x2"
-MAX_URI_CHARS = 16384  # a CUDA IPC handle pickles to a few hundred bytes
+MAX_URI_CHARS = 16384  # a URI's JSON names a CUDA IPC handle in a few hundred bytes
 
 
 _MAX_SHARED_BYTES = 1 << 42  # 4 TiB: more than any buffer a trainer stages

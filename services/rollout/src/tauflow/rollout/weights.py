@@ -123,18 +123,16 @@ class WeightLoader:
         span_key = _SpanKey(
             request.policy_version, request.membership_epoch, 1, request.traceparent, request.tracestate
         )
-        started = time.time_ns()  # (recorded for the span only when it ends: a refusal of another kind leaves none)
+        started = time.time_ns()
         try:
             async with self._shared_lock:
                 read = functools.partial(self.shared_reader.read, max_bytes=self._max_shared_bytes())
                 version = await self._on_receiver_thread(read, request)
                 await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
         except LOAD_ERRORS as e:
-            self._load_started[(request.policy_version, request.membership_epoch)] = started
-            self._load_span(span_key, None, e)
+            self._load_span(span_key, None, e, started_ns=started)
             raise
-        self._load_started[(request.policy_version, request.membership_epoch)] = started
-        self._confirm_in_background(version, *self._load_span(span_key, version))
+        self._confirm_in_background(version, *self._load_span(span_key, version, started_ns=started))
         return version
 
     def _max_shared_bytes(self) -> int:
@@ -155,12 +153,16 @@ class WeightLoader:
         return self._checksum_algorithms.get(key, "")
 
     def _load_span(
-        self, bucket: BucketRequest | _SpanKey, version: ReceivedVersion | None, error: BaseException | None = None
+        self,
+        bucket: BucketRequest | _SpanKey,
+        version: ReceivedVersion | None,
+        error: BaseException | None = None,
+        started_ns: int | None = None,
     ) -> tuple[str, str]:
-        """Records ``weights.load`` (first bucket received -> version swapped in, or the failure) with a
-        link to the trainer's ``weights.publish`` of the version; returns its trace context."""
+        """Records ``weights.load`` (first bucket received, or ``started_ns`` -> version swapped in, or the
+        failure) with a link to the trainer's ``weights.publish`` of the version; returns its trace context."""
         key = (bucket.policy_version, bucket.membership_epoch)
-        started = self._load_started.pop(key, None) or time.time_ns()
+        started = self._load_started.pop(key, None) or started_ns or time.time_ns()
         for older in [k for k in self._load_started if k[0] <= key[0]]:  # older or failed versions' leftovers
             del self._load_started[older]
         publish = span_context_of(bucket.traceparent, bucket.tracestate)
