@@ -13,7 +13,8 @@ disaggregated (issue #18, run by scripts/gpu-check; docs/gpu.md).
   GPU, the queue letting the rollout generate one version ahead; weights through the sidecar (gloo).
 - **colocated services, τ = 0** (``--colocated-services``, last): every role its own process on the GPU,
   taking turns: the sidecar's ``ipc`` backend (the trainer's weights read by the engine through CUDA IPC),
-  the trainer's optimizer state offloaded between updates, the idle engine's cached memory released.
+  the trainer's weights and optimizer state offloaded between its steps, the idle engine's weights offloaded
+  and its cached memory released.
 
 Reported per path: median step time, trained and generated tokens per second, weight-update time
 (colocated: the in-GPU copy; disaggregated: the trainer's publish), mean reward per step, and GPU memory
@@ -172,7 +173,8 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override, both paths")
     p.add_argument("--colocated-services", action="store_true",
                    help="a third path, last: every role its own process at τ = 0, colocated (the sidecar's ipc "
-                        "backend, the trainer's optimizer state offloaded, the idle engine's cache released)")
+                        "backend, the trainer's weights and optimizer state offloaded, the idle engine's weights "
+                        "offloaded and its cache released)")
     args = p.parse_args()
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -224,6 +226,8 @@ def main() -> int:
         shared = ["max_staleness=0", "services.weights.backend=ipc"]
         if cuda:
             shared += ["services.trainer.backend.offload_optimizer=true",
+                       "services.trainer.backend.offload_model=true",
+                       "services.rollout.engine_options.offload_weights_when_idle=true",
                        "services.rollout.engine_options.release_memory_when_idle=true"]
         config = run_config(recipe, prepared, args.out / "colocated-services", args.steps, [*extra, *shared])
         memory = GpuMemory(config.run_dir, "bench process (controller)")

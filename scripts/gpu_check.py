@@ -28,6 +28,7 @@ GPU_TESTS = [
     "services/trainer/tests/test_megatron_convert.py",
     "services/trainer/tests/test_parallel.py",
     "libs/weightsync/tests/test_ipc.py",
+    "libs/models/tests/test_offload.py",
     "tests/integration/test_colocated_weights.py",
 ]
 

@@ -46,14 +46,29 @@ def test_grpo_through_every_service_raises_heldout_accuracy_by_25_points(prepare
 
 def test_tau_zero_colocated_trains_only_on_policy_groups(prepared: Path, tmp_path: Path) -> None:
     # τ = 0 is the colocated baseline: the weights move by the ipc hand-off (the trainer's own buffer, read by
-    # the rollout server; shared memory on a CPU, CUDA IPC on a GPU), not through the sidecar's copy.
+    # the rollout server; shared memory on a CPU, CUDA IPC on a GPU), not through the sidecar's copy, and the
+    # trainer and the engine take turns in memory (each one's weights wait in host memory during the other's
+    # turn: on a CPU that saves nothing, and every version must still be served and trained exactly).
     out = tmp_path / "run"
-    summary = run(prepared, out, "steps=12", "eval.dataset=", "max_staleness=0", "services.weights.backend=ipc")
+    summary = run(
+        prepared,
+        out,
+        "steps=12",
+        "eval.dataset=",
+        "max_staleness=0",
+        "services.weights.backend=ipc",
+        "services.trainer.backend.offload_model=true",
+        "services.rollout.engine_options.offload_weights_when_idle=true",
+    )
     assert set(summary["staleness_histogram"]) == {"0"}
     assert sum(summary["staleness_histogram"].values()) == 12 * 64
+    assert summary["staleness_violations"] == 0
     sidecar_log = (out / "logs" / "weights.log").read_text()
     assert sidecar_log.count("members loaded version from the shared buffer") >= 12, sidecar_log[-2000:]
     assert "accepted version" in sidecar_log and "broadcast version" not in sidecar_log
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
+    assert "model weights offloaded to host memory" in logs["trainer.log"]
+    assert any("weights offloaded to host memory while idle" in text for name, text in logs.items() if "rollout" in name)
 
 
 def test_tau_two_bounds_staleness_and_runs_ahead(prepared: Path, tmp_path: Path) -> None:

@@ -90,3 +90,33 @@ def test_cuda_an_idle_engine_hands_its_cached_memory_back_when_colocated(model_d
         assert torch.cuda.memory_reserved() <= cached - (64 << 20)
     finally:
         engine.close()
+
+
+def test_cuda_an_idle_engine_offloads_its_weights_and_serves_the_next_version_exactly(
+    model_dir: Path, make_model: Any
+) -> None:
+    # offload_weights_when_idle (colocated mode): after serving, the idle engine's weights leave the GPU (pinned
+    # host copies); a version staged meanwhile becomes the weights without the old ones coming back.
+    import time
+
+    engine = HFEngine.from_pretrained(model_dir, device="cuda", dtype="float32", offload_weights_when_idle=True)
+    try:
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine._model.parameters())
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, seed=1)).result(60)
+        deadline = time.monotonic() + 10
+        while engine.counters["weight_offloads"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.counters["weight_offloads"] == 1
+        assert torch.cuda.memory_allocated() <= allocated - weight_bytes
+        assert all(p.device.type == "cuda" and p.numel() == 0 for p in engine._model.parameters())
+
+        v1 = make_model(seed=1)
+        assert engine.stage_weights(1, v1.state_dict()).result(30) == 1  # CPU tensors, staged on the GPU
+        c = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=8, seed=2)).result(60)[0][0]
+        assert set(c.versions) == {1}
+        expected = _full_logprobs_on(v1.to("cuda"), PROMPTS[0], c.token_ids, 1.0)
+        assert c.logprobs == pytest.approx(expected, abs=1e-4)
+    finally:
+        engine.close()

@@ -202,3 +202,51 @@ def test_tied_embeddings_answer_to_both_names(tmp_path: Path) -> None:
         assert torch.equal(engine._model.get_input_embeddings().weight, head)  # one tensor under two names
     finally:
         engine.close()
+
+
+def _wait_for_offloads(engine: HFEngine, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while engine.counters["weight_offloads"] < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.counters["weight_offloads"] == count
+
+
+def test_an_engine_offloading_its_weights_when_idle_serves_each_version_exactly(
+    model_dir: Path, reference: Any, make_model: Any, full_logprobs: Any
+) -> None:
+    """Colocated mode: the weights leave the device whenever the engine runs out of work after serving (not
+    after a weight update alone), come back for the next forward, and a version staged meanwhile becomes the
+    weights as it is. Every completion's log-probs are those of the version it names."""
+    from tauflow.rollout.engine import ScoredSequence
+
+    engine = HFEngine.from_pretrained(model_dir, seed=3, offload_weights_when_idle=True)
+    params = list(engine._model.parameters())
+    try:
+        time.sleep(0.1)
+        assert engine.counters["weight_offloads"] == 0 and all(p.numel() > 0 for p in params)  # never served yet
+        c = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=6, seed=2)).result(30)[0][0]
+        assert c.logprobs == pytest.approx(full_logprobs(reference, PROMPTS[0], c.token_ids, 1.0), abs=1e-4)
+        _wait_for_offloads(engine, 1)
+        assert all(p.numel() == 0 for p in params) and engine.memory_releases == 1
+
+        v1 = make_model(seed=1)
+        assert engine.stage_weights(1, v1.state_dict()).result(10) == 1
+        time.sleep(0.2)  # idle again, after a weight update alone: the weights stay for the requests to come
+        assert engine.counters["weight_offloads"] == 1 and all(p.numel() > 0 for p in params)
+        c = engine.submit(PROMPTS[1:2], SamplingParams(max_new_tokens=6, seed=4)).result(30)[0][0]
+        assert set(c.versions) == {1}
+        assert c.logprobs == pytest.approx(full_logprobs(v1, PROMPTS[1], c.token_ids, 1.0), abs=1e-4)
+        _wait_for_offloads(engine, 2)
+
+        # offloaded: a partial update takes its tensors as they are, the rest come back from host memory
+        head = make_model(seed=5).lm_head.weight.detach().clone()
+        assert engine.stage_weights(2, {"lm_head.weight": head}).result(10) == 2
+        expected = make_model(seed=1)
+        expected.load_state_dict({**v1.state_dict(), "lm_head.weight": head})
+        scores = engine.submit_scoring([ScoredSequence(PROMPTS[2], c.token_ids)]).result(30)
+        assert scores.policy_version == 2
+        assert scores.logprobs[0] == pytest.approx(full_logprobs(expected, PROMPTS[2], c.token_ids, 1.0), abs=1e-4)
+        _wait_for_offloads(engine, 3)  # scoring is serving too
+        assert engine.stats().counters["weight_offloads"] == 3
+    finally:
+        engine.close()

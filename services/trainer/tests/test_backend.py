@@ -228,6 +228,37 @@ def test_offload_optimizer_needs_a_cuda_device(tiny_model_dir: Path) -> None:
         config(tiny_model_dir, offload_optimizer=True)
 
 
+def test_an_offloaded_model_steps_publishes_and_checkpoints_as_a_resident_one(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # offload_model (colocated mode): between steps every model of the process (here the policy and the KL's
+    # reference) waits in host memory; each command brings them back, and the run is the same run.
+    opts = {"optim": OptimConfig(lr=1e-2), "algorithm_options": {"kl_coef": 0.1}}
+    plain = TorchBackend(config(tiny_model_dir, **opts))
+    offloaded = TorchBackend(config(tiny_model_dir, offload_model=True, **opts))
+    assert plain.release_memory() == 0  # (without offload_model: nothing moves)
+    weights = {id(p): p for m in (offloaded.model, offloaded.ref_model) for p in m.parameters()}
+    total = sum(p.numel() * p.element_size() for p in weights.values())
+    for step in range(3):
+        groups = make_groups(step, 2)
+        a, b = plain.train_step(groups), offloaded.train_step(groups)
+        assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-8) and b.metrics["kl_ref"] == pytest.approx(
+            a.metrics["kl_ref"], rel=1e-5, abs=1e-9
+        )
+        assert offloaded.release_memory() == total
+        assert all(p.numel() == 0 for p in weights.values())
+        published = offloaded.state_dict_for_publish(torch.bfloat16)  # a command: the weights come back
+        expected = plain.state_dict_for_publish(torch.bfloat16)
+        assert all(torch.equal(published[n], t) for n, t in expected.items())
+        offloaded.release_memory()
+    info = offloaded.save_checkpoint(tmp_path)  # offloaded when asked
+    resumed = TorchBackend(config(tiny_model_dir, **opts), checkpoint=info.path)
+    for n, t in plain.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[n], t, rtol=0, atol=0, msg=n)
+    with pytest.raises(ValueError, match="offload_model needs kind: torch"):
+        config(tiny_model_dir, offload_model=True, kind="megatron", device="cuda")
+
+
 @pytest.mark.gpu
 def test_cuda_offloaded_optimizer_state_leaves_the_gpu_between_updates_and_trains_alike(
     tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
@@ -258,6 +289,23 @@ def test_cuda_offloaded_optimizer_state_leaves_the_gpu_between_updates_and_train
     )
     assert all(v.device.type == "cpu" for state in resumed.optimizer.state.values() for v in state.values())
     resumed.train_step(make_groups(3, 2))
+
+
+@pytest.mark.gpu
+def test_cuda_an_offloaded_model_and_optimizer_leave_the_gpu_while_the_trainer_waits(
+    tiny_model_dir: Path, make_groups: MakeGroups
+) -> None:
+    opts = {"device": "cuda", "optim": OptimConfig(lr=1e-2), "offload_optimizer": True, "offload_model": True}
+    b = TorchBackend(config(tiny_model_dir, **opts))
+    weight_bytes = sum(p.numel() * p.element_size() for p in b.model.parameters())
+    for step in range(2):
+        assert b.train_step(make_groups(step, 2)).committed
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        assert b.release_memory() == weight_bytes
+        assert torch.cuda.memory_allocated() <= before - weight_bytes
+        assert b._model_offload is not None and all(buf.is_pinned() for buf in b._model_offload._host.values())
+    assert all(p.is_cuda for p in b.model.parameters())  # (empty: the device stays, for their return)
 
 
 # ------------------------------------------------------------------------------- PPO updates in a step

@@ -26,6 +26,10 @@ ENGINE_COUNTERS = {
         "Tokens re-prefilled after a weight swap (in-flight sequences' KV cache)",
     ),
     "scored_tokens": ("scored_tokens_total", "Completion tokens scored by ComputeLogprobs (a teacher's log-probs)"),
+    "weight_offloads": (
+        "weight_offloads_total",
+        "Times the idle engine moved its weights to host memory (colocated mode: offload_weights_when_idle)",
+    ),
 }
 
 

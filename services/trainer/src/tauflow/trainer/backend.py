@@ -31,6 +31,7 @@ from opentelemetry import trace
 
 from tauflow import media
 from tauflow.core.staleness import UNBOUNDED, too_stale
+from tauflow.models.offload import ParameterOffload
 from tauflow.models.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
 from tauflow.trainer.advantages import Advantage, Scored
 from tauflow.trainer.algorithms import Algorithm, get_algorithm
@@ -121,6 +122,12 @@ class TorchBackendConfig:
     """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
     so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back
     before each update). Needs a CUDA device; not with FSDP2."""
+    offload_model: bool = False
+    """Colocated mode (docs/gpu.md): between steps, while the trainer waits for its batch, its models' weights
+    (the policy's float32 master weights, the reference's, a teacher's and a critic's in this process) wait in
+    host memory, so the engine on the same GPU can use that memory; they come back at the trainer's next
+    command (a step, a publish, a checkpoint). One rank, kind torch. On a CPU it saves nothing (the host is
+    the device) and behaves the same."""
 
     def __post_init__(self) -> None:
         if self.padding_side not in PADDING_SIDES:
@@ -131,6 +138,8 @@ class TorchBackendConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be at least 1")
         if self.kind == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
+        if self.offload_model and self.kind != "torch":
+            raise ValueError("offload_model needs kind: torch")
         if self.offload_optimizer and not self.device.startswith("cuda"):
             raise ValueError(f"offload_optimizer needs a CUDA device (device: cuda), not device {self.device!r}")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
@@ -305,6 +314,9 @@ class TorchBackend:
         )
         if config.offload_optimizer and group is not None and group.strategy == "fsdp":
             raise ValueError("offload_optimizer is not supported with FSDP2 (strategy fsdp); use ddp or one rank")
+        if config.offload_model and group is not None:
+            raise ValueError("offload_model is for one rank (colocated mode: one GPU), not a data-parallel role")
+        self._model_offload: ParameterOffload | None = None  # built at the first release_memory
         self._build_optimizer()
         # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
         fp16 = config.autocast_dtype == "float16"
@@ -327,6 +339,27 @@ class TorchBackend:
     @property
     def world_size(self) -> int:
         return 1 if self.group is None else self.group.world_size
+
+    def release_memory(self) -> int:
+        """The trainer's turn is over (colocated mode): with ``offload_model``, the weights of every model this
+        process holds go to host memory until its next command brings them back. The bytes moved (0 without
+        offload_model). The caller keeps it from running beside a step or a checkpoint (the loop's lock)."""
+        if not self.config.offload_model:
+            return 0
+        with self._commands:
+            modules = [self.model, self.ref_model, self.teacher_model, self.critic.model if self.critic else None]
+            present = [m for m in modules if m is not None]
+            offload = self._model_offload
+            if offload is None or offload.modules != present:  # (first time, or a model loaded since)
+                if offload is not None:
+                    offload.to_device()  # (a no-op: every command wakes them)
+                offload = self._model_offload = ParameterOffload(present)
+            return offload.to_host()
+
+    def _wake(self) -> None:
+        """Before the models run or are read: what release_memory moved to host memory comes back."""
+        if self._model_offload is not None:
+            self._model_offload.to_device()
 
     # ---------------------------------------------------------------------------------------------
     # Models and optimizer
@@ -925,6 +958,7 @@ class TorchBackend:
             raise RuntimeError("sft_step runs in one process (world_size 1)")
         started = time.monotonic()
         step = self.version
+        self._wake()
         train = [s for s in samples if s.trained_tokens > 0]
         norm = Normaliser(float(sum(s.trained_tokens for s in train)), float(len(train)), float(len(samples)))
         parts: list[dict[str, float]] = []
@@ -962,6 +996,8 @@ class TorchBackend:
     def _command(self, command: str, payload: Any = None) -> Iterator[None]:
         """Rank 0: one command at a time, sent to the other ranks before its collectives begin."""
         with self._commands:
+            if command not in ("keepalive", "stop"):
+                self._wake()
             if self.group is not None:
                 self.group.send(command, payload)
             self._last_command = time.monotonic()
@@ -1016,6 +1052,7 @@ class TorchBackend:
             with self._command("gather"):
                 state = self.group.full_state_dict(self.model)
         else:
+            self._wake()
             state = self.model.state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
@@ -1094,6 +1131,7 @@ class TorchBackend:
         if self.group is not None:
             raise RuntimeError("load_checkpoint runs in one process; a data-parallel role resumes at its start")
         path = resolve_checkpoint(path)
+        self._wake()  # (the critic's and the reference's weights stay: whole again before the models change)
         self._weights_source = path
         self.model = self._forward_model = self._load_policy(path)
         self._build_optimizer()

@@ -112,6 +112,7 @@ class TrainerLoop:
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
         self._gets: list[QueueGet] = []  # the current step's
+        self._offloaded_once = False  # (logged once)
         self._step_span: trace.Span | None = None
         self._step_token: Token[Context] | None = None
 
@@ -129,6 +130,7 @@ class TrainerLoop:
             while not self.done():
                 await self._running.wait()
                 await self._renew(self._held)
+                await self._release_memory()
                 self.state = State.WAITING_FOR_DATA
                 parts = await self._lease_batch()
                 if not parts:
@@ -159,6 +161,16 @@ class TrainerLoop:
         # not heard of (from the future, to it).
         await self.queue.set_version(self.version, rebase=True)
         await self._publish(rebase=True)
+
+    async def _release_memory(self, locked: bool = False) -> None:
+        """Colocated mode (backend.offload_model): the engine's turn; the weights wait in host memory."""
+        if not locked:
+            async with self._lock:
+                return await self._release_memory(locked=True)
+        moved = await asyncio.to_thread(self.backend.release_memory)
+        if moved and not self._offloaded_once:
+            self._offloaded_once = True
+            log.info("model weights offloaded to host memory while waiting for data", extra={"bytes": moved})
 
     async def _lease_batch(self) -> list[Batch]:
         """One step's groups, in one lease or several: the queue cuts a batch that would not fit in one
@@ -312,6 +324,7 @@ class TrainerLoop:
             self.state = State.CHECKPOINTING
             try:  # a failed write (a bad directory, a full disk) leaves the state as it was
                 info = await asyncio.to_thread(self.backend.save_checkpoint, directory or self.checkpoint_dir)
+                await self._release_memory(locked=True)  # (one asked for while the loop waits)
                 self.last_checkpoint = info
                 held, self._held = self._held, []
                 self._since_checkpoint.clear()

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from tauflow.models.offload import ParameterOffload
 from tauflow.models.processor import accepted_inputs, media_token_ids
 from tauflow.rollout.engine.base import (
     Completion,
@@ -280,7 +281,11 @@ class HFEngine(GenerationEngine):
     ``release_memory_when_idle`` (colocated mode, docs/gpu.md) hands the GPU memory the engine's caching
     allocator holds but no longer uses (the KV cache of the batch just finished, the staged copy of a swapped-in
     version) back to the driver whenever the engine runs out of work, so that a trainer on the same GPU can
-    have it while it steps.
+    have it while it steps; ``offload_weights_when_idle`` (colocated mode) also moves the engine's weights to
+    host memory then, once it has generated or scored since its last offload (not after a weight update alone:
+    requests come next), and back before its next forward. A weight update that arrives meanwhile becomes the
+    weights as it is, without copying the old ones back. Weight updates replace every tensor at τ = 0, so the
+    engine holds one copy of the weights at most, where a swap otherwise holds two.
     """
 
     backend: ClassVar[str] = "hf"
@@ -302,6 +307,7 @@ class HFEngine(GenerationEngine):
         seed: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         release_memory_when_idle: bool = False,
+        offload_weights_when_idle: bool = False,
     ) -> None:
         super().__init__(engine_id, policy_version)
         config = model.config
@@ -319,6 +325,8 @@ class HFEngine(GenerationEngine):
         self._device = next(model.parameters()).device
         self._release_when_idle = release_memory_when_idle and self._device.type == "cuda"
         self.memory_releases = 0  # times the idle engine handed its cached GPU memory back
+        self._offload = ParameterOffload([model]) if offload_weights_when_idle else None
+        self._served_since_offload = False  # generated or scored since the weights last left the device
         self.model_name = model_name or str(getattr(config, "_name_or_path", "") or type(model).__name__)
         self._tokenizer = tokenizer
         # token ids -> text, for stop strings (the rollout service passes its tokenizer's decode)
@@ -380,6 +388,7 @@ class HFEngine(GenerationEngine):
             "weight_swaps": 0,
             "kv_recomputed_tokens": 0,
             "scored_tokens": 0,
+            "weight_offloads": 0,
         }
         self._thread = threading.Thread(target=self._loop, name=f"tauflow-hf-engine-{engine_id}", daemon=True)
         self._thread.start()
@@ -598,10 +607,9 @@ class HFEngine(GenerationEngine):
             while True:
                 with self._cv:
                     was_idle = self._batch is None and not self._staged
-                    release = was_idle and self._release_when_idle and not self._has_work()
-                if release:  # out of work: what the last batch and swap used goes back to the driver
-                    torch.cuda.empty_cache()
-                    self.memory_releases += 1
+                    out_of_work = was_idle and not self._has_work()
+                if out_of_work:
+                    self._rest()
                 with self._cv:
                     self._cv.wait_for(self._has_work)
                     if self._closing and not (self._drain and (self._waiting or self._batch is not None)):
@@ -628,6 +636,28 @@ class HFEngine(GenerationEngine):
         finally:
             self._shutdown()
 
+    def _rest(self) -> None:
+        """Out of work, in colocated mode: the weights go to host memory (once the engine has served since they
+        last did), and what the last batch and swap used goes back to the driver."""
+        if self._offload is not None and self._served_since_offload:
+            moved = self._offload.to_host()  # (on a GPU it empties the cache too)
+            self._served_since_offload = False
+            self.counters["weight_offloads"] += 1
+            if self.counters["weight_offloads"] == 1:
+                _log.info("hf engine %s: weights offloaded to host memory while idle (%d bytes)", self.engine_id, moved)
+        elif self._release_when_idle:
+            torch.cuda.empty_cache()
+        else:
+            return
+        self.memory_releases += 1
+
+    def _wake(self) -> None:
+        """Before a forward: the weights still in host memory come back (outside inference mode, so that a
+        later weight update may write into them)."""
+        if self._offload is not None:
+            self._offload.to_device()
+            self._served_since_offload = True
+
     def _take_rows_locked(self) -> list[_Row]:
         running = 0 if self._batch is None else self._batch.size - self._batch.n_done
         room = self._max_running - running
@@ -652,6 +682,8 @@ class HFEngine(GenerationEngine):
     def _turn(self, staged: list[_Staged], cancel: bool, admit: list[_Row]) -> None:
         if staged:
             self._apply_weights(staged)
+        if admit or self._batch is not None:
+            self._wake()
         with torch.inference_mode():
             if staged and self._batch is not None:
                 self._batch = self._compact(self._batch)
@@ -673,6 +705,7 @@ class HFEngine(GenerationEngine):
         if not job.future.set_running_or_notify_cancel():  # cancelled while it waited; from now on it cannot be
             return
         try:
+            self._wake()
             with torch.inference_mode():
                 job.future.set_result(Scores(self._score(job), self._version))
         except Exception as exc:  # noqa: BLE001 - the caller learns it
@@ -711,7 +744,9 @@ class HFEngine(GenerationEngine):
         with torch.no_grad():
             for s in staged:
                 for name, tensor in s.tensors.items():
-                    self._params[name].copy_(tensor)
+                    param = self._params[name]
+                    if self._offload is None or not self._offload.adopt(param, tensor):
+                        param.copy_(tensor)  # (offloaded: the staged copy becomes the weight, nothing copied)
                 s.tensors.clear()
         for s in staged:
             self.counters["weight_swaps"] += 1

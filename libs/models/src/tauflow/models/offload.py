@@ -1,0 +1,108 @@
+"""A model's parameters in host memory while it waits: colocated mode (docs/gpu.md), where a trainer and an
+engine share one GPU and take turns. The engine offloads its weights while the trainer steps; the trainer
+offloads its weights while the engine generates (verl's "sleep" and "wake up", slime's offload)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+
+class ParameterOffload:
+    """Moves the parameters of some modules to host memory and back, keeping the Parameter objects.
+
+    ``to_host`` copies each parameter's values into a host buffer of its own (pinned when the parameter is on
+    a GPU; kept, so that later offloads allocate nothing) and points the parameter at an empty tensor on its
+    device: its device memory is freed, and on a GPU handed back to the driver (``torch.cuda.empty_cache``),
+    where another process can have it. ``to_device`` copies the values back. The Parameter objects stay what
+    they were, so optimizers, hooks and tied weights (one Parameter under two names) go on working; while
+    offloaded, a parameter's shape reads ``(0,)`` and nothing may run the modules.
+
+    ``adopt(param, tensor)`` points an offloaded parameter at a tensor that replaces its values anyway (a
+    weight update: the new version's copy becomes the parameter); nothing is copied back for it.
+
+    Thread-safe: the three methods take one lock. On a CPU the "host" is the parameter's own memory, so an
+    offload saves nothing there; it behaves the same, which is what lets CPU tests check it.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+        self.modules = list(modules)
+        by_id: dict[int, torch.nn.Parameter] = {}
+        for module in self.modules:
+            for param in module.parameters():
+                by_id.setdefault(id(param), param)
+        self._params = list(by_id.values())
+        self._host: dict[int, torch.Tensor] = {}  # id of the parameter -> its host buffer
+        self._offloaded: dict[int, torch.nn.Parameter] = {}
+        self._lock = threading.Lock()
+        self.offloads = 0  # times to_host moved something
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any parameter is in host memory now."""
+        with self._lock:
+            return bool(self._offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """The bytes of the parameters in host memory now."""
+        with self._lock:
+            return sum(self._host[i].numel() * self._host[i].element_size() for i in self._offloaded)
+
+    def to_host(self) -> int:
+        """Moves every parameter still on its device to host memory; the bytes moved."""
+        moved = 0
+        on_gpu = False
+        with self._lock:
+            for param in self._params:
+                key = id(param)
+                if key in self._offloaded:
+                    continue
+                data = param.data
+                host = self._host.get(key)
+                if host is None or host.shape != data.shape or host.dtype != data.dtype:
+                    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
+                    self._host[key] = host
+                # (a stream-ordered copy: the device block freed below is reused only by later work)
+                host.copy_(data, non_blocking=data.is_cuda)
+                param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+                self._offloaded[key] = param
+                moved += data.numel() * data.element_size()
+                on_gpu = on_gpu or data.is_cuda
+            if moved:
+                self.offloads += 1
+        if on_gpu:
+            torch.cuda.synchronize()  # the host copies are complete before the blocks go back to the driver
+            torch.cuda.empty_cache()
+        return moved
+
+    def to_device(self) -> int:
+        """Copies every offloaded parameter back to its device; the bytes moved."""
+        moved = 0
+        with self._lock:
+            for key, param in self._offloaded.items():
+                host = self._host[key]
+                # (on a CPU this is the buffer itself: no copy, and the next to_host copies it onto itself)
+                param.data = host.to(param.device, non_blocking=True)
+                moved += host.numel() * host.element_size()
+            self._offloaded.clear()
+        return moved
+
+    def adopt(self, param: torch.nn.Parameter, tensor: torch.Tensor) -> bool:
+        """If ``param`` is offloaded, points it at ``tensor`` (its new values: the same shape and dtype, on its
+        device) and returns True; False when it is on its device (the caller copies the values into it)."""
+        with self._lock:
+            key = id(param)
+            if key not in self._offloaded:
+                return False
+            host = self._host[key]
+            if tensor.shape != host.shape or tensor.dtype != host.dtype or tensor.device != param.device:
+                raise ValueError(
+                    f"a {tensor.dtype} {tuple(tensor.shape)} tensor on {tensor.device} cannot replace a "
+                    f"{host.dtype} {tuple(host.shape)} parameter on {param.device}"
+                )
+            param.data = tensor
+            del self._offloaded[key]
+            return True
