@@ -57,14 +57,16 @@ def test_parameters_leave_and_come_back_the_same_objects_and_ties_kept() -> None
     torch.testing.assert_close(logits(model), before, rtol=0, atol=0)
 
 
-def test_an_optimizer_keeps_stepping_its_parameters_across_offloads() -> None:
-    reference, model = tied_model(), tied_model()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_optimizer_keeps_stepping_its_parameters_across_offloads(device: str) -> None:
+    # each offload takes the values of now (a buffer filled once and reused would bring step 1's back)
+    reference, model = tied_model(device), tied_model(device)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     offload = ParameterOffload([model])
     for _ in range(3):
         for m, opt in zip((reference, model), opts, strict=True):
             offload.to_device()
-            loss = m(input_ids=IDS, labels=IDS).loss
+            loss = m(input_ids=IDS.to(device), labels=IDS.to(device)).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -86,6 +88,8 @@ def test_an_adopted_replacement_is_served_and_a_mismatched_one_is_refused() -> N
     offload.to_host()
     with pytest.raises(ValueError, match="cannot replace"):
         offload.adopt(embed, torch.zeros(3, 3))
+    with torch.inference_mode(), pytest.raises(ValueError, match="inference-mode"):
+        offload.adopt(embed, torch.zeros(embed.shape))
     assert embed.numel() == 0  # refused: still offloaded, unchanged
     new_values = dict(newer.named_parameters())
     for name, p in model.named_parameters():

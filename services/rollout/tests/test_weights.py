@@ -250,3 +250,16 @@ def test_an_engine_offloading_its_weights_when_idle_serves_each_version_exactly(
         assert engine.stats().counters["weight_offloads"] == 3
     finally:
         engine.close()
+
+
+def test_an_engine_between_two_close_calls_keeps_its_weights_and_closes_while_resting(model_dir: Path) -> None:
+    # release_after_idle_s: a gap shorter than it costs no round trip of the weights; close ends the wait
+    engine = HFEngine.from_pretrained(model_dir, seed=3, offload_weights_when_idle=True, release_after_idle_s=60)
+    for seed in range(3):
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=4, seed=seed)).result(30)
+    assert engine.counters["weight_offloads"] == 0 and engine.memory_releases == 0
+    started = time.monotonic()
+    engine.close(timeout=10)
+    assert not engine._thread.is_alive() and time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="release_after_idle_s"):
+        HFEngine.from_pretrained(model_dir, release_after_idle_s=-1)

@@ -23,8 +23,8 @@ class ParameterOffload:
     ``adopt(param, tensor)`` points an offloaded parameter at a tensor that replaces its values anyway (a
     weight update: the new version's copy becomes the parameter); nothing is copied back for it.
 
-    Thread-safe: the three methods take one lock. On a CPU the "host" is the parameter's own memory, so an
-    offload saves nothing there; it behaves the same, which is what lets CPU tests check it.
+    Thread-safe: the three methods take one lock. On a CPU the "host" is the device, so an offload saves
+    nothing there; it behaves the same (copies both ways), which is what lets CPU tests check it.
     """
 
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -54,7 +54,7 @@ class ParameterOffload:
     def to_host(self) -> int:
         """Moves every parameter still on its device to host memory; the bytes moved."""
         moved = 0
-        on_gpu = False
+        gpus: set[torch.device] = set()
         with self._lock:
             for param in self._params:
                 key = id(param)
@@ -70,11 +70,13 @@ class ParameterOffload:
                 param.data = torch.empty(0, dtype=data.dtype, device=data.device)
                 self._offloaded[key] = param
                 moved += data.numel() * data.element_size()
-                on_gpu = on_gpu or data.is_cuda
+                if data.is_cuda:
+                    gpus.add(data.device)
             if moved:
                 self.offloads += 1
-        if on_gpu:
-            torch.cuda.synchronize()  # the host copies are complete before the blocks go back to the driver
+        for device in gpus:
+            torch.cuda.synchronize(device)  # the host copies are complete before the blocks go back to the driver
+        if gpus:
             torch.cuda.empty_cache()
         return moved
 
@@ -84,8 +86,8 @@ class ParameterOffload:
         with self._lock:
             for key, param in self._offloaded.items():
                 host = self._host[key]
-                # (on a CPU this is the buffer itself: no copy, and the next to_host copies it onto itself)
-                param.data = host.to(param.device, non_blocking=True)
+                # a copy on a CPU too (not the buffer itself), so that CPU tests see what a GPU does
+                param.data = host.to(param.device, non_blocking=True, copy=True)
                 moved += host.numel() * host.element_size()
             self._offloaded.clear()
         return moved
@@ -98,6 +100,8 @@ class ParameterOffload:
             if key not in self._offloaded:
                 return False
             host = self._host[key]
+            if tensor.is_inference():
+                raise ValueError("an inference-mode tensor cannot become a parameter (in-place updates would fail)")
             if tensor.shape != host.shape or tensor.dtype != host.dtype or tensor.device != param.device:
                 raise ValueError(
                     f"a {tensor.dtype} {tuple(tensor.shape)} tensor on {tensor.device} cannot replace a "

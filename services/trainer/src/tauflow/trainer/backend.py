@@ -1052,8 +1052,9 @@ class TorchBackend:
             with self._command("gather"):
                 state = self.group.full_state_dict(self.model)
         else:
-            self._wake()
-            state = self.model.state_dict()
+            with self._commands:  # (not beside a release_memory: a checkpoint's, asked for meanwhile)
+                self._wake()
+                state = self.model.state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
         return {name: t.detach().to(dtype) if t.is_floating_point() else t.detach() for name, t in state.items()}
@@ -1131,7 +1132,9 @@ class TorchBackend:
         if self.group is not None:
             raise RuntimeError("load_checkpoint runs in one process; a data-parallel role resumes at its start")
         path = resolve_checkpoint(path)
-        self._wake()  # (the critic's and the reference's weights stay: whole again before the models change)
+        if self._model_offload is not None:  # the reference's and a teacher's weights stay: whole again
+            self._model_offload.to_device()
+            self._model_offload = None  # (it would keep the replaced policy and critic alive)
         self._weights_source = path
         self.model = self._forward_model = self._load_policy(path)
         self._build_optimizer()

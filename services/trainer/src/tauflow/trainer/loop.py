@@ -167,7 +167,11 @@ class TrainerLoop:
         if not locked:
             async with self._lock:
                 return await self._release_memory(locked=True)
-        moved = await asyncio.to_thread(self.backend.release_memory)
+        try:
+            moved = await asyncio.to_thread(self.backend.release_memory)
+        except (RuntimeError, OSError) as e:  # e.g. no pinned host memory left: the weights stay (or come back)
+            log.warning("could not offload the model's weights", extra={"error": f"{type(e).__name__}: {e}"})
+            return
         if moved and not self._offloaded_once:
             self._offloaded_once = True
             log.info("model weights offloaded to host memory while waiting for data", extra={"bytes": moved})

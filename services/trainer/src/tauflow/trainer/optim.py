@@ -132,7 +132,8 @@ class OptimizerOffload:
                 state[key] = host
                 moved += value.numel() * value.element_size()
         if moved:
-            torch.cuda.synchronize()  # the host copies are complete before the GPU blocks are handed back
+            for device in {p.device for p in self.optimizer.state if p.device.type == "cuda"}:
+                torch.cuda.synchronize(device)  # the host copies are complete before the GPU blocks are handed back
             torch.cuda.empty_cache()  # ... to the driver, where the engine's process can have them
         self.offloaded_bytes = moved
         return moved

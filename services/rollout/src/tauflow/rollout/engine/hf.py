@@ -285,7 +285,9 @@ class HFEngine(GenerationEngine):
     host memory then, once it has generated or scored since its last offload (not after a weight update alone:
     requests come next), and back before its next forward. A weight update that arrives meanwhile becomes the
     weights as it is, without copying the old ones back. Weight updates replace every tensor at τ = 0, so the
-    engine holds one copy of the weights at most, where a swap otherwise holds two.
+    engine holds one copy of the weights at most, where a swap otherwise holds two. Either happens once the
+    engine has had no work for ``release_after_idle_s`` (so that a gap between two calls costs no round trip
+    of the weights).
     """
 
     backend: ClassVar[str] = "hf"
@@ -308,6 +310,7 @@ class HFEngine(GenerationEngine):
         detokenize: Callable[[list[int]], str] | None = None,
         release_memory_when_idle: bool = False,
         offload_weights_when_idle: bool = False,
+        release_after_idle_s: float = 0.05,
     ) -> None:
         super().__init__(engine_id, policy_version)
         config = model.config
@@ -319,6 +322,8 @@ class HFEngine(GenerationEngine):
             )
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be positive")
+        if not (0 <= release_after_idle_s <= 3600):
+            raise ValueError(f"release_after_idle_s must be within [0, 3600], not {release_after_idle_s}")
         self._model = model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
@@ -326,6 +331,7 @@ class HFEngine(GenerationEngine):
         self._release_when_idle = release_memory_when_idle and self._device.type == "cuda"
         self.memory_releases = 0  # times the idle engine handed its cached GPU memory back
         self._offload = ParameterOffload([model]) if offload_weights_when_idle else None
+        self._release_after_idle_s = release_after_idle_s
         self._served_since_offload = False  # generated or scored since the weights last left the device
         self.model_name = model_name or str(getattr(config, "_name_or_path", "") or type(model).__name__)
         self._tokenizer = tokenizer
@@ -637,17 +643,28 @@ class HFEngine(GenerationEngine):
             self._shutdown()
 
     def _rest(self) -> None:
-        """Out of work, in colocated mode: the weights go to host memory (once the engine has served since they
-        last did), and what the last batch and swap used goes back to the driver."""
-        if self._offload is not None and self._served_since_offload:
-            moved = self._offload.to_host()  # (on a GPU it empties the cache too)
-            self._served_since_offload = False
-            self.counters["weight_offloads"] += 1
-            if self.counters["weight_offloads"] == 1:
-                _log.info("hf engine %s: weights offloaded to host memory while idle (%d bytes)", self.engine_id, moved)
-        elif self._release_when_idle:
-            torch.cuda.empty_cache()
-        else:
+        """Out of work, in colocated mode, and still so after ``release_after_idle_s``: the weights go to host
+        memory (once the engine has served since they last did), and what the last batch and swap used goes
+        back to the driver."""
+        offload = self._offload is not None and self._served_since_offload
+        if not (offload or self._release_when_idle):
+            return
+        with self._cv:
+            if self._cv.wait_for(self._has_work, timeout=self._release_after_idle_s):
+                return  # work came first
+        try:
+            if self._offload is not None and offload:
+                moved = self._offload.to_host()  # (on a GPU it empties the cache too)
+                self._served_since_offload = False
+                self.counters["weight_offloads"] += 1
+                if self.counters["weight_offloads"] == 1:
+                    _log.info(
+                        "hf engine %s: weights offloaded to host memory while idle (%d bytes)", self.engine_id, moved
+                    )
+            else:
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - e.g. no pinned host memory left: serve on (what left comes back)
+            _log.exception("hf engine %s: could not release memory while idle", self.engine_id)
             return
         self.memory_releases += 1
 
