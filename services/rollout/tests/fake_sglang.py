@@ -14,6 +14,10 @@ What it mimics (and what it does not):
 - ``weight_versions`` spans in ``meta_info`` only with ``report_spans`` (SGLang ≥ 0.5.19).
 - ``/abort_request`` matches a rid exactly (the tokenizer manager's lookup); a second ``/begin_weight_update``
   while a session is open is refused, as SGLang refuses it.
+- ``/release_memory_occupation`` (tags ``weights``, ``kv_cache``; none: both) fails unless the server is idle
+  (SGLang asserts it), and ``/resume_memory_occupation`` brings tags back; ``/generate`` while anything is
+  released, and ``/update_weights_from_tensor`` while the weights are, fail (a real server would crash or
+  compute with unmapped memory), so a test sees any call made out of turn.
 - No KV cache, no stop strings, no real sampling, no tensor parallelism.
 """
 
@@ -63,6 +67,7 @@ class FakeSGLangServer:
         self._cv = threading.Condition()
         self._paused = ""  # "" (serving), "abort", "retract"
         self._in_session = False
+        self.released: set[str] = set()  # memory tags released (colocated mode)
         self._running: dict[str, _Running] = {}
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
@@ -98,6 +103,8 @@ class FakeSGLangServer:
         }  # fmt: skip
         if unknown:
             return 400, {"error": {"message": f"unknown sampling params {sorted(unknown)}"}}
+        if self.released:
+            return 500, {"error": {"message": f"generate with {sorted(self.released)} released"}}
         rid = str(body.get("rid") or time.time_ns())
         run = _Running(rid)
         with self._cv:
@@ -170,6 +177,8 @@ class FakeSGLangServer:
             self.update_gate.wait(30)
         if self.session_required and not self._in_session:
             return 400, {"success": False, "message": "must run between begin_weight_update() and end_weight_update()"}
+        if "weights" in self.released:
+            return 500, {"success": False, "message": "update_weights_from_tensor with the weights released"}
         if self.fail_next_update:
             message, self.fail_next_update = self.fail_next_update, ""
             return 400, {"success": False, "message": message}
@@ -197,6 +206,16 @@ class FakeSGLangServer:
             return self._continue(body)
         if route == "/update_weights_from_tensor":
             return self._update_from_tensor(body)
+        if route in ("/release_memory_occupation", "/resume_memory_occupation"):
+            tags = set(body.get("tags") or ("weights", "kv_cache"))
+            if route == "/resume_memory_occupation":
+                self.released -= tags
+                return 200, None
+            with self._cv:
+                if self._running or self._paused or self._in_session:
+                    return 500, {"error": {"message": "release_memory_occupation should be called only when idle"}}
+                self.released |= tags
+            return 200, None
         if route == "/begin_weight_update":
             if self._in_session:
                 return 400, {"success": False, "message": "a weight-update session is already open"}

@@ -306,3 +306,98 @@ def test_a_rollout_server_with_the_sglang_backend_serves_generate(model_dir: Pat
             assert status.backend == "sglang" and status.engine_id == "rollout-0-sglang"
         finally:
             server.stop()
+
+
+# -- taking turns in memory (colocated mode) -----------------------------------------------------------------------
+
+
+def _memory_calls(fake: FakeSGLangServer) -> list[tuple[str, Any]]:
+    return [(r, b.get("tags")) for r, b in fake.calls if r.endswith("_memory_occupation")]
+
+
+def test_an_idle_engine_releases_the_servers_memory_and_takes_it_back_in_turn(
+    fake: FakeSGLangServer, model_dir: Path, make_model: Any
+) -> None:
+    # the fake fails a /generate while anything is released and an update while the weights are: every call
+    # below is made in turn, or the test fails
+    engine = SGLangEngine.from_pretrained(
+        model_dir, base_url=fake.url, ipc_device=None, offload_weights_when_idle=True, release_after_idle_s=0.01
+    )
+    try:
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1)).result(10)
+        wait_for(lambda: fake.released == {"weights", "kv_cache"})
+        assert _memory_calls(fake) == [("/release_memory_occupation", ["weights", "kv_cache"])]
+        assert (engine.counters["memory_releases"], engine.counters["weight_offloads"]) == (1, 1)
+
+        # a version arriving meanwhile: the weights come back first, the KV cache with the next request
+        assert engine.stage_weights(1, make_model(seed=1).state_dict()).result(10) == 1
+        assert fake.released == {"kv_cache"}
+        assert _memory_calls(fake)[-1] == ("/resume_memory_occupation", ["weights"])
+        routes = fake.routes()
+        assert routes.index("/resume_memory_occupation") < routes.index("/update_weights_from_tensor")
+        time.sleep(0.1)  # after a weight update alone, nothing is released again: requests come next
+        assert len(_memory_calls(fake)) == 2
+
+        c = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1)).result(10)[0][0]
+        assert c.versions == [1, 1, 1] and c.token_ids == expected_tokens(PROMPTS[0][-1], [1, 1, 1])
+        assert _memory_calls(fake)[2] == ("/resume_memory_occupation", ["kv_cache"])
+        wait_for(lambda: engine.counters["weight_offloads"] == 2)  # and idle again: released again
+    finally:
+        engine.close()
+
+
+def test_release_memory_when_idle_releases_the_kv_cache_only_and_never_a_busy_server(
+    fake: FakeSGLangServer, model_dir: Path
+) -> None:
+    engine = SGLangEngine.from_pretrained(
+        model_dir, base_url=fake.url, ipc_device=None, release_memory_when_idle=True, release_after_idle_s=0.01
+    )
+    try:
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+        wait_for(lambda: fake.released == {"kv_cache"})
+        assert engine.counters["weight_offloads"] == 0
+        fake._in_session = True  # the server refuses the next release (not idle): logged, and serving goes on
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+        wait_for(lambda: len(_memory_calls(fake)) == 3)
+        time.sleep(0.05)
+        assert fake.released == set() and engine.counters["memory_releases"] == 1
+        fake._in_session = False
+        assert engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+    finally:
+        engine.close()
+
+    # a gap shorter than release_after_idle_s costs nothing
+    patient = SGLangEngine.from_pretrained(
+        model_dir, base_url=fake.url, ipc_device=None, offload_weights_when_idle=True, release_after_idle_s=60
+    )
+    try:
+        before = len(_memory_calls(fake))
+        for seed in range(3):
+            patient.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=seed)).result(10)
+        assert len(_memory_calls(fake)) == before
+    finally:
+        patient.close()
+
+
+def test_a_server_the_engine_starts_for_colocated_mode_can_release_its_memory(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tauflow.rollout.engine.sglang as sglang_module
+
+    launched: list[list[str]] = []
+
+    def popen(command: list[str], *args: Any, **kwargs: Any) -> Any:
+        launched.append(command)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(sglang_module.subprocess, "Popen", popen)
+    for options, flags in (
+        ({}, set()),
+        ({"release_memory_when_idle": True}, {"--enable-memory-saver"}),
+        ({"offload_weights_when_idle": True}, {"--enable-memory-saver", "--enable-weights-cpu-backup"}),
+    ):
+        with pytest.raises(RuntimeError, match="recorded"):
+            SGLangEngine.from_pretrained(model_dir, **options)
+        assert {a for a in launched[-1] if a.startswith("--enable-")} == flags
+    with pytest.raises(ValueError, match="release_after_idle_s"):
+        SGLangEngine("http://127.0.0.1:9", {}, vocab_size=16, release_after_idle_s=-1)

@@ -23,12 +23,19 @@ because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
   tokens carry the older version: a lower bound, so the queue's staleness check stays safe.
 - **Versions.** Every update names its ``weight_version`` (the policy version as a string), and the server
   is told the initial one, so answers say which weights produced them.
+- **Taking turns in memory** (colocated mode, docs/gpu.md). ``offload_weights_when_idle`` and
+  ``release_memory_when_idle``: once no request has been in flight for ``release_after_idle_s``, the engine
+  asks ``/release_memory_occupation`` for the KV cache (and the weights); the next request first asks
+  ``/resume_memory_occupation`` for them, a weight update for the weights only. SGLang releases only when idle
+  and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` for the weights to come back as they
+  were: without it they come back only through the next full update); a server this engine starts gets both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import itertools
 import logging
@@ -70,6 +77,7 @@ MIN_VERSION = (0, 5, 6)  # pause_generation that waits for in-flight requests an
 # per-token weight_versions spans (0.5.19 and 0.5.20 retract too, but their flush asserts on waiting requests)
 RETRACT_SINCE = (0, 5, 21)
 UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update and /end_weight_update
+MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation and /resume_memory_occupation name
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -161,11 +169,16 @@ class SGLangEngine(GenerationEngine):
         api_key: str | None = None,
         server_process: subprocess.Popen[bytes] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        release_memory_when_idle: bool = False,
+        offload_weights_when_idle: bool = False,
+        release_after_idle_s: float = 0.05,
     ) -> None:
 
         super().__init__(engine_id, policy_version)
         if max_concurrent_requests < 1 or request_timeout_s <= 0 or control_timeout_s <= 0:
             raise ValueError("max_concurrent_requests and the timeouts must be positive")
+        if not (0 <= release_after_idle_s <= 3600):
+            raise ValueError(f"release_after_idle_s must be within [0, 3600], not {release_after_idle_s}")
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name or self.base_url
         self.vocab_size = int(vocab_size)
@@ -196,7 +209,18 @@ class SGLangEngine(GenerationEngine):
             "resumed_segments": 0,
             "weight_swaps": 0,
             "weight_swap_seconds": 0.0,
+            "memory_releases": 0,
+            "weight_offloads": 0,
         }
+        # colocated mode: what the server is asked to release when idle, and what it holds released now
+        self._release_tags: list[str] = (
+            [*MEMORY_TAGS] if offload_weights_when_idle else ["kv_cache"] if release_memory_when_idle else []
+        )
+        self._release_after_idle_s = release_after_idle_s
+        self._released: set[str] = set()
+        self._memory = asyncio.Lock()  # one release or resume at a time (bound to the engine's loop on first use)
+        self._rest_timer: asyncio.TimerHandle | None = None
+        self._rest_task: asyncio.Task[None] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tauflow-sglang-{engine_id}", daemon=True)
         self._thread.start()
@@ -271,6 +295,10 @@ class SGLangEngine(GenerationEngine):
             command = [sys.executable, "-m", "sglang.launch_server", "--model-path", path, "--host", host]
             command += ["--port", str(port), "--weight-version", str(version)]
             command += ["--dtype", dtype] if dtype else []
+            if options.get("offload_weights_when_idle") or options.get("release_memory_when_idle"):
+                command += ["--enable-memory-saver"]
+            if options.get("offload_weights_when_idle"):
+                command += ["--enable-weights-cpu-backup"]  # (the weights come back as they were)
             process = subprocess.Popen([*command, *server_args])
             base_url = f"http://{host}:{port}"
             try:
@@ -361,6 +389,53 @@ class SGLangEngine(GenerationEngine):
     def _request_done(self, _: Future[Any]) -> None:
         with self._lock:
             self._in_flight -= 1
+            rest = self._in_flight == 0 and bool(self._release_tags) and not self._closing
+        if rest:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                self._loop.call_soon_threadsafe(self._schedule_rest)
+
+    # -- taking turns in memory (colocated mode) -------------------------------------------------------------------
+
+    def _schedule_rest(self) -> None:
+        """Out of requests: rest once ``release_after_idle_s`` has passed (counted from the last request)."""
+        if self._rest_timer is not None:
+            self._rest_timer.cancel()
+        self._rest_timer = self._loop.call_later(self._release_after_idle_s, self._start_rest)
+
+    def _start_rest(self) -> None:
+        self._rest_timer = None
+        self._rest_task = self._loop.create_task(self._rest())
+
+    async def _rest(self) -> None:
+        """Asks the server to release what ``_release_tags`` names, if the engine is still idle (SGLang releases
+        only an idle server). A refusal is logged: the engine serves on with its memory."""
+        async with self._memory:
+            with self._lock:
+                idle = self._in_flight == 0 and not self._staged and not self._swapping and not self._closing
+            tags = [t for t in self._release_tags if t not in self._released]
+            if not idle or not tags:
+                return
+            try:
+                await self._post("/release_memory_occupation", {"tags": tags})
+            except SGLangError as e:
+                _log.warning("%s: could not release memory while idle: %s", self.engine_id, e)
+                return
+            self._released.update(tags)
+            self.counters["memory_releases"] += 1
+            if "weights" in tags:
+                self.counters["weight_offloads"] += 1
+                if self.counters["weight_offloads"] == 1:
+                    _log.info("%s: the server released its weights and KV cache while idle", self.engine_id)
+
+    async def _wake(self, tags: Sequence[str]) -> None:
+        """Before the server runs: what it released of ``tags`` comes back (the weights first)."""
+        if not self._released:
+            return
+        async with self._memory:
+            back = [t for t in MEMORY_TAGS if t in tags and t in self._released]
+            if back:
+                await self._post("/resume_memory_occupation", {"tags": back})
+                self._released.difference_update(back)
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         rid = uuid.uuid4().hex
@@ -372,6 +447,7 @@ class SGLangEngine(GenerationEngine):
             for j in range(params.n)
         ]
         seeds = [None if params.seed is None else sample_seed(params.seed, k % params.n) for k in range(len(samples))]
+        await self._wake(MEMORY_TAGS)
         tasks = [asyncio.ensure_future(self._sample(s, params, seed)) for s, seed in zip(samples, seeds, strict=True)]
         try:
             done = await asyncio.gather(*tasks)
@@ -539,6 +615,7 @@ class SGLangEngine(GenerationEngine):
         self._serving.clear()
         self._swapping = True
         try:
+            await self._wake(["weights"])  # (the KV cache comes back with the next request)
             await self._post("/pause_generation", {"mode": self._swap_mode})
             try:
                 if self._update_session:
