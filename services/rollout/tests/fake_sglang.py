@@ -14,10 +14,12 @@ What it mimics (and what it does not):
 - ``weight_versions`` spans in ``meta_info`` only with ``report_spans`` (SGLang ≥ 0.5.19).
 - ``/abort_request`` matches a rid exactly (the tokenizer manager's lookup); a second ``/begin_weight_update``
   while a session is open is refused, as SGLang refuses it.
-- ``/release_memory_occupation`` (tags ``weights``, ``kv_cache``; none: both) fails unless the server is idle
-  (SGLang asserts it), and ``/resume_memory_occupation`` brings tags back; ``/generate`` while anything is
-  released, and ``/update_weights_from_tensor`` while the weights are, fail (a real server would crash or
-  compute with unmapped memory), so a test sees any call made out of turn.
+- ``/release_memory_occupation`` (tags ``weights``, ``kv_cache``; none: both) and ``/resume_memory_occupation``:
+  as in SGLang, where a failed assertion in the scheduler takes the server down, a release of a busy server
+  or of a tag already released, and a resume of a tag not released, *crash* the fake (``crashed`` says why;
+  every later call fails). ``/generate`` while anything is released, and ``/update_weights_from_tensor``
+  while the weights are, crash it too (a real server would compute with unmapped memory). ``/flush_cache``
+  fails on a busy server, as SGLang's does. ``gates`` hold a route's calls until a test sets the event.
 - No KV cache, no stop strings, no real sampling, no tensor parallelism.
 """
 
@@ -68,6 +70,8 @@ class FakeSGLangServer:
         self._paused = ""  # "" (serving), "abort", "retract"
         self._in_session = False
         self.released: set[str] = set()  # memory tags released (colocated mode)
+        self.crashed = ""  # why the server went down ("" while it serves)
+        self.gates: dict[str, threading.Event] = {}  # route -> an event its calls wait for
         self._running: dict[str, _Running] = {}
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
@@ -104,7 +108,7 @@ class FakeSGLangServer:
         if unknown:
             return 400, {"error": {"message": f"unknown sampling params {sorted(unknown)}"}}
         if self.released:
-            return 500, {"error": {"message": f"generate with {sorted(self.released)} released"}}
+            return self._crash(f"generate with {sorted(self.released)} released")
         rid = str(body.get("rid") or time.time_ns())
         run = _Running(rid)
         with self._cv:
@@ -178,7 +182,7 @@ class FakeSGLangServer:
         if self.session_required and not self._in_session:
             return 400, {"success": False, "message": "must run between begin_weight_update() and end_weight_update()"}
         if "weights" in self.released:
-            return 500, {"success": False, "message": "update_weights_from_tensor with the weights released"}
+            return self._crash("update_weights_from_tensor with the weights released")
         if self.fail_next_update:
             message, self.fail_next_update = self.fail_next_update, ""
             return 400, {"success": False, "message": message}
@@ -197,7 +201,16 @@ class FakeSGLangServer:
             self.weight_version = str(body["weight_version"])
         return 200, {"success": True, "message": "Success"}
 
+    def _crash(self, why: str) -> tuple[int, Any]:
+        self.crashed = self.crashed or why
+        return 500, {"error": {"message": f"the scheduler hit an exception: {why}"}}
+
     def _route(self, method: str, route: str, body: Any) -> tuple[int, Any]:
+        if self.crashed:
+            return 500, {"error": {"message": f"the server is down: {self.crashed}"}}
+        gate = self.gates.get(route)
+        if gate is not None:
+            gate.wait(30)
         if route == "/generate":
             return self._generate(body)
         if route == "/pause_generation":
@@ -209,13 +222,21 @@ class FakeSGLangServer:
         if route in ("/release_memory_occupation", "/resume_memory_occupation"):
             tags = set(body.get("tags") or ("weights", "kv_cache"))
             if route == "/resume_memory_occupation":
+                if not tags <= self.released:
+                    return self._crash(f"resume of {sorted(tags - self.released)}, not released")
                 self.released -= tags
                 return 200, None
             with self._cv:
                 if self._running or self._paused or self._in_session:
-                    return 500, {"error": {"message": "release_memory_occupation should be called only when idle"}}
+                    return self._crash("release_memory_occupation should be called only when server is idle")
+                if tags & self.released:
+                    return self._crash(f"release of {sorted(tags & self.released)}, already released")
                 self.released |= tags
             return 200, None
+        if route == "/flush_cache":
+            with self._cv:
+                busy = bool(self._running)
+            return (400, "Cache not flushed. Please check backend logs.") if busy else (200, "Cache flushed.")
         if route == "/begin_weight_update":
             if self._in_session:
                 return 400, {"success": False, "message": "a weight-update session is already open"}

@@ -27,7 +27,7 @@ because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
   ``release_memory_when_idle``: once no request has been in flight for ``release_after_idle_s``, the engine
   asks ``/release_memory_occupation`` for the KV cache (and the weights); the next request first asks
   ``/resume_memory_occupation`` for them, a weight update for the weights only. SGLang releases only when idle
-  and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` for the weights to come back as they
+  (``/flush_cache`` asks first) and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` for the weights to come back as they
   were: without it they come back only through the next full update); a server this engine starts gets both.
 """
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import itertools
 import logging
@@ -390,52 +389,76 @@ class SGLangEngine(GenerationEngine):
         with self._lock:
             self._in_flight -= 1
             rest = self._in_flight == 0 and bool(self._release_tags) and not self._closing
-        if rest:
-            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                self._loop.call_soon_threadsafe(self._schedule_rest)
+        if rest:  # (a loop stopped by close() drops the callback)
+            self._loop.call_soon_threadsafe(self._schedule_rest, self._release_after_idle_s)
 
     # -- taking turns in memory (colocated mode) -------------------------------------------------------------------
 
-    def _schedule_rest(self) -> None:
-        """Out of requests: rest once ``release_after_idle_s`` has passed (counted from the last request)."""
+    def _schedule_rest(self, delay_s: float) -> None:
+        """Out of requests: rest once ``delay_s`` has passed (counted from the last request)."""
         if self._rest_timer is not None:
             self._rest_timer.cancel()
-        self._rest_timer = self._loop.call_later(self._release_after_idle_s, self._start_rest)
+        self._rest_timer = self._loop.call_later(delay_s, self._start_rest, delay_s)
 
-    def _start_rest(self) -> None:
+    def _start_rest(self, delay_s: float) -> None:
         self._rest_timer = None
-        self._rest_task = self._loop.create_task(self._rest())
+        self._rest_task = self._loop.create_task(self._rest(delay_s))
 
-    async def _rest(self) -> None:
-        """Asks the server to release what ``_release_tags`` names, if the engine is still idle (SGLang releases
-        only an idle server). A refusal is logged: the engine serves on with its memory."""
+    def _idle(self) -> bool:
+        with self._lock:
+            return self._in_flight == 0 and not self._staged and not self._swapping and not self._closing
+
+    async def _rest(self, delay_s: float) -> None:
+        """Asks the server to release what ``_release_tags`` names, if the engine is still idle. SGLang asserts
+        that a server it releases is idle (a failed assertion takes the server down), and a request cancelled
+        here may still run there until its abort lands: ``/flush_cache``, which succeeds only on an idle server,
+        asks first; a busy one is asked again later (backing off). A failed release turns releasing off."""
         async with self._memory:
-            with self._lock:
-                idle = self._in_flight == 0 and not self._staged and not self._swapping and not self._closing
             tags = [t for t in self._release_tags if t not in self._released]
-            if not idle or not tags:
+            if not tags or not self._idle():
                 return
             try:
-                await self._post("/release_memory_occupation", {"tags": tags})
-            except SGLangError as e:
-                _log.warning("%s: could not release memory while idle: %s", self.engine_id, e)
+                await self._post("/flush_cache", {})
+            except SGLangError:
+                if self._idle():  # still idle here: the server is finishing what was cancelled
+                    self._schedule_rest(min(max(2 * delay_s, 0.05), 5.0))
                 return
-            self._released.update(tags)
-            self.counters["memory_releases"] += 1
-            if "weights" in tags:
-                self.counters["weight_offloads"] += 1
-                if self.counters["weight_offloads"] == 1:
-                    _log.info("%s: the server released its weights and KV cache while idle", self.engine_id)
+            if not self._idle():
+                return
+            try:
+                await asyncio.shield(self._release(tags))
+            except SGLangError as e:
+                self._release_tags = []  # (what the server did is unknown: ask no more)
+                _log.error("%s: releasing memory failed, releasing turned off: %s", self.engine_id, e)
+
+    async def _release(self, tags: list[str]) -> None:
+        await self._post("/release_memory_occupation", {"tags": tags})
+        self._released.update(tags)  # (shielded: recorded as soon as the server answers)
+        self.counters["memory_releases"] += 1
+        if "weights" in tags:
+            self.counters["weight_offloads"] += 1
+            if self.counters["weight_offloads"] == 1:
+                _log.info("%s: the server released its weights and KV cache while idle", self.engine_id)
 
     async def _wake(self, tags: Sequence[str]) -> None:
-        """Before the server runs: what it released of ``tags`` comes back (the weights first)."""
-        if not self._released:
-            return
+        """Before the server runs: what it released of ``tags`` comes back (after a release under way, if any).
+        Shielded, lock and all: a caller cancelled meanwhile never leaves the record behind the server, nor lets
+        a release in before the resume is done. A failed resume is taken as done (asking twice would take SGLang
+        down) and turns releasing off."""
+        await asyncio.shield(self._resume(tags))
+
+    async def _resume(self, tags: Sequence[str]) -> None:
         async with self._memory:
             back = [t for t in MEMORY_TAGS if t in tags and t in self._released]
-            if back:
+            if not back:
+                return
+            self._released.difference_update(back)
+            try:
                 await self._post("/resume_memory_occupation", {"tags": back})
-                self._released.difference_update(back)
+            except SGLangError:
+                self._release_tags = []
+                _log.error("%s: resuming %s failed, releasing turned off", self.engine_id, back)
+                raise
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         rid = uuid.uuid4().hex
@@ -697,6 +720,15 @@ class SGLangEngine(GenerationEngine):
         if not hasattr(self, "_http"):
             return
         self._serving.set()  # segments waiting for a swap see the engine closing and end
+        if self._rest_timer is not None:
+            self._rest_timer.cancel()
+        async with self._memory:  # (after a release under way) a server this engine did not start is left whole
+            if self._released and self._server_process is None:
+                try:
+                    await self._post("/resume_memory_occupation", {"tags": sorted(self._released)}, timeout=60.0)
+                    self._released.clear()
+                except SGLangError as e:
+                    _log.warning("could not resume the memory %s released on %s: %s", self.engine_id, self.base_url, e)
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if pending and self._in_flight:
             try:
