@@ -28,7 +28,7 @@ ENGINE_COUNTERS = {
     "scored_tokens": ("scored_tokens_total", "Completion tokens scored by ComputeLogprobs (a teacher's log-probs)"),
     "weight_offloads": (
         "weight_offloads_total",
-        "Times the idle engine moved its weights to host memory (colocated mode: offload_weights_when_idle)",
+        "Times the idle engine gave its weights' GPU memory up (colocated mode: offload_weights_when_idle)",
     ),
 }
 
