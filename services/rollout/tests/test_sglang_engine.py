@@ -374,6 +374,24 @@ def test_a_request_or_a_version_arriving_during_a_release_waits_for_it_and_resum
     assert fake.crashed == ""
 
 
+def test_closing_during_a_hung_release_returns_in_time_and_resolves_every_request(
+    fake: FakeSGLangServer, model_dir: Path
+) -> None:
+    engine = colocated_engine(fake, model_dir)
+    gate = fake.gates["/release_memory_occupation"] = threading.Event()
+    try:
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+        wait_for(lambda: "/release_memory_occupation" in fake.routes())  # held by the fake
+        waiting = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))
+        started = time.monotonic()
+        engine.close(timeout=2.0)
+        assert time.monotonic() - started < 10
+        assert waiting.done()  # (cancelled: nobody waits on a stopped engine)
+    finally:
+        gate.set()
+    assert fake.crashed == ""
+
+
 def test_a_request_cancelled_while_the_memory_comes_back_leaves_the_record_true(
     fake: FakeSGLangServer, model_dir: Path
 ) -> None:

@@ -81,7 +81,11 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 
 class SGLangError(RuntimeError):
-    """The SGLang server answered a call with an error (or not at all)."""
+    """The SGLang server answered a call with an error (``status``: its HTTP status), or not at all (None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -330,7 +334,7 @@ class SGLangEngine(GenerationEngine):
         answer = _json_or_text(r)
         refused = isinstance(answer, dict) and answer.get("success") is False
         if r.status_code >= 400 or refused:
-            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(answer)}")
+            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(answer)}", r.status_code)
         return answer
 
     async def _get(self, route: str) -> Any:
@@ -341,7 +345,7 @@ class SGLangEngine(GenerationEngine):
         except httpx2.HTTPError as e:
             raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
-            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(_json_or_text(r))}")
+            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(_json_or_text(r))}", r.status_code)
         return _json_or_text(r)
 
     # -- generation ------------------------------------------------------------------------------------------------
@@ -419,8 +423,11 @@ class SGLangEngine(GenerationEngine):
                 return
             try:
                 await self._post("/flush_cache", {})
-            except SGLangError:
-                if self._idle():  # still idle here: the server is finishing what was cancelled
+            except SGLangError as e:
+                if e.status != 400:  # not "busy": a server down, a refused route
+                    self._release_tags = []
+                    _log.error("%s: /flush_cache failed, releasing memory turned off: %s", self.engine_id, e)
+                elif self._idle():  # still idle here: the server is finishing what was cancelled
                     self._schedule_rest(min(max(2 * delay_s, 0.05), 5.0))
                 return
             if not self._idle():
@@ -722,20 +729,32 @@ class SGLangEngine(GenerationEngine):
         self._serving.set()  # segments waiting for a swap see the engine closing and end
         if self._rest_timer is not None:
             self._rest_timer.cancel()
-        async with self._memory:  # (after a release under way) a server this engine did not start is left whole
-            if self._released and self._server_process is None:
-                try:
-                    await self._post("/resume_memory_occupation", {"tags": sorted(self._released)}, timeout=60.0)
+        started = time.monotonic()
+        try:  # (after a release under way, within the time given) a server this engine did not start is left whole
+            await asyncio.wait_for(self._memory.acquire(), timeout / 2)
+        except TimeoutError:
+            _log.warning("closing %s: a memory release or resume is still under way", self.engine_id)
+        else:
+            try:
+                if self._released and self._server_process is None:
+                    await self._post("/resume_memory_occupation", {"tags": sorted(self._released)}, timeout / 2)
                     self._released.clear()
-                except SGLangError as e:
-                    _log.warning("could not resume the memory %s released on %s: %s", self.engine_id, self.base_url, e)
+            except SGLangError as e:
+                _log.warning("could not resume the memory %s released on %s: %r", self.engine_id, self.base_url, e)
+            finally:
+                self._memory.release()
         pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if pending and self._in_flight:
             try:
                 await self._post("/abort_request", {"rid": "", "abort_all": True}, timeout=10.0)
             except SGLangError as e:
                 _log.warning("could not abort the requests of %s: %s", self.engine_id, e)
-            await asyncio.wait(pending, timeout=timeout)
+            await asyncio.wait(pending, timeout=max(1.0, timeout - (time.monotonic() - started)))
+        left = [t for t in pending if not t.done()]
+        for task in left:  # (their callers' futures resolve, cancelled: no caller waits on a stopped loop)
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=1.0)
         await self._http.aclose()
 
 
