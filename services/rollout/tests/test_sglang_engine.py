@@ -323,6 +323,12 @@ def colocated_engine(fake: FakeSGLangServer, model_dir: Path, **options: Any) ->
     return SGLangEngine.from_pretrained(model_dir, base_url=fake.url, ipc_device=None, **options)
 
 
+def serve_until_the_release_is_held(engine: SGLangEngine, fake: FakeSGLangServer) -> None:
+    """One request served, then wait for the engine's release, which the fake holds at its gate."""
+    engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+    wait_for(lambda: "/release_memory_occupation" in fake.routes())
+
+
 def test_an_idle_engine_releases_the_servers_memory_and_takes_it_back_in_turn(
     fake: FakeSGLangServer, model_dir: Path, make_model: Any
 ) -> None:
@@ -359,8 +365,7 @@ def test_a_request_or_a_version_arriving_during_a_release_waits_for_it_and_resum
     engine = colocated_engine(fake, model_dir)
     gate = fake.gates["/release_memory_occupation"] = threading.Event()
     try:
-        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
-        wait_for(lambda: "/release_memory_occupation" in fake.routes())  # held by the fake
+        serve_until_the_release_is_held(engine, fake)
         request = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))
         version = engine.stage_weights(1, make_model(seed=1).state_dict())
         time.sleep(0.1)
@@ -380,8 +385,7 @@ def test_closing_during_a_hung_release_returns_in_time_and_resolves_every_reques
     engine = colocated_engine(fake, model_dir)
     gate = fake.gates["/release_memory_occupation"] = threading.Event()
     try:
-        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
-        wait_for(lambda: "/release_memory_occupation" in fake.routes())  # held by the fake
+        serve_until_the_release_is_held(engine, fake)
         waiting = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))
         started = time.monotonic()
         engine.close(timeout=2.0)

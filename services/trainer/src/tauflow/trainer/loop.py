@@ -130,7 +130,9 @@ class TrainerLoop:
             while not self.done():
                 await self._running.wait()
                 await self._renew(self._held)
-                await self._release_memory()
+                if self.backend.config.offload_model:  # (no thread hop per poll otherwise)
+                    async with self._lock:
+                        await self._release_memory()
                 self.state = State.WAITING_FOR_DATA
                 parts = await self._lease_batch()
                 if not parts:
@@ -162,11 +164,9 @@ class TrainerLoop:
         await self.queue.set_version(self.version, rebase=True)
         await self._publish(rebase=True)
 
-    async def _release_memory(self, locked: bool = False) -> None:
-        """Colocated mode (backend.offload_model): the engine's turn; the weights wait in host memory."""
-        if not locked:
-            async with self._lock:
-                return await self._release_memory(locked=True)
+    async def _release_memory(self) -> None:
+        """Colocated mode (backend.offload_model): the engine's turn; the weights wait in host memory. The
+        caller holds the loop's lock (no step or checkpoint beside it)."""
         try:
             moved = await asyncio.to_thread(self.backend.release_memory)
         except (RuntimeError, OSError) as e:  # e.g. no pinned host memory left: the weights stay (or come back)
@@ -328,7 +328,7 @@ class TrainerLoop:
             self.state = State.CHECKPOINTING
             try:  # a failed write (a bad directory, a full disk) leaves the state as it was
                 info = await asyncio.to_thread(self.backend.save_checkpoint, directory or self.checkpoint_dir)
-                await self._release_memory(locked=True)  # (one asked for while the loop waits)
+                await self._release_memory()  # (one asked for while the loop waits)
                 self.last_checkpoint = info
                 held, self._held = self._held, []
                 self._since_checkpoint.clear()

@@ -26,9 +26,10 @@ because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
 - **Taking turns in memory** (colocated mode, docs/gpu.md). ``offload_weights_when_idle`` and
   ``release_memory_when_idle``: once no request has been in flight for ``release_after_idle_s``, the engine
   asks ``/release_memory_occupation`` for the KV cache (and the weights); the next request first asks
-  ``/resume_memory_occupation`` for them, a weight update for the weights only. SGLang releases only when idle
-  (``/flush_cache`` asks first) and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` for the weights to come back as they
-  were: without it they come back only through the next full update); a server this engine starts gets both.
+  ``/resume_memory_occupation`` for them, a weight update for the weights only. SGLang releases only when
+  idle (``/flush_cache`` asks first) and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``
+  for the weights to come back as they were: without it they come back only through the next full update);
+  a server this engine starts gets both.
 """
 
 from __future__ import annotations
