@@ -223,28 +223,26 @@ def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: M
     assert c.version == 1 and next(c.model.parameters()).is_cuda
 
 
-def test_offload_optimizer_needs_a_cuda_device(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="offload_optimizer needs a CUDA device"):
-        config(tiny_model_dir, offload_optimizer=True)
-
-
 def test_an_offloaded_model_steps_publishes_and_checkpoints_as_a_resident_one(
     tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
-    # offload_model (colocated mode): between steps every model of the process (here the policy and the KL's
-    # reference) waits in host memory; each command brings them back, and the run is the same run.
+    # offload_model and offload_optimizer (colocated mode): between steps every model of the process (here the
+    # policy and the KL's reference) and the policy's AdamW moments wait in host memory; each command brings
+    # the weights back, each update the moments, and the run is the same run.
     opts = {"optim": OptimConfig(lr=1e-2), "algorithm_options": {"kl_coef": 0.1}}
     plain = TorchBackend(config(tiny_model_dir, **opts))
-    offloaded = TorchBackend(config(tiny_model_dir, offload_model=True, **opts))
+    offloaded = TorchBackend(config(tiny_model_dir, offload_model=True, offload_optimizer=True, **opts))
     assert plain.release_memory() == 0  # (without offload_model: nothing moves)
     weights = {id(p): p for m in (offloaded.model, offloaded.ref_model) for p in m.parameters()}
     total = sum(p.numel() * p.element_size() for p in weights.values())
+    policy_floats = sum(p.numel() for p in offloaded.model.parameters())
     for step in range(3):
         groups = make_groups(step, 2)
         a, b = plain.train_step(groups), offloaded.train_step(groups)
         assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-8) and b.metrics["kl_ref"] == pytest.approx(
             a.metrics["kl_ref"], rel=1e-5, abs=1e-9
         )
+        assert offloaded._offload is not None and offloaded._offload.offloaded_bytes == 2 * 4 * policy_floats
         assert offloaded.release_memory() == total
         assert all(p.numel() == 0 for p in weights.values())
         published = offloaded.state_dict_for_publish(torch.bfloat16)  # a command: the weights come back
@@ -255,6 +253,10 @@ def test_an_offloaded_model_steps_publishes_and_checkpoints_as_a_resident_one(
     resumed = TorchBackend(config(tiny_model_dir, **opts), checkpoint=info.path)
     for n, t in plain.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[n], t, rtol=0, atol=0, msg=n)
+    plain.train_step(make_groups(3, 2))  # the moments saved from host memory: the next update is the same
+    resumed.train_step(make_groups(3, 2))
+    for n, t in plain.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[n], t, rtol=0, atol=1e-7, msg=n)
     with pytest.raises(ValueError, match="offload_model needs kind: torch"):
         config(tiny_model_dir, offload_model=True, kind="megatron", device="cuda")
 

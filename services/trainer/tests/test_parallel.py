@@ -45,12 +45,41 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
         backend.follow()
         backend.close()
         return
-    results = [backend.train_step(batch) for batch in job["batches"]]
+    results, released = [], []
+    for batch in job["batches"]:
+        results.append(backend.train_step(batch))
+        if job.get("release"):  # colocated mode's turn: every rank's weights and moments in host memory
+            released.append((backend.release_memory(), offloaded_state(backend)))
     weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
     if job.get("checkpoint"):
+        if job.get("release"):
+            backend.release_memory()  # (a checkpoint asked for while offloaded)
         backend.save_checkpoint(job["checkpoint"])
     backend.close()
-    out.write_bytes(pickle.dumps({"weights": weights, "metrics": [r.metrics for r in results]}))
+    out.write_bytes(pickle.dumps({"weights": weights, "metrics": [r.metrics for r in results], "released": released}))
+
+
+def offloaded_state(backend: TorchBackend) -> dict[str, Any]:
+    """Whether this rank's weights and AdamW moments are out of device memory now (a DTensor's storage
+    emptied, a plain parameter's data empty, a plain moment replaced by its host buffer), and their bytes."""
+    from tauflow.models.offload import sharded_local
+
+    def emptied(t: torch.Tensor) -> bool:
+        local = sharded_local(t)
+        return t.numel() == 0 if local is None else local.untyped_storage().nbytes() == 0
+
+    offload = backend._offload
+    assert offload is not None
+    params = list(backend.model.parameters())
+    moments = [(p, key) for p in params for key in ("exp_avg", "exp_avg_sq")]
+    return {
+        "weights_out": all(emptied(p.data) for p in params),
+        "moments_out": all(
+            emptied(backend.optimizer.state[p][key]) or backend.optimizer.state[p][key] is offload._host[(id(p), key)]
+            for p, key in moments
+        ),
+        "moment_bytes": offload.offloaded_bytes,
+    }
 
 
 def run_ranks(world: int, strategy: str, job: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
@@ -105,14 +134,20 @@ def test_two_ranks_make_the_update_of_one(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloading"])
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_cuda_rank_over_nccl_makes_the_update_of_the_plain_backend(
-    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    strategy: str, offload: bool, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
-    """FSDP2 and DDP on CUDA with NCCL (one rank: NCCL refuses two ranks on one GPU), against one process."""
+    """FSDP2 and DDP on CUDA with NCCL (one rank: NCCL refuses two ranks on one GPU), against one process;
+    offloading: the weights and moments leave the GPU between steps (FSDP2's shards emptied in place)."""
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    job = {"config": backend_config(tiny_model_dir, device="cuda"), "batches": batches, "device": "cuda"}
-    assert_same_weights(run_ranks(1, strategy, job, tmp_path)["weights"], one_process(job)["weights"])
+    plain = backend_config(tiny_model_dir, device="cuda")
+    config = backend_config(tiny_model_dir, device="cuda", offload_model=offload, offload_optimizer=offload)
+    job = {"config": config, "batches": batches, "device": "cuda", "release": offload}
+    ranked = run_ranks(1, strategy, job, tmp_path)
+    assert_same_weights(ranked["weights"], one_process({**job, "config": plain})["weights"])
+    assert all(state["weights_out"] and state["moments_out"] for _, state in ranked["released"])
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
@@ -214,3 +249,32 @@ def test_distributed_config_refuses_what_cannot_work() -> None:
         DistributedConfig(strategy="zero3")
     with pytest.raises(ValueError, match="master_address"):
         DistributedConfig(master_address="nohost")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_offloading_between_steps_make_the_updates_of_one_and_checkpoint_them(
+    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # Colocated mode on a node of several GPUs: while rank 0 waits for its batch, every rank's weights and
+    # AdamW moments (FSDP2: its shards, emptied in place; DDP: its replica) wait in host memory; the next
+    # command brings the weights back on every rank, the next update the moments. The run is the same run,
+    # and a checkpoint asked for while offloaded gathers the real state.
+    batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
+    plain = backend_config(tiny_model_dir)
+    offloading = backend_config(tiny_model_dir, offload_model=True, offload_optimizer=True)
+    single = one_process({"config": plain, "batches": batches})
+    job = {"config": offloading, "batches": batches, "release": True, "checkpoint": tmp_path / "ck"}
+    both = run_ranks(2, strategy, job, tmp_path)
+    assert_same_weights(both["weights"], single["weights"])
+    full = sum(t.numel() * t.element_size() for t in single["weights"].values() if t.is_floating_point())
+    for moved, state in both["released"]:
+        assert state["weights_out"] and state["moments_out"]
+        if strategy == "ddp":  # every rank a whole replica
+            assert moved == 2 * full
+            assert state["moment_bytes"] == 2 * full
+        else:  # a shard each (FSDP2 pads a shard to an even split): about half on rank 0
+            assert full <= moved <= full * 1.1
+            assert full * 0.9 <= state["moment_bytes"] <= full * 1.1  # two moments of half the weights
+    resumed = one_process({"config": plain, "batches": [make_groups(3, 4)], "resume": tmp_path / "ck"})
+    straight = one_process({"config": plain, "batches": [*batches, make_groups(3, 4)]})
+    assert_same_weights(resumed["weights"], straight["weights"])  # the moments were gathered, not the emptied

@@ -10,6 +10,37 @@ from collections.abc import Iterable
 import torch
 
 
+def sharded_local(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The local shard of a DTensor (FSDP2's parameters and their optimizer state), None for a plain tensor."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else None
+
+
+def storage_to_host(local: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """Copies the whole storage under ``local`` into ``host`` (a byte buffer; a new one, pinned for a GPU, when
+    it is None or of another size) and frees the storage in place: every tensor viewing it stays (a DTensor,
+    FSDP2's padded shard), without its bytes until :func:`storage_to_device`. The buffer is returned."""
+    storage = local.untyped_storage()
+    if not storage.resizable():
+        raise RuntimeError(f"the storage of a {tuple(local.shape)} tensor cannot be freed in place (not resizable)")
+    if host is None or host.numel() != storage.nbytes():
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=local.is_cuda)
+    device_bytes = torch.empty(0, dtype=torch.uint8, device=local.device).set_(storage)
+    host.copy_(device_bytes, non_blocking=local.is_cuda)  # (stream-ordered before any reuse of the freed block)
+    storage.resize_(0)
+    return host
+
+
+def storage_to_device(local: torch.Tensor, host: torch.Tensor) -> None:
+    """Gives the storage under ``local`` its bytes back from ``host`` (what :func:`storage_to_host` took)."""
+    storage = local.untyped_storage()
+    storage.resize_(host.numel())
+    torch.empty(0, dtype=torch.uint8, device=local.device).set_(storage).copy_(host, non_blocking=True)
+
+
 class ParameterOffload:
     """Moves the parameters of some modules to host memory and back, keeping the Parameter objects.
 
@@ -22,6 +53,9 @@ class ParameterOffload:
 
     ``adopt(param, tensor)`` points an offloaded parameter at a tensor that replaces its values anyway (a
     weight update: the new version's copy becomes the parameter); nothing is copied back for it.
+
+    A sharded parameter (FSDP2's DTensor, whose local shard is a view of FSDP2's own padded buffer) cannot be
+    re-pointed: its storage is emptied in place instead and refilled by ``to_device`` (its shape stays).
 
     Thread-safe: the three methods take one lock. On a CPU the "host" is the device, so an offload saves
     nothing there; it behaves the same (copies both ways), which is what lets CPU tests check it.
@@ -61,10 +95,20 @@ class ParameterOffload:
                 if key in self._offloaded:
                     continue
                 data = param.data
-                host = self._host.get(key)
-                if host is None or host.shape != data.shape or host.dtype != data.dtype:
-                    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
-                    self._host[key] = host
+                local = sharded_local(data)
+                if local is not None:  # emptied in place: FSDP2 keeps views of the storage
+                    if local.untyped_storage().nbytes() == 0:
+                        continue  # (nothing held, or a storage another parameter shares and took already)
+                    host = self._host[key] = storage_to_host(local, self._host.get(key))
+                    self._offloaded[key] = param
+                    moved += host.numel()
+                    if local.is_cuda:
+                        gpus.add(local.device)
+                    continue
+                kept = self._host.get(key)
+                if kept is None or kept.shape != data.shape or kept.dtype != data.dtype:
+                    kept = self._host[key] = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
+                host = kept
                 # (a stream-ordered copy: the device block freed below is reused only by later work)
                 host.copy_(data, non_blocking=data.is_cuda)
                 param.data = torch.empty(0, dtype=data.dtype, device=data.device)
@@ -86,6 +130,11 @@ class ParameterOffload:
         with self._lock:
             for key, param in self._offloaded.items():
                 host = self._host[key]
+                local = sharded_local(param.data)
+                if local is not None:
+                    storage_to_device(local, host)
+                    moved += host.numel()
+                    continue
                 # a copy on a CPU too (not the buffer itself), so that CPU tests see what a GPU does
                 param.data = host.to(param.device, non_blocking=True, copy=True)
                 moved += host.numel() * host.element_size()
@@ -100,6 +149,8 @@ class ParameterOffload:
             if key not in self._offloaded:
                 return False
             host = self._host[key]
+            if sharded_local(param.data) is not None:
+                raise ValueError("a sharded (DTensor) parameter cannot adopt a tensor; to_device brings it back")
             if tensor.is_inference():
                 raise ValueError("an inference-mode tensor cannot become a parameter (in-place updates would fail)")
             if tensor.shape != host.shape or tensor.dtype != host.dtype or tensor.device != param.device:

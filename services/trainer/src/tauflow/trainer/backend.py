@@ -67,6 +67,9 @@ tracer = trace.get_tracer("tauflow.trainer")
 
 log = logging.getLogger(__name__)
 
+# What the other ranks run without their offloaded weights back (release_memory): the rest wakes them first.
+NO_WAKE_COMMANDS = ("keepalive", "stop", "release")
+
 
 @dataclass(frozen=True)
 class TorchBackendConfig:
@@ -121,13 +124,14 @@ class TorchBackendConfig:
     offload_optimizer: bool = False
     """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
     so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back
-    before each update). Needs a CUDA device; not with FSDP2."""
+    before each update). With several ranks each keeps its own part (FSDP2: its shard). On a CPU it saves
+    nothing (the host is the device) and behaves the same."""
     offload_model: bool = False
     """Colocated mode (docs/gpu.md): between steps, while the trainer waits for its batch, its models' weights
     (the policy's float32 master weights, the reference's, a teacher's and a critic's in this process) wait in
     host memory, so the engine on the same GPU can use that memory; they come back at the trainer's next
-    command (a step, a publish, a checkpoint). One rank, kind torch. On a CPU it saves nothing (the host is
-    the device) and behaves the same."""
+    command (a step, a publish, a checkpoint). With several ranks every rank offloads its own (FSDP2: its
+    shard). kind torch. On a CPU it saves nothing (the host is the device) and behaves the same."""
 
     def __post_init__(self) -> None:
         if self.padding_side not in PADDING_SIDES:
@@ -140,8 +144,6 @@ class TorchBackendConfig:
             raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
         if self.offload_model and self.kind != "torch":
             raise ValueError("offload_model needs kind: torch")
-        if self.offload_optimizer and not self.device.startswith("cuda"):
-            raise ValueError(f"offload_optimizer needs a CUDA device (device: cuda), not device {self.device!r}")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
             raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
         # The algorithm and its options, checked when the config loads (not at the first step).
@@ -312,10 +314,6 @@ class TorchBackend:
             if config.pad_token_id is not None
             else (getattr(self.model.config, "pad_token_id", None) or 0)
         )
-        if config.offload_optimizer and group is not None and group.strategy == "fsdp":
-            raise ValueError("offload_optimizer is not supported with FSDP2 (strategy fsdp); use ddp or one rank")
-        if config.offload_model and group is not None:
-            raise ValueError("offload_model is for one rank (colocated mode: one GPU), not a data-parallel role")
         self._model_offload: ParameterOffload | None = None  # built at the first release_memory
         self._build_optimizer()
         # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
@@ -342,19 +340,28 @@ class TorchBackend:
 
     def release_memory(self) -> int:
         """The trainer's turn is over (colocated mode): with ``offload_model``, the weights of every model this
-        process holds go to host memory until its next command brings them back. The bytes moved (0 without
-        offload_model). The caller keeps it from running beside a step or a checkpoint (the loop's lock)."""
+        process holds go to host memory until its next command brings them back; with several ranks, every
+        rank's, and this returns once all have moved theirs (the engine's turn starts then). The bytes moved,
+        every rank's together (0 without offload_model). The caller keeps it from running beside a step or a
+        checkpoint (the loop's lock)."""
         if not self.config.offload_model:
             return 0
-        with self._commands:
-            modules = [self.model, self.ref_model, self.teacher_model, self.critic.model if self.critic else None]
-            present = [m for m in modules if m is not None]
-            offload = self._model_offload
-            if offload is None or offload.modules != present:  # (first time, or a model loaded since)
-                if offload is not None:
-                    offload.to_device()  # (a no-op: every command wakes them)
-                offload = self._model_offload = ParameterOffload(present)
-            return offload.to_host()
+        if self.group is None:
+            with self._commands:
+                return self._offload_models()
+        with self._command("release"):
+            return sum(self.group.gather(self._offload_models()) or [])
+
+    def _offload_models(self) -> int:
+        """This rank's models to host memory (release_memory); the bytes moved."""
+        modules = [self.model, self.ref_model, self.teacher_model, self.critic.model if self.critic else None]
+        present = [m for m in modules if m is not None]
+        offload = self._model_offload
+        if offload is None or offload.modules != present:  # (first time, or a model loaded since)
+            if offload is not None:
+                offload.to_device()  # (a no-op: every command wakes them)
+            offload = self._model_offload = ParameterOffload(present)
+        return offload.to_host()
 
     def _wake(self) -> None:
         """Before the models run or are read: what release_memory moved to host memory comes back."""
@@ -996,7 +1003,7 @@ class TorchBackend:
     def _command(self, command: str, payload: Any = None) -> Iterator[None]:
         """Rank 0: one command at a time, sent to the other ranks before its collectives begin."""
         with self._commands:
-            if command not in ("keepalive", "stop"):
+            if command not in NO_WAKE_COMMANDS:
                 self._wake()
             if self.group is not None:
                 self.group.send(command, payload)
@@ -1009,6 +1016,8 @@ class TorchBackend:
         assert self.group is not None and not self.group.leads, "follow() is for ranks other than 0"
         while True:
             command, payload = self.group.receive()
+            if command not in NO_WAKE_COMMANDS:
+                self._wake()
             if command == "train":
                 self._train(payload, self.group.scatter(None))
                 self.version += 1
@@ -1018,6 +1027,8 @@ class TorchBackend:
                 self.group.full_state_dict(self.model)
             elif command == "checkpoint":
                 self._gather_for_checkpoint()
+            elif command == "release":
+                self.group.gather(self._offload_models())
             elif command == "stop":
                 self.group.close()  # at once, in step with rank 0's close (the service may be stopping meanwhile)
                 return
@@ -1116,10 +1127,12 @@ class TorchBackend:
             if critic is not None:
                 out.update(critic_weights=None, critic_optimizer=critic.optimizer.state_dict())
             return out
-        out = {
-            "weights": group.full_state_dict(self.model),
-            "optimizer": group.full_optimizer_state(self.model, self.optimizer),
-        }
+        # (a sharded state emptied by offload_optimizer is gathered from its device, then offloaded again)
+        with self._offload.resident() if self._offload is not None else contextlib.nullcontext():
+            out = {
+                "weights": group.full_state_dict(self.model),
+                "optimizer": group.full_optimizer_state(self.model, self.optimizer),
+            }
         if critic is not None:
             out["critic_weights"] = group.full_state_dict(critic.model)
             out["critic_optimizer"] = group.full_optimizer_state(critic.model, critic.optimizer)

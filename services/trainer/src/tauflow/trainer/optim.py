@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tauflow.models.offload import sharded_local, storage_to_device, storage_to_host
 
 SCHEDULES = ("constant", "cosine")
 
@@ -105,45 +108,74 @@ class OptimizerOffload:
     generates on the same GPU while the trainer waits for its batch. AdamW keeps two float32 moments per
     parameter, twice the float32 weights: the largest part of a trainer's memory that the engine can use.
 
-    ``to_host`` after an update copies every state tensor that lives on a GPU into a pinned host buffer of its
-    own (kept, so later updates allocate nothing) and frees the GPU copy; ``to_device`` before the next update
-    copies them back to their parameter's device. A state saved in a checkpoint meanwhile is the host copy (the
-    same values); a state loaded from one lands on the parameters' devices, which ``to_host`` handles alike."""
+    ``to_host`` after an update copies every state tensor into a host buffer of its own (pinned for a GPU;
+    kept, so later updates allocate nothing) and frees the device copy; ``to_device`` before the next update
+    copies them back to their parameter's device. A plain state tensor is replaced by its host copy, so a
+    checkpoint saved meanwhile reads the same values; a sharded one (FSDP2's DTensor) is emptied in place
+    and must be brought back before anything reads it (:meth:`resident`). On a CPU the "host" is the
+    device: nothing is saved there, but the copies run both ways, which is what lets CPU tests check it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._pinned: dict[tuple[int, str], torch.Tensor] = {}  # (id of the parameter, state key) -> buffer
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # (id of the parameter, state key) -> buffer
+        self._emptied: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a sharded state's local shard, its bytes)
         self.offloaded_bytes = 0
 
     def to_host(self) -> int:
-        """Moves the GPU-resident state to host memory; the bytes moved."""
+        """Moves the device-resident state to host memory; the bytes moved."""
         moved = 0
+        gpus: set[torch.device] = set()
         for param, state in self.optimizer.state.items():
-            if param.device.type == "cpu":
-                continue
             for key, value in state.items():
-                if not isinstance(value, torch.Tensor) or value.device != param.device:
-                    continue  # (e.g. AdamW's step count, a host scalar)
-                host = self._pinned.get((id(param), key))
-                if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                    self._pinned[(id(param), key)] = host
-                host.copy_(value, non_blocking=True)
-                state[key] = host
-                moved += value.numel() * value.element_size()
-        if moved:
-            for device in {p.device for p in self.optimizer.state if p.device.type == "cuda"}:
-                torch.cuda.synchronize(device)  # the host copies are complete before the GPU blocks are handed back
+                # (not a host scalar such as AdamW's step count, nor what is in host memory already)
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.device != param.device:
+                    continue
+                if value is self._host.get((id(param), key)):
+                    continue
+                local = sharded_local(value)
+                kept = self._host.get((id(param), key))
+                if local is not None:
+                    if local.untyped_storage().nbytes() == 0:
+                        continue  # (emptied already)
+                    host = self._host[(id(param), key)] = storage_to_host(local, kept)
+                    self._emptied.append((local, host))
+                else:
+                    if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
+                        kept = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                    host = self._host[(id(param), key)] = kept
+                    host.copy_(value, non_blocking=value.is_cuda)
+                    state[key] = host
+                moved += host.numel() * host.element_size()
+                if value.is_cuda:
+                    gpus.add(value.device)
+        for device in gpus:
+            torch.cuda.synchronize(device)  # the host copies are complete before the GPU blocks are handed back
+        if gpus:
             torch.cuda.empty_cache()  # ... to the driver, where the engine's process can have them
-        self.offloaded_bytes = moved
+        self.offloaded_bytes += moved
         return moved
 
     def to_device(self) -> None:
         """Moves the offloaded state back to each parameter's device, before an update."""
         for param, state in self.optimizer.state.items():
-            if param.device.type == "cpu":
-                continue
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and self._pinned.get((id(param), key)) is value:
-                    state[key] = value.to(param.device, non_blocking=True)
+                if isinstance(value, torch.Tensor) and self._host.get((id(param), key)) is value:
+                    # a copy on a CPU too (not the buffer itself), so that CPU tests see what a GPU does
+                    state[key] = value.to(param.device, non_blocking=True, copy=True)
+        for local, host in self._emptied:
+            storage_to_device(local, host)
+        self._emptied.clear()
         self.offloaded_bytes = 0
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The state on its devices for a while (a checkpoint gathering it), then back in host memory if it
+        was there."""
+        if not self.offloaded_bytes:
+            yield
+            return
+        self.to_device()
+        try:
+            yield
+        finally:
+            self.to_host()
