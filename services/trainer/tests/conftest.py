@@ -97,3 +97,20 @@ def megatron_world(tmp_path: Path) -> Iterator[None]:
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def megatron_on_cpu(megatron_world: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test shim, not a product path: megatron-core's real forward and backward on the CPU. It makes a few
+    buffers on ``torch.cuda.current_device()`` and forks a CUDA RNG state around dropout (0 here); the shim
+    points the first at the CPU, makes the fork a no-op, and lets the megatron backend take ``device: cpu``
+    (it refuses it: users train it on CUDA)."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    import tauflow.trainer.megatron.backend as megatron_backend
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(megatron_backend, "require_cuda", lambda device: None)

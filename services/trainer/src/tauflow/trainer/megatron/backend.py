@@ -9,8 +9,9 @@ its optimizer state resumes the megatron backend only: it is keyed by megatron's
 sidecar publishes Hugging Face names (``convert``). The reference and the teacher, forward only, stay Hugging Face models.
 
 Scope now: tensor- and pipeline-parallel size 1 on one CUDA device (what one GPU verifies;
-``tests/test_megatron_backend.py``, marked gpu). megatron-core's forward assumes CUDA; on a CPU the model
-builds and converts (the tests of this module) but does not run.
+``tests/test_megatron_backend.py``, marked gpu). megatron-core's forward assumes CUDA (a few buffers made on
+``torch.cuda.current_device()``, a CUDA RNG forked around dropout), so the backend refuses other devices; the
+CPU tests run the same code under a test shim that points those two at the CPU (the trainer's conftest).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_paral
     if device.type == "cuda":
         torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         mpu.model_parallel_cuda_manual_seed(seed)  # the RNG tracker megatron's dropout forks (0 here, but asked)
+
+
+def require_cuda(device: str) -> None:
+    """megatron-core's forward assumes a CUDA device: refuses any other."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"the megatron backend needs a CUDA device (megatron-core's forward assumes one), not {device!r}")
 
 
 class MegatronCausalLM(torch.nn.Module):
@@ -136,10 +143,7 @@ class MegatronBackend(TorchBackend):
             raise ValueError("the megatron backend runs one rank for now (distributed.world_size: 1)")
         if config.padding_side != "right":
             raise ValueError("the megatron backend needs backend.padding_side: right")
-        if torch.device(config.device).type != "cuda":
-            raise ValueError(
-                f"the megatron backend needs a CUDA device (megatron-core's forward assumes one), not {config.device!r}"
-            )
+        require_cuda(config.device)
         init_megatron(torch.device(config.device), config.tensor_parallel, config.pipeline_parallel, config.seed)
         super().__init__(config, **kwargs)
         if self.processor is not None:
