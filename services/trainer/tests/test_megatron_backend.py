@@ -94,7 +94,9 @@ def test_megatron_tp1_gives_the_torch_backends_loss(
         assert torch.allclose(published[name].float(), t.float(), atol=50 * tolerance), name
 
 
-def test_megatron_checkpoints_resume(device: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
+def test_megatron_checkpoints_resume(
+    device: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
     from tauflow.trainer.megatron.backend import MegatronBackend
 
     autocast = "bfloat16" if device == "cuda" else None

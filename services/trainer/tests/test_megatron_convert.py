@@ -1,10 +1,14 @@
 """Hugging Face ↔ megatron-core weights (tauflow.trainer.megatron.convert): exact round trips, tensor- and
 pipeline-parallel shards that merge back, and, where megatron-core is installed, its real GPTModel built on the
 CPU from the same config: the converted weights load into it name for name, and its q/k/v split and gated MLP
-compute what the Hugging Face layer computes (its full forward needs CUDA: the gpu-marked equivalence test)."""
+compute what the Hugging Face layer computes; with TP = 2 and PP = 2 (two gloo ranks, megatron-core's
+hard-coded CUDA device pointed at the CPU as the conftest's shim does), each rank's shard in megatron's
+parallel model gives the Hugging Face model's logits, and with TP its gradient shards merge to HF's gradients."""
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,3 +184,87 @@ def test_the_rotary_base_is_the_checkpoints_and_scaled_rope_is_refused(megatron_
     scaled = LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="rope scaling 'linear'"):
         rope_theta(scaled)
+
+
+# -- the shards in megatron-core's tensor- and pipeline-parallel model, two gloo ranks on the CPU ---------------------
+
+
+def _parallel_rank(rank: int, port: int, tp: int, pp: int, out: Path) -> None:
+    """One rank of a TP x PP world: megatron-core's GPTModel with this rank's shard of the converted weights,
+    its forward (and with TP its backward) on the CPU; rank 0 writes the logits and gradients it saw."""
+    import contextlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from tauflow.trainer.megatron.model import gpt_model, transformer_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp)
+    parallel_state.initialize_model_parallel(tp, pp)
+    # the conftest's shim, in this process: megatron-core's hard-coded CUDA device and RNG fork on the CPU
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    hf_model = qwen2(layers=4)  # (seeded: every rank builds the same)
+    layout = MegatronLayout.from_hf_config(hf_model.config)
+    config = transformer_config(hf_model.config, tensor_parallel=tp, pipeline_parallel=pp, use_cpu_initialization=True)
+    model = gpt_model(hf_model.config, config, pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+    mine = shard(hf_to_mcore(full_state(hf_model), layout), layout, tp, tp_rank, pp, pp_rank)
+    result = model.load_state_dict(mine, strict=False)
+    assert not result.unexpected_keys and all(k.endswith("_extra_state") for k in result.missing_keys), result
+    ids = torch.tensor([[3, 9, 27, 5, 11], [7, 1, 60, 2, 33]])
+    positions = torch.arange(5).expand_as(ids)
+    causal = ~torch.ones(5, 5, dtype=torch.bool).tril()[None, None]  # megatron's mask: True where refused
+    if pp == 1:
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(model(ids, positions, causal))
+        logits.float().pow(2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        gathered: list[Any] = [None] * tp
+        dist.all_gather_object(gathered, grads)
+        if rank == 0:
+            hf_grads = mcore_to_hf(merge_shards([gathered], layout), layout)
+            out.write_bytes(pickle.dumps({"logits": logits.detach(), "grads": hf_grads}))
+    elif pp_rank == 0:  # the first stage's hidden states go on to the last stage
+        dist.send(model(ids, positions, causal).detach().contiguous(), dst=1)
+    else:
+        hidden = torch.empty(5, 2, 32)
+        dist.recv(hidden, src=0)
+        model.set_input_tensor(hidden)
+        out.write_bytes(pickle.dumps({"logits": model(ids, positions, causal).detach()}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_each_ranks_shard_in_megatrons_parallel_model_computes_what_hf_computes(
+    tp: int, pp: int, tmp_path: Path
+) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    out = tmp_path / "seen.pkl"
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_parallel_rank, args=(r, port, tp, pp, out)) for r in range(tp * pp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * (tp * pp)
+    seen = pickle.loads(out.read_bytes())
+    hf_model = qwen2(layers=4)
+    ids = torch.tensor([[3, 9, 27, 5, 11], [7, 1, 60, 2, 33]])
+    expected = hf_model(ids).logits
+    assert torch.allclose(seen["logits"], expected, atol=1e-5)
+    if "grads" in seen:  # TP: every rank's gradient shard, merged, is the HF model's gradient
+        expected.float().pow(2).mean().backward()
+        for name, p in hf_model.named_parameters():
+            assert torch.allclose(seen["grads"][name], p.grad, atol=1e-6), name

@@ -52,7 +52,9 @@ def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_paral
 def require_cuda(device: str) -> None:
     """megatron-core's forward assumes a CUDA device: refuses any other."""
     if torch.device(device).type != "cuda":
-        raise ValueError(f"the megatron backend needs a CUDA device (megatron-core's forward assumes one), not {device!r}")
+        raise ValueError(
+            f"the megatron backend needs a CUDA device (megatron-core's forward assumes one), not {device!r}"
+        )
 
 
 class MegatronCausalLM(torch.nn.Module):

@@ -24,6 +24,10 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = MegatronLayout.from_hf_config(hf_config)
+    if layout.num_layers % pipeline_parallel:  # (megatron's default layout: as many layers on every stage)
+        raise ValueError(
+            f"pipeline_parallel {pipeline_parallel} does not divide the model's {layout.num_layers} layers"
+        )
     text = hf_config.get_text_config()
     return TransformerConfig(
         num_layers=layout.num_layers,
@@ -43,6 +47,7 @@ def transformer_config(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         params_dtype=params_dtype,
+        pipeline_dtype=torch.bfloat16 if bf16 else params_dtype,  # what the stages send each other
         bf16=bf16,
         use_cpu_initialization=use_cpu_initialization,
     )
