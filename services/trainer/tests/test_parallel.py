@@ -41,6 +41,18 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
     group = RankGroup(dist, torch.device(job.get("device", "cpu")))  # (cuda: NCCL, the backend's auto choice)
     # Only rank 0 is told where the checkpoint is, as on Kubernetes, where only its pod has the volume.
     backend = TorchBackend(job["config"], checkpoint=job.get("resume") if rank == 0 else None, group=group)
+    if rank == job.get("failing_release", (None,))[0]:  # this rank's n-th offload fails (no pinned memory left)
+        from tauflow.models.offload import ParameterOffload
+
+        to_host, calls = ParameterOffload.to_host, [0]
+
+        def failing(self: ParameterOffload) -> int:
+            calls[0] += 1
+            if calls[0] == job["failing_release"][1]:
+                raise RuntimeError("no pinned host memory left (injected)")
+            return to_host(self)
+
+        ParameterOffload.to_host = failing  # type: ignore[method-assign]  # (in this rank's process only)
     if rank != 0:
         backend.follow()
         backend.close()
@@ -49,7 +61,10 @@ def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], 
     for batch in job["batches"]:
         results.append(backend.train_step(batch))
         if job.get("release"):  # colocated mode's turn: every rank's weights and moments in host memory
-            released.append((backend.release_memory(), offloaded_state(backend)))
+            try:
+                released.append((backend.release_memory(), offloaded_state(backend)))
+            except RuntimeError as e:
+                released.append((str(e), {}))
     weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
     if job.get("checkpoint"):
         if job.get("release"):
@@ -71,9 +86,13 @@ def offloaded_state(backend: TorchBackend) -> dict[str, Any]:
     offload = backend._offload
     assert offload is not None
     params = list(backend.model.parameters())
-    moments = [(p, key) for p in params for key in ("exp_avg", "exp_avg_sq")]
+    models = [m for m in (backend.model, backend.ref_model) if m is not None]
+    weights = [p for m in models for p in m.parameters()]
+    moments = [(p, key) for p in params if backend.optimizer.state.get(p) for key in ("exp_avg", "exp_avg_sq")]
     return {
-        "weights_out": all(emptied(p.data) for p in params),
+        "weights_out": all(emptied(p.data) for p in weights),
+        # FSDP2: what went out is the shards (a root left gathered by a forward without backward resharded first)
+        "sharded": sorted({type(p.data).__name__ for p in weights}),
         "moments_out": all(
             emptied(backend.optimizer.state[p][key]) or backend.optimizer.state[p][key] is offload._host[(id(p), key)]
             for p, key in moments
@@ -255,26 +274,43 @@ def test_distributed_config_refuses_what_cannot_work() -> None:
 def test_two_ranks_offloading_between_steps_make_the_updates_of_one_and_checkpoint_them(
     strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
-    # Colocated mode on a node of several GPUs: while rank 0 waits for its batch, every rank's weights and
-    # AdamW moments (FSDP2: its shards, emptied in place; DDP: its replica) wait in host memory; the next
-    # command brings the weights back on every rank, the next update the moments. The run is the same run,
-    # and a checkpoint asked for while offloaded gathers the real state.
-    batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    plain = backend_config(tiny_model_dir)
-    offloading = backend_config(tiny_model_dir, offload_model=True, offload_optimizer=True)
+    # Colocated mode on a node of several GPUs: while rank 0 waits for its batch, every rank's weights (the
+    # policy's and the KL reference's) and AdamW moments (FSDP2: its shards, emptied in place; DDP: its
+    # replica) wait in host memory; the next command brings the weights back on every rank, the next update
+    # the moments. The run is the same run, and a checkpoint asked for while offloaded gathers the real state.
+    # The first batch trains nothing (equal rewards: no advantage), so the policy, as the reference always,
+    # ran a forward without backward: FSDP2 leaves its root gathered then.
+    no_advantage = make_groups(0, 2, prefix="z")
+    for group in no_advantage:
+        for sample in group.samples:
+            sample.reward = 1.0
+    batches = [no_advantage, make_groups(1, 6), make_groups(2, 5, prefix="h")]
+    kl = {"algorithm_options": {"kl_coef": 0.05, "kl_reward_coef": 0.05}}
+    plain = backend_config(tiny_model_dir, **kl)
+    offloading = backend_config(tiny_model_dir, offload_model=True, offload_optimizer=True, **kl)
     single = one_process({"config": plain, "batches": batches})
-    job = {"config": offloading, "batches": batches, "release": True, "checkpoint": tmp_path / "ck"}
+    # rank 1 fails its second release: rank 0 says so, and the ranks go on in step
+    job = {"config": offloading, "batches": batches, "release": True, "checkpoint": tmp_path / "ck",
+           "failing_release": (1, 2)}  # fmt: skip
     both = run_ranks(2, strategy, job, tmp_path)
     assert_same_weights(both["weights"], single["weights"])
     full = sum(t.numel() * t.element_size() for t in single["weights"].values() if t.is_floating_point())
-    for moved, state in both["released"]:
+    assert both["metrics"][0]["skipped_zero_advantage_groups"] == 2
+    failed = both["released"].pop(1)
+    assert (
+        failed[0]
+        == "could not offload every rank's weights (rank 1: RuntimeError: no pinned host memory left (injected))"
+    )
+    for step, (moved, state) in zip((0, 2), both["released"], strict=True):
         assert state["weights_out"] and state["moments_out"]
-        if strategy == "ddp":  # every rank a whole replica
-            assert moved == 2 * full
-            assert state["moment_bytes"] == 2 * full
+        assert state["sharded"] == (["DTensor"] if strategy == "fsdp" else ["Tensor"])
+        if strategy == "ddp":  # every rank a whole replica of the policy and of the reference
+            assert moved == 2 * 2 * full
+            assert state["moment_bytes"] == (2 * full if step else 0)
         else:  # a shard each (FSDP2 pads a shard to an even split): about half on rank 0
-            assert full <= moved <= full * 1.1
-            assert full * 0.9 <= state["moment_bytes"] <= full * 1.1  # two moments of half the weights
+            assert 2 * full <= moved <= 2 * full * 1.1
+            if step:
+                assert full * 0.9 <= state["moment_bytes"] <= full * 1.1  # two moments of half the weights
     resumed = one_process({"config": plain, "batches": [make_groups(3, 4)], "resume": tmp_path / "ck"})
     straight = one_process({"config": plain, "batches": [*batches, make_groups(3, 4)]})
     assert_same_weights(resumed["weights"], straight["weights"])  # the moments were gathered, not the emptied

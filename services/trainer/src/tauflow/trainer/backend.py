@@ -305,10 +305,8 @@ class TorchBackend:
         self.processor = PartsProcessor.from_pretrained(config.model_path, media_limits)
         # the media tokens the rollout never samples: scored with the same mask
         self.banned_ids = media_token_ids(self.model.config) if self.processor is not None else []
-        if group is not None:
-            group.overwrite_with_leaders(self.model.state_dict().values())  # before it is sharded or wrapped
         # What forward runs on: the model itself, sharded in place by FSDP2, or DDP's wrapper of it.
-        self._forward_model = group.wrap(self.model) if group is not None else self.model
+        self._forward_model = self._join_ranks() if group is not None else self.model
         self.pad_token_id = (
             config.pad_token_id
             if config.pad_token_id is not None
@@ -338,30 +336,83 @@ class TorchBackend:
     def world_size(self) -> int:
         return 1 if self.group is None else self.group.world_size
 
+    # -- how the ranks share the work: data parallelism here (the megatron backend's tensor-parallel ranks
+    # -- override these)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks each train their own share of a batch: all of them (FSDP2 or DDP)."""
+        return self.world_size
+
+    def _shares(self, lengths: Sequence[int]) -> list[list[int]]:
+        """The samples (indices into ``lengths``) each rank takes: a share each, balanced by tokens."""
+        return balance_by_tokens(lengths, self.world_size)
+
+    def _join_ranks(self) -> torch.nn.Module:
+        """The loaded policy becomes rank 0's on every rank, then is sharded (FSDP2) or wrapped (DDP); what
+        forward runs on."""
+        assert self.group is not None
+        self.group.overwrite_with_leaders(self.model.state_dict().values())  # before it is sharded or wrapped
+        return self.group.wrap(self.model)
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights by name on rank 0 (the others get {}): a collective every rank runs."""
+        assert self.group is not None
+        return self.group.full_state_dict(self.model)
+
+    def _full_optimizer_state(self) -> dict[str, Any]:
+        """The policy optimizer's state as one process keys it, on rank 0: a collective every rank runs."""
+        assert self.group is not None
+        return self.group.full_optimizer_state(self.model, self.optimizer)
+
+    def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        """A state :meth:`_full_optimizer_state` (or one process) wrote, loaded on every rank."""
+        assert self.group is not None
+        self.group.load_optimizer_state(self.model, self.optimizer, state)
+
+    def _clip_and_step(self) -> dict[str, float]:
+        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+
     def release_memory(self) -> int:
         """The trainer's turn is over (colocated mode): with ``offload_model``, the weights of every model this
         process holds go to host memory until its next command brings them back; with several ranks, every
         rank's, and this returns once all have moved theirs (the engine's turn starts then). The bytes moved,
-        every rank's together (0 without offload_model). The caller keeps it from running beside a step or a
-        checkpoint (the loop's lock)."""
+        every rank's together (0 without offload_model). A rank that could not move its weights (no pinned host
+        memory left) keeps them and raises (rank 0, once every rank is done: the ranks stay in step). The
+        caller keeps it from running beside a step or a checkpoint (the loop's lock)."""
         if not self.config.offload_model:
             return 0
         if self.group is None:
             with self._commands:
                 return self._offload_models()
         with self._command("release"):
-            return sum(self.group.gather(self._offload_models()) or [])
+            results = self.group.gather(self._offload_models_or_error()) or []
+        failed = [f"rank {rank}: {error}" for rank, (_, error) in enumerate(results) if error]
+        if failed:
+            raise RuntimeError(f"could not offload every rank's weights ({'; '.join(failed)})")
+        return sum(moved for moved, _ in results)
 
     def _offload_models(self) -> int:
         """This rank's models to host memory (release_memory); the bytes moved."""
         modules = [self.model, self.ref_model, self.teacher_model, self.critic.model if self.critic else None]
         present = [m for m in modules if m is not None]
+        if self.group is not None and self.group.strategy == "fsdp":
+            for model in present:  # (else a root left gathered after a forward would stay, and be offloaded
+                self.group.reshard(model)  # in place of its shards)
         offload = self._model_offload
         if offload is None or offload.modules != present:  # (first time, or a model loaded since)
             if offload is not None:
                 offload.to_device()  # (a no-op: every command wakes them)
             offload = self._model_offload = ParameterOffload(present)
         return offload.to_host()
+
+    def _offload_models_or_error(self) -> tuple[int, str | None]:
+        """:meth:`_offload_models` on a rank of several: a failure is reported, not raised, so that every rank
+        still takes part in the gather after it."""
+        try:
+            return self._offload_models(), None
+        except (RuntimeError, OSError) as e:  # e.g. no pinned host memory left: what moved comes back at wake
+            return 0, f"{type(e).__name__}: {e}"
 
     def _wake(self) -> None:
         """Before the models run or are read: what release_memory moved to host memory comes back."""
@@ -444,10 +495,10 @@ class TorchBackend:
         """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step); with offload_optimizer,
         its state is on the GPU for the update only."""
         if self._offload is None:
-            return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+            return self._clip_and_step()
         self._offload.to_device()
         try:
-            return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+            return self._clip_and_step()
         finally:
             self._offload.to_host()  # (after a failed update too: the engine's memory is not held hostage)
 
@@ -505,7 +556,7 @@ class TorchBackend:
                 # Each rank gets its share of every mini-batch, balanced by tokens within the mini-batch.
                 per_rank: list[list[MiniBatch]] = [[] for _ in range(self.group.world_size)]
                 for mb in plan.mini_batches:
-                    for rank, share in enumerate(balance_by_tokens([len(s) for s in mb.samples], len(per_rank))):
+                    for rank, share in enumerate(self._shares([len(s) for s in mb.samples])):
                         per_rank[rank].append(mb.subset(share))
                 mine = self.group.scatter(per_rank)
             metrics = self._train(alg, mine)
@@ -714,7 +765,7 @@ class TorchBackend:
             if self.group is None:
                 results = self._forward_logprobs(pool, models)
             else:
-                shares = balance_by_tokens([len(s) for s in pool], self.group.world_size)
+                shares = self._shares([len(s) for s in pool])
                 mine = self.group.scatter([[pool[i] for i in share] for share in shares])
                 everyone = self.group.gather(self._forward_logprobs(mine, models)) or []
                 results = [{} for _ in pool]
@@ -831,7 +882,7 @@ class TorchBackend:
         model = self._forward_model
         critic = self._ensure_critic() if cfg.uses_critic else None
         train_policy = self.version >= cfg.critic_warmup_steps or critic is None
-        scale = float(self.world_size)  # the ranks' gradients are averaged: scaled by N, they add up
+        scale = float(self.data_parallel_size)  # the ranks' gradients are averaged: scaled by N, they add up
         model.train()
         plans = [self._micro_batches(mb) for mb in mini_batches]
         recompute = train_policy and cfg.proximal == "recompute" and cfg.updates > 1
@@ -930,7 +981,7 @@ class TorchBackend:
         if critic is not None:
             critic.scheduler.step()
         totals = add_sums(parts)
-        if self.group is not None:
+        if self.group is not None and self.data_parallel_size > 1:  # (tensor-parallel ranks saw the same samples)
             totals = self.group.sum(totals)
         metrics = summarize([totals], updates=max(len(updates), len(critic_updates)))
         metrics["micro_batches"] = totals.get("micro_batches", 0.0)
@@ -1024,11 +1075,11 @@ class TorchBackend:
             elif command == "forward":
                 self.group.gather(self._forward_logprobs(self.group.scatter(None), payload))
             elif command == "gather":
-                self.group.full_state_dict(self.model)
+                self._full_state_dict()
             elif command == "checkpoint":
                 self._gather_for_checkpoint()
             elif command == "release":
-                self.group.gather(self._offload_models())
+                self.group.gather(self._offload_models_or_error())
             elif command == "stop":
                 self.group.close()  # at once, in step with rank 0's close (the service may be stopping meanwhile)
                 return
@@ -1061,7 +1112,7 @@ class TorchBackend:
         collective: rank 0 calls this, the others follow) into new CPU tensors."""
         if self.group is not None and self.group.strategy == "fsdp":
             with self._command("gather"):
-                state = self.group.full_state_dict(self.model)
+                state = self._full_state_dict()
         else:
             with self._commands:  # (not beside a release_memory: a checkpoint's, asked for meanwhile)
                 self._wake()
@@ -1129,10 +1180,7 @@ class TorchBackend:
             return out
         # (a sharded state emptied by offload_optimizer is gathered from its device, then offloaded again)
         with self._offload.resident() if self._offload is not None else contextlib.nullcontext():
-            out = {
-                "weights": group.full_state_dict(self.model),
-                "optimizer": group.full_optimizer_state(self.model, self.optimizer),
-            }
+            out = {"weights": self._full_state_dict(), "optimizer": self._full_optimizer_state()}
         if critic is not None:
             out["critic_weights"] = group.full_state_dict(critic.model)
             out["critic_optimizer"] = group.full_optimizer_state(critic.model, critic.optimizer)
@@ -1166,7 +1214,7 @@ class TorchBackend:
         else:
             meta, state = self.group.share(read_trainer_state(path) if path is not None else None)
         if self.group is not None:
-            self.group.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self._load_optimizer_state(state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         if self._offload is not None:

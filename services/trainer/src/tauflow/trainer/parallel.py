@@ -164,6 +164,16 @@ class RankGroup:
         fully_shard(model)
         return model
 
+    @staticmethod
+    def reshard(model: torch.nn.Module) -> None:
+        """Frees whatever FSDP2 holds gathered in ``model`` (its root keeps its weights gathered after a forward
+        that had no backward), so that its parameters are the sharded DTensors again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A model that only runs forward (the reference): sharded with FSDP2, replicated with DDP."""
         return self.shard(model) if self.strategy == "fsdp" else model
