@@ -5,6 +5,7 @@ conftest's shim (megatron-core's hard-coded CUDA device pointed at the CPU; floa
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,12 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         config(tiny_model_dir, tensor_parallel=2)
     with pytest.raises(ValueError, match="kind must be"):
         config(tiny_model_dir, kind="jax")
-    with pytest.raises(ValueError, match="TP = PP = 1 for now"):
+    with pytest.raises(ValueError, match="need as many ranks"):
         init_megatron(torch.device("cpu"), tensor_parallel=2)
+    with pytest.raises(ValueError, match="must be tensor_parallel"):
+        MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", tensor_parallel=2))
+    with pytest.raises(ValueError, match="pipeline_parallel=2"):
+        MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2))
     with pytest.raises(ValueError, match="padding_side: right"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", padding_side="left"))
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -110,3 +115,104 @@ def test_megatron_checkpoints_resume(
         assert torch.equal(resumed.state_dict_for_publish()[name], t), name
     groups = make_groups(1, 2, prefix="h")
     assert resumed.train_step(groups).loss == pytest.approx(first.train_step(groups).loss, abs=1e-6)
+
+
+# -- tensor parallelism: two gloo ranks on the CPU under the shim, against one process -----------------------------
+
+
+def _tensor_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any], out: Path) -> None:
+    """One rank of a tensor-parallel megatron trainer (rank 0 leads, the other follows), under the conftest's
+    shim (in this process); rank 0 writes what it saw."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    import tauflow.trainer.megatron.backend as megatron_backend
+    from tauflow.trainer.parallel import DistributedConfig, RankGroup
+
+    torch.set_num_threads(1)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    megatron_backend.require_cuda = lambda device: None  # type: ignore[assignment]
+    dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", timeout_s=120, keepalive_s=60)
+    group = RankGroup(dist, torch.device("cpu"))
+    backend = megatron_backend.MegatronBackend(
+        job["config"], checkpoint=job.get("resume") if rank == 0 else None, group=group
+    )
+    if rank != 0:
+        backend.follow()
+        backend.close()
+        return
+    results = [backend.train_step(batch) for batch in job["batches"]]
+    weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
+    if job.get("checkpoint"):
+        backend.save_checkpoint(job["checkpoint"])
+    backend.close()
+    out.write_bytes(pickle.dumps({"weights": weights, "metrics": [r.metrics for r in results]}))
+
+
+def tensor_parallel_run(job: dict[str, Any], tmp_path: Path, world: int = 2) -> dict[str, Any]:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    out = tmp_path / "rank0.pkl"
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_tensor_parallel_rank, args=(r, world, port, job, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    return pickle.loads(out.read_bytes())
+
+
+def one_megatron_process(job: dict[str, Any]) -> dict[str, Any]:
+    from tauflow.trainer.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(job["config"], checkpoint=job.get("resume"))
+    results = [backend.train_step(batch) for batch in job["batches"]]
+    if job.get("checkpoint"):
+        backend.save_checkpoint(job["checkpoint"])
+    weights = {k: v.detach().cpu().clone() for k, v in backend.state_dict_for_publish().items()}
+    return {"weights": weights, "metrics": [r.metrics for r in results]}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tolerance: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= tolerance, worst
+
+
+def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_resume_at_either_size(
+    megatron_on_cpu: None, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # TP = 2 (every rank the whole batch and half of each attention and MLP block, of the embedding and the
+    # output layer) makes the updates TP = 1 makes: the same losses, the same gradient norm (clipped: the
+    # shards' norms summed over the ranks, the norms' scales once), the same weights gathered for a publish.
+    # Its checkpoint (the shards merged: HF weights, AdamW moments as one process keys them) resumes in one
+    # process, and one process's checkpoint resumes on two ranks (the moments cut again).
+    first, second = [make_groups(1, 4), make_groups(2, 3, prefix="h")], [make_groups(3, 4, prefix="k")]
+    optim = OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5)
+    one = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim)
+    two = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, tensor_parallel=2)
+    straight = one_megatron_process({"config": one, "batches": first + second})
+    parallel = tensor_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
+    before = one_megatron_process({"config": one, "batches": []})["weights"]
+    assert any(not torch.equal(before[k], parallel["weights"][k]) for k in before)  # the steps changed weights
+    for mine, theirs in zip(parallel["metrics"], straight["metrics"], strict=False):
+        for key in ("loss", "grad_norm", "tokens", "entropy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert straight["metrics"][0]["grad_norm"] > 0.5  # (so the clip acted)
+    halfway = one_megatron_process({"config": one, "batches": first})
+    assert_same_weights(parallel["weights"], halfway["weights"])
+
+    resumed = one_megatron_process({"config": one, "batches": second, "resume": tmp_path / "two"})
+    assert_same_weights(resumed["weights"], straight["weights"])  # the moments came back merged
+    one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
+    again = tensor_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
+    assert_same_weights(again["weights"], straight["weights"])  # ... and cut again

@@ -118,9 +118,9 @@ class TorchBackendConfig:
     """torch: the Hugging Face model in plain PyTorch (data parallel: FSDP2 or DDP); megatron: megatron-core's
     GPTModel (a Qwen2/Llama-style model; CUDA; the megatron extra; docs/gpu.md)."""
     tensor_parallel: int = 1
-    """megatron: tensor-parallel size (1 for now)."""
+    """megatron: tensor-parallel size; the trainer role's world size (its ranks are one tensor-parallel group)."""
     pipeline_parallel: int = 1
-    """megatron: pipeline-parallel size (1 for now)."""
+    """megatron: pipeline-parallel size (1 for now: pipeline parallelism is not written yet)."""
     offload_optimizer: bool = False
     """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
     so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,18 +75,25 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer,
     grad_clip: float | None,
     scaler: torch.amp.GradScaler | None = None,
+    norm_of: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """One optimizer update of ``model``'s accumulated gradients: clip their global norm, step, clear them.
     A non-finite norm skips the update (``skipped_nonfinite_grad`` = 1). Under FSDP2 the norm is that of
-    the whole gradient over every rank's shard, so every rank decides alike. With fp16's ``scaler`` the
-    gradients (of a scaled loss) are unscaled first, and the scale adapts: halved after an overflow, grown
-    after a run of good steps (torch.amp.GradScaler)."""
+    the whole gradient over every rank's shard, so every rank decides alike; ``norm_of`` (the parameters ->
+    their gradient's norm) computes it where torch cannot see the shards (megatron's tensor parallelism).
+    With fp16's ``scaler`` the gradients (of a scaled loss) are unscaled first, and the scale adapts: halved
+    after an overflow, grown after a run of good steps (torch.amp.GradScaler)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip is not None else math.inf
     grad_norm = 0.0
-    if params:
+    if params and norm_of is not None:
+        total = norm_of(params)
+        if math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        grad_norm = float(total)
+    elif params:
         norm: Any = torch.nn.utils.clip_grad_norm_(params, max_norm)
         full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         grad_norm = float(full_tensor() if full_tensor is not None else norm)

@@ -207,7 +207,7 @@ class RankGroup:
         by_name = get_optimizer_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return _keyed_by_index(by_name, _parameter_names(model, optimizer)) if self.leads else {}
+        return keyed_by_index(by_name, parameter_names(model, optimizer)) if self.leads else {}
 
     def load_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
@@ -218,7 +218,7 @@ class RankGroup:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        by_name = _keyed_by_name(state, _parameter_names(model, optimizer))
+        by_name = keyed_by_name(state, parameter_names(model, optimizer))
         set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     # -- the control plane ---------------------------------------------------------------
@@ -352,13 +352,15 @@ def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(value)
 
 
-def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each parameter in the order the optimizer numbers them (group after group)."""
     names = {id(p): name for name, p in model.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def _keyed_by_index(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+def keyed_by_index(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (``keyed_by_name``) keyed by index again, as
+    ``optimizer.state_dict()`` keys it."""
     index = {name: i for i, name in enumerate(names)}
     return {
         "state": {index[name]: value for name, value in state["state"].items()},
@@ -368,7 +370,8 @@ def _keyed_by_index(state: Mapping[str, Any], names: list[str]) -> dict[str, Any
     }
 
 
-def _keyed_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+def keyed_by_name(state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with its parameters named (``names``: :func:`parameter_names`)."""
     return {
         "state": {names[int(i)]: value for i, value in state["state"].items()},
         "param_groups": [

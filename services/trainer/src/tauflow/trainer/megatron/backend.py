@@ -8,38 +8,53 @@ weights are a Hugging Face folder (any Hugging Face loader, or a new run of eith
 its optimizer state resumes the megatron backend only: it is keyed by megatron's fused parameters), and the
 sidecar publishes Hugging Face names (``convert``). The reference and the teacher, forward only, stay Hugging Face models.
 
-Scope now: tensor- and pipeline-parallel size 1 on one CUDA device (what one GPU verifies;
-``tests/test_megatron_backend.py``, marked gpu). megatron-core's forward assumes CUDA (a few buffers made on
-``torch.cuda.current_device()``, a CUDA RNG forked around dropout), so the backend refuses other devices; the
-CPU tests run the same code under a test shim that points those two at the CPU (the trainer's conftest).
+Parallelism: one tensor-parallel group. With ``tensor_parallel`` N the trainer role runs N ranks
+(``distributed.world_size`` N): every rank takes the whole batch (the ranks split the model, not the data),
+loads rank 0's weights and keeps its shard (``convert.shard``), computes the full logits (gathered across the
+group), and the gradient norm is the whole model's (the shards' norms summed over the group, the replicated
+weights' counted once). A publish or a checkpoint gathers the shards (one collective per tensor) and merges
+them (``convert.merge_shards``): the weights in Hugging Face names, the AdamW moments as one process of TP = 1
+keys them, so a checkpoint resumes at any tensor-parallel size. Not written yet: pipeline parallelism
+(megatron's pipeline schedules) and data parallelism beside the tensor-parallel group.
+
+megatron-core's forward assumes CUDA (a few buffers made on ``torch.cuda.current_device()``, a CUDA RNG
+forked around dropout), so the backend refuses other devices; the CPU tests run the same code under a test
+shim that points those two at the CPU (the trainer's conftest).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from tauflow.trainer.algorithms import get_algorithm
 from tauflow.trainer.backend import TorchBackend
-from tauflow.trainer.megatron.convert import MegatronLayout, hf_to_mcore, mcore_to_hf
+from tauflow.trainer.megatron.convert import MegatronLayout, hf_to_mcore, mcore_to_hf, merge_shards, shard, split_role
 from tauflow.trainer.megatron.model import gpt_model, transformer_config
+from tauflow.trainer.optim import clip_and_step
+from tauflow.trainer.parallel import RankGroup, keyed_by_index, keyed_by_name, parameter_names
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors: sharded as their parameter is
 
 
 def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
-    """A one-process world (NCCL on CUDA, gloo on CPU) and megatron's model-parallel state, unless a world
-    exists already."""
+    """megatron's model-parallel state over the world that exists (the trainer's ranks), or over a one-process
+    world it makes (NCCL on CUDA, gloo on CPU) when there is none and one rank is all it needs."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mpu
 
-    if (tensor_parallel, pipeline_parallel) != (1, 1):
-        raise ValueError(
-            f"tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}: the megatron backend runs "
-            "TP = PP = 1 for now (docs/gpu.md); the weight conversion already shards (megatron.convert.shard)"
-        )
     if not dist.is_initialized():  # one rank: nothing to rendezvous with, so an in-memory store
+        if tensor_parallel * pipeline_parallel != 1:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel} need as many ranks "
+                "(distributed.world_size)"
+            )
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
@@ -63,26 +78,49 @@ class MegatronCausalLM(torch.nn.Module):
 
     gpt: Any  # megatron-core's GPTModel
 
-    def __init__(self, hf_config: Any, gpt: torch.nn.Module) -> None:
+    def __init__(self, hf_config: Any, gpt: Any) -> None:
         super().__init__()
         self.config = hf_config
         self.gpt = gpt
         self.layout = MegatronLayout.from_hf_config(hf_config)
+        self.tensor_parallel = int(gpt.config.tensor_model_parallel_size)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: torch.device | str = "cpu") -> MegatronCausalLM:
-        """The Hugging Face folder's model as a GPTModel, its weights converted, float32, on ``device``."""
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        tensor_parallel: int = 1,
+        group: RankGroup | None = None,
+    ) -> MegatronCausalLM:
+        """The Hugging Face folder's model as a GPTModel, its weights converted, float32, on ``device``. With
+        ``group`` every rank takes rank 0's weights (it may have read them from a checkpoint the others cannot
+        see) before it keeps its tensor-parallel shard."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         hf_config = AutoConfig.from_pretrained(path)
-        config = transformer_config(hf_config, use_cpu_initialization=True)
+        config = transformer_config(hf_config, tensor_parallel=tensor_parallel, use_cpu_initialization=True)
         model = cls(hf_config, gpt_model(hf_config, config))
         hf_weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        if group is not None:
+            group.overwrite_with_leaders(hf_weights.values())
         model.load_hf_state_dict(hf_weights)
         return model.to(device=device, dtype=torch.float32)
 
+    @property
+    def tensor_parallel_rank(self) -> int:
+        if self.tensor_parallel == 1:
+            return 0
+        from megatron.core import parallel_state
+
+        return int(parallel_state.get_tensor_model_parallel_rank())
+
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
-        result = self.gpt.load_state_dict(hf_to_mcore(hf, self.layout), strict=False)
+        """The full weights, in Hugging Face names: this rank keeps its tensor-parallel shard."""
+        mc = hf_to_mcore(hf, self.layout)
+        if self.tensor_parallel > 1:
+            mc = shard(mc, self.layout, self.tensor_parallel, self.tensor_parallel_rank)
+        result = self.gpt.load_state_dict(mc, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise ValueError(
@@ -90,9 +128,31 @@ class MegatronCausalLM(torch.nn.Module):
             )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights in Hugging Face names (a tied ``lm_head.weight`` listed too); views of the live ones."""
+        """The full weights in Hugging Face names (a tied ``lm_head.weight`` listed too): views of the live ones
+        with one rank; with several, the shards gathered (a collective every rank of the group runs)."""
         state = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        return mcore_to_hf(state, self.layout)
+        return mcore_to_hf(self.gather_shards(state), self.layout)
+
+    def gather_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every tensor-parallel rank's ``shards`` (megatron names: weights, or state sharded as they are),
+        merged into the full tensors, on every rank: one all-gather per sharded tensor, in ``shards``' order
+        (the same on every rank). With one rank: ``shards`` as they are."""
+        if self.tensor_parallel == 1:
+            return dict(shards)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tensor_parallel)]
+        for name, t in shards.items():
+            if split_role(name) == "replicated":  # the same on every rank
+                parts = [t] * self.tensor_parallel
+            else:
+                parts = [torch.empty_like(t) for _ in range(self.tensor_parallel)]
+                dist.all_gather(parts, t.detach().contiguous(), group=group)
+            for mine, part in zip(per_rank, parts, strict=True):
+                mine[name] = part
+        return merge_shards([per_rank], self.layout)
 
     def forward(
         self,
@@ -116,6 +176,10 @@ class MegatronCausalLM(torch.nn.Module):
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, None, :]
         logits = self.gpt(input_ids, positions, attention_mask=~allowed)
+        if self.tensor_parallel > 1:  # each rank's part of the vocabulary: the losses take the whole
+            from megatron.core import tensor_parallel
+
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return SimpleNamespace(logits=logits)
 
     def gradient_checkpointing_enable(self) -> None:
@@ -141,26 +205,124 @@ class MegatronBackend(TorchBackend):
     """``TorchBackend`` with megatron-core's GPTModel as the policy (see the module's docstring)."""
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
-        if kwargs.get("group") is not None:
-            raise ValueError("the megatron backend runs one rank for now (distributed.world_size: 1)")
+        group: RankGroup | None = kwargs.get("group")
+        tp, pp = config.tensor_parallel, config.pipeline_parallel
+        if pp != 1:
+            raise ValueError(
+                f"pipeline_parallel={pp}: the megatron backend does not run pipeline parallelism yet (docs/gpu.md)"
+            )
+        world = group.world_size if group is not None else 1
+        if world != tp:
+            raise ValueError(
+                f"the megatron backend runs one tensor-parallel group: distributed.world_size ({world}) must be "
+                f"tensor_parallel ({tp}); data parallelism beside it is not written yet"
+            )
+        if tp > 1 and get_algorithm(config.algorithm, **dict(config.algorithm_options)).config.uses_critic:
+            raise ValueError("a critic with the megatron backend's tensor parallelism is not supported yet")
         if config.padding_side != "right":
             raise ValueError("the megatron backend needs backend.padding_side: right")
         require_cuda(config.device)
-        init_megatron(torch.device(config.device), config.tensor_parallel, config.pipeline_parallel, config.seed)
+        device = torch.device(config.device)
+        if group is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", group.config.device_index)  # (as TorchBackend places a rank)
+        init_megatron(device, tp, pp, config.seed)
         super().__init__(config, **kwargs)
         if self.processor is not None:
             raise ValueError("the megatron backend trains text models only (a multimodal folder: backend.kind torch)")
 
+    @property
+    def megatron(self) -> MegatronCausalLM:
+        return self.model  # type: ignore[return-value]  # _load_policy built it
+
     def _load_policy(self, path: Path) -> Any:
-        model = MegatronCausalLM.from_pretrained(path, device=self.device)
+        model = MegatronCausalLM.from_pretrained(path, self.device, self.config.tensor_parallel, self.group)
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         return model
 
+    # -- the ranks are one tensor-parallel group: the same samples, the model split
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def _shares(self, lengths: Sequence[int]) -> list[list[int]]:
+        return [list(range(len(lengths)))] * self.world_size
+
+    def _join_ranks(self) -> torch.nn.Module:
+        return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)
+
+    def _accumulating(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # (no data-parallel reduction to hold back)
+
+    def _clip_and_step(self) -> dict[str, float]:
+        norm_of = self._tensor_parallel_grad_norm if self.megatron.tensor_parallel > 1 else None
+        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler, norm_of)
+
+    def _tensor_parallel_grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm: the shards' squares summed over the group, plus the replicated
+        weights' (the norms' scales: the same gradient on every rank) once."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            assert p.grad is not None
+            square = p.grad.detach().float().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += square
+            else:
+                replicated += square
+        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        return (sharded + replicated).sqrt()
+
+    # -- weights and optimizer state out and in: the shards gathered and merged, or cut
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.megatron.hf_state_dict()  # (a collective with tensor parallelism)
+        return state if self.group is None or self.group.leads else {}
+
+    def _full_optimizer_state(self) -> dict[str, Any]:
+        names = parameter_names(self.model, self.optimizer)
+        by_name = keyed_by_name(self.optimizer.state_dict(), names)
+        state = {name: dict(values) for name, values in by_name["state"].items()}
+        for key in MOMENTS:
+            mine = {_mcore(name): values[key] for name, values in state.items() if key in values}
+            for name, t in self.megatron.gather_shards(mine).items():
+                state["gpt." + name][key] = t.cpu()
+        full = keyed_by_index({"state": state, "param_groups": by_name["param_groups"]}, names)
+        return full if self.group is None or self.group.leads else {}
+
+    def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        names = parameter_names(self.model, self.optimizer)
+        by_name = keyed_by_name(state, names)
+        model = self.megatron
+        mine: dict[str, Any] = {}
+        for name, values in by_name["state"].items():
+            values = dict(values)
+            for key in MOMENTS:
+                if key in values:
+                    cut = shard(
+                        {_mcore(name): values[key]}, model.layout, model.tensor_parallel, model.tensor_parallel_rank
+                    )
+                    values[key] = cut[_mcore(name)]
+            mine[name] = values
+        self.optimizer.load_state_dict(keyed_by_index({"state": mine, "param_groups": by_name["param_groups"]}, names))
+
     def state_dict_for_publish(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        model: MegatronCausalLM = self.model  # type: ignore[assignment]  # _load_policy built it
-        state = model.hf_state_dict()
+        if self.group is not None:
+            with self._command("gather"):
+                state = self._full_state_dict()
+        else:
+            with self._commands:
+                state = self.megatron.hf_state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
         return {name: t.detach().to(dtype) if t.is_floating_point() else t.detach() for name, t in state.items()}
+
+
+def _mcore(name: str) -> str:
+    """A parameter's name in the GPTModel (``MegatronCausalLM``'s ``gpt.`` dropped): what convert names."""
+    return name.removeprefix("gpt.")

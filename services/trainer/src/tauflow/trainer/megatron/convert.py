@@ -183,7 +183,7 @@ def pipeline_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def _split_role(name: str) -> str:
+def split_role(name: str) -> str:
     """How a megatron weight is split across tensor-parallel ranks: rows, qkv, fc1, cols, or replicated."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return "qkv"
@@ -222,7 +222,7 @@ def shard(
             name = f"decoder.layers.{index - layers.start}.{found.group(2)}"
         elif not _on_stage(name, pp_size, pp_rank):
             continue
-        out[name] = _tp_piece(t, _split_role(name), layout, tp_size, tp_rank)
+        out[name] = _tp_piece(t, split_role(name), layout, tp_size, tp_rank)
     return out
 
 
@@ -265,7 +265,7 @@ def merge_shards(
             pieces = [s[name] for s in stage]
             found = _MC_LAYER.fullmatch(name)
             full = f"decoder.layers.{int(found.group(1)) + layers.start}.{found.group(2)}" if found else name
-            out[full] = _tp_merge(pieces, _split_role(name), layout)
+            out[full] = _tp_merge(pieces, split_role(name), layout)
     return out
 
 
