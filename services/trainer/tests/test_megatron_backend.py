@@ -197,15 +197,16 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     # Its checkpoint (the shards merged: HF weights, AdamW moments as one process keys them) resumes in one
     # process, and one process's checkpoint resumes on two ranks (the moments cut again).
     first, second = [make_groups(1, 4), make_groups(2, 3, prefix="h")], [make_groups(3, 4, prefix="k")]
-    optim = OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5)
-    one = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim)
-    two = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, tensor_parallel=2)
+    # (with a KL to the reference: its forward, a Hugging Face model's, runs on every rank too)
+    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "algorithm_options": {"kl_coef": 0.05}}
+    one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
+    two = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     straight = one_megatron_process({"config": one, "batches": first + second})
     parallel = tensor_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
     before = one_megatron_process({"config": one, "batches": []})["weights"]
     assert any(not torch.equal(before[k], parallel["weights"][k]) for k in before)  # the steps changed weights
     for mine, theirs in zip(parallel["metrics"], straight["metrics"], strict=False):
-        for key in ("loss", "grad_norm", "tokens", "entropy"):
+        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert straight["metrics"][0]["grad_norm"] > 0.5  # (so the clip acted)
     halfway = one_megatron_process({"config": one, "batches": first})

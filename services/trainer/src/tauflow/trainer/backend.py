@@ -384,6 +384,7 @@ class TorchBackend:
             return 0
         if self.group is None:
             with self._commands:
+                self._use_device()
                 return self._offload_models()
         with self._command("release"):
             results = self.group.gather(self._offload_models_or_error()) or []
@@ -413,6 +414,13 @@ class TorchBackend:
             return self._offload_models(), None
         except (RuntimeError, OSError) as e:  # e.g. no pinned host memory left: what moved comes back at wake
             return 0, f"{type(e).__name__}: {e}"
+
+    def _use_device(self) -> None:
+        """CUDA's current device is a thread's: the commands come from other threads than the one that built
+        the backend (the loop's ``asyncio.to_thread``, the other ranks' ``follow`` thread), so each sets it to
+        this rank's (megatron-core and some collectives allocate on the current device)."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     def _wake(self) -> None:
         """Before the models run or are read: what release_memory moved to host memory comes back."""
@@ -1016,6 +1024,7 @@ class TorchBackend:
             raise RuntimeError("sft_step runs in one process (world_size 1)")
         started = time.monotonic()
         step = self.version
+        self._use_device()
         self._wake()
         train = [s for s in samples if s.trained_tokens > 0]
         norm = Normaliser(float(sum(s.trained_tokens for s in train)), float(len(train)), float(len(samples)))
@@ -1054,6 +1063,7 @@ class TorchBackend:
     def _command(self, command: str, payload: Any = None) -> Iterator[None]:
         """Rank 0: one command at a time, sent to the other ranks before its collectives begin."""
         with self._commands:
+            self._use_device()
             if command not in NO_WAKE_COMMANDS:
                 self._wake()
             if self.group is not None:
@@ -1065,6 +1075,7 @@ class TorchBackend:
         """A rank other than 0: does what rank 0 sends, until it sends ``stop`` (or its collective fails:
         rank 0 is gone, and this rank fails with it)."""
         assert self.group is not None and not self.group.leads, "follow() is for ranks other than 0"
+        self._use_device()  # (this thread's, for every command that follows)
         while True:
             command, payload = self.group.receive()
             if command not in NO_WAKE_COMMANDS:
@@ -1115,6 +1126,7 @@ class TorchBackend:
                 state = self._full_state_dict()
         else:
             with self._commands:  # (not beside a release_memory: a checkpoint's, asked for meanwhile)
+                self._use_device()
                 self._wake()
                 state = self.model.state_dict()
         if dtype is None:

@@ -127,32 +127,35 @@ class MegatronCausalLM(torch.nn.Module):
                 f"weights do not fit the GPTModel: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
             )
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The full weights in Hugging Face names (a tied ``lm_head.weight`` listed too): views of the live ones
-        with one rank; with several, the shards gathered (a collective every rank of the group runs)."""
+        with one rank; with several, the shards gathered into new CPU tensors (a collective every rank of the
+        group runs; a rank that passes ``keep=False`` takes part and gets {})."""
         state = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        return mcore_to_hf(self.gather_shards(state), self.layout)
+        full = self.gather_shards(state, keep=keep)
+        return mcore_to_hf(full, self.layout) if keep else {}
 
-    def gather_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather_shards(self, shards: Mapping[str, torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
         """Every tensor-parallel rank's ``shards`` (megatron names: weights, or state sharded as they are),
-        merged into the full tensors, on every rank: one all-gather per sharded tensor, in ``shards``' order
-        (the same on every rank). With one rank: ``shards`` as they are."""
+        merged into the full tensors on the CPU: one all-gather per sharded tensor, in ``shards``' order (the
+        same on every rank), each merged and moved before the next (the device holds one tensor's parts at a
+        time). A rank with ``keep=False`` takes part and gets {}. With one rank: ``shards`` as they are."""
         if self.tensor_parallel == 1:
-            return dict(shards)
+            return dict(shards) if keep else {}
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         group = parallel_state.get_tensor_model_parallel_group()
-        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tensor_parallel)]
+        out: dict[str, torch.Tensor] = {}
         for name, t in shards.items():
             if split_role(name) == "replicated":  # the same on every rank
-                parts = [t] * self.tensor_parallel
+                parts = [t.detach()] * self.tensor_parallel
             else:
                 parts = [torch.empty_like(t) for _ in range(self.tensor_parallel)]
                 dist.all_gather(parts, t.detach().contiguous(), group=group)
-            for mine, part in zip(per_rank, parts, strict=True):
-                mine[name] = part
-        return merge_shards([per_rank], self.layout)
+            if keep:
+                out[name] = merge_shards([[{name: part} for part in parts]], self.layout)[name].cpu()
+        return out
 
     def forward(
         self,
@@ -219,6 +222,8 @@ class MegatronBackend(TorchBackend):
             )
         if tp > 1 and get_algorithm(config.algorithm, **dict(config.algorithm_options)).config.uses_critic:
             raise ValueError("a critic with the megatron backend's tensor parallelism is not supported yet")
+        if tp > 1 and config.autocast_dtype == "float16":  # (each rank's loss scale would see its own overflows)
+            raise ValueError("autocast_dtype float16 with tensor_parallel > 1 is not supported: use bfloat16")
         if config.padding_side != "right":
             raise ValueError("the megatron backend needs backend.padding_side: right")
         require_cuda(config.device)
@@ -229,6 +234,9 @@ class MegatronBackend(TorchBackend):
         super().__init__(config, **kwargs)
         if self.processor is not None:
             raise ValueError("the megatron backend trains text models only (a multimodal folder: backend.kind torch)")
+        if tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for p in self.model.parameters()):
+            # (megatron marks its shards when it initialises them: the gradient norm needs to know which they are)
+            raise RuntimeError("megatron-core marked no parameter as tensor-parallel: the gradient norm would be wrong")
 
     @property
     def megatron(self) -> MegatronCausalLM:
@@ -280,9 +288,12 @@ class MegatronBackend(TorchBackend):
 
     # -- weights and optimizer state out and in: the shards gathered and merged, or cut
 
+    @property
+    def _leads(self) -> bool:
+        return self.group is None or self.group.leads
+
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.megatron.hf_state_dict()  # (a collective with tensor parallelism)
-        return state if self.group is None or self.group.leads else {}
+        return self.megatron.hf_state_dict(keep=self._leads)  # (a collective with tensor parallelism)
 
     def _full_optimizer_state(self) -> dict[str, Any]:
         names = parameter_names(self.model, self.optimizer)
@@ -290,10 +301,10 @@ class MegatronBackend(TorchBackend):
         state = {name: dict(values) for name, values in by_name["state"].items()}
         for key in MOMENTS:
             mine = {_mcore(name): values[key] for name, values in state.items() if key in values}
-            for name, t in self.megatron.gather_shards(mine).items():
-                state["gpt." + name][key] = t.cpu()
+            for name, t in self.megatron.gather_shards(mine, keep=self._leads).items():
+                state["gpt." + name][key] = t
         full = keyed_by_index({"state": state, "param_groups": by_name["param_groups"]}, names)
-        return full if self.group is None or self.group.leads else {}
+        return full if self._leads else {}
 
     def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
         names = parameter_names(self.model, self.optimizer)
@@ -307,7 +318,7 @@ class MegatronBackend(TorchBackend):
                     cut = shard(
                         {_mcore(name): values[key]}, model.layout, model.tensor_parallel, model.tensor_parallel_rank
                     )
-                    values[key] = cut[_mcore(name)]
+                    values[key] = cut[_mcore(name)].contiguous().clone()  # (not a view of the full tensor)
             mine[name] = values
         self.optimizer.load_state_dict(keyed_by_index({"state": mine, "param_groups": by_name["param_groups"]}, names))
 
@@ -317,6 +328,7 @@ class MegatronBackend(TorchBackend):
                 state = self._full_state_dict()
         else:
             with self._commands:
+                self._use_device()
                 state = self.megatron.hf_state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
