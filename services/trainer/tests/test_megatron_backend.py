@@ -37,7 +37,7 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         config(tiny_model_dir, kind="jax")
     with pytest.raises(ValueError, match="need as many ranks"):
         init_megatron(torch.device("cpu"), tensor_parallel=2)
-    with pytest.raises(ValueError, match="must be tensor_parallel"):
+    with pytest.raises(ValueError, match="must divide the trainer.s world size"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", tensor_parallel=2))
     with pytest.raises(ValueError, match="pipeline_parallel=2"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2))
@@ -217,3 +217,20 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
     again = tensor_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
     assert_same_weights(again["weights"], straight["weights"])  # ... and cut again
+
+
+def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one_process(
+    megatron_on_cpu: None, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # Four ranks: two data-parallel replicas of two tensor-parallel ranks each. A replica's ranks take the same
+    # share of the batch; the replicas' gradients are averaged; the metrics count each replica once.
+    batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
+    optim = OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5)
+    one = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, micro_batch_tokens=24)
+    four = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, micro_batch_tokens=24, tensor_parallel=2)
+    single = one_megatron_process({"config": one, "batches": batches})
+    replicas = tensor_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
+    assert_same_weights(replicas["weights"], single["weights"])
+    for mine, theirs in zip(replicas["metrics"], single["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "tokens", "entropy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key

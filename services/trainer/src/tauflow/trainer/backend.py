@@ -118,7 +118,8 @@ class TorchBackendConfig:
     """torch: the Hugging Face model in plain PyTorch (data parallel: FSDP2 or DDP); megatron: megatron-core's
     GPTModel (a Qwen2/Llama-style model; CUDA; the megatron extra; docs/gpu.md)."""
     tensor_parallel: int = 1
-    """megatron: tensor-parallel size; the trainer role's world size (its ranks are one tensor-parallel group)."""
+    """megatron: tensor-parallel size; it divides the trainer role's world size (its ranks are data-parallel
+    replicas of this many tensor-parallel ranks each)."""
     pipeline_parallel: int = 1
     """megatron: pipeline-parallel size (1 for now: pipeline parallelism is not written yet)."""
     offload_optimizer: bool = False
@@ -347,6 +348,10 @@ class TorchBackend:
     def _shares(self, lengths: Sequence[int]) -> list[list[int]]:
         """The samples (indices into ``lengths``) each rank takes: a share each, balanced by tokens."""
         return balance_by_tokens(lengths, self.world_size)
+
+    def _totals_to_add(self, totals: dict[str, float]) -> dict[str, float]:
+        """What this rank adds to the step's totals over the ranks: its own (its share's)."""
+        return totals
 
     def _join_ranks(self) -> torch.nn.Module:
         """The loaded policy becomes rank 0's on every rank, then is sharded (FSDP2) or wrapped (DDP); what
@@ -989,8 +994,8 @@ class TorchBackend:
         if critic is not None:
             critic.scheduler.step()
         totals = add_sums(parts)
-        if self.group is not None and self.data_parallel_size > 1:  # (tensor-parallel ranks saw the same samples)
-            totals = self.group.sum(totals)
+        if self.group is not None and self.data_parallel_size > 1:
+            totals = self.group.sum(self._totals_to_add(totals))
         metrics = summarize([totals], updates=max(len(updates), len(critic_updates)))
         metrics["micro_batches"] = totals.get("micro_batches", 0.0)
         metrics["updates"] = float(len(updates))

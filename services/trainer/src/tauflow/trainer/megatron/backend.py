@@ -8,14 +8,16 @@ weights are a Hugging Face folder (any Hugging Face loader, or a new run of eith
 its optimizer state resumes the megatron backend only: it is keyed by megatron's fused parameters), and the
 sidecar publishes Hugging Face names (``convert``). The reference and the teacher, forward only, stay Hugging Face models.
 
-Parallelism: one tensor-parallel group. With ``tensor_parallel`` N the trainer role runs N ranks
-(``distributed.world_size`` N): every rank takes the whole batch (the ranks split the model, not the data),
-loads rank 0's weights and keeps its shard (``convert.shard``), computes the full logits (gathered across the
-group), and the gradient norm is the whole model's (the shards' norms summed over the group, the replicated
-weights' counted once). A publish or a checkpoint gathers the shards (one collective per tensor) and merges
-them (``convert.merge_shards``): the weights in Hugging Face names, the AdamW moments as one process of TP = 1
-keys them, so a checkpoint resumes at any tensor-parallel size. Not written yet: pipeline parallelism
-(megatron's pipeline schedules) and data parallelism beside the tensor-parallel group.
+Parallelism: tensor parallelism, and data parallelism beside it. With ``tensor_parallel`` T the trainer
+role's W ranks are W / T data-parallel replicas of T tensor-parallel ranks each (megatron's order:
+consecutive ranks share a replica). The ranks of a replica take the same share of the batch (they split the
+model, not the data); every rank loads rank 0's weights and keeps its shard (``convert.shard``) and computes
+the full logits (gathered across its tensor-parallel group). After the backward the replicas' gradients are
+averaged over the data-parallel group, and the gradient norm is the whole model's (the shards' norms summed
+over the tensor-parallel group, the replicated weights' counted once). A publish or a checkpoint gathers the
+shards (one collective per tensor) and merges them (``convert.merge_shards``): the weights in Hugging Face
+names, the AdamW moments as one process of TP = 1 keys them, so a checkpoint resumes at any size. Not
+written yet: pipeline parallelism (megatron's pipeline schedules).
 
 megatron-core's forward assumes CUDA (a few buffers made on ``torch.cuda.current_device()``, a CUDA RNG
 forked around dropout), so the backend refuses other devices; the CPU tests run the same code under a test
@@ -37,7 +39,7 @@ from tauflow.trainer.backend import TorchBackend
 from tauflow.trainer.megatron.convert import MegatronLayout, hf_to_mcore, mcore_to_hf, merge_shards, shard, split_role
 from tauflow.trainer.megatron.model import gpt_model, transformer_config
 from tauflow.trainer.optim import clip_and_step
-from tauflow.trainer.parallel import RankGroup, keyed_by_index, keyed_by_name, parameter_names
+from tauflow.trainer.parallel import RankGroup, balance_by_tokens, keyed_by_index, keyed_by_name, parameter_names
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors: sharded as their parameter is
 
@@ -215,10 +217,10 @@ class MegatronBackend(TorchBackend):
                 f"pipeline_parallel={pp}: the megatron backend does not run pipeline parallelism yet (docs/gpu.md)"
             )
         world = group.world_size if group is not None else 1
-        if world != tp:
+        if world % tp:
             raise ValueError(
-                f"the megatron backend runs one tensor-parallel group: distributed.world_size ({world}) must be "
-                f"tensor_parallel ({tp}); data parallelism beside it is not written yet"
+                f"tensor_parallel ({tp}) must divide the trainer's world size ({world}): its ranks are data-parallel "
+                "replicas of tensor_parallel ranks each"
             )
         if tp > 1 and get_algorithm(config.algorithm, **dict(config.algorithm_options)).config.uses_critic:
             raise ValueError("a critic with the megatron backend's tensor parallelism is not supported yet")
@@ -249,14 +251,20 @@ class MegatronBackend(TorchBackend):
         model.train()
         return model
 
-    # -- the ranks are one tensor-parallel group: the same samples, the model split
+    # -- the ranks: data-parallel replicas of a tensor-parallel group each (the same samples, the model split)
 
     @property
     def data_parallel_size(self) -> int:
-        return 1
+        return self.world_size // self.config.tensor_parallel
 
     def _shares(self, lengths: Sequence[int]) -> list[list[int]]:
-        return [list(range(len(lengths)))] * self.world_size
+        # megatron's rank order: the tensor-parallel ranks of a replica are consecutive
+        replicas = balance_by_tokens(lengths, self.data_parallel_size)
+        return [replicas[rank // self.config.tensor_parallel] for rank in range(self.world_size)]
+
+    def _totals_to_add(self, totals: dict[str, float]) -> dict[str, float]:
+        # a replica's totals once (its tensor-parallel ranks saw the same samples)
+        return totals if self.megatron.tensor_parallel_rank == 0 else dict.fromkeys(totals, 0.0)
 
     def _join_ranks(self) -> torch.nn.Module:
         return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)
@@ -265,8 +273,22 @@ class MegatronBackend(TorchBackend):
         return contextlib.nullcontext()  # (no data-parallel reduction to hold back)
 
     def _clip_and_step(self) -> dict[str, float]:
+        if self.data_parallel_size > 1:
+            self._average_gradients_over_replicas()
         norm_of = self._tensor_parallel_grad_norm if self.megatron.tensor_parallel > 1 else None
         return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler, norm_of)
+
+    def _average_gradients_over_replicas(self) -> None:
+        """Each gradient averaged over the data-parallel group (the loss was scaled by its size: the average is
+        the gradient of the global batch's loss), one all-reduce per parameter."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)  # (a sum: gloo has no average)
+                p.grad.div_(self.data_parallel_size)
 
     def _tensor_parallel_grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole model's gradient norm: the shards' squares summed over the group, plus the replicated
