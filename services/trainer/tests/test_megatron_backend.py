@@ -134,6 +134,7 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any],
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
     megatron_backend.require_cuda = lambda device: None  # type: ignore[assignment]
+    megatron_backend.GRAD_BUCKET_BYTES = 4096  # (several buckets of gradients per all-reduce, even for this model)
     dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", timeout_s=120, keepalive_s=60)
     group = RankGroup(dist, torch.device("cpu"))
     backend = megatron_backend.MegatronBackend(
@@ -223,14 +224,16 @@ def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one
     megatron_on_cpu: None, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # Four ranks: two data-parallel replicas of two tensor-parallel ranks each. A replica's ranks take the same
-    # share of the batch; the replicas' gradients are averaged; the metrics count each replica once.
+    # share of the batch; the replicas' gradients are averaged; the metrics count each replica once. (With a KL
+    # to the reference, a Hugging Face model sharded over all four ranks while the replicas see other samples.)
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    optim = OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5)
-    one = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, micro_batch_tokens=24)
-    four = config(tiny_model_dir, kind="megatron", device="cpu", optim=optim, micro_batch_tokens=24, tensor_parallel=2)
+    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
+            "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
+    one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
+    four = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     single = one_megatron_process({"config": one, "batches": batches})
     replicas = tensor_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
     assert_same_weights(replicas["weights"], single["weights"])
     for mine, theirs in zip(replicas["metrics"], single["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "tokens", "entropy"):
+        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key

@@ -42,6 +42,7 @@ from tauflow.trainer.optim import clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens, keyed_by_index, keyed_by_name, parameter_names
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state tensors: sharded as their parameter is
+GRAD_BUCKET_BYTES = 64 * 2**20  # gradients flattened per all-reduce over the data-parallel replicas
 
 
 def init_megatron(device: torch.device, tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
@@ -280,15 +281,32 @@ class MegatronBackend(TorchBackend):
 
     def _average_gradients_over_replicas(self) -> None:
         """Each gradient averaged over the data-parallel group (the loss was scaled by its size: the average is
-        the gradient of the global batch's loss), one all-reduce per parameter."""
+        the gradient of the global batch's loss): one all-reduce per bucket of up to ``GRAD_BUCKET_BYTES`` of
+        gradients of one dtype, flattened."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
         group = parallel_state.get_data_parallel_group()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)  # (a sum: gloo has no average)
-                p.grad.div_(self.data_parallel_size)
+        buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+
+        def reduce(grads: list[torch.Tensor]) -> None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)  # (a sum: gloo has no average)
+            flat.div_(self.data_parallel_size)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+        for p in self.model.parameters():  # (the same order on every rank)
+            if p.grad is None:
+                continue
+            bucket = buckets.setdefault(p.grad.dtype, [])
+            bucket.append(p.grad)
+            if sum(g.numel() * g.element_size() for g in bucket) >= GRAD_BUCKET_BYTES:
+                reduce(bucket)
+                bucket.clear()
+        for bucket in buckets.values():
+            if bucket:
+                reduce(bucket)
 
     def _tensor_parallel_grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole model's gradient norm: the shards' squares summed over the group, plus the replicated
@@ -351,6 +369,7 @@ class MegatronBackend(TorchBackend):
         else:
             with self._commands:
                 self._use_device()
+                self._wake()
                 state = self.megatron.hf_state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
