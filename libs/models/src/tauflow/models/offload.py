@@ -19,6 +19,25 @@ def sharded_local(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor.to_local() if isinstance(tensor, DTensor) else None
 
 
+def tensor_to_host(value: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """Copies ``value`` into ``host`` (its buffer from an earlier offload; a new one, pinned for a GPU, when it is
+    None or no longer fits) and returns the buffer. The copy is stream-ordered: call :func:`hand_back` before
+    the device memory goes to another process."""
+    if host is None or host.shape != value.shape or host.dtype != value.dtype:
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+    host.copy_(value, non_blocking=value.is_cuda)
+    return host
+
+
+def hand_back(gpus: set[torch.device]) -> None:
+    """After offloads from ``gpus``: waits for their host copies, then returns the freed blocks to the driver,
+    where another process (the colocated engine or trainer) can have them."""
+    for device in gpus:
+        torch.cuda.synchronize(device)
+    if gpus:
+        torch.cuda.empty_cache()
+
+
 def storage_to_host(local: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
     """Copies the whole storage under ``local`` into ``host`` (a byte buffer; a new one, pinned for a GPU, when
     it is None or of another size) and frees the storage in place: every tensor viewing it stays (a DTensor,
@@ -105,12 +124,8 @@ class ParameterOffload:
                     if local.is_cuda:
                         gpus.add(local.device)
                     continue
-                kept = self._host.get(key)
-                if kept is None or kept.shape != data.shape or kept.dtype != data.dtype:
-                    kept = self._host[key] = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.is_cuda)
-                host = kept
                 # (a stream-ordered copy: the device block freed below is reused only by later work)
-                host.copy_(data, non_blocking=data.is_cuda)
+                host = self._host[key] = tensor_to_host(data, self._host.get(key))
                 param.data = torch.empty(0, dtype=data.dtype, device=data.device)
                 self._offloaded[key] = param
                 moved += data.numel() * data.element_size()
@@ -118,10 +133,7 @@ class ParameterOffload:
                     gpus.add(data.device)
             if moved:
                 self.offloads += 1
-        for device in gpus:
-            torch.cuda.synchronize(device)  # the host copies are complete before the blocks go back to the driver
-        if gpus:
-            torch.cuda.empty_cache()
+        hand_back(gpus)
         return moved
 
     def to_device(self) -> int:

@@ -365,6 +365,16 @@ class TorchBackend:
         assert self.group is not None
         return self.group.full_state_dict(self.model)
 
+    @property
+    def _publish_gathers(self) -> bool:
+        """Whether a publish gathers the weights from every rank (FSDP2: each holds a shard), or rank 0 has
+        them (:meth:`_own_state_dict`)."""
+        return self.group is not None and self.group.strategy == "fsdp"
+
+    def _own_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights by their Hugging Face names as this process holds them."""
+        return self.model.state_dict()
+
     def _full_optimizer_state(self) -> dict[str, Any]:
         """The policy optimizer's state as one process keys it, on rank 0: a collective every rank runs."""
         assert self.group is not None
@@ -388,8 +398,7 @@ class TorchBackend:
         if not self.config.offload_model:
             return 0
         if self.group is None:
-            with self._commands:
-                self._use_device()
+            with self._one_command():
                 return self._offload_models()
         with self._command("release"):
             results = self.group.gather(self._offload_models_or_error()) or []
@@ -419,6 +428,14 @@ class TorchBackend:
             return self._offload_models(), None
         except (RuntimeError, OSError) as e:  # e.g. no pinned host memory left: what moved comes back at wake
             return 0, f"{type(e).__name__}: {e}"
+
+    @contextlib.contextmanager
+    def _one_command(self) -> Iterator[None]:
+        """Rank 0: nothing else runs on the models meanwhile (the commands come one at a time), on this rank's
+        device."""
+        with self._commands:
+            self._use_device()
+            yield
 
     def _use_device(self) -> None:
         """CUDA's current device is a thread's: the commands come from other threads than the one that built
@@ -1067,8 +1084,7 @@ class TorchBackend:
     @contextlib.contextmanager
     def _command(self, command: str, payload: Any = None) -> Iterator[None]:
         """Rank 0: one command at a time, sent to the other ranks before its collectives begin."""
-        with self._commands:
-            self._use_device()
+        with self._one_command():
             if command not in NO_WAKE_COMMANDS:
                 self._wake()
             if self.group is not None:
@@ -1126,14 +1142,13 @@ class TorchBackend:
         a tied ``lm_head.weight`` is listed too). Without ``dtype`` the tensors alias the live weights:
         copy them before the next step changes them. With FSDP2 they are gathered from every rank (a
         collective: rank 0 calls this, the others follow) into new CPU tensors."""
-        if self.group is not None and self.group.strategy == "fsdp":
+        if self._publish_gathers:
             with self._command("gather"):
                 state = self._full_state_dict()
         else:
-            with self._commands:  # (not beside a release_memory: a checkpoint's, asked for meanwhile)
-                self._use_device()
+            with self._one_command():  # (not beside a release_memory: a checkpoint's, asked for meanwhile)
                 self._wake()
-                state = self.model.state_dict()
+                state = self._own_state_dict()
         if dtype is None:
             return {name: t.detach() for name, t in state.items()}
         return {name: t.detach().to(dtype) if t.is_floating_point() else t.detach() for name, t in state.items()}

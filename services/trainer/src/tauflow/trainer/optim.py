@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tauflow.models.offload import sharded_local, storage_to_device, storage_to_host
+from tauflow.models.offload import hand_back, sharded_local, storage_to_device, storage_to_host, tensor_to_host
 
 SCHEDULES = ("constant", "cosine")
 
@@ -140,25 +140,18 @@ class OptimizerOffload:
                 if value is self._host.get((id(param), key)):
                     continue
                 local = sharded_local(value)
-                kept = self._host.get((id(param), key))
                 if local is not None:
                     if local.untyped_storage().nbytes() == 0:
                         continue  # (emptied already)
-                    host = self._host[(id(param), key)] = storage_to_host(local, kept)
+                    host = self._host[(id(param), key)] = storage_to_host(local, self._host.get((id(param), key)))
                     self._emptied.append((local, host))
                 else:
-                    if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
-                        kept = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                    host = self._host[(id(param), key)] = kept
-                    host.copy_(value, non_blocking=value.is_cuda)
+                    host = self._host[(id(param), key)] = tensor_to_host(value, self._host.get((id(param), key)))
                     state[key] = host
                 moved += host.numel() * host.element_size()
                 if value.is_cuda:
                     gpus.add(value.device)
-        for device in gpus:
-            torch.cuda.synchronize(device)  # the host copies are complete before the GPU blocks are handed back
-        if gpus:
-            torch.cuda.empty_cache()  # ... to the driver, where the engine's process can have them
+        hand_back(gpus)
         self.offloaded_bytes += moved
         return moved
 

@@ -288,6 +288,7 @@ class MegatronBackend(TorchBackend):
 
         group = parallel_state.get_data_parallel_group()
         buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+        sizes: dict[torch.dtype, int] = {}  # the bytes in each bucket
 
         def reduce(grads: list[torch.Tensor]) -> None:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -301,9 +302,11 @@ class MegatronBackend(TorchBackend):
                 continue
             bucket = buckets.setdefault(p.grad.dtype, [])
             bucket.append(p.grad)
-            if sum(g.numel() * g.element_size() for g in bucket) >= GRAD_BUCKET_BYTES:
+            sizes[p.grad.dtype] = sizes.get(p.grad.dtype, 0) + p.grad.numel() * p.grad.element_size()
+            if sizes[p.grad.dtype] >= GRAD_BUCKET_BYTES:
                 reduce(bucket)
                 bucket.clear()
+                sizes[p.grad.dtype] = 0
         for bucket in buckets.values():
             if bucket:
                 reduce(bucket)
@@ -362,18 +365,12 @@ class MegatronBackend(TorchBackend):
             mine[name] = values
         self.optimizer.load_state_dict(keyed_by_index({"state": mine, "param_groups": by_name["param_groups"]}, names))
 
-    def state_dict_for_publish(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        if self.group is not None:
-            with self._command("gather"):
-                state = self._full_state_dict()
-        else:
-            with self._commands:
-                self._use_device()
-                self._wake()
-                state = self.megatron.hf_state_dict()
-        if dtype is None:
-            return {name: t.detach() for name, t in state.items()}
-        return {name: t.detach().to(dtype) if t.is_floating_point() else t.detach() for name, t in state.items()}
+    @property
+    def _publish_gathers(self) -> bool:
+        return self.group is not None  # (a tensor-parallel rank holds shards)
+
+    def _own_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.megatron.hf_state_dict()
 
 
 def _mcore(name: str) -> str:
