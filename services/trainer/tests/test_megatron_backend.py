@@ -39,8 +39,15 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         init_megatron(torch.device("cpu"), tensor_parallel=2)
     with pytest.raises(ValueError, match="must divide the trainer.s world size"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", tensor_parallel=2))
-    with pytest.raises(ValueError, match="pipeline_parallel=2"):
+    with pytest.raises(ValueError, match=r"\(1 x 2\) must divide the trainer.s world size"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2))
+    with pytest.raises(ValueError, match="a critic with the megatron backend"):
+        MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2, algorithm="ppo"))
+    with pytest.raises(ValueError, match="full KL with pipeline_parallel"):
+        MegatronBackend(
+            config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2, algorithm="opd",
+                   algorithm_options={"opd_loss": "reverse_kl"}, teacher_model_path=str(tiny_model_dir))
+        )  # fmt: skip
     with pytest.raises(ValueError, match="padding_side: right"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", padding_side="left"))
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -117,15 +124,16 @@ def test_megatron_checkpoints_resume(
     assert resumed.train_step(groups).loss == pytest.approx(first.train_step(groups).loss, abs=1e-6)
 
 
-# -- tensor parallelism: two gloo ranks on the CPU under the shim, against one process -----------------------------
+# -- tensor and pipeline parallelism: gloo ranks on the CPU under the shim, against one process ---------------------
 
 
-def _tensor_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any], out: Path) -> None:
-    """One rank of a tensor-parallel megatron trainer (rank 0 leads, the other follows), under the conftest's
-    shim (in this process); rank 0 writes what it saw."""
+def _model_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any], out: Path) -> None:
+    """One rank of a tensor- or pipeline-parallel megatron trainer (rank 0 leads, the others follow), under the
+    conftest's shim (in this process); rank 0 writes what it saw."""
     import contextlib
 
     from megatron.core import tensor_parallel
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
     import tauflow.trainer.megatron.backend as megatron_backend
     from tauflow.trainer.parallel import DistributedConfig, RankGroup
@@ -134,6 +142,8 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any],
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
     megatron_backend.require_cuda = lambda device: None  # type: ignore[assignment]
+    # (megatron copies a tied embedding to the last stage through .cuda(): the weights loaded next replace it)
+    LanguageModule._is_in_embd_group = lambda self: False  # type: ignore[method-assign]
     megatron_backend.GRAD_BUCKET_BYTES = 4096  # (several buckets of gradients per all-reduce, even for this model)
     dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", timeout_s=120, keepalive_s=60)
     group = RankGroup(dist, torch.device("cpu"))
@@ -152,7 +162,7 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any],
     out.write_bytes(pickle.dumps({"weights": weights, "metrics": [r.metrics for r in results]}))
 
 
-def tensor_parallel_run(job: dict[str, Any], tmp_path: Path, world: int = 2) -> dict[str, Any]:
+def model_parallel_run(job: dict[str, Any], tmp_path: Path, world: int = 2) -> dict[str, Any]:
     import multiprocessing
     import socket
 
@@ -161,7 +171,7 @@ def tensor_parallel_run(job: dict[str, Any], tmp_path: Path, world: int = 2) -> 
         port = int(s.getsockname()[1])
     out = tmp_path / "rank0.pkl"
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_tensor_parallel_rank, args=(r, world, port, job, out)) for r in range(world)]
+    procs = [context.Process(target=_model_parallel_rank, args=(r, world, port, job, out)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -203,7 +213,7 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
     two = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     straight = one_megatron_process({"config": one, "batches": first + second})
-    parallel = tensor_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
+    parallel = model_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
     before = one_megatron_process({"config": one, "batches": []})["weights"]
     assert any(not torch.equal(before[k], parallel["weights"][k]) for k in before)  # the steps changed weights
     for mine, theirs in zip(parallel["metrics"], straight["metrics"], strict=False):
@@ -216,7 +226,7 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     resumed = one_megatron_process({"config": one, "batches": second, "resume": tmp_path / "two"})
     assert_same_weights(resumed["weights"], straight["weights"])  # the moments came back merged
     one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
-    again = tensor_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
+    again = model_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
     assert_same_weights(again["weights"], straight["weights"])  # ... and cut again
 
 
@@ -232,8 +242,88 @@ def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one
     one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
     four = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     single = one_megatron_process({"config": one, "batches": batches})
-    replicas = tensor_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
+    replicas = model_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
     assert_same_weights(replicas["weights"], single["weights"])
     for mine, theirs in zip(replicas["metrics"], single["metrics"], strict=True):
         for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+# -- pipeline parallelism: stages of a two-layer model, alone and beside the other kinds ---------------------------
+
+
+@pytest.fixture(scope="module")
+def two_layer_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Qwen2s of two layers (one a stage): "tied", its output layer the embedding (as Qwen2-0.5B's), and
+    "untied", its own."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = {}
+    for name in ("tied", "untied"):
+        torch.manual_seed(1)
+        model = Qwen2ForCausalLM(
+            Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                        tie_word_embeddings=name == "tied")
+        )  # fmt: skip
+        out[name] = tmp_path_factory.mktemp(f"two-layer-qwen2-{name}")
+        model.save_pretrained(out[name])
+    return out
+
+
+def test_pipeline_stages_make_the_updates_of_one_process_and_checkpoints_resume_at_either_size(
+    megatron_on_cpu: None, two_layer_model_dirs: dict[str, Path], make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    # PP = 2: the first stage holds the embedding and layer 0, the last layer 1, the norm and the output layer
+    # (tied: a copy of the embedding, its gradient summed with the first stage's). The stages take turns on each
+    # micro-batch (hidden states forward, their gradient back) and make the updates one process makes: the same
+    # losses and entropy (the last stage's log-probs, broadcast), the same clipped gradient norm (summed over the
+    # stages, the tied copy once), the same weights. A checkpoint (the stages gathered: the whole model in one
+    # process's names) resumes in one process, and one process's on two stages.
+    first, second = [make_groups(1, 4), make_groups(2, 3, prefix="h")], [make_groups(3, 4, prefix="k")]
+    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
+            "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
+    model_dir = two_layer_model_dirs["tied"]
+    one = config(model_dir, kind="megatron", device="cpu", **opts)
+    two = config(model_dir, kind="megatron", device="cpu", pipeline_parallel=2, **opts)
+    straight = one_megatron_process({"config": one, "batches": first + second})
+    stages = model_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
+    before = one_megatron_process({"config": one, "batches": []})["weights"]
+    assert all(not torch.equal(before[k], stages["weights"][k]) for k in before if "norm" not in k)  # every stage's
+    for mine, theirs in zip(stages["metrics"], straight["metrics"], strict=False):
+        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref", "micro_batches"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert straight["metrics"][0]["grad_norm"] > 0.5 and straight["metrics"][0]["micro_batches"] > 1
+    halfway = one_megatron_process({"config": one, "batches": first})
+    assert_same_weights(stages["weights"], halfway["weights"])
+
+    resumed = one_megatron_process({"config": one, "batches": second, "resume": tmp_path / "two"})
+    assert_same_weights(resumed["weights"], straight["weights"])  # the moments came back whole
+    one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
+    again = model_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
+    assert_same_weights(again["weights"], straight["weights"])  # ... and went to their stages again
+
+
+@pytest.mark.parametrize(("tp", "model"), [(1, "untied"), (2, "tied")], ids=["dp2-pp2-untied", "tp2-pp2-tied"])
+def test_four_ranks_with_two_pipeline_stages_make_the_updates_of_one_process(
+    megatron_on_cpu: None, two_layer_model_dirs: dict[str, Path], make_groups: MakeGroups, tmp_path: Path, tp: int,
+    model: str,
+) -> None:  # fmt: skip
+    # Two stages beside two data-parallel replicas (megatron's rank order: ranks 0 and 1 are the first stage of
+    # replicas 0 and 1; a replica's stages see the same samples), or beside two tensor-parallel ranks (each stage
+    # split in two, its shards gathered for the publish, the tied embedding's vocabulary shards summed stage to
+    # stage): the updates one process makes, the metrics counted once per replica.
+    batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
+    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
+            "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
+    model_dir = two_layer_model_dirs[model]
+    one = config(model_dir, kind="megatron", device="cpu", **opts)
+    four = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=2, **opts)
+    single = one_megatron_process({"config": one, "batches": batches})
+    ranks = model_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
+    for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    # (AdamW divides a gradient by its own scale: a near-zero one, summed in another order, moved weights by up to
+    # 1.1e-4 here, a few in a hundred; a wrong gradient moves weights by the learning rate, 1e-2)
+    assert_same_weights(ranks["weights"], single["weights"], tolerance=5e-4)

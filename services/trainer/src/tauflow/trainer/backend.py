@@ -40,6 +40,7 @@ from tauflow.trainer.batch import (
     Group,
     PackedBatch,
     Sample,
+    TokenLogProbs,
     completion_logprobs,
     pack,
     split_by_token_budget,
@@ -118,10 +119,11 @@ class TorchBackendConfig:
     """torch: the Hugging Face model in plain PyTorch (data parallel: FSDP2 or DDP); megatron: megatron-core's
     GPTModel (a Qwen2/Llama-style model; CUDA; the megatron extra; docs/gpu.md)."""
     tensor_parallel: int = 1
-    """megatron: tensor-parallel size; it divides the trainer role's world size (its ranks are data-parallel
-    replicas of this many tensor-parallel ranks each)."""
+    """megatron: tensor-parallel size; with ``pipeline_parallel`` it divides the trainer role's world size (its
+    ranks are data-parallel replicas of tensor_parallel x pipeline_parallel ranks each)."""
     pipeline_parallel: int = 1
-    """megatron: pipeline-parallel size (1 for now: pipeline parallelism is not written yet)."""
+    """megatron: pipeline stages (consecutive layers each; it divides the layer count): the stages take turns on
+    each micro-batch (docs/gpu.md)."""
     offload_optimizer: bool = False
     """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
     so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back
@@ -830,7 +832,7 @@ class TorchBackend:
             return self._ensure_critic().values
 
         def logprobs_of(model: torch.nn.Module) -> Callable[[PackedBatch], torch.Tensor]:
-            return lambda batch: completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+            return lambda batch: self._completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
 
         loaders: dict[str, Callable[[], Callable[[PackedBatch], torch.Tensor]]] = {
             "prox": lambda: logprobs_of(self._forward_model),
@@ -896,7 +898,9 @@ class TorchBackend:
                 row = []
                 for batch, _ in micro:
                     with self._autocast():
-                        row.append(completion_logprobs(model, batch, temperature=self.config.temperature).logprobs)
+                        row.append(
+                            self._completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+                        )
                 out.append(row)
             return out
 
@@ -945,7 +949,7 @@ class TorchBackend:
                         last = k == len(micro) - 1
                         if train_policy:
                             with self._autocast():
-                                lp = completion_logprobs(
+                                lp = self._completion_logprobs(
                                     model,
                                     batch,
                                     temperature=self.config.temperature,
@@ -957,7 +961,7 @@ class TorchBackend:
                                 teacher_distribution = None
                                 if teacher is not None:  # per micro-batch: [B, T, V] for a whole step is too much
                                     with torch.no_grad():
-                                        teacher_distribution = completion_logprobs(
+                                        teacher_distribution = self._completion_logprobs(
                                             teacher,
                                             batch,
                                             temperature=self.config.temperature,
@@ -1028,6 +1032,11 @@ class TorchBackend:
             metrics["critic_lr"] = float(critic_lr or 0.0)
         return metrics
 
+    def _completion_logprobs(self, model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
+        """``completion_logprobs`` of ``batch`` under ``model`` (the megatron backend's pipeline stages compute
+        the policy's together)."""
+        return completion_logprobs(model, batch, **options)
+
     def _accumulating(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         if self.group is None:
             return contextlib.nullcontext()
@@ -1060,7 +1069,7 @@ class TorchBackend:
                 banned_ids=self.banned_ids,
             ).to(self.device)
             with self._autocast():
-                lp = completion_logprobs(self.model, mb, temperature=1.0)
+                lp = self._completion_logprobs(self.model, mb, temperature=1.0)
             out = sft_loss(lp.logprobs, mb.loss_mask, norm)
             self._backward(out.loss)
             parts.append(out.sums)

@@ -290,8 +290,14 @@ class TokenLogProbs:
     (distillation by the full reverse KL)."""
 
 
-def completion_logprobs(
-    model: torch.nn.Module,
+def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
+    """:func:`logprobs_of_logits` of the logits ``model`` (a causal LM) computes for ``batch``."""
+    out = model(**batch.model_inputs(model), use_cache=False)
+    return logprobs_of_logits(out.logits, batch, **options)
+
+
+def logprobs_of_logits(
+    logits: torch.Tensor,
     batch: PackedBatch,
     *,
     temperature: float = 1.0,
@@ -300,15 +306,14 @@ def completion_logprobs(
     with_distribution: bool = False,
     distribution_vocab: int | None = None,
 ) -> TokenLogProbs:
-    """Per-token log-probs of every target token under a causal LM: float32 ``log_softmax`` of
-    ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
+    """Per-token log-probs of every target token of ``batch`` under the causal LM whose ``[B, T, V]`` ``logits``
+    these are: float32 ``log_softmax`` of ``logits[:, :-1] / temperature`` gathered at ``input_ids[:, 1:]``. Use the sampler's temperature so
     that these match the behaviour log-probs the rollout engine reported. ``with_distribution``: the whole
     log-softmax too (with grad where grad is enabled), over the first ``distribution_vocab`` rows of the
     vocabulary when given (a teacher and a student that pad their vocabularies differently)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    out = model(**batch.model_inputs(model), use_cache=False)
-    logits = out.logits[:, :-1].float()
+    logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     if batch.banned_ids is not None:  # finite, so that a probability of 0 times its log stays 0 (entropy, KL)

@@ -8,16 +8,19 @@ weights are a Hugging Face folder (any Hugging Face loader, or a new run of eith
 its optimizer state resumes the megatron backend only: it is keyed by megatron's fused parameters), and the
 sidecar publishes Hugging Face names (``convert``). The reference and the teacher, forward only, stay Hugging Face models.
 
-Parallelism: tensor parallelism, and data parallelism beside it. With ``tensor_parallel`` T the trainer
-role's W ranks are W / T data-parallel replicas of T tensor-parallel ranks each (megatron's order:
-consecutive ranks share a replica). The ranks of a replica take the same share of the batch (they split the
-model, not the data); every rank loads rank 0's weights and keeps its shard (``convert.shard``) and computes
-the full logits (gathered across its tensor-parallel group). After the backward the replicas' gradients are
-averaged over the data-parallel group, and the gradient norm is the whole model's (the shards' norms summed
-over the tensor-parallel group, the replicated weights' counted once). A publish or a checkpoint gathers the
-shards (one collective per tensor) and merges them (``convert.merge_shards``): the weights in Hugging Face
-names, the AdamW moments as one process of TP = 1 keys them, so a checkpoint resumes at any size. Not
-written yet: pipeline parallelism (megatron's pipeline schedules).
+Parallelism: tensor and pipeline parallelism, and data parallelism beside them. With ``tensor_parallel`` T and
+``pipeline_parallel`` P the trainer role's W ranks are W / (T P) data-parallel replicas of T P ranks each
+(megatron's order: the tensor-parallel ranks consecutive, then the replicas, then the stages). The ranks of a
+replica take the same share of the batch (they split the model, not the data); every rank loads rank 0's
+weights and keeps its shard (``convert.shard``: its stage's layers, its tensor-parallel part of them) and a
+stage's tensor-parallel ranks compute the full logits (gathered across their group). The stages take turns
+on each micro-batch (``pipeline``). After the backward the replicas' gradients are averaged over the
+data-parallel group, a tied embedding's two copies (first and last stage) get the sum of their gradients, and
+the gradient norm is the whole model's (the shards' norms summed over the tensor-parallel group, the
+replicated weights' counted once, summed over the stages). A publish or a checkpoint gathers the shards (one
+collective per tensor), merges them (``convert.merge_shards``) and brings every stage's to rank 0: the weights
+in Hugging Face names, the AdamW moments as one process of TP = PP = 1 keys them, so a checkpoint resumes at
+any size.
 
 megatron-core's forward assumes CUDA (a few buffers made on ``torch.cuda.current_device()``, a CUDA RNG
 forked around dropout), so the backend refuses other devices; the CPU tests run the same code under a test
@@ -36,8 +39,18 @@ import torch
 
 from tauflow.trainer.algorithms import get_algorithm
 from tauflow.trainer.backend import TorchBackend
-from tauflow.trainer.megatron.convert import MegatronLayout, hf_to_mcore, mcore_to_hf, merge_shards, shard, split_role
+from tauflow.trainer.batch import PackedBatch, TokenLogProbs
+from tauflow.trainer.megatron.convert import (
+    MegatronLayout,
+    hf_to_mcore,
+    mcore_to_hf,
+    merge_shards,
+    shard,
+    split_role,
+    stage_to_global,
+)
 from tauflow.trainer.megatron.model import gpt_model, transformer_config
+from tauflow.trainer.megatron.pipeline import PipelineStage, pipeline_logprobs
 from tauflow.trainer.optim import clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens, keyed_by_index, keyed_by_name, parameter_names
 
@@ -81,12 +94,14 @@ class MegatronCausalLM(torch.nn.Module):
 
     gpt: Any  # megatron-core's GPTModel
 
-    def __init__(self, hf_config: Any, gpt: Any) -> None:
+    def __init__(self, hf_config: Any, gpt: Any, stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = hf_config
         self.gpt = gpt
         self.layout = MegatronLayout.from_hf_config(hf_config)
         self.tensor_parallel = int(gpt.config.tensor_model_parallel_size)
+        self.pipeline_parallel = int(gpt.config.pipeline_model_parallel_size)
+        self.stage = stage  # with pipeline parallelism: this rank's stage
 
     @classmethod
     def from_pretrained(
@@ -95,15 +110,20 @@ class MegatronCausalLM(torch.nn.Module):
         device: torch.device | str = "cpu",
         tensor_parallel: int = 1,
         group: RankGroup | None = None,
+        pipeline_parallel: int = 1,
     ) -> MegatronCausalLM:
-        """The Hugging Face folder's model as a GPTModel, its weights converted, float32, on ``device``. With
-        ``group`` every rank takes rank 0's weights (it may have read them from a checkpoint the others cannot
-        see) before it keeps its tensor-parallel shard."""
+        """The Hugging Face folder's model as a GPTModel (with pipeline parallelism: this rank's stage of it),
+        its weights converted, float32, on ``device``. With ``group`` every rank takes rank 0's weights (it may
+        have read them from a checkpoint the others cannot see) before it keeps its shard."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         hf_config = AutoConfig.from_pretrained(path)
-        config = transformer_config(hf_config, tensor_parallel=tensor_parallel, use_cpu_initialization=True)
-        model = cls(hf_config, gpt_model(hf_config, config))
+        config = transformer_config(
+            hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, use_cpu_initialization=True
+        )
+        stage = PipelineStage(torch.device(device)) if pipeline_parallel > 1 else None
+        first, last = (stage.first, stage.last) if stage is not None else (True, True)
+        model = cls(hf_config, gpt_model(hf_config, config, pre_process=first, post_process=last), stage)
         hf_weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
         if group is not None:
             group.overwrite_with_leaders(hf_weights.values())
@@ -118,11 +138,36 @@ class MegatronCausalLM(torch.nn.Module):
 
         return int(parallel_state.get_tensor_model_parallel_rank())
 
+    @property
+    def pipeline_rank(self) -> int:
+        return self.stage.rank if self.stage is not None else 0
+
+    @property
+    def holds_tied_copy(self) -> bool:
+        """Whether this is the last of several stages of a model whose output layer is its embedding: it keeps
+        a copy of the first stage's (megatron's ``output_layer.weight`` here), updated alike."""
+        return self.layout.tied_embeddings and self.stage is not None and self.stage.last
+
+    def global_name(self, name: str) -> str:
+        """A parameter's (or its state's) name here in the whole model of one process: the layers numbered
+        from the first stage's; the tied copy named as the embedding it copies."""
+        prefix = "gpt." if name.startswith("gpt.") else ""
+        mc = name.removeprefix("gpt.")
+        if self.holds_tied_copy and mc == "output_layer.weight":
+            return prefix + "embedding.word_embeddings.weight"
+        return prefix + stage_to_global(mc, self.layout, self.pipeline_parallel, self.pipeline_rank)
+
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
-        """The full weights, in Hugging Face names: this rank keeps its tensor-parallel shard."""
+        """The full weights, in Hugging Face names: this rank keeps its shard (its tensor-parallel part of its
+        pipeline stage's layers)."""
         mc = hf_to_mcore(hf, self.layout)
-        if self.tensor_parallel > 1:
-            mc = shard(mc, self.layout, self.tensor_parallel, self.tensor_parallel_rank)
+        if self.holds_tied_copy:
+            mc["output_layer.weight"] = mc["embedding.word_embeddings.weight"]
+        if self.tensor_parallel > 1 or self.pipeline_parallel > 1:
+            mc = shard(
+                mc, self.layout, self.tensor_parallel, self.tensor_parallel_rank, self.pipeline_parallel,
+                self.pipeline_rank,
+            )  # fmt: skip
         result = self.gpt.load_state_dict(mc, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
@@ -133,10 +178,19 @@ class MegatronCausalLM(torch.nn.Module):
     def hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The full weights in Hugging Face names (a tied ``lm_head.weight`` listed too): views of the live ones
         with one rank; with several, the shards gathered into new CPU tensors (a collective every rank of the
-        group runs; a rank that passes ``keep=False`` takes part and gets {})."""
+        group runs; a rank that passes ``keep=False`` takes part and gets {}; with pipeline parallelism only
+        global rank 0 keeps them)."""
         state = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        full = self.gather_shards(state, keep=keep)
-        return mcore_to_hf(full, self.layout) if keep else {}
+        if self.stage is None:
+            full = self.gather_shards(state, keep=keep)
+            return mcore_to_hf(full, self.layout) if keep else {}
+        merged = self.gather_shards(state, keep=self.stage.leading)
+        whole = self.stage.collect({self.global_name(k): v for k, v in merged.items() if not self.is_tied_copy(k)})
+        return mcore_to_hf(whole, self.layout) if whole else {}
+
+    def is_tied_copy(self, name: str) -> bool:
+        """Whether ``name`` is the last stage's copy of a tied embedding (:attr:`holds_tied_copy`)."""
+        return self.holds_tied_copy and name.removeprefix("gpt.") == "output_layer.weight"
 
     def gather_shards(self, shards: Mapping[str, torch.Tensor], keep: bool = True) -> dict[str, torch.Tensor]:
         """Every tensor-parallel rank's ``shards`` (megatron names: weights, or state sharded as they are),
@@ -170,6 +224,20 @@ class MegatronCausalLM(torch.nn.Module):
     ) -> SimpleNamespace:
         if unused:
             raise ValueError(f"the megatron backend takes text inputs only, not {sorted(unused)}")
+        if self.stage is not None:
+            raise RuntimeError("a pipeline stage computes log-probs with the others (pipeline.pipeline_logprobs)")
+        return SimpleNamespace(logits=self.stage_forward(input_ids, attention_mask, position_ids))
+
+    def stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits (the whole vocabulary's), or with pipeline parallelism this stage's output: the hidden
+        states ``[T, B, H]`` for the next stage, or on the last the logits. ``hidden``: the previous stage's
+        output (every stage but the first)."""
         t = input_ids.shape[1]
         positions = torch.arange(t, device=input_ids.device).expand_as(input_ids)
         if position_ids is not None and attention_mask is not None:
@@ -181,12 +249,17 @@ class MegatronCausalLM(torch.nn.Module):
         allowed = causal[None, None]
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, None, :]
-        logits = self.gpt(input_ids, positions, attention_mask=~allowed)
-        if self.tensor_parallel > 1:  # each rank's part of the vocabulary: the losses take the whole
+        if hidden is not None:
+            self.gpt.set_input_tensor(hidden)
+        out = self.gpt(input_ids, positions, attention_mask=~allowed)
+        if hidden is not None:
+            self.gpt.set_input_tensor(None)  # (the autograd graph holds it as long as it is needed)
+        if self.tensor_parallel > 1 and (self.stage is None or self.stage.last):
             from megatron.core import tensor_parallel
 
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-        return SimpleNamespace(logits=logits)
+            # each rank's part of the vocabulary: the losses take the whole
+            out = tensor_parallel.gather_from_tensor_model_parallel_region(out)
+        return out
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each layer's activations in backward (megatron's full, uniform recompute)."""
@@ -213,20 +286,21 @@ class MegatronBackend(TorchBackend):
     def __init__(self, config: Any, **kwargs: Any) -> None:
         group: RankGroup | None = kwargs.get("group")
         tp, pp = config.tensor_parallel, config.pipeline_parallel
-        if pp != 1:
-            raise ValueError(
-                f"pipeline_parallel={pp}: the megatron backend does not run pipeline parallelism yet (docs/gpu.md)"
-            )
+        algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options)).config
+        if tp * pp > 1 and algorithm.uses_critic:
+            raise ValueError("a critic with the megatron backend's tensor or pipeline parallelism is not supported yet")
+        if pp > 1 and algorithm.distills_full_kl:  # (the stages pass per-token values on, not distributions)
+            raise ValueError("distillation by the full KL with pipeline_parallel > 1 is not supported yet")
         world = group.world_size if group is not None else 1
-        if world % tp:
+        if world % (tp * pp):
             raise ValueError(
-                f"tensor_parallel ({tp}) must divide the trainer's world size ({world}): its ranks are data-parallel "
-                "replicas of tensor_parallel ranks each"
+                f"tensor_parallel x pipeline_parallel ({tp} x {pp}) must divide the trainer's world size ({world}): "
+                "its ranks are data-parallel replicas of tensor_parallel x pipeline_parallel ranks each"
             )
-        if tp > 1 and get_algorithm(config.algorithm, **dict(config.algorithm_options)).config.uses_critic:
-            raise ValueError("a critic with the megatron backend's tensor parallelism is not supported yet")
-        if tp > 1 and config.autocast_dtype == "float16":  # (each rank's loss scale would see its own overflows)
-            raise ValueError("autocast_dtype float16 with tensor_parallel > 1 is not supported: use bfloat16")
+        if tp * pp > 1 and config.autocast_dtype == "float16":  # (each rank's loss scale would see its own overflows)
+            raise ValueError(
+                "autocast_dtype float16 with tensor or pipeline parallelism is not supported: use bfloat16"
+            )
         if config.padding_side != "right":
             raise ValueError("the megatron backend needs backend.padding_side: right")
         require_cuda(config.device)
@@ -234,6 +308,8 @@ class MegatronBackend(TorchBackend):
         if group is not None and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", group.config.device_index)  # (as TorchBackend places a rank)
         init_megatron(device, tp, pp, config.seed)
+        if group is not None:
+            _check_rank_order(group.config.rank, tp, pp, world)
         super().__init__(config, **kwargs)
         if self.processor is not None:
             raise ValueError("the megatron backend trains text models only (a multimodal folder: backend.kind torch)")
@@ -246,26 +322,37 @@ class MegatronBackend(TorchBackend):
         return self.model  # type: ignore[return-value]  # _load_policy built it
 
     def _load_policy(self, path: Path) -> Any:
-        model = MegatronCausalLM.from_pretrained(path, self.device, self.config.tensor_parallel, self.group)
+        model = MegatronCausalLM.from_pretrained(
+            path, self.device, self.config.tensor_parallel, self.group, self.config.pipeline_parallel
+        )
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train()
         return model
 
-    # -- the ranks: data-parallel replicas of a tensor-parallel group each (the same samples, the model split)
+    # -- the ranks: data-parallel replicas of tensor x pipeline-parallel ranks each (the same samples, the model
+    # -- split)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.config.tensor_parallel
+        return self.world_size // (self.config.tensor_parallel * self.config.pipeline_parallel)
 
     def _shares(self, lengths: Sequence[int]) -> list[list[int]]:
-        # megatron's rank order: the tensor-parallel ranks of a replica are consecutive
         replicas = balance_by_tokens(lengths, self.data_parallel_size)
-        return [replicas[rank // self.config.tensor_parallel] for rank in range(self.world_size)]
+        tp, dp = self.config.tensor_parallel, self.data_parallel_size
+        return [replicas[_replica_of(rank, tp, dp)] for rank in range(self.world_size)]
 
     def _totals_to_add(self, totals: dict[str, float]) -> dict[str, float]:
-        # a replica's totals once (its tensor-parallel ranks saw the same samples)
-        return totals if self.megatron.tensor_parallel_rank == 0 else dict.fromkeys(totals, 0.0)
+        # a replica's totals once (its tensor- and pipeline-parallel ranks saw the same samples and values)
+        model = self.megatron
+        counted = model.tensor_parallel_rank == 0 and model.pipeline_rank == 0
+        return totals if counted else dict.fromkeys(totals, 0.0)
+
+    def _completion_logprobs(self, model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
+        stage = self.megatron.stage
+        if model is self.model and stage is not None:  # (the reference and a teacher are Hugging Face models)
+            return pipeline_logprobs(model, batch, stage, **options)
+        return super()._completion_logprobs(model, batch, **options)
 
     def _join_ranks(self) -> torch.nn.Module:
         return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)
@@ -274,10 +361,27 @@ class MegatronBackend(TorchBackend):
         return contextlib.nullcontext()  # (no data-parallel reduction to hold back)
 
     def _clip_and_step(self) -> dict[str, float]:
+        model = self.megatron
+        if model.layout.tied_embeddings and model.stage is not None:
+            self._add_tied_embedding_gradients()
         if self.data_parallel_size > 1:
             self._average_gradients_over_replicas()
-        norm_of = self._tensor_parallel_grad_norm if self.megatron.tensor_parallel > 1 else None
+        split = model.tensor_parallel > 1 or model.stage is not None
+        norm_of = self._model_parallel_grad_norm if split else None
         return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler, norm_of)
+
+    def _add_tied_embedding_gradients(self) -> None:
+        """The first stage's embedding and the last's copy of it (the output layer) are one weight: each gets
+        the sum of both gradients (megatron's embedding group), so both make the same update."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_rank_in_embedding_group():
+            return
+        weight = self.megatron.gpt.shared_embedding_or_output_weight()
+        if weight.grad is None:  # (both ranks take part, whatever the other holds)
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
     def _average_gradients_over_replicas(self) -> None:
         """Each gradient averaged over the data-parallel group (the loss was scaled by its size: the average is
@@ -311,23 +415,31 @@ class MegatronBackend(TorchBackend):
             if bucket:
                 reduce(bucket)
 
-    def _tensor_parallel_grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The whole model's gradient norm: the shards' squares summed over the group, plus the replicated
-        weights' (the norms' scales: the same gradient on every rank) once."""
+    def _model_parallel_grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm: the tensor-parallel shards' squares summed over their group, plus the
+        replicated weights' (the norms' scales: the same gradient on every rank) once, summed over the pipeline's
+        stages (the last stage's copy of a tied embedding left out: the first counts it)."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
+        tied_copy = self.megatron.gpt.shared_embedding_or_output_weight() if self.megatron.holds_tied_copy else None
         sharded = torch.zeros((), dtype=torch.float32, device=self.device)
         replicated = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in params:
             assert p.grad is not None
+            if p is tied_copy:
+                continue
             square = p.grad.detach().float().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += square
             else:
                 replicated += square
-        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        return (sharded + replicated).sqrt()
+        if self.megatron.tensor_parallel > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        total = sharded + replicated
+        if self.megatron.stage is not None:
+            dist.all_reduce(total, group=self.megatron.stage.group)
+        return total.sqrt()
 
     # -- weights and optimizer state out and in: the shards gathered and merged, or cut
 
@@ -339,31 +451,63 @@ class MegatronBackend(TorchBackend):
         return self.megatron.hf_state_dict(keep=self._leads)  # (a collective with tensor parallelism)
 
     def _full_optimizer_state(self) -> dict[str, Any]:
+        model = self.megatron
         names = parameter_names(self.model, self.optimizer)
         by_name = keyed_by_name(self.optimizer.state_dict(), names)
         state = {name: dict(values) for name, values in by_name["state"].items()}
+        holds = model.stage.leading if model.stage is not None else self._leads  # (what it merges goes on)
         for key in MOMENTS:
             mine = {_mcore(name): values[key] for name, values in state.items() if key in values}
-            for name, t in self.megatron.gather_shards(mine, keep=self._leads).items():
+            for name, t in model.gather_shards(mine, keep=holds).items():
                 state["gpt." + name][key] = t
-        full = keyed_by_index({"state": state, "param_groups": by_name["param_groups"]}, names)
-        return full if self._leads else {}
+        groups = self._pipeline_param_groups(by_name["param_groups"])
+        if model.stage is not None:  # every stage's state, in the whole model's names, on the first
+            ours = {
+                (model.global_name(name), key): value
+                for name, values in state.items()
+                if not model.is_tied_copy(name)
+                for key, value in values.items()
+            }
+            state = {}
+            for (name, key), value in model.stage.collect(ours).items():
+                state.setdefault(name, {})[key] = value
+        if not self._leads:
+            return {}
+        return keyed_by_index({"state": state, "param_groups": groups}, [n for g in groups for n in g["params"]])
 
     def _load_optimizer_state(self, state: Mapping[str, Any]) -> None:
-        names = parameter_names(self.model, self.optimizer)
-        by_name = keyed_by_name(state, names)
         model = self.megatron
+        names = parameter_names(self.model, self.optimizer)
+        own_groups = keyed_by_name(self.optimizer.state_dict(), names)["param_groups"]
+        full_groups = self._pipeline_param_groups(own_groups)
+        loaded = keyed_by_name(state, [n for g in full_groups for n in g["params"]])
         mine: dict[str, Any] = {}
-        for name, values in by_name["state"].items():
+        for name in names:
+            values = loaded["state"].get(model.global_name(name))
+            if values is None:
+                continue
             values = dict(values)
             for key in MOMENTS:
                 if key in values:
-                    cut = shard(
-                        {_mcore(name): values[key]}, model.layout, model.tensor_parallel, model.tensor_parallel_rank
-                    )
-                    values[key] = cut[_mcore(name)].contiguous().clone()  # (not a view of the full tensor)
+                    whole = _mcore(model.global_name(name))
+                    cut = shard({whole: values[key]}, model.layout, model.tensor_parallel, model.tensor_parallel_rank)
+                    values[key] = cut[whole].contiguous().clone()  # (not a view of the full tensor)
             mine[name] = values
-        self.optimizer.load_state_dict(keyed_by_index({"state": mine, "param_groups": by_name["param_groups"]}, names))
+        groups = [
+            {**theirs, "params": own["params"]} for theirs, own in zip(loaded["param_groups"], own_groups, strict=True)
+        ]
+        self.optimizer.load_state_dict(keyed_by_index({"state": mine, "param_groups": groups}, names))
+
+    def _pipeline_param_groups(self, param_groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """This optimizer's parameter groups (parameters by name) as one process's optimizer holds them: each
+        group's parameters of every pipeline stage, stage after stage, in the whole model's names (what a
+        checkpoint keys the state by; a collective of the pipeline's stages)."""
+        model = self.megatron
+        if model.stage is None:
+            return [dict(g) for g in param_groups]
+        ours = [[model.global_name(n) for n in g["params"] if not model.is_tied_copy(n)] for g in param_groups]
+        stages = model.stage.all_gather_object(ours)
+        return [{**g, "params": [n for stage in stages for n in stage[i]]} for i, g in enumerate(param_groups)]
 
     @property
     def _publish_gathers(self) -> bool:
@@ -371,6 +515,27 @@ class MegatronBackend(TorchBackend):
 
     def _own_state_dict(self) -> dict[str, torch.Tensor]:
         return self.megatron.hf_state_dict()
+
+
+def _replica_of(rank: int, tp: int, dp: int) -> int:
+    """The data-parallel replica of global ``rank`` in megatron's rank order (tensor-parallel ranks consecutive,
+    then the replicas, then the pipeline stages)."""
+    return (rank // tp) % dp
+
+
+def _check_rank_order(rank: int, tp: int, pp: int, world: int) -> None:
+    """The shares of the batch follow megatron's rank order: refuses a megatron-core that orders otherwise."""
+    from megatron.core import parallel_state
+
+    dp = world // (tp * pp)
+    expected = (_replica_of(rank, tp, dp), rank // (tp * dp), rank % tp)
+    actual = (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    if expected != actual:
+        raise RuntimeError(f"megatron-core places rank {rank} at (dp, pp, tp) {actual}, not {expected}")
 
 
 def _mcore(name: str) -> str:

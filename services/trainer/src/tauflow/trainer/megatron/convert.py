@@ -32,6 +32,8 @@ __all__ = [
     "merge_shards",
     "pipeline_layers",
     "shard",
+    "split_role",
+    "stage_to_global",
 ]
 
 _MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -183,6 +185,15 @@ def pipeline_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
+def stage_to_global(name: str, layout: MegatronLayout, pp_size: int, pp_rank: int) -> str:
+    """A weight's name on pipeline stage ``pp_rank`` (its layers numbered from 0) in the whole model."""
+    found = _MC_LAYER.fullmatch(name)
+    if not found:
+        return name
+    start = pipeline_layers(layout.num_layers, pp_size, pp_rank).start
+    return f"decoder.layers.{int(found.group(1)) + start}.{found.group(2)}"
+
+
 def split_role(name: str) -> str:
     """How a megatron weight is split across tensor-parallel ranks: rows, qkv, fc1, cols, or replicated."""
     if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
@@ -260,12 +271,9 @@ def merge_shards(
     for pp_rank, stage in enumerate(shards):
         if len(stage) != tp_size:
             raise ValueError(f"pipeline stage {pp_rank} has {len(stage)} tensor-parallel shards, not {tp_size}")
-        layers = pipeline_layers(layout.num_layers, pp_size, pp_rank)
         for name in stage[0]:
             pieces = [s[name] for s in stage]
-            found = _MC_LAYER.fullmatch(name)
-            full = f"decoder.layers.{int(found.group(1)) + layers.start}.{found.group(2)}" if found else name
-            out[full] = _tp_merge(pieces, split_role(name), layout)
+            out[stage_to_global(name, layout, pp_size, pp_rank)] = _tp_merge(pieces, split_role(name), layout)
     return out
 
 
