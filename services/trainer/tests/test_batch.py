@@ -11,7 +11,15 @@ import torch
 VOCAB = 16  # the tiny model's vocabulary (conftest)
 TinyModel = Callable[..., torch.nn.Module]
 
-from tauflow.trainer.batch import Group, Sample, completion_logprobs, pack, split_by_token_budget, unpack
+from tauflow.trainer.batch import (
+    Group,
+    Sample,
+    completion_logprobs,
+    logprobs_of_logits,
+    pack,
+    split_by_token_budget,
+    unpack,
+)
 
 A = Sample([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], loss_mask=[True, False, True], reward=1.0, sample_id="a")
 B = Sample([6], [7], [-0.7], reward=0.0, sample_id="b")
@@ -158,3 +166,15 @@ def test_group_from_proto() -> None:
     assert g.baseline_reward is None  # no greedy completion came with it
     pb.baseline_reward = 0.0
     assert group_from_proto(pb).baseline_reward == 0.0  # a baseline of 0 is one
+
+
+def test_a_banned_tokens_gradient_stays_finite_under_a_loss_scale() -> None:
+    # A banned token's logit is finite and its probability 0; the entropy's gradient through it (0 times the
+    # upstream gradient times its logit) stays 0 even when the upstream gradient is large (fp16's loss scale).
+    batch = pack([Sample([1, 2], [3, 4], [-1.0, -1.0])], banned_ids=(5,))
+    logits = torch.randn(1, 4, 8, requires_grad=True)
+    lp = logprobs_of_logits(logits, batch, with_entropy=True, entropy_grad=True)
+    assert lp.entropy is not None
+    (65536.0 * (lp.entropy.sum() - lp.logprobs.sum())).backward()
+    assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
+    assert float(logits.grad[..., 5].abs().max()) == 0.0

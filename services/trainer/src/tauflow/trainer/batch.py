@@ -290,6 +290,12 @@ class TokenLogProbs:
     (distillation by the full reverse KL)."""
 
 
+BANNED_LOGIT = -1e30
+"""A banned token's logit: its probability 0 (``exp`` underflows), yet finite, so that a probability of 0 times
+its log stays 0 (entropy, KL); not float32's lowest, so that a gradient above 1 times it (the entropy's, under a
+loss scale) stays finite too."""
+
+
 def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
     """:func:`logprobs_of_logits` of the logits ``model`` (a causal LM) computes for ``batch``."""
     out = model(**batch.model_inputs(model), use_cache=False)
@@ -316,8 +322,8 @@ def logprobs_of_logits(
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
-    if batch.banned_ids is not None:  # finite, so that a probability of 0 times its log stays 0 (entropy, KL)
-        logits = logits.index_fill(-1, batch.banned_ids, torch.finfo(logits.dtype).min)
+    if batch.banned_ids is not None:
+        logits = logits.index_fill(-1, batch.banned_ids, BANNED_LOGIT)
     logsumexp = torch.logsumexp(logits, dim=-1)
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp

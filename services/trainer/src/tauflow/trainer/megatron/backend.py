@@ -12,8 +12,8 @@ Parallelism: tensor and pipeline parallelism, and data parallelism beside them. 
 ``pipeline_parallel`` P the trainer role's W ranks are W / (T P) data-parallel replicas of T P ranks each
 (megatron's order: the tensor-parallel ranks consecutive, then the replicas, then the stages). The ranks of a
 replica take the same share of the batch (they split the model, not the data); every rank loads rank 0's
-weights and keeps its shard (``convert.shard``: its stage's layers, its tensor-parallel part of them) and a
-stage's tensor-parallel ranks compute the full logits (gathered across their group). The stages take turns
+weights and keeps its shard (``convert.shard``: its stage's layers, its tensor-parallel part of them); the
+tensor-parallel ranks compute the log-probs from their slices of the vocabulary's logits (``vocab_parallel``). The stages take turns
 on each micro-batch (``pipeline``). After the backward the replicas' gradients are averaged over the
 data-parallel group, a tied embedding's two copies (first and last stage) get the sum of their gradients, and
 the gradient norm is the whole model's (the shards' norms summed over the tensor-parallel group, the
@@ -39,7 +39,7 @@ import torch
 
 from tauflow.trainer.algorithms import get_algorithm
 from tauflow.trainer.backend import TorchBackend
-from tauflow.trainer.batch import PackedBatch, TokenLogProbs
+from tauflow.trainer.batch import PackedBatch, TokenLogProbs, logprobs_of_logits
 from tauflow.trainer.megatron.convert import (
     MegatronLayout,
     hf_to_mcore,
@@ -51,6 +51,7 @@ from tauflow.trainer.megatron.convert import (
 )
 from tauflow.trainer.megatron.model import gpt_model, transformer_config
 from tauflow.trainer.megatron.pipeline import PipelineStage, pipeline_logprobs
+from tauflow.trainer.megatron.vocab_parallel import vocab_parallel_logprobs
 from tauflow.trainer.optim import clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens, keyed_by_index, keyed_by_name, parameter_names
 
@@ -234,10 +235,12 @@ class MegatronCausalLM(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        gather_logits: bool = True,
     ) -> torch.Tensor:
-        """The logits (the whole vocabulary's), or with pipeline parallelism this stage's output: the hidden
-        states ``[T, B, H]`` for the next stage, or on the last the logits. ``hidden``: the previous stage's
-        output (every stage but the first)."""
+        """The logits, or with pipeline parallelism this stage's output: the hidden states ``[T, B, H]`` for the
+        next stage, or on the last the logits. ``hidden``: the previous stage's output (every stage but the
+        first). With tensor parallelism the logits are the whole vocabulary's, or with ``gather_logits=False``
+        this rank's slice of it."""
         t = input_ids.shape[1]
         positions = torch.arange(t, device=input_ids.device).expand_as(input_ids)
         if position_ids is not None and attention_mask is not None:
@@ -254,12 +257,40 @@ class MegatronCausalLM(torch.nn.Module):
         out = self.gpt(input_ids, positions, attention_mask=~allowed)
         if hidden is not None:
             self.gpt.set_input_tensor(None)  # (the autograd graph holds it as long as it is needed)
-        if self.tensor_parallel > 1 and (self.stage is None or self.stage.last):
+        if gather_logits and self.tensor_parallel > 1 and (self.stage is None or self.stage.last):
             from megatron.core import tensor_parallel
 
             # each rank's part of the vocabulary: the losses take the whole
             out = tensor_parallel.gather_from_tensor_model_parallel_region(out)
         return out
+
+    def batch_forward(self, batch: PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`stage_forward` of ``batch``, the logits not gathered."""
+        inputs = batch.model_inputs(self)
+        return self.stage_forward(
+            inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), hidden, gather_logits=False
+        )
+
+    def logprobs_of_output(self, logits: torch.Tensor, batch: PackedBatch, **options: Any) -> TokenLogProbs:
+        """``logprobs_of_logits`` of this rank's logits (:meth:`batch_forward`): with tensor parallelism from
+        its slice of the vocabulary (``vocab_parallel``), unless the whole distribution is asked for (then
+        gathered)."""
+        if self.tensor_parallel == 1:
+            return logprobs_of_logits(logits, batch, **options)
+        if options.get("with_distribution"):
+            from megatron.core import tensor_parallel
+
+            return logprobs_of_logits(
+                tensor_parallel.gather_from_tensor_model_parallel_region(logits), batch, **options
+            )
+        return vocab_parallel_logprobs(
+            logits,
+            batch,
+            vocab_start=self.tensor_parallel_rank * logits.shape[-1],
+            temperature=options.get("temperature", 1.0),
+            with_entropy=bool(options.get("with_entropy")),
+            entropy_grad=bool(options.get("entropy_grad")),
+        )
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each layer's activations in backward (megatron's full, uniform recompute)."""
@@ -349,10 +380,12 @@ class MegatronBackend(TorchBackend):
         return totals if counted else dict.fromkeys(totals, 0.0)
 
     def _completion_logprobs(self, model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
-        stage = self.megatron.stage
-        if model is self.model and stage is not None:  # (the reference and a teacher are Hugging Face models)
-            return pipeline_logprobs(model, batch, stage, **options)
-        return super()._completion_logprobs(model, batch, **options)
+        policy = self.megatron
+        if model is not policy:  # the reference and a teacher: Hugging Face models
+            return super()._completion_logprobs(model, batch, **options)
+        if policy.stage is not None:
+            return pipeline_logprobs(policy, batch, policy.stage, **options)
+        return policy.logprobs_of_output(policy.batch_forward(batch), batch, **options)
 
     def _join_ranks(self) -> torch.nn.Module:
         return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)

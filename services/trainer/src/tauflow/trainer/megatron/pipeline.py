@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tauflow.trainer.batch import PackedBatch, TokenLogProbs, logprobs_of_logits
+from tauflow.trainer.batch import PackedBatch, TokenLogProbs
 
 
 class PipelineStage:
@@ -135,19 +135,17 @@ def pipeline_logprobs(model: Any, batch: PackedBatch, stage: PipelineStage, **op
     if options.get("with_distribution"):
         raise ValueError("the megatron backend's pipeline stages do not pass the whole distribution on")
     with_entropy = bool(options.get("with_entropy"))
-    inputs = batch.model_inputs(model)
-    ids = inputs["input_ids"]
-    rows, length = ids.shape
+    rows, length = batch.input_ids.shape
     hidden = None
     if not stage.first:
         anchor = torch.empty(0, device=stage.device, requires_grad=torch.is_grad_enabled())
         hidden = _FromPreviousStage.apply(anchor, stage, (length, rows, model.layout.hidden_size))
-    out = model.stage_forward(ids, inputs.get("attention_mask"), inputs.get("position_ids"), hidden)
+    out = model.batch_forward(batch, hidden)
     shapes = [(rows, length - 1)] * (2 if with_entropy else 1)
     if not stage.last:
         outs = _ToNextStage.apply(out, stage, shapes, bool(options.get("entropy_grad")))
         return TokenLogProbs(outs[0], outs[1] if with_entropy else None)
-    lp = logprobs_of_logits(out, batch, **options)
+    lp = model.logprobs_of_output(out, batch, **options)  # (with tensor parallelism: from its vocabulary slice)
     for value in (lp.logprobs, lp.entropy) if with_entropy else (lp.logprobs,):
         assert value is not None
         dist.broadcast(value.detach().float().contiguous(), src=stage.ranks[-1], group=stage.group)
