@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,31 @@ def megatron_on_cpu(megatron_world: None, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(megatron_backend, "require_cuda", lambda device: None)
+
+
+@pytest.fixture(name="spawn_ranks")
+def spawn_ranks_factory() -> Callable[..., None]:
+    """``spawn_ranks(target, world, *args)``: ``target(rank, world, port, *args)`` in ``world`` processes of their
+    own (spawned: a module-level ``target``), ``port`` a free one on loopback for their process group; asserts
+    each exited 0 within ``timeout_s`` (a keyword, 240 by default)."""
+
+    def spawn(target: Callable[..., None], world: int, *args: Any, timeout_s: float = 240) -> None:
+        import multiprocessing
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        context = multiprocessing.get_context("spawn")
+        procs = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0] * world, codes
+
+    return spawn

@@ -162,23 +162,11 @@ def _model_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any], 
     out.write_bytes(pickle.dumps({"weights": weights, "metrics": [r.metrics for r in results]}))
 
 
-def model_parallel_run(job: dict[str, Any], tmp_path: Path, world: int = 2) -> dict[str, Any]:
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+def model_parallel_run(
+    spawn_ranks: Callable[..., None], job: dict[str, Any], tmp_path: Path, world: int = 2
+) -> dict[str, Any]:
     out = tmp_path / "rank0.pkl"
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_model_parallel_rank, args=(r, world, port, job, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    spawn_ranks(_model_parallel_rank, world, job, out)
     return pickle.loads(out.read_bytes())
 
 
@@ -203,7 +191,11 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 
 def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_resume_at_either_size(
-    megatron_on_cpu: None, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None],
+    megatron_on_cpu: None,
+    tiny_model_dir: Path,
+    make_groups: MakeGroups,
+    tmp_path: Path,
 ) -> None:
     # TP = 2 (every rank the whole batch and half of each attention and MLP block, of the embedding and the
     # output layer) makes the updates TP = 1 makes: the same losses, the same gradient norm (clipped: the
@@ -216,7 +208,9 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
     two = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     straight = one_megatron_process({"config": one, "batches": first + second})
-    parallel = model_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
+    parallel = model_parallel_run(
+        spawn_ranks, {"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path
+    )
     before = one_megatron_process({"config": one, "batches": []})["weights"]
     assert any(not torch.equal(before[k], parallel["weights"][k]) for k in before)  # the steps changed weights
     for mine, theirs in zip(parallel["metrics"], straight["metrics"], strict=False):
@@ -229,12 +223,16 @@ def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_r
     resumed = one_megatron_process({"config": one, "batches": second, "resume": tmp_path / "two"})
     assert_same_weights(resumed["weights"], straight["weights"])  # the moments came back merged
     one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
-    again = model_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
+    again = model_parallel_run(spawn_ranks, {"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
     assert_same_weights(again["weights"], straight["weights"])  # ... and cut again
 
 
 def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one_process(
-    megatron_on_cpu: None, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None],
+    megatron_on_cpu: None,
+    tiny_model_dir: Path,
+    make_groups: MakeGroups,
+    tmp_path: Path,
 ) -> None:
     # Four ranks: two data-parallel replicas of two tensor-parallel ranks each. A replica's ranks take the same
     # share of the batch; the replicas' gradients are averaged; the metrics count each replica once. (With a KL
@@ -245,7 +243,7 @@ def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one
     one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
     four = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
     single = one_megatron_process({"config": one, "batches": batches})
-    replicas = model_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
+    replicas = model_parallel_run(spawn_ranks, {"config": four, "batches": batches}, tmp_path, world=4)
     assert_same_weights(replicas["weights"], single["weights"])
     for mine, theirs in zip(replicas["metrics"], single["metrics"], strict=True):
         for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
@@ -256,46 +254,58 @@ def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one
 
 
 @pytest.fixture(scope="module")
-def two_layer_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny Qwen2s of two layers (one a stage): "tied", its output layer the embedding (as Qwen2-0.5B's), and
-    "untied", its own."""
+def layered_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Qwen2s to split into stages: "tied" (two layers, the output layer the embedding, as Qwen2-0.5B's),
+    "untied" (two layers, its own output layer), "deep" (four layers, tied)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = {}
-    for name in ("tied", "untied"):
+    for name, layers in (("tied", 2), ("untied", 2), ("deep", 4)):
         torch.manual_seed(1)
         model = Qwen2ForCausalLM(
-            Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                        tie_word_embeddings=name == "tied")
+                        tie_word_embeddings=name != "untied")
         )  # fmt: skip
-        out[name] = tmp_path_factory.mktemp(f"two-layer-qwen2-{name}")
+        out[name] = tmp_path_factory.mktemp(f"qwen2-{name}")
         model.save_pretrained(out[name])
     return out
 
 
 def test_pipeline_stages_make_the_updates_of_one_process_and_checkpoints_resume_at_either_size(
-    megatron_on_cpu: None, two_layer_model_dirs: dict[str, Path], make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None],
+    megatron_on_cpu: None,
+    layered_model_dirs: dict[str, Path],
+    make_groups: MakeGroups,
+    tmp_path: Path,
 ) -> None:
     # PP = 2: the first stage holds the embedding and layer 0, the last layer 1, the norm and the output layer
     # (tied: a copy of the embedding, its gradient summed with the first stage's). The stages take turns on each
     # micro-batch (hidden states forward, their gradient back) and make the updates one process makes: the same
     # losses and entropy (the last stage's log-probs, broadcast), the same clipped gradient norm (summed over the
     # stages, the tied copy once), the same weights. A checkpoint (the stages gathered: the whole model in one
-    # process's names) resumes in one process, and one process's on two stages.
-    first, second = [make_groups(1, 4), make_groups(2, 3, prefix="h")], [make_groups(3, 4, prefix="k")]
+    # process's names) resumes in one process, and one process's on two stages. The second batch trains nothing
+    # (equal rewards: no advantage): an update without gradients, which must leave the tied copies alone.
+    no_advantage = make_groups(0, 2, prefix="z")
+    for group in no_advantage:
+        for sample in group.samples:
+            sample.reward = 1.0
+    first = [make_groups(1, 4), no_advantage, make_groups(2, 3, prefix="h")]
+    second = [make_groups(3, 4, prefix="k")]
     opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
             "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
-    model_dir = two_layer_model_dirs["tied"]
+    model_dir = layered_model_dirs["tied"]
     one = config(model_dir, kind="megatron", device="cpu", **opts)
     two = config(model_dir, kind="megatron", device="cpu", pipeline_parallel=2, **opts)
     straight = one_megatron_process({"config": one, "batches": first + second})
-    stages = model_parallel_run({"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path)
+    stages = model_parallel_run(
+        spawn_ranks, {"config": two, "batches": first, "checkpoint": tmp_path / "two"}, tmp_path
+    )
     before = one_megatron_process({"config": one, "batches": []})["weights"]
     assert all(not torch.equal(before[k], stages["weights"][k]) for k in before if "norm" not in k)  # every stage's
     for mine, theirs in zip(stages["metrics"], straight["metrics"], strict=False):
         for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref", "micro_batches"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+            assert mine.get(key, 0.0) == pytest.approx(theirs.get(key, 0.0), rel=1e-4, abs=1e-6), key
     assert straight["metrics"][0]["grad_norm"] > 0.5 and straight["metrics"][0]["micro_batches"] > 1
     halfway = one_megatron_process({"config": one, "batches": first})
     assert_same_weights(stages["weights"], halfway["weights"])
@@ -303,27 +313,36 @@ def test_pipeline_stages_make_the_updates_of_one_process_and_checkpoints_resume_
     resumed = one_megatron_process({"config": one, "batches": second, "resume": tmp_path / "two"})
     assert_same_weights(resumed["weights"], straight["weights"])  # the moments came back whole
     one_megatron_process({"config": one, "batches": first, "checkpoint": tmp_path / "one"})
-    again = model_parallel_run({"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
+    again = model_parallel_run(spawn_ranks, {"config": two, "batches": second, "resume": tmp_path / "one"}, tmp_path)
     assert_same_weights(again["weights"], straight["weights"])  # ... and went to their stages again
 
 
-@pytest.mark.parametrize(("tp", "model"), [(1, "untied"), (2, "tied")], ids=["dp2-pp2-untied", "tp2-pp2-tied"])
-def test_four_ranks_with_two_pipeline_stages_make_the_updates_of_one_process(
-    megatron_on_cpu: None, two_layer_model_dirs: dict[str, Path], make_groups: MakeGroups, tmp_path: Path, tp: int,
+@pytest.mark.parametrize(
+    ("tp", "pp", "model"), [(1, 2, "untied"), (2, 2, "tied"), (1, 4, "deep")], ids=["dp2-pp2", "tp2-pp2", "pp4"]
+)
+def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
+    spawn_ranks: Callable[..., None],
+    megatron_on_cpu: None,
+    layered_model_dirs: dict[str, Path],
+    make_groups: MakeGroups,
+    tmp_path: Path,
+    tp: int,
+    pp: int,
     model: str,
-) -> None:  # fmt: skip
+) -> None:
     # Two stages beside two data-parallel replicas (megatron's rank order: ranks 0 and 1 are the first stage of
     # replicas 0 and 1; a replica's stages see the same samples), or beside two tensor-parallel ranks (each stage
     # split in two, its shards gathered for the publish, the tied embedding's vocabulary shards summed stage to
-    # stage): the updates one process makes, the metrics counted once per replica.
+    # stage), or four stages (two in the middle, receiving and sending): the updates one process makes, the
+    # metrics counted once per replica.
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
     opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
             "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
-    model_dir = two_layer_model_dirs[model]
+    model_dir = layered_model_dirs[model]
     one = config(model_dir, kind="megatron", device="cpu", **opts)
-    four = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=2, **opts)
+    four = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=pp, **opts)
     single = one_megatron_process({"config": one, "batches": batches})
-    ranks = model_parallel_run({"config": four, "batches": batches}, tmp_path, world=4)
+    ranks = model_parallel_run(spawn_ranks, {"config": four, "batches": batches}, tmp_path, world=4)
     for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
         for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key

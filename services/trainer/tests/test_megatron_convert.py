@@ -8,6 +8,7 @@ parallel model gives the Hugging Face model's logits, and with TP its gradient s
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,7 @@ def test_the_rotary_base_is_the_checkpoints_and_scaled_rope_is_refused(megatron_
 # -- the shards in megatron-core's tensor- and pipeline-parallel model, two gloo ranks on the CPU ---------------------
 
 
-def _parallel_rank(rank: int, port: int, tp: int, pp: int, out: Path) -> None:
+def _parallel_rank(rank: int, world: int, port: int, tp: int, pp: int, out: Path) -> None:
     """One rank of a TP x PP world: megatron-core's GPTModel with this rank's shard of the converted weights,
     its forward (and with TP its backward) on the CPU; rank 0 writes the logits and gradients it saw."""
     import contextlib
@@ -200,7 +201,7 @@ def _parallel_rank(rank: int, port: int, tp: int, pp: int, out: Path) -> None:
     from tauflow.trainer.megatron.model import gpt_model, transformer_config
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tp, pp)
     # the conftest's shim, in this process: megatron-core's hard-coded CUDA device and RNG fork on the CPU
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
@@ -240,25 +241,11 @@ def _parallel_rank(rank: int, port: int, tp: int, pp: int, out: Path) -> None:
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_each_ranks_shard_in_megatrons_parallel_model_computes_what_hf_computes(
-    tp: int, pp: int, tmp_path: Path
+    spawn_ranks: Callable[..., None], tp: int, pp: int, tmp_path: Path
 ) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     out = tmp_path / "seen.pkl"
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_parallel_rank, args=(r, port, tp, pp, out)) for r in range(tp * pp)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * (tp * pp)
+    spawn_ranks(_parallel_rank, tp * pp, tp, pp, out, timeout_s=180)
     seen = pickle.loads(out.read_bytes())
     hf_model = qwen2(layers=4)
     ids = torch.tensor([[3, 9, 27, 5, 11], [7, 1, 60, 2, 33]])

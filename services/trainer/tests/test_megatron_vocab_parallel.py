@@ -5,6 +5,7 @@ ranks, each holding half of the vocabulary's logits, the same values and the sam
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,14 @@ def weighted(logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
     return (w * logprobs).sum() + (w.flip(-1) * entropy).sum()
 
 
-def _rank(rank: int, port: int, out: Path) -> None:
+def _rank(rank: int, world: int, port: int, out: Path) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from tauflow.trainer.megatron.vocab_parallel import vocab_parallel_logprobs
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(2, 1)
     batch = a_batch()
     width = VOCAB // 2
@@ -63,25 +64,11 @@ def _rank(rank: int, port: int, out: Path) -> None:
 
 
 def test_two_ranks_each_with_half_the_vocabulary_give_the_whole_logits_log_probs_entropy_and_gradients(
-    tmp_path: Path,
+    spawn_ranks: Callable[..., None], tmp_path: Path
 ) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the trainer's megatron extra)")
-    import multiprocessing
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     out = tmp_path / "seen.pkl"
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    spawn_ranks(_rank, 2, out, timeout_s=120)
     seen = pickle.loads(out.read_bytes())
 
     batch = a_batch()

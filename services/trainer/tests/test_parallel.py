@@ -3,9 +3,7 @@ loopback), checkpoints gathered on rank 0 resume at any world size, and the toke
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,6 @@ def backend_config(model_dir: Path, **kw: Any) -> TorchBackendConfig:
     kw.setdefault("optim", OptimConfig(lr=1e-2, weight_decay=0.01))
     # Small micro-batches, so that the ranks run several and unequal numbers of them.
     return TorchBackendConfig(model_path=str(model_dir), micro_batch_tokens=24, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, strategy: str, job: dict[str, Any], out: Path) -> None:
@@ -101,21 +93,12 @@ def offloaded_state(backend: TorchBackend) -> dict[str, Any]:
     }
 
 
-def run_ranks(world: int, strategy: str, job: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+def run_ranks(
+    spawn_ranks: Callable[..., None], world: int, strategy: str, job: dict[str, Any], tmp_path: Path
+) -> dict[str, Any]:
     """``job`` on ``world`` ranks, each its own process (gloo on loopback); rank 0's weights and metrics."""
     out = tmp_path / f"rank0-{strategy}-{world}.pkl"
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(r, world, port, strategy, job, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * world, codes
+    spawn_ranks(_rank, world, strategy, job, out, timeout_s=180)
     return pickle.loads(out.read_bytes())
 
 
@@ -137,13 +120,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_ranks_make_the_update_of_one(
-    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None], strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # Two steps: the second one's Adam update depends on the first's moments, so they must agree too.
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
     job = {"config": backend_config(tiny_model_dir), "batches": batches}
     single = one_process(job)
-    both = run_ranks(2, strategy, job, tmp_path)
+    both = run_ranks(spawn_ranks, 2, strategy, job, tmp_path)
     before = TorchBackend(job["config"]).state_dict_for_publish()
     assert any(not torch.equal(before[k], single["weights"][k]) for k in before)  # the steps did change weights
     assert_same_weights(both["weights"], single["weights"])
@@ -156,7 +139,12 @@ def test_two_ranks_make_the_update_of_one(
 @pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloading"])
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_cuda_rank_over_nccl_makes_the_update_of_the_plain_backend(
-    strategy: str, offload: bool, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None],
+    strategy: str,
+    offload: bool,
+    tiny_model_dir: Path,
+    make_groups: MakeGroups,
+    tmp_path: Path,
 ) -> None:
     """FSDP2 and DDP on CUDA with NCCL (one rank: NCCL refuses two ranks on one GPU), against one process;
     offloading: the weights and moments leave the GPU between steps (FSDP2's shards emptied in place)."""
@@ -164,14 +152,14 @@ def test_a_cuda_rank_over_nccl_makes_the_update_of_the_plain_backend(
     plain = backend_config(tiny_model_dir, device="cuda")
     config = backend_config(tiny_model_dir, device="cuda", offload_model=offload, offload_optimizer=offload)
     job = {"config": config, "batches": batches, "device": "cuda", "release": offload}
-    ranked = run_ranks(1, strategy, job, tmp_path)
+    ranked = run_ranks(spawn_ranks, 1, strategy, job, tmp_path)
     assert_same_weights(ranked["weights"], one_process({**job, "config": plain})["weights"])
     assert all(state["weights_out"] and state["moments_out"] for _, state in ranked["released"])
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_ranks_make_the_updates_of_one_over_mini_batches_and_epochs(
-    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None], strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # 2 mini-batches x 2 epochs: four updates a step, each normalised over its whole mini-batch (both ranks'
     # shares), the proximal log-probs computed before the first; rank 0's clip statistics cover every rank.
@@ -186,7 +174,7 @@ def test_two_ranks_make_the_updates_of_one_over_mini_batches_and_epochs(
     }
     job = {"config": backend_config(tiny_model_dir, algorithm_options=options), "batches": [make_groups(9, 6)]}
     single = one_process(job)
-    both = run_ranks(2, strategy, job, tmp_path)
+    both = run_ranks(spawn_ranks, 2, strategy, job, tmp_path)
     # Four Adam updates at lr 1e-2 amplify the ranks' float32 reduction order (~1e-7) more than one update
     # does: 1.3e-5 here (and 1e-5 without the rejection): 5e-5 for this step, the issue's 1e-5 for a step of
     # one update (above).
@@ -207,7 +195,7 @@ def test_two_ranks_make_the_updates_of_one_over_mini_batches_and_epochs(
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_ranks_train_the_policy_and_the_critic_as_one(
-    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None], strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # PPO with GAE: the critic's values before the advantages come from the forward spread over the ranks,
     # its value loss is normalised over every rank's share, and its gradients are reduced as the policy's.
@@ -218,34 +206,38 @@ def test_two_ranks_train_the_policy_and_the_critic_as_one(
     )
     job = {"config": config, "batches": [make_groups(5, 6), make_groups(6, 5, prefix="v")]}
     single = one_process(job)
-    both = run_ranks(2, strategy, job, tmp_path)
+    both = run_ranks(spawn_ranks, 2, strategy, job, tmp_path)
     assert_same_weights(both["weights"], single["weights"], tolerance=5 * TOLERANCE)
     for mine, theirs in zip(both["metrics"], single["metrics"], strict=True):
         for key in ("loss", "value_loss", "critic_grad_norm", "value_mean", "return_mean", "advantage_mean"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
-def test_a_rank_without_samples_still_takes_the_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_rank_without_samples_still_takes_the_step(
+    spawn_ranks: Callable[..., None], tiny_model_dir: Path, tmp_path: Path
+) -> None:
     # One sample trains: rank 1 has nothing, yet runs FSDP2's collectives with an empty micro-batch.
     one = Group("solo", [Sample([1, 2], [3, 4, 5], [-2.0] * 3, reward=float(i)) for i in range(2)])
     one.samples[0].loss_mask = [False, False, False]
     job = {"config": backend_config(tiny_model_dir), "batches": [[one]]}
-    assert_same_weights(run_ranks(2, "fsdp", job, tmp_path)["weights"], one_process(job)["weights"])
+    assert_same_weights(run_ranks(spawn_ranks, 2, "fsdp", job, tmp_path)["weights"], one_process(job)["weights"])
 
 
 def test_a_checkpoint_of_two_ranks_resumes_in_one_process(
-    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None], tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     first, second = make_groups(3, 4), make_groups(4, 4, prefix="k")
     config = backend_config(tiny_model_dir)
-    run_ranks(2, "fsdp", {"config": config, "batches": [first], "checkpoint": tmp_path / "two"}, tmp_path)
+    run_ranks(spawn_ranks, 2, "fsdp", {"config": config, "batches": [first], "checkpoint": tmp_path / "two"}, tmp_path)
     resumed = one_process({"config": config, "batches": [second], "resume": tmp_path / "two"})
     straight = one_process({"config": config, "batches": [first, second]})
     assert_same_weights(resumed["weights"], straight["weights"])  # optimizer moments and schedule came back
     # ... and a one-process checkpoint resumes on two ranks.
     one_process({"config": config, "batches": [first], "checkpoint": tmp_path / "one"})
     for strategy in ("fsdp", "ddp"):  # rank 1 reads nothing from disk: rank 0 shares weights and state
-        two = run_ranks(2, strategy, {"config": config, "batches": [second], "resume": tmp_path / "one"}, tmp_path)
+        two = run_ranks(
+            spawn_ranks, 2, strategy, {"config": config, "batches": [second], "resume": tmp_path / "one"}, tmp_path
+        )
         assert_same_weights(two["weights"], straight["weights"])
 
 
@@ -272,7 +264,7 @@ def test_distributed_config_refuses_what_cannot_work() -> None:
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_ranks_offloading_between_steps_make_the_updates_of_one_and_checkpoint_them(
-    strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+    spawn_ranks: Callable[..., None], strategy: str, tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
 ) -> None:
     # Colocated mode on a node of several GPUs: while rank 0 waits for its batch, every rank's weights (the
     # policy's and the KL reference's) and AdamW moments (FSDP2: its shards, emptied in place; DDP: its
@@ -292,7 +284,7 @@ def test_two_ranks_offloading_between_steps_make_the_updates_of_one_and_checkpoi
     # rank 1 fails its second release: rank 0 says so, and the ranks go on in step
     job = {"config": offloading, "batches": batches, "release": True, "checkpoint": tmp_path / "ck",
            "failing_release": (1, 2)}  # fmt: skip
-    both = run_ranks(2, strategy, job, tmp_path)
+    both = run_ranks(spawn_ranks, 2, strategy, job, tmp_path)
     assert_same_weights(both["weights"], single["weights"])
     full = sum(t.numel() * t.element_size() for t in single["weights"].values() if t.is_floating_point())
     assert both["metrics"][0]["skipped_zero_advantage_groups"] == 2

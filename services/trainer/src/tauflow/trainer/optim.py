@@ -88,7 +88,7 @@ def clip_and_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip is not None else math.inf
     grad_norm = 0.0
-    if params and norm_of is not None:
+    if norm_of is not None:  # (a collective where the ranks hold parts: every rank computes it, gradients or not)
         total = norm_of(params)
         if math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

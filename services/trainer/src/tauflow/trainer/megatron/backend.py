@@ -412,8 +412,8 @@ class MegatronBackend(TorchBackend):
         if not parallel_state.is_rank_in_embedding_group():
             return
         weight = self.megatron.gpt.shared_embedding_or_output_weight()
-        if weight.grad is None:  # (both ranks take part, whatever the other holds)
-            weight.grad = torch.zeros_like(weight)
+        if weight.grad is None:  # an update with no micro-batch (no advantage): the same on every stage, and
+            return  # AdamW leaves a weight without a gradient alone
         dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
     def _average_gradients_over_replicas(self) -> None:
