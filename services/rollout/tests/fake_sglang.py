@@ -14,7 +14,8 @@ What it mimics (and what it does not):
 - ``weight_versions`` spans in ``meta_info`` only with ``report_spans`` (SGLang ≥ 0.5.19).
 - ``/abort_request`` matches a rid exactly (the tokenizer manager's lookup); a second ``/begin_weight_update``
   while a session is open is refused, as SGLang refuses it.
-- ``/release_memory_occupation`` (tags ``weights``, ``kv_cache``; none: both) and ``/resume_memory_occupation``:
+- ``/release_memory_occupation`` (tags ``weights``, ``kv_cache``, ``cuda_graph``; none: all) and
+  ``/resume_memory_occupation``:
   as in SGLang, where a failed assertion in the scheduler takes the server down, a release of a busy server
   or of a tag already released, and a resume of a tag not released, *crash* the fake (``crashed`` says why;
   every later call fails). ``/generate`` while anything is released, and ``/update_weights_from_tensor``
@@ -220,7 +221,9 @@ class FakeSGLangServer:
         if route == "/update_weights_from_tensor":
             return self._update_from_tensor(body)
         if route in ("/release_memory_occupation", "/resume_memory_occupation"):
-            tags = set(body.get("tags") or ("weights", "kv_cache"))
+            tags = set(body.get("tags") or ("weights", "kv_cache", "cuda_graph"))
+            if not tags <= {"weights", "kv_cache", "cuda_graph"}:
+                return self._crash(f"unknown memory tags {sorted(tags)}")
             if route == "/resume_memory_occupation":
                 if not tags <= self.released:
                     return self._crash(f"resume of {sorted(tags - self.released)}, not released")

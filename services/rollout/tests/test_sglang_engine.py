@@ -462,10 +462,10 @@ def test_a_server_the_engine_starts_for_colocated_mode_can_release_its_memory(
 ) -> None:
     import tauflow.rollout.engine.sglang as sglang_module
 
-    launched: list[list[str]] = []
+    launched: list[tuple[list[str], dict[str, str] | None]] = []
 
-    def popen(command: list[str], *args: Any, **kwargs: Any) -> Any:
-        launched.append(command)
+    def popen(command: list[str], *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
+        launched.append((command, env))
         raise RuntimeError("recorded")
 
     monkeypatch.setattr(sglang_module.subprocess, "Popen", popen)
@@ -473,9 +473,38 @@ def test_a_server_the_engine_starts_for_colocated_mode_can_release_its_memory(
         ({}, set()),
         ({"release_memory_when_idle": True}, {"--enable-memory-saver"}),
         ({"offload_weights_when_idle": True}, {"--enable-memory-saver", "--enable-weights-cpu-backup"}),
+        ({"release_memory_when_idle": True, "release_cuda_graphs_when_idle": True}, {"--enable-memory-saver"}),
     ):
         with pytest.raises(RuntimeError, match="recorded"):
             SGLangEngine.from_pretrained(model_dir, **options)
-        assert {a for a in launched[-1] if a.startswith("--enable-")} == flags
+        command, env = launched[-1]
+        assert {a for a in command if a.startswith("--enable-")} == flags
+        # (the CUDA graphs are captured where they can be released only when the server's environment says so)
+        assert (env or {}).get("SGLANG_MEMORY_SAVER_CUDA_GRAPH") == (
+            "true" if options.get("release_cuda_graphs_when_idle") else None
+        )
     with pytest.raises(ValueError, match="release_after_idle_s"):
         SGLangEngine("http://127.0.0.1:9", {}, vocab_size=16, release_after_idle_s=-1)
+    with pytest.raises(ValueError, match="release_cuda_graphs_when_idle goes with"):
+        SGLangEngine("http://127.0.0.1:9", {}, vocab_size=16, release_cuda_graphs_when_idle=True)
+
+
+def test_an_idle_engine_releases_the_cuda_graphs_too_and_takes_them_back_before_generating(
+    fake: FakeSGLangServer, model_dir: Path, make_model: Any
+) -> None:
+    # the KV cache and the CUDA graphs (the weights stay): released when idle, back before the next request;
+    # a weight update meanwhile needs neither
+    engine = colocated_engine(fake, model_dir, offload_weights_when_idle=False, release_memory_when_idle=True,
+                              release_cuda_graphs_when_idle=True)  # fmt: skip
+    try:
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)
+        wait_for(lambda: engine.counters["memory_releases"] == 1)
+        assert _memory_calls(fake) == [("/release_memory_occupation", ["cuda_graph", "kv_cache"])]
+        assert engine.stage_weights(1, make_model(seed=1).state_dict()).result(10) == 1
+        assert len(_memory_calls(fake)) == 1 and fake.released == {"cuda_graph", "kv_cache"}
+        c = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1)).result(10)[0][0]
+        assert c.versions == [1, 1]
+        assert _memory_calls(fake)[1] == ("/resume_memory_occupation", ["cuda_graph", "kv_cache"])
+    finally:
+        engine.close()
+    assert fake.crashed == ""

@@ -29,7 +29,9 @@ because SGLang's CUDA wheels cannot reach the GPU machine of this workplace.
   ``/resume_memory_occupation`` for them, a weight update for the weights only. SGLang releases only when
   idle (``/flush_cache`` asks first) and needs ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``
   for the weights to come back as they were: without it they come back only through the next full update);
-  a server this engine starts gets both.
+  a server this engine starts gets both. ``release_cuda_graphs_when_idle`` releases the CUDA graphs' memory
+  too (the ``cuda_graph`` tag; the server must run with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=true``, which a
+  server this engine starts gets), back with the next request.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ MIN_VERSION = (0, 5, 6)  # pause_generation that waits for in-flight requests an
 # per-token weight_versions spans (0.5.19 and 0.5.20 retract too, but their flush asserts on waiting requests)
 RETRACT_SINCE = (0, 5, 21)
 UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update and /end_weight_update
-MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation and /resume_memory_occupation name
+# what /release_memory_occupation and /resume_memory_occupation name (SGLang's GPU_MEMORY_TYPE_*), in the
+# order a resume brings them back (slime's: the weights, the CUDA graphs, then the KV cache)
+MEMORY_TAGS = ("weights", "cuda_graph", "kv_cache")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -175,12 +179,17 @@ class SGLangEngine(GenerationEngine):
         detokenize: Callable[[list[int]], str] | None = None,
         release_memory_when_idle: bool = False,
         offload_weights_when_idle: bool = False,
+        release_cuda_graphs_when_idle: bool = False,
         release_after_idle_s: float = 0.05,
     ) -> None:
 
         super().__init__(engine_id, policy_version)
         if max_concurrent_requests < 1 or request_timeout_s <= 0 or control_timeout_s <= 0:
             raise ValueError("max_concurrent_requests and the timeouts must be positive")
+        if release_cuda_graphs_when_idle and not (release_memory_when_idle or offload_weights_when_idle):
+            raise ValueError(
+                "release_cuda_graphs_when_idle goes with release_memory_when_idle or offload_weights_when_idle"
+            )
         if not (0 <= release_after_idle_s <= 3600):
             raise ValueError(f"release_after_idle_s must be within [0, 3600], not {release_after_idle_s}")
         self.base_url = base_url.rstrip("/")
@@ -217,9 +226,9 @@ class SGLangEngine(GenerationEngine):
             "weight_offloads": 0,
         }
         # colocated mode: what the server is asked to release when idle, and what it holds released now
-        self._release_tags: list[str] = (
-            [*MEMORY_TAGS] if offload_weights_when_idle else ["kv_cache"] if release_memory_when_idle else []
-        )
+        wanted = {"weights": offload_weights_when_idle, "cuda_graph": release_cuda_graphs_when_idle,
+                  "kv_cache": release_memory_when_idle or offload_weights_when_idle}  # fmt: skip
+        self._release_tags: list[str] = [tag for tag in MEMORY_TAGS if wanted[tag]]
         self._release_after_idle_s = release_after_idle_s
         self._released: set[str] = set()
         self._memory = asyncio.Lock()  # one release or resume at a time (bound to the engine's loop on first use)
@@ -303,7 +312,10 @@ class SGLangEngine(GenerationEngine):
                 command += ["--enable-memory-saver"]
             if options.get("offload_weights_when_idle"):
                 command += ["--enable-weights-cpu-backup"]  # (the weights come back as they were)
-            process = subprocess.Popen([*command, *server_args])
+            env = None
+            if options.get("release_cuda_graphs_when_idle"):  # (SGLang captures its graphs in a releasable pool)
+                env = {**os.environ, "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"}
+            process = subprocess.Popen([*command, *server_args], env=env)
             base_url = f"http://{host}:{port}"
             try:
                 _wait_until_healthy(base_url, process, startup_timeout_s)
