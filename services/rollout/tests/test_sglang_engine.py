@@ -488,6 +488,25 @@ def test_a_server_the_engine_starts_for_colocated_mode_can_release_its_memory(
     with pytest.raises(ValueError, match="release_cuda_graphs_when_idle goes with"):
         SGLangEngine("http://127.0.0.1:9", {}, vocab_size=16, release_cuda_graphs_when_idle=True)
 
+    class Server:  # a server that started: the engine then refuses its options, and stops it
+        terminated = False
+
+        def poll(self) -> int | None:
+            return 0 if self.terminated else None
+
+        def terminate(self) -> None:
+            self.terminated = True
+
+        def wait(self, timeout: float) -> int:
+            return 0
+
+    server = Server()
+    monkeypatch.setattr(sglang_module.subprocess, "Popen", lambda *a, **k: server)
+    monkeypatch.setattr(sglang_module, "_wait_until_healthy", lambda *a: None)
+    with pytest.raises(ValueError, match="release_cuda_graphs_when_idle goes with"):
+        SGLangEngine.from_pretrained(model_dir, release_cuda_graphs_when_idle=True)
+    assert server.terminated
+
 
 def test_an_idle_engine_releases_the_cuda_graphs_too_and_takes_them_back_before_generating(
     fake: FakeSGLangServer, model_dir: Path, make_model: Any

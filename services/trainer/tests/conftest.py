@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -134,12 +135,17 @@ def spawn_ranks_factory() -> Callable[..., None]:
         procs = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # (one deadline for all; a rank that failed ends the wait: the others may hang in a collective for it)
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
         codes = [p.exitcode for p in procs]
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join(10)
         assert codes == [0] * world, codes
 
     return spawn

@@ -292,8 +292,7 @@ class TokenLogProbs:
 
 BANNED_LOGIT = -1e30
 """A banned token's logit: its probability 0 (``exp`` underflows), yet finite, so that a probability of 0 times
-its log stays 0 (entropy, KL); not float32's lowest, so that a gradient above 1 times it (the entropy's, under a
-loss scale) stays finite too."""
+its log stays 0 (entropy, KL), and far from float32's lowest, so that sums with it stay finite."""
 
 
 def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
@@ -335,8 +334,14 @@ def logprobs_of_logits(
     if with_entropy:
         with torch.enable_grad() if entropy_grad else torch.no_grad():
             probs = torch.softmax(logits, dim=-1)
-            entropy = logsumexp - (probs * logits).sum(-1)
+            entropy = logsumexp - without_banned(probs * logits, batch.banned_ids).sum(-1)
     return TokenLogProbs(logprobs, entropy, distribution)
+
+
+def without_banned(terms: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    """``terms`` (one per vocabulary entry) with the banned entries' 0: so that no gradient, however large,
+    meets a banned token's logit (0 times it is 0, a large gradient times it would overflow)."""
+    return terms if banned is None or not banned.numel() else terms.index_fill(-1, banned, 0.0)
 
 
 def completion_values(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:

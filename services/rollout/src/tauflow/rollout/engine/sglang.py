@@ -317,13 +317,18 @@ class SGLangEngine(GenerationEngine):
                 env = {**os.environ, "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"}
             process = subprocess.Popen([*command, *server_args], env=env)
             base_url = f"http://{host}:{port}"
-            try:
+        try:
+            if process is not None:
                 _wait_until_healthy(base_url, process, startup_timeout_s)
-            except BaseException:
+            return cls(base_url, spec, server_process=process, **options)
+        except BaseException:  # (an engine that refuses its options leaves no server it started behind)
+            if process is not None and process.poll() is None:
                 process.terminate()
-                process.wait(30)
-                raise
-        return cls(base_url, spec, server_process=process, **options)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            raise
 
     # -- the event loop thread -------------------------------------------------------------------------------------
 

@@ -273,17 +273,11 @@ class MegatronCausalLM(torch.nn.Module):
 
     def logprobs_of_output(self, logits: torch.Tensor, batch: PackedBatch, **options: Any) -> TokenLogProbs:
         """``logprobs_of_logits`` of this rank's logits (:meth:`batch_forward`): with tensor parallelism from
-        its slice of the vocabulary (``vocab_parallel``), unless the whole distribution is asked for (then
-        gathered)."""
+        its slice of the vocabulary (``vocab_parallel``); the whole distribution, when asked for, from the
+        logits gathered."""
         if self.tensor_parallel == 1:
             return logprobs_of_logits(logits, batch, **options)
-        if options.get("with_distribution"):
-            from megatron.core import tensor_parallel
-
-            return logprobs_of_logits(
-                tensor_parallel.gather_from_tensor_model_parallel_region(logits), batch, **options
-            )
-        return vocab_parallel_logprobs(
+        lp = vocab_parallel_logprobs(
             logits,
             batch,
             vocab_start=self.tensor_parallel_rank * logits.shape[-1],
@@ -291,6 +285,12 @@ class MegatronCausalLM(torch.nn.Module):
             with_entropy=bool(options.get("with_entropy")),
             entropy_grad=bool(options.get("entropy_grad")),
         )
+        if options.get("with_distribution"):  # (the log-probs as every other forward computes them: ratios of 1)
+            from megatron.core import tensor_parallel
+
+            whole = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            lp.distribution = logprobs_of_logits(whole, batch, **{**options, "with_entropy": False}).distribution
+        return lp
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each layer's activations in backward (megatron's full, uniform recompute)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tauflow.trainer.batch import BANNED_LOGIT, PackedBatch, TokenLogProbs
+from tauflow.trainer.batch import BANNED_LOGIT, PackedBatch, TokenLogProbs, without_banned
 
 
 def vocab_parallel_logprobs(
@@ -39,10 +39,12 @@ def vocab_parallel_logprobs(
     if temperature != 1.0:
         local = local / temperature
     width = local.shape[-1]
+    banned = None  # this slice's banned entries
     if batch.banned_ids is not None:
-        banned = batch.banned_ids[(batch.banned_ids >= vocab_start) & (batch.banned_ids < vocab_start + width)]
+        ids = batch.banned_ids
+        banned = ids[(ids >= vocab_start) & (ids < vocab_start + width)] - vocab_start
         if banned.numel():
-            local = local.index_fill(-1, banned - vocab_start, BANNED_LOGIT)
+            local = local.index_fill(-1, banned, BANNED_LOGIT)
     top = local.detach().amax(dim=-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     logsumexp = summed((local - top.unsqueeze(-1)).exp().sum(dim=-1)).log() + top
@@ -56,5 +58,5 @@ def vocab_parallel_logprobs(
             # (each rank's probabilities depend on the log-normaliser every rank shares: its gradient through
             # them is summed over the ranks, as megatron's column-parallel layers sum their input's)
             probs = (local - shared(logsumexp).unsqueeze(-1)).exp()
-            entropy = logsumexp - summed((probs * local).sum(dim=-1))
+            entropy = logsumexp - summed(without_banned(probs * local, banned).sum(dim=-1))
     return TokenLogProbs(logprobs, entropy)
