@@ -41,8 +41,6 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", tensor_parallel=2))
     with pytest.raises(ValueError, match=r"\(1 x 2\) must divide the trainer.s world size"):
         MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2))
-    with pytest.raises(ValueError, match="a critic with the megatron backend"):
-        MegatronBackend(config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2, algorithm="ppo"))
     with pytest.raises(ValueError, match="full KL with pipeline_parallel"):
         MegatronBackend(
             config(tiny_model_dir, kind="megatron", device="cuda", pipeline_parallel=2, algorithm="opd",
@@ -345,5 +343,32 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     ranks = model_parallel_run(spawn_ranks, {"config": four, "batches": batches}, tmp_path, world=4)
     for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
         for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert_same_weights(ranks["weights"], single["weights"])
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_ppo_with_a_critic_beside_model_parallel_ranks_makes_the_updates_of_one_process(
+    spawn_ranks: Callable[..., None],
+    megatron_on_cpu: None,
+    layered_model_dirs: dict[str, Path],
+    make_groups: MakeGroups,
+    tmp_path: Path,
+    tp: int,
+    pp: int,
+) -> None:
+    # PPO's critic is a Hugging Face model, data parallel over every rank (FSDP2): the ranks that split the
+    # policy see the same samples, so the critic's gradients, averaged over all of them and scaled by the
+    # replicas, are one process's. The values before the step (GAE), the value loss and both updates match.
+    batches = [make_groups(1, 4), make_groups(2, 3, prefix="h")]
+    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
+            "algorithm": "ppo"}  # fmt: skip
+    model_dir = layered_model_dirs["tied"]
+    one = config(model_dir, kind="megatron", device="cpu", **opts)
+    two = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=pp, **opts)
+    single = one_megatron_process({"config": one, "batches": batches})
+    ranks = model_parallel_run(spawn_ranks, {"config": two, "batches": batches}, tmp_path)
+    for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "value_mean", "return_mean"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert_same_weights(ranks["weights"], single["weights"])

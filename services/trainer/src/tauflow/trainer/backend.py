@@ -506,6 +506,7 @@ class TorchBackend:
                 optim=self.config.critic_optim,
                 group=self.group,
                 gradient_checkpointing=self.config.gradient_checkpointing,
+                seed=self.config.seed,
             )
         return self.critic
 

@@ -34,6 +34,7 @@ class Critic:
         optim: OptimConfig,
         group: RankGroup | None = None,
         gradient_checkpointing: bool = False,
+        seed: int = 0,
     ) -> None:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
@@ -41,7 +42,11 @@ class Critic:
         # values before the step and in its updates must come from the same function
         model_config = AutoConfig.from_pretrained(path, num_labels=1)
         model_config.classifier_dropout = 0.0
-        model = AutoModelForTokenClassification.from_pretrained(path, config=model_config)
+        # a new value head drawn from ``seed`` alone: the same head whatever ran before (another parallel layout,
+        # another order of loading), so that runs of one seed start from one critic
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForTokenClassification.from_pretrained(path, config=model_config)
         model.to(device=device, dtype=torch.float32)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()

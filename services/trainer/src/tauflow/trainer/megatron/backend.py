@@ -318,8 +318,6 @@ class MegatronBackend(TorchBackend):
         group: RankGroup | None = kwargs.get("group")
         tp, pp = config.tensor_parallel, config.pipeline_parallel
         algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options)).config
-        if tp * pp > 1 and algorithm.uses_critic:
-            raise ValueError("a critic with the megatron backend's tensor or pipeline parallelism is not supported yet")
         if pp > 1 and algorithm.distills_full_kl:  # (the stages pass per-token values on, not distributions)
             raise ValueError("distillation by the full KL with pipeline_parallel > 1 is not supported yet")
         world = group.world_size if group is not None else 1
@@ -391,7 +389,9 @@ class MegatronBackend(TorchBackend):
         return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)
 
     def _accumulating(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # (no data-parallel reduction to hold back)
+        if module is self.model:  # (its replicas' gradients are averaged at the update: nothing to hold back)
+            return contextlib.nullcontext()
+        return super()._accumulating(module, last)  # a critic: data parallel over every rank (FSDP2 or DDP)
 
     def _clip_and_step(self) -> dict[str, float]:
         model = self.megatron
