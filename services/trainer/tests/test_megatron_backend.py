@@ -188,6 +188,32 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     assert worst <= tolerance, worst
 
 
+STEP_OPTIONS = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24}
+SAME_METRICS = ("loss", "grad_norm", "tokens", "entropy", "kl_ref")
+
+
+def assert_like_one_process(
+    spawn_ranks: Callable[..., None],
+    model_dir: Path,
+    batches: list[list[Group]],
+    tmp_path: Path,
+    world: int,
+    parallel: dict[str, int],
+    options: dict[str, Any],
+    metrics: tuple[str, ...] = SAME_METRICS,
+) -> None:
+    """``batches`` on ``world`` ranks of the megatron backend with ``parallel`` (tensor_parallel, pipeline_parallel)
+    make one process's updates: its ``metrics`` within 1e-4 relative, its weights."""
+    single = one_megatron_process({"config": config(model_dir, kind="megatron", device="cpu", **options),
+                                   "batches": batches})  # fmt: skip
+    many = config(model_dir, kind="megatron", device="cpu", **parallel, **options)
+    ranks = model_parallel_run(spawn_ranks, {"config": many, "batches": batches}, tmp_path, world=world)
+    for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
+        for key in metrics:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert_same_weights(ranks["weights"], single["weights"])
+
+
 def test_tensor_parallel_ranks_make_the_updates_of_one_process_and_checkpoints_resume_at_either_size(
     spawn_ranks: Callable[..., None],
     megatron_on_cpu: None,
@@ -236,16 +262,8 @@ def test_data_parallel_replicas_of_tensor_parallel_ranks_make_the_updates_of_one
     # share of the batch; the replicas' gradients are averaged; the metrics count each replica once. (With a KL
     # to the reference, a Hugging Face model sharded over all four ranks while the replicas see other samples.)
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
-            "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
-    one = config(tiny_model_dir, kind="megatron", device="cpu", **opts)
-    four = config(tiny_model_dir, kind="megatron", device="cpu", tensor_parallel=2, **opts)
-    single = one_megatron_process({"config": one, "batches": batches})
-    replicas = model_parallel_run(spawn_ranks, {"config": four, "batches": batches}, tmp_path, world=4)
-    assert_same_weights(replicas["weights"], single["weights"])
-    for mine, theirs in zip(replicas["metrics"], single["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05}}
+    assert_like_one_process(spawn_ranks, tiny_model_dir, batches, tmp_path, 4, {"tensor_parallel": 2}, options)
 
 
 # -- pipeline parallelism: stages of a two-layer model, alone and beside the other kinds ---------------------------
@@ -334,17 +352,9 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     # stage), or four stages (two in the middle, receiving and sending): the updates one process makes, the
     # metrics counted once per replica.
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
-            "algorithm_options": {"kl_coef": 0.05}}  # fmt: skip
-    model_dir = layered_model_dirs[model]
-    one = config(model_dir, kind="megatron", device="cpu", **opts)
-    four = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=pp, **opts)
-    single = one_megatron_process({"config": one, "batches": batches})
-    ranks = model_parallel_run(spawn_ranks, {"config": four, "batches": batches}, tmp_path, world=4)
-    for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "tokens", "entropy", "kl_ref"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
-    assert_same_weights(ranks["weights"], single["weights"])
+    options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05}}
+    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp}
+    assert_like_one_process(spawn_ranks, layered_model_dirs[model], batches, tmp_path, 4, parallel, options)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
@@ -361,14 +371,7 @@ def test_ppo_with_a_critic_beside_model_parallel_ranks_makes_the_updates_of_one_
     # policy see the same samples, so the critic's gradients, averaged over all of them and scaled by the
     # replicas, are one process's. The values before the step (GAE), the value loss and both updates match.
     batches = [make_groups(1, 4), make_groups(2, 3, prefix="h")]
-    opts = {"optim": OptimConfig(lr=1e-2, schedule="constant", grad_clip=0.5), "micro_batch_tokens": 24,
-            "algorithm": "ppo"}  # fmt: skip
-    model_dir = layered_model_dirs["tied"]
-    one = config(model_dir, kind="megatron", device="cpu", **opts)
-    two = config(model_dir, kind="megatron", device="cpu", tensor_parallel=tp, pipeline_parallel=pp, **opts)
-    single = one_megatron_process({"config": one, "batches": batches})
-    ranks = model_parallel_run(spawn_ranks, {"config": two, "batches": batches}, tmp_path)
-    for mine, theirs in zip(ranks["metrics"], single["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "value_loss", "critic_grad_norm", "value_mean", "return_mean"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
-    assert_same_weights(ranks["weights"], single["weights"])
+    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp}
+    metrics = ("loss", "grad_norm", "value_loss", "critic_grad_norm", "value_mean", "return_mean")
+    options = {**STEP_OPTIONS, "algorithm": "ppo"}
+    assert_like_one_process(spawn_ranks, layered_model_dirs["tied"], batches, tmp_path, 2, parallel, options, metrics)
