@@ -103,19 +103,11 @@ def megatron_world(tmp_path: Path) -> Iterator[None]:
 
 @pytest.fixture
 def megatron_on_cpu(megatron_world: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test shim, not a product path: megatron-core's real forward and backward on the CPU. It makes a few
-    buffers on ``torch.cuda.current_device()`` and forks a CUDA RNG state around dropout (0 here); the shim
-    points the first at the CPU, makes the fork a no-op, and lets the megatron backend take ``device: cpu``
-    (it refuses it: users train it on CUDA)."""
-    import contextlib
+    """The megatron CPU shim (tauflow.trainer.megatron.cpu_shim: a test shim, not a product path) for this
+    test: megatron-core's real forward and backward on the CPU."""
+    from tauflow.trainer.megatron.cpu_shim import run_megatron_on_cpu
 
-    from megatron.core import tensor_parallel
-
-    import tauflow.trainer.megatron.backend as megatron_backend
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(megatron_backend, "require_cuda", lambda device: None)
+    run_megatron_on_cpu(monkeypatch.setattr)
 
 
 @pytest.fixture(name="spawn_ranks")

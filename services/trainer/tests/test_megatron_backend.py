@@ -35,6 +35,10 @@ def test_the_config_names_the_backend_and_refuses_what_it_cannot_run(tiny_model_
         config(tiny_model_dir, tensor_parallel=2)
     with pytest.raises(ValueError, match="kind must be"):
         config(tiny_model_dir, kind="jax")
+    with pytest.raises(ValueError, match="pipeline_micro_batches_in_flight needs pipeline_parallel > 1"):
+        config(tiny_model_dir, kind="megatron", pipeline_micro_batches_in_flight=2)
+    with pytest.raises(ValueError, match="pipeline_micro_batches_in_flight must be at least 0"):
+        config(tiny_model_dir, kind="megatron", pipeline_micro_batches_in_flight=-1)
     with pytest.raises(ValueError, match="need as many ranks"):
         init_megatron(torch.device("cpu"), tensor_parallel=2)
     with pytest.raises(ValueError, match="must divide the trainer.s world size"):
@@ -127,21 +131,13 @@ def test_megatron_checkpoints_resume(
 
 def _model_parallel_rank(rank: int, world: int, port: int, job: dict[str, Any], out: Path) -> None:
     """One rank of a tensor- or pipeline-parallel megatron trainer (rank 0 leads, the others follow), under the
-    conftest's shim (in this process); rank 0 writes what it saw."""
-    import contextlib
-
-    from megatron.core import tensor_parallel
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
+    CPU shim (in this process); rank 0 writes what it saw."""
     import tauflow.trainer.megatron.backend as megatron_backend
+    from tauflow.trainer.megatron.cpu_shim import run_megatron_on_cpu
     from tauflow.trainer.parallel import DistributedConfig, RankGroup
 
     torch.set_num_threads(1)
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
-    megatron_backend.require_cuda = lambda device: None  # type: ignore[assignment]
-    # (megatron copies a tied embedding to the last stage through .cuda(): the weights loaded next replace it)
-    LanguageModule._is_in_embd_group = lambda self: False  # type: ignore[method-assign]
+    run_megatron_on_cpu()
     megatron_backend.GRAD_BUCKET_BYTES = 4096  # (several buckets of gradients per all-reduce, even for this model)
     dist = DistributedConfig(world, rank, f"127.0.0.1:{port}", timeout_s=120, keepalive_s=60)
     group = RankGroup(dist, torch.device("cpu"))
@@ -334,7 +330,9 @@ def test_pipeline_stages_make_the_updates_of_one_process_and_checkpoints_resume_
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "model"), [(1, 2, "untied"), (2, 2, "tied"), (1, 4, "deep")], ids=["dp2-pp2", "tp2-pp2", "pp4"]
+    ("tp", "pp", "model", "in_flight"),
+    [(1, 2, "untied", 0), (2, 2, "tied", 1), (1, 4, "deep", 3)],
+    ids=["dp2-pp2", "tp2-pp2-turns", "pp4-window3"],
 )
 def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     spawn_ranks: Callable[..., None],
@@ -345,15 +343,17 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     tp: int,
     pp: int,
     model: str,
+    in_flight: int,
 ) -> None:
     # Two stages beside two data-parallel replicas (megatron's rank order: ranks 0 and 1 are the first stage of
     # replicas 0 and 1; a replica's stages see the same samples), or beside two tensor-parallel ranks (each stage
     # split in two, its shards gathered for the publish, the tied embedding's vocabulary shards summed stage to
     # stage), or four stages (two in the middle, receiving and sending): the updates one process makes, the
-    # metrics counted once per replica.
+    # metrics counted once per replica. The micro-batches in flight: as many as the stages (the default), one
+    # (the stages take turns), three (windows of three, the last shorter).
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
     options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05}}
-    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp}
+    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_micro_batches_in_flight": in_flight}
     assert_like_one_process(spawn_ranks, layered_model_dirs[model], batches, tmp_path, 4, parallel, options)
 
 

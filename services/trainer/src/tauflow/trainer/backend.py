@@ -122,8 +122,12 @@ class TorchBackendConfig:
     """megatron: tensor-parallel size; with ``pipeline_parallel`` it divides the trainer role's world size (its
     ranks are data-parallel replicas of tensor_parallel x pipeline_parallel ranks each)."""
     pipeline_parallel: int = 1
-    """megatron: pipeline stages (consecutive layers each; it divides the layer count): the stages take turns on
-    each micro-batch (docs/gpu.md)."""
+    """megatron: pipeline stages (consecutive layers each; it divides the layer count), working on a window of
+    micro-batches at once (docs/gpu.md)."""
+    pipeline_micro_batches_in_flight: int = 0
+    """megatron with pipeline_parallel > 1: how many micro-batches a stage runs forward before their backwards
+    (GPipe within each window; every stage holds their activations, the last stage their float32 logits too):
+    0 means pipeline_parallel, 1 the stages taking turns (the least memory, one stage at work at a time)."""
     offload_optimizer: bool = False
     """Colocated mode (docs/gpu.md): keep the policy optimizer's state in pinned host memory between updates,
     so the engine on the same GPU can use that memory while the trainer waits for its batch (copied back
@@ -145,6 +149,10 @@ class TorchBackendConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be at least 1")
         if self.kind == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
+        if self.pipeline_micro_batches_in_flight < 0:
+            raise ValueError("pipeline_micro_batches_in_flight must be at least 0 (0: pipeline_parallel)")
+        if self.pipeline_micro_batches_in_flight and self.pipeline_parallel == 1:
+            raise ValueError("pipeline_micro_batches_in_flight needs pipeline_parallel > 1 (kind: megatron)")
         if self.offload_model and self.kind != "torch":
             raise ValueError("offload_model needs kind: torch")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
@@ -829,32 +837,41 @@ class TorchBackend:
         index = split_by_token_budget([len(s) for s in samples], self.config.micro_batch_tokens) if samples else []
         count = self.group.most(len(index)) if self.group is not None else len(index)
 
-        def critic_values() -> Callable[[PackedBatch], torch.Tensor]:
-            return self._ensure_critic().values
+        Forward = Callable[[list[PackedBatch]], list[torch.Tensor]]
 
-        def logprobs_of(model: torch.nn.Module) -> Callable[[PackedBatch], torch.Tensor]:
-            return lambda batch: self._completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
+        def critic_values() -> Forward:
+            critic = self._ensure_critic()
+            return lambda batches: [critic.values(batch) for batch in batches]
 
-        loaders: dict[str, Callable[[], Callable[[PackedBatch], torch.Tensor]]] = {
+        def logprobs_of(model: torch.nn.Module) -> Forward:
+            # (every micro-batch in one window: without gradients a pipeline stage keeps no activations)
+            return lambda batches: [
+                lp.logprobs for lp in self._window_logprobs(model, batches, temperature=self.config.temperature)
+            ]
+
+        loaders: dict[str, Callable[[], Forward]] = {
             "prox": lambda: logprobs_of(self._forward_model),
             "ref": lambda: logprobs_of(self._ensure_reference()),
             "teacher": lambda: logprobs_of(self._ensure_teacher()),
             "values": critic_values,
         }
         chosen = [(name, loaders[name]()) for name in models]
+        rows_of = [[samples[i] for i in index[k]] if k < len(index) else [] for k in range(count)]
+        batches = [
+            pack(
+                rows or [self._empty_sample()],
+                pad_token_id=self.pad_token_id,
+                padding_side=self.config.padding_side,
+                banned_ids=self.banned_ids,
+            ).to(self.device)
+            for rows in rows_of
+        ]
         out: list[dict[str, list[float]]] = [{} for _ in samples]
         with torch.no_grad(), tracer.start_as_current_span("forward_before_advantages"):
-            for k in range(count):
-                rows = [samples[i] for i in index[k]] if k < len(index) else []
-                batch = pack(
-                    rows or [self._empty_sample()],
-                    pad_token_id=self.pad_token_id,
-                    padding_side=self.config.padding_side,
-                    banned_ids=self.banned_ids,
-                ).to(self.device)
-                for key, forward in chosen:
-                    with self._autocast():
-                        lp = forward(batch)
+            for key, forward in chosen:
+                with self._autocast():
+                    per_batch = forward(batches)
+                for k, (rows, lp) in enumerate(zip(rows_of, per_batch, strict=True)):
                     if rows:
                         values = unpack(lp.float().cpu(), rows, padding_side=self.config.padding_side)
                         for i, v in zip(index[k], values, strict=True):
@@ -893,17 +910,17 @@ class TorchBackend:
         """log-probs of every micro-batch of the step under ``model`` as it is before the step's first update
         (the policy: π_prox; the reference), by a forward pass without gradients (every rank runs as many as
         the others), so that no epoch computes them again."""
-        with torch.no_grad(), tracer.start_as_current_span(span):
-            out = []
-            for micro in plans:
-                row = []
-                for batch, _ in micro:
-                    with self._autocast():
-                        row.append(
-                            self._completion_logprobs(model, batch, temperature=self.config.temperature).logprobs
-                        )
-                out.append(row)
-            return out
+        with torch.no_grad(), tracer.start_as_current_span(span), self._autocast():
+            # (a mini-batch's micro-batches in one window: without gradients a stage keeps no activations)
+            return [
+                [
+                    lp.logprobs
+                    for lp in self._window_logprobs(
+                        model, [batch for batch, _ in micro], temperature=self.config.temperature
+                    )
+                ]
+                for micro in plans
+            ]
 
     def _train(self, alg: Algorithm, mini_batches: list[MiniBatch]) -> dict[str, float]:
         """This rank's part of a step: ``epochs`` passes over the mini-batches, one optimizer update each,
@@ -946,19 +963,24 @@ class TorchBackend:
                         "rl.update": epoch * len(mini_batches) + j,
                     },
                 ):
+                    window = self._micro_batches_in_flight(model)
+                    lps: list[TokenLogProbs] = []
                     for k, (batch, real) in enumerate(micro):
                         last = k == len(micro) - 1
                         if train_policy:
+                            if k % window == 0:  # the forwards of the window's micro-batches, then their backwards
+                                with self._autocast():
+                                    lps = self._window_logprobs(
+                                        model,
+                                        [b for b, _ in micro[k : k + window]],
+                                        temperature=self.config.temperature,
+                                        with_entropy=with_entropy,
+                                        entropy_grad=cfg.entropy_coef > 0,
+                                        with_distribution=teacher is not None,
+                                        distribution_vocab=self._shared_vocab if teacher is not None else None,
+                                    )
+                            lp = lps[k % window]
                             with self._autocast():
-                                lp = self._completion_logprobs(
-                                    model,
-                                    batch,
-                                    temperature=self.config.temperature,
-                                    with_entropy=with_entropy,
-                                    entropy_grad=cfg.entropy_coef > 0,
-                                    with_distribution=teacher is not None,
-                                    distribution_vocab=self._shared_vocab if teacher is not None else None,
-                                )
                                 teacher_distribution = None
                                 if teacher is not None:  # per micro-batch: [B, T, V] for a whole step is too much
                                     with torch.no_grad():
@@ -1037,6 +1059,18 @@ class TorchBackend:
         """``completion_logprobs`` of ``batch`` under ``model`` (the megatron backend's pipeline stages compute
         the policy's together)."""
         return completion_logprobs(model, batch, **options)
+
+    def _window_logprobs(
+        self, model: torch.nn.Module, batches: Sequence[PackedBatch], **options: Any
+    ) -> list[TokenLogProbs]:
+        """``_completion_logprobs`` of each of ``batches``, whose backwards (if any) follow in their order (the
+        megatron backend's pipeline stages run a window's forwards at once)."""
+        return [self._completion_logprobs(model, batch, **options) for batch in batches]
+
+    def _micro_batches_in_flight(self, model: torch.nn.Module) -> int:
+        """How many micro-batches' forwards go before their backwards (one: each its forward, then its backward;
+        the megatron backend's pipeline stages run more)."""
+        return 1
 
     def _accumulating(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
         if self.group is None:

@@ -13,8 +13,8 @@ Parallelism: tensor and pipeline parallelism, and data parallelism beside them. 
 (megatron's order: the tensor-parallel ranks consecutive, then the replicas, then the stages). The ranks of a
 replica take the same share of the batch (they split the model, not the data); every rank loads rank 0's
 weights and keeps its shard (``convert.shard``: its stage's layers, its tensor-parallel part of them); the
-tensor-parallel ranks compute the log-probs from their slices of the vocabulary's logits (``vocab_parallel``). The stages take turns
-on each micro-batch (``pipeline``). After the backward the replicas' gradients are averaged over the
+tensor-parallel ranks compute the log-probs from their slices of the vocabulary's logits (``vocab_parallel``). The stages work on a
+window of micro-batches at once, GPipe within it (``pipeline``). After the backward the replicas' gradients are averaged over the
 data-parallel group, a tied embedding's two copies (first and last stage) get the sum of their gradients, and
 the gradient norm is the whole model's (the shards' norms summed over the tensor-parallel group, the
 replicated weights' counted once, summed over the stages). A publish or a checkpoint gathers the shards (one
@@ -122,7 +122,7 @@ class MegatronCausalLM(torch.nn.Module):
         config = transformer_config(
             hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, use_cpu_initialization=True
         )
-        stage = PipelineStage(torch.device(device)) if pipeline_parallel > 1 else None
+        stage = PipelineStage.of_megatron(torch.device(device)) if pipeline_parallel > 1 else None
         first, last = (stage.first, stage.last) if stage is not None else (True, True)
         model = cls(hf_config, gpt_model(hf_config, config, pre_process=first, post_process=last), stage)
         hf_weights = AutoModelForCausalLM.from_pretrained(path).state_dict()
@@ -382,8 +382,21 @@ class MegatronBackend(TorchBackend):
         if model is not policy:  # the reference and a teacher: Hugging Face models
             return super()._completion_logprobs(model, batch, **options)
         if policy.stage is not None:
-            return pipeline_logprobs(policy, batch, policy.stage, **options)
+            return pipeline_logprobs(policy, [batch], policy.stage, **options)[0]
         return policy.logprobs_of_output(policy.batch_forward(batch), batch, **options)
+
+    def _window_logprobs(
+        self, model: torch.nn.Module, batches: Sequence[PackedBatch], **options: Any
+    ) -> list[TokenLogProbs]:
+        policy = self.megatron
+        if model is policy and policy.stage is not None:
+            return pipeline_logprobs(policy, batches, policy.stage, **options)
+        return super()._window_logprobs(model, batches, **options)
+
+    def _micro_batches_in_flight(self, model: torch.nn.Module) -> int:
+        if model is self.megatron and self.megatron.stage is not None:
+            return self.config.pipeline_micro_batches_in_flight or self.config.pipeline_parallel
+        return 1
 
     def _join_ranks(self) -> torch.nn.Module:
         return self.model  # (every rank took rank 0's weights before keeping its shard: _load_policy)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism for the megatron backend: the stages of one pipeline run a micro-batch in turn.
+"""Pipeline parallelism for the megatron backend: the stages of one pipeline run a window of micro-batches.
 
 Each stage holds consecutive layers (the first the embedding, the last the final norm and the output layer).
 A micro-batch's forward goes stage after stage: each sends its hidden states (float32, megatron's ``[T, B,
@@ -9,9 +9,14 @@ step is the torch backend's on every stage. The backward runs the other way: the
 input and sends that gradient back; each stage below receives the gradient of the hidden states it sent
 (inside the backward of its own loss, whose gradient towards the broadcast log-probs it ignores) and goes on.
 
-The stages take turns (no interleaving of micro-batches, no 1F1B schedule): a pipeline splits the model's
-memory over its stages, not its time. megatron-core's own schedules interleave, but they hard-code CUDA;
-this is plain ``torch.distributed`` (gloo on the CPU, NCCL on GPUs).
+The schedule: a window of micro-batches at a time (``pipeline_micro_batches_in_flight``, by default as many
+as there are stages), GPipe within it. Every stage runs the forward of each micro-batch of the window as soon
+as the one below has sent it, so while stage s works on micro-batch k, stage s - 1 works on k + 1; then the
+last stage broadcasts the window's log-probs, and the backwards run micro-batch after micro-batch, stage
+s + 1 on k + 1 while stage s is on k. A window of W micro-batches on P stages takes W + P - 1 stage-times
+instead of W P; it holds the activations of W micro-batches (1F1B's bound is P: a window of P holds as many).
+A window of 1 is the stages taking turns. megatron-core's own schedules hard-code CUDA; this is plain
+``torch.distributed`` (gloo on the CPU, NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -26,16 +31,23 @@ from tauflow.trainer.batch import PackedBatch, TokenLogProbs
 
 
 class PipelineStage:
-    """This rank's stage of its pipeline (megatron's ``parallel_state``), and the ranks around it."""
+    """This rank's stage (``rank``) of its pipeline (the process ``group`` of its stages), and the ranks around
+    it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, rank: int, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.ranks: list[int] = list(dist.get_process_group_ranks(group))  # global ranks, by stage
+        self.size = len(self.ranks)
+        self.rank = rank
+        self.device = device
+
+    @classmethod
+    def of_megatron(cls, device: torch.device) -> PipelineStage:
+        """This rank's stage as megatron's ``parallel_state`` places it."""
         from megatron.core import parallel_state
 
-        self.size = int(parallel_state.get_pipeline_model_parallel_world_size())
-        self.rank = int(parallel_state.get_pipeline_model_parallel_rank())
-        self.group = parallel_state.get_pipeline_model_parallel_group()
-        self.ranks: list[int] = list(dist.get_process_group_ranks(self.group))  # global ranks, by stage
-        self.device = device
+        rank = int(parallel_state.get_pipeline_model_parallel_rank())
+        return cls(rank, parallel_state.get_pipeline_model_parallel_group(), device)
 
     @property
     def first(self) -> bool:
@@ -104,8 +116,9 @@ class _FromPreviousStage(torch.autograd.Function):
 
 
 class _ToNextStage(torch.autograd.Function):
-    """Sends this stage's hidden states on and returns what the last stage broadcasts back (the log-probs,
-    and the entropy); the backward receives the gradient of the hidden states from the next stage."""
+    """Sends this stage's hidden states on and returns buffers for what the last stage broadcasts back once
+    the window's forwards are done (the log-probs, and the entropy: ``_broadcast_window`` fills them); the
+    backward receives the gradient of the hidden states from the next stage."""
 
     @staticmethod
     def forward(
@@ -114,8 +127,6 @@ class _ToNextStage(torch.autograd.Function):
         ctx.stage, ctx.shape, ctx.dtype = stage, hidden.shape, hidden.dtype
         dist.send(hidden.detach().float().contiguous(), dst=stage.ranks[stage.rank + 1])
         outs = tuple(torch.empty(shape, dtype=torch.float32, device=stage.device) for shape in shapes)
-        for out in outs:
-            dist.broadcast(out, src=stage.ranks[-1], group=stage.group)
         if len(outs) > 1 and not entropy_grad:
             ctx.mark_non_differentiable(outs[1])
         return outs
@@ -128,25 +139,42 @@ class _ToNextStage(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None
 
 
-def pipeline_logprobs(model: Any, batch: PackedBatch, stage: PipelineStage, **options: Any) -> TokenLogProbs:
-    """``completion_logprobs(model, batch, **options)`` under the pipeline ``model`` (a ``MegatronCausalLM``
-    stage): every stage of the pipeline calls it with the same batch and gets the same values; the gradient
-    flows back through every stage (the module's docstring)."""
+def pipeline_logprobs(
+    model: Any, batches: Sequence[PackedBatch], stage: PipelineStage, **options: Any
+) -> list[TokenLogProbs]:
+    """``completion_logprobs(model, batch, **options)`` of each of a window of ``batches`` under the pipeline
+    ``model`` (a ``MegatronCausalLM`` stage): every stage of the pipeline calls it with the same batches and
+    gets the same values; the backwards of their losses, taken in the batches' order on every stage, flow
+    back through every stage (the module's docstring)."""
     if options.get("with_distribution"):
         raise ValueError("the megatron backend's pipeline stages do not pass the whole distribution on")
     with_entropy = bool(options.get("with_entropy"))
-    rows, length = batch.input_ids.shape
-    hidden = None
-    if not stage.first:
-        anchor = torch.empty(0, device=stage.device, requires_grad=torch.is_grad_enabled())
-        hidden = _FromPreviousStage.apply(anchor, stage, (length, rows, model.layout.hidden_size))
-    out = model.batch_forward(batch, hidden)
-    shapes = [(rows, length - 1)] * (2 if with_entropy else 1)
-    if not stage.last:
-        outs = _ToNextStage.apply(out, stage, shapes, bool(options.get("entropy_grad")))
-        return TokenLogProbs(outs[0], outs[1] if with_entropy else None)
-    lp = model.logprobs_of_output(out, batch, **options)  # (with tensor parallelism: from its vocabulary slice)
-    for value in (lp.logprobs, lp.entropy) if with_entropy else (lp.logprobs,):
-        assert value is not None
-        dist.broadcast(value.detach().float().contiguous(), src=stage.ranks[-1], group=stage.group)
-    return lp
+    out: list[TokenLogProbs] = []
+    for batch in batches:  # the forwards: each as soon as the stage below has sent it
+        rows, length = batch.input_ids.shape
+        hidden = None
+        if not stage.first:
+            anchor = torch.empty(0, device=stage.device, requires_grad=torch.is_grad_enabled())
+            hidden = _FromPreviousStage.apply(anchor, stage, (length, rows, model.layout.hidden_size))
+        output = model.batch_forward(batch, hidden)
+        if stage.last:  # (with tensor parallelism: from its vocabulary slice)
+            out.append(model.logprobs_of_output(output, batch, **options))
+        else:
+            shapes = [(rows, length - 1)] * (2 if with_entropy else 1)
+            outs = _ToNextStage.apply(output, stage, shapes, bool(options.get("entropy_grad")))
+            out.append(TokenLogProbs(outs[0], outs[1] if with_entropy else None))
+    _broadcast_window(out, stage, with_entropy)
+    return out
+
+
+def _broadcast_window(values: Sequence[TokenLogProbs], stage: PipelineStage, with_entropy: bool) -> None:
+    """The last stage's log-probs (and entropy) of each micro-batch of the window to the other stages, into
+    the buffers their ``_ToNextStage`` returned (written through a detached view: the graph is the last
+    stage's, and nothing has used them yet)."""
+    for lp in values:
+        for value in (lp.logprobs, lp.entropy) if with_entropy else (lp.logprobs,):
+            assert value is not None
+            tensor = value.detach()
+            if stage.last:
+                tensor = tensor.float().contiguous()
+            dist.broadcast(tensor, src=stage.ranks[-1], group=stage.group)
