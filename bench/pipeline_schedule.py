@@ -19,20 +19,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import pickle
 import random
-import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other bench scripts' helpers
 
 import torch
+from scaling import run_gang
 
 
 def build_model(folder: Path, args: argparse.Namespace) -> None:
@@ -90,20 +91,10 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: Path) -> N
     out.write_bytes(pickle.dumps({"step_s": times[1:], "micro_batches": micro_batches}))
 
 
-def run_gang(job: dict[str, Any], world: int, tmp: Path) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+def run_job(job: dict[str, Any], world: int, tmp: Path) -> dict[str, Any]:
     out = tmp / "rank0.pkl"
     out.unlink(missing_ok=True)
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(rank, world, port, job, out)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(1200)
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    run_gang(_rank, world, job, out, timeout_s=1200)
     return pickle.loads(out.read_bytes())
 
 
@@ -139,7 +130,7 @@ def main() -> None:
                     pipeline_micro_batches_in_flight=window, micro_batch_tokens=args.micro_batch_tokens,
                     optim=OptimConfig(lr=1e-5, schedule="constant"),
                 )  # fmt: skip
-                got = run_gang({"config": config, "batches": batches}, args.stages, tmp)
+                got = run_job({"config": config, "batches": batches}, args.stages, tmp)
                 step_s[window] += got["step_s"]
                 seen_micro_batches = got["micro_batches"]
                 print(f"round {round_ + 1} W={window}: step {statistics.median(got['step_s']):.3f} s (median)",

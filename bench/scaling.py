@@ -174,20 +174,29 @@ def trainer_times(model: Path, world: int, strategy: str, work: list[list[Any]],
 
         torch.set_num_threads(1)
         return timed_steps(TorchBackend(backend_config(model)), work)
+    out = tmp / f"times-{strategy}-{world}.json"
+    run_gang(_rank, world, strategy, model, work, out)
+    times: list[float] = json.loads(out.read_text())
+    return times
+
+
+def run_gang(target: Any, world: int, *args: Any, timeout_s: float = 900) -> None:
+    """``target(rank, world, port, *args)`` in ``world`` spawned processes (``port``: a free one on loopback for
+    their process group); raises if a rank failed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    out = tmp / f"times-{strategy}-{world}.json"
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(r, world, port, strategy, model, work, out)) for r in range(world)]
+    procs = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(900)
+        p.join(timeout_s)
     if any(p.exitcode != 0 for p in procs):
+        for p in procs:
+            if p.is_alive():
+                p.kill()
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    times: list[float] = json.loads(out.read_text())
-    return times
 
 
 # -- main --------------------------------------------------------------------------------------------------
