@@ -350,9 +350,10 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     # split in two, its shards gathered for the publish, the tied embedding's vocabulary shards summed stage to
     # stage), or four stages (two in the middle, receiving and sending): the updates one process makes, the
     # metrics counted once per replica. The micro-batches in flight: as many as the stages (the default), one
-    # (the stages take turns), three (windows of three, the last shorter).
+    # (the stages take turns), three (windows of three, the last shorter). Four stages make two updates a step:
+    # π_prox from the pipeline's forward without gradients before the first (a mini-batch as one window).
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
-    options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05}}
+    options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05, **({"mini_batches": 2} if pp == 4 else {})}}
     parallel = {"tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_micro_batches_in_flight": in_flight}
     assert_like_one_process(spawn_ranks, layered_model_dirs[model], batches, tmp_path, 4, parallel, options)
 
