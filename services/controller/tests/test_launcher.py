@@ -108,6 +108,34 @@ def test_a_service_that_keeps_dying_fails_the_run_with_its_name(tmp_path) -> Non
     launcher.stop()
 
 
+def test_a_begun_start_returns_before_the_service_serves_and_is_polled_until_it_does(tmp_path) -> None:
+    # How the run scales out: begin_start returns once the process runs (a rollout server's model may take
+    # minutes to load), poll_start says when it serves; check() leaves it alone meanwhile. One that dies while
+    # starting fails its poll, naming it, and is not restarted by check().
+    launcher = LocalLauncher(tmp_path, max_restarts=2, backoff_s=0.1)
+    try:
+        queue = launcher.begin_start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        assert not queue.info and not queue.up  # not serving yet: no port known
+        assert launcher.addresses() == {}
+        deadline = time.monotonic() + 60
+        while not launcher.poll_start("queue"):
+            assert time.monotonic() < deadline
+            assert launcher.check() == []
+            time.sleep(0.05)
+        assert queue.up and _serving(queue.address) and queue.ready_by == 0.0
+        broken = launcher.begin_start(ServiceSpec("reward", {"no_such_key": 1}))
+        broken.proc.wait(60)  # it exits at once: its config is refused
+        for _ in range(2):  # (past the restart backoff: a died service would be restarted by now)
+            assert launcher.check() == []
+            time.sleep(0.3)
+        assert broken.starts == 1  # not restarted: still starting as far as check goes
+        with pytest.raises(ServiceFailed, match="service 'reward' failed: exited with code 2 while starting"):
+            launcher.poll_start("reward")
+    finally:
+        codes = launcher.stop()
+    assert codes["queue"] == 0
+
+
 def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
     svc = launcher.services[name]
     os.kill(svc.proc.pid, signal.SIGKILL)

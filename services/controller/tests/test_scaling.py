@@ -14,22 +14,42 @@ from tauflow.controller.scaling import RolloutScaler, ScalingRefused, list_servi
 
 
 class FakeLauncher:
-    """Starts and stops "processes" at once; ``fail_at`` names an index whose start fails."""
+    """Starts and stops "processes" at once. ``fail_at`` names an index whose start fails at once (no room),
+    ``dies_at`` one that dies while starting; a begun start serves at the next poll unless its name is in
+    ``loading`` (a model still loading)."""
 
-    def __init__(self, tmp_path: Path, starts_services: bool = True, fail_at: int | None = None) -> None:
-        self.tmp_path, self.starts_services, self.fail_at = tmp_path, starts_services, fail_at
+    def __init__(
+        self, tmp_path: Path, starts_services: bool = True, fail_at: int | None = None, dies_at: int | None = None
+    ) -> None:
+        self.tmp_path, self.starts_services, self.fail_at, self.dies_at = tmp_path, starts_services, fail_at, dies_at
         self.services: dict[str, ManagedService] = {}
         self.health = None
         self.stopped: list[str] = []
+        self.loading: set[str] = set()
 
     def start(self, spec: ServiceSpec) -> ManagedService:
-        svc = ManagedService(spec, self.tmp_path, info={"grpc_port": 5000 + spec.index, "pid": 100 + spec.index})
+        svc = self.begin_start(spec)
+        assert self.poll_start(spec.name)
+        return svc
+
+    def begin_start(self, spec: ServiceSpec) -> ManagedService:
+        svc = ManagedService(spec, self.tmp_path)
         self.services[spec.name] = svc  # registered first, as the local launcher does
         if spec.index == self.fail_at:
-            svc.proc = SimpleNamespace(poll=lambda: 1)  # died while starting
+            svc.proc = SimpleNamespace(poll=lambda: 1)
             raise ServiceFailed(spec.name, "no room")
         svc.proc, svc.starts = SimpleNamespace(poll=lambda: None), 1
         return svc
+
+    def poll_start(self, name: str) -> bool:
+        svc = self.services[name]
+        if svc.index == self.dies_at:
+            svc.proc = SimpleNamespace(poll=lambda: 1)
+            raise ServiceFailed(name, "exited with code 1 while starting")
+        if name in self.loading:
+            return False
+        svc.info = {"grpc_port": 5000 + svc.index, "pid": 100 + svc.index}
+        return True
 
     def stop_service(self, name: str) -> int | None:
         self.stopped.append(name)
@@ -50,25 +70,76 @@ def test_scaling_up_takes_the_lowest_free_indices_and_down_stops_the_highest(tmp
     launcher.start(spec(0))
     scaler = RolloutScaler(1, limit=8)
     assert scaler.set_target(launcher, 3) == 1
-    assert scaler.reconcile(launcher, spec) == (["rollout-1", "rollout-2"], [])
+    assert scaler.reconcile(launcher, spec) == ([], [])  # begun, not waited for
     assert names(launcher) == ["rollout", "rollout-1", "rollout-2"]
+    assert scaler.reconcile(launcher, spec) == (["rollout-1", "rollout-2"], [])  # serving now
     assert scaler.reconcile(launcher, spec) == ([], [])  # carried out: nothing more to do
     scaler.set_target(launcher, 1)
     assert scaler.reconcile(launcher, spec) == ([], ["rollout-2", "rollout-1"])
     assert names(launcher) == ["rollout"]
     scaler.set_target(launcher, 2)  # a gap is filled from the lowest free index
+    scaler.reconcile(launcher, spec)
     assert scaler.reconcile(launcher, spec) == (["rollout-1"], [])
 
 
-def test_a_replica_that_cannot_start_falls_the_target_back_to_what_runs(tmp_path: Path) -> None:
-    launcher = FakeLauncher(tmp_path, fail_at=2)
+def test_a_replica_still_loading_is_reported_once_it_serves_and_can_be_scaled_away(tmp_path: Path) -> None:
+    launcher = FakeLauncher(tmp_path)
+    launcher.start(spec(0))
+    scaler = RolloutScaler(1, limit=8)
+    scaler.set_target(launcher, 3)
+    launcher.loading = {"rollout-2"}
+    scaler.reconcile(launcher, spec)
+    assert scaler.reconcile(launcher, spec) == (["rollout-1"], [])
+    assert scaler.reconcile(launcher, spec) == ([], [])  # still loading: nothing to report, nothing new begun
+    assert names(launcher) == ["rollout", "rollout-1", "rollout-2"] and scaler.starting == {"rollout-2"}
+    scaler.set_target(launcher, 2)  # scaled in before it served: the one still starting goes
+    launcher.loading = set()  # (even if it would serve by this pass: stopped, not also reported started)
+    assert scaler.reconcile(launcher, spec) == ([], ["rollout-2"])
+    assert scaler.starting == set() and names(launcher) == ["rollout", "rollout-1"]
+
+
+def test_scaling_in_stops_a_replica_still_starting_before_a_serving_one_of_a_higher_index(tmp_path: Path) -> None:
+    launcher = FakeLauncher(tmp_path)
+    launcher.start(spec(0))
+    launcher.start(spec(2))
+    scaler = RolloutScaler(2, limit=8)
+    scaler.set_target(launcher, 3)
+    launcher.loading = {"rollout-1"}
+    assert scaler.reconcile(launcher, spec) == ([], []) and scaler.starting == {"rollout-1"}
+    scaler.set_target(launcher, 2)
+    assert scaler.reconcile(launcher, spec) == ([], ["rollout-1"])
+    assert names(launcher) == ["rollout", "rollout-2"]
+
+
+def test_a_replica_dying_while_starting_lowers_a_target_raised_since_by_one_only(tmp_path: Path) -> None:
+    launcher = FakeLauncher(tmp_path, dies_at=2)
+    launcher.start(spec(0))
+    scaler = RolloutScaler(1, limit=8)
+    scaler.set_target(launcher, 3)
+    scaler.reconcile(launcher, spec)  # rollout-1 and rollout-2 begun
+    scaler.set_target(launcher, 6)  # raised while they load
+    started, stopped = scaler.reconcile(launcher, spec)
+    assert started == ["rollout-1"] and stopped == ["rollout-2"] and scaler.target == 5
+    assert len(launcher.services) == 5  # three more begun towards the target: rollout-2's index again among them
+    launcher.dies_at = None  # (this time the process at index 2 comes up)
+    assert scaler.reconcile(launcher, spec) == (["rollout-2", "rollout-3", "rollout-4"], [])
+    assert scaler.target == 5 and scaler.starting == set()
+
+
+@pytest.mark.parametrize("how", ["no room", "died while starting"])
+def test_a_replica_that_cannot_start_falls_the_target_back_to_what_runs(tmp_path: Path, how: str) -> None:
+    launcher = FakeLauncher(tmp_path, **({"fail_at": 2} if how == "no room" else {"dies_at": 2}))
     launcher.start(spec(0))
     scaler = RolloutScaler(1, limit=8)
     scaler.set_target(launcher, 4)
-    assert scaler.reconcile(launcher, spec) == (["rollout-1"], [])
-    assert scaler.target == 2 and "no room" in scaler.last_error
+    started = scaler.reconcile(launcher, spec)[0] + scaler.reconcile(launcher, spec)[0]
+    assert "rollout-1" in started and "rollout-2" not in started
+    assert scaler.target == len(launcher.services) and ("no room" if how == "no room" else "while starting") in (
+        scaler.last_error
+    )
     # given up: no longer supervised, so the launcher's check() does not restart it again and again
-    assert names(launcher) == ["rollout", "rollout-1"] and launcher.stopped == ["rollout-2"]
+    assert "rollout-2" not in launcher.services and launcher.stopped == ["rollout-2"]
+    assert scaler.reconcile(launcher, spec)[1] == []  # and the target stays where it fell back
 
 
 def test_bad_targets_are_refused_before_anything_changes(tmp_path: Path) -> None:

@@ -107,6 +107,13 @@ class ExternalLauncher:
             svc.up = serving
         return back
 
+    def begin_start(self, spec: ServiceSpec) -> ExternalService:
+        """As :meth:`start` (connecting is all there is: the run never scales an external deployment)."""
+        return self.start(spec)
+
+    def poll_start(self, name: str) -> bool:
+        return name in self.services
+
     def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[ExternalService]:
         """A gang is its deployment's to start (e.g. a trainer's ranks): connects to its first (rank 0)."""
         return [self.start(specs[0])]

@@ -19,8 +19,9 @@ alive but does not answer its gRPC health check (stopped, hung) is logged and co
 (``tauflow.controller.health``).
 
 A role may run as several processes, each a service of its own name (:func:`instance_name`: ``rollout``,
-``rollout-1``, ...). Rollout replicas are started and stopped one by one (``start``, ``stop_service``: a
-removed replica drains). The ranks of a data-parallel trainer are a **gang** (``start_gang``): started
+``rollout-1``, ...). Rollout replicas are started one by one at launch (``start``), and when the run scales
+out without waiting for them to serve (``begin_start``, then ``poll_start``); they are stopped one by one
+(``stop_service``: a removed replica drains). The ranks of a data-parallel trainer are a **gang** (``start_gang``): started
 together with a fresh rendezvous address, and when one dies the others are killed and all restart
 together, since no rank can go on without the others.
 
@@ -135,6 +136,12 @@ class Launcher(Protocol):
 
     def start(self, spec: ServiceSpec) -> Service: ...
 
+    # Starting without waiting (a rollout replica the run scales out to): begin_start returns once the process
+    # runs; poll_start says whether it serves yet (raising ServiceFailed when it died or timed out).
+    def begin_start(self, spec: ServiceSpec) -> Service: ...
+
+    def poll_start(self, name: str) -> bool: ...
+
     def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> Sequence[Service]: ...
 
     def check(self) -> list[str]: ...
@@ -159,6 +166,7 @@ class ManagedService:
     next_restart_at: float = 0.0
     started_at: float = 0.0  # on the launcher's clock
     started_wall: float = 0.0  # Unix time
+    ready_by: float = 0.0  # begun (begin_start) and not yet serving: the time it must serve by; 0 otherwise
 
     gang: str = ""  # the gang it belongs to (restarted with it); "" when it stands alone
 
@@ -266,11 +274,32 @@ class ProcessLauncher:
 
     def start(self, spec: ServiceSpec) -> ManagedService:
         """Starts one service and waits for its ready file (it serves gRPC health then)."""
+        svc = self._register(spec)
+        self._spawn(svc)
+        self._wait_ready(svc)
+        return svc
+
+    def begin_start(self, spec: ServiceSpec) -> ManagedService:
+        """Starts one service without waiting for it to serve (:meth:`poll_start` says when it does), so that
+        the run's loop goes on meanwhile; :meth:`check` leaves it alone until then."""
+        svc = self._register(spec)
+        self._spawn(svc)
+        svc.ready_by = time.monotonic() + self.start_timeout_s
+        return svc
+
+    def poll_start(self, name: str) -> bool:
+        """Whether the service :meth:`begin_start` started serves now (its ready file read); raises
+        ServiceFailed when it died, or did not serve within ``start_timeout_s``."""
+        svc = self.services[name]
+        if svc.ready_by and not self._ready_now(svc, svc.ready_by):
+            return False
+        svc.ready_by = 0.0
+        return True
+
+    def _register(self, spec: ServiceSpec) -> ManagedService:
         svc = self.services.get(spec.name) or ManagedService(spec, self.run_dir)
         svc.spec = spec
         self.services[spec.name] = svc
-        self._spawn(svc)
-        self._wait_ready(svc)
         return svc
 
     def start_gang(self, specs: list[ServiceSpec], rendezvous: Rendezvous) -> list[ManagedService]:
@@ -321,21 +350,29 @@ class ProcessLauncher:
         log.info("started", extra={"service": svc.name, "pid": svc.proc.pid})
 
     def _wait_ready(self, svc: ManagedService) -> None:
-        assert svc.proc is not None
         deadline = time.monotonic() + self.start_timeout_s
-        while (info := self._read_ready(svc)) is None:
+        while not self._ready_now(svc, deadline):
+            time.sleep(0.05)
+
+    def _ready_now(self, svc: ManagedService, deadline: float) -> bool:
+        """Whether ``svc`` serves now (its ready file read, its ports pinned); raises ServiceFailed when it
+        died while starting or ``deadline`` (monotonic) has passed."""
+        assert svc.proc is not None
+        info = self._read_ready(svc)
+        if info is None:
             code = svc.proc.poll()
             if code is not None:
                 raise ServiceFailed(svc.name, f"{self._exit_reason(svc, code)} while starting:\n{svc.log_tail()}")
             if time.monotonic() > deadline:
                 raise ServiceFailed(svc.name, f"not ready after {self.start_timeout_s:.0f}s:\n{svc.log_tail()}")
-            time.sleep(0.05)
+            return False
         # A restarted service comes back on the same ports, so its peers' channels reconnect (and Prometheus
         # keeps scraping the same target).
         pinned = {"server.port": info["grpc_port"], "metrics.port": info.get("metrics_port")}
         if info.get("external_port"):  # the queue's external port (its producers outside the run reconnect there)
             pinned["external.port"] = info["external_port"]
         svc.info = {**info, "pinned": pinned}
+        return True
 
     # -- supervising ---------------------------------------------------------------------
 
@@ -348,6 +385,8 @@ class ProcessLauncher:
         restarted = []
         now = self.clock()
         for unit in self._units():
+            if any(svc.ready_by for svc in unit):  # still starting (begin_start): poll_start judges it
+                continue
             died = [(svc, code) for svc in unit if svc.proc is not None and (code := svc.proc.poll()) is not None]
             if not died:
                 continue

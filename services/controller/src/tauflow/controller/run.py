@@ -290,7 +290,8 @@ class Run:
         return [self.launcher.start(self._spec(role, index, addresses)) for index in range(count)]
 
     def _rollout_count(self) -> int:
-        known = replicas_of(self.launcher.services.values(), ROLLOUT)
+        """The rollout servers that run (serve, or restart); a new replica counts once it has served."""
+        known = [svc for svc in replicas_of(self.launcher.services.values(), ROLLOUT) if svc.info]
         return len(self.members) if self.members and not self.launcher.starts_services else len(known)
 
     # -- follow --------------------------------------------------------------------------

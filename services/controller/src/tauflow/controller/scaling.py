@@ -2,10 +2,11 @@
 
 ``tauflow scale rollout N`` (ControllerService.ScaleRollout) sets a target; the controller's follow loop
 carries it out (:meth:`RolloutScaler.reconcile`, with the run's supervision): new replicas take the
-lowest free indices and are started one by one (each joins the weight sidecar and loads the current
-version before it reserves: the rollout service's own start), removed ones are the highest indices,
-stopped with SIGTERM so that they drain (finish or release their tickets, put what they made, leave the
-sidecar). A replica that cannot be started is logged, and the target falls back to what runs. With launcher
+lowest free indices and are started without the loop waiting for them (each joins the weight sidecar and
+loads the current version before it reserves: the rollout service's own start; the loop checks and counts
+it once it serves); removed ones are those still starting, then the highest indices, stopped with SIGTERM
+so that they drain (finish or release their tickets, put what they made, leave the sidecar). A replica that
+cannot be started is logged and stopped, and the target falls back. With launcher
 ``external`` the deployment scales the replicas (ScaleRollout is refused, saying how); the controller
 sees those that come and go through the weight sidecar's membership.
 """
@@ -56,6 +57,7 @@ class RolloutScaler:
         self.target = replicas
         self.limit = limit
         self.last_error = ""
+        self.starting: set[str] = set()  # replicas begun and not yet serving
 
     def set_target(self, launcher: Launcher, replicas: int) -> int:
         """Sets the target (carried out by :meth:`reconcile`); returns the previous one."""
@@ -73,34 +75,55 @@ class RolloutScaler:
         return previous
 
     def reconcile(self, launcher: Launcher, spec: Callable[[int], ServiceSpec]) -> tuple[list[str], list[str]]:
-        """Starts or stops replicas until the launcher runs ``target`` of them; returns (started, stopped).
-        Blocking (starting waits for each new server to serve): the run calls it from a thread."""
+        """Starts or stops replicas towards ``target``; returns (started, stopped): the replicas that serve
+        since the last call, and those stopped (given up included). A new replica's start is begun here and
+        not waited for (a model's load takes a while: the run's loop goes on meanwhile); a later call reports
+        it once it serves. Stopping waits for the replica to drain. The run calls it from a thread."""
         started: list[str] = []
         stopped: list[str] = []
         if not launcher.starts_services:
             return started, stopped
+        running = replicas_of(launcher.services.values(), ROLLOUT)
+        # scaling in: those still starting go first, then the highest indices
+        by_need = sorted(running, key=lambda svc: (svc.name not in self.starting, -svc.index))
+        for svc in by_need[: max(len(running) - self.target, 0)]:
+            launcher.stop_service(svc.name)
+            self.starting.discard(svc.name)
+            stopped.append(svc.name)
+        for name in sorted(self.starting):  # begun by an earlier call: serving yet?
+            try:
+                if launcher.poll_start(name):
+                    self.starting.discard(name)
+                    started.append(name)
+            except ServiceFailed as e:  # the one replica given up: the target one lower
+                self._give_up(launcher, e, one_fewer=True)
+                stopped.append(e.name)
         running = replicas_of(launcher.services.values(), ROLLOUT)
         indices = {svc.index for svc in running}
         free = (i for i in range(self.limit + 1) if i not in indices)
         for _ in range(self.target - len(running)):
             index = next(free)
             try:
-                started.append(launcher.start(spec(index)).name)
-            except ServiceFailed as e:
-                self.last_error = str(e)
-                self.target = len(running) + len(started)
-                # given up, not supervised: check() would otherwise restart it, again and again, each
-                # restart blocking the run's loop while the process fails to start
-                if e.name in launcher.services:
-                    launcher.stop_service(e.name)
-                log.error("a rollout replica could not start; the target falls back", extra={"error": str(e)})
+                self.starting.add(launcher.begin_start(spec(index)).name)
+            except ServiceFailed as e:  # no room for it (and so none for more): the target falls back to what runs
+                self._give_up(launcher, e, one_fewer=False)
+                stopped.append(e.name)
                 break
-        for svc in reversed(running[self.target :]) if len(running) > self.target else ():
-            launcher.stop_service(svc.name)
-            stopped.append(svc.name)
         for name in started + stopped:
             log.info("rollout replica " + ("started" if name in started else "stopped"), extra={"service": name})
         return started, stopped
+
+    def _give_up(self, launcher: Launcher, failure: ServiceFailed, one_fewer: bool) -> None:
+        """A replica that could not start: stopped; the target one fewer (``one_fewer``: a target raised
+        since it was begun stays raised), or what runs now (no room for one more)."""
+        self.last_error = str(failure)
+        self.starting.discard(failure.name)
+        # given up, not supervised: check() would otherwise restart it, again and again, each restart
+        # blocking the run's loop while the process fails to start
+        if failure.name in launcher.services:
+            launcher.stop_service(failure.name)
+        self.target = max(self.target - 1 if one_fewer else len(replicas_of(launcher.services.values(), ROLLOUT)), 1)
+        log.error("a rollout replica could not start; the target falls back", extra={"error": str(failure)})
 
 
 def replicas_of(services: Sequence[Service] | Any, role: str) -> list[Service]:
