@@ -262,6 +262,9 @@ class ProcessLauncher:
     def _release(self) -> None:
         """After stop: give back what the launcher holds besides the processes."""
 
+    def _forget(self, svc: ManagedService) -> None:
+        """After stop_service: give back what the launcher holds for ``svc`` besides its process."""
+
     def _rendezvous_host(self, svc: ManagedService) -> str:
         """The host a gang's rank 0 (``svc``) serves its rendezvous on, seen from the other ranks."""
         return "127.0.0.1"
@@ -448,6 +451,7 @@ class ProcessLauncher:
             code = svc.proc.wait(self.stop_grace_s)
             log.warning("killed after the grace period", extra={"service": name})
         log.info("stopped", extra={"service": name, "code": code})
+        self._forget(svc)
         return code
 
     def update_settings(self, role: str, settings: Mapping[str, Any]) -> None:

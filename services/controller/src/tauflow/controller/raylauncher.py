@@ -203,6 +203,12 @@ class RayLauncher(ProcessLauncher):
             return f"lost its Ray actor ({svc.proc.lost})"
         return super()._exit_reason(svc, code)
 
+    def _forget(self, svc: ManagedService) -> None:
+        # a replica scaled in: its actor goes too, or it would keep its resources (a GPU) for the whole run
+        if self._ray is not None and svc.proc is not None:
+            with contextlib.suppress(Exception):  # an actor already gone is what we want
+                self._ray.kill(svc.proc.actor)
+
     def _release(self) -> None:
         if self._ray is None:
             return
