@@ -136,6 +136,17 @@ def test_a_begun_start_returns_before_the_service_serves_and_is_polled_until_it_
     assert codes["queue"] == 0
 
 
+def test_once_stopped_the_launcher_starts_and_restarts_nothing(tmp_path) -> None:
+    # (a scale-out or a restart still under way in a thread of a cancelled run must not leave a process behind)
+    launcher = LocalLauncher(tmp_path)
+    assert launcher.stop() == {}
+    for start in (launcher.start, launcher.begin_start):
+        with pytest.raises(ServiceFailed, match="the run is stopping"):
+            start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+    assert launcher.services == {} and not (tmp_path / "logs" / "queue.log").exists()
+    assert launcher.check() == []
+
+
 def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
     svc = launcher.services[name]
     os.kill(svc.proc.pid, signal.SIGKILL)

@@ -243,6 +243,9 @@ class ProcessLauncher:
         )
         self.services: dict[str, ManagedService] = {}
         self._gangs: dict[str, Rendezvous] = {}  # gang (its rank 0's name) -> how it finds itself
+        # Set by stop: a start or restart still under way in a thread of the run's (it was cancelled) must not
+        # leave a process behind the stop.
+        self.stopping = False
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -300,6 +303,7 @@ class ProcessLauncher:
         return True
 
     def _register(self, spec: ServiceSpec) -> ManagedService:
+        self._refuse_when_stopping(spec.name)
         svc = self.services.get(spec.name) or ManagedService(spec, self.run_dir)
         svc.spec = spec
         self.services[spec.name] = svc
@@ -319,7 +323,12 @@ class ProcessLauncher:
         self._start_together(members, rendezvous)
         return members
 
+    def _refuse_when_stopping(self, name: str) -> None:
+        if self.stopping:
+            raise ServiceFailed(name, "the run is stopping: nothing more starts")
+
     def _start_together(self, members: list[ManagedService], rendezvous: Rendezvous) -> None:
+        self._refuse_when_stopping(members[0].name)
         address = f"{self._rendezvous_host(members[0])}:{self._free_port(members[0])}"
         for svc in members:
             svc.spec.settings[rendezvous.key] = address
@@ -385,7 +394,9 @@ class ProcessLauncher:
         ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop).
         A gang restarts as one: the death of any member kills the others. Then probes the health of those
         that are up (every ``health_every_s``)."""
-        restarted = []
+        restarted: list[str] = []
+        if self.stopping:
+            return restarted
         now = self.clock()
         for unit in self._units():
             if any(svc.ready_by for svc in unit):  # still starting (begin_start): poll_start judges it
@@ -463,6 +474,7 @@ class ProcessLauncher:
     def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
         """SIGTERM (graceful drain) in ``order`` (roles; every process of a role at once), then SIGKILL
         whatever is left; returns exit codes."""
+        self.stopping = True
         if order is None:
             names = list(reversed(self.services))
         else:

@@ -212,7 +212,7 @@ class RayLauncher(ProcessLauncher):
     def _release(self) -> None:
         if self._ray is None:
             return
-        for svc in self.services.values():
+        for svc in list(self.services.values()):
             if svc.proc is not None:
                 with contextlib.suppress(Exception):  # an actor already gone is what we want
                     self._ray.kill(svc.proc.actor)
