@@ -126,6 +126,45 @@ def test_a_replica_dying_while_starting_lowers_a_target_raised_since_by_one_only
     assert scaler.target == 5 and scaler.starting == set()
 
 
+class LoggingLauncher(FakeLauncher):
+    """Records each start begun and each replica seen serving; a replica serves at its second poll."""
+
+    def __init__(self, tmp_path: Path, **kw: int) -> None:
+        super().__init__(tmp_path, **kw)
+        self.events: list[tuple[str, str]] = []
+        self.polls: dict[str, int] = {}
+
+    def begin_start(self, spec: ServiceSpec) -> ManagedService:
+        self.events.append(("begun", spec.name))
+        return super().begin_start(spec)
+
+    def poll_start(self, name: str) -> bool:
+        self.polls[name] = self.polls.get(name, 0) + 1
+        serves = self.polls[name] > 1 and super().poll_start(name)
+        if serves:
+            self.events.append(("serves", name))
+        return serves
+
+
+@pytest.mark.parametrize("dies_at", [None, 1])
+def test_a_runs_rollout_replicas_start_at_once_at_launch(tmp_path: Path, dies_at: int | None) -> None:
+    from tauflow.controller.app import build_run
+    from tauflow.controller.config import RunConfig
+
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
+    launcher = LoggingLauncher(tmp_path, dies_at=dies_at) if dies_at is not None else LoggingLauncher(tmp_path)
+    run.launcher, run.scaler.target = launcher, 3  # type: ignore[assignment]
+    if dies_at is not None:  # one that dies while loading fails the launch, naming it
+        with pytest.raises(ServiceFailed, match="service 'rollout-1' failed"):
+            run._start_role("rollout", {})
+        return
+    started = run._start_role("rollout", {})
+    assert [svc.name for svc in started] == ["rollout", "rollout-1", "rollout-2"]
+    # every replica begun before the first serves: they load their models together
+    assert launcher.events[:3] == [("begun", "rollout"), ("begun", "rollout-1"), ("begun", "rollout-2")]
+    assert sorted(launcher.events[3:]) == [("serves", "rollout"), ("serves", "rollout-1"), ("serves", "rollout-2")]
+
+
 @pytest.mark.parametrize("how", ["no room", "died while starting"])
 def test_a_replica_that_cannot_start_falls_the_target_back_to_what_runs(tmp_path: Path, how: str) -> None:
     launcher = FakeLauncher(tmp_path, **({"fail_at": 2} if how == "no room" else {"dies_at": 2}))

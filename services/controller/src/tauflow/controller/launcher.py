@@ -19,8 +19,8 @@ alive but does not answer its gRPC health check (stopped, hung) is logged and co
 (``tauflow.controller.health``).
 
 A role may run as several processes, each a service of its own name (:func:`instance_name`: ``rollout``,
-``rollout-1``, ...). Rollout replicas are started one by one at launch (``start``), and when the run scales
-out without waiting for them to serve (``begin_start``, then ``poll_start``); they are stopped one by one
+``rollout-1``, ...). Rollout replicas are started without waiting for each to serve (``begin_start``, then
+``poll_start``: at launch all at once, and when the run scales out), and stopped one by one
 (``stop_service``: a removed replica drains). The ranks of a data-parallel trainer are a **gang** (``start_gang``): started
 together with a fresh rendezvous address, and when one dies the others are killed and all restart
 together, since no rank can go on without the others.

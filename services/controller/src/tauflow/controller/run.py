@@ -282,12 +282,21 @@ class Run:
         return roles
 
     def _start_role(self, role: str, addresses: Mapping[str, str]) -> list[Service]:
-        """Every process of ``role``: the trainer's ranks as a gang, the rollout replicas one by one."""
+        """Every process of ``role``: the trainer's ranks as a gang, the rollout replicas all at once (each
+        loads its model meanwhile: one after another, the launch took as many loads as replicas)."""
         if role == "trainer" and self.config.trainer.world_size > 1:
             specs = [self._spec(role, rank, addresses) for rank in range(self.config.trainer.world_size)]
             return list(self.launcher.start_gang(specs, RENDEZVOUS))
         count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
-        return [self.launcher.start(self._spec(role, index, addresses)) for index in range(count)]
+        if count == 1:
+            return [self.launcher.start(self._spec(role, 0, addresses))]
+        begun = [self.launcher.begin_start(self._spec(role, index, addresses)) for index in range(count)]
+        waiting = [svc.name for svc in begun]
+        while waiting:  # (a replica that fails to start raises ServiceFailed: the launch fails, naming it)
+            waiting = [name for name in waiting if not self.launcher.poll_start(name)]
+            if waiting:
+                time.sleep(0.05)
+        return begun
 
     def _rollout_count(self) -> int:
         """The rollout servers that run (serve, or restart); a new replica counts once it has served."""
