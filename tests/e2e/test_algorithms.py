@@ -58,8 +58,9 @@ def test_each_family_raises_heldout_accuracy_through_every_service(
         f"steps={OPD_STEPS if name == 'opd' else STEPS}",
         "eval.every_steps=25",
         "max_staleness=1",
-        f"target_accuracy={TARGET}",
-        f"stop_at_target={'false' if name == 'opd' else 'true'}",
+        # (distillation's run has no target: it runs its steps, and its last evaluation may dip below the best
+        # one, which would make the run's exit code "below target"; the criterion is the best, checked below)
+        *(["target_accuracy=null"] if name == "opd" else [f"target_accuracy={TARGET}", "stop_at_target=true"]),
         "services.trainer.backend.optim.total_steps=1500",
         f"services.trainer.backend.algorithm={name}",
         "services.trainer.backend.algorithm_options=" + repr(options).replace("'", '"'),
