@@ -213,6 +213,29 @@ def test_sft_step_lowers_the_nll(tiny_model_dir: Path) -> None:
     assert b.version == 5 and losses[-1] < losses[0]
 
 
+def test_logits_in_chunks_train_as_the_whole_logits_do(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
+    # backend.logits_chunk_tokens through a step of two updates (π_prox and the reference's log-probs before
+    # the first, the entropy bonus's gradient) and an SFT step: the same metrics and weights
+    options = {"kl_coef": 0.1, "entropy_coef": 0.01, "mini_batches": 2, "epochs": 1}
+    sft = [Sample([1, 2], [3, 4, 5], [0.0] * 3), Sample([6], [7, 8], [0.0] * 2)]
+    runs = []
+    for chunk in (0, 3):
+        b = TorchBackend(config(tiny_model_dir, algorithm_options=options, logits_chunk_tokens=chunk))
+        steps = [b.train_step(make_groups(k, 3)) for k in range(2)] + [b.sft_step(sft)]
+        runs.append((params(b), steps))
+    (whole, whole_steps), (chunked, chunked_steps) = runs
+    for mine, theirs in zip(chunked_steps, whole_steps, strict=True):
+        assert mine.loss == pytest.approx(theirs.loss, rel=1e-5, abs=1e-7)
+        assert mine.metrics.keys() == theirs.metrics.keys()
+        for key, value in theirs.metrics.items():
+            assert mine.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert whole_steps[1].metrics["kl_ref"] > 0
+    for k in whole:  # (a key bias's gradient is 0 up to rounding, which AdamW's division turns into ~1e-5 moves)
+        assert torch.allclose(chunked[k], whole[k], atol=1e-4 if "k_proj.bias" in k else 1e-6), k
+    with pytest.raises(ValueError, match="logits_chunk_tokens"):
+        config(tiny_model_dir, logits_chunk_tokens=-1)
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
     b = TorchBackend(config(tiny_model_dir, device="cuda", autocast_dtype="bfloat16"))

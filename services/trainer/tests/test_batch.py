@@ -178,3 +178,92 @@ def test_a_banned_tokens_gradient_stays_finite_under_a_loss_scale() -> None:
     (1e12 * (lp.entropy.sum() - lp.logprobs.sum())).backward()
     assert logits.grad is not None and bool(torch.isfinite(logits.grad).all())
     assert float(logits.grad[..., 5].abs().max()) == 0.0
+
+
+def _saved_for_backward(compute: Callable[[], torch.Tensor]) -> int:
+    """How many elements autograd keeps for the backward of ``compute()``'s graph, all tensors together."""
+    sizes = [0]
+
+    def pack_hook(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor):
+        compute().backward()
+    return sum(sizes)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_logits_in_chunks_give_the_log_probs_entropy_and_gradients_of_the_whole(
+    side: str, chunk: int, tiny_qwen2: TinyModel
+) -> None:
+    # backend.logits_chunk_tokens: the same values and weight gradients (temperature, a banned token, the
+    # entropy's gradient) from the output layer's logits a chunk of positions at a time, checkpointed
+    samples = _random_samples(5, 6)
+    batch = pack(samples, [float(i % 3) - 1 for i in range(6)], padding_side=side, banned_ids=(7,))
+    options = {"temperature": 0.7, "with_entropy": True, "entropy_grad": True}
+    results = []
+    for chunk_tokens in (0, chunk):
+        model = tiny_qwen2(seed=6)
+        lp = completion_logprobs(model, batch, logits_chunk_tokens=chunk_tokens, **options)
+        assert lp.entropy is not None
+        (lp.logprobs * batch.advantages - 0.1 * lp.entropy).masked_select(batch.loss_mask).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((lp.logprobs.detach(), lp.entropy.detach(), grads))
+        assert "lm_head.weight" in grads and not isinstance(model.lm_head.__dict__.get("forward"), Callable)
+    (whole_lp, whole_entropy, whole_grads), (lp_, entropy, grads) = results
+    mask = batch.loss_mask | (batch.attention_mask[:, 1:] > 0)
+    assert torch.allclose(lp_[mask], whole_lp[mask], atol=1e-6)
+    assert torch.allclose(entropy[mask], whole_entropy[mask], atol=1e-5)
+    assert grads.keys() == whole_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, whole_grads[name], atol=1e-6), name
+    # without the entropy's gradient it comes back detached, as logprobs_of_logits's does
+    with_plain_entropy = completion_logprobs(tiny_qwen2(seed=6), batch, logits_chunk_tokens=chunk, with_entropy=True)
+    assert with_plain_entropy.entropy is not None and not with_plain_entropy.entropy.requires_grad
+
+
+def test_logits_in_chunks_keep_no_logits_for_the_backward() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab, chunk = 2048, 8
+    torch.manual_seed(0)
+    shape = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, intermediate_size=32, max_position_embeddings=64, **shape))
+    rng = random.Random(0)
+    samples = [Sample([rng.randrange(vocab) for _ in range(8)], [rng.randrange(vocab) for _ in range(24)],
+                      [0.0] * 24) for _ in range(4)]  # fmt: skip
+    batch = pack(samples, [1.0] * 4)
+    tokens = batch.input_ids.numel()  # 128: the whole logits are 128 x 2048
+
+    def loss(chunk_tokens: int) -> torch.Tensor:
+        lp = completion_logprobs(model, batch, logits_chunk_tokens=chunk_tokens, with_entropy=True)
+        return lp.logprobs.masked_select(batch.loss_mask).sum()
+
+    whole, chunked = _saved_for_backward(lambda: loss(0)), _saved_for_backward(lambda: loss(chunk))
+    print(f"saved for the backward: {whole} elements whole, {chunked} in chunks")
+    assert whole >= 2 * (tokens - 4) * vocab  # the float32 logits, and the log-softmax's
+    assert chunked <= tokens * vocab / 4  # the weights and the hidden states, no logits
+
+
+def test_logits_in_chunks_refuse_a_model_that_changes_its_output_layers_logits(tiny_qwen2: TinyModel) -> None:
+    class SoftCapped(torch.nn.Module):  # as Gemma 2's final_logit_softcapping does
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny_qwen2(seed=1)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.inner.get_output_embeddings()
+
+        def forward(self, **inputs: object) -> object:
+            out = self.inner(**inputs)
+            out.logits = 30.0 * torch.tanh(out.logits / 30.0)
+            return out
+
+    capped = SoftCapped()
+    with pytest.raises(ValueError, match="logits_chunk_tokens"):
+        completion_logprobs(capped, pack(_random_samples(1, 2)), logits_chunk_tokens=4)
+    # the output layer is the model's own again
+    assert "forward" not in capped.inner.lm_head.__dict__
+    assert completion_logprobs(capped, pack(_random_samples(1, 2))).logprobs.shape[0] == 2

@@ -330,9 +330,9 @@ def test_pipeline_stages_make_the_updates_of_one_process_and_checkpoints_resume_
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "model", "in_flight"),
-    [(1, 2, "untied", 0), (2, 2, "tied", 1), (1, 4, "deep", 3)],
-    ids=["dp2-pp2", "tp2-pp2-turns", "pp4-window3"],
+    ("tp", "pp", "model", "in_flight", "chunk"),
+    [(1, 2, "untied", 0, 0), (2, 2, "tied", 1, 5), (1, 4, "deep", 3, 7)],
+    ids=["dp2-pp2", "tp2-pp2-turns-chunks", "pp4-window3-chunks"],
 )
 def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     spawn_ranks: Callable[..., None],
@@ -344,6 +344,7 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     pp: int,
     model: str,
     in_flight: int,
+    chunk: int,
 ) -> None:
     # Two stages beside two data-parallel replicas (megatron's rank order: ranks 0 and 1 are the first stage of
     # replicas 0 and 1; a replica's stages see the same samples), or beside two tensor-parallel ranks (each stage
@@ -352,9 +353,12 @@ def test_four_ranks_with_pipeline_stages_make_the_updates_of_one_process(
     # metrics counted once per replica. The micro-batches in flight: as many as the stages (the default), one
     # (the stages take turns), three (windows of three, the last shorter). Four stages make two updates a step:
     # π_prox from the pipeline's forward without gradients before the first (a mini-batch as one window).
+    # The last two compute the logits in chunks on the ranks (backend.logits_chunk_tokens; with TP = 2 each
+    # chunk's vocabulary-parallel sums, the tied output weight the last stage's copy), the one process whole.
     batches = [make_groups(1, 6), make_groups(2, 5, prefix="h")]
     options = {**STEP_OPTIONS, "algorithm_options": {"kl_coef": 0.05, **({"mini_batches": 2} if pp == 4 else {})}}
-    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_micro_batches_in_flight": in_flight}
+    parallel = {"tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_micro_batches_in_flight": in_flight,
+                "logits_chunk_tokens": chunk}  # fmt: skip
     assert_like_one_process(spawn_ranks, layered_model_dirs[model], batches, tmp_path, 4, parallel, options)
 
 

@@ -46,8 +46,9 @@ class ToyModel(torch.nn.Module):
             return hidden
         return self.output(hidden.transpose(0, 1))
 
-    def logprobs_of_output(self, logits: torch.Tensor, batch: PackedBatch, **options: Any) -> TokenLogProbs:
-        return logprobs_of_logits(logits, batch, **options)
+    def batch_logprobs(self, batch: PackedBatch, hidden: torch.Tensor | None = None, **options: Any) -> TokenLogProbs:
+        """As ``MegatronCausalLM.batch_logprobs``: the last stage's log-probs."""
+        return logprobs_of_logits(self.batch_forward(batch, hidden), batch, **options)
 
     def stage_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters this stage holds (and trains), by name."""

@@ -14,11 +14,13 @@ positions whatever its padding and logits do not depend on the batch it is in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from tauflow.core.staleness import staleness
 
@@ -295,10 +297,153 @@ BANNED_LOGIT = -1e30
 its log stays 0 (entropy, KL), and far from float32's lowest, so that sums with it stay finite."""
 
 
-def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
-    """:func:`logprobs_of_logits` of the logits ``model`` (a causal LM) computes for ``batch``."""
+def completion_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, *, logits_chunk_tokens: int = 0, **options: Any
+) -> TokenLogProbs:
+    """:func:`logprobs_of_logits` of the logits ``model`` (a causal LM) computes for ``batch``.
+
+    ``logits_chunk_tokens`` > 0: the same values without ever holding the ``[B, T, V]`` logits (see
+    :func:`chunked_completion_logprobs`); the whole distribution, when asked for, needs them all."""
+    if logits_chunk_tokens > 0 and not options.get("with_distribution"):
+        options.pop("with_distribution", None)
+        options.pop("distribution_vocab", None)
+        return chunked_completion_logprobs(model, batch, logits_chunk_tokens, **options)
     out = model(**batch.model_inputs(model), use_cache=False)
     return logprobs_of_logits(out.logits, batch, **options)
+
+
+def chunked_completion_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    chunk_tokens: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> TokenLogProbs:
+    """:func:`completion_logprobs` with the output layer run ``chunk_tokens`` target positions at a time.
+
+    The logits of a micro-batch are its largest tensors: float32 ``[B, T, V]`` several times over (the cast,
+    the temperature, the softmax the entropy needs), 0.6 MB a token each for a 150k vocabulary. Here the
+    model's output layer is swapped, for this forward only, for one that computes each chunk's per-token
+    log-prob and entropy from its hidden states and keeps nothing else (:func:`values_in_chunks`). The values
+    are those of :func:`logprobs_of_logits`. A model whose forward changes its output layer's logits (a soft
+    cap, a scale) is refused: what it returns must be what the layer returned."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    inner: Any = getattr(model, "module", model)  # (DistributedDataParallel wraps the model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(inner).__name__} has no output embeddings to compute the logits in chunks")
+    logits_of = head.forward  # (whatever is in effect: an instance's own forward, e.g. accelerate's hooks)
+
+    def chunk_values(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scaled = scaled_logits(logits_of(hidden), temperature, batch.banned_ids)
+        return token_values(scaled, targets, batch.banned_ids, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def per_token_head(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:2] != batch.input_ids.shape:
+            raise ValueError(f"the output layer got hidden states {tuple(hidden.shape)} for a batch of "
+                             f"{tuple(batch.input_ids.shape)} tokens")  # fmt: skip
+        values = values_in_chunks(hidden[:, :-1], batch.input_ids[:, 1:], chunk_tokens, chunk_values, with_entropy)
+        return torch.nn.functional.pad(values, (0, 0, 0, 1))  # [B, T, 1 or 2]: the last position predicts nothing
+
+    with output_layer_swapped(head, per_token_head) as returned:
+        out = model(**batch.model_inputs(model), use_cache=False)
+    if len(returned) != 1 or out.logits is not returned[0]:
+        raise ValueError(
+            f"{type(inner).__name__} changes its output layer's logits (or calls it more than once): "
+            "backend.logits_chunk_tokens cannot compute its log-probs in chunks (set it to 0)"
+        )
+    return token_logprobs_of_values(out.logits[:, :-1], entropy_grad)
+
+
+@contextlib.contextmanager
+def output_layer_swapped(layer: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[list[Any]]:
+    """``layer`` computing ``forward`` instead of its own for the block; yields the list of what it returned."""
+    returned: list[Any] = []
+    own = layer.__dict__.get("forward")
+    layer.forward = forward
+    hook = layer.register_forward_hook(lambda module, args, output: returned.append(output))
+    try:
+        yield returned
+    finally:
+        hook.remove()
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own
+
+
+def token_logprobs_of_values(values: torch.Tensor, entropy_grad: bool) -> TokenLogProbs:
+    """The log-probs (and entropy, when there) of ``values``, ``[B, T - 1, 1 or 2]`` from :func:`values_in_chunks`;
+    the entropy detached unless it has a gradient to carry, as :func:`logprobs_of_logits` computes it."""
+    entropy = values[..., 1] if values.shape[-1] > 1 else None
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()
+    return TokenLogProbs(values[..., 0], entropy)
+
+
+ChunkValues = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+"""``(hidden [N, H], targets [N]) -> (log-probs [N], entropy [N] or None)``: one chunk's values."""
+
+
+def values_in_chunks(
+    hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, chunk_values: ChunkValues, with_entropy: bool
+) -> torch.Tensor:
+    """``chunk_values`` of ``hidden`` (``[..., H]``, the states that predict ``targets``, ``[...]``) ``chunk_tokens``
+    positions at a time: ``[..., 1]`` log-probs, or ``[..., 2]`` with the entropy. With grad each chunk runs
+    under activation checkpointing (its logits computed again in its backward), so no more than one chunk's
+    logits are ever held, at the cost of the output layer's matmul once more."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, not {chunk_tokens}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    columns: list[list[torch.Tensor]] = [[], []]
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part = (flat[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens])
+        if torch.is_grad_enabled():
+            lp, entropy = torch.utils.checkpoint.checkpoint(chunk_values, *part, use_reentrant=False)
+        else:
+            lp, entropy = chunk_values(*part)
+        columns[0].append(lp)
+        if with_entropy:
+            assert entropy is not None
+            columns[1].append(entropy)
+    return torch.stack([torch.cat(c).view(targets.shape) for c in columns if c], dim=-1)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float, banned_ids: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` as the sampler saw them: float32, divided by the temperature, the banned tokens' at
+    :data:`BANNED_LOGIT`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, not {temperature}")
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if banned_ids is not None:
+        logits = logits.index_fill(-1, banned_ids, BANNED_LOGIT)
+    return logits
+
+
+def token_values(
+    scaled: torch.Tensor,
+    targets: torch.Tensor,
+    banned_ids: torch.Tensor | None,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob of each of ``targets`` (``[...]``) under ``scaled`` (``[..., V]``, :func:`scaled_logits`), and
+    the entropy when asked for (with grad only when asked for too)."""
+    logsumexp = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logsumexp
+    entropy = None
+    if with_entropy:
+        with torch.enable_grad() if entropy_grad else torch.no_grad():
+            probs = torch.softmax(scaled, dim=-1)
+            entropy = logsumexp - without_banned(probs * scaled, banned_ids).sum(-1)
+    return logprobs, entropy
 
 
 def logprobs_of_logits(
@@ -316,25 +461,14 @@ def logprobs_of_logits(
     that these match the behaviour log-probs the rollout engine reported. ``with_distribution``: the whole
     log-softmax too (with grad where grad is enabled), over the first ``distribution_vocab`` rows of the
     vocabulary when given (a teacher and a student that pad their vocabularies differently)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, not {temperature}")
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if batch.banned_ids is not None:
-        logits = logits.index_fill(-1, batch.banned_ids, BANNED_LOGIT)
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - logsumexp
+    scaled = scaled_logits(logits[:, :-1], temperature, batch.banned_ids)
+    logprobs, entropy = token_values(
+        scaled, batch.input_ids[:, 1:], batch.banned_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
+    )
     distribution = None
     if with_distribution:
-        shared = logits if distribution_vocab is None else logits[..., :distribution_vocab]
+        shared = scaled if distribution_vocab is None else scaled[..., :distribution_vocab]
         distribution = torch.log_softmax(shared, dim=-1)
-    entropy = None
-    if with_entropy:
-        with torch.enable_grad() if entropy_grad else torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = logsumexp - without_banned(probs * logits, batch.banned_ids).sum(-1)
     return TokenLogProbs(logprobs, entropy, distribution)
 
 

@@ -39,7 +39,16 @@ import torch
 
 from tauflow.trainer.algorithms import get_algorithm
 from tauflow.trainer.backend import TorchBackend
-from tauflow.trainer.batch import PackedBatch, TokenLogProbs, logprobs_of_logits
+from tauflow.trainer.batch import (
+    PackedBatch,
+    TokenLogProbs,
+    logprobs_of_logits,
+    output_layer_swapped,
+    scaled_logits,
+    token_logprobs_of_values,
+    token_values,
+    values_in_chunks,
+)
 from tauflow.trainer.megatron.convert import (
     MegatronLayout,
     hf_to_mcore,
@@ -51,7 +60,7 @@ from tauflow.trainer.megatron.convert import (
 )
 from tauflow.trainer.megatron.model import gpt_model, transformer_config
 from tauflow.trainer.megatron.pipeline import PipelineStage, pipeline_logprobs
-from tauflow.trainer.megatron.vocab_parallel import vocab_parallel_logprobs
+from tauflow.trainer.megatron.vocab_parallel import vocab_parallel_logprobs, vocab_parallel_token_values
 from tauflow.trainer.optim import clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens, keyed_by_index, keyed_by_name, parameter_names
 
@@ -103,6 +112,7 @@ class MegatronCausalLM(torch.nn.Module):
         self.tensor_parallel = int(gpt.config.tensor_model_parallel_size)
         self.pipeline_parallel = int(gpt.config.pipeline_model_parallel_size)
         self.stage = stage  # with pipeline parallelism: this rank's stage
+        self.logits_chunk_tokens = 0  # backend.logits_chunk_tokens (batch_logprobs)
 
     @classmethod
     def from_pretrained(
@@ -271,6 +281,51 @@ class MegatronCausalLM(torch.nn.Module):
             inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), hidden, gather_logits=False
         )
 
+    def batch_logprobs(self, batch: PackedBatch, hidden: torch.Tensor | None = None, **options: Any) -> TokenLogProbs:
+        """``completion_logprobs`` of ``batch`` (with pipeline parallelism on the last stage, ``hidden`` the stage
+        before's output): from the whole logits (:meth:`logprobs_of_output`), or with ``logits_chunk_tokens`` from
+        megatron's output layer run a chunk of positions at a time (``batch.values_in_chunks``; with tensor
+        parallelism each chunk's vocabulary-parallel sums), never holding the whole logits."""
+        if not self.logits_chunk_tokens or options.get("with_distribution"):
+            return self.logprobs_of_output(self.batch_forward(batch, hidden), batch, **options)
+        temperature = float(options.get("temperature", 1.0))
+        with_entropy, entropy_grad = bool(options.get("with_entropy")), bool(options.get("entropy_grad"))
+        layer = self.gpt.output_layer
+        layer_forward = layer.forward
+
+        def chunk_values(states: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits, _ = layer_forward(states.unsqueeze(0), **layer_options)  # [1, n, V / TP]: this rank's slice
+            if self.tensor_parallel == 1:
+                scaled = scaled_logits(logits[0], temperature, batch.banned_ids)
+                return token_values(
+                    scaled, targets, batch.banned_ids, with_entropy=with_entropy, entropy_grad=entropy_grad
+                )
+            return vocab_parallel_token_values(
+                logits[0],
+                targets,
+                batch.banned_ids,
+                vocab_start=self.tensor_parallel_rank * logits.shape[-1],
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )
+
+        layer_options: dict[str, Any] = {}
+
+        def per_token_layer(states: torch.Tensor, **options: Any) -> tuple[torch.Tensor, None]:
+            layer_options.update(options)  # (the tied embedding's weight, on the last stage of a pipeline)
+            by_row = states.transpose(0, 1)[:, :-1]  # megatron's [T, B, H] as [B, T - 1, H]
+            values = values_in_chunks(by_row, batch.input_ids[:, 1:], self.logits_chunk_tokens, chunk_values,
+                                      with_entropy)  # fmt: skip
+            return torch.nn.functional.pad(values, (0, 0, 0, 1)).transpose(0, 1), None  # [T, B, 1 or 2]
+
+        with output_layer_swapped(layer, per_token_layer) as returned:
+            out = self.batch_forward(batch, hidden)
+        if len(returned) != 1 or not torch.equal(out, returned[0][0].transpose(0, 1)):
+            raise ValueError("megatron's GPTModel changes its output layer's logits (or calls it more than once): "
+                             "backend.logits_chunk_tokens cannot compute its log-probs in chunks (set it to 0)")  # fmt: skip
+        return token_logprobs_of_values(out[:, :-1], entropy_grad)
+
     def logprobs_of_output(self, logits: torch.Tensor, batch: PackedBatch, **options: Any) -> TokenLogProbs:
         """``logprobs_of_logits`` of this rank's logits (:meth:`batch_forward`): with tensor parallelism from
         its slice of the vocabulary (``vocab_parallel``); the whole distribution, when asked for, from the
@@ -356,6 +411,7 @@ class MegatronBackend(TorchBackend):
         )
         if self.config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        model.logits_chunk_tokens = self.config.logits_chunk_tokens
         model.train()
         return model
 
@@ -383,7 +439,7 @@ class MegatronBackend(TorchBackend):
             return super()._completion_logprobs(model, batch, **options)
         if policy.stage is not None:
             return pipeline_logprobs(policy, [batch], policy.stage, **options)[0]
-        return policy.logprobs_of_output(policy.batch_forward(batch), batch, **options)
+        return policy.batch_logprobs(batch, **options)
 
     def _window_logprobs(
         self, model: torch.nn.Module, batches: Sequence[PackedBatch], **options: Any

@@ -156,11 +156,11 @@ def pipeline_logprobs(
         if not stage.first:
             anchor = torch.empty(0, device=stage.device, requires_grad=torch.is_grad_enabled())
             hidden = _FromPreviousStage.apply(anchor, stage, (length, rows, model.layout.hidden_size))
-        output = model.batch_forward(batch, hidden)
         if stage.last:  # (with tensor parallelism: from its vocabulary slice)
-            out.append(model.logprobs_of_output(output, batch, **options))
+            out.append(model.batch_logprobs(batch, hidden, **options))
         else:
             shapes = [(rows, length - 1)] * (2 if with_entropy else 1)
+            output = model.batch_forward(batch, hidden)
             outs = _ToNextStage.apply(output, stage, shapes, bool(options.get("entropy_grad")))
             out.append(TokenLogProbs(outs[0], outs[1] if with_entropy else None))
     _broadcast_window(out, stage, with_entropy)

@@ -29,26 +29,50 @@ def vocab_parallel_logprobs(
 ) -> TokenLogProbs:
     """``logprobs_of_logits`` of the whole vocabulary's logits, from this rank's slice of them (``logits``: ``[B,
     T, V / TP]``, the vocabulary from ``vocab_start``): a collective of the tensor-parallel group."""
+    logprobs, entropy = vocab_parallel_token_values(
+        logits[:, :-1],
+        batch.input_ids[:, 1:],
+        batch.banned_ids,
+        vocab_start=vocab_start,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+    )
+    return TokenLogProbs(logprobs, entropy)
+
+
+def vocab_parallel_token_values(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    banned_ids: torch.Tensor | None,
+    *,
+    vocab_start: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``batch.token_values`` of the whole vocabulary's logits at each of ``targets`` (``[...]``), from this rank's
+    slice of them (``logits``: ``[..., V / TP]``, the vocabulary from ``vocab_start``; not yet scaled): a
+    collective of the tensor-parallel group."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region as shared
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as summed
 
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, not {temperature}")
-    local = logits[:, :-1].float()
+    local = logits.float()
     if temperature != 1.0:
         local = local / temperature
     width = local.shape[-1]
     banned = None  # this slice's banned entries
-    if batch.banned_ids is not None:
-        ids = batch.banned_ids
+    if banned_ids is not None:
+        ids = banned_ids
         banned = ids[(ids >= vocab_start) & (ids < vocab_start + width)] - vocab_start
         if banned.numel():
             local = local.index_fill(-1, banned, BANNED_LOGIT)
     top = local.detach().amax(dim=-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     logsumexp = summed((local - top.unsqueeze(-1)).exp().sum(dim=-1)).log() + top
-    targets = batch.input_ids[:, 1:]
     here = (targets >= vocab_start) & (targets < vocab_start + width)
     picked = local.gather(-1, (targets - vocab_start).clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
     logprobs = summed(torch.where(here, picked, torch.zeros_like(picked))) - logsumexp
@@ -59,4 +83,4 @@ def vocab_parallel_logprobs(
             # them is summed over the ranks, as megatron's column-parallel layers sum their input's)
             probs = (local - shared(logsumexp).unsqueeze(-1)).exp()
             entropy = logsumexp - summed(without_banned(probs * local, banned).sum(dim=-1))
-    return TokenLogProbs(logprobs, entropy)
+    return logprobs, entropy
