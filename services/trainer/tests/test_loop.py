@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from tauflow.trainer.adapters.convert import step_to_proto
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.checkpoint import latest_checkpoint
 from tauflow.trainer.config import TrainerConfig
-from tauflow.trainer.loop import State, TrainerLoop
+from tauflow.trainer.loop import CheckpointBusy, State, TrainerLoop
 from tauflow.trainer.optim import OptimConfig
 from tauflow.trainer.ports import Batch
 
@@ -31,6 +32,7 @@ class FakeQueue:
         self.acked: list[str] = []
         self.versions: list[tuple[int, bool]] = []
         self.renewed: list[str] = []
+        self.nacked: list[str] = []
         self.n = 0
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
@@ -49,6 +51,10 @@ class FakeQueue:
 
     async def ack(self, lease_id: str) -> None:
         self.acked += [g.group_id for g in self.leases.pop(lease_id)]
+
+    async def nack(self, lease_id: str) -> None:
+        self.nacked.append(lease_id)
+        self.pending = self.leases.pop(lease_id) + self.pending
 
     async def renew(self, lease_id: str, lease_s: float) -> None:
         self.renewed.append(lease_id)
@@ -227,3 +233,135 @@ def test_versions_are_published_in_publish_dtype(
     asyncio.run(loop.run())
     assert publisher.versions[-1] == (1, False) and publisher.dtypes == {torch.bfloat16}
     assert next(loop.backend.model.parameters()).dtype == torch.float32  # the trainer's own stay float32
+
+
+def test_only_a_checkpoint_in_the_own_directory_acks_and_an_export_removes_nothing(
+    tiny_model_dir, make_groups, tmp_path
+) -> None:
+    # SaveCheckpoint(directory=elsewhere) acked the leases while a restart resumes from checkpoint_dir only: the
+    # groups were lost; and it pruned and cleaned the folder it was told, as if it were its own.
+    queue = FakeQueue(make_groups(1, 4))
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=3, checkpoint_every_steps=100)
+    export = tmp_path / "export"
+    planted = ["v00000000", "v00000001", "v00000005", ".tmp-v00000009-dead"]  # another run's, and a leftover
+    for old in planted:  # (4 checkpoints with the export's: more than keep_checkpoints, 3)
+        (export / old).mkdir(parents=True)
+        (export / old / "trainer_state.json").write_text('{"format": 1, "policy_version": 0}')
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: loop.version == 2 and not loop._lock.locked(), task, timeout_s=60)
+        await asyncio.sleep(0.05)
+        info = await loop.checkpoint(export)
+        assert info.path == export / "v00000002" and info.policy_version == 2
+        assert queue.acked == [] and loop.last_checkpoint is None and len(loop._held) == 2
+        assert sorted(p.name for p in export.iterdir()) == sorted([*planted, "v00000002"])
+        assert (await loop.checkpoint(export)).created_at == info.created_at  # a retry: the same one
+        own = await loop.checkpoint()
+        assert len(queue.acked) == 4 and loop.last_checkpoint == own and not loop._held
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    # another checkpoint of the same version in an export folder is refused, never returned as if written
+    (export / "v00000002" / "trainer_state.json").write_text(
+        '{"format": 1, "policy_version": 2, "trained_group_ids": []}'
+    )
+    with pytest.raises(FileExistsError, match="another checkpoint of version 2"):
+        loop.backend.save_checkpoint(export, own=False)
+    (export / "v00000002" / "trainer_state.json").write_text("{damaged")
+    with pytest.raises(FileExistsError):
+        loop.backend.save_checkpoint(export, own=False)
+    # ... while in the trainer's own folder a damaged one of this version is written anew
+    own_state = tmp_path / "ckpt" / "v00000002" / "trainer_state.json"
+    own_state.write_text("{damaged")
+    assert loop.backend.save_checkpoint(tmp_path / "ckpt").policy_version == 2
+    assert json.loads(own_state.read_text())["policy_version"] == 2
+
+
+def test_a_checkpoint_whose_caller_leaves_finishes_before_the_next_step_and_acks(
+    tiny_model_dir, make_groups, tmp_path
+) -> None:
+    # A SaveCheckpoint cut short by its deadline let the next step run beside the write (a torn checkpoint) and
+    # never acked. The write now finishes under the lock, acks and shows in last_checkpoint. A second export
+    # meanwhile is refused; a call for the folder being written waits for that write.
+    groups = make_groups(1, 4)
+    queue = FakeQueue(groups[:2])
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=2, checkpoint_every_steps=100)
+    save, writing = loop.backend.save_checkpoint, []
+
+    def slow_save(root, **kw):
+        writing.append(loop.version)
+        time.sleep(0.5)
+        out = save(root, **kw)
+        writing.append(loop.version)
+        return out
+
+    loop.backend.save_checkpoint = slow_save
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: loop.version == 1 and not loop._lock.locked(), task, timeout_s=60)
+        caller = asyncio.create_task(loop.checkpoint())
+        await _until(lambda: bool(writing), task)
+        caller.cancel()  # its deadline passed
+        queue.pending += groups[2:]  # the next step's batch arrives meanwhile
+        with pytest.raises(CheckpointBusy):
+            await asyncio.gather(loop.checkpoint(tmp_path / "a"), loop.checkpoint(tmp_path / "b"))
+        joined = await loop.checkpoint()  # the write under way
+        assert writing[:2] == [1, 1] and joined.policy_version == 1  # no step ran during the write
+        assert loop.last_checkpoint == joined and len(queue.acked) == 2
+        await asyncio.wait_for(task, 60)
+
+    asyncio.run(scenario())
+    assert loop.version == 2
+
+
+def test_a_pause_during_the_long_poll_gives_the_batch_back_and_a_finished_trainer_stays_finished(
+    tiny_model_dir, make_groups, tmp_path
+) -> None:
+    groups = make_groups(1, 2)
+
+    class LongPollQueue(FakeQueue):
+        polling = False
+
+        async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):
+            self.polling = True
+            while len(self.pending) < n_groups:  # a long poll: until the groups are there
+                await asyncio.sleep(0.01)
+            self.polling = False
+            return await super().get_batch(n_groups, consumer_version, wait_s, lease_s)
+
+    queue = LongPollQueue([])
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=1)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: queue.polling, task, timeout_s=60)
+        assert await loop.pause() == 0
+        queue.pending += groups  # the poll begun before the pause brings a batch
+        await _until(lambda: queue.nacked == ["lease-1"], task)
+        await asyncio.sleep(0.2)
+        assert loop.version == 0 and loop.state is State.PAUSED and queue.pending == groups
+        loop.resume()
+        await asyncio.wait_for(task, 60)
+        assert loop.version == 1 and loop.state is State.FINISHED
+        assert await loop.pause() == 1 and loop.state is State.FINISHED  # the controller waits for FINISHED
+        loop.resume()
+        assert loop.state is State.FINISHED
+
+    asyncio.run(scenario())
+
+
+def test_a_checkpoint_directory_of_too_many_parts_is_refused_before_any_mkdir(tmp_path) -> None:
+    # 1,500 levels made Path.mkdir recurse past Python's limit: INTERNAL and MBs of traceback per call.
+    from types import SimpleNamespace
+
+    from tauflow.trainer.adapters.servicer import TrainerServicer
+
+    servicer = TrainerServicer(SimpleNamespace(checkpoint_dir=tmp_path / "ckpt"), "grpo")  # type: ignore[arg-type]
+    assert servicer._directory("a/" * 32) == tmp_path / ("a/" * 32)
+    with pytest.raises(ValueError, match="more than 32 parts"):
+        servicer._directory("y/" * 1500)
+    assert sorted(tmp_path.iterdir()) == []

@@ -49,6 +49,9 @@ class TracedQueue:
     async def ack(self, lease_id: str) -> None:
         pass
 
+    async def nack(self, lease_id: str) -> None:
+        pass
+
     async def renew(self, lease_id: str, lease_s: float) -> None:
         pass
 

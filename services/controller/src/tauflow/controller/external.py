@@ -64,6 +64,7 @@ class ExternalLauncher:
         self.check_every_s = check_every_s
         self.services: dict[str, ExternalService] = {}
         self._checked_at = 0.0
+        self.stopping = False  # set by stop: a launch still waiting for a role gives up
 
     def start(self, spec: ServiceSpec) -> ExternalService:
         """Waits until the role's address serves; starts nothing."""
@@ -72,6 +73,8 @@ class ExternalLauncher:
             raise ServiceFailed(spec.name, f"launcher 'external' has no address for it: set external.{spec.name}")
         deadline = time.monotonic() + self.start_timeout_s
         while True:
+            if self.stopping:
+                raise ServiceFailed(spec.name, "the run is stopping: nothing more connects")
             serving, answer = self.health_check(address, self.health_timeout_s)
             if serving:
                 break
@@ -124,8 +127,9 @@ class ExternalLauncher:
     def update_settings(self, role: str, settings: Mapping[str, Any]) -> None:
         """Nothing to keep: the deployment configures its services (the run re-applies a live τ itself)."""
 
-    def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
-        """Stops nothing: the services are their deployment's."""
+    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
+        """Stops nothing: the services are their deployment's (a launch still waiting for one gives up)."""
+        self.stopping = True
         return {}
 
     def addresses(self) -> Mapping[str, str]:

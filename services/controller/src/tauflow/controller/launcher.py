@@ -150,7 +150,7 @@ class Launcher(Protocol):
 
     def update_settings(self, role: str, settings: Mapping[str, Any]) -> None: ...
 
-    def stop(self, order: list[str] | None = None) -> dict[str, int | None]: ...
+    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]: ...
 
     def addresses(self) -> Mapping[str, str]: ...
 
@@ -370,6 +370,8 @@ class ProcessLauncher:
         """Whether ``svc`` serves now (its ready file read, its ports pinned); raises ServiceFailed when it
         died while starting or ``deadline`` (monotonic) has passed."""
         assert svc.proc is not None
+        if self.stopping:  # (a launch still under way when the run was stopped)
+            raise ServiceFailed(svc.name, "the run is stopping: nothing more starts")
         info = self._read_ready(svc)
         if info is None:
             code = svc.proc.poll()
@@ -471,10 +473,11 @@ class ProcessLauncher:
             if svc.role == role:
                 svc.spec.settings.update(settings)
 
-    def stop(self, order: list[str] | None = None) -> dict[str, int | None]:
+    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
         """SIGTERM (graceful drain) in ``order`` (roles; every process of a role at once), then SIGKILL
-        whatever is left; returns exit codes."""
+        whatever is left after ``grace_s`` (default: ``stop_grace_s``; 0: at once); returns exit codes."""
         self.stopping = True
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         if order is None:
             names = list(reversed(self.services))
         else:
@@ -485,7 +488,7 @@ class ProcessLauncher:
                 svc = self.services.get(name)
                 if svc and svc.proc and svc.proc.poll() is None:
                     svc.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.stop_grace_s
+            deadline = time.monotonic() + grace_s
             codes: dict[str, int | None] = {}
             for name in names:
                 svc = self.services.get(name)

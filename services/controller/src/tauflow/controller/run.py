@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -132,6 +133,12 @@ class Run:
         self._dial = asyncio.Lock()  # one τ change at a time
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str] = {}
+        self.run_id = f"{config.name}-{uuid.uuid4().hex[:12]}"
+        self.started_wall = self._wall0
+        self.following = False  # launched: the run trains (GetRun: RUNNING, not STARTING)
+        self.ended_wall: float | None = None
+        self.stop_reason = ""  # StopRun's: the summary says why the run stopped
+        self.stop_grace_s: float | None = None  # StopRun's grace period (0: immediate); None: the launcher's own
 
     # -- launch --------------------------------------------------------------------------
 
@@ -310,6 +317,7 @@ class Run:
         following = Following(progressed_at=time.monotonic())
         async with self.connect(addresses) as peers:
             self._peers = peers
+            self.following = True
             while True:
                 await self._supervise(peers, following)
                 poll = await self._poll(peers, following)
@@ -567,6 +575,11 @@ class Run:
             self._live_peers()
         return self.scaler.set_target(self.launcher, replicas)
 
+    def request_stop(self, reason: str = "", grace_s: float | None = None) -> None:
+        """What StopRun asked for, before it cancels the run: why (the summary says so), and how long the
+        services may take to stop (0: at once; None: the launcher's grace period)."""
+        self.stop_reason, self.stop_grace_s = reason, grace_s
+
     def services(self) -> list[ServiceView]:
         """Every process of the run (ListServices, tauflow status)."""
         return list_services(self.launcher, self.summary.services, self.members)
@@ -594,11 +607,20 @@ class Run:
             self.summary.status, self.summary.message = "stalled", str(e)
             raise
         except asyncio.CancelledError:
-            self.summary.status, self.summary.message = "interrupted", "stopped by the user"
+            why = f": {self.stop_reason}" if self.stop_reason else ""
+            self.summary.status, self.summary.message = "interrupted", f"stopped by the user{why}"
             raise
         finally:
             self.summary.wall_s = time.monotonic() - self._t0
-            self.launcher.stop(order=STOP_ORDER)
+            # in a thread: the processes' grace period must not hold the loop (ControllerService answers meanwhile)
+            stopping = asyncio.ensure_future(
+                asyncio.to_thread(self.launcher.stop, order=STOP_ORDER, grace_s=self.stop_grace_s)
+            )
+            try:
+                await asyncio.shield(stopping)
+            except asyncio.CancelledError:  # (cancelled again: the stop still finishes)
+                await stopping
+            self.ended_wall = time.time()
             self.summary.write(self.out_dir)
             if metrics_server is not None:
                 metrics_server.close()

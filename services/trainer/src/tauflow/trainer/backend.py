@@ -108,6 +108,12 @@ class TorchBackendConfig:
     optimizer's state float32 (master weights). bfloat16 on GPUs that have it; float16 adds a dynamic loss
     scale (torch.amp.GradScaler). None (fp32) is the default, and what CPUs want."""
     gradient_checkpointing: bool = False
+    logits_chunk_tokens: int = 0
+    """Compute the output layer's logits this many target positions at a time, never a micro-batch's whole
+    ``[tokens, vocabulary]`` (float32 several times over: 0.6 MB a token each for a 150k vocabulary): each
+    chunk's log-probs and entropy are kept, its logits computed again in the backward (the output layer's
+    matmul once more). The same values and gradients; 0 (the default): the whole logits at once. Distillation
+    by the full KL needs them whole (docs/gpu.md, "Memory")."""
     compute_entropy: bool = True
     train_encoders: bool = False
     """A multimodal policy: train its vision and audio encoders too; False (the default, as verl's and
@@ -153,6 +159,8 @@ class TorchBackendConfig:
             raise ValueError("pipeline_micro_batches_in_flight must be at least 0 (0: pipeline_parallel)")
         if self.pipeline_micro_batches_in_flight and self.pipeline_parallel == 1:
             raise ValueError("pipeline_micro_batches_in_flight needs pipeline_parallel > 1 (kind: megatron)")
+        if self.logits_chunk_tokens < 0:
+            raise ValueError("logits_chunk_tokens must be at least 0 (0: the whole logits at once)")
         if self.offload_model and self.kind != "torch":
             raise ValueError("offload_model needs kind: torch")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
@@ -1058,7 +1066,7 @@ class TorchBackend:
     def _completion_logprobs(self, model: torch.nn.Module, batch: PackedBatch, **options: Any) -> TokenLogProbs:
         """``completion_logprobs`` of ``batch`` under ``model`` (the megatron backend's pipeline stages compute
         the policy's together)."""
-        return completion_logprobs(model, batch, **options)
+        return completion_logprobs(model, batch, logits_chunk_tokens=self.config.logits_chunk_tokens, **options)
 
     def _window_logprobs(
         self, model: torch.nn.Module, batches: Sequence[PackedBatch], **options: Any
@@ -1200,11 +1208,12 @@ class TorchBackend:
     # ---------------------------------------------------------------------------------------------
     # Checkpoints
 
-    def save_checkpoint(self, root: str | Path, *, keep: int | None = None) -> CheckpointInfo:
+    def save_checkpoint(self, root: str | Path, *, keep: int | None = None, own: bool = True) -> CheckpointInfo:
         """Write ``root/v{version:08d}/`` (checkpoint.write_checkpoint): the weights in Hugging Face format,
         tokenizer files copied from the source model, and the trainer state (optimizer, schedule, RNG,
-        version, trained group ids). A checkpoint of the same version already there is returned as it is.
-        Keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps all). With several
+        version, trained group ids). The same checkpoint already there is returned as it is. In the trainer's
+        own directory (``own``) keeps the newest ``keep`` checkpoints (default config.keep_checkpoints; 0 keeps
+        all); an export elsewhere removes nothing. With several
         ranks, the weights and the optimizer state are gathered to rank 0, which writes them as one process
         would: a checkpoint resumes at any world size."""
         with self._command("checkpoint"):
@@ -1241,6 +1250,7 @@ class TorchBackend:
                 "world_size": self.world_size,
             },
             keep=self.config.keep_checkpoints if keep is None else keep,
+            own=own,
         )
 
     def _gather_for_checkpoint(self) -> dict[str, Any]:

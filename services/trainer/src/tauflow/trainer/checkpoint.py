@@ -12,6 +12,7 @@ absent; only folders that hold ``trainer_state.json`` count.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -100,18 +101,29 @@ def write_checkpoint(
     trainer_state: Callable[[], dict[str, Any]],
     meta: Mapping[str, Any],
     keep: int,
+    own: bool = True,
 ) -> CheckpointInfo:
     """Writes ``root/v{version:08d}/``: ``save_weights(folder)``, the tokenizer files found in
     ``tokenizer_source``, ``trainer_state()`` (torch.save) and ``meta`` (JSON, after format, version and
-    creation time). A checkpoint of that version already there is returned as it is. Then keeps the newest
-    ``keep`` checkpoints (0 keeps all)."""
+    creation time). The same checkpoint already there (this version, these trained groups: a retry) is
+    returned as it is. Then keeps the newest ``keep`` checkpoints (0 keeps all).
+
+    ``own``: ``root`` is the trainer's own checkpoint directory, whose other contents it manages (it removes
+    a dead writer's leftovers and old checkpoints, and replaces a folder of this version that is another
+    checkpoint or damaged). Elsewhere (an export) it removes nothing: another folder of this version there is
+    refused (FileExistsError)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(version)
     if (final / STATE_JSON).exists():
-        return read_checkpoint_info(final)
-    for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
-        shutil.rmtree(leftover, ignore_errors=True)
+        existing = _same_checkpoint(final, version, meta)
+        if existing is not None:
+            return existing
+        if not own:
+            raise FileExistsError(errno.EEXIST, f"{final.name} there holds another checkpoint of version {version}")
+    if own:
+        for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
+            shutil.rmtree(leftover, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -131,8 +143,24 @@ def write_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(root, keep, spare=final)
+    if own:
+        prune(root, keep, spare=final)
     return read_checkpoint_info(final)
+
+
+def _same_checkpoint(folder: Path, version: int, meta: Mapping[str, Any]) -> CheckpointInfo | None:
+    """``folder``'s checkpoint when it is the one about to be written (the same format, version and trained
+    groups: written by an earlier call), else None (another run's, a damaged one)."""
+    try:
+        found = json.loads((folder / STATE_JSON).read_text())
+        same = (
+            found.get("format") == CHECKPOINT_FORMAT
+            and found.get("policy_version") == version
+            and found.get("trained_group_ids") == meta.get("trained_group_ids")
+        )
+        return read_checkpoint_info(folder) if same else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable, not JSON, not a dict
+        return None
 
 
 def prune(root: Path, keep: int, *, spare: Path) -> None:

@@ -84,6 +84,11 @@ class StepTiming:
         }
 
 
+class CheckpointBusy(Exception):
+    """An export asked for while another one is being written: they run one at a time, so that exports cannot
+    hold training up without bound."""
+
+
 class TrainerLoop:
     def __init__(
         self,
@@ -111,6 +116,7 @@ class TrainerLoop:
         self._running = asyncio.Event()
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
+        self._writes: dict[Path, asyncio.Task[CheckpointInfo]] = {}  # the checkpoint writes under way, by folder
         self._gets: list[QueueGet] = []  # the current step's
         self._offloaded_once = False  # (logged once)
         self._step_span: trace.Span | None = None
@@ -128,13 +134,19 @@ class TrainerLoop:
             await self._start()
             waited_from = time.monotonic()
             while not self.done():
-                await self._running.wait()
+                if not self._running.is_set():
+                    self.state = State.PAUSED
+                    await self._running.wait()
                 await self._renew(self._held)
                 if self.backend.config.offload_model:  # (no thread hop per poll otherwise)
                     async with self._lock:
                         await self._release_memory()
                 self.state = State.WAITING_FOR_DATA
                 parts = await self._lease_batch()
+                if parts and not self._running.is_set():  # paused during the long poll: nothing trains
+                    for part in parts:
+                        await self.queue.nack(part.lease_id)  # (its groups back at the head of the queue)
+                    continue
                 if not parts:
                     continue
                 self._open_step_span(parts)
@@ -322,26 +334,55 @@ class TrainerLoop:
     # -- checkpoints and control --------------------------------------------------------
 
     async def checkpoint(self, directory: Path | None = None) -> CheckpointInfo:
-        """Writes a checkpoint, then acks every lease whose steps it holds."""
+        """Writes a checkpoint into ``directory`` (default: the trainer's own checkpoint directory). There it
+        then acks every lease whose steps it holds and becomes ``last_checkpoint``. Anywhere else it is an
+        export, a copy that acks nothing: a restart resumes from the own directory only, so only a checkpoint
+        there makes a step durable.
+
+        Once begun, a write finishes (and acks) even if the caller stops waiting (its deadline): it holds the
+        lock until then, so no step runs beside it. A call for a folder whose write is under way waits for
+        that write; an export asked for while another export is under way raises CheckpointBusy."""
+        target = directory or self.checkpoint_dir
+        key, own_key = target.resolve(), self.checkpoint_dir.resolve()
+        write = self._writes.get(key)
+        if write is None:
+            if key != own_key and any(folder != own_key for folder in self._writes):
+                raise CheckpointBusy(f"another export is being written ({len(self._writes)} write(s) under way)")
+            write = asyncio.ensure_future(self._write_checkpoint(target, own=key == own_key))
+            self._writes[key] = write
+            write.add_done_callback(lambda done: self._write_done(key, done))
+        return await asyncio.shield(write)
+
+    def _write_done(self, key: Path, write: asyncio.Task[CheckpointInfo]) -> None:
+        if self._writes.get(key) is write:
+            del self._writes[key]
+        if not write.cancelled() and write.exception() is not None:  # (seen here even if its caller left)
+            log.warning("checkpoint write failed", extra={"directory": str(key), "error": repr(write.exception())})
+
+    async def _write_checkpoint(self, target: Path, own: bool) -> CheckpointInfo:
         async with self._lock:
             previous = self.state
             self.state = State.CHECKPOINTING
             try:  # a failed write (a bad directory, a full disk) leaves the state as it was
-                info = await asyncio.to_thread(self.backend.save_checkpoint, directory or self.checkpoint_dir)
+                info = await asyncio.to_thread(self.backend.save_checkpoint, target, own=own)
                 await self._release_memory()  # (one asked for while the loop waits)
-                self.last_checkpoint = info
-                held, self._held = self._held, []
-                self._since_checkpoint.clear()
-                for lease in held:
-                    await self.queue.ack(lease.lease_id)
+                if own:
+                    self.last_checkpoint = info
+                    held, self._held = self._held, []
+                    self._since_checkpoint.clear()
+                    for lease in held:
+                        await self.queue.ack(lease.lease_id)
             finally:
                 self.state = previous
             return info
 
     async def pause(self) -> int:
+        """Returns once no step is running; a batch leased meanwhile goes back untrained (run). A finished (or
+        stopping, failed) trainer stays as it is."""
         self._running.clear()
-        async with self._lock:  # returns once no step is running
-            self.state = State.PAUSED
+        async with self._lock:
+            if self.state not in (State.FINISHED, State.STOPPING, State.FAILED):
+                self.state = State.PAUSED
         return self.version
 
     def resume(self) -> None:

@@ -26,6 +26,10 @@ class QueuePort(Protocol):
 
     async def ack(self, lease_id: str) -> None: ...
 
+    async def nack(self, lease_id: str) -> None:
+        """Gives a lease's groups back to the queue, untrained."""
+        ...
+
     async def renew(self, lease_id: str, lease_s: float) -> None: ...
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import NoReturn
 
 import grpc
@@ -21,6 +22,20 @@ _STATES = {
     "stalled": controller_pb2.RUN_STATE_FAILED,
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
 }
+MAX_GRACE_S = 3600.0  # StopRun's grace_period: how long the services may take to stop, at most
+_SECRET_KEY = re.compile(r"token|secret|password|credential", re.IGNORECASE)
+
+
+def redacted(config: object) -> object:
+    """``config`` (a JSON-like value) with the value of every key that names a secret replaced: GetRun shows
+    the run's config to any client."""
+    if isinstance(config, dict):
+        return {k: "<redacted>" if _SECRET_KEY.search(str(k)) else redacted(v) for k, v in config.items()}
+    if isinstance(config, list):
+        return [redacted(v) for v in config]
+    return config
+
+
 _KINDS = {
     "queue": controller_pb2.SERVICE_KIND_QUEUE,
     "rollout": controller_pb2.SERVICE_KIND_ROLLOUT,
@@ -44,13 +59,24 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.task = task
         self.stop_requested = False
 
+    def _state(self) -> controller_pb2.RunState:
+        """The run's life-cycle state: a final one once its task has ended, else STOPPING after StopRun,
+        STARTING until every role has been launched, RUNNING."""
+        status = self.run.summary.status
+        if status != "running" and (self.task is None or self.task.done()):
+            return _STATES.get(status, controller_pb2.RUN_STATE_FAILED)
+        if self.stop_requested:
+            return controller_pb2.RUN_STATE_STOPPING
+        return controller_pb2.RUN_STATE_RUNNING if self.run.following else controller_pb2.RUN_STATE_STARTING
+
     async def GetRun(
         self, request: controller_pb2.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.GetRunResponse:
         summary = self.run.summary
         reply = controller_pb2.RunSummary(
+            run_id=self.run.run_id,
             name=summary.name,
-            state=_STATES.get(summary.status, controller_pb2.RUN_STATE_RUNNING),
+            state=self._state(),
             launcher=self.run.config.launcher,
             policy_version=self.run.progress.version,
             total_steps=summary.steps_planned,
@@ -69,20 +95,28 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             reply.last_step_metrics["loss"] = summary.steps[-1].loss
         if summary.final_accuracy is not None:
             reply.last_step_metrics["heldout_accuracy"] = summary.final_accuracy
+        reply.started_at.CopyFrom(timestamp(self.run.started_wall))
+        if self.run.ended_wall is not None:
+            reply.ended_at.CopyFrom(timestamp(self.run.ended_wall))
+        reply.config.update(redacted(self.run.config.model_dump(mode="json")))
         return controller_pb2.GetRunResponse(run=reply)
 
     async def StopRun(
         self, request: controller_pb2.StopRunRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.StopRunResponse:
+        grace_s: float | None = None
         if request.HasField("grace_period"):
-            try:
-                duration_seconds(request.grace_period, "grace_period")
-            except ValueError as e:  # refused before anything stops
+            try:  # refused before anything stops
+                grace_s = duration_seconds(request.grace_period, "grace_period")
+                if not 0 <= grace_s <= MAX_GRACE_S:
+                    raise ValueError(f"grace_period={grace_s:g}s must be between 0 and {MAX_GRACE_S:g}s")
+            except ValueError as e:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.task is not None and not self.task.done() and not self.stop_requested:
             self.stop_requested = True  # once: the service goes on serving the stopped run's summary
+            self.run.request_stop(request.reason, 0.0 if request.immediate else grace_s)
             self.task.cancel()
-        return controller_pb2.StopRunResponse()
+        return controller_pb2.StopRunResponse(state=self._state())
 
     async def SetMaxStaleness(
         self, request: controller_pb2.SetMaxStalenessRequest, context: grpc.aio.ServicerContext

@@ -88,6 +88,17 @@ class GrpcQueue:
             # ids in the checkpoint make the trainer skip them.
             log.warning("lease expired before its ack", extra={"lease": lease_id})
 
+    async def nack(self, lease_id: str) -> None:
+        try:
+            async for attempt in until_it_works():
+                with attempt:
+                    await self.stub.Nack(queue_pb2.NackRequest(lease_id=lease_id))
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                raise
+            # Expired (or unknown to a queue that restarted) already: its groups are back either way.
+            log.warning("lease expired before it was given back", extra={"lease": lease_id})
+
     async def renew(self, lease_id: str, lease_s: float) -> None:
         request = queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s))
         try:

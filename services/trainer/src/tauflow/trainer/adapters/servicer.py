@@ -8,9 +8,10 @@ import grpc
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tauflow.trainer.adapters.convert import checkpoint_to_proto, step_to_proto
-from tauflow.trainer.loop import State, TrainerLoop
+from tauflow.trainer.loop import CheckpointBusy, State, TrainerLoop
 
 PAGE = 1000
+MAX_DIRECTORY_PARTS = 32  # a SaveCheckpoint directory's folders below the checkpoint area
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
@@ -52,6 +53,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             info = await self.loop.checkpoint(directory)
+        except CheckpointBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry when it is done")
         except OSError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno == 28 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, f"cannot write a checkpoint to {request.directory!r}: {e.strerror}")
@@ -62,6 +65,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         checkpoint directory: a client chooses it, and the trainer must not write wherever it is told."""
         if not requested:
             return None
+        if len(Path(requested).parts) > MAX_DIRECTORY_PARTS:  # (each a level of mkdir's recursion)
+            raise ValueError(f"directory has more than {MAX_DIRECTORY_PARTS} parts")
         area = self.loop.checkpoint_dir.resolve().parent
         try:
             path = (area / requested).resolve()  # relative: inside the area; ".." and links are resolved first

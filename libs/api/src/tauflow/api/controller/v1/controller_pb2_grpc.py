@@ -152,7 +152,9 @@ class ControllerServiceServicer:
         has begun; GetRun shows when the run has stopped.
 
         Retry class: idempotent (stopping a stopping or stopped run does nothing
-        and returns its state). Status: OK whenever the controller is up.
+        and returns its state). Status: OK whenever the controller is up;
+        INVALID_ARGUMENT when `grace_period` is negative or above its bound
+        (nothing stops).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -125,17 +125,22 @@ class TrainerServiceServicer:
         weights in Hugging Face format (loadable by `from_pretrained`), optimizer
         state, RNG state, the version and the ids of every trained group. Returns
         once the checkpoint is complete on storage. Training waits while the
-        checkpoint is written.
+        checkpoint is written. Only a checkpoint in the configured checkpoint
+        directory makes the steps it holds durable (their leases are acked, a
+        restart resumes from it, GetStatus shows it); one written to another
+        `directory` is an export: a copy that acks nothing and removes nothing.
 
         Retry class: idempotent (by policy version: a checkpoint is named by the
         version it holds, and a repeat at the same version returns the existing
         checkpoint instead of writing another). Status: INVALID_ARGUMENT when
-        `directory` is not a usable path; FAILED_PRECONDITION when the trainer has
-        not finished starting or has failed; RESOURCE_EXHAUSTED when storage is
-        full (no partial checkpoint is left behind as complete); DEADLINE_EXCEEDED
-        when the call's deadline passes first (the write goes on; GetStatus shows
-        when it is done, and a retry at the same version returns it); INTERNAL
-        when writing fails for another reason.
+        `directory` is not a usable path (or already holds another checkpoint of
+        this version); FAILED_PRECONDITION when the trainer has not finished
+        starting or has failed; RESOURCE_EXHAUSTED when storage is full (no partial
+        checkpoint is left behind as complete), or when another export is still
+        being written (one at a time); DEADLINE_EXCEEDED when the call's deadline
+        passes first (the write goes on, and holds training until it is done; a
+        retry at the same version returns it); INTERNAL when writing fails for
+        another reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,9 +148,10 @@ class TrainerServiceServicer:
 
     def Pause(self, request, context):
         """Pauses training after the step in progress has committed: the trainer
-        leases no new batch until Resume. Returns once no step is running. The
-        queue's pacing then stops rollout by itself once it is `max_staleness`
-        versions ahead.
+        leases no new batch until Resume (a batch that arrives for a long poll
+        begun before the pause goes back to the queue untrained). Returns once no
+        step is running. The queue's pacing then stops rollout by itself once it
+        is `max_staleness` versions ahead. A finished trainer stays finished.
 
         Retry class: idempotent (pausing a paused trainer does nothing). Status:
         FAILED_PRECONDITION when the trainer has failed or is stopping;
