@@ -267,3 +267,34 @@ def test_logits_in_chunks_refuse_a_model_that_changes_its_output_layers_logits(t
     # the output layer is the model's own again
     assert "forward" not in capped.inner.lm_head.__dict__
     assert completion_logprobs(capped, pack(_random_samples(1, 2))).logprobs.shape[0] == 2
+
+
+@pytest.mark.gpu
+def test_cuda_logits_in_chunks_lower_the_peak_memory_of_a_forward_and_backward() -> None:
+    # The reason for backend.logits_chunk_tokens, measured where it matters: the GPU's peak allocation of a
+    # micro-batch's forward and backward in bfloat16 autocast, whole logits against chunks of 128 positions.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = 65536
+    shape = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, intermediate_size=128, **shape)).cuda()
+    rng = random.Random(0)
+    samples = [Sample([rng.randrange(vocab) for _ in range(64)], [rng.randrange(vocab) for _ in range(448)],
+                      [0.0] * 448) for _ in range(4)]  # fmt: skip
+    batch = pack(samples, [1.0] * 4).to("cuda")
+    peaks, values = [], []
+    for chunk in (0, 128):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp = completion_logprobs(model, batch, logits_chunk_tokens=chunk, with_entropy=True)
+        (lp.logprobs * batch.advantages).masked_select(batch.loss_mask).sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - start)
+        values.append(lp.logprobs.detach())
+    print(f"peak above the model: whole logits {peaks[0] / 2**20:.0f} MiB, chunks of 128 {peaks[1] / 2**20:.0f} MiB")
+    assert peaks[1] < 0.25 * peaks[0]  # 2,048 x 65,536 logits: 256 MiB a float32 copy, several copies
+    assert torch.allclose(values[1], values[0], atol=1e-3)
