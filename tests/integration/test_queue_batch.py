@@ -59,7 +59,11 @@ def test_each_entry_is_answered_in_order_and_a_refused_one_keeps_no_other_out(se
     [
         ([], "puts"),
         ([_put(make_group("n"))] * 1025, "puts has 1025 elements"),
-        ([_put(make_group("ok")), _put(make_group("t"), ticket="x" * 5000)], "puts[1].ticket_id"),
+        # (one over the ids' bound of 256: the strings' general bound of 4096 let 257..4096 through)
+        (
+            [_put(make_group("ok")), _put(make_group("t"), ticket="x" * 257)],
+            "puts[1].ticket_id is 257 long, over the limit of 256",
+        ),
         ([b"\xff\xff"], "does not decode"),
     ],
     ids=["empty", "too-many", "ticket-id", "garbage"],
@@ -69,6 +73,16 @@ def test_a_request_out_of_bounds_is_refused_whole_and_changes_nothing(service_pr
     with pytest.raises(grpc.RpcError) as err:
         _batch(queue.address, puts)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert queue_stub(queue.address).Stats(q.StatsRequest()).accepted_groups == 0
+
+
+@pytest.mark.parametrize("chars", [257, 5000])
+def test_put_refuses_a_ticket_id_over_its_bound_naming_the_bound(service_process, chars: int) -> None:
+    queue = service_process("queue", {"max_staleness": -1})
+    with pytest.raises(grpc.RpcError) as err:
+        queue_stub(queue.address).Put(q.PutRequest(group=make_group("g"), ticket_id="x" * chars))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ticket_id" in err.value.details() and "256" in err.value.details()
     assert queue_stub(queue.address).Stats(q.StatsRequest()).accepted_groups == 0
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tauflow.weightsync import Stager, remove_stale_staging
+from tauflow.weightsync import Stager, read_staged, remove_stale_staging
 from tauflow.weightsync.errors import StagingError
 from tauflow.weightsync.staging import OWN_PREFIX, SHM_DIR
 
@@ -120,3 +121,34 @@ def test_a_version_that_does_not_fit_is_refused_before_a_byte_is_written(
     with pytest.raises(StagingError, match="0 MiB free and this version needs 0 MiB more.*TAUFLOW_STAGING_DIR"):
         stager.stage({"w": torch.ones(1 << 16)}, 1)
     assert stager.path.stat().st_size == 0  # nothing written, not even the file's length
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_staging_uri_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    """A FIFO with no writer blocked the open, and with it the sidecar's thread, for ever (past the hand-off
+    deadline); a directory failed on the first read with an error no caller maps."""
+    manifest = Stager(f"file://{tmp_path}/staged").stage({"w": torch.ones(4)}, 1)
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    outcome: list[BaseException | str] = []
+
+    def read() -> None:
+        try:
+            outcome.append(
+                read_staged(f"file://{path}", manifest, torch.empty(manifest.total_bytes, dtype=torch.uint8))
+            )
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        reader.join(5)
+        assert outcome, "read_staged blocked"
+        assert isinstance(outcome[0], StagingError) and "not a regular file" in str(outcome[0])
+    finally:
+        if reader.is_alive():  # (a writer that comes and goes releases a blocked open)
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))

@@ -184,6 +184,13 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1  # b's put did not use it
         stub.Put(q.PutRequest(group=make_group("ext-2"), ticket_id=t1.ticket_id), metadata=a, timeout=5)
         assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 0
+        # Used up, the ticket is still a's alone: b cannot tell it from a made-up one (it existed).
+        assert _code(stub.ReleaseReservation, q.ReleaseReservationRequest(ticket_id=t1.ticket_id), metadata=b) == (
+            grpc.StatusCode.NOT_FOUND,
+            f"ticket {t1.ticket_id!r} is unknown",
+        )
+        released = stub.ReleaseReservation(q.ReleaseReservationRequest(ticket_id=t1.ticket_id), metadata=a, timeout=5)
+        assert released.released_groups == 0
 
         # A malformed group: INVALID_ARGUMENT naming the field; nothing accepted.
         before = internal.Stats(q.StatsRequest(), timeout=5)
@@ -225,7 +232,7 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
         assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
         assert (
-            metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 1
+            metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 2
         )
         assert metrics[(rejected, (("client", "agent-a"), ("code", "UNIMPLEMENTED"), ("method", "other")))] == 7
     finally:

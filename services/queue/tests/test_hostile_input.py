@@ -294,6 +294,66 @@ async def test_waiting_consumers_are_woken_only_when_they_can_be_served() -> Non
     assert not servicer._waiters
 
 
+def _waiting_servicer() -> tuple[QueueServicer, dict[str, int]]:
+    """A servicer without a log, and the count of the Get attempts its state has made."""
+    from prometheus_client import CollectorRegistry
+
+    q_ = QueueState(QueueConfig(max_staleness=-1))
+    calls = {"get": 0}
+    real_get = q_.get
+
+    def counting_get(*args: Any, **kwargs: Any) -> model.GetResult:
+        calls["get"] += 1
+        return real_get(*args, **kwargs)
+
+    q_.get = counting_get
+    return QueueServicer(q_, QueueConfig(max_staleness=-1, max_wait_s=30), QueueMetrics(CollectorRegistry())), calls
+
+
+def _get(consumer: str, wait_s: int, **limits: int) -> q.GetRequest:
+    request = q.GetRequest(consumer_id=consumer, **limits)
+    request.wait.seconds = wait_s
+    return request
+
+
+async def test_a_woken_consumer_that_cannot_be_served_passes_the_wake_up_on() -> None:
+    """A waiter woken for groups it then cannot take (its max_tokens cuts the batch below its min_groups)
+    must not keep them from the waiter behind it, nor spin."""
+    servicer, calls = _waiting_servicer()
+    ctx = _Context()
+    for gid in ("g0", "g1"):
+        await servicer.Put(wire.PutRequestView(group=make_group(gid).SerializeToString()), ctx)
+    leased = q.GetResponse.FromString(await servicer.Get(_get("c", 0, max_groups=2), ctx))
+    never = asyncio.create_task(servicer.Get(_get("h", 10, max_tokens=1, min_groups=2), ctx))
+    behind = asyncio.create_task(servicer.Get(_get("n", 10, max_groups=2, min_groups=1), ctx))
+    await _until(lambda: len(servicer._waiters) == 2)
+    await servicer.Nack(q.NackRequest(lease_id=leased.lease.lease_id), ctx)  # both groups come back at once
+    # Before the fix only the first waiter was woken (its min_groups took both groups), and the second
+    # waited out its whole wait.
+    got = q.GetResponse.FromString(await asyncio.wait_for(behind, 2))
+    assert len(got.groups) == 2
+    tried = calls["get"]
+    await asyncio.sleep(0.1)
+    assert calls["get"] == tried and not never.done()  # the unservable waiter waits: it does not spin
+    never.cancel()
+    await asyncio.gather(never, return_exceptions=True)
+    assert not servicer._waiters
+
+
+async def test_a_consumer_that_gives_up_once_woken_passes_the_wake_up_on() -> None:
+    servicer, _ = _waiting_servicer()
+    ctx = _Context()
+    first = asyncio.create_task(servicer.Get(_get("a", 10, max_groups=1), ctx))
+    second = asyncio.create_task(servicer.Get(_get("b", 10, max_groups=1), ctx))
+    await _until(lambda: len(servicer._waiters) == 2)
+    first.cancel()  # its client goes away as the group comes: the Put wakes it before it sees the cancel
+    await servicer.Put(wire.PutRequestView(group=make_group("g").SerializeToString()), ctx)
+    assert not first.done()
+    got = q.GetResponse.FromString(await asyncio.wait_for(second, 2))
+    assert [d.group.group_id for d in got.groups] == ["g"]
+    await asyncio.gather(first, return_exceptions=True)
+
+
 async def test_a_broken_log_refuses_even_duplicates_and_ends_the_service(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry
 
@@ -341,3 +401,30 @@ async def test_a_duplicate_is_answered_only_once_its_first_copy_is_durable(
     synced.set()
     answers = await asyncio.wait_for(asyncio.gather(first, again), 10)
     assert [a.outcome for a in answers] == [q.PUT_OUTCOME_ACCEPTED, q.PUT_OUTCOME_DUPLICATE]
+
+
+async def test_a_repeated_ack_is_answered_only_once_the_first_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    wal = WriteAheadLog(tmp_path / "q.wal")
+    q_ = QueueState(QueueConfig(max_staleness=-1), wal)
+    servicer = QueueServicer(q_, QueueConfig(max_staleness=-1), QueueMetrics(CollectorRegistry()))
+    await servicer.Put(wire.PutRequestView(group=make_group("g").SerializeToString()), _Context())
+    lease_id = q.GetResponse.FromString(await servicer.Get(_get("c", 0, max_groups=1), _Context())).lease.lease_id
+    synced = threading.Event()
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.wait(10), real_fsync(fd)))  # the disk is slow
+    ack = q.AckRequest(lease_id=lease_id)
+    first = asyncio.create_task(servicer.Ack(ack, _Context()))
+    await asyncio.sleep(0.1)
+    again = asyncio.create_task(servicer.Ack(ack, _Context()))  # a retry while the first ack is being synced
+    await asyncio.sleep(0.2)
+    assert not again.done()  # no OK before the fsync: it vouches for the ack as the first's does
+    synced.set()
+    answers = await asyncio.wait_for(asyncio.gather(first, again), 10)
+    assert [a.acked_groups for a in answers] == [1, 0]

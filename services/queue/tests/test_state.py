@@ -77,6 +77,7 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
         "live_wal_bytes": m.live_wal_bytes,
         "done_ids": list(m.done_ids),
         "outcomes": dict(m.outcomes),
+        "ticket_owners": dict(m.ticket_owners),
         "reservations": sorted(m.reservations),
         "next_deadline": q.next_deadline(),
     }
@@ -260,6 +261,29 @@ def test_release_reservation() -> None:
     assert q.reserve("r2", "p", 2) is not None  # 1 accepted + 2
     with pytest.raises(NotFound):
         q.release_reservation("no-such-ticket")
+
+
+def test_only_its_owner_learns_that_a_ticket_is_gone(tmp_path: Path) -> None:
+    """With an owner (a client of the external port), another producer's released, expired or used-up
+    ticket is NOT_FOUND, as a made-up one is: answering it OK would tell that it existed. Its owner's retry
+    gets 0 groups; so does the internal port (no owner). Across a restart and a compaction."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=-1, reservation_ttl_s=5.0)
+    released, used, expired = (q.reserve(f"r{i}", "alice", 1) for i in range(3))
+    assert released and used and expired
+    assert q.release_reservation(released.ticket_id, "alice") == 1
+    q.put(rec("a"), used.ticket_id, "alice")
+    c.advance(5.0)
+    q.sweep()
+    for check in ("live", "restarted", "compacted"):
+        for ticket in (released, used, expired):
+            with pytest.raises(NotFound):
+                q.release_reservation(ticket.ticket_id, "bob")
+            assert q.release_reservation(ticket.ticket_id, "alice") == 0, check
+            assert q.release_reservation(ticket.ticket_id) == 0, check
+        if check == "restarted":
+            q.compact()
+        q = restart(q, path, c)
 
 
 def test_a_restarted_producer_releases_its_predecessors_tickets(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import tauflow.weights.broadcast as broadcast_module
 from tauflow.weights.config import WeightsConfig
 from tauflow.weights.errors import FailedPrecondition, ResourceExhausted
 from tauflow.weights.sidecar import Sidecar
-from tauflow.weightsync import GroupSpec
+from tauflow.weightsync import GroupSpec, Phase, PhaseError
 
 
 class FakeGroup:
@@ -103,6 +103,50 @@ async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_
     assert membership.members["r"].confirmed_version == 49
     assert membership.join("r", "127.0.0.1:1", 1, ("gloo",), 0, "") == epoch + 1  # the restarted process
     assert membership.members["r"].confirmed_version == 0  # re-added: the next broadcast brings it up to date
+
+
+class ClosingMember:
+    """A member whose client records that it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_failed_members_are_closed_and_only_the_latest_max_members_kept() -> None:
+    """Before the fix a dropped member kept its channel open and stayed listed for ever: Joins at an
+    unreachable address grew the membership (and GetStatus) without bound; max_members counted only live ones."""
+    clients: dict[str, ClosingMember] = {}
+    now = [0.0]
+    sidecar = Sidecar(
+        WeightsConfig(max_members=2),
+        FakeStore(),
+        lambda address: clients.setdefault(address, ClosingMember()),
+        clock=lambda: now[0],
+    )
+    membership = sidecar.membership
+    for i in range(5):
+        membership.join(f"m{i}", f"127.0.0.1:{i}", 1, ("gloo",), None, "")
+        now[0] += 1
+        membership.drop(membership.members[f"m{i}"], PhaseError(Phase.GROUP_INIT, f"m{i}", "unreachable"))
+    await asyncio.sleep(0)  # (the clients close in the background)
+    assert all(c.closed for c in clients.values())
+    assert set(membership.members) == {"m3", "m4"}  # the two latest failures, with their errors, for GetStatus
+    assert membership.counts()["failed"] == 2
+    # A member of the current group is dropped with its client open: the group's destroy is still sent to it.
+    membership.join("g", "127.0.0.1:9", 1, ("gloo",), None, "")
+    membership.group_ids = ["g"]
+    now[0] += 1
+    membership.drop(membership.members["g"], PhaseError(Phase.TRANSFER, "g", "unreachable"))
+    await asyncio.sleep(0)
+    assert not clients["127.0.0.1:9"].closed and "g" in membership.members
+    membership.forget_group()  # (as the broadcast loop destroys the group: then it settles its members)
+    membership.settle_destroyed([membership.members["g"]])
+    await asyncio.sleep(0)
+    assert clients["127.0.0.1:9"].closed
+    assert set(membership.members) == {"m4", "g"}
 
 
 class SharedMember:

@@ -30,7 +30,9 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
+from io import FileIO
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO
 
 import numpy as np
@@ -225,6 +227,25 @@ def _write_zeros(fd: int, offset: int, n: int) -> None:
     _pwrite_all(fd, memoryview(bytes(n)), offset)
 
 
+def _open_regular(uri: str, path: Path) -> FileIO:
+    """``path`` open for reading, refused (StagingError) unless it is a regular file. The open does not block:
+    a FIFO with no writer (or a device) would hold the reading thread, past any deadline, for ever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise StagingNotFound(f"staging area {uri!r} does not exist ({path})") from None
+    except OSError as e:
+        raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise StagingError(f"staging_uri {uri!r} is not a regular file (a staging area is one file)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_staged(
     uri: str,
     manifest: Manifest,
@@ -243,12 +264,7 @@ def read_staged(
     if out.dtype != torch.uint8 or out.numel() < manifest.total_bytes:
         raise StagingError(f"buffer of {out.numel()} bytes cannot hold {manifest.total_bytes} bytes")
     start = time.monotonic()
-    try:
-        f = open(path, "rb", buffering=0)  # noqa: SIM115 - the with block below; opened apart to map its errors
-    except FileNotFoundError:
-        raise StagingNotFound(f"staging area {uri!r} does not exist ({path})") from None
-    except OSError as e:
-        raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
+    f = _open_regular(uri, path)
     hasher = new_hasher(manifest.checksum_algorithm)
     dest = out.numpy()[: manifest.total_bytes].data
     with f:

@@ -51,6 +51,7 @@ SNAPSHOT   v     VERSION             the trainer's policy version
            exl   EXPIRED_LEASES      leases expired in the run
            done  DONE                ids of acked or evicted groups (for idempotent Put)
            out   OUTCOMES            lease or ticket id: "acked", "nacked", "expired", "released", "used"
+           own   TICKET_OWNERS       ticket id of ``out``: its producer (absent: none known)
            res   RESERVATIONS        request id: the meta of the RESERVE record that answered it
 =========  ====  ==================  ===============================================================
 """
@@ -104,6 +105,7 @@ class Key:
     EXPIRED_LEASES = "exl"
     DONE = "done"
     OUTCOMES = "out"
+    TICKET_OWNERS = "own"
     RESERVATIONS = "res"
 
 
@@ -127,6 +129,8 @@ class Memory:
     tickets: dict[str, Ticket] = field(default_factory=dict)
     done_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)  # acked or evicted groups
     outcomes: OrderedDict[str, str] = field(default_factory=OrderedDict)  # lease/ticket id -> outcome
+    # ticket id -> producer, for the tickets of ``outcomes``: only its owner learns a ticket's outcome
+    ticket_owners: OrderedDict[str, str] = field(default_factory=OrderedDict)
     reservations: OrderedDict[str, Meta] = field(default_factory=OrderedDict)  # request id -> RESERVE meta
 
 
@@ -206,6 +210,7 @@ def snapshot_meta(memory: Memory) -> Meta:
         Key.EXPIRED_LEASES: memory.expired_leases,
         Key.DONE: list(memory.done_ids),
         Key.OUTCOMES: dict(memory.outcomes),
+        Key.TICKET_OWNERS: dict(memory.ticket_owners),
         Key.RESERVATIONS: dict(memory.reservations),
     }
 
@@ -316,7 +321,7 @@ def apply(memory: Memory, config: QueueConfig, kind: int, meta: Meta, blob: byte
     elif kind == UNRESERVE:
         ticket = memory.tickets.pop(meta[Key.TICKET_ID])
         memory.in_flight -= ticket.remaining
-        _bounded_put(memory.outcomes, ticket.ticket_id, meta[Key.WHY], OUTCOME_WINDOW)
+        _ticket_outcome(memory, ticket, meta[Key.WHY])
     elif kind == SNAPSHOT:
         memory.trainer_version = meta[Key.VERSION]
         memory.accepted = meta[Key.ACCEPTED]
@@ -325,6 +330,7 @@ def apply(memory: Memory, config: QueueConfig, kind: int, meta: Meta, blob: byte
         memory.expired_leases = meta[Key.EXPIRED_LEASES]
         memory.done_ids = OrderedDict.fromkeys(meta[Key.DONE])
         memory.outcomes = OrderedDict(meta[Key.OUTCOMES])
+        memory.ticket_owners = OrderedDict(meta.get(Key.TICKET_OWNERS, {}))
         memory.reservations = OrderedDict(meta[Key.RESERVATIONS])
     else:
         raise ValueError(f"unknown log record kind {kind}")
@@ -352,7 +358,12 @@ def _apply_put(memory: Memory, meta: Meta, blob: bytes, size: int) -> None:
         memory.in_flight -= 1
         if ticket.remaining == 0:
             del memory.tickets[ticket.ticket_id]
-            _bounded_put(memory.outcomes, ticket.ticket_id, "used", OUTCOME_WINDOW)
+            _ticket_outcome(memory, ticket, "used")
+
+
+def _ticket_outcome(memory: Memory, ticket: Ticket, outcome: str) -> None:
+    _bounded_put(memory.outcomes, ticket.ticket_id, outcome, OUTCOME_WINDOW)
+    _bounded_put(memory.ticket_owners, ticket.ticket_id, ticket.producer_id, OUTCOME_WINDOW)
 
 
 def _apply_evict(memory: Memory, config: QueueConfig, meta: Meta) -> None:

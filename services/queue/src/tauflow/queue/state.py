@@ -65,6 +65,7 @@ class QueueState:
         self.validate = validate
         self.quarantine = quarantine
         self.memory = Memory()
+        self.changes = 0  # changes made so far: a long poll that found nothing retries only after one
         self.wal: WriteAheadLog | None = None
         if wal is not None:
             self._recover(wal)
@@ -190,7 +191,11 @@ class QueueState:
         if ticket is not None and owner is not None and ticket.producer_id != owner:
             raise NotFound(f"ticket {ticket_id!r} is unknown")
         if ticket is None:
-            if ticket_id in self.memory.outcomes:
+            # (a ticket gone is known, to tell a retry it is done, only to its owner: to another client, or
+            # with its owner not recorded, as unknown as a made-up one)
+            if ticket_id in self.memory.outcomes and (
+                owner is None or self.memory.ticket_owners.get(ticket_id) == owner
+            ):
                 return 0
             raise NotFound(f"ticket {ticket_id!r} is unknown")
         self._log(UNRESERVE, records.unreserve_meta(ticket_id, "released"))
@@ -404,6 +409,7 @@ class QueueState:
             self.max_staleness = staleness.check_tau(max_staleness, largest=MAX_VERSION)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        self.changes += 1
         return max_staleness
 
     # -- time ------------------------------------------------------------------------------
@@ -449,3 +455,4 @@ class QueueState:
     def _log(self, kind: int, meta: Meta, blob: bytes = b"") -> None:
         size = self.wal.append(kind, meta, blob) if self.wal is not None else 0
         records.apply(self.memory, self.config, kind, meta, blob, size)
+        self.changes += 1

@@ -4,6 +4,10 @@ A member joins JOINING, becomes ACTIVE in the next group built, LEAVING when it 
 group (removed when the next group is built), FAILED when dropped after a failed phase (it must Join
 again). The membership epoch counts the groups built; the ids of the current group's members, in rank
 order, tell the broadcast loop when the group must be rebuilt.
+
+A FAILED member is kept, with its error, for GetStatus, but the sidecar calls it no more: its channel is
+closed (once its group is destroyed, when it was in one), and only the ``max_members`` latest failures
+are kept (Joins at an unreachable address would otherwise grow the membership without bound).
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ class Membership:
                 self.events.spawn(m.client.close())
             elif m.state is MemberState.ACTIVE:
                 m.state = MemberState.JOINING
+            elif m.state is MemberState.FAILED:
+                self.events.spawn(m.client.close())
+        self._forget_old_failures()
 
     def drop(self, m: Member, err: PhaseError) -> None:
         """A member that failed a phase leaves the membership; it must Join again."""
@@ -115,8 +122,21 @@ class Membership:
         m.error_at = self.events.clock()
         self.events.record(err)
         if m.member_id in self.group_ids:
-            self.group_broken = True
+            self.group_broken = True  # (its client is closed once the group's destroy has been sent to it)
+        else:
+            self.events.spawn(m.client.close())
+        self._forget_old_failures()
         self.events.notify()
+
+    def _forget_old_failures(self) -> None:
+        """Removes the oldest FAILED members beyond ``max_members`` (but those of the current group: its
+        destroy is still to be sent to them)."""
+        failed = [
+            m for m in self.members.values() if m.state is MemberState.FAILED and m.member_id not in self.group_ids
+        ]
+        failed.sort(key=lambda m: m.error_at or 0.0)
+        for m in failed[: max(len(failed) - self.config.max_members, 0)]:
+            del self.members[m.member_id]
 
     def join(
         self,

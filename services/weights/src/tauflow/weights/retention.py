@@ -28,6 +28,7 @@ from tauflow.weightsync import (
     ChecksumMismatch,
     Manifest,
     ManifestError,
+    Phase,
     PhaseError,
     StagingError,
     StagingNotFound,
@@ -178,13 +179,31 @@ class Retention:
                 )
             buf = None if shared else self._pool.take(manifest.total_bytes)
             started = time.monotonic()
+            copy: asyncio.Future[str] | None = None
             try:
                 if buf is not None:  # (ipc: nothing to copy; the members read the trainer's buffer)
-                    await asyncio.to_thread(
-                        read_staged, staging_uri, manifest, buf, deadline_s=self.config.deadlines.handoff_s
+                    deadline_s = self.config.deadlines.handoff_s
+                    copy = asyncio.ensure_future(
+                        asyncio.to_thread(read_staged, staging_uri, manifest, buf, deadline_s=deadline_s)
                     )
+                    # The copy checks the deadline between chunks; a read that blocks must not hold the
+                    # publish lock (every later Publish waits on it) past the deadline all the same.
+                    try:
+                        await asyncio.wait_for(asyncio.shield(copy), deadline_s)
+                    except TimeoutError:
+                        raise PhaseError(
+                            Phase.HANDOFF,
+                            "trainer",
+                            f"reading {staging_uri} did not finish",
+                            deadline_s=deadline_s,
+                            timed_out=True,
+                            policy_version=version,
+                        ) from None
             except BaseException as e:
-                if buf is not None:
+                if copy is not None and not copy.done():
+                    # Its thread still writes into the buffer: the buffer is not reused, the outcome is nobody's.
+                    copy.add_done_callback(_ignore_outcome)
+                elif buf is not None:
                     self._pool.give(buf)
                 self.metrics.handoff_failures.inc()
                 if isinstance(e, StagingNotFound):
@@ -242,3 +261,8 @@ class Retention:
             if held is not None and held.manifest.policy_version == version:
                 return held.manifest
         raise NotFound(f"version {version} was never published or is no longer retained")
+
+
+def _ignore_outcome(future: asyncio.Future[str]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -6,6 +6,10 @@ rather than DEADLINE_EXCEEDED. A state change wakes only the waiters it can
 serve: Get waiters while the groups waiting cover their ``min_groups``, Reserve
 waiters while the pacing rule has room for them, in arrival order (so 200
 waiting consumers cost a Put one comparison, not 200 rescans of the queue).
+A woken waiter whose attempt still gets nothing (its ``max_tokens`` cut the
+batch, say) passes the wake-up on to those behind it, and is itself woken again
+only after a later change: what it could not use is not lost to the others,
+and it does not spin.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tauflow.queue.adapters import convert, wire
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.model import (
+    MAX_ID_CHARS,
     FailedPrecondition,
     GetResult,
     GroupOverCapacity,
@@ -67,6 +72,7 @@ class _Waiter:
     producer_id: str = ""  # (a Reserve's)
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     abandoned: bool = False  # its producer released all it holds: answer ungranted
+    tried_at: int = -1  # the state's ``changes`` when its last attempt got nothing: not woken until it moves on
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -77,9 +83,9 @@ def _seconds(value: Any, name: str) -> float:
 
 
 MEDIA_DECODES = 2  # groups whose media Put decodes at once
-_PUT_LIMITS = {"group": 2**31}  # (the group's own bounds are the queue's: convert.py)
+_PUT_LIMITS = {"group": 2**31, "ticket_id": MAX_ID_CHARS}  # (the group's own bounds are the queue's: convert.py)
 MAX_PUT_BATCH = 1024  # entries of one PutBatch (queue.proto)
-_PUT_BATCH_LIMITS = {"puts": MAX_PUT_BATCH, "puts.group": 2**31}
+_PUT_BATCH_LIMITS = {"puts": MAX_PUT_BATCH, "puts.group": 2**31, "puts.ticket_id": MAX_ID_CHARS}
 
 
 class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
@@ -101,10 +107,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """After a state change: wakes the waiters that it may serve."""
         groups = self.state.depth_groups  # groups waiting, not yet promised to a woken Get
         room = 0  # groups promised to the Reserve waiters woken so far
+        changes = self.state.changes
         for w in self._waiters:
             if groups <= 0 and not self.state.has_room(room + 1):
                 break  # nothing left to serve anyone with
-            if w.woken.is_set():
+            if w.woken.is_set() or w.tried_at == changes:  # (the latter would get nothing again)
                 continue
             if w.wants is _Wants.GROUPS:
                 if groups >= w.need:
@@ -174,9 +181,15 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             while True:
                 if waiter.abandoned:
                     return None
+                before = self.state.changes
                 result = attempt()
                 if result is not None:
                     return result
+                waiter.tried_at = self.state.changes
+                if waiter.woken.is_set() or waiter.tried_at != before:
+                    # What it was woken for, or what its attempt changed (a lease it swept back), may serve
+                    # those behind it.
+                    self._notify()
                 left = until - loop.time()
                 if left <= 0 or self.draining.is_set():  # (a draining queue answers its long polls now)
                     return None
@@ -190,6 +203,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                     await asyncio.wait_for(waiter.woken.wait(), left)
                 except TimeoutError:
                     pass
+                except asyncio.CancelledError:
+                    if waiter.woken.is_set():  # its caller gave up once woken: the wake-up goes to the next
+                        self._waiters.remove(waiter)
+                        self._notify()
+                    raise
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
@@ -435,8 +453,10 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     async def Ack(self, request: queue_pb2.AckRequest, context: grpc.aio.ServicerContext) -> queue_pb2.AckResponse:
         async def run() -> queue_pb2.AckResponse:
             n = self.state.ack(request.lease_id)
-            if n and self.state.wal is not None:
-                await self.state.wal.commit()  # durable before the answer: docs/reliability.md says why
+            if self.state.wal is not None:
+                # Durable before the answer: docs/reliability.md says why. A repeat too (n == 0): the first
+                # Ack's record may still await its fsync, and this OK vouches for it as that one's does.
+                await self.state.wal.commit()
             if n:
                 self.metrics.acked_groups.inc(n)
                 self._notify()
