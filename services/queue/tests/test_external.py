@@ -199,8 +199,19 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         code, details = _code(stub.Put, q.PutRequest(group=bad), metadata=a)
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "samples[1].loss_mask has 2 entries for 8 completion tokens" in details
+        # An id that fits the queue's 256 characters only without the client's prefix: refused naming both bounds
+        # (it would have been refused as "longer than 256", an id the client never sent).
+        long_id = make_group("x" * 249)  # "agent-a/": 248 characters are left
+        code, details = _code(stub.Put, q.PutRequest(group=long_id), metadata=a)
+        expected = (
+            "group.group_id is 249 characters, longer than 248 (the limit of 256 less the client's prefix 'agent-a/')"
+        )
+        assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="r" * 249, n_groups=1), metadata=a)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id is 249 characters")
         after = internal.Stats(q.StatsRequest(), timeout=5)
         assert (after.accepted_groups, after.depth_groups) == (before.accepted_groups, before.depth_groups) == (4, 4)
+        assert after.reserved_groups == before.reserved_groups
 
         # The external port can neither consume nor steer the training, even with a valid token.
         for method, request in [
@@ -230,7 +241,8 @@ def test_the_external_port_serves_producers_with_a_token_and_records_the_client(
         assert metrics[(put, (("client", "agent-b"),))] == 2
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Stats")))] == 2
         assert metrics[(rejected, (("client", "unknown"), ("code", "UNAUTHENTICATED"), ("method", "Put")))] == 1
-        assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 1
+        assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Put")))] == 2
+        assert metrics[(rejected, (("client", "agent-a"), ("code", "INVALID_ARGUMENT"), ("method", "Reserve")))] == 1
         assert (
             metrics[(rejected, (("client", "agent-b"), ("code", "NOT_FOUND"), ("method", "ReleaseReservation")))] == 2
         )

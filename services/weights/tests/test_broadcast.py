@@ -11,7 +11,7 @@ import pytest
 
 import tauflow.weights.broadcast as broadcast_module
 from tauflow.weights.config import WeightsConfig
-from tauflow.weights.errors import FailedPrecondition, ResourceExhausted
+from tauflow.weights.errors import FailedPrecondition, InvalidRequest, ResourceExhausted
 from tauflow.weights.sidecar import Sidecar
 from tauflow.weightsync import GroupSpec, Phase, PhaseError
 
@@ -89,6 +89,20 @@ def test_join_refuses_a_group_larger_than_max_group_ranks_and_changes_nothing() 
     assert set(membership.members) == {"a", "b"}
 
 
+def test_join_refuses_an_address_that_is_not_host_port_and_changes_nothing() -> None:
+    # Joins at "not a host!", "[::1" or 4,000 characters were members that could only fail later.
+    release, called = asyncio.Event(), asyncio.Event()
+    sidecar = Sidecar(WeightsConfig(), FakeStore(), lambda address: FakeMember(release, called))
+    membership = sidecar.membership
+    for bad in ("not a host!", "[::1", "unix:", "dns:///%%%", "host:99999999", "host:0", "h" * 4000 + ":1", "h:"):
+        with pytest.raises(InvalidRequest, match="address must be host:port"):
+            membership.join("m", bad, 1, ("gloo",), None, "")
+    assert not membership.members
+    for good in ("127.0.0.1:50051", "rollout-0.rollout.svc.cluster.local:8000", "[::1]:1", "[fe80::1]:2"):
+        membership.join(good, good, 1, ("gloo",), None, "")
+    assert len(membership.members) == 4
+
+
 async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_not_a_repeat() -> None:
     """A member killed and restarted on the same address before the sidecar noticed joins with older
     weights than it confirmed: it is in no group, so it must be brought up to date, not ignored (a stalled
@@ -128,7 +142,7 @@ async def test_failed_members_are_closed_and_only_the_latest_max_members_kept() 
     )
     membership = sidecar.membership
     for i in range(5):
-        membership.join(f"m{i}", f"127.0.0.1:{i}", 1, ("gloo",), None, "")
+        membership.join(f"m{i}", f"127.0.0.1:{i + 1}", 1, ("gloo",), None, "")
         now[0] += 1
         membership.drop(membership.members[f"m{i}"], PhaseError(Phase.GROUP_INIT, f"m{i}", "unreachable"))
     await asyncio.sleep(0)  # (the clients close in the background)

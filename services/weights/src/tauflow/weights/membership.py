@@ -13,6 +13,7 @@ are kept (Joins at an unreachable address would otherwise grow the membership wi
 from __future__ import annotations
 
 import enum
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from tauflow.weights.retention import Retention, Version
 from tauflow.weightsync import Phase, PhaseError
 
 MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
+# host:port of a member's RolloutService: a DNS name or IPv4 address, or an IPv6 one in brackets
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
 class MemberState(enum.Enum):
@@ -151,6 +154,8 @@ class Membership:
         backend = self.config.backend
         if not member_id or not address:
             raise InvalidRequest("member_id and address must be set")
+        if not _HOST_PORT.fullmatch(address) or not 1 <= int(address.rsplit(":", 1)[1]) <= 65535:
+            raise InvalidRequest(f"address must be host:port (a port in 1..65535), not {address[:80]!r}")
         if not 1 <= num_ranks <= MAX_RANKS_PER_MEMBER:
             raise InvalidRequest(f"num_ranks must be in 1..{MAX_RANKS_PER_MEMBER}, not {num_ranks}")
         if backend not in backends:

@@ -33,6 +33,7 @@ from tauflow.queue.adapters import wire
 from tauflow.queue.adapters.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.config import ExternalConfig
 from tauflow.queue.metrics import QueueMetrics
+from tauflow.queue.model import MAX_ID_CHARS
 from tauflow.queue.tokens import UNKNOWN_CLIENT, TokenTable
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class ProducerServicer:
         client = CLIENT.get()
         request.producer_id = client
         if request.request_id:  # (an empty one stays empty: INVALID_ARGUMENT as on the internal port)
+            await _refuse_unless_it_fits(context, "request_id", request.request_id, client)
             request.request_id = f"{client}/{request.request_id}"
         return await self.queue.Reserve(request, context)
 
@@ -176,7 +178,10 @@ class ProducerServicer:
     async def Put(self, request: wire.RawPutRequest, context: grpc.aio.ServicerContext) -> queue_pb2.PutResponse:
         client = CLIENT.get()
         if request.group:  # (an empty one is refused as on the internal port)
-            request.group = with_client_identity(request.group, client)
+            try:
+                request.group = with_client_identity(request.group, client)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         response = await self.queue.Put(request, context, owner=client)
         if response.outcome == queue_pb2.PUT_OUTCOME_ACCEPTED:
             self.metrics.external_put_groups.labels(client).inc()
@@ -188,6 +193,21 @@ class ProducerServicer:
         return await self.queue.Stats(request, context)
 
 
+def room_for_id(client: str) -> int:
+    """How many characters a client's id may have: the queue's bound less the ``<client>/`` it is namespaced by."""
+    return MAX_ID_CHARS - len(client) - 1
+
+
+def _too_long(field: str, value: str, client: str) -> str:
+    return (f"{field} is {len(value)} characters, longer than {room_for_id(client)} (the limit of {MAX_ID_CHARS} "
+            f"less the client's prefix {client + '/'!r})")  # fmt: skip
+
+
+async def _refuse_unless_it_fits(context: grpc.aio.ServicerContext, field: str, value: str, client: str) -> None:
+    if len(value) > room_for_id(client):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _too_long(field, value, client))
+
+
 def with_client_identity(raw: bytes, client: str) -> bytes:
     """The serialized Group ``raw`` as ``client`` put it: its group_id namespaced (``<client>/<id>``) and
     its producer_id set to the client. Bytes that do not decode are returned as they are, for Put to
@@ -197,6 +217,8 @@ def with_client_identity(raw: bytes, client: str) -> bytes:
     except Exception:  # noqa: BLE001 - refused by Put with the field named
         return raw
     if group.group_id:  # (an empty one stays empty: refused as on the internal port)
+        if len(group.group_id) > room_for_id(client):
+            raise ValueError(_too_long("group.group_id", group.group_id, client))
         group.group_id = f"{client}/{group.group_id}"
     group.producer_id = client
     return group.SerializeToString()

@@ -176,7 +176,9 @@ class WeightsServiceServicer:
         Retry class: idempotent (by `member_id`: a repeat with the same address
         returns the same membership; a repeat with another address replaces the
         old member, as after a server restart). Status: INVALID_ARGUMENT when
-        `member_id` or `address` is empty, or `num_ranks` is 0;
+        `member_id` or `address` is empty, `address` is not host:port (a DNS
+        name, an IPv4 address or a bracketed IPv6 one; a port in 1..65535), or
+        `num_ranks` is 0;
         FAILED_PRECONDITION when none of `backends` is the collective backend the
         sidecar uses; RESOURCE_EXHAUSTED when the membership is at its configured
         maximum.
