@@ -147,8 +147,31 @@ def test_group_level_functions_score_whole_groups(env: tuple[Scorer, Registry]) 
 def test_a_passed_deadline_cancels_the_work(env: tuple[Scorer, Registry]) -> None:
     scorer, reg = env
     with pytest.raises(DeadlineExceeded, match="1 of 2 samples"):
-        score(scorer, reg.get("picky"), groups(["sleep 3", "a"]), timeout_s=10, deadline_s=0.3)
+        score(scorer, reg.get("picky"), groups(["a", "sleep 3"]), timeout_s=10, deadline_s=0.3)
     ((r,),) = score(scorer, reg.get("picky"), groups(["abcd"]))  # still serving
+    assert r.score == 4.0
+
+
+def test_a_call_of_slow_samples_leaves_workers_for_the_other_calls(env: tuple[Scorer, Registry]) -> None:
+    # Two workers, a call of four samples that each take seconds: another call's sample starts at once on the
+    # worker the slow call leaves free, instead of queueing behind all four.
+    scorer, reg = env
+    fn = reg.get("picky")
+
+    async def main() -> tuple[list[list[object]], float]:
+        slow = asyncio.create_task(scorer.score(fn, groups(["sleep 3"] * 4), {}, 10.0))
+        await asyncio.sleep(0.3)  # the slow call has taken what it may
+        started = time.monotonic()
+        quick = await scorer.score(fn, groups(["abc"], ["de"]), {}, fn.timeout_s)
+        took = time.monotonic() - started
+        slow.cancel()  # its running samples are stopped, its waiting ones never start
+        await asyncio.gather(slow, return_exceptions=True)
+        return quick, took
+
+    quick, took = asyncio.run(main())
+    assert [[r.score for r in g] for g in quick] == [[3.0], [2.0]] and took < 2.0  # (sleeping: 2.7 s at least)
+    assert not scorer._running and not scorer._calls
+    ((r,),) = score(scorer, reg.get("picky"), groups(["abcd"]))  # and the pool serves on
     assert r.score == 4.0
 
 

@@ -271,6 +271,35 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_goes_on(engi
     assert all(len(g[0].token_ids) == 3 for g in out)
 
 
+def test_a_row_whose_logits_are_not_finite_fails_only_its_own_request(engine: HFEngine) -> None:
+    # A model that overflows on one request (NaN logits) fails that request; the requests batched with it
+    # decode on and every completion comes back.
+    import torch
+
+    sample = engine._sample
+
+    def overflowing(batch: Any, logits: Any) -> None:
+        poisoned = torch.tensor([row.req.params.seed == 666 for row in batch.rows])
+        sample(batch, logits.masked_fill(poisoned[:, None], float("nan")))
+
+    engine._sample = overflowing
+    _slow_steps(engine, 0.005)
+    params = SamplingParams(max_new_tokens=12, n=4, ignore_eos=True, seed=1)
+    victim = engine.submit(PROMPTS, params)
+    poisoned = engine.submit(PROMPTS[:2], SamplingParams(max_new_tokens=12, n=3, ignore_eos=True, seed=666))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        poisoned.result(30)
+    out = victim.result(30)
+    assert all(len(c.token_ids) == 12 and c.finish_reason is FinishReason.LENGTH for g in out for c in g)
+    assert "not finite" in engine.stats().last_error
+    engine._sample = sample
+    assert engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3)).result(30)[0][0].token_ids
+    deadline = time.monotonic() + 5
+    while engine.stats().running_sequences and time.monotonic() < deadline:  # the failed rows are gone
+        time.sleep(0.001)
+    assert engine.stats().running_sequences == engine.stats().in_flight_requests == 0
+
+
 def test_scoring_gives_the_log_probs_generation_reported(engine: HFEngine, reference: Any, full_logprobs: Any) -> None:
     # A teacher's answer for on-policy distillation: the completions the engine sampled, scored again without
     # sampling, carry the log-probs it reported for them (and those of a full forward), at any temperature.
@@ -302,6 +331,7 @@ def test_scoring_gives_the_log_probs_generation_reported(engine: HFEngine, refer
         ([([1] * 60, [3] * 5)], 1.0, "context of 64"),
         ([([1], [3])], 0.0, "temperature"),
         ([([1], [3])], float("nan"), "temperature"),
+        ([([1], [3])], 1e-40, "temperature must be a finite number of at least 1e-05"),  # NaN log-probs once
     ],
 )
 def test_bad_scoring_requests_are_refused_at_once(

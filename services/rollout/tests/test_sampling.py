@@ -123,6 +123,9 @@ def test_counter_uniforms_are_deterministic_uniform_and_depend_on_every_input() 
         dict(n=0),
         dict(temperature=-1.0),
         dict(temperature=float("nan")),
+        dict(temperature=1e-40),  # logits / 1e-40 overflow float32: NaN log-probs
+        dict(temperature=9e-6),
+        dict(temperature=float("inf")),
         dict(top_p=0.0),
         dict(top_p=1.5),
         dict(top_k=-1),
@@ -134,3 +137,25 @@ def test_counter_uniforms_are_deterministic_uniform_and_depend_on_every_input() 
 def test_sampling_params_reject_out_of_range_values(bad: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
         SamplingParams(**bad)
+
+
+def test_the_smallest_temperature_is_accepted_as_the_proto_carries_it() -> None:
+    from tauflow.rollout.engine.base import MIN_TEMPERATURE
+
+    as_float32 = torch.tensor(MIN_TEMPERATURE, dtype=torch.float32).item()  # a little below 1e-5
+    assert SamplingParams(temperature=as_float32).temperature == as_float32
+    assert SamplingParams(temperature=0.0).greedy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1e-40, 0.0])
+def test_a_row_of_non_finite_logits_gets_a_token_in_range_and_leaves_the_others_alone(temperature: float) -> None:
+    # logits / 1e-40 are inf, as a model that overflows gives: the row's log-prob says so, the index stays in range
+    logits = torch.stack([PROBS.log(), torch.tensor([1.0, float("nan"), 0.0, 2.0]), PROBS.log() * 3])
+    temps = torch.tensor([1.0, 1.0, temperature])
+    tokens, logprobs = sample_tokens(
+        logits, temps, torch.ones(3), torch.zeros(3, dtype=torch.long), torch.tensor([0.01, 0.99, 0.5])
+    )
+    assert bool(((tokens >= 0) & (tokens < 4)).all())
+    assert not math.isfinite(logprobs[1].item())
+    assert tokens[0].item() == 0 and logprobs[0].item() == pytest.approx(math.log(0.05), abs=1e-6)
+    assert math.isfinite(logprobs[2].item()) == (temperature != 1e-40)

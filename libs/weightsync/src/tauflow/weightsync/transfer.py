@@ -205,7 +205,8 @@ class WeightReceiver:
         Idempotent by ``group_name`` with the same arguments. ``ReceiveError('exists')``
         for the same name with other arguments, ``('precondition')`` when a group of a
         newer epoch is held, ``('invalid')`` for bad arguments; ``PhaseError(GROUP_INIT)``
-        when the rendezvous misses its deadline.
+        when the rendezvous misses its deadline. The group held before is left only once
+        the new one has formed: a refused call keeps it.
         """
         if not spec.group_name or not spec.master_address:
             raise ReceiveError("invalid", "group_name and master_address must be set")
@@ -226,16 +227,18 @@ class WeightReceiver:
                     "precondition",
                     f"already in group {g.name!r} of epoch {g.spec.membership_epoch}, newer than {spec.membership_epoch}",
                 )
-            if g is not None:
-                g.destroy()
-            self._group = None
-            self._partial = None
+            # The new group forms first: a request whose group never forms (a store nobody serves, a sender
+            # that never joins) is refused and leaves the group held, and a version it was receiving, as they were.
             key = (spec.master_address, spec.master_port)
             store = self._stores.get(key)
             if store is None:
                 store = connect_store(spec.master_address, spec.master_port, spec.timeout_s, label=self.label)
-                self._stores[key] = store
-            self._group = WeightGroup(store, spec, {0: "sender"})
+            new = WeightGroup(store, spec, {0: "sender"})
+            self._stores[key] = store
+            if g is not None:
+                g.destroy()
+            self._group = new
+            self._partial = None
             log.info(
                 "joined weight group",
                 extra={"group": spec.group_name, "rank": spec.rank, "world_size": spec.world_size},
@@ -268,6 +271,12 @@ class WeightReceiver:
             self._stores.clear()
 
     # -- buckets --
+
+    def check_bucket(self, req: BucketRequest) -> None:
+        """Raises the ReceiveError that ``receive_bucket`` would raise for ``req`` as things stand, at once:
+        it does not wait for a receive in progress (``receive_bucket`` checks again under the lock). Lets a
+        caller refuse a bad request before it does anything for it."""
+        self._check(req)
 
     def _check(self, req: BucketRequest) -> WeightGroup:
         n = len(req.names)

@@ -38,6 +38,13 @@ class PoolConfig(StrictModel):
     """The pool of worker processes that runs ``process`` functions."""
 
     workers: int = Field(default_factory=_default_workers, ge=1, description="worker processes")
+    call_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="the fraction of the workers one Score call holds at once (at least one): the others stay "
+        "free for other calls, so that a call of slow samples cannot make them wait; 1 lets one call take all",
+    )
     max_tasks_per_worker: int = Field(
         10_000, ge=0, description="a worker is replaced after this many calls (bounds leaks); 0 never"
     )

@@ -9,18 +9,26 @@ group, for group-level functions) with the per-sample timeout, measured from the
 starts the task. A task that runs past it is stopped by terminating its worker process, which the pool
 replaces; a worker that dies (a segfault, ``os._exit``) fails only its own task. Either way the sample
 gets the function's fallback score and a status, and the service keeps serving.
+
+The pool's workers are shared between calls: a call's tasks wait here, not in the pool's own first-come
+queue, and a free worker takes the next task of the next call in turn (round robin), each call holding at
+most ``pool.call_share`` of the workers at once. So a call of slow samples (up to its sample timeout
+each) cannot make the other calls wait for it: theirs start on the workers it leaves free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -59,14 +67,51 @@ def from_outcome(outcome: worker.Outcome, fallback: float) -> SampleResult:
     return SampleResult(Status.ERROR, fallback, {}, message, duration, "error", detail)
 
 
+@dataclass(eq=False)
+class _Task:
+    """One sample's (or group's) call of a function in the pool: waiting for a worker, then running in one."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    timeout_s: float
+    outcome: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+    running: ProcessFuture[Any] | None = None
+
+
+@dataclass(eq=False)
+class _Call:
+    """One Score call's tasks in the pool: those still waiting for a worker, and how many run now."""
+
+    tasks: list[_Task]
+    waiting: deque[_Task]
+    running: int = 0
+
+
+def _settle(outcome: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """A task's result or error, unless its call is over (then its outcome was cancelled)."""
+    try:
+        if error is not None:
+            outcome.set_exception(error)
+        else:
+            outcome.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled: its call is over
+        pass
+
+
 class Scorer:
-    """Scores groups with a registered function; owns the worker pool."""
+    """Scores groups with a registered function; owns the worker pool and shares it between calls."""
 
     def __init__(self, pool_config: PoolConfig, preload_refs: Sequence[str] = ()) -> None:
         self.pool_config = pool_config
         self.preload_refs = list(preload_refs)
         self._pool: ProcessPool | None = None
         self.pool_restarts = 0
+        # Tasks are handed to the pool only when a worker is free, so that the next one is picked fairly.
+        # The lock guards the pool and what follows (pebble reports finished tasks on its own thread).
+        self._lock = threading.RLock()
+        self._calls: deque[_Call] = deque()  # calls with tasks waiting, in turn
+        self._running: dict[_Task, _Call] = {}  # tasks the pool holds
+        self._per_call = max(1, int(pool_config.workers * pool_config.call_share))
 
     # -- the pool ------------------------------------------------------------------------------
 
@@ -89,13 +134,15 @@ class Scorer:
 
     def pool(self) -> ProcessPool:
         """The pool, made anew if it broke (pebble stops a pool whose workers cannot be started)."""
-        if self._pool is None or not self._pool.active:
-            if self._pool is not None:
-                log.warning("worker pool is not active; starting a new one")
-                self.pool_restarts += 1
-                self._pool.stop()
-            self._pool = self._new_pool()
-        return self._pool
+        with self._lock:
+            if self._pool is None or not self._pool.active:
+                if self._pool is not None:
+                    log.warning("worker pool is not active; starting a new one")
+                    self.pool_restarts += 1
+                    self._pool.stop()
+                    self._lose_running()
+                self._pool = self._new_pool()
+            return self._pool
 
     async def start(self) -> None:
         """Starts the workers and waits until each answers, so the first Score pays no start-up."""
@@ -104,10 +151,81 @@ class Scorer:
         await asyncio.gather(*futures)
 
     def close(self) -> None:
+        with self._lock:
+            waiting = [t for c in self._calls for t in c.waiting]
+            self._calls.clear()
+        for task in waiting:
+            task.outcome.cancel()
         if self._pool is not None:
             self._pool.stop()
             self._pool.join(timeout=10)
             self._pool = None
+
+    # -- sharing the pool between calls ---------------------------------------------------------
+
+    def _submit(self, tasks: list[_Task]) -> _Call:
+        call = _Call(tasks, deque(tasks))
+        with self._lock:
+            self._calls.append(call)
+        self._dispatch()
+        return call
+
+    def _dispatch(self) -> None:
+        """Hands waiting tasks to free workers: the next call's in turn, each call up to its share."""
+        started: list[tuple[_Task, ProcessFuture[Any]]] = []
+        with self._lock:
+            while len(self._running) < self.pool_config.workers:
+                call = next((c for c in self._calls if c.running < self._per_call), None)
+                if call is None:
+                    break
+                self._calls.remove(call)
+                task = call.waiting.popleft()
+                if call.waiting:
+                    self._calls.append(call)  # behind the other calls
+                if task.outcome.cancelled():
+                    continue
+                try:
+                    task.running = self.pool().schedule(task.fn, task.args, timeout=task.timeout_s)
+                except Exception as e:  # noqa: BLE001 - e.g. no worker can start: the task's failure, reported
+                    _settle(task.outcome, error=e)
+                    continue
+                self._running[task] = call
+                call.running += 1
+                started.append((task, task.running))
+        for task, running in started:  # (outside the lock: a done future calls back at once)
+            running.add_done_callback(functools.partial(self._finished, task))
+
+    def _finished(self, task: _Task, running: ProcessFuture[Any]) -> None:
+        with self._lock:
+            call = self._running.pop(task, None)
+            if call is not None:
+                call.running -= 1
+        if running.cancelled():
+            task.outcome.cancel()
+        elif running.exception() is not None:
+            _settle(task.outcome, error=running.exception())
+        else:
+            _settle(task.outcome, result=running.result())
+        self._dispatch()
+
+    def _lose_running(self) -> None:
+        """The pool broke with tasks in it that it may never report: they fail, and free their workers."""
+        lost, self._running = self._running, {}
+        for task, call in lost.items():
+            call.running -= 1
+            _settle(task.outcome, error=RuntimeError("the worker pool broke while it ran this task"))
+
+    def _withdraw(self, call: _Call) -> None:
+        """The call is over (answered, past its deadline or cancelled): its waiting tasks never start, and its
+        running ones are stopped (pebble ends their workers), which frees their workers for the others."""
+        with self._lock:
+            if call in self._calls:
+                self._calls.remove(call)
+            call.waiting.clear()
+        for task in call.tasks:
+            if task.running is not None:
+                task.running.cancel()
+            task.outcome.cancel()
 
     # -- scoring -------------------------------------------------------------------------------
 
@@ -193,23 +311,16 @@ class Scorer:
     ) -> list[list[SampleResult]]:
         if not groups:
             return []
-        pool = self.pool()
-        tasks: list[ProcessFuture[list[worker.Outcome]]] | list[ProcessFuture[worker.Outcome]]
         if fn.group_level:
-            tasks = [pool.schedule(worker.call_group, (fn.ref, g, config), timeout=timeout_s) for g in groups]
+            tasks = [_Task(worker.call_group, (fn.ref, g, config), timeout_s) for g in groups]
         else:
-            tasks = [
-                pool.schedule(worker.call_sample, (fn.ref, s, config), timeout=timeout_s)
-                for g in groups
-                for s in g.samples
-            ]
-        waiting = [asyncio.wrap_future(t) for t in tasks]
+            tasks = [_Task(worker.call_sample, (fn.ref, s, config), timeout_s) for g in groups for s in g.samples]
+        call = self._submit(tasks)
+        waiting = [asyncio.wrap_future(t.outcome) for t in tasks]
         try:
             _, pending = await asyncio.wait(waiting, timeout=deadline_s)
         finally:
-            for t in tasks:  # a cancelled call (or a deadline) stops its queued and running tasks
-                if not t.done():
-                    t.cancel()
+            self._withdraw(call)  # a cancelled call (or a deadline) stops its queued and running tasks
             for w in waiting:  # failures are read below or dropped with the call; never "never retrieved"
                 if w.done() and not w.cancelled():
                     w.exception()

@@ -90,6 +90,10 @@ class SidecarUnavailable(Exception):
     """The sidecar did not answer in time, is down, or has no room for a member: try again later."""
 
 
+class UnknownVersion(LookupError):
+    """The sidecar holds no manifest of the policy version asked for (never published, or no longer retained)."""
+
+
 class SidecarPort(Protocol):
     async def is_member(self, member_id: str, address: str) -> bool:
         """Whether the sidecar lists ``member_id`` at ``address`` as joining or active (SidecarUnavailable
@@ -99,7 +103,8 @@ class SidecarPort(Protocol):
         """Joins as a member that serves ``loaded_version`` (SidecarUnavailable: try again later)."""
 
     async def checksum_algorithm(self, policy_version: int) -> str:
-        """The checksum algorithm of the manifest of ``policy_version``."""
+        """The checksum algorithm of the manifest of ``policy_version`` (UnknownVersion when the sidecar
+        holds none, SidecarUnavailable when it cannot say now)."""
 
     async def confirm(self, member_id: str, version: ReceivedVersion, traceparent: str, tracestate: str) -> None:
         """Tells the sidecar that ``version`` is loaded; best effort (a failure is logged: the sidecar's

@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
 from tauflow.rollout.engine.base import GenerationEngine, WeightUpdateError
-from tauflow.rollout.ports import SidecarPort
+from tauflow.rollout.ports import SidecarPort, UnknownVersion
 from tauflow.weightsync import (
     ALIGN_BYTES,
     BucketRequest,
@@ -44,6 +44,8 @@ tracer = trace.get_tracer("tauflow.rollout")
 T = TypeVar("T")
 
 LOAD_ERRORS = (ReceiveError, PhaseError, ChecksumMismatch, WeightUpdateError)  # what refuses a bucket
+# Versions whose checksum algorithm is remembered: the sidecar sends one version at a time, the newest.
+CHECKSUM_ALGORITHMS_KEPT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +101,14 @@ class WeightLoader:
 
     async def receive(self, bucket: BucketRequest) -> ReceivedVersion | None:
         """Receives one bucket; the version once its last bucket is in, verified and swapped in (then it
-        is confirmed in the background), else None. Raises one of LOAD_ERRORS when refused."""
-        self._load_started.setdefault((bucket.policy_version, bucket.membership_epoch), time.time_ns())
+        is confirmed in the background), else None. Raises one of LOAD_ERRORS when refused, or
+        SidecarUnavailable when the sidecar cannot name the version's checksum algorithm now."""
+        # A request for no group held, another epoch, or out of order is refused before the sidecar is asked
+        # or anything is recorded for it.
+        self.receiver.check_bucket(bucket)
+        key = (bucket.policy_version, bucket.membership_epoch)
+        first = key not in self._load_started
+        self._load_started.setdefault(key, time.time_ns())
         try:
             algorithm = await self._checksum_algorithm(bucket.policy_version, bucket.manifest_checksum)
             bucket = dataclasses.replace(bucket, checksum_algorithm=algorithm)
@@ -111,6 +119,10 @@ class WeightLoader:
                 await asyncio.wrap_future(self.engine.stage_broadcast(version.policy_version, version.tensors))
         except LOAD_ERRORS as e:
             self._load_span(bucket, None, e)
+            raise
+        except BaseException:  # the sidecar unavailable, or the call cancelled: no load to record
+            if first:
+                self._load_started.pop(key, None)
             raise
         if version is not None:
             self._confirm_in_background(version, *self._load_span(bucket, version))
@@ -147,10 +159,19 @@ class WeightLoader:
         return await asyncio.get_running_loop().run_in_executor(self._receiver_thread, fn, *args)
 
     async def _checksum_algorithm(self, version: int, checksum: str) -> str:
+        if self.sidecar is None:
+            return ""
         key = (version, checksum)
-        if key not in self._checksum_algorithms and self.sidecar is not None:
-            self._checksum_algorithms[key] = await self.sidecar.checksum_algorithm(version)
-        return self._checksum_algorithms.get(key, "")
+        algorithm = self._checksum_algorithms.get(key)
+        if algorithm is None:
+            try:
+                algorithm = await self.sidecar.checksum_algorithm(version)
+            except UnknownVersion as e:
+                raise ReceiveError("precondition", str(e)) from None
+            if len(self._checksum_algorithms) >= CHECKSUM_ALGORITHMS_KEPT:
+                del self._checksum_algorithms[next(iter(self._checksum_algorithms))]  # the oldest
+            self._checksum_algorithms[key] = algorithm
+        return algorithm
 
     def _load_span(
         self,

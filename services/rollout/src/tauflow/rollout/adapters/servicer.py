@@ -21,6 +21,7 @@ from tauflow.models.processor import Processed
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
+from tauflow.rollout.ports import SidecarUnavailable
 from tauflow.rollout.producer import Producer
 from tauflow.rollout.text import ChatTemplateError, TextCodec
 from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
@@ -149,8 +150,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 processed = await asyncio.to_thread(self.processor, parts)  # decodes media: off the event loop
                 prompt, inputs = processed.token_ids, [processed.inputs]
             if self.engine.policy_version < request.min_policy_version:
-                remaining = min(context.time_remaining() or self.config.max_wait_s, self.config.max_wait_s)
-                ok = await asyncio.to_thread(self.engine.wait_for_version, request.min_policy_version, remaining)
+                remaining = context.time_remaining()
+                remaining = self.config.max_wait_s if remaining is None else min(remaining, self.config.max_wait_s)
+                # (no thread held while waiting: a client that goes away ends its wait)
+                ok = await self.engine.reach_version(request.min_policy_version, remaining)
                 if not ok:
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
             queued = time.monotonic()
@@ -262,6 +265,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             version = await self.weights.receive(bucket_request_from_proto(request, checksum_algorithm=""))
         except LOAD_ERRORS as e:
             await _abort(context, _refusal_code(e), str(e))
+        except SidecarUnavailable as e:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, f"the weight sidecar did not answer: {e}"[:1024])
         return rollout_pb2.UpdateWeightsFromDistributedResponse(
             policy_version=request.policy_version,
             bucket_index=request.bucket_index,

@@ -13,7 +13,7 @@ from tauflow.api.weights.v1 import weights_pb2, weights_pb2_grpc
 from tauflow.core.channel import create_channel
 from tauflow.core.config import ChannelConfig
 from tauflow.rollout.adapters.retry import transient
-from tauflow.rollout.ports import SidecarUnavailable
+from tauflow.rollout.ports import SidecarUnavailable, UnknownVersion
 from tauflow.weightsync import ReceivedVersion
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,13 @@ class GrpcSidecar:
             raise (SidecarUnavailable(f"Join: {e.code().name}: {e.details()}") if transient(e) else e) from None
 
     async def checksum_algorithm(self, policy_version: int) -> str:
-        resp = await self.stub.GetManifest(weights_pb2.GetManifestRequest(policy_version=policy_version))
+        request = weights_pb2.GetManifestRequest(policy_version=policy_version)
+        try:
+            resp = await self.stub.GetManifest(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise UnknownVersion(f"the weight sidecar holds no manifest of version {policy_version}") from None
+            raise SidecarUnavailable(f"GetManifest: {e.code().name}: {e.details()}") from None
         return resp.manifest.checksum_algorithm
 
     async def confirm(self, member_id: str, version: ReceivedVersion, traceparent: str, tracestate: str) -> None:

@@ -27,6 +27,7 @@ import torch
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "Completion",
     "EngineClosedError",
     "EngineState",
@@ -38,6 +39,7 @@ __all__ = [
     "TensorSpec",
     "WeightUpdateError",
     "check_newer",
+    "check_temperature",
     "check_weight_specs",
     "staged_copies",
 ]
@@ -80,13 +82,29 @@ class EngineState(enum.IntEnum):
 _U64 = 1 << 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Below it, logits / temperature overflow float32 (inf, then NaN log-probs); vLLM too treats less as greedy.
+MIN_TEMPERATURE = 1e-5
+_MIN_TEMPERATURE_F32 = torch.tensor(MIN_TEMPERATURE, dtype=torch.float32).item()  # 1e-5 as the proto's float
+
+
+def check_temperature(temperature: float, *, greedy: bool) -> None:
+    """Raise InvalidRequestError unless ``temperature`` is finite and at least MIN_TEMPERATURE (or 0, with
+    ``greedy``: argmax decoding)."""
+    if greedy and temperature == 0:
+        return
+    if not (math.isfinite(temperature) and temperature >= _MIN_TEMPERATURE_F32):
+        allowed = "0 (greedy) or " if greedy else ""
+        raise InvalidRequestError(
+            f"temperature must be {allowed}a finite number of at least {MIN_TEMPERATURE:g}, got {temperature!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample, per prompt. Mirrors ``tauflow.api.rollout.v1.SamplingParams``.
 
-    - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it.
+    - ``temperature`` 0 means greedy (argmax); otherwise logits are divided by it, and it is at least
+      MIN_TEMPERATURE.
     - ``top_p`` in (0, 1]: keep the smallest set of most likely tokens whose probability sums to at least top_p.
     - ``top_k`` 0 means no limit.
     - ``stop_token_ids`` end a completion (the stop token is kept); the model's EOS tokens always do, unless
@@ -126,8 +144,7 @@ class SamplingParams:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.n, int) and self.n >= 1):
             raise InvalidRequestError(f"n must be a positive integer, got {self.n!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidRequestError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        check_temperature(self.temperature, greedy=True)
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -356,6 +373,33 @@ class GenerationEngine(ABC):
         """Block until the engine serves ``version`` or newer; False if ``timeout`` passes first."""
         with self._version_cv:
             return self._version_cv.wait_for(lambda: self._version >= version, timeout)
+
+    async def reach_version(self, version: int, timeout: float | None = None) -> bool:
+        """``wait_for_version`` for asyncio callers, without holding a thread while it waits: cancelling the
+        caller ends the wait. False if ``timeout`` passes first."""
+        loop = asyncio.get_running_loop()
+        reached: asyncio.Future[None] = loop.create_future()
+
+        def settle() -> None:
+            if not reached.done():
+                reached.set_result(None)
+
+        def on_version(loaded: int) -> None:  # (the engine's thread)
+            if loaded >= version and not loop.is_closed():
+                loop.call_soon_threadsafe(settle)
+
+        with self._version_cv:
+            if self._version >= version:
+                return True
+            self._version_listeners.append(on_version)
+        try:
+            await asyncio.wait_for(reached, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            with self._version_cv:
+                self._version_listeners.remove(on_version)
 
     def _publish_version(self, version: int) -> None:
         """For engines: the weights of ``version`` are loaded and serve from the next sampled token on."""

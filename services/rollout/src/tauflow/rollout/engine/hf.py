@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import os
 import random
 import threading
@@ -52,6 +51,7 @@ from tauflow.rollout.engine.base import (
     Scores,
     TensorSpec,
     check_newer,
+    check_temperature,
     staged_copies,
 )
 from tauflow.rollout.engine.sampling import counter_uniforms, row_keys, sample_tokens
@@ -490,8 +490,7 @@ class HFEngine(GenerationEngine):
     def submit_scoring(self, sequences: Sequence[ScoredSequence], temperature: float = 1.0) -> Future[Scores]:
         if not sequences:
             raise InvalidRequestError("at least one sequence is needed")
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise InvalidRequestError(f"temperature must be positive and finite, not {temperature}")
+        check_temperature(temperature, greedy=False)
         vocab = self.vocab_size
         clean: list[tuple[list[int], list[int]]] = []
         for i, seq in enumerate(sequences):
@@ -942,6 +941,9 @@ class HFEngine(GenerationEngine):
         tok, lp = sample_tokens(
             logits, b.temp, b.top_p, b.top_k, uniforms, truncate=b.truncate, any_greedy=b.any_greedy
         )
+        broken = ~torch.isfinite(lp) & ~b.done
+        if bool(broken.any()):
+            self._fail_rows(b, broken)
         active = ~b.done
         if b.n_done:
             tok = torch.where(active, tok, self._pad)
@@ -962,6 +964,21 @@ class HFEngine(GenerationEngine):
             b.finish = torch.where(finished, torch.where(stopped, _STOP, _LENGTH), b.finish)
             b.done |= finished
             self._harvest(b, finished.nonzero()[:, 0])
+
+    def _fail_rows(self, b: _Batch, broken: torch.Tensor) -> None:
+        """Rows whose logits were not finite (the model overflowed on them) fail their own requests; the other
+        rows of the batch decode on. The failed requests' other rows are dropped next turn."""
+        error = FloatingPointError("the model's logits were not finite (nan or inf) for this request")
+        self._last_error = f"{type(error).__name__}: {error}"
+        _log.error("hf engine %s: %s; failing %d row(s)", self.engine_id, error, int(broken.sum()))
+        for r in broken.nonzero()[:, 0].tolist():
+            future = b.rows[r].req.future
+            if not future.done():
+                future.set_exception(error)
+        b.done |= broken
+        b.n_done = int(b.done.sum())
+        with self._cv:
+            self._cancel_pending = True
 
     def _stop_string_hits(self, b: _Batch, active: torch.Tensor) -> torch.Tensor:
         """Rows whose newest token completed one of their stop strings. Only the tail is decoded: an earlier

@@ -67,6 +67,9 @@ def sample_tokens(
     probability sums to at least top_p; both are measured on the full temperature-scaled distribution and a
     token is kept only if both keep it (the most likely token always is). ``truncate=False`` (no row truncates)
     and ``any_greedy=False`` (no row is greedy) skip work; the result is the same.
+
+    A row whose logits are not finite (the model overflowed) still gets a token id in range, and a non-finite
+    log-prob that tells the caller so; the other rows are unaffected.
     """
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
@@ -82,9 +85,10 @@ def sample_tokens(
         keep[:, 0] = True
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
     cdf = probs.to(torch.float64).cumsum(dim=-1)
-    # target < cdf[:, -1] because uniforms < 1, so the index is in range and lands on a token of positive mass.
+    # target < cdf[:, -1] because uniforms < 1, so the index is in range and lands on a token of positive mass;
+    # but a row of non-finite logits has a NaN cdf, for which searchsorted answers V: clamped into range.
     target = uniforms.to(torch.float64)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     if any_greedy:
         tokens = torch.where(greedy, logp.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]

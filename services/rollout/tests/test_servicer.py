@@ -1,0 +1,269 @@
+"""The RolloutService layer, called directly with a stand-in for gRPC's context: what a hostile client's
+requests get (the documented code, never INTERNAL) and that they change nothing and block no other client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from tauflow.api.rollout.v1 import rollout_pb2 as pb
+from tauflow.rollout.adapters.servicer import RolloutServicer
+from tauflow.rollout.config import RolloutConfig
+from tauflow.rollout.engine.hf import HFEngine
+from tauflow.rollout.ports import SidecarUnavailable, UnknownVersion
+from tauflow.rollout.weights import CHECKSUM_ALGORITHMS_KEPT, WeightLoader
+from tauflow.weightsync import GroupSpec, StoreHost, WeightGroup
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class Context:
+    """What the servicer uses of ``grpc.aio.ServicerContext``."""
+
+    def __init__(self, time_remaining: float | None = None) -> None:
+        self._deadline = None if time_remaining is None else time.monotonic() + time_remaining
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+class Codec:
+    """A tokenizer stand-in: a character a token."""
+
+    has_chat_template = False
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [3 + ord(c) % 10 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+class Sidecar:
+    """The weight sidecar's port: knows the checksum algorithm of ``known`` versions only."""
+
+    def __init__(self, known: tuple[int, ...] = (), up: bool = True) -> None:
+        self.known = known
+        self.up = up
+        self.asked: list[int] = []
+
+    async def checksum_algorithm(self, policy_version: int) -> str:
+        self.asked.append(policy_version)
+        if not self.up:
+            raise SidecarUnavailable("GetManifest: UNAVAILABLE")
+        if policy_version not in self.known:
+            raise UnknownVersion(f"the weight sidecar holds no manifest of version {policy_version}")
+        return "xxh3_128"
+
+    async def confirm(self, *args: Any) -> None:
+        pass
+
+
+def _servicer(engine: HFEngine, model_dir: Path, sidecar: Sidecar | None = None, **config: Any) -> RolloutServicer:
+    weights = WeightLoader(engine, "rollout-0", sidecar)  # type: ignore[arg-type]
+    return RolloutServicer(RolloutConfig(model_path=str(model_dir), **config), engine, weights, None, Codec())  # type: ignore[arg-type]
+
+
+async def _refused(call: Any) -> Aborted:
+    with pytest.raises(Aborted) as refused:
+        await call
+    return refused.value
+
+
+# -- temperature -------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_temperature_is_refused_naming_the_field(engine: HFEngine, model_dir: Path) -> None:
+    servicer = _servicer(engine, model_dir)
+
+    async def main() -> None:
+        for tiny in (1e-40, 1e-30, 1e-6):
+            generate = pb.GenerateRequest(
+                prompt_token_ids=[1, 5], sampling=pb.SamplingParams(max_new_tokens=2, temperature=tiny)
+            )
+            refused = await _refused(servicer.Generate(generate, Context()))
+            assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in refused.details
+            score = pb.ComputeLogprobsRequest(
+                sequences=[pb.ScoredSequence(prompt_token_ids=[1, 5], completion_token_ids=[3])], temperature=tiny
+            )
+            refused = await _refused(servicer.ComputeLogprobs(score, Context()))
+            assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in refused.details
+        assert servicer.in_flight == 0 and engine.stats().last_error == ""
+        ok = pb.GenerateRequest(prompt_token_ids=[1, 5], sampling=pb.SamplingParams(max_new_tokens=2, temperature=1e-5))
+        assert len((await servicer.Generate(ok, Context())).samples[0].completion_token_ids) == 2
+
+    asyncio.run(main())
+
+
+# -- min_policy_version ------------------------------------------------------------------------------------
+
+
+def test_a_min_policy_version_wait_holds_no_thread_and_ends_with_its_caller(
+    engine: HFEngine, model_dir: Path, reference: Any
+) -> None:
+    servicer = _servicer(engine, model_dir, max_wait_s=8)  # (a wait that held a thread would end in 8 s)
+    waiting = pb.GenerateRequest(
+        prompt_token_ids=[1, 5], min_policy_version=10**9, sampling=pb.SamplingParams(max_new_tokens=2)
+    )
+    text = pb.GenerateRequest(prompt_text="12+34=", sampling=pb.SamplingParams(max_new_tokens=2))
+
+    async def main() -> None:
+        # One thread in the loop's default pool, where prompt_text is tokenized: the waits must not hold it.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        waits = [asyncio.create_task(servicer.Generate(waiting, Context())) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        answer = await asyncio.wait_for(servicer.Generate(text, Context()), 5)  # another client's, meanwhile
+        assert len(answer.samples) == 1 and answer.prompt_token_ids == Codec().encode("12+34=")
+        for w in waits:  # the waiting clients go away
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        assert servicer.in_flight == 0 and not engine._version_listeners
+        await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
+
+        # A wait ends with the version it waits for, or with its deadline.
+        soon = pb.GenerateRequest(
+            prompt_token_ids=[1, 5], min_policy_version=1, sampling=pb.SamplingParams(max_new_tokens=2)
+        )
+        refused = await _refused(servicer.Generate(soon, Context(time_remaining=0.2)))
+        assert refused.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        served = asyncio.create_task(servicer.Generate(soon, Context()))
+        await asyncio.sleep(0.05)
+        assert not served.done()
+        await asyncio.wrap_future(engine.stage_weights(1, reference.state_dict()))
+        answer = await asyncio.wait_for(served, 10)
+        assert set(answer.samples[0].token_versions) == {1}
+        assert not engine._version_listeners
+
+    asyncio.run(main())
+
+
+# -- weights -----------------------------------------------------------------------------------------------
+
+
+def _update(**fields: Any) -> pb.UpdateWeightsFromDistributedRequest:
+    request = pb.UpdateWeightsFromDistributedRequest(
+        names=["model.embed_tokens.weight"],
+        dtypes=["float32"],
+        shapes=[pb.TensorShape(dims=[16, 32])],
+        group_name="g-e1",
+        policy_version=1,
+        membership_epoch=1,
+        bucket_index=0,
+        bucket_count=1,
+        manifest_checksum="ab",
+    )
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+@pytest.fixture
+def sender() -> Iterator[tuple[StoreHost, list[WeightGroup]]]:
+    """A store for weight groups, and the groups formed on it as rank 0 (the sidecar's part)."""
+    host = StoreHost("127.0.0.1", 0, timeout_s=30)
+    groups: list[WeightGroup] = []
+    yield host, groups
+    for g in groups:
+        g.destroy()
+
+
+def test_refused_weight_buckets_ask_the_sidecar_nothing_and_change_nothing(
+    engine: HFEngine, model_dir: Path, sender: tuple[StoreHost, list[WeightGroup]]
+) -> None:
+    sidecar = Sidecar(known=())
+    servicer = _servicer(engine, model_dir, sidecar)
+    loader = servicer.weights
+    host, groups = sender
+
+    async def main() -> None:
+        # no group held: every version the sidecar never heard of, and a bucket index past the count
+        for version in (1, 7, 123456):
+            refused = await _refused(servicer.UpdateWeightsFromDistributed(_update(policy_version=version), Context()))
+            assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "InitWeightsUpdateGroup" in refused.details
+        refused = await _refused(
+            servicer.UpdateWeightsFromDistributed(_update(bucket_index=5, bucket_count=1), Context())
+        )
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "bucket_index" in refused.details
+        assert sidecar.asked == [] and loader._load_started == {} and loader._checksum_algorithms == {}
+
+        # joined to a group: another epoch, or a bucket out of order, is refused before the sidecar is asked
+        spec = GroupSpec("127.0.0.1", host.port, "g-e1", 2, 0, "gloo", 1, 10.0)
+        formed = threading.Thread(target=lambda: groups.append(WeightGroup(host.store, spec)))
+        formed.start()
+        init = pb.InitWeightsUpdateGroupRequest(
+            master_address="127.0.0.1",
+            master_port=host.port,
+            rank_offset=1,
+            world_size=2,
+            group_name="g-e1",
+            backend="gloo",
+            membership_epoch=1,
+            timeout=Duration(seconds=10),
+        )
+        assert (await servicer.InitWeightsUpdateGroup(init, Context())).num_ranks == 1
+        formed.join(10)
+        for request, code in [
+            (_update(membership_epoch=2), grpc.StatusCode.FAILED_PRECONDITION),
+            (_update(bucket_index=1, bucket_count=2), grpc.StatusCode.FAILED_PRECONDITION),
+        ]:
+            assert (await _refused(servicer.UpdateWeightsFromDistributed(request, Context()))).code == code
+        assert sidecar.asked == []
+
+        # a version the sidecar holds no manifest of: FAILED_PRECONDITION; a sidecar that does not answer:
+        # UNAVAILABLE. Neither leaves anything behind.
+        refused = await _refused(servicer.UpdateWeightsFromDistributed(_update(policy_version=7), Context()))
+        assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and "no manifest of version 7" in refused.details
+        sidecar.up = False
+        refused = await _refused(servicer.UpdateWeightsFromDistributed(_update(policy_version=8), Context()))
+        assert refused.code == grpc.StatusCode.UNAVAILABLE
+        assert sidecar.asked == [7, 8] and loader._load_started == {} and loader._checksum_algorithms == {}
+        assert loader.group is not None and loader.group.name == "g-e1" and engine.policy_version == 0
+
+        # the algorithms remembered are bounded, however many (version, checksum) pairs are asked about
+        sidecar.up, sidecar.known = True, (1,)
+        for i in range(3 * CHECKSUM_ALGORITHMS_KEPT):
+            assert await loader._checksum_algorithm(1, f"checksum-{i}") == "xxh3_128"
+        assert len(loader._checksum_algorithms) == CHECKSUM_ALGORITHMS_KEPT
+
+    asyncio.run(main())
+    loader.forget_group()
+
+
+def test_the_sidecar_client_names_an_unknown_version_and_an_unreachable_sidecar() -> None:
+    from tauflow.rollout.adapters.weights_client import GrpcSidecar
+
+    class Stub:
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self.code = code
+
+        async def GetManifest(self, request: Any, timeout: float | None = None) -> Any:
+            assert timeout is not None  # never an unbounded wait
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no")
+
+    sidecar = GrpcSidecar.__new__(GrpcSidecar)
+    sidecar.timeout_s = 1.0
+    for code, error in [
+        (grpc.StatusCode.NOT_FOUND, UnknownVersion),
+        (grpc.StatusCode.UNAVAILABLE, SidecarUnavailable),
+        (grpc.StatusCode.INTERNAL, SidecarUnavailable),
+    ]:
+        sidecar.stub = Stub(code)  # type: ignore[assignment]
+        with pytest.raises(error):
+            asyncio.run(sidecar.checksum_algorithm(3))
