@@ -176,7 +176,7 @@ class RolloutServiceServicer:
         give the same numbers). Status: INVALID_ARGUMENT when `sequences` is
         empty, a prompt is empty, a token id is outside the vocabulary, a
         sequence is longer than the model's context, or `temperature` is not a
-        positive finite number; RESOURCE_EXHAUSTED when there are more than 4096
+        finite number of at least 1e-5; RESOURCE_EXHAUSTED when there are more than 4096
         sequences, more tokens than the server's `max_score_tokens`, or the
         server's in-flight call limit is reached, or the device runs out of memory;
         UNAVAILABLE when the engine is not serving (starting, draining);
