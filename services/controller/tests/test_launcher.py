@@ -147,6 +147,18 @@ def test_once_stopped_the_launcher_starts_and_restarts_nothing(tmp_path) -> None
     assert launcher.check() == []
 
 
+def test_a_process_spawned_as_the_run_stopped_is_killed_by_its_starter(tmp_path) -> None:
+    # stop() looks at the services once: a launch thread that registered a service before it and spawned the
+    # process after it would leave that process behind; the starter, told the run is stopping, kills it.
+    launcher = LocalLauncher(tmp_path)
+    svc = launcher.begin_start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+    assert svc.proc is not None and svc.proc.poll() is None
+    launcher.stopping = True  # (as stop() sets it, after its look)
+    with pytest.raises(ServiceFailed, match="the run is stopping"):
+        launcher.poll_start("queue")
+    assert svc.proc.wait(10) is not None
+
+
 def _kill_and_check(launcher: LocalLauncher, name: str) -> list[str]:
     svc = launcher.services[name]
     os.kill(svc.proc.pid, signal.SIGKILL)

@@ -83,10 +83,12 @@ def test_stop_run_says_stopping_records_why_and_ends_a_launch_that_still_waits(t
 
 def test_get_run_shows_the_config_without_its_secrets() -> None:
     config = {"name": "r", "external": {"queue": "q:1"}, "env": {"HF_TOKEN": "hf_abc", "queue_auth_token": "t"},
-              "roles": [{"password": "p", "port": 1}]}  # fmt: skip
+              "roles": [{"password": "p", "port": 1, "api_key": "k", "max_new_tokens": 8, "tokens_file": "f"}]}  # fmt: skip
     assert redacted(config) == {
         "name": "r",
         "external": {"queue": "q:1"},
         "env": {"HF_TOKEN": "<redacted>", "queue_auth_token": "<redacted>"},
-        "roles": [{"password": "<redacted>", "port": 1}],
+        "roles": [
+            {"password": "<redacted>", "port": 1, "api_key": "<redacted>", "max_new_tokens": 8, "tokens_file": "f"}
+        ],  # (settings that count tokens, or name a file, are not secrets)
     }

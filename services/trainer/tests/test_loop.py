@@ -317,6 +317,32 @@ def test_a_checkpoint_whose_caller_leaves_finishes_before_the_next_step_and_acks
     asyncio.run(scenario())
     assert loop.version == 2
 
+    # A loop stopped while its own checkpoint is written stays STOPPING when the write ends (the write used to
+    # put back the state it had seen: TRAINING on a stopped trainer, which Pause and Resume then accepted).
+    stopped = _loop(tiny_model_dir, tmp_path / "stopped", FakeQueue(groups[:2]), None, total=1)
+    save_stopped = stopped.backend.save_checkpoint
+
+    def slow_save_stopped(root, **kw):
+        writing.append(stopped.version)
+        time.sleep(0.5)
+        out = save_stopped(root, **kw)
+        writing.append(stopped.version)
+        return out
+
+    stopped.backend.save_checkpoint = slow_save_stopped
+
+    async def stop_during_the_final_checkpoint() -> None:
+        writing.clear()
+        task = asyncio.create_task(stopped.run())
+        await _until(lambda: bool(writing), task, timeout_s=60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: len(writing) == 2 and not stopped._lock.locked(), asyncio.ensure_future(asyncio.sleep(60)))
+        assert stopped.state is State.STOPPING and stopped.last_checkpoint is not None
+
+    asyncio.run(stop_during_the_final_checkpoint())
+
 
 def test_a_pause_during_the_long_poll_gives_the_batch_back_and_a_finished_trainer_stays_finished(
     tiny_model_dir, make_groups, tmp_path

@@ -98,9 +98,15 @@ def test_join_refuses_an_address_that_is_not_host_port_and_changes_nothing() -> 
         with pytest.raises(InvalidRequest, match="address must be host:port"):
             membership.join("m", bad, 1, ("gloo",), None, "")
     assert not membership.members
-    for good in ("127.0.0.1:50051", "rollout-0.rollout.svc.cluster.local:8000", "[::1]:1", "[fe80::1]:2"):
+    for good in (
+        "127.0.0.1:50051",
+        "rollout-0.rollout.svc.cluster.local:8000",
+        "[::1]:1",
+        "[fe80::1]:2",
+        "rollout_1:80",
+    ):
         membership.join(good, good, 1, ("gloo",), None, "")
-    assert len(membership.members) == 4
+    assert len(membership.members) == 5  # (the last a Compose service name)
 
 
 async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_not_a_repeat() -> None:

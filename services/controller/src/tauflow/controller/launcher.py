@@ -370,7 +370,8 @@ class ProcessLauncher:
         """Whether ``svc`` serves now (its ready file read, its ports pinned); raises ServiceFailed when it
         died while starting or ``deadline`` (monotonic) has passed."""
         assert svc.proc is not None
-        if self.stopping:  # (a launch still under way when the run was stopped)
+        if self.stopping:  # a launch still under way when the run was stopped: its process may have been
+            self._kill_alive([svc])  # spawned after stop() looked (nothing else would ever stop it)
             raise ServiceFailed(svc.name, "the run is stopping: nothing more starts")
         info = self._read_ready(svc)
         if info is None:

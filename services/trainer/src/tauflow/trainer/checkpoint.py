@@ -136,10 +136,14 @@ def write_checkpoint(
         header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
         (tmp / STATE_JSON).write_text(json.dumps({**header, **meta}, indent=1))
         _fsync_tree(tmp)
-        if final.exists():  # an incomplete folder of that name (no state file): not ours to trust
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # incomplete, damaged or another run's: set aside until the new one is in place
+            replaced = root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, replaced)
         os.rename(tmp, final)
         fsync_dir(root)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

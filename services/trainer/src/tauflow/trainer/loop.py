@@ -212,6 +212,8 @@ class TrainerLoop:
             parts.append(part)
             leases.append(HeldLease(part.lease_id, time.monotonic()))
             missing -= len(part.groups)
+            if not self._running.is_set():  # paused: what came goes back (run) without waiting for the rest
+                break
         return parts
 
     async def _train(self, parts: list[Batch], waited_from: float) -> tuple[StepResult, StepTiming]:
@@ -373,7 +375,8 @@ class TrainerLoop:
                     for lease in held:
                         await self.queue.ack(lease.lease_id)
             finally:
-                self.state = previous
+                if self.state is State.CHECKPOINTING:  # (not if the loop finished or stopped meanwhile)
+                    self.state = previous
             return info
 
     async def pause(self) -> int:

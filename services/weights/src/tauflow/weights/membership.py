@@ -27,7 +27,7 @@ from tauflow.weightsync import Phase, PhaseError
 
 MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
 # host:port of a member's RolloutService: a DNS name or IPv4 address, or an IPv6 one in brackets
-_HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
 class MemberState(enum.Enum):

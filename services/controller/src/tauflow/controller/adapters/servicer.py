@@ -23,7 +23,8 @@ _STATES = {
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
 }
 MAX_GRACE_S = 3600.0  # StopRun's grace_period: how long the services may take to stop, at most
-_SECRET_KEY = re.compile(r"token|secret|password|credential", re.IGNORECASE)
+# a key that names a secret (a token, HF_TOKEN, an api_key), not one that counts tokens (max_new_tokens)
+_SECRET_KEY = re.compile(r"(^|[._-])(token|secrets?|password|passwd|credentials?|api_?key)$", re.IGNORECASE)
 
 
 def redacted(config: object) -> object:
