@@ -15,7 +15,7 @@ import torch
 
 import tauflow.weights.retention as retention_module
 from tauflow.weights.config import DeadlinesConfig, WeightsConfig
-from tauflow.weights.errors import HandoffDeadline, InvalidRequest
+from tauflow.weights.errors import HandoffDeadline, InvalidRequest, ResourceExhausted
 from tauflow.weights.sidecar import Sidecar
 from tauflow.weightsync import Stager
 
@@ -51,8 +51,18 @@ async def test_a_hand_off_that_blocks_answers_at_its_deadline_and_holds_no_other
         with pytest.raises(HandoffDeadline, match="deadline"):
             await asyncio.wait_for(blocked, 2)
         assert (await asyncio.wait_for(good, 2)).policy_version == 1
-        # The blocked read still writes into its buffer: it is not handed to the next version.
+        # The blocked read still writes into its buffer: it is not handed to the next version, and its memory
+        # counts against max_retained_bytes until the read ends (repeated hung reads cannot grow the host's).
         assert retention.latest is not None and retention.latest.buffer is buffers[1] is not buffers[0]
+        retention.config.max_retained_bytes = 2 * manifest.total_bytes - 1  # (the new version and the hung copy)
+        with pytest.raises(ResourceExhausted, match="hand-offs still reading past their deadline"):
+            await retention.publish(stager.stage({"w": torch.ones(4)}, 2), stager.uri)
+        unblock.set()
+        for _ in range(200):
+            if not retention._abandoned_bytes:
+                break
+            await asyncio.sleep(0.01)
+        assert (await retention.publish(stager.stage({"w": torch.ones(4)}, 2), stager.uri)).policy_version == 2
     finally:
         unblock.set()
 

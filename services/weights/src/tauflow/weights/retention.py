@@ -7,6 +7,7 @@ older one while a newer waits); a newer publish supersedes a version whose broad
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -101,6 +102,13 @@ class Retention:
         self._outcomes: OrderedDict[int, tuple[str, PublishOutcome]] = OrderedDict()  # version -> (checksum, outcome)
         self._pool = BufferPool(pin=config.backend == "nccl" and torch.cuda.is_available())
         self._publish_lock = asyncio.Lock()
+        self._abandoned_bytes = 0  # buffers still written by hand-offs whose deadline passed (a hung read)
+
+    def _copy_abandoned(self, buf: torch.Tensor, copy: asyncio.Future[str]) -> None:
+        """A hand-off's read that ended after its deadline: its buffer is free again."""
+        _ignore_outcome(copy)
+        self._abandoned_bytes -= buf.numel()
+        self._pool.give(buf)
 
     @property
     def latest_version(self) -> int | None:
@@ -171,11 +179,13 @@ class Retention:
                         f"{manifest.checksum} (set rebase to replace it)"
                     )
             held = self.broadcasting.manifest.total_bytes if self.broadcasting is not None else 0
+            held += self._abandoned_bytes  # (their memory is held until their reads end)
             limit = self.config.max_retained_bytes
             if not shared and held + manifest.total_bytes > limit:
                 raise ResourceExhausted(
                     f"version {version} needs {manifest.total_bytes} bytes; with the {held} bytes of the version "
-                    f"being broadcast that exceeds max_retained_bytes {limit}"
+                    "being broadcast and of hand-offs still reading past their deadline that exceeds "
+                    f"max_retained_bytes {limit}"
                 )
             buf = None if shared else self._pool.take(manifest.total_bytes)
             started = time.monotonic()
@@ -201,8 +211,11 @@ class Retention:
                         ) from None
             except BaseException as e:
                 if copy is not None and not copy.done():
-                    # Its thread still writes into the buffer: the buffer is not reused, the outcome is nobody's.
-                    copy.add_done_callback(_ignore_outcome)
+                    # Its thread still writes into the buffer: the buffer is not reused until it ends (and counts
+                    # against max_retained_bytes meanwhile); the outcome is nobody's.
+                    assert buf is not None
+                    self._abandoned_bytes += buf.numel()
+                    copy.add_done_callback(functools.partial(self._copy_abandoned, buf))
                 elif buf is not None:
                     self._pool.give(buf)
                 self.metrics.handoff_failures.inc()
