@@ -771,6 +771,27 @@ def test_rebase_moves_version_back_and_repaces() -> None:
     assert q.stats().accepted_groups == 5
 
 
+def test_a_rebase_gives_the_previous_trainers_leases_back_at_once(tmp_path: Path) -> None:
+    # A trainer restarted from its checkpoint rebases; the leases its predecessor held came back only when they
+    # expired (lease_s, 120 s by default): their room in the pacing stalled the run that long.
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=2, groups_per_step=2)
+    for g in ("a", "b", "c", "d"):
+        q.put(rec(g))
+    first, second = _leased(q, 2), _leased(q, 2)
+    assert q.stats().leased_groups == 4 and q.stats().depth_groups == 0
+    assert q.set_trainer_version(0, rebase=True) == 0  # (the same version: it still gives them back)
+    stats = q.stats()
+    assert stats.leased_groups == 0 and stats.depth_groups == 4
+    with pytest.raises(FailedPrecondition, match="was rebased before this ack"):
+        q.ack(first)
+    before = fingerprint(q)
+    q = restart(q, path, c)
+    assert fingerprint(q) == recovered(before, c())  # (replayed from the log alike)
+    again = _leased(q, 4)  # in their order: the oldest lease's groups first
+    assert [g for g in q.memory.leases[again].group_ids] == ["a", "b", "c", "d"] and second != again
+
+
 def test_set_max_staleness() -> None:
     q, _ = make(max_staleness=2, groups_per_step=2)
     assert q.reserve("r1", "p", 6) is not None

@@ -193,11 +193,18 @@ class Connect(Protocol):
 
 class CheckPeer(Protocol):
     async def __call__(
-        self, role: str, address: str, records: dict[str, dict[str, Any]], name: str = "", follower: bool = False
+        self,
+        role: str,
+        address: str,
+        records: dict[str, dict[str, Any]],
+        name: str = "",
+        follower: bool = False,
+        timeout_s: float = 30.0,
     ) -> dict[str, Any]:
         """Asks the service of ``role`` at ``address`` what it is, records it in ``records[name or role]``,
         and raises a LaunchFailed when this controller cannot talk to it (a ``follower``, a trainer rank
-        other than 0, serves no contract of its role: its role alone is checked)."""
+        other than 0, serves no contract of its role: its role alone is checked); PeerUnavailable when it
+        does not answer within ``timeout_s``."""
         ...
 
 

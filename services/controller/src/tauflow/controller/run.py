@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
+CHECK_TIMEOUT_S = 5.0  # the check of a restarted process: a hung one must not hold the loop (it restarts the others)
 STOP_ORDER = [
     "rollout",
     "trainer",
@@ -133,6 +134,7 @@ class Run:
         self._dial = asyncio.Lock()  # one τ change at a time
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str] = {}
+        self._unchecked: set[str] = set()  # processes (re)started but not yet checked (CheckPeer): each pass asks
         self.run_id = f"{config.name}-{uuid.uuid4().hex[:12]}"
         self.started_wall = self._wall0
         self.following = False  # launched: the run trains (GetRun: RUNNING, not STARTING)
@@ -354,9 +356,21 @@ class Run:
         started, stopped = await asyncio.to_thread(
             self.scaler.reconcile, self.launcher, lambda index: self._spec(ROLLOUT, index, self._addresses)
         )
-        for name in [*restarted, *started]:  # a restart is how a rolling upgrade replaces a role: check it
-            svc = self.launcher.services[name]
-            await self.check_peer(svc.role, svc.address, self.summary.services, name, _follower(svc))
+        self._unchecked.update([*restarted, *started])
+        for name in sorted(self._unchecked):  # a restart is how a rolling upgrade replaces a role: check it
+            svc = self.launcher.services.get(name)
+            if svc is None:  # (stopped for good meanwhile: a replica scaled in)
+                self._unchecked.discard(name)
+                continue
+            try:
+                await self.check_peer(
+                    svc.role, svc.address, self.summary.services, name, _follower(svc), timeout_s=CHECK_TIMEOUT_S
+                )
+            except PeerUnavailable as e:  # died again, or hangs: its restarts (or the stall timeout) decide
+                log.warning("a restarted service did not say what it is; asked again", extra={"service": name,
+                            "code": e.code})  # fmt: skip
+                continue
+            self._unchecked.discard(name)
         back = {self.launcher.services[name].role for name in restarted}
         if self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
             await self._reapply_tau(peers, back)

@@ -30,7 +30,7 @@ RENEW      l     LEASE_ID
            ls    LEASE_S             the new duration (absent: unchanged)
 ACK        l     LEASE_ID            its groups are done
 RELEASE    l     LEASE_ID            its groups go back to the head of the queue
-           why   WHY                 "nacked" or "expired"
+           why   WHY                 "nacked", "expired" or "rebased" (its trainer restarted)
 EVICT      gs    GROUP_IDS           groups taken out without delivery
            why   WHY                 "stale" or "invalid" (quarantined)
 VERSION    v     VERSION             the trainer's policy version

@@ -397,10 +397,16 @@ class QueueState:
         return lease
 
     def set_trainer_version(self, version: int, rebase: bool = False) -> int:
+        """The trainer's version. ``rebase``: a trainer (re)started from its checkpoint, which may be older; the
+        leases still held are its predecessor's, and come back to the head of the queue now (what its checkpoint
+        holds it skips and acks) instead of when they expire (``lease_s``: the run stalled that long)."""
         if not 0 <= version <= MAX_VERSION:
             raise InvalidRequest(f"policy_version={version} must be between 0 and {MAX_VERSION}")
         if version > self.memory.trainer_version or (rebase and version != self.memory.trainer_version):
             self._log(VERSION, records.version_meta(version, rebase))
+        if rebase:
+            for lease in reversed(list(self.memory.leases.values())):  # (the oldest ends up at the very head)
+                self._log(RELEASE, records.release_meta(lease.lease_id, "rebased"))
         return self.memory.trainer_version
 
     def set_max_staleness(self, max_staleness: int) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.api.reward.v1 import reward_pb2
 from tauflow.api.rollout.v1 import rollout_pb2
@@ -16,6 +18,7 @@ from tauflow.api.trainer.v1 import trainer_pb2
 from tauflow.api.weights.v1 import weights_pb2
 from tauflow.controller import __version__
 from tauflow.controller.launcher import LaunchFailed
+from tauflow.controller.ports import PeerUnavailable
 from tauflow.core.channel import create_channel
 from tauflow.core.serverinfo import SERVICE, IncompatibleService, Requirement, check_compatible, fetch_server_info
 
@@ -49,7 +52,12 @@ class IncompatiblePeer(LaunchFailed):
 
 
 async def check_peer(
-    role: str, address: str, records: dict[str, dict[str, Any]], name: str = "", follower: bool = False
+    role: str,
+    address: str,
+    records: dict[str, dict[str, Any]],
+    name: str = "",
+    follower: bool = False,
+    timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     """The run's CheckPeer port: asks the service of ``role`` at ``address`` what it is; raises
     IncompatiblePeer when this controller cannot talk to it. Records the answer in ``records[name or role]``
@@ -58,11 +66,13 @@ async def check_peer(
     trainer rank other than 0) serves no contract of its role, only health and ServerInfo: its role is checked."""
     try:
         async with create_channel(address, [SERVICE]) as channel:
-            info = await fetch_server_info(channel, address)
+            info = await fetch_server_info(channel, address, timeout_s=timeout_s)
         need = Requirement(role, {}) if follower else REQUIREMENTS[role]
         check_compatible(info, need, address=address, peer=PEER)
     except IncompatibleService as e:
         raise IncompatiblePeer(str(e)) from e
+    except grpc.aio.AioRpcError as e:  # (it died again, or hangs: the launcher's restarts take it from here)
+        raise PeerUnavailable(role, e.code().name, e.details() or "") from e
     record = records.setdefault(name or role, {"checks": 0})
     record["build_version"] = info.build_version
     record["contracts"] = {c.package: c.revision for c in info.contracts}

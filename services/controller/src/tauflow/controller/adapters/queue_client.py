@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.controller.adapters import convert
-from tauflow.controller.adapters.errors import peer_errors
+from tauflow.controller.adapters.errors import POLL_TIMEOUT_S, peer_errors
 from tauflow.controller.ports import QueueStats
 from tauflow.core.channel import create_channel
 
@@ -18,7 +18,7 @@ class QueueClient:
 
     async def stats(self) -> QueueStats:
         with peer_errors("queue"):
-            reply = await self._stub.Stats(queue_pb2.StatsRequest())
+            reply = await self._stub.Stats(queue_pb2.StatsRequest(), timeout=POLL_TIMEOUT_S)
         return convert.queue_stats(reply)
 
     async def set_max_staleness(self, tau: int) -> None:

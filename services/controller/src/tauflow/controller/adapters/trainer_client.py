@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tauflow.controller.adapters import convert
-from tauflow.controller.adapters.errors import peer_errors
+from tauflow.controller.adapters.errors import POLL_TIMEOUT_S, peer_errors
 from tauflow.controller.ports import TrainerStatus, TrainerStep
 from tauflow.core.channel import create_channel
 
@@ -18,12 +18,14 @@ class TrainerClient:
 
     async def list_steps(self, from_step: int) -> list[TrainerStep]:
         with peer_errors("trainer"):
-            reply = await self._stub.ListSteps(trainer_pb2.ListStepsRequest(from_step=from_step))
+            reply = await self._stub.ListSteps(
+                trainer_pb2.ListStepsRequest(from_step=from_step), timeout=POLL_TIMEOUT_S
+            )
         return [convert.trainer_step(m) for m in reply.steps]
 
     async def status(self) -> TrainerStatus:
         with peer_errors("trainer"):
-            reply = await self._stub.GetStatus(trainer_pb2.GetStatusRequest())
+            reply = await self._stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=POLL_TIMEOUT_S)
         return convert.trainer_status(reply)
 
     async def set_max_staleness(self, tau: int) -> None:

@@ -21,6 +21,9 @@ from tauflow.trainer.adapters.retry import TRANSIENT, until_it_works
 from tauflow.trainer.ports import Batch
 
 log = logging.getLogger(__name__)
+# What the trainer waits out at the queue: a restart (TRANSIENT), and a full disk under its write-ahead log,
+# which it answers RESOURCE_EXHAUSTED until space comes back (a trainer that exited on it crash-looped).
+QUEUE_TRANSIENT = (*TRANSIENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GrpcQueue:
@@ -33,7 +36,7 @@ class GrpcQueue:
 
     async def set_version(self, version: int, rebase: bool = False) -> None:
         request = queue_pb2.SetTrainerVersionRequest(policy_version=version, rebase=rebase)
-        async for attempt in until_it_works():
+        async for attempt in until_it_works(QUEUE_TRANSIENT):
             with attempt:
                 await self.stub.SetTrainerVersion(request)
 
@@ -49,8 +52,8 @@ class GrpcQueue:
         try:
             resp = await self._get(request, timeout_s=wait_s + 30)
         except grpc.aio.AioRpcError as e:
-            if e.code() in TRANSIENT:
-                log.warning("queue unavailable; retrying", extra={"code": e.code().name})
+            if e.code() in QUEUE_TRANSIENT:
+                log.warning("queue unavailable; retrying", extra={"code": e.code().name, "details": e.details()})
                 await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
             raise
@@ -78,7 +81,7 @@ class GrpcQueue:
 
     async def ack(self, lease_id: str) -> None:
         try:
-            async for attempt in until_it_works():
+            async for attempt in until_it_works(QUEUE_TRANSIENT):
                 with attempt:
                     await self.stub.Ack(queue_pb2.AckRequest(lease_id=lease_id))
         except grpc.aio.AioRpcError as e:
@@ -90,7 +93,7 @@ class GrpcQueue:
 
     async def nack(self, lease_id: str) -> None:
         try:
-            async for attempt in until_it_works():
+            async for attempt in until_it_works(QUEUE_TRANSIENT):
                 with attempt:
                     await self.stub.Nack(queue_pb2.NackRequest(lease_id=lease_id))
         except grpc.aio.AioRpcError as e:
@@ -102,7 +105,7 @@ class GrpcQueue:
     async def renew(self, lease_id: str, lease_s: float) -> None:
         request = queue_pb2.RenewLeaseRequest(lease_id=lease_id, lease_duration=_duration(lease_s))
         try:
-            async for attempt in until_it_works():
+            async for attempt in until_it_works(QUEUE_TRANSIENT):
                 with attempt:
                     await self.stub.RenewLease(request)
         except grpc.aio.AioRpcError as e:

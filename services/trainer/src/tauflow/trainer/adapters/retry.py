@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    before_sleep_log,
+    retry_if_exception,
+    stop_after_delay,
+    stop_never,
+    wait_exponential,
+)
+
+log = logging.getLogger(__name__)
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -18,4 +29,5 @@ def until_it_works(
         wait=wait_exponential(0.2, max=5.0),
         stop=stop_after_delay(give_up_after_s) if give_up_after_s is not None else stop_never,
         reraise=True,
+        before_sleep=before_sleep_log(log, logging.WARNING),  # (a wait that lasts is seen in the log)
     )

@@ -317,7 +317,10 @@ class QueueServiceServicer:
     def SetTrainerVersion(self, request, context):
         """Tells the queue the trainer's current policy version, which opens room
         for producers. Versions only move forward unless `rebase` is set (a
-        trainer resumed from an older checkpoint).
+        trainer resumed from an older checkpoint). A rebase also returns every
+        lease still held to the head of the queue: they are the previous trainer
+        process's, and would otherwise hold their room in the pacing until they
+        expire. An ack of such a lease is FAILED_PRECONDITION.
         Retry class: idempotent.
         Status: OK; the response carries the version in force.
         """

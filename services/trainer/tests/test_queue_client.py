@@ -1,0 +1,56 @@
+"""The trainer's queue client against a real gRPC queue stand-in: a queue whose disk is full (RESOURCE_EXHAUSTED,
+as its write-ahead log answers then) is waited out, not a reason to exit (the trainer crash-looped on it)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
+from tauflow.core.config import ChannelConfig
+from tauflow.trainer.adapters.queue_client import GrpcQueue
+
+FULL = "the queue's disk is full: retry when space comes back"
+
+
+class FullDiskQueue(queue_pb2_grpc.QueueServiceServicer):
+    """Answers each method RESOURCE_EXHAUSTED ``full_for`` times, then as a queue with nothing to give."""
+
+    def __init__(self, full_for: int) -> None:
+        self.full_for = full_for
+        self.calls: list[str] = []
+
+    async def _full(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls.append(method)
+        if self.calls.count(method) <= self.full_for:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, FULL)
+
+    async def Get(self, request, context):
+        await self._full("Get", context)
+        return queue_pb2.GetResponse()
+
+    async def Ack(self, request, context):
+        await self._full("Ack", context)
+        return queue_pb2.AckResponse(acked_groups=1)
+
+    async def SetTrainerVersion(self, request, context):
+        await self._full("SetTrainerVersion", context)
+        return queue_pb2.SetTrainerVersionResponse()
+
+
+async def test_a_queue_whose_disk_is_full_is_waited_out(caplog: pytest.LogCaptureFixture) -> None:
+    server = grpc.aio.server()
+    queue = FullDiskQueue(full_for=2)
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(queue, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcQueue(f"127.0.0.1:{port}", "trainer", ChannelConfig(default_timeout_s=5))
+    try:
+        assert await client.get_batch(2, 0, wait_s=0.1, lease_s=10) is None  # full: nothing this time, no error
+        await client.ack("lease-1")  # retried until the disk has room again
+        await client.set_version(3)
+        assert queue.calls.count("Ack") == 3 and queue.calls.count("SetTrainerVersion") == 3
+        assert FULL in caplog.text  # the wait is in the log
+    finally:
+        await client.close()
+        await server.stop(0)
