@@ -149,6 +149,18 @@ def test_checkpoint_resume_is_bitwise_exact(tiny_model_dir: Path, make_groups: M
     assert c.version == 3 and not c.train_step(batches[0]).committed
 
 
+def test_a_damaged_checkpoint_is_refused_naming_its_file(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    b = TorchBackend(config(tiny_model_dir))
+    b.train_step(make_groups(0, 2))
+    info = b.save_checkpoint(tmp_path)
+    state = info.path / STATE_JSON
+    state.write_text(state.read_text()[:100])  # torn
+    with pytest.raises(ValueError, match=r"trainer_state.json is damaged .*move that checkpoint folder aside"):
+        TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+
+
 def test_rng_state_is_restored(tiny_model_dir: Path, tmp_path: Path) -> None:
     import random
 

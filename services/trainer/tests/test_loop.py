@@ -391,3 +391,30 @@ def test_a_checkpoint_directory_of_too_many_parts_is_refused_before_any_mkdir(tm
     with pytest.raises(ValueError, match="more than 32 parts"):
         servicer._directory("y/" * 1500)
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_the_disk_refuses_does_not_end_the_trainer(
+    tiny_model_dir, make_groups, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full checkpoint disk made the trainer exit (OSError 28), and its restarts fail alike until max_restarts
+    # failed the run. The steps' leases now stay held until a checkpoint is written; the last one is retried.
+    import errno
+
+    import tauflow.trainer.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "CHECKPOINT_RETRY_S", 0.01)
+    queue = FakeQueue(make_groups(1, 6))
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=3, checkpoint_every_steps=1)
+    save, refusals = loop.backend.save_checkpoint, [0]
+
+    def full_disk(root, **kw):
+        if refusals[0] < 4:  # the checkpoints of steps 1 and 2, then the last one twice
+            refusals[0] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(root, **kw)
+
+    loop.backend.save_checkpoint = full_disk
+    asyncio.run(loop.run())
+    assert loop.state is State.FINISHED and loop.version == 3 and refusals[0] == 4
+    assert len(queue.acked) == 6 and loop.last_checkpoint is not None and loop.last_checkpoint.policy_version == 3
+    assert "No space left on device" in loop.last_error

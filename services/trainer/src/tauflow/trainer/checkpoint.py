@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -177,11 +178,28 @@ def prune(root: Path, keep: int, *, spare: Path) -> None:
 
 
 def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint's JSON metadata and its torch state (on the CPU); refuses another format."""
-    meta = json.loads((path / STATE_JSON).read_text())
+    """The checkpoint's JSON metadata and its torch state (on the CPU); refuses another format, and a damaged
+    file naming it (the trainer does not fall back to an older checkpoint by itself: the leases of the steps
+    after it were acked, so those steps would be lost without a word)."""
+    try:
+        meta = json.loads((path / STATE_JSON).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / STATE_JSON} is damaged ({e}): {_OLDER}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path / STATE_JSON} is damaged (not a JSON object): {_OLDER}")  # noqa: TRY004
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-    return meta, torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path / STATE_TENSORS} is damaged ({e}): {_OLDER}") from None
+    return meta, state
+
+
+_OLDER = (
+    "move that checkpoint folder aside to resume from the one before it (the groups trained after that one were "
+    "acked: they do not come back)"
+)
 
 
 def _fsync_tree(path: Path) -> None:

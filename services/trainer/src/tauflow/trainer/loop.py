@@ -40,6 +40,7 @@ from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tauflow.trainer")
+CHECKPOINT_RETRY_S = 5.0  # the last checkpoint, refused by the disk: tried again this often
 
 
 class State(enum.Enum):
@@ -156,7 +157,7 @@ class TrainerLoop:
                 self._close_step_span(result)
                 waited_from = time.monotonic()
                 if self._checkpoint_due():
-                    await self.checkpoint()
+                    await self._checkpoint_when_due()
             self.state = State.FINISHED
             log.info("finished", extra={"version": self.version})
         except asyncio.CancelledError:
@@ -255,6 +256,23 @@ class TrainerLoop:
         )
         if len(self.groups_by_staleness) > self.config.history_steps:
             self.groups_by_staleness.pop(min(self.groups_by_staleness))
+
+    async def _checkpoint_when_due(self) -> None:
+        """The periodic checkpoint, and the last one. A write the disk refuses (full, read-only) does not end
+        the trainer (it crash-looped so): the steps' leases stay held and renewed, and the write is tried again
+        at the next one due; the last one until it is written (a run ends with every step durable)."""
+        while True:
+            try:
+                await self.checkpoint()
+                return
+            except OSError as e:
+                self.last_error = f"checkpoint not written: {type(e).__name__}: {e}"
+                log.warning("checkpoint not written; training goes on and tries again",
+                            extra={"version": self.version, "error": self.last_error})  # fmt: skip
+                if not self.done():
+                    return
+            await asyncio.sleep(CHECKPOINT_RETRY_S)
+            await self._renew(self._held)
 
     def _checkpoint_due(self) -> bool:
         return self.version % self.config.checkpoint_every_steps == 0 or self.done()
