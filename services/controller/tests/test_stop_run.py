@@ -83,12 +83,23 @@ def test_stop_run_says_stopping_records_why_and_ends_a_launch_that_still_waits(t
 
 def test_get_run_shows_the_config_without_its_secrets() -> None:
     config = {"name": "r", "external": {"queue": "q:1"}, "env": {"HF_TOKEN": "hf_abc", "queue_auth_token": "t"},
-              "roles": [{"password": "p", "port": 1, "api_key": "k", "max_new_tokens": 8, "tokens_file": "f"}]}  # fmt: skip
+              "roles": [{"password": "p", "port": 1, "api_key": "k", "max_new_tokens": 8, "tokens_file": "f",
+                         "AWS_SECRET_ACCESS_KEY": "a", "webhookToken": "w", "stop_token_ids": [2]}]}  # fmt: skip
+    hidden = "<redacted>"
     assert redacted(config) == {
         "name": "r",
         "external": {"queue": "q:1"},
-        "env": {"HF_TOKEN": "<redacted>", "queue_auth_token": "<redacted>"},
-        "roles": [
-            {"password": "<redacted>", "port": 1, "api_key": "<redacted>", "max_new_tokens": 8, "tokens_file": "f"}
-        ],  # (settings that count tokens, or name a file, are not secrets)
+        "env": {"HF_TOKEN": hidden, "queue_auth_token": hidden},
+        "roles": [  # (settings that count tokens, or name a file, are not secrets)
+            {
+                "password": hidden,
+                "port": 1,
+                "api_key": hidden,
+                "max_new_tokens": 8,
+                "tokens_file": "f",
+                "AWS_SECRET_ACCESS_KEY": hidden,
+                "webhookToken": hidden,
+                "stop_token_ids": [2],
+            }
+        ],
     }

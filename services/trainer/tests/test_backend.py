@@ -161,6 +161,32 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file(
         TorchBackend(config(tiny_model_dir), checkpoint=info.path)
 
 
+def test_a_checkpoint_write_that_fills_the_disk_says_so_as_enospc(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a full disk torch.save raises RuntimeError ("unexpected pos", "file write failed") and safetensors its
+    # own error: the trainer waits out ENOSPC (loop.py), so a full disk must reach it as one.
+    import errno
+    from collections import namedtuple
+
+    import tauflow.trainer.checkpoint as checkpoint_module
+
+    def failing_save(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    b = TorchBackend(config(tiny_model_dir))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 4096))
+    with pytest.raises(OSError) as full:
+        b.save_checkpoint(tmp_path / "full")
+    assert full.value.errno == errno.ENOSPC and "PytorchStreamWriter" in str(full.value)
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    with pytest.raises(RuntimeError, match="PytorchStreamWriter"):  # room on the disk: another failure, as it is
+        b.save_checkpoint(tmp_path / "room")
+    assert not list((tmp_path / "room").iterdir())  # (nothing half-written left)
+
+
 def test_rng_state_is_restored(tiny_model_dir: Path, tmp_path: Path) -> None:
     import random
 

@@ -417,4 +417,20 @@ def test_a_checkpoint_the_disk_refuses_does_not_end_the_trainer(
     asyncio.run(loop.run())
     assert loop.state is State.FINISHED and loop.version == 3 and refusals[0] == 4
     assert len(queue.acked) == 6 and loop.last_checkpoint is not None and loop.last_checkpoint.policy_version == 3
-    assert "No space left on device" in loop.last_error
+    assert loop.last_error == ""  # (said while the disk was full; cleared once a checkpoint was written)
+
+
+def test_a_checkpoint_directory_the_trainer_cannot_use_still_fails_it(tiny_model_dir, make_groups, tmp_path) -> None:
+    # Only a full disk is waited out: a directory it may not write (EACCES, ENOTDIR) fails the trainer, saying so,
+    # rather than training a whole run with nothing durable.
+    import errno
+
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", FakeQueue(make_groups(1, 2)), None, total=1)
+
+    def denied(root, **kw):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    loop.backend.save_checkpoint = denied
+    with pytest.raises(OSError, match="Permission denied"):
+        asyncio.run(loop.run())
+    assert loop.state is State.FAILED

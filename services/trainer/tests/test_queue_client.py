@@ -29,6 +29,9 @@ class FullDiskQueue(queue_pb2_grpc.QueueServiceServicer):
         await self._full("Get", context)
         return queue_pb2.GetResponse()
 
+    async def Deliver(self, request_iterator, context):  # (the client falls back to Get)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Deliver")
+
     async def Ack(self, request, context):
         await self._full("Ack", context)
         return queue_pb2.AckResponse(acked_groups=1)
@@ -51,6 +54,29 @@ async def test_a_queue_whose_disk_is_full_is_waited_out(caplog: pytest.LogCaptur
         await client.set_version(3)
         assert queue.calls.count("Ack") == 3 and queue.calls.count("SetTrainerVersion") == 3
         assert FULL in caplog.text  # the wait is in the log
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+async def test_a_batch_over_the_channels_message_limit_is_an_error_not_a_wait() -> None:
+    # gRPC answers RESOURCE_EXHAUSTED too for a message over the channel's limit: it never fits, so retrying it
+    # would lease and lose batch after batch (the queue's own limit above the trainer's).
+    class BigBatchQueue(queue_pb2_grpc.QueueServiceServicer):
+        async def Get(self, request, context):
+            group = queue_pb2.DeliveredGroup()
+            group.group.group_id = "g" * 200_000
+            return queue_pb2.GetResponse(groups=[group])
+
+    server = grpc.aio.server()
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(BigBatchQueue(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcQueue(f"127.0.0.1:{port}", "trainer", ChannelConfig(default_timeout_s=5, max_message_bytes=64 * 1024))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await client.get_batch(2, 0, wait_s=0.1, lease_s=10)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         await client.close()
         await server.stop(0)

@@ -357,20 +357,9 @@ class Run:
             self.scaler.reconcile, self.launcher, lambda index: self._spec(ROLLOUT, index, self._addresses)
         )
         self._unchecked.update([*restarted, *started])
-        for name in sorted(self._unchecked):  # a restart is how a rolling upgrade replaces a role: check it
-            svc = self.launcher.services.get(name)
-            if svc is None:  # (stopped for good meanwhile: a replica scaled in)
-                self._unchecked.discard(name)
-                continue
-            try:
-                await self.check_peer(
-                    svc.role, svc.address, self.summary.services, name, _follower(svc), timeout_s=CHECK_TIMEOUT_S
-                )
-            except PeerUnavailable as e:  # died again, or hangs: its restarts (or the stall timeout) decide
-                log.warning("a restarted service did not say what it is; asked again", extra={"service": name,
-                            "code": e.code})  # fmt: skip
-                continue
-            self._unchecked.discard(name)
+        # a restart is how a rolling upgrade replaces a role: check it (each at once: one that hangs costs
+        # the loop one deadline, not one each)
+        await asyncio.gather(*(self._check_restarted(name) for name in sorted(self._unchecked)))
         back = {self.launcher.services[name].role for name in restarted}
         if self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
             await self._reapply_tau(peers, back)
@@ -388,6 +377,22 @@ class Run:
                 if names
             )
             following.progressed_at = time.monotonic()  # a restarted role needs time to catch up
+
+    async def _check_restarted(self, name: str) -> None:
+        """CheckPeer of a process (re)started: kept in ``_unchecked`` until it answers."""
+        svc = self.launcher.services.get(name)
+        if svc is None:  # (stopped for good meanwhile: a replica scaled in)
+            self._unchecked.discard(name)
+            return
+        try:
+            await self.check_peer(
+                svc.role, svc.address, self.summary.services, name, _follower(svc), timeout_s=CHECK_TIMEOUT_S
+            )
+        except PeerUnavailable as e:  # died again, or hangs: its restarts (or the stall timeout) decide
+            log.warning("a restarted service did not say what it is; asked again", extra={"service": name,
+                        "code": e.code})  # fmt: skip
+            return
+        self._unchecked.discard(name)
 
     async def _read_members(self, peers: Peers) -> None:
         """Launcher external: the rollout servers the weight sidecar lists (they come and go with their

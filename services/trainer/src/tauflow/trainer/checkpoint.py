@@ -145,12 +145,31 @@ def write_checkpoint(
         fsync_dir(root)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, OSError) and out_of_space(e, root):
+            # torch.save and safetensors report a full disk as their own errors: said as what it is
+            raise OSError(errno.ENOSPC, f"no space left for the checkpoint ({type(e).__name__}: {e})") from e
         raise
     if own:
         prune(root, keep, spare=final)
     return read_checkpoint_info(final)
+
+
+FULL_BELOW_BYTES = 16 * 2**20  # free space under which a failed write is taken for a full disk
+
+
+def out_of_space(error: BaseException, root: Path) -> bool:
+    """Whether ``error``, a failed checkpoint write into ``root``, came of a full disk: an ENOSPC or EDQUOT, a
+    library's message saying so, or next to no free space left."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(error) or "os error 28" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(root).free < FULL_BELOW_BYTES
+    except OSError:
+        return False
 
 
 def _same_checkpoint(folder: Path, version: int, meta: Mapping[str, Any]) -> CheckpointInfo | None:
@@ -191,7 +210,11 @@ def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
     try:
         state = torch.load(path / STATE_TENSORS, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except (EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path / STATE_TENSORS} is damaged ({e}): {_OLDER}") from None
+    except RuntimeError as e:
+        if "PytorchStreamReader" not in str(e) and "zip" not in str(e):  # (not its file's: out of memory, say)
+            raise
         raise ValueError(f"{path / STATE_TENSORS} is damaged ({e}): {_OLDER}") from None
     return meta, state
 

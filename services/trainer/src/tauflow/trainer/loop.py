@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import logging
 import time
 from collections import Counter, deque
@@ -41,6 +42,7 @@ from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tauflow.trainer")
 CHECKPOINT_RETRY_S = 5.0  # the last checkpoint, refused by the disk: tried again this often
+NOT_WRITTEN = "checkpoint not written (disk full)"
 
 
 class State(enum.Enum):
@@ -264,9 +266,13 @@ class TrainerLoop:
         while True:
             try:
                 await self.checkpoint()
+                if self.last_error.startswith(NOT_WRITTEN):
+                    self.last_error = ""
                 return
             except OSError as e:
-                self.last_error = f"checkpoint not written: {type(e).__name__}: {e}"
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):  # (a directory it cannot use: fail, saying so)
+                    raise
+                self.last_error = f"{NOT_WRITTEN}: {type(e).__name__}: {e}"
                 log.warning("checkpoint not written; training goes on and tries again",
                             extra={"version": self.version, "error": self.last_error})  # fmt: skip
                 if not self.done():

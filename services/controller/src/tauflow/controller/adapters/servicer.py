@@ -23,8 +23,11 @@ _STATES = {
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
 }
 MAX_GRACE_S = 3600.0  # StopRun's grace_period: how long the services may take to stop, at most
-# a key that names a secret (a token, HF_TOKEN, an api_key), not one that counts tokens (max_new_tokens)
-_SECRET_KEY = re.compile(r"(^|[._-])(token|secrets?|password|passwd|credentials?|api_?key)$", re.IGNORECASE)
+# a key that names a secret (HF_TOKEN, webhookToken, AWS_SECRET_ACCESS_KEY, an api_key), not one that counts
+# tokens (max_new_tokens, stop_token_ids)
+_SECRET_KEY = re.compile(
+    r"secret|passw(or)?d|credential|private_?key|access_?key|api_?key|(^|[._-]|(?<=[a-z]))token$", re.IGNORECASE
+)
 
 
 def redacted(config: object) -> object:

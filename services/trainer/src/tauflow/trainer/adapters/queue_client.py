@@ -52,7 +52,8 @@ class GrpcQueue:
         try:
             resp = await self._get(request, timeout_s=wait_s + 30)
         except grpc.aio.AioRpcError as e:
-            if e.code() in QUEUE_TRANSIENT:
+            if e.code() in QUEUE_TRANSIENT and "larger than max" not in (e.details() or ""):
+                # (a batch over this channel's message limit never fits: raised, naming the limit)
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name, "details": e.details()})
                 await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
