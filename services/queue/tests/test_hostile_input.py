@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -428,3 +429,34 @@ async def test_a_repeated_ack_is_answered_only_once_the_first_is_durable(
     synced.set()
     answers = await asyncio.wait_for(asyncio.gather(first, again), 10)
     assert [a.acked_groups for a in answers] == [1, 0]
+
+
+async def test_a_large_group_is_checked_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB group takes about a second to decode in full: were that on the event loop, every other
+    call (a small Put, a Get, an Ack) would wait for it."""
+    from tauflow.queue.adapters import servicer as servicer_module
+
+    servicer, _ = _waiting_servicer()
+    ctx = _Context()
+    checking, release = threading.Event(), threading.Event()
+    real_record = wire.group_record
+
+    def slow_record(raw: bytes, max_group_bytes: int) -> Any:
+        if len(raw) > 1000:  # the large group: held until the small Put is answered
+            checking.set()
+            assert release.wait(30)
+        return real_record(raw, max_group_bytes)
+
+    monkeypatch.setattr(servicer_module, "OFF_LOOP_BYTES", 1000)
+    monkeypatch.setattr(wire, "group_record", slow_record)
+    large = asyncio.create_task(
+        servicer.Put(wire.PutRequestView(group=make_group("large", payload_tokens=500).SerializeToString()), ctx)
+    )
+    await _until(checking.is_set)
+    small = await asyncio.wait_for(
+        servicer.Put(wire.PutRequestView(group=make_group("small").SerializeToString()), ctx), 10
+    )
+    assert small.outcome == q.PUT_OUTCOME_ACCEPTED and not large.done()
+    release.set()
+    assert (await large).outcome == q.PUT_OUTCOME_ACCEPTED
+    assert servicer.state.stats().depth_groups == 2

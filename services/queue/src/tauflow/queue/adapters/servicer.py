@@ -82,7 +82,8 @@ def _seconds(value: Any, name: str) -> float:
         raise InvalidRequest(str(e)) from None
 
 
-MEDIA_DECODES = 2  # groups whose media Put decodes at once
+OFF_LOOP_CHECKS = 2  # large groups and media that Put checks at once, off the event loop
+OFF_LOOP_BYTES = 1 << 20  # a group this large is decoded off the event loop (64 MiB: about 1 s of full decode)
 _PUT_LIMITS = {"group": 2**31, "ticket_id": MAX_ID_CHARS}  # (the group's own bounds are the queue's: convert.py)
 MAX_PUT_BATCH = 1024  # entries of one PutBatch (queue.proto)
 _PUT_BATCH_LIMITS = {"puts": MAX_PUT_BATCH, "puts.group": 2**31, "puts.ticket_id": MAX_ID_CHARS}
@@ -96,7 +97,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self._waiters: deque[_Waiter] = deque()
         self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
         self.media_limits = media.MediaLimits.of(config.media.model_dump())
-        self.media_decodes = asyncio.Semaphore(MEDIA_DECODES)
+        self.off_loop_checks = asyncio.Semaphore(OFF_LOOP_CHECKS)
         self.draining = asyncio.Event()  # set when the service drains: the streams end
         self._readers: set[_Reading] = set()  # the PutStreams' readers
         metrics.watch(queue.stats)
@@ -279,10 +280,14 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """Validates and stores one group; returns (newly accepted, groups waiting). Put and PutStream."""
         if not request.group:
             raise convert.InvalidGroup("group must be set")
-        record = wire.group_record(request.group, self.max_group_bytes)
+        if not OFF_LOOP_BYTES < len(request.group) <= self.max_group_bytes:  # (over the limit: refused undecoded)
+            record = wire.group_record(request.group, self.max_group_bytes)
+        else:  # a large group's decode must not hold the event loop (every other call waits on it)
+            async with self.off_loop_checks:  # nor take every core: a few at once, the rest wait their turn
+                record = await asyncio.to_thread(wire.group_record, request.group, self.max_group_bytes)
         weights = media.PartCounts()
-        if record.media_parts:  # decoding images, sounds and videos must not hold the event loop
-            async with self.media_decodes:  # nor take every core: a few at once, the rest wait their turn
+        if record.media_parts:  # decoding images, sounds and videos: off the loop too
+            async with self.off_loop_checks:
                 weights = await asyncio.to_thread(wire.check_media, request.group, self.media_limits)
         if self.state.wal is not None and self.state.wal.broken is not None:
             # (a DUPLICATE answer would vouch for a group whose record may never reach the disk)
