@@ -87,3 +87,13 @@ def test_the_teacher_server_takes_settings_of_its_own(tmp_path) -> None:
     spec = build_run(config)._spec("teacher", 0, {})
     assert spec.settings["engine_options.device"] == "cuda" and spec.settings["max_score_tokens"] == 65536
     assert role_resources("teacher", spec.settings, config.ray)["num_gpus"] == 1.0
+
+
+def test_the_rollouts_generation_budget_is_the_trainers_dr_grpo_constant(tmp_path) -> None:
+    # Dr. GRPO divides by the generation budget (MAX_TOKENS), verl by its padded response length: the same
+    # number, which only the rollout's config holds
+    services = {"rollout": {"sampling": {"max_new_tokens": 48}}}
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), services=services))
+    assert run._settings("trainer", {})["backend.response_tokens"] == 48
+    unset = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
+    assert "backend.response_tokens" not in unset._settings("trainer", {})

@@ -73,6 +73,54 @@ def test_zero_advantage_groups_are_skipped_but_the_step_commits(tiny_model_dir: 
     assert r.groups == 2 and r.metrics["skipped_zero_advantage_groups"] == 1 and r.trained_tokens == 8
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"aggregation": "token-mean"},
+        {"aggregation": "seq-mean-token-mean", "mini_batches": 2},
+        {"aggregation": "seq-mean-token-sum-norm"},
+        {"aggregation": "sample-sum"},
+        {"algorithm": "gpg"},
+        {"kl_coef": 0.1, "entropy_coef": 0.01},
+    ],
+)
+def test_skipping_zero_advantage_groups_changes_no_update(tiny_model_dir: Path, options: dict[str, object]) -> None:
+    # The published formulas (DeepSeekMath's, verl's token mean, GPG's α = B / B_valid) average over every
+    # sample of the batch, a zero group's too: skipping its forward must not change a denominator (it scaled
+    # every other token's gradient by all tokens / those kept, 3x here), nor drop its KL and entropy terms.
+    def batch() -> list[Group]:
+        def group(name: str, rewards: list[float], length: int) -> Group:
+            return Group(
+                name, [Sample([1, 2], [3 + i % 4] * length, [-2.0] * length, reward=r) for i, r in enumerate(rewards)]
+            )
+
+        # (each of two mini-batches holds trained samples: one of zero groups alone would make no update, where
+        # the formula's zero gradient still moves Adam's momentum; docs/algorithms.md)
+        return [group("ones", [1, 1, 1, 1], 5), group("varied", [1, 0, 1, 0], 3), group("zeros", [0, 0, 0, 0], 2)]
+
+    algorithm = str(options.get("algorithm", "grpo"))
+    algorithm_options = {k: v for k, v in options.items() if k != "algorithm"}
+    updated = {}
+    for skip in (True, False):
+        optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=None)  # Adam with eps 1: the update ~ the gradient
+        b = TorchBackend(
+            config(
+                tiny_model_dir,
+                optim=optim,
+                algorithm=algorithm,
+                algorithm_options={**algorithm_options, "skip_zero_advantage_groups": skip},
+            )
+        )
+        r = b.train_step(batch())
+        updated[skip] = (params(b), r)
+    (skipping, r_skip), (all_run, r_all) = updated[True], updated[False]
+    computes_nothing_else = "kl_coef" not in options
+    assert r_skip.metrics["skipped_zero_advantage_groups"] == (2 if computes_nothing_else else 0)
+    assert r_skip.metrics["pg_loss"] == pytest.approx(r_all.metrics["pg_loss"], rel=1e-5, abs=1e-8)
+    for k in skipping:
+        assert torch.allclose(skipping[k], all_run[k], atol=1e-6), k
+
+
 def test_stale_groups_are_dropped_not_recorded(tiny_model_dir: Path, make_groups: MakeGroups) -> None:
     b = TorchBackend(config(tiny_model_dir))
     for i in range(3):
@@ -159,6 +207,45 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file(
     state.write_text(state.read_text()[:100])  # torn
     with pytest.raises(ValueError, match=r"trainer_state.json is damaged .*move that checkpoint folder aside"):
         TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+
+
+def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_it_is_loaded(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    b = TorchBackend(config(tiny_model_dir))
+    b.train_step(make_groups(0, 2))
+    info = b.save_checkpoint(tmp_path)
+    listed = json.loads((info.path / STATE_JSON).read_text())["files"]
+    assert {"model.safetensors", "trainer_state.pt", "config.json"} <= listed.keys()
+    for name in ("model.safetensors", "trainer_state.pt"):
+        file = info.path / name
+        whole = file.read_bytes()
+        middle = len(whole) // 2  # (a tensor's bytes: both files still load without the check)
+        file.write_bytes(whole[:middle] + bytes([whole[middle] ^ 1]) + whole[middle + 1 :])
+        with pytest.raises(ValueError, match=rf"{name} is damaged \(its sha256 .*move that checkpoint folder aside"):
+            TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+        with pytest.raises(ValueError, match=rf"{name} is damaged"):
+            b.load_checkpoint(info.path)
+        file.write_bytes(whole[:-1])  # cut short: its size
+        with pytest.raises(ValueError, match=rf"{name} is damaged \({len(whole) - 1} bytes, written as {len(whole)}"):
+            TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+        file.write_bytes(whole)
+    assert TorchBackend(config(tiny_model_dir), checkpoint=info.path).version == 1
+
+    # without checksums: the sizes only (no read back)
+    fast = TorchBackend(config(tiny_model_dir, checkpoint_checksums=False))
+    fast.train_step(make_groups(0, 2))
+    written = fast.save_checkpoint(tmp_path / "fast")
+    assert all("sha256" not in f for f in json.loads((written.path / STATE_JSON).read_text())["files"].values())
+    (written.path / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config.json is damaged \(missing\)"):
+        TorchBackend(config(tiny_model_dir), checkpoint=written.path)
+
+    # a checkpoint written before the files were listed still resumes
+    meta = json.loads((info.path / STATE_JSON).read_text())
+    del meta["files"]
+    (info.path / STATE_JSON).write_text(json.dumps(meta))
+    assert TorchBackend(config(tiny_model_dir), checkpoint=info.path).version == 1
 
 
 def test_a_checkpoint_write_that_fills_the_disk_says_so_as_enospc(
@@ -627,3 +714,16 @@ def test_fp16_mixed_precision_keeps_fp32_master_weights_and_a_loss_scale(tiny_mo
     assert "loss_scale" not in bf16.train_step(make_groups(0, 2)).metrics
     with pytest.raises(ValueError, match="float16 with a critic is not supported"):
         TorchBackend(config(tiny_model_dir, autocast_dtype="float16", algorithm="ppo"))
+
+
+def test_the_generation_budget_is_dr_grpos_constant_unless_set(tiny_model_dir: Path) -> None:
+    budget = config(tiny_model_dir, algorithm="dr_grpo", response_tokens=48)
+    assert budget.chosen_algorithm().config.loss_scale_factor == 48.0
+    assert TorchBackend(budget).algorithm.config.loss_scale_factor == 48.0
+    explicit = config(
+        tiny_model_dir, algorithm="dr_grpo", response_tokens=48, algorithm_options={"loss_scale_factor": 7}
+    )
+    assert explicit.chosen_algorithm().config.loss_scale_factor == 7
+    assert config(tiny_model_dir, algorithm="dr_grpo").chosen_algorithm().config.loss_scale_factor is None
+    with pytest.raises(ValueError, match="response_tokens"):
+        config(tiny_model_dir, response_tokens=0)

@@ -15,7 +15,16 @@ import torch
 
 from tauflow.trainer.advantages import Scored, estimate
 from tauflow.trainer.algorithms import ALGORITHMS, AlgorithmConfig
-from tauflow.trainer.losses import AGGREGATIONS, LossInputs, Normaliser, aggregate, kl_estimate, policy_loss, value_loss
+from tauflow.trainer.losses import (
+    AGGREGATIONS,
+    LossInputs,
+    Normaliser,
+    aggregate,
+    kl_estimate,
+    policy_loss,
+    summarize,
+    value_loss,
+)
 
 SEEDS = range(6)
 B, T = 6, 9
@@ -285,7 +294,9 @@ def ref_advantages(groups, c: AlgorithmConfig) -> list[list[Any]]:
     for group in groups:
         r = [s.reward for s in group]
         if len(r) == 1:
-            raw = r[0] / (1 + c.adv_eps) if c.estimator == "grpo" and c.norm_adv_by_std else r[0]
+            # (verl: a group of one has mean 0 and std 1, so the estimators that divide by the std give r / (1 + eps))
+            divides = c.estimator in ("grpo", "gpg", "grpo_passk", "opd") and c.norm_adv_by_std
+            raw = r[0] / (1 + c.adv_eps) if divides else r[0]
             out.append([0.0] if c.singleton_groups == "skip" else [alpha * raw])
             continue
         mean, std = ref_group_stats(r)
@@ -344,6 +355,28 @@ def test_equal_rewards_are_a_zero_group_for_group_baselines_but_not_after_whiten
         assert estimate(groups, ALGORITHMS[name].config).zero_groups[0] is True, name
     # REINFORCE++-baseline whitens over the batch: the equal group's 0 becomes −μ/σ, as in verl
     assert estimate(groups, ALGORITHMS["reinforce_pp_baseline"].config).zero_groups == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        (AlgorithmConfig(), 1 / (1 + 1e-6)),
+        (AlgorithmConfig(estimator="grpo_passk"), 1 / (1 + 1e-6)),
+        (AlgorithmConfig(estimator="gpg", gpg_alpha="nonzero"), 1 / (1 + 1e-6)),  # α = 1 / 1
+        (AlgorithmConfig(estimator="gpg", gpg_alpha="nonzero", norm_adv_by_std=False), 1.0),
+        (AlgorithmConfig(norm_adv_by_std=False), 1.0),
+        (AlgorithmConfig(estimator="rloo"), 1.0),
+    ],
+    ids=lambda x: f"{x.estimator}-{x.norm_adv_by_std}" if isinstance(x, AlgorithmConfig) else "",
+)
+def test_a_group_of_one_has_mean_0_and_std_1(config: AlgorithmConfig, want: float) -> None:
+    # verl's convention: the estimators that divide by (std + ε) give r / (1 + ε), the others r
+    assert estimate([[Scored(1.0, [True])]], config).values == [[pytest.approx(want, rel=1e-12)]]
+    # on-policy distillation's outcome term is the GRPO advantage of the outcome reward (teacher = student here)
+    opd = AlgorithmConfig(estimator="opd", opd_outcome_coef=1.0)
+    assert estimate([[Scored(1.0, [True], token_rewards=[0.0])]], opd).values == [
+        [[pytest.approx(1 / (1 + 1e-6), rel=1e-12)]]
+    ]
 
 
 def test_reinforce_pp_discounts_towards_the_first_token() -> None:
@@ -756,6 +789,34 @@ def test_value_loss_matches_the_reference(clip: float | None, mode: str, seed: i
     assert out.sums["value_clipped"] / out.sums["value_tokens"] == pytest.approx(fraction)
     if clip == 0.2:
         assert fraction > 0  # the case exercises the clip
+
+
+def test_value_clip_fraction_counts_only_where_the_clip_acts() -> None:
+    # old + (V − old) is not always V in floating point: a wide clip must count nothing
+    rng = np.random.default_rng(0)
+    old = torch.tensor(rng.normal(0, 3, (64, 32)), dtype=torch.float32)
+    v = torch.tensor(rng.normal(0, 30, (64, 32)), dtype=torch.float32)
+    ret = torch.tensor(rng.normal(0, 3, (64, 32)), dtype=torch.float32)
+    mask = torch.ones(64, 32, dtype=torch.bool)
+    config = AlgorithmConfig(estimator="gae", value_clip=100.0)
+    assert ((old + (v - old)) != v).any()  # (the case exercises the rounding)
+    assert value_loss(v, old, ret, mask, config, Normaliser.of(mask)).sums["value_clipped"] == 0.0
+
+
+def test_explained_variance_of_returns_far_from_zero_is_exact() -> None:
+    # Var(R) from Σ R² − (Σ R)²/n: in float32 sums, returns of 20 ± 0.05 lost the variance's digits
+    rng = np.random.default_rng(1)
+    ret = 20 + rng.normal(0, 0.05, (16, 64))
+    v = ret + rng.normal(0, 0.025, (16, 64))
+    mask = torch.ones(16, 64, dtype=torch.bool)
+    config = AlgorithmConfig(estimator="gae", value_clip=None)
+    out = value_loss(
+        torch.tensor(v, dtype=torch.float32), torch.tensor(v, dtype=torch.float32), torch.tensor(ret, dtype=torch.float32),
+        mask, config, Normaliser.of(mask),
+    )  # fmt: skip
+    r32, v32 = ret.astype(np.float32).astype(np.float64), v.astype(np.float32).astype(np.float64)
+    want = 1 - np.var(r32 - v32) / np.var(r32)
+    assert summarize([out.sums])["value_explained_variance"] == pytest.approx(want, abs=1e-4)
 
 
 def test_value_clip_keeps_the_critic_near_its_old_values() -> None:

@@ -146,6 +146,8 @@ class Run:
 
     def _settings(self, role: str, addresses: Mapping[str, str]) -> dict[str, object]:
         config, out = self.config, self.out_dir
+        # the rollout's generation budget, where the run sets it: Dr. GRPO's constant L in the trainer's loss
+        budget = flatten(config.services.get(ROLLOUT, {})).get("sampling.max_new_tokens")
         base: dict[str, dict[str, object]] = {
             "queue": {
                 "wal.dir": out / "queue-wal",
@@ -169,6 +171,7 @@ class Run:
                 "checkpoint_dir": out / "checkpoints",
                 "backend.optim.total_steps": config.steps,  # where a cosine schedule ends
                 "backend.temperature": config.temperature,
+                **({"backend.response_tokens": budget} if budget else {}),
                 **({"backend.teacher_address": addresses[TEACHER]} if addresses.get(TEACHER) else {}),
             },
             # A rollout server that only scores: no data set (no producer loop), no weight sidecar (its weights

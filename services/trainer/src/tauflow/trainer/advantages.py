@@ -93,12 +93,13 @@ def _result(
     return GroupAdvantages(values, [s or _is_zero(v) for v, s in zip(values, skipped, strict=True)], returns)
 
 
-def _singleton(group: Sequence[Scored], r: torch.Tensor, config: AlgorithmConfig) -> list[Advantage]:
-    """A group of one sample has no baseline: its raw reward (verl's convention: mean 0, std 1), or 0 (skip)."""
+def _singleton(r: torch.Tensor, config: AlgorithmConfig, divides_by_std: bool) -> list[Advantage]:
+    """A group of one sample has no baseline: its raw reward (verl's convention: mean 0, std 1, so r / (1 + eps)
+    where the estimator divides by the std), or 0 (skip)."""
     if config.singleton_groups == "skip":
         return [0.0]
     value = float(r[0])
-    return [value / (1.0 + config.adv_eps) if config.norm_adv_by_std and config.estimator == "grpo" else value]
+    return [value / (1.0 + config.adv_eps) if divides_by_std else value]
 
 
 def _equal(r: torch.Tensor) -> bool:
@@ -111,14 +112,16 @@ def _group_baseline(
     config: AlgorithmConfig,
     advantages_of: Callable[[torch.Tensor], list[float]],
     scale: float = 1.0,
+    divides_by_std: bool = False,
 ) -> GroupAdvantages:
     """The estimators with a group baseline: a group of one follows singleton_groups, a group of equal rewards
-    gets exactly 0, any other group ``advantages_of(its rewards)``; every value times ``scale`` (GPG's α)."""
+    gets exactly 0, any other group ``advantages_of(its rewards)``; every value times ``scale`` (GPG's α).
+    ``divides_by_std``: the estimator divides by (std + eps), a group of one's std being 1."""
     values: list[list[Advantage]] = []
     for group in groups:
         r = _rewards(group)
         if len(group) == 1:
-            row: Sequence[Advantage] = _singleton(group, r, config)
+            row: Sequence[Advantage] = _singleton(r, config, divides_by_std)
         elif _equal(r):
             row = [0.0] * len(group)
         else:
@@ -138,7 +141,7 @@ def _centred(r: torch.Tensor, config: AlgorithmConfig) -> list[float]:
 def grpo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
     """A_i = (r_i − mean(r)) / (std(r) + eps), std with Bessel's correction; without norm_adv_by_std
     (Dr. GRPO), A_i = r_i − mean(r)."""
-    return _group_baseline(groups, config, lambda r: _centred(r, config))
+    return _group_baseline(groups, config, lambda r: _centred(r, config), divides_by_std=config.norm_adv_by_std)
 
 
 def rloo(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
@@ -157,7 +160,7 @@ def grpo_passk(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> G
             a = a / (float(r.std(unbiased=True)) + config.adv_eps)
         return [a if i == best else 0.0 for i in range(len(r))]
 
-    return _group_baseline(groups, config, best_only)
+    return _group_baseline(groups, config, best_only, divides_by_std=config.norm_adv_by_std)
 
 
 def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdvantages:
@@ -170,7 +173,13 @@ def gpg(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) -> GroupAdv
         valid = sum(len(r) for r in rewards if len(r) > 1 and not _equal(r))
     else:
         valid = sum(int((r != 0).sum()) for r in rewards)
-    return _group_baseline(groups, config, lambda r: _centred(r, config), scale=total / max(valid, 1))
+    return _group_baseline(
+        groups,
+        config,
+        lambda r: _centred(r, config),
+        scale=total / max(valid, 1),
+        divides_by_std=config.norm_adv_by_std,
+    )
 
 
 def _whiten(per_sample: list[list[torch.Tensor]], masks: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:

@@ -96,7 +96,8 @@ class AlgorithmConfig:
     singleton_groups: str = "raw"
     """A group of one sample: raw (its reward as advantage, no baseline: verl's convention) or skip."""
     skip_zero_advantage_groups: bool = True
-    """Groups whose every advantage is 0 (e.g. all rewards equal) run no forward/backward."""
+    """Groups whose every advantage is 0 (e.g. all rewards equal) run no forward/backward where that is all their
+    loss would hold (no KL or entropy term); they count in the denominators either way: the same update."""
     overlong_buffer: int | None = None
     """DAPO's overlong reward shaping: the last this many tokens before max_response_length are penalised
     linearly (down to −overlong_penalty at the limit, and beyond); None: off."""

@@ -49,6 +49,7 @@ from tauflow.trainer.batch import (
 from tauflow.trainer.checkpoint import (
     CheckpointInfo,
     read_checkpoint_info,
+    read_checkpoint_meta,
     read_trainer_state,
     resolve_checkpoint,
     rng_state,
@@ -94,6 +95,10 @@ class TorchBackendConfig:
     algorithm: str = "grpo"
     algorithm_options: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's config (see algorithms.AlgorithmConfig)."""
+    response_tokens: int | None = None
+    """The rollout's generation budget (its ``sampling.max_new_tokens``; ``tauflow run`` sets it): Dr. GRPO's
+    constant L of seq-mean-token-sum-norm where ``algorithm_options`` sets no ``loss_scale_factor``. None: L is
+    the update's longest completion."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_tokens: int = 8192
     """Gradient accumulation: each forward/backward holds at most this many padded tokens."""
@@ -120,6 +125,10 @@ class TorchBackendConfig:
     slime's VLM recipes): the language model only, the encoders frozen (their weights still published)."""
     keep_checkpoints: int = 3
     """How many checkpoints save_checkpoint keeps in its directory (0: all)."""
+    checkpoint_checksums: bool = True
+    """Record each checkpoint file's sha256, checked before a resume loads it (a flipped byte is refused, naming
+    the file). Costs reading the checkpoint back once at each save and each resume (about 1 GB/s a core);
+    False records only the files' sizes."""
     seed: int = 0
     kind: Literal["torch", "megatron"] = "torch"
     """torch: the Hugging Face model in plain PyTorch (data parallel: FSDP2 or DDP); megatron: megatron-core's
@@ -165,9 +174,11 @@ class TorchBackendConfig:
             raise ValueError("offload_model needs kind: torch")
         if self.micro_batch_tokens <= 0 or self.temperature <= 0 or self.keep_checkpoints < 0:
             raise ValueError("need micro_batch_tokens > 0, temperature > 0 and keep_checkpoints >= 0")
+        if self.response_tokens is not None and self.response_tokens < 1:
+            raise ValueError("response_tokens must be at least 1 (or None)")
         # The algorithm and its options, checked when the config loads (not at the first step).
         try:
-            algorithm = get_algorithm(self.algorithm, **dict(self.algorithm_options))
+            algorithm = self.chosen_algorithm()
         except TypeError as e:  # an option AlgorithmConfig does not have
             raise ValueError(f"algorithm_options: {e}") from None
         except KeyError as e:
@@ -181,6 +192,13 @@ class TorchBackendConfig:
                 "opd_loss reverse_kl needs the teacher's whole distributions in this process: set "
                 "teacher_model_path (a teacher_address serves the sampled tokens' log-probs: opd_loss advantage)"
             )
+
+    def chosen_algorithm(self) -> Algorithm:
+        """The preset ``algorithm`` with ``algorithm_options`` over it (and ``response_tokens`` as L)."""
+        options = dict(self.algorithm_options)
+        if self.response_tokens is not None:
+            options.setdefault("loss_scale_factor", float(self.response_tokens))
+        return get_algorithm(self.algorithm, **options)
 
 
 @dataclass
@@ -249,7 +267,7 @@ class StepPlan:
     invalid_media: list[str] = field(default_factory=list)
     """Groups whose prompt parts this model cannot take (not trained, not recorded; the log says why)."""
     samples: list[Sample] = field(default_factory=list)
-    """The samples with at least one trained token, of groups with a signal."""
+    """The samples that run a forward and backward: at least one trained token, not a skipped zero group's."""
     advantages: list[Advantage] = field(default_factory=list)
     returns: list[list[float]] | None = None
     """With a critic: each trained sample's per-token returns (the value loss's targets) ..."""
@@ -301,7 +319,7 @@ class TorchBackend:
     ) -> None:
         self.config = config
         self.group = group
-        self.algorithm: Algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options))
+        self.algorithm: Algorithm = config.chosen_algorithm()
         self.device = torch.device(config.device)
         if group is not None and self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", group.config.device_index)
@@ -314,10 +332,12 @@ class TorchBackend:
         self.teacher = teacher
         """A teacher served by another deployment (teacher_address): rank 0 asks it; None: in this process."""
         self.critic: Critic | None = None
+        checkpoint_meta: dict[str, Any] | None = None
         if group is not None and not group.leads:
             checkpoint = None  # rank 0 reads it and shares what it holds: no other rank touches the checkpoints
         elif checkpoint is not None:
             checkpoint = resolve_checkpoint(checkpoint)
+            checkpoint_meta = read_checkpoint_meta(checkpoint)  # every file whole (size, sha256) before any is loaded
         self._weights_source = checkpoint if checkpoint is not None else Path(config.model_path)
         self.model = self._load_policy(self._weights_source)
         # a multimodal policy's processor (None: a text model), from the model folder: the rollout runs the same
@@ -346,7 +366,7 @@ class TorchBackend:
             self._ensure_critic(checkpoint)
         resuming = checkpoint is not None if group is None else group.agree(checkpoint is not None)
         if resuming:
-            self._restore_state(checkpoint)
+            self._restore_state(checkpoint, checkpoint_meta)
         # Rank 0 sends one command at a time: a step, a publish and a checkpoint come from different threads.
         self._commands = threading.Lock()
         self._last_command = time.monotonic()
@@ -711,11 +731,17 @@ class TorchBackend:
             plan.no_baseline = sum(g.baseline_reward is None for g in fresh)
         if cfg.uses_critic:
             plan.returns, plan.old_values = [], []
+        # A zero group's samples have no policy-gradient term, but they count in the mini-batches and their
+        # denominators (tokens, sequences, the longest) as in the published formulas and verl: leaving them
+        # out scaled every other token's gradient by all tokens / those kept (GPG's α then applied twice).
+        # Where their loss is nothing else either (no KL, no entropy, no distillation) they run no forward.
+        skip_zero = cfg.skip_zero_advantage_groups and not (
+            cfg.distills_full_kl or cfg.kl_coef > 0 or cfg.entropy_coef != 0
+        )
+        counted: list[tuple[Sample, bool]] = []  # every sample in the denominators; whether it trains
         for gi, (g, adv, zero) in enumerate(zip(fresh, advantages.values, advantages.zero_groups, strict=True)):
-            # (distillation by the full KL trains every group: its loss is not in the advantages)
-            if zero and cfg.skip_zero_advantage_groups and not cfg.distills_full_kl:
-                plan.skipped_zero += 1
-                continue
+            skipped = zero and skip_zero
+            plan.skipped_zero += skipped
             for si, (s, a) in enumerate(zip(g.samples, adv, strict=True)):
                 if s.trained_tokens == 0:
                     continue
@@ -725,32 +751,38 @@ class TorchBackend:
                 if cfg.rejects and _rejected(forwarded[id(s)]["prox"], s, cfg):
                     plan.rejected += 1  # the group's baseline still counted it; it trains nothing
                     continue
+                counted.append((s, not skipped))
+                if skipped:
+                    continue
                 plan.samples.append(s)
                 plan.advantages.append(a)
                 if plan.returns is not None and plan.old_values is not None and advantages.returns is not None:
                     plan.returns.append(advantages.returns[gi][si])
                     plan.old_values.append(forwarded[id(s)]["values"])
         consumed = sum(len(g.samples) for g in fresh)
-        parts = max(1, min(cfg.mini_batches, len(plan.samples)))
-        bounds = [len(plan.samples) * j // parts for j in range(parts + 1)]
+        parts = max(1, min(cfg.mini_batches, len(counted)))
+        bounds = [len(counted) * j // parts for j in range(parts + 1)]
+        trained = 0  # plan.samples' index of the part's first trained sample
         for lo, hi in itertools.pairwise(bounds):
-            samples = plan.samples[lo:hi]
+            part = [s for s, _ in counted[lo:hi]]
+            n = sum(trains for _, trains in counted[lo:hi])
             norm = Normaliser(
-                tokens=float(sum(s.trained_tokens for s in samples)),
-                sequences=float(len(samples)),
+                tokens=float(sum(s.trained_tokens for s in part)),
+                sequences=float(len(part)),
                 # sample-sum: the step's consumed samples, shared out among its mini-batches by their samples
-                samples=consumed * len(samples) / len(plan.samples) if plan.samples else float(consumed),
-                longest=float(max((len(s.completion_ids) for s in samples), default=0)),
+                samples=consumed * len(part) / len(counted) if counted else float(consumed),
+                longest=float(max((len(s.completion_ids) for s in part), default=0)),
             )
             plan.mini_batches.append(
                 MiniBatch(
-                    samples,
-                    plan.advantages[lo:hi],
+                    plan.samples[trained : trained + n],
+                    plan.advantages[trained : trained + n],
                     norm,
-                    plan.returns[lo:hi] if plan.returns is not None else None,
-                    plan.old_values[lo:hi] if plan.old_values is not None else None,
+                    plan.returns[trained : trained + n] if plan.returns is not None else None,
+                    plan.old_values[trained : trained + n] if plan.old_values is not None else None,
                 )
             )
+            trained += n
         return plan
 
     def _attach_media(self, groups: Sequence[Group]) -> dict[str, str]:
@@ -1251,6 +1283,7 @@ class TorchBackend:
             },
             keep=self.config.keep_checkpoints if keep is None else keep,
             own=own,
+            checksums=self.config.checkpoint_checksums,
         )
 
     def _gather_for_checkpoint(self) -> dict[str, Any]:
@@ -1279,6 +1312,7 @@ class TorchBackend:
         if self.group is not None:
             raise RuntimeError("load_checkpoint runs in one process; a data-parallel role resumes at its start")
         path = resolve_checkpoint(path)
+        meta = read_checkpoint_meta(path)  # every file whole (size, sha256) before any is loaded
         if self._model_offload is not None:  # the reference's and a teacher's weights stay: whole again
             self._model_offload.to_device()
             self._model_offload = None  # (it would keep the replaced policy and critic alive)
@@ -1288,17 +1322,17 @@ class TorchBackend:
         if self.critic is not None or self.algorithm.config.uses_critic:
             self.critic = None
             self._ensure_critic(path)
-        self._restore_state(path)
+        self._restore_state(path, meta)
         return read_checkpoint_info(path)
 
-    def _restore_state(self, path: Path | None) -> None:
-        """The optimizer, schedule, RNG, version and trained ids of checkpoint ``path``; with several ranks,
-        rank 0 reads it (the others pass None) and shares it."""
+    def _restore_state(self, path: Path | None, meta: dict[str, Any] | None) -> None:
+        """The optimizer, schedule, RNG, version and trained ids of checkpoint ``path`` (``meta``: its metadata,
+        its files checked); with several ranks, rank 0 reads it (the others pass None) and shares it."""
         if self.group is None:
             assert path is not None
-            meta, state = read_trainer_state(path)
+            meta, state = read_trainer_state(path, meta)
         else:
-            meta, state = self.group.share(read_trainer_state(path) if path is not None else None)
+            meta, state = self.group.share(read_trainer_state(path, meta) if path is not None else None)
         if self.group is not None:
             self._load_optimizer_state(state["optimizer"])
         else:

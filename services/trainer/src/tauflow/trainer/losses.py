@@ -187,7 +187,8 @@ class LossOutput:
 
 
 def _masked_sum(x: torch.Tensor, m: torch.Tensor) -> float:
-    return float(torch.where(m, x.detach().float(), torch.zeros((), dtype=torch.float32, device=x.device)).sum())
+    # (in float64: metrics such as the explained variance subtract sums of squares, which float32 loses)
+    return float(torch.where(m, x.detach().double(), torch.zeros((), dtype=torch.float64, device=x.device)).sum())
 
 
 def _count(x: torch.Tensor) -> float:
@@ -391,7 +392,9 @@ def value_loss(
         clipped_values = old + (values - old).clamp(-config.value_clip, config.value_clip)
         clipped = (clipped_values - target).square()
         per_token = torch.maximum(unclipped, clipped)
-        clip_count = _count((clipped > unclipped) & m)
+        # (where the clamp acts: elsewhere old + (V − old) can differ from V by an ulp and look "clipped")
+        acted = (values - old).abs() > config.value_clip
+        clip_count = _count((clipped > unclipped) & acted & m)
     else:
         per_token, clip_count = unclipped, 0.0
     loss = 0.5 * aggregate(per_token, m, config.value_aggregation, norm, config.loss_scale_factor)

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from tauflow.trainer.algorithms import get_algorithm
 from tauflow.trainer.backend import TorchBackend
 from tauflow.trainer.batch import (
     PackedBatch,
@@ -373,7 +372,7 @@ class MegatronBackend(TorchBackend):
     def __init__(self, config: Any, **kwargs: Any) -> None:
         group: RankGroup | None = kwargs.get("group")
         tp, pp = config.tensor_parallel, config.pipeline_parallel
-        algorithm = get_algorithm(config.algorithm, **dict(config.algorithm_options)).config
+        algorithm = config.chosen_algorithm().config
         if pp > 1 and algorithm.distills_full_kl:  # (the stages pass per-token values on, not distributions)
             raise ValueError("distillation by the full KL with pipeline_parallel > 1 is not supported yet")
         world = group.world_size if group is not None else 1
