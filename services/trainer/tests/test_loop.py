@@ -280,6 +280,43 @@ def test_only_a_checkpoint_in_the_own_directory_acks_and_an_export_removes_nothi
     assert json.loads(own_state.read_text())["policy_version"] == 2
 
 
+def test_exports_are_one_per_version_and_leave_the_own_checkpoints_room(
+    tiny_model_dir, make_groups, tmp_path, monkeypatch
+) -> None:
+    # 50 SaveCheckpoint(directory=exports/<i>) wrote 50 whole checkpoints at one version, each holding training,
+    # until the disk the trainer's own checkpoints need was full.
+    import shutil
+
+    from tauflow.trainer.loop import ExportRefused
+
+    queue = FakeQueue(make_groups(1, 4))
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=3, checkpoint_every_steps=100)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: loop.version == 2 and not loop._lock.locked(), task, timeout_s=60)
+        first = await loop.checkpoint(tmp_path / "exports" / "0")
+        assert (await loop.checkpoint(tmp_path / "exports" / "0")).created_at == first.created_at  # a retry
+        with pytest.raises(ExportRefused, match=r"version 2 was exported already .*exports/0"):
+            await loop.checkpoint(tmp_path / "exports" / "1")
+        assert not (tmp_path / "exports" / "1").exists()
+        own = await loop.checkpoint()  # the trainer's own: never refused
+        free = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: free._replace(free=int(2.5 * own.size_bytes)))
+        loop._exported.clear()  # (as at the next version)
+        with pytest.raises(ExportRefused, match=r"would leave .* bytes free, less than the 2 checkpoints") as e:
+            await loop.checkpoint(tmp_path / "exports" / "2")
+        assert e.value.out_of_space and not (tmp_path / "exports" / "2").exists()
+        assert (await loop.checkpoint()).policy_version == 2  # own checkpoints go on
+        monkeypatch.undo()
+        assert (await loop.checkpoint(tmp_path / "exports" / "2")).policy_version == 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+
+
 def test_a_checkpoint_whose_caller_leaves_finishes_before_the_next_step_and_acks(
     tiny_model_dir, make_groups, tmp_path
 ) -> None:
@@ -434,3 +471,37 @@ def test_a_checkpoint_directory_the_trainer_cannot_use_still_fails_it(tiny_model
     with pytest.raises(OSError, match="Permission denied"):
         asyncio.run(loop.run())
     assert loop.state is State.FAILED
+
+
+@pytest.mark.parametrize(
+    ("refusal", "code"),
+    [
+        ("one", "FAILED_PRECONDITION"),
+        ("space", "RESOURCE_EXHAUSTED"),
+    ],
+)
+def test_a_refused_export_answers_its_documented_code(tmp_path, refusal: str, code: str) -> None:
+    import grpc
+
+    from tauflow.api.trainer.v1 import trainer_pb2
+    from tauflow.trainer.adapters.servicer import TrainerServicer
+    from tauflow.trainer.loop import ExportRefused, State
+
+    class Loop:
+        state = State.TRAINING
+        checkpoint_dir = tmp_path / "ckpt"
+
+        async def checkpoint(self, directory):
+            raise ExportRefused("refused", out_of_space=refusal == "space")
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, status, message):
+            raise Aborted(status, message)
+
+    servicer = TrainerServicer(Loop(), "grpo")  # type: ignore[arg-type]
+    with pytest.raises(Aborted) as e:
+        asyncio.run(servicer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(directory="exports/1"), Context()))
+    assert e.value.args == (getattr(grpc.StatusCode, code), "refused")

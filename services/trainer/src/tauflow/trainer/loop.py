@@ -19,6 +19,7 @@ import asyncio
 import enum
 import errno
 import logging
+import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -92,6 +93,18 @@ class CheckpointBusy(Exception):
     hold training up without bound."""
 
 
+class ExportRefused(Exception):
+    """An export that would take what the trainer's own checkpoints need: a second export of one version (one
+    per version bounds their count by the steps), or one that would leave the disk too little room."""
+
+    def __init__(self, message: str, *, out_of_space: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_space = out_of_space
+
+
+EXPORT_HEADROOM = 2  # an export must leave room for this many checkpoints of the last one's size
+
+
 class TrainerLoop:
     def __init__(
         self,
@@ -120,6 +133,7 @@ class TrainerLoop:
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
         self._writes: dict[Path, asyncio.Task[CheckpointInfo]] = {}  # the checkpoint writes under way, by folder
+        self._exported: dict[int, Path] = {}  # the export of each version (one per version), by version
         self._gets: list[QueueGet] = []  # the current step's
         self._offloaded_once = False  # (logged once)
         self._step_span: trace.Span | None = None
@@ -367,17 +381,41 @@ class TrainerLoop:
 
         Once begun, a write finishes (and acks) even if the caller stops waiting (its deadline): it holds the
         lock until then, so no step runs beside it. A call for a folder whose write is under way waits for
-        that write; an export asked for while another export is under way raises CheckpointBusy."""
+        that write; an export asked for while another export is under way raises CheckpointBusy. Exports are
+        bounded (ExportRefused): one per version (again into its folder: the same checkpoint), and none that would
+        leave its disk less room than EXPORT_HEADROOM checkpoints of the last one's size, so that exports cannot
+        fill the disk the trainer's own checkpoints need."""
         target = directory or self.checkpoint_dir
         key, own_key = target.resolve(), self.checkpoint_dir.resolve()
         write = self._writes.get(key)
         if write is None:
-            if key != own_key and any(folder != own_key for folder in self._writes):
-                raise CheckpointBusy(f"another export is being written ({len(self._writes)} write(s) under way)")
+            if key != own_key:
+                if any(folder != own_key for folder in self._writes):
+                    raise CheckpointBusy(f"another export is being written ({len(self._writes)} write(s) under way)")
+                self._check_export(key)
             write = asyncio.ensure_future(self._write_checkpoint(target, own=key == own_key))
             self._writes[key] = write
             write.add_done_callback(lambda done: self._write_done(key, done))
         return await asyncio.shield(write)
+
+    def _check_export(self, key: Path) -> None:
+        version = self.version
+        earlier = self._exported.get(version)
+        if earlier is not None and earlier != key:
+            raise ExportRefused(f"version {version} was exported already (to {str(earlier)!r}): one export per version")
+        if self.last_checkpoint is None:
+            return
+        size = self.last_checkpoint.size_bytes
+        existing = next((p for p in (key, *key.parents) if p.exists()), None)
+        if existing is None:
+            return
+        free = shutil.disk_usage(existing).free
+        if free - size < EXPORT_HEADROOM * size:
+            raise ExportRefused(
+                f"an export of {size} bytes would leave {max(free - size, 0)} bytes free, less than the "
+                f"{EXPORT_HEADROOM} checkpoints' room the trainer keeps for its own",
+                out_of_space=True,
+            )
 
     def _write_done(self, key: Path, write: asyncio.Task[CheckpointInfo]) -> None:
         if self._writes.get(key) is write:
@@ -392,6 +430,8 @@ class TrainerLoop:
             try:  # a failed write (a bad directory, a full disk) leaves the state as it was
                 info = await asyncio.to_thread(self.backend.save_checkpoint, target, own=own)
                 await self._release_memory()  # (one asked for while the loop waits)
+                if not own:
+                    self._exported[info.policy_version] = target.resolve()
                 if own:
                     self.last_checkpoint = info
                     held, self._held = self._held, []

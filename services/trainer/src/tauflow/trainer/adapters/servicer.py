@@ -8,7 +8,7 @@ import grpc
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tauflow.trainer.adapters.convert import checkpoint_to_proto, step_to_proto
-from tauflow.trainer.loop import CheckpointBusy, State, TrainerLoop
+from tauflow.trainer.loop import CheckpointBusy, ExportRefused, State, TrainerLoop
 
 PAGE = 1000
 MAX_DIRECTORY_PARTS = 32  # a SaveCheckpoint directory's folders below the checkpoint area
@@ -55,6 +55,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             info = await self.loop.checkpoint(directory)
         except CheckpointBusy as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}: retry when it is done")
+        except ExportRefused as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.out_of_space else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, str(e))
         except OSError as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno == 28 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, f"cannot write a checkpoint to {request.directory!r}: {e.strerror}")

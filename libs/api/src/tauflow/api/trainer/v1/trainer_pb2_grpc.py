@@ -135,9 +135,12 @@ class TrainerServiceServicer:
         checkpoint instead of writing another). Status: INVALID_ARGUMENT when
         `directory` is not a usable path (or already holds another checkpoint of
         this version); FAILED_PRECONDITION when the trainer has not finished
-        starting or has failed; RESOURCE_EXHAUSTED when storage is full (no partial
-        checkpoint is left behind as complete), or when another export is still
-        being written (one at a time); DEADLINE_EXCEEDED when the call's deadline
+        starting or has failed, or when this version was exported already to
+        another `directory` (one export per version); RESOURCE_EXHAUSTED when
+        storage is full (no partial checkpoint is left behind as complete), when
+        an export would leave its disk less room than two checkpoints of the last
+        one's size, or when another export is still being written (one at a
+        time); DEADLINE_EXCEEDED when the call's deadline
         passes first (the write goes on, and holds training until it is done; a
         retry at the same version returns it); INTERNAL when writing fails for
         another reason.
