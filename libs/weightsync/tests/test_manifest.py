@@ -54,7 +54,7 @@ def test_stage_and_read_round_trip(tmp_path: Path, algorithm: str) -> None:
     validate(m)
     assert (m.policy_version, m.model, m.checksum_algorithm) == (3, "m", algorithm)
     buf = torch.empty(m.total_bytes, dtype=torch.uint8)
-    assert read_staged(stager.uri, m, buf) == m.checksum
+    assert read_staged(stager.uri, m, buf, roots=[tmp_path]) == m.checksum
     for b in m.buckets:
         got = bucket_tensors(b, buf[b.offset_bytes : b.offset_bytes + b.size_bytes])
         for spec, t in zip(b.tensors, got, strict=True):
@@ -74,11 +74,11 @@ def test_read_refuses_bad_bytes_and_missing_areas(tmp_path: Path) -> None:
         f.seek(5)
         f.write(b"\xff")
     with pytest.raises(ChecksumMismatch, match="does not match the manifest's"):
-        read_staged(stager.uri, m, buf)
+        read_staged(stager.uri, m, buf, roots=[tmp_path])
     with pytest.raises(StagingNotFound, match="does not exist"):
-        read_staged(f"file://{tmp_path}/nope", m, buf)
+        read_staged(f"file://{tmp_path}/nope", m, buf, roots=[tmp_path])
     with pytest.raises(StagingError, match="unknown scheme 's3'"):
-        read_staged("s3://bucket/key", m, buf)
+        read_staged("s3://bucket/key", m, buf, roots=[tmp_path])
     assert staging_path("shm://tauflow-x") == Path("/dev/shm/tauflow-x")
 
 

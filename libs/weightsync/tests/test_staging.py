@@ -138,7 +138,9 @@ def test_a_staging_uri_that_is_not_a_regular_file_is_refused_at_once(tmp_path: P
     def read() -> None:
         try:
             outcome.append(
-                read_staged(f"file://{path}", manifest, torch.empty(manifest.total_bytes, dtype=torch.uint8))
+                read_staged(
+                    f"file://{path}", manifest, torch.empty(manifest.total_bytes, dtype=torch.uint8), roots=[tmp_path]
+                )
             )
         except BaseException as e:  # noqa: BLE001 - the test looks at it
             outcome.append(e)

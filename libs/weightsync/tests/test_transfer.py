@@ -141,7 +141,7 @@ def send_version(
     stager = Stager(f"file://{cluster.tmp}/staging-{tag}", bucket_bytes=bucket_bytes)
     manifest = stager.stage(sd, version)
     buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
-    assert read_staged(stager.uri, manifest, buf) == manifest.checksum
+    assert read_staged(stager.uri, manifest, buf, roots=[cluster.tmp]) == manifest.checksum
     reqs = bucket_requests(
         manifest, group_name=group.name, membership_epoch=group.spec.membership_epoch, load_format=load_format
     )
@@ -225,7 +225,7 @@ def test_receiver_that_never_posts_is_a_transfer_error_naming_it(cluster: Cluste
         stager = Stager(f"file://{cluster.tmp}/staging-stall", bucket_bytes=1 << 20)
         manifest = stager.stage(sd, 5)
         buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
-        read_staged(stager.uri, manifest, buf)
+        read_staged(stager.uri, manifest, buf, roots=[cluster.tmp])
         reqs = bucket_requests(manifest, group_name=group.name, membership_epoch=group.spec.membership_epoch)
         i = cluster.post(
             {

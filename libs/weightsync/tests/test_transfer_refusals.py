@@ -56,7 +56,7 @@ def _still_receives(receiver: WeightReceiver, sender: WeightGroup, tmp_path: Pat
     stager = Stager(f"file://{tmp_path}/staging-{version}", bucket_bytes=1 << 20)
     manifest = stager.stage({"w": torch.arange(4.0) * version}, version)
     data = torch.empty(manifest.total_bytes, dtype=torch.uint8)
-    read_staged(stager.uri, manifest, data)
+    read_staged(stager.uri, manifest, data, roots=[tmp_path])
     [request] = bucket_requests(manifest, group_name=sender.name, membership_epoch=sender.spec.membership_epoch)
     [bucket] = manifest.buckets
     send = threading.Thread(target=send_bucket, args=(sender, bucket, data), kwargs={"policy_version": version})

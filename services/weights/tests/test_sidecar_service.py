@@ -21,6 +21,7 @@ from tauflow.api.weights.v1 import weights_pb2_grpc
 from tauflow.core.channel import ChannelConfig, create_sync_channel
 from tauflow.core.testing import ServiceProcess
 from tauflow.weightsync import Manifest, Stager
+from tauflow.weightsync.staging import SHM_DIR
 from tauflow.weightsync.wire import manifest_to_proto
 
 FAKE = Path(__file__).with_name("fake_rollout.py")
@@ -242,7 +243,9 @@ def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sideca
 
 
 def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:
-    car = sidecar(max_retained_bytes=100_000)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    car = sidecar(max_retained_bytes=100_000, staging_roots=json.dumps([str(staging), str(SHM_DIR)]))
     stub = weights_stub(car.address)
 
     def code_of(call, *args) -> tuple[grpc.StatusCode, str]:
@@ -266,13 +269,24 @@ def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) ->
     assert code == C.INVALID_ARGUMENT and "does not match dtype" in msg
     code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri="s3://bucket/key"))
     assert code == C.INVALID_ARGUMENT and "unknown scheme" in msg
-    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri=f"file://{tmp_path}/absent"))
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri=f"file://{staging}/absent"))
     assert code == C.NOT_FOUND and "does not exist" in msg
+    # Only files in the staging roots: not any file the sidecar can read (whether it exists or not)
+    outside = tmp_path / "outside.yaml"
+    outside.write_bytes(bytes(manifest.total_bytes))
+    for uri in (f"file://{outside}", f"file://{tmp_path}/absent", f"file://{staging}/../{outside.name}"):
+        code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri=uri))
+        assert code == C.INVALID_ARGUMENT and msg.startswith("Publish: staging_uri"), (uri, msg)
+    (staging / "link").symlink_to(outside)
+    code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=good, staging_uri=f"file://{staging}/link"))
+    assert code == C.INVALID_ARGUMENT and "symbolic link" in msg
     wrong = pb.WeightManifest()
     wrong.CopyFrom(good)
     wrong.checksum = "0" * 16
     code, msg = code_of(stub.Publish, pb.PublishRequest(manifest=wrong, staging_uri=stager.uri))
     assert code == C.DATA_LOSS and "does not match" in msg
+    assert good.checksum not in msg  # the staged bytes' own checksum is never told (it named any file's)
+    assert not stub.GetStatus(pb.GetStatusRequest()).HasField("latest_policy_version")
 
     first = stub.Publish(pb.PublishRequest(manifest=good, staging_uri=stager.uri))
     assert first.policy_version == 5 and not first.HasField("superseded_policy_version")
@@ -290,7 +304,7 @@ def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) ->
     assert stub.GetManifest(pb.GetManifestRequest()).manifest.policy_version == 7
     code, _ = code_of(stub.GetManifest, pb.GetManifestRequest(policy_version=6))
     assert code == C.NOT_FOUND
-    big = Stager(f"file://{tmp_path}/big")
+    big = Stager(f"file://{staging}/big")
     code, msg = code_of(
         stub.Publish,
         pb.PublishRequest(manifest=manifest_to_proto(big.stage({"w": torch.zeros(40_000)}, 8)), staging_uri=big.uri),

@@ -1,7 +1,7 @@
 """tauflow weight transfer: shared by the weight sidecar (sender) and the rollout engines (receivers).
 
 * ``manifest``: names, dtypes, shapes, bucket layout, version, checksum (``plan_buckets``, ``validate``).
-* ``staging``: the trainer → sidecar hand-off through ``/dev/shm`` (``Stager``, ``read_staged``).
+* ``staging``: the trainer → sidecar hand-off through ``/dev/shm`` (``Stager``, ``read_staged`` inside staging roots).
 * ``group``: process groups per membership epoch on a TCPStore (``StoreHost``, ``WeightGroup``).
 * ``ipc``: the colocated hand-off (``DeviceStager`` on the trainer, ``SharedReader`` on the engine).
 * ``transfer``: bucket broadcast (``send_bucket``) and the receiver (``WeightReceiver``).
@@ -36,7 +36,14 @@ from tauflow.weightsync.manifest import (
     plan_buckets,
     validate,
 )
-from tauflow.weightsync.staging import Stager, read_staged, remove_stale_staging, staging_path
+from tauflow.weightsync.staging import (
+    Stager,
+    confined_staging_path,
+    default_staging_dir,
+    read_staged,
+    remove_stale_staging,
+    staging_path,
+)
 from tauflow.weightsync.transfer import (
     LOAD_FORMAT_FLAT,
     LOAD_FORMAT_PER_TENSOR,
@@ -84,7 +91,9 @@ __all__ = [
     "bucket_requests",
     "bucket_tensors",
     "canonical_layout",
+    "confined_staging_path",
     "connect_store",
+    "default_staging_dir",
     "dtype_from_name",
     "dtype_name",
     "new_hasher",

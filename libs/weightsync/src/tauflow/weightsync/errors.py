@@ -24,10 +24,14 @@ class ManifestError(WeightSyncError, ValueError):
 
 
 class ChecksumMismatch(WeightSyncError):
-    """Bytes whose checksum differs from the manifest's."""
+    """Bytes whose checksum differs from the manifest's.
+
+    The message names only the manifest's checksum: the actual one is the digest of whatever the bytes were
+    (for the sidecar, of a file a caller named), so it is kept in ``actual`` for a log line, never in an answer
+    (a caller could learn a file's digest from it, then publish the file as a version)."""
 
     def __init__(self, what: str, algorithm: str, expected: str, actual: str) -> None:
-        super().__init__(f"{what}: {algorithm} checksum {actual} does not match the manifest's {expected}")
+        super().__init__(f"{what}: their {algorithm} checksum does not match the manifest's {expected}")
         self.algorithm = algorithm
         self.expected = expected
         self.actual = actual

@@ -18,18 +18,25 @@ URIs: ``shm://NAME`` is the POSIX shared-memory object NAME, i.e. ``/dev/shm/NAM
 on Linux; ``file:///abs/path`` is a file.
 
 A stager that names its own file puts it in ``TAUFLOW_STAGING_DIR`` when that is set (a container whose
-``/dev/shm`` is Docker's default 64 MB), else in ``/dev/shm``. Before writing a version it checks that the
-file system has room for it, and says so (StagingError) rather than failing half-way.
+``/dev/shm`` is Docker's default 64 MB), else in ``/dev/shm`` (``default_staging_dir``). Before writing a
+version it checks that the file system has room for it, and says so (StagingError) rather than failing half-way.
+
+The reader (the sidecar) opens a staging file only inside its staging roots (``read_staged(..., roots=)``;
+by default ``default_staging_dir()``, where a stager names its own file): a URI whose path is not below a root,
+or that has a ``.``/``..`` component, is refused before anything is opened; below the root every component is
+opened without following symbolic links, and the file must be a regular file with no other name (a hard
+link). Its refusals never quote what the file holds (its checksum or its size).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from io import FileIO
 from pathlib import Path
 from stat import S_ISREG
@@ -56,18 +63,31 @@ OWN_PREFIX = "tauflow-weights-"  # files a Stager names itself: locked while in 
 log = logging.getLogger(__name__)
 
 
+def default_staging_dir() -> Path:
+    """Where a stager names its own file: ``TAUFLOW_STAGING_DIR`` when set, else ``/dev/shm`` (``/tmp`` on a
+    system without it). The reader's default staging root: the same process environment finds the same one."""
+    override = os.environ.get(STAGING_DIR_ENV)
+    return Path(override) if override else SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
+
+
 def staging_path(uri: str) -> Path:
     """The local path of a staging URI; ``StagingError`` for an unknown scheme."""
+    return Path(_uri_path(uri))
+
+
+def _uri_path(uri: str) -> str:
+    """The local path of a staging URI as written (pathlib would drop a ``.`` component); StagingError for an
+    unknown scheme."""
     if uri.startswith("shm://"):
         name = uri[len("shm://") :].lstrip("/")
         if not name or "/" in name:
             raise StagingError(f"staging_uri {uri!r}: a shared-memory name is one path component (shm://NAME)")
-        return SHM_DIR / name
+        return f"{SHM_DIR}/{name}"
     if uri.startswith("file://"):
         path = uri[len("file://") :]
         if not path.startswith("/"):
             raise StagingError(f"staging_uri {uri!r}: file URIs need an absolute path (file:///path)")
-        return Path(path)
+        return path
     scheme = uri.split("://", 1)[0] if "://" in uri else uri
     raise StagingError(f"staging_uri {uri!r} has an unknown scheme {scheme!r}; use shm://NAME or file:///path")
 
@@ -95,8 +115,7 @@ class Stager:
     ) -> None:
         self._file = None  # our own file, held open (and locked) while this stager lives
         if uri is None:
-            override = os.environ.get(STAGING_DIR_ENV)
-            directory = Path(override) if override else SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
+            directory = default_staging_dir()
             remove_stale_staging(directory)
             self._file, own = _create_locked(directory)
             uri = f"shm://{own.name}" if directory == SHM_DIR else f"file://{own}"
@@ -227,18 +246,74 @@ def _write_zeros(fd: int, offset: int, n: int) -> None:
     _pwrite_all(fd, memoryview(bytes(n)), offset)
 
 
-def _open_regular(uri: str, path: Path) -> FileIO:
-    """``path`` open for reading, refused (StagingError) unless it is a regular file. The open does not block:
-    a FIFO with no writer (or a device) would hold the reading thread, past any deadline, for ever."""
+def _components(path: str) -> list[str] | None:
+    """The components of an absolute path, or None when one is ``.`` or ``..`` (or it holds a NUL)."""
+    parts = [c for c in path.split("/") if c]
+    if "\x00" in path or any(c in (".", "..") for c in parts):
+        return None
+    return parts
+
+
+def confined_staging_path(uri: str, roots: Sequence[str | os.PathLike[str]]) -> tuple[Path, tuple[str, ...]]:
+    """``(root, parts)``: the staging root (its real path) that the file of ``uri`` lies below, and the file's
+    path below it. StagingError naming ``staging_uri`` for a URI outside every root, one with a ``.`` or ``..``
+    component, or an unknown scheme. Nothing is opened: the answer says nothing of what exists outside."""
+    path = _uri_path(uri)
+    parts = _components(path)
+    if parts is None:
+        raise StagingError(f"staging_uri {uri!r}: a staging path has no '.' or '..' component (nor a NUL)")
+    best: tuple[Path, tuple[str, ...]] | None = None
+    best_len = -1
+    for root in roots:
+        real = os.path.realpath(root)
+        for form in (os.path.abspath(root), real):
+            prefix = _components(form)
+            if prefix is None or len(parts) <= len(prefix) or parts[: len(prefix)] != prefix:
+                continue
+            if len(prefix) > best_len:
+                best, best_len = (Path(real), tuple(parts[len(prefix) :])), len(prefix)
+    if best is None:
+        shown = [os.fspath(r) for r in roots]
+        raise StagingError(
+            f"staging_uri {uri!r} is outside the staging roots {shown} (staging files lie in the trainer's "
+            f"staging directory: {STAGING_DIR_ENV} when set, else /dev/shm)"
+        )
+    return best
+
+
+def _open_confined(uri: str, root: Path, parts: tuple[str, ...]) -> FileIO:
+    """The staging file ``root/parts`` open for reading, every component below ``root`` opened without following
+    a symbolic link (no check-then-open race); refused (StagingError) unless it is a regular file with one name.
+    The open does not block: a FIFO with no writer (or a device) would hold the reading thread, past any
+    deadline, for ever."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise StagingNotFound(f"staging area {uri!r} does not exist ({path})") from None
+        raise StagingNotFound(f"staging area {uri!r} does not exist (its staging root {root} does not)") from None
     except OSError as e:
-        raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
+        raise StagingError(f"cannot open the staging root of {uri!r}: {e.strerror}") from None
     try:
-        if not S_ISREG(os.fstat(fd).st_mode):
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                next_fd = os.open(name, flags, dir_fd=fd)
+            except FileNotFoundError:
+                raise StagingNotFound(f"staging area {uri!r} does not exist") from None
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise StagingError(
+                        f"staging_uri {uri!r}: {'/'.join(parts[: i + 1])} below the staging root {root} is a "
+                        "symbolic link or not a directory (a staging area is a regular file in a staging root)"
+                    ) from None
+                raise StagingError(f"cannot open staging area {uri!r}: {e.strerror}") from None
+            os.close(fd)
+            fd = next_fd
+        st = os.fstat(fd)
+        if not S_ISREG(st.st_mode):
             raise StagingError(f"staging_uri {uri!r} is not a regular file (a staging area is one file)")
+        if st.st_nlink != 1:
+            raise StagingError(f"staging_uri {uri!r} has other names (hard links): a staging area has one")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
@@ -253,25 +328,32 @@ def read_staged(
     *,
     deadline_s: float | None = None,
     verify: bool = True,
+    roots: Sequence[str | os.PathLike[str]] | None = None,
 ) -> str:
     """Sidecar side: copies the staged bytes of ``manifest`` into ``out`` (uint8, CPU,
     ``total_bytes`` long) and returns their checksum.
 
-    Raises ``StagingError``/``StagingNotFound``, ``ChecksumMismatch`` (when ``verify``),
-    and ``PhaseError(HANDOFF, "trainer")`` when the copy passes ``deadline_s``.
+    The staging file must lie inside one of ``roots`` (default: ``default_staging_dir()``) and be a regular file
+    reached without a symbolic link (``confined_staging_path``). Raises ``StagingError``/``StagingNotFound``,
+    ``ChecksumMismatch`` (when ``verify``), and ``PhaseError(HANDOFF, "trainer")`` when the copy passes
+    ``deadline_s``. No message quotes the file's size or the checksum of what it holds.
     """
-    path = staging_path(uri)
+    root, parts = confined_staging_path(uri, (default_staging_dir(),) if roots is None else roots)
     if out.dtype != torch.uint8 or out.numel() < manifest.total_bytes:
         raise StagingError(f"buffer of {out.numel()} bytes cannot hold {manifest.total_bytes} bytes")
     start = time.monotonic()
-    f = _open_regular(uri, path)
+    f = _open_confined(uri, root, parts)
     hasher = new_hasher(manifest.checksum_algorithm)
     dest = out.numpy()[: manifest.total_bytes].data
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < manifest.total_bytes:
+            log.warning(
+                "staging area shorter than its manifest",
+                extra={"staging_uri": uri, "size_bytes": size, "total_bytes": manifest.total_bytes},
+            )
             raise StagingError(
-                f"staging area {uri!r} holds {size} bytes, the manifest describes {manifest.total_bytes}"
+                f"staging area {uri!r} is shorter than the {manifest.total_bytes} bytes the manifest describes"
             )
         pos = 0
         while pos < manifest.total_bytes:
@@ -287,7 +369,10 @@ def read_staged(
             chunk = dest[pos : min(pos + _CHUNK, manifest.total_bytes)]
             n = f.readinto(chunk)
             if not n:
-                raise StagingError(f"staging area {uri!r} ended at byte {pos}")
+                log.warning("staging area ended early", extra={"staging_uri": uri, "at_byte": pos})
+                raise StagingError(
+                    f"staging area {uri!r} ended before the {manifest.total_bytes} bytes the manifest describes"
+                )
             if verify:
                 hasher.update(chunk[:n])
             pos += n

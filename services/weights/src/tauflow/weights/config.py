@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+
+from pydantic import Field, field_validator
 
 from tauflow.core.config import MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.weightsync.staging import default_staging_dir
 
 GiB = 1024**3
 
@@ -63,5 +66,19 @@ class WeightsConfig(ServiceConfig):
     max_retained_bytes: int = Field(
         64 * GiB, ge=1, description="bytes of versions held at once (newest accepted + being broadcast)"
     )
+    staging_roots: list[str] = Field(
+        default_factory=lambda: [os.path.abspath(default_staging_dir())],
+        description="directories a Publish's staging file may lie in (absolute; a file below one, reached "
+        "without a symbolic link); default: where the trainer stages, TAUFLOW_STAGING_DIR as this process "
+        "sees it, else /dev/shm; none: every staging_uri is refused",
+    )
     store: StoreConfig = StoreConfig()
     deadlines: DeadlinesConfig = DeadlinesConfig()
+
+    @field_validator("staging_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        for root in roots:
+            if not os.path.isabs(root):
+                raise ValueError(f"staging_roots: {root!r} is not an absolute path")
+        return roots

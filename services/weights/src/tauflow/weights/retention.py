@@ -33,8 +33,8 @@ from tauflow.weightsync import (
     PhaseError,
     StagingError,
     StagingNotFound,
+    confined_staging_path,
     read_staged,
-    staging_path,
     validate,
 )
 from tauflow.weightsync.ipc import CHECKSUM as IPC_CHECKSUM
@@ -157,7 +157,9 @@ class Retention:
                         f"not {manifest.checksum_algorithm!r}"
                     )
             else:
-                staging_path(staging_uri)
+                # Only a file in the staging roots: the port has no authentication, and any other file the
+                # sidecar can read would otherwise be a version a caller names (and a Join receives).
+                confined_staging_path(staging_uri, self.config.staging_roots)
         except (ManifestError, StagingError) as e:
             raise InvalidRequest(str(e)) from None
         version = manifest.policy_version
@@ -194,7 +196,14 @@ class Retention:
                 if buf is not None:  # (ipc: nothing to copy; the members read the trainer's buffer)
                     deadline_s = self.config.deadlines.handoff_s
                     copy = asyncio.ensure_future(
-                        asyncio.to_thread(read_staged, staging_uri, manifest, buf, deadline_s=deadline_s)
+                        asyncio.to_thread(
+                            read_staged,
+                            staging_uri,
+                            manifest,
+                            buf,
+                            deadline_s=deadline_s,
+                            roots=self.config.staging_roots,
+                        )
                     )
                     # The copy checks the deadline between chunks; a read that blocks must not hold the
                     # publish lock (every later Publish waits on it) past the deadline all the same.
@@ -219,6 +228,17 @@ class Retention:
                 elif buf is not None:
                     self._pool.give(buf)
                 self.metrics.handoff_failures.inc()
+                if isinstance(e, ChecksumMismatch):  # (the answer names the manifest's checksum only)
+                    log.warning(
+                        "staged bytes do not match the manifest's checksum",
+                        extra={
+                            "policy_version": version,
+                            "staging_uri": staging_uri,
+                            "algorithm": e.algorithm,
+                            "expected": e.expected,
+                            "actual": e.actual,
+                        },
+                    )
                 if isinstance(e, StagingNotFound):
                     raise NotFound(str(e)) from None
                 if isinstance(e, ChecksumMismatch):

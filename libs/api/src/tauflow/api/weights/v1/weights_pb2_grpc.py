@@ -142,7 +142,9 @@ class WeightsServiceServicer:
         the same checksum returns the first outcome and copies nothing). Status:
         INVALID_ARGUMENT when the manifest is empty or inconsistent (duplicate
         tensor names, sizes that do not match dtype and shape, overlapping
-        offsets), or `staging_uri` has an unknown scheme; FAILED_PRECONDITION
+        offsets), or `staging_uri` has an unknown scheme, names a file outside
+        the sidecar's staging roots, or reaches it through a link (such an
+        answer says nothing of the file itself); FAILED_PRECONDITION
         when, without `rebase`, the version is older than the newest accepted
         one, or equal to it with a different checksum; NOT_FOUND when the staging area does not exist;
         DATA_LOSS when the staged bytes do not match the manifest's checksum;
