@@ -404,3 +404,86 @@ async def test_buf_curl_calls_a_method_through_reflection_v1() -> None:
         assert json.loads(out)["trainerVersion"] == "42"
     finally:
         await server.drain()
+
+
+# -- what every server exposes without a token: undecodable bytes, and the log a caller can provoke ----
+
+
+async def test_undecodable_bytes_to_info_health_and_reflection_are_invalid_argument_and_log_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = GrpcServer([_binding(Counter())], ServerConfig(port=0))
+    port = await server.start()
+
+    def unexpected() -> float:
+        return sum(
+            s.value
+            for m in REGISTRY.collect()
+            if m.name == "tauflow_server_unexpected_errors"
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+
+    before = unexpected()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with caplog.at_level(logging.INFO):
+                for path, message in (
+                    (f"/{INFO_SERVICE.full_name}/GetServerInfo", "tauflow.api.info.v1.GetServerInfoRequest"),
+                    ("/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest"),
+                ):
+                    for raw in (b"\xff", b"\x0a\x05ab"):
+                        with pytest.raises(grpc.aio.AioRpcError) as e:
+                            await channel.unary_unary(path)(raw, timeout=5)
+                        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+                        assert f"does not decode as {message}" in e.value.details()
+                for raw in (b"\xff", b"\x0a\x02\xff\xfe"):  # corrupt; a service name that is not UTF-8
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await channel.unary_stream("/grpc.health.v1.Health/Watch")(raw, timeout=5).read()
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                for service in ("grpc.reflection.v1", "grpc.reflection.v1alpha"):
+                    call = channel.stream_stream(f"/{service}.ServerReflection/ServerReflectionInfo")(
+                        iter([b"\xff"]), timeout=5
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call.read()
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, service
+                    assert "does not decode as grpc.reflection.v1alpha.ServerReflectionRequest" in e.value.details()
+        assert not [r for r in caplog.records if r.exc_info], "a caller's bad bytes are no bug to log"
+        assert unexpected() == before
+    finally:
+        await server.drain()
+
+
+async def test_the_catch_all_logs_one_traceback_per_kind_per_interval_and_counts_every_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = GrpcServer([_boom_binding()], ServerConfig(port=0))
+    port = await server.start()
+    before = _errors("Unary"), _errors("ServerStream")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with caplog.at_level(logging.ERROR, logger="tauflow.core.server"):
+                for _ in range(20):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await channel.unary_unary(f"/{BOOM}/Unary")(b"x", timeout=5)
+                    assert e.value.code() == grpc.StatusCode.INTERNAL
+                stream = channel.unary_stream(f"/{BOOM}/ServerStream")(b"x", timeout=5)
+                assert await stream.read() == b"first"
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stream.read()  # another kind: its own traceback
+            logged = [r for r in caplog.records if r.getMessage().startswith("unexpected error")]
+            assert [r.method for r in logged] == [f"{BOOM}/Unary", f"{BOOM}/ServerStream"]
+            assert all(r.exc_info for r in logged)
+            assert (_errors("Unary") - before[0], _errors("ServerStream") - before[1]) == (20, 1)  # every call counted
+
+            caplog.clear()
+            server.catch_all.traceback_interval_s = (
+                0.0  # the interval has passed: the next one is logged, with the count
+            )
+            with caplog.at_level(logging.ERROR, logger="tauflow.core.server"), pytest.raises(grpc.aio.AioRpcError):
+                await channel.unary_unary(f"/{BOOM}/Unary")(b"x", timeout=5)
+            [again] = [r for r in caplog.records if r.getMessage().startswith("unexpected error")]
+            assert again.exc_info and again.suppressed == 19
+    finally:
+        await server.drain()

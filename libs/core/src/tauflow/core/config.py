@@ -49,6 +49,23 @@ class ServerConfig(StrictModel):
         description="largest message received or sent (64 KiB to 2 GiB - 1: gRPC's limit is an int32)",
     )
     drain_grace_s: float = Field(10.0, ge=0, description="time in-flight calls get on SIGTERM")
+    max_concurrent_rpcs: int = Field(
+        10_000,
+        ge=1,
+        description="calls in progress at once, streams and long polls included (every client of a run's "
+        "replicas together); one more is refused RESOURCE_EXHAUSTED",
+    )
+    max_concurrent_streams: int = Field(
+        1_000,
+        ge=1,
+        description="calls one client connection may have in progress at once (HTTP/2); its further calls "
+        "wait for one of them to end",
+    )
+    max_health_watches: int = Field(
+        100,
+        ge=0,
+        description="health Watch streams open at once; one more is refused RESOURCE_EXHAUSTED (probes use Check)",
+    )
 
 
 class MetricsConfig(StrictModel):

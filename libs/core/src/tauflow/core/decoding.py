@@ -4,12 +4,15 @@ UTF-8, a malformed nested message) is answered INVALID_ARGUMENT naming the messa
 
 It also checks the generic bounds of every request before the handler sees it (:func:`check_bounds`): each
 string and list is bounded, each Duration and Timestamp is one the well-known type allows; a breach is
-INVALID_ARGUMENT naming the field."""
+INVALID_ARGUMENT naming the field.
+
+Methods of every kind are handled: unary, server-streaming (checked before the handler runs), client and
+bidirectional streaming (each request checked as the handler reads it: the first bad one ends the call)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,46 +119,116 @@ def checked_deserializer(message_class: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+async def _refuse(request: Any, context: grpc.aio.ServicerContext, limits: dict[str, int] | None) -> None:
+    """Aborts the call with INVALID_ARGUMENT when ``request`` did not decode or is out of its bounds."""
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request does not decode as {request.message}: {request.reason}"
+        )
+    try:
+        check_bounds(request, limits)
+    except ValueError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
 def refusing_undecodable(behaviour: Callable[..., Any], limits: dict[str, int] | None = None) -> Callable[..., Any]:
     """The handler ``behaviour`` behind checks that answer INVALID_ARGUMENT for an :class:`Undecodable` and for a
     request out of its bounds (:func:`check_bounds` with ``limits``)."""
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Undecodable):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request does not decode as {request.message}: {request.reason}"
-            )
-        try:
-            check_bounds(request, limits)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await _refuse(request, context, limits)
         result = behaviour(request, context)
         return await result if inspect.isawaitable(result) else result
 
     return call
 
 
+def refusing_undecodable_stream(
+    behaviour: Callable[..., Any], limits: dict[str, int] | None = None
+) -> Callable[..., Any]:
+    """:func:`refusing_undecodable` for a server-streaming handler (one request, a stream of answers): an async
+    generator stays one (its answers are passed on), a coroutine that writes with ``context.write`` stays one."""
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await _refuse(request, context, limits)
+            async for answer in behaviour(request, context):
+                yield answer
+
+        return stream
+
+    async def write(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse(request, context, limits)
+        return await behaviour(request, context)
+
+    return write
+
+
+def refusing_undecodable_requests(
+    behaviour: Callable[..., Any], limits: dict[str, int] | None = None
+) -> Callable[..., Any]:
+    """The same checks for a handler of a stream of requests (client or bidirectional streaming): each request
+    is checked as the handler reads it, and the first that fails ends the call with INVALID_ARGUMENT."""
+
+    async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for request in requests:
+            await _refuse(request, context, limits)
+            yield request
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for answer in behaviour(checked(requests, context), context):
+                yield answer
+
+        return stream
+
+    async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        result = behaviour(checked(requests, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+_KINDS = {  # (client streaming, server streaming) -> the handler's factory and its checks
+    (False, False): (grpc.unary_unary_rpc_method_handler, refusing_undecodable),
+    (False, True): (grpc.unary_stream_rpc_method_handler, refusing_undecodable_stream),
+    (True, False): (grpc.stream_unary_rpc_method_handler, refusing_undecodable_requests),
+    (True, True): (grpc.stream_stream_rpc_method_handler, refusing_undecodable_requests),
+}
+
+
+def checked_handlers(
+    service: ServiceDescriptor, servicer: Any, limits: dict[str, dict[str, int]] | None = None
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers of ``servicer`` for ``service``, by method name, each request decoded by
+    :func:`checked_deserializer` and bounded by :func:`check_bounds` (``limits``: per method name, the field
+    bounds that differ from the defaults), whatever the method's kind (unary or streaming)."""
+    limits = limits or {}
+    handlers = {}
+    for m in service.methods:
+        make, refusing = _KINDS[(m.client_streaming, m.server_streaming)]
+        handlers[m.name] = make(
+            refusing(getattr(servicer, m.name), limits.get(m.name)),
+            request_deserializer=checked_deserializer(message_factory.GetMessageClass(m.input_type)),
+            response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
+        )
+    return handlers
+
+
 def servicer_adder(
     service: ServiceDescriptor, limits: dict[str, dict[str, int]] | None = None
 ) -> Callable[[Any, grpc.aio.Server], None]:
-    """A drop-in for the generated ``add_<Service>Servicer_to_server`` of a service of unary methods, whose
-    requests are decoded by :func:`checked_deserializer` and bounded by :func:`check_bounds` (``limits``: per
-    method name, the field bounds that differ from the defaults)."""
-    limits = limits or {}
-    streaming = [m.name for m in service.methods if m.client_streaming or m.server_streaming]
-    if streaming:
-        raise ValueError(f"{service.full_name} has streaming methods {streaming}: only unary methods are handled")
+    """A drop-in for the generated ``add_<Service>Servicer_to_server``, whose requests are decoded by
+    :func:`checked_deserializer` and bounded by :func:`check_bounds` (:func:`checked_handlers`)."""
 
     def add(servicer: Any, server: grpc.aio.Server) -> None:
-        handlers = {
-            m.name: grpc.unary_unary_rpc_method_handler(
-                refusing_undecodable(getattr(servicer, m.name), limits.get(m.name)),
-                request_deserializer=checked_deserializer(message_factory.GetMessageClass(m.input_type)),
-                response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
-            )
-            for m in service.methods
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-        server.add_registered_method_handlers(service.full_name, handlers)
+        add_handlers(server, service.full_name, checked_handlers(service, servicer, limits))
 
     return add
+
+
+def add_handlers(server: grpc.aio.Server, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    """Registers ``handlers`` (by method name) as the service ``name`` (a full name) of ``server``."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -10,7 +10,15 @@ SIGTERM or SIGINT health turns NOT_SERVING, new calls are refused, in-flight cal
 A port in use is an error (SO_REUSEPORT off: gRPC's default would let a second process share the port and
 the kernel split the connections between them). A handler that raises an unexpected exception answers
 INTERNAL with a neutral message, is logged with its traceback and counted
-(``tauflow_server_unexpected_errors_total``): never gRPC's UNKNOWN carrying the exception's text.
+(``tauflow_server_unexpected_errors_total``): never gRPC's UNKNOWN carrying the exception's text. Every
+such call is counted; its traceback is logged once per kind (method, exception type) per minute.
+
+What a caller may hold is bounded (the queue's external port serves health, info and reflection without a
+token): calls in progress (``server.max_concurrent_rpcs``), calls of one connection
+(``server.max_concurrent_streams``), health Watch streams and health's service names
+(``server.max_health_watches``, ``tauflow.core.health``); the drain ends open Watch streams. Health, info
+and reflection decode their requests as the services do (``tauflow.core.decoding``): bytes that do not
+decode answer INVALID_ARGUMENT.
 
 A service may serve a second face on its own port (``ServiceApp.extra_servers``,
 e.g. the queue's authenticated external port): the same bootstrap with its own
@@ -29,6 +37,8 @@ import os
 import signal
 import socket
 import ssl
+import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +46,12 @@ from typing import Any
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from tauflow.api.info.v1 import info_pb2_grpc
+from tauflow.core import health
 from tauflow.core.config import ServerConfig
+from tauflow.core.decoding import add_handlers, checked_handlers, servicer_adder
 from tauflow.core.files import write_atomic
 from tauflow.core.metrics import ServerMetrics
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
@@ -54,6 +65,8 @@ log = logging.getLogger(__name__)
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 REFLECTION_SERVICES = (reflection.SERVICE_NAME, REFLECTION_V1)
 INTERNAL_MESSAGE = "internal error; the server logged it"
+TRACEBACK_INTERVAL_S = 60.0  # the catch-all logs one traceback per kind (method, exception type) this often
+MAX_TRACEBACK_KINDS = 1024
 _server_metrics: ServerMetrics | None = None
 
 
@@ -139,10 +152,16 @@ def _no_password() -> bytes:
 class CatchAll(grpc.aio.ServerInterceptor):
     """Turns an unexpected exception of any handler, unary or streaming, into INTERNAL with a neutral
     message, logged with its traceback and counted. ``context.abort`` (which raises ``AbortError``) and
-    cancellation pass through untouched, so an aborted call keeps its code."""
+    cancellation pass through untouched, so an aborted call keeps its code.
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    Every such call is counted; the traceback of a kind (method and exception type) is logged once per
+    ``traceback_interval_s``, so that a caller who can provoke the bug at will cannot flood the log: the
+    next one logged says how many of its kind were left out since (``suppressed``)."""
+
+    def __init__(self, metrics: ServerMetrics, traceback_interval_s: float = TRACEBACK_INTERVAL_S) -> None:
         self.metrics = metrics
+        self.traceback_interval_s = traceback_interval_s
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # kind -> (last logged, left out since)
 
     async def intercept_service(self, continuation, details):
         method = details.method.lstrip("/")
@@ -190,8 +209,26 @@ class CatchAll(grpc.aio.ServerInterceptor):
         return behaviour  # a synchronous handler (none in tauflow): gRPC's own handling applies
 
     def _record(self, method: str) -> None:
-        log.exception("unexpected error in a handler; answered INTERNAL", extra={"method": method})
+        """Counts the exception being handled, and logs it with its traceback unless its kind was logged
+        less than ``traceback_interval_s`` ago."""
         self.metrics.unexpected_errors.labels(method).inc()
+        error = sys.exc_info()[0]
+        kind = (method, error.__qualname__ if error is not None else "")
+        now = time.monotonic()
+        if kind not in self._logged and len(self._logged) >= MAX_TRACEBACK_KINDS:
+            # (bounded: a later interceptor that fails for any method name the caller chooses)
+            self._logged = {k: v for k, v in self._logged.items() if now - v[0] < self.traceback_interval_s}
+            if len(self._logged) >= MAX_TRACEBACK_KINDS:
+                kind = ("", "")  # every further kind shares one allowance until some expire
+        logged, left_out = self._logged.get(kind, (None, 0))
+        if logged is not None and now - logged < self.traceback_interval_s:
+            self._logged[kind] = (logged, left_out + 1)
+            return
+        self._logged[kind] = (now, 0)
+        log.exception(
+            "unexpected error in a handler; answered INTERNAL",
+            extra={"method": method, "suppressed": left_out},
+        )
 
     async def _failed(self, method: str, context: grpc.aio.ServicerContext, error: Exception) -> None:
         if isinstance(error, NotImplementedError):  # the generated base class's method: not built, not a bug
@@ -212,16 +249,16 @@ _HANDLER_KINDS = {
 }
 
 
-def _add_reflection_v1(servicer: Any, server: grpc.aio.Server) -> None:
-    """The v1alpha servicer under the v1 name (wire-identical messages)."""
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
-    )
+REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
+
+
+def _add_reflection(servicer: Any, server: grpc.aio.Server) -> None:
+    """The v1alpha servicer under its name and under the v1 name (wire-identical messages). Its requests are
+    decoded and bounded as every service's (``tauflow.core.decoding``): bytes that do not decode end the stream
+    with INVALID_ARGUMENT, not with the servicer's DecodeError (INTERNAL, and a traceback logged per call)."""
+    handlers = checked_handlers(REFLECTION, servicer)
+    for name in REFLECTION_SERVICES:
+        add_handlers(server, name, handlers)
 
 
 def _bind_check(host: str, port: int, key: str) -> None:
@@ -263,16 +300,21 @@ class GrpcServer:
         info = server_info(role, version, [b.descriptor for b in bindings])
         self.bindings = [
             *bindings,
-            ServiceBinding(
-                INFO_SERVICE, ServerInfoServicer(info), info_pb2_grpc.add_ServerInfoServiceServicer_to_server
-            ),
+            # (undecodable requests: INVALID_ARGUMENT, as the services' own; not the generated adder's UNKNOWN)
+            ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), servicer_adder(INFO_SERVICE)),
         ]
+        self.catch_all = CatchAll(server_metrics())
         self.server = grpc.aio.server(
             # First, so that it guards what the others return too. A keyword: telemetry's instrumentation
             # adds its own.
-            interceptors=[CatchAll(server_metrics()), *interceptors],
+            interceptors=[self.catch_all, *interceptors],
+            # Calls in progress at once, streams and long polls included: one more is refused RESOURCE_EXHAUSTED.
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 *message_size_options(config.max_message_bytes),
+                # Streams one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a
+                # client's further calls wait for one to end (gRPC's default is unbounded).
+                ("grpc.max_concurrent_streams", config.max_concurrent_streams),
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a port shared with another process
                 # Accept the keepalive pings our channels send (every 30 s, also when idle); gRPC's
                 # default policy answers them with GOAWAY "too_many_pings".
@@ -281,16 +323,14 @@ class GrpcServer:
                 ("grpc.http2.max_ping_strikes", 0),
             ],
         )
-        self.health = health.aio.HealthServicer()
+        # Bounded (tauflow.core.health): its service names, its Watch streams, which end when the server drains.
+        self.health = health.HealthServicer(config.max_health_watches)
         for b in self.bindings:
             b.add_to_server(b.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        servicer_adder(health.SERVICE, health.LIMITS)(self.health, self.server)
         names = [b.descriptor.full_name for b in self.bindings]
-        reflector = reflection.aio.ReflectionServicer(
-            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        )
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflector, self.server)
-        _add_reflection_v1(reflector, self.server)
+        reflector = reflection.aio.ReflectionServicer((*names, health.SERVICE.full_name, reflection.SERVICE_NAME))
+        _add_reflection(reflector, self.server)
         self.port: int | None = None
 
     async def start(self) -> int:
@@ -312,10 +352,11 @@ class GrpcServer:
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *(b.descriptor.full_name for b in self.bindings)):
-            await self.health.set(name, status)
+            self.health.set(name, status)
 
     async def drain(self) -> None:
         await self.set_serving(False)
+        self.health.close()  # open Watch streams send NOT_SERVING and end: none holds the drain for its grace
         await self.server.stop(self.config.drain_grace_s)
 
 
