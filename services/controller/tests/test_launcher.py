@@ -256,3 +256,24 @@ def test_a_new_controller_waits_for_the_previous_runs_process_to_stop(tmp_path) 
         stuck.kill()
         stuck.wait()
         launcher.stop()
+
+
+def test_a_services_settings_are_in_a_file_of_its_user_not_on_its_command_line(tmp_path) -> None:
+    # A setting's value (here the queue's log folder, as an engine's API key would be) is not in the process's
+    # command line, which any local user reads; the service gets it from its settings file, mode 0600, and
+    # the run's setting wins over the environment's (as it did on the command line).
+    secret = "wal-sk-SECRET0123456789"
+    launcher = LocalLauncher(tmp_path)
+    spec = ServiceSpec(
+        "queue", {"wal.dir": str(tmp_path / secret)}, env={"TAUFLOW_QUEUE_WAL__DIR": str(tmp_path / "env")}
+    )
+    try:
+        queue = launcher.start(spec)
+        cmdline = Path(f"/proc/{queue.proc.pid}/cmdline").read_bytes().decode()
+        assert secret not in cmdline and "--set" not in cmdline
+        assert f"--config\0{queue.settings_file}" in cmdline
+        assert (queue.settings_file.stat().st_mode & 0o777) == 0o600
+        assert json.loads(queue.settings_file.read_text())["wal"] == {"dir": str(tmp_path / secret)}
+        assert (tmp_path / secret).is_dir() and not (tmp_path / "env").exists()
+    finally:
+        launcher.stop()

@@ -11,8 +11,10 @@ services for the metrics and the Prometheus targets (``services``). Three implem
   else; the controller only connects.
 
 The first two share :class:`ProcessLauncher`, the supervision: each service runs as ``python -m
-tauflow.<role> --set server.port=0 ... --ready-file <run>/<name>.ready.json``; its ports are read back
-from the ready file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
+tauflow.<role> --ready-file <run>/<name>.ready.json --config <run>/settings/<name>.json``; its settings
+(``server.port=0`` and the run's) are in that file, readable by the run's user only, not on its command
+line (which any local user can read, in ``/proc/<pid>/cmdline``); its ports are read back from the ready
+file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
 unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
 (``max_restarts``) fails the run with a message that names it and quotes the end of its log. One that is
 alive but does not answer its gRPC health check (stopped, hung) is logged and counted
@@ -46,8 +48,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from tauflow.controller.health import HealthProbe
 from tauflow.controller.ports import HealthCheck
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
@@ -76,7 +76,7 @@ def instance_name(role: str, index: int) -> str:
 @dataclass
 class ServiceSpec:
     name: str  # unique in the run: the role, or instance_name(role, index) for a role with several processes
-    settings: dict[str, Any] = field(default_factory=dict)  # --set key=value
+    settings: dict[str, Any] = field(default_factory=dict)  # key.sub -> value (its settings file)
     env: dict[str, str] = field(default_factory=dict)
     role: str = ""  # empty: the name
     index: int = 0  # the replica index or rank within the role
@@ -193,6 +193,10 @@ class ManagedService:
     @property
     def ready_file(self) -> Path:
         return self.run_dir / f"{self.name}.ready.json"
+
+    @property
+    def settings_file(self) -> Path:
+        return self.run_dir / "settings" / f"{self.name}.json"
 
     @property
     def log_file(self) -> Path:
@@ -349,7 +353,7 @@ class ProcessLauncher:
                     svc.proc.wait(self.stop_grace_s)
 
     def _settings(self, svc: ManagedService) -> dict[str, Any]:
-        """Its ``--set`` settings: free ports at the first start, the same ports at every restart."""
+        """Its settings: free ports at the first start, the same ports at every restart."""
         settings = {"server.port": 0, "metrics.port": 0, **svc.spec.settings}
         for key, port in svc.info.get("pinned", {}).items():
             if port:
@@ -520,9 +524,13 @@ class LocalLauncher(ProcessLauncher):
         if svc.starts == 0:
             self._wait_for_previous(svc)
         svc.ready_file.unlink(missing_ok=True)
+        settings = self._settings(svc)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
-        command = service_command(sys.executable, svc.spec.module, svc.ready_file, self._settings(svc))
-        svc.proc = spawn_service(command, env, svc.log_file, log_header(svc.name, svc.restarts))
+        write_settings(svc.settings_file, settings)
+        command = service_command(sys.executable, svc.spec.module, svc.ready_file, svc.settings_file)
+        svc.proc = spawn_service(
+            command, service_env(svc.spec.module, settings, env), svc.log_file, log_header(svc.name, svc.restarts)
+        )
         self._started(svc)
 
     def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
@@ -559,11 +567,91 @@ class LocalLauncher(ProcessLauncher):
 # -- one service process: the local launcher and each Ray actor start it the same way ----------------
 
 
-def service_command(python: str, role: str, ready_file: Path | str, settings: Mapping[str, Any]) -> list[str]:
-    cmd = [python, "-m", f"tauflow.{role}", "--ready-file", str(ready_file)]
+def service_command(python: str, role: str, ready_file: Path | str, settings_file: Path | str) -> list[str]:
+    """The command line of a service process: its settings are in ``settings_file`` (:func:`write_settings`),
+    never on the command line, which every local user can read."""
+    return [python, "-m", f"tauflow.{role}", "--ready-file", str(ready_file), "--config", str(settings_file)]
+
+
+def nested(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``key.sub -> value`` settings as the nested mapping a config file holds, merged in order as the
+    service merges ``--set key.sub=value`` overrides (tauflow.core.config)."""
+    data: dict[str, Any] = {}
     for key, value in settings.items():
-        cmd += ["--set", f"{key}={_format(value)}"]
-    return cmd
+        layer: Any = _plain(value)
+        for part in reversed(str(key).split(".")):
+            layer = {part: layer}
+        data = _merge(data, layer)
+    return data
+
+
+def write_settings(path: Path | str, settings: Mapping[str, Any]) -> None:
+    """Writes a service's settings as its ``--config`` file (JSON), readable and writable by this user only:
+    they may hold secrets (an engine's API key, a reward function's token). Replaced at once: a process
+    restarting reads the whole file or the previous one."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    text = json.dumps(nested(settings), ensure_ascii=False, indent=1, default=str)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.chmod(partial, 0o600)  # (a file left by an earlier try keeps its mode through O_CREAT)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def service_env(role: str, settings: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the ``TAUFLOW_<ROLE>_*`` variables that would override one of ``settings``: the
+    service reads its environment over its config file, and the run's settings (on the command line, they
+    came last) win over whatever the controller's environment holds."""
+    prefix = f"TAUFLOW_{role.upper()}_"
+    data = nested(settings)
+    out = {}
+    for name, value in env.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            path = name[len(prefix) :].lower().split("__")
+            marker = object()
+            layer: Any = marker
+            for part in reversed(path):
+                layer = {part: layer}
+            if _lookup(_merge(layer, data), path) is not marker:
+                continue  # the run's setting wins
+        out[name] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON holds it (a path as its text)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, mappings merged key by key (what the service's config loader does)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _lookup(data: Any, path: list[str]) -> Any:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
 
 
 def log_header(role: str, restarts: int, where: str = "") -> str:
@@ -597,21 +685,3 @@ def is_service_process(pid: int, role: str) -> bool:
         )
     except (OSError, IndexError):
         return False
-
-
-def _format(value: Any) -> str:
-    """A setting as ``--set key=VALUE`` text that the service reads back (as YAML) to the same value."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value, ensure_ascii=False)  # (an escaped emoji reads back as two lone surrogates)
-    if isinstance(value, Path):
-        value = str(value)
-    if isinstance(value, str) and value:
-        try:
-            same = yaml.safe_load(value) == value
-        except yaml.YAMLError:
-            same = False
-        # "####\s*(.+)" would read as a comment (null), "1e3" or "true" as a number or a bool: quote them
-        return value if same else json.dumps(value, ensure_ascii=False)
-    return str(value)

@@ -17,9 +17,11 @@ actor, on the same ports, with backoff, and a crash loop fails the run naming th
   and each service, whose ``TAUFLOW_PARENT_PID`` is its actor, drains and exits (``tauflow.core.lifeline``).
   Ray's own clean-up, which SIGKILLs an exiting worker's children (``kill_child_processes_on_worker_exit``),
   is turned off for these actors: it would kill the services without their drain.
-- Paths (model, dataset, and out_dir: logs, ready files, checkpoints, queue log) are used as they are on
-  every node, relative ones from the controller's working directory: on a cluster of several machines
-  they must be on a file system that every node mounts at the same path.
+- Paths (model, dataset, and out_dir: logs, ready and settings files, checkpoints, queue log) are used as
+  they are on every node, relative ones from the controller's working directory: on a cluster of several
+  machines they must be on a file system that every node mounts at the same path. A service's settings go
+  to it through the Ray call, and its actor writes them to its settings file (this user's only), not onto
+  its command line.
 - A service's environment is its actor's (Ray sets ``CUDA_VISIBLE_DEVICES`` and ``OMP_NUM_THREADS``)
   plus the controller's ``OTEL_*`` and ``TAUFLOW_*`` variables.
 
@@ -50,8 +52,11 @@ from tauflow.controller.launcher import (
     is_service_process,
     log_header,
     service_command,
+    service_env,
     spawn_service,
+    write_settings,
 )
+from tauflow.controller.secrets import redact_text
 from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
@@ -109,8 +114,8 @@ class RayLauncher(ProcessLauncher):
                     logging_level=logging.WARNING,
                 )
             except Exception as e:  # Ray raises ConnectionError, ValueError or RuntimeError here
-                raise LaunchFailed(
-                    f"launcher 'ray': cannot connect to the Ray cluster at {self.config.address!r}: {e}"
+                raise LaunchFailed(  # (the address may hold credentials: ray://user:password@head)
+                    redact_text(f"launcher 'ray': cannot connect to the Ray cluster at {self.config.address!r}: {e}")
                 ) from e
             self._connected_here = True
         self._ray = ray
@@ -151,6 +156,7 @@ class RayLauncher(ProcessLauncher):
             self._cwd,
             os.path.abspath(svc.log_file),
             os.path.abspath(svc.ready_file),
+            os.path.abspath(svc.settings_file),
             svc.restarts,
             previous_pid,
             self.stop_grace_s,
@@ -304,6 +310,7 @@ class ServiceHost:
         cwd: str,
         log_file: str,
         ready_file: str,
+        settings_file: str,
         restarts: int,
         previous_pid: int | None,
         grace_s: float,
@@ -319,9 +326,11 @@ class ServiceHost:
             bind["store.host"] = self.host  # the TCPStore rollout engines rendezvous on
         Path(ready_file).unlink(missing_ok=True)
         self.ready_file = ready_file
+        settings = {**bind, **settings}
+        write_settings(settings_file, settings)  # (on this node: not on the command line, which anyone reads)
         self.proc = spawn_service(
-            service_command(sys.executable, role, ready_file, {**bind, **settings}),
-            {**os.environ, **env},
+            service_command(sys.executable, role, ready_file, settings_file),
+            service_env(role, settings, {**os.environ, **env}),
             log_file,
             log_header(role, restarts, f" on {self.host}, Ray actor {context.get_actor_id()}"),
             cwd=cwd if os.path.isdir(cwd) else None,
@@ -382,7 +391,9 @@ def _probe(address: str) -> None:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
         raise LaunchFailed(
-            f"launcher 'ray': no Ray cluster answers at {address} (`ray start --head` prints the address): {e}"
+            redact_text(
+                f"launcher 'ray': no Ray cluster answers at {address} (`ray start --head` prints the address): {e}"
+            )
         ) from e
 
 

@@ -39,6 +39,7 @@ from tauflow.controller.ports import (
 )
 from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
+from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
@@ -257,8 +258,12 @@ class Run:
             log.warning("a previous run's state was moved aside", extra={"moved": [f"{m}.prev" for m in moved]})
         if self.config.prepare:
             command = self.prepare_command()
-            log.info("prepare", extra={"command": " ".join(command)})
-            subprocess.run(command, check=True)
+            shown = " ".join(redact_command(command))  # (a token on its command line is the user's, not the log's)
+            log.info("prepare", extra={"command": shown})
+            try:
+                subprocess.run(command, check=True)
+            except subprocess.CalledProcessError as e:  # (its message would quote the whole command)
+                raise LaunchFailed(f"the prepare command ({shown}) exited with code {e.returncode}") from None
 
     def launch(self) -> dict[str, str]:
         """Starts every role in order (each learns its peers' addresses) and checks what it is; runs in a
@@ -436,11 +441,10 @@ class Run:
             raise RunStalled(await self._stall_report(peers))
 
     def _record_steps(self, following: Following, poll: Poll) -> None:
-        histogram = self.summary.staleness_histogram
         for step in poll.steps:
             following.next_step = step.step + 1
             committed_s = step.committed_at - self._wall0 if step.committed_at is not None else poll.at_s
-            self.summary.steps.append(
+            self.summary.add_step(  # (its staleness counted and judged against the τ changes, once)
                 StepRecord(
                     step.step,
                     step.policy_version,
@@ -456,8 +460,6 @@ class Run:
                     dict(step.groups_by_staleness),
                 )
             )
-            for staleness, groups in step.groups_by_staleness.items():
-                histogram[staleness] = histogram.get(staleness, 0) + groups
             following.tokens += step.trained_tokens
 
     def _show_progress(self, following: Following, poll: Poll) -> int:
@@ -563,16 +565,22 @@ class Run:
             peers = self._live_peers()
             previous = self.tau
             before = (await peers.trainer.status()).policy_version
-            if tau == previous:
+            if tau == previous:  # (the τ in force: nothing changes, nothing is recorded)
                 return previous, before
-            # Lowering: the queue first, so it never delivers under a looser τ than the trainer's; raising:
-            # the trainer first. The trainer judges each batch by the τ it was delivered under anyway.
-            looser = loosest([tau, previous]) == tau
-            for peer in (peers.trainer, peers.queue) if looser else (peers.queue, peers.trainer):
-                await peer.set_max_staleness(tau)
-            after = (await peers.trainer.status()).policy_version
+            # The steps the trainer lists from `before` on may race the change: judged once it is known.
+            self.summary.tau_change_begins(before)
+            try:
+                # Lowering: the queue first, so it never delivers under a looser τ than the trainer's;
+                # raising: the trainer first. The trainer judges each batch by the τ it was delivered under.
+                looser = loosest([tau, previous]) == tau
+                for peer in (peers.trainer, peers.queue) if looser else (peers.queue, peers.trainer):
+                    await peer.set_max_staleness(tau)
+                after = (await peers.trainer.status()).policy_version
+            except BaseException:
+                self.summary.tau_change_failed()
+                raise
             change = TauChange(previous, tau, before, after, time.monotonic() - self._t0)
-            self.summary.max_staleness_changes.append(change)
+            self.summary.tau_changed(change)
             self.tau = self.progress.max_staleness = tau
             for role in ("queue", "trainer"):  # a restarted process starts with it
                 self.launcher.update_settings(role, {"max_staleness": tau})
@@ -623,10 +631,10 @@ class Run:
             if target is not None and (self.summary.final_accuracy or 0.0) < target:
                 self.summary.status = "below_target"
         except LaunchFailed as e:  # a service that failed (ServiceFailed), or a launcher that cannot launch
-            self.summary.status, self.summary.message = "failed", str(e)
+            self.summary.status, self.summary.message = "failed", redact_text(str(e))  # (GetRun shows it)
             raise
         except RunStalled as e:
-            self.summary.status, self.summary.message = "stalled", str(e)
+            self.summary.status, self.summary.message = "stalled", redact_text(str(e))
             raise
         except asyncio.CancelledError:
             why = f": {self.stop_reason}" if self.stop_reason else ""

@@ -8,7 +8,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tauflow.controller.dial import TauChange, violations
+from tauflow.controller.dial import StalenessLedger, TauChange
+
+# The τ changes a summary keeps (the last ones; ``max_staleness_changes_total`` counts them all): a client
+# that toggles τ must not grow the summary, its plot's title or the controller's memory without bound. The
+# violations are counted over every change (dial.py), kept or not.
+MAX_TAU_CHANGES_KEPT = 100
 
 
 @dataclass
@@ -53,9 +58,14 @@ class RunSummary:
     # checks (at start, then once per restart)
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    max_staleness_changes: list[TauChange] = field(default_factory=list)  # tauflow set max-staleness, in order
+    # tauflow set max-staleness, in order: the last MAX_TAU_CHANGES_KEPT of them; how many there were in all
+    max_staleness_changes: list[TauChange] = field(default_factory=list)
+    max_staleness_changes_total: int = 0
     # (seconds since the start, rollout replicas): the start's count, then each change carried out
     rollout_replicas: list[tuple[float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._ledger = StalenessLedger(self.max_staleness)  # (not a field: the summary's JSON holds its count)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -64,9 +74,34 @@ class RunSummary:
     @property
     def staleness_violations(self) -> int:
         """Groups trained with a staleness above the τ in force at their delivery (dial.py), counted from the
-        steps as the trainer listed them; the invariant says 0."""
-        steps = [(s.step, s.groups_by_staleness) for s in self.steps]
-        return violations(steps, self.max_staleness, self.max_staleness_changes)
+        steps as the trainer listed them, each once as it came; the invariant says 0."""
+        return self._ledger.violations
+
+    @property
+    def ledger(self) -> StalenessLedger:
+        return self._ledger
+
+    def add_step(self, record: StepRecord) -> None:
+        """A step the trainer listed (after the ones before it): kept, its staleness counted and judged."""
+        self.steps.append(record)
+        for staleness, groups in record.groups_by_staleness.items():
+            self.staleness_histogram[staleness] = self.staleness_histogram.get(staleness, 0) + groups
+        self._ledger.step(record.step, record.groups_by_staleness)
+
+    def tau_change_begins(self, from_version: int) -> None:
+        """A change of τ is under way from the trainer's ``from_version``: the steps from there wait for it."""
+        self._ledger.begin(from_version)
+
+    def tau_changed(self, change: TauChange) -> None:
+        self._ledger.changed(change)
+        self.max_staleness_changes.append(change)
+        self.max_staleness_changes_total += 1
+        if len(self.max_staleness_changes) > MAX_TAU_CHANGES_KEPT:
+            del self.max_staleness_changes[0]
+
+    def tau_change_failed(self) -> None:
+        """The change under way did not happen (for this run's accounting: a role could not be reached)."""
+        self._ledger.abandoned()
 
     def time_to_accuracy(self, threshold: float) -> float | None:
         return next((e.time_s for e in self.evals if e.accuracy >= threshold), None)
@@ -111,7 +146,11 @@ def plot(summary: RunSummary, path: Path) -> None:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
-    taus = "→".join(str(t) for t in [summary.max_staleness, *(c.tau for c in summary.max_staleness_changes)])
+    kept = summary.max_staleness_changes
+    taus = "→".join(str(t) for t in [summary.max_staleness, *(c.tau for c in kept[-5:])])
+    if summary.max_staleness_changes_total > min(len(kept), 5):  # the first τ, then the last five changes
+        left_out = summary.max_staleness_changes_total - min(len(kept), 5)
+        taus = taus.replace("→", f"→({left_out} changes)→", 1)
     axes[0].set_title(f"{summary.name}: reward and accuracy by step (tau={taus})")
     axes[1].set_title("by wall time")
     hist = sorted(summary.staleness_histogram.items())

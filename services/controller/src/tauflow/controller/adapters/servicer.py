@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import NoReturn
 
 import grpc
@@ -12,6 +11,7 @@ from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.ports import PeerError
 from tauflow.controller.run import MAX_TAU, Run, RunNotLive
 from tauflow.controller.scaling import ScalingRefused, ServiceView
+from tauflow.controller.secrets import redacted
 from tauflow.core.protobuf import duration_seconds, timestamp
 
 _STATES = {
@@ -23,22 +23,6 @@ _STATES = {
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
 }
 MAX_GRACE_S = 3600.0  # StopRun's grace_period: how long the services may take to stop, at most
-# a key that names a secret (HF_TOKEN, webhookToken, AWS_SECRET_ACCESS_KEY, an api_key), not one that counts
-# tokens (max_new_tokens, stop_token_ids)
-_SECRET_KEY = re.compile(
-    r"secret|passw(or)?d|credential|private_?key|access_?key|api_?key|(^|[._-]|(?<=[a-z]))token$", re.IGNORECASE
-)
-
-
-def redacted(config: object) -> object:
-    """``config`` (a JSON-like value) with the value of every key that names a secret replaced: GetRun shows
-    the run's config to any client."""
-    if isinstance(config, dict):
-        return {k: "<redacted>" if _SECRET_KEY.search(str(k)) else redacted(v) for k, v in config.items()}
-    if isinstance(config, list):
-        return [redacted(v) for v in config]
-    return config
-
 
 _KINDS = {
     "queue": controller_pb2.SERVICE_KIND_QUEUE,
@@ -102,7 +86,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         reply.started_at.CopyFrom(timestamp(self.run.started_wall))
         if self.run.ended_wall is not None:
             reply.ended_at.CopyFrom(timestamp(self.run.ended_wall))
-        reply.config.update(redacted(self.run.config.model_dump(mode="json")))
+        reply.config.update(redacted(self.run.config.model_dump(mode="json")))  # (secrets.py: what is one)
         return controller_pb2.GetRunResponse(run=reply)
 
     async def StopRun(
