@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -137,6 +138,41 @@ def test_multiple_choice_with_option_texts_gpqa_style() -> None:
 def test_choice_extraction_is_linear_on_hostile_text() -> None:
     # Adjacent \s* under a backtracking engine would take hours here; RE2 reads it in milliseconds.
     assert extract_choice("answer" + " " * 200_000 + "!", "ABCD") is None
+
+
+def test_qa_normalises_the_completion_once_however_many_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It was normalised again for each reference (twice: exact match, then F1): 64 references made a 1 MiB
+    # completion cost ~3 s of the service process's CPU per sample, inline, where the 1 s timeout is not
+    # enforced.
+    from tauflow.reward import answers
+
+    text = "the big red fox " * 1000
+    expected = token_f1(text, "red fox")
+    seen: list[int] = []
+    real = answers.squad_normalise
+    monkeypatch.setattr(answers, "squad_normalise", lambda text: seen.append(len(text)) or real(text))
+    qa = QuestionAnswering()
+    got = run(qa, sample(text, answer=json.dumps(["a dog"] * 63 + ["red fox"])))
+    assert got.score == pytest.approx(expected) and got.components["exact_match"] == 0.0
+    assert seen.count(len(text)) == 1 and len(seen) == 1 + 64  # the completion once, each reference once
+
+
+def test_qa_bounds_the_work_of_a_sample_by_max_answer_chars() -> None:
+    qa = QuestionAnswering()
+    assert qa.default_config["max_answer_chars"] == 65_536
+    # an answer over the bound scores 0 without being compared (its F1 would be near 0 anyway)
+    huge = ("word " * 209_715)[: 1 << 20]
+    started = time.monotonic()
+    got = run(qa, sample(huge, answer=json.dumps(["word"] * 64)))
+    assert time.monotonic() - started < 0.5  # (normalising 1 MiB 64 times over took ~3 s)
+    assert got == Score(0.0, {"answer_found": 1.0, "exact_match": 0.0, "f1": 0.0})
+    assert run(qa, sample("word " * 20, answer="word"), max_answer_chars=100).score == 1.0 / 10.5
+    assert run(qa, sample("word " * 21, answer="word"), max_answer_chars=100).score == 0.0
+    # the bound holds for what extract_pattern picks out, not the whole completion
+    assert run(qa, sample(huge + "\nAnswer: word", answer="word"), extract_pattern=r"Answer: (\w+)").score == 1.0
+    # a reference over it (a JSON list counts whole) is an error of the sample
+    with pytest.raises(ValueError, match="the reference is 102 characters long; max_answer_chars is 100"):
+        run(qa, sample("word", answer=json.dumps(["w" * 98])), max_answer_chars=100)
 
 
 # -- compose ------------------------------------------------------------------------------------

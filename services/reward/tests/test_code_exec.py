@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import dis
+import errno
 import fcntl
 import json
+import logging
 import multiprocessing
 import os
 import posix
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -21,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from tauflow.reward import code_exec
 from tauflow.reward.api import SampleInput, Score
 from tauflow.reward.builtins import ConfigInvalid, MissingReference
 from tauflow.reward.code_exec import (
@@ -28,8 +34,10 @@ from tauflow.reward.code_exec import (
     Case,
     CaseResult,
     CodeExecution,
+    Confinement,
     case_passed,
     extract_program,
+    kernel_confinement,
     parse_tests,
     run_case,
 )
@@ -417,6 +425,310 @@ def test_max_output_bytes_is_a_bound_on_each_case() -> None:
     assert score(s, max_output_bytes=2000).score == 0.0  # the newline is one byte too many
 
 
+# -- the kernel's layers: Landlock, seccomp ---------------------------------------------------------
+
+CONFINEMENT = kernel_confinement()
+needs_landlock = pytest.mark.skipif(not CONFINEMENT.landlock_abi, reason="this kernel has no Landlock")
+needs_seccomp = pytest.mark.skipif(not CONFINEMENT.seccomp_arch, reason="no seccomp filter for this kernel/arch")
+
+# Run in a child without the audit hook: what the kernel alone refuses once _landlock and _seccomp are set
+# up as the runner sets them up (as native code would meet them: past the hook, every call here is a bare
+# syscall). Each attempt prints "<name> allowed" or "<name> refused <errno>".
+CONFINED = r"""
+import ctypes, errno, fcntl, os, resource, signal, socket, sys, threading
+runner_file, root, victim, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+runner = {"__name__": "tauflow_runner"}
+exec(open(runner_file).read(), runner)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+os.chdir(root)
+if "landlock" in layers:
+    runner["_landlock"](libc, ctypes, int(sys.argv[5]), os.path.realpath(root), runner["_readable"]())
+if "seccomp" in layers:
+    runner["_seccomp"](libc, ctypes, sys.argv[6])
+
+def attempt(name, fn):
+    try:
+        result = fn()
+    except OSError as e:
+        print(name, "refused", e.errno, flush=True)
+    else:
+        if result is not None and result < 0:
+            print(name, "refused", ctypes.get_errno(), flush=True)
+        else:
+            print(name, "allowed", flush=True)
+"""
+
+
+def _confined(tmp_path: Path, attempts: str, layers: str) -> dict[str, str]:
+    """Runs CONFINED then ``attempts`` in a child (cwd: ``tmp_path/case``) with the given kernel layers;
+    {attempt: "allowed" or "refused <errno>"}. ``victim`` is another process of the same user."""
+    case = tmp_path / "case"
+    case.mkdir()
+    runner_file = tmp_path / "runner.py"
+    runner_file.write_text(_RUNNER)
+    with subprocess.Popen(["sleep", "30"]) as victim:
+        try:
+            args = [str(runner_file), str(case), str(victim.pid), layers]
+            args += [str(CONFINEMENT.landlock_abi), CONFINEMENT.seccomp_arch]
+            script = CONFINED + textwrap.dedent(attempts)
+            result = subprocess.run(
+                [sys.executable, "-I", "-S", "-c", script, *args], capture_output=True, text=True, timeout=60
+            )
+        finally:
+            victim.kill()
+    lines = [line.split(" ", 1) for line in result.stdout.splitlines()]
+    return {name: outcome for name, outcome in lines} | ({"rc": str(result.returncode)} if result.stderr else {})
+
+
+@needs_seccomp
+def test_seccomp_refuses_processes_signals_sockets_and_kernel_interfaces_to_native_code(tmp_path: Path) -> None:
+    # The hostile program loaded a shared library of its own: its constructor forked, exec'd /bin/sh and
+    # found it could signal its worker (kill(worker, 0) == 0), none of which an audit event sees.
+    attempts = """
+        attempt("fork", lambda: os._exit(0) if os.fork() == 0 else 0)
+        attempt("posix_spawn", lambda: os.posix_spawn("/bin/true", ["true"], {}) and 0)
+        attempt("kill_other", lambda: os.kill(victim, 0))
+        attempt("kill_self", lambda: os.kill(os.getpid(), 0))
+        attempt("pidfd_open", lambda: os.pidfd_open(victim) and 0)
+        attempt("prlimit_other", lambda: resource.prlimit(victim, resource.RLIMIT_NOFILE) and 0)
+        attempt("prlimit_self", lambda: resource.prlimit(0, resource.RLIMIT_NOFILE) and 0)
+        attempt("setpriority_other", lambda: os.setpriority(os.PRIO_PROCESS, victim, 19))
+        attempt("affinity_other", lambda: os.sched_setaffinity(victim, os.sched_getaffinity(0)))
+        attempt("socket_inet", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close())
+        attempt("socket_unix", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close())
+        attempt("socketpair", lambda: [s.close() for s in socket.socketpair()] and None)
+        attempt("socketpair_dgram", lambda: socket.socketpair(type=socket.SOCK_DGRAM) and 0)
+        attempt("f_setown", lambda: fcntl.fcntl(0, fcntl.F_SETOWN, victim))
+        attempt("pdeathsig", lambda: libc.prctl(1, 0, 0, 0, 0))
+        attempt("unshare", lambda: libc.unshare(0x10000000))
+        attempt("mount", lambda: libc.mount(b"none", b"/nonexistent-tauflow-mount", b"tmpfs", 0, None))
+        attempt("ptrace", lambda: libc.ptrace(16, victim, None, None))  # PTRACE_ATTACH
+        attempt("io_uring_setup", lambda: libc.syscall(425, 1, None))
+        attempt("bpf", lambda: libc.syscall(321 if sys.argv[6] == "x86_64" else 280, 0, None, 0))
+        attempt("clone3", lambda: libc.syscall(435, None, 0))
+        threads = [threading.Thread(target=lambda: None) for _ in range(4)]
+        attempt("threads", lambda: [t.start() for t in threads] and [t.join() for t in threads] and None)
+        attempt("exec", lambda: os.execv("/bin/sh", ["sh", "-c", "echo exec allowed"]))
+        """
+    got = _confined(tmp_path, attempts, "seccomp")
+    eperm, enosys = f"refused {errno.EPERM}", f"refused {errno.ENOSYS}"
+    assert got == {
+        "fork": eperm,
+        "posix_spawn": eperm,
+        "kill_other": eperm,
+        "kill_self": "allowed",
+        "pidfd_open": eperm,
+        "prlimit_other": eperm,
+        "prlimit_self": "allowed",
+        "setpriority_other": eperm,
+        "affinity_other": eperm,
+        "socket_inet": eperm,
+        "socket_unix": eperm,
+        "socketpair": "allowed",
+        "socketpair_dgram": eperm,
+        "f_setown": eperm,
+        "pdeathsig": eperm,
+        "unshare": eperm,
+        "mount": eperm,
+        "ptrace": eperm,
+        "io_uring_setup": eperm,
+        "bpf": eperm,
+        "clone3": enosys,  # glibc then makes its threads with clone
+        "threads": "allowed",
+        "exec": eperm,
+    }
+
+
+@needs_landlock
+def test_landlock_confines_writes_to_the_case_directory_and_reads_to_what_python_needs(tmp_path: Path) -> None:
+    # The constructor of the library wrote a file outside its case directory; the audit hook never sees
+    # os.mkfifo or a read, nor anything native code does.
+    (tmp_path / "keep.txt").write_text("keep")
+    (tmp_path / "secret.txt").write_text("secret")
+    attempts = f"""
+        outside = {str(tmp_path)!r}
+        attempt("write_outside", lambda: open(outside + "/escaped.txt", "w").close())
+        attempt("append_outside", lambda: open(outside + "/keep.txt", "a").close())
+        attempt("remove_outside", lambda: os.remove(outside + "/keep.txt"))
+        attempt("mkfifo_outside", lambda: os.mkfifo(outside + "/fifo"))
+        attempt("symlink_outside", lambda: os.symlink("/", outside + "/link"))
+        attempt("read_outside", lambda: open(outside + "/secret.txt").read() and None)
+        attempt("list_outside", lambda: os.listdir(outside) and None)
+        attempt("write_beside", lambda: open(outside + "-beside", "w").close())
+        attempt("write_inside", lambda: open("inside.txt", "w").write("x") and None)
+        attempt("rename_inside", lambda: os.mkdir("d") or os.rename("inside.txt", "d/moved.txt"))
+        attempt("read_inside", lambda: open("d/moved.txt").read() and None)
+        attempt("dev_null", lambda: open("/dev/null", "w").write("x") and None)
+        attempt("stdlib", lambda: __import__("decimal") and __import__("json") and None)
+        attempt("proc_self", lambda: open("/proc/self/status").read() and None)
+        attempt("exec", lambda: os.execv("/bin/sh", ["sh", "-c", "echo exec allowed"]))
+        """
+    got = _confined(tmp_path, attempts, "landlock")
+    eacces = f"refused {errno.EACCES}"
+    assert got == {
+        "write_outside": eacces,
+        "append_outside": eacces,
+        "remove_outside": eacces,
+        "mkfifo_outside": eacces,
+        "symlink_outside": eacces,
+        "read_outside": eacces,
+        "list_outside": eacces,
+        "write_beside": eacces,
+        "write_inside": "allowed",
+        "rename_inside": "allowed",
+        "read_inside": "allowed",
+        "dev_null": "allowed",
+        "stdlib": "allowed",
+        "proc_self": "allowed",
+        "exec": eacces,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case", "keep.txt", "runner.py", "secret.txt"]
+    assert (tmp_path / "keep.txt").read_text() == "keep" and not Path(f"{tmp_path}-beside").exists()
+
+
+@pytest.mark.skipif(CONFINEMENT.landlock_abi < 6, reason="Landlock's signal scope needs ABI 6 (Linux 6.12)")
+def test_landlock_scopes_signals_to_the_sandbox(tmp_path: Path) -> None:
+    got = _confined(tmp_path, 'attempt("kill_other", lambda: os.kill(victim, 0))\n', "landlock")
+    assert got == {"kill_other": f"refused {errno.EPERM}"}
+
+
+@needs_landlock
+@needs_seccomp
+def test_a_case_runs_under_both_kernel_layers_and_what_the_hook_never_saw_is_refused(tmp_path: Path) -> None:
+    # os.mkfifo, a read, /dev/shm and pidfd signals raise no audit event: before the kernel layers a
+    # program could make FIFOs anywhere its user may write, read the host's files, and signal its worker.
+    (tmp_path / "secret.txt").write_text("secret")
+    shm = f"/tauflow-escaped-{os.getpid()}"
+    program = f"""
+        import os, signal, _posixshmem
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+        print(status["NoNewPrivs"].strip(), status["Seccomp"].strip())
+        for attempt in (
+            lambda: os.mkfifo({str(tmp_path / "fifo")!r}),
+            lambda: open({str(tmp_path / "secret.txt")!r}).read(),
+            lambda: _posixshmem.shm_open({shm!r}, os.O_CREAT | os.O_RDWR, 0o600),
+            lambda: signal.pidfd_send_signal(os.pidfd_open(os.getppid()), 0),
+        ):
+            try:
+                attempt()
+                print("allowed")
+            except PermissionError:
+                print("refused")
+        """
+    try:
+        result = run(program)
+        assert not Path("/dev/shm" + shm).exists()
+    finally:
+        Path("/dev/shm" + shm).unlink(missing_ok=True)
+    assert result.stdout.decode().splitlines() == ["1 2", "refused", "refused", "refused", "refused"], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]
+
+
+def test_a_native_library_the_program_wrote_cannot_be_loaded(tmp_path: Path) -> None:
+    # The repro: a shared library written into the case directory (allowed) and loaded with
+    # ExtensionFileLoader, whose dlopen() ran its constructor, native code no audit event sees. A copy of
+    # a standard-library extension stands in for it here; the standard library's own still load.
+    program = """
+        import importlib.machinery, importlib.util, os, shutil, sys
+        import _json  # the standard library's own extension modules load
+        shutil.copy(_json.__file__, "mod.so")
+        attempts = (
+            lambda: importlib.util.module_from_spec(
+                importlib.util.spec_from_loader("_json", importlib.machinery.ExtensionFileLoader("_json", "./mod.so"))
+            ),
+            lambda: sys.path.insert(0, os.getcwd()) or __import__("mod"),
+            lambda: __import__("_imp").create_dynamic(importlib.machinery.ModuleSpec("_json", None, origin="mod.so")),
+            lambda: __import__("ctypes"),
+        )
+        for attempt in attempts:
+            try:
+                attempt()
+                print("allowed")
+            except PermissionError:
+                print("refused")
+        import _decimal, _bisect
+        print("stdlib", _decimal.Decimal(1) + 1)
+        """
+    result = run(program)
+    assert result.stdout.decode().splitlines() == ["refused"] * 4 + ["stdlib 2"], result.stderr
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the hostile library")
+def test_the_hostile_shared_library_escapes_nothing(tmp_path: Path) -> None:
+    # The probe's library itself (its source, as found): a constructor that writes a file outside, forks
+    # and execs /bin/sh, and tries to signal its worker.
+    marker = tmp_path / "PWNED"
+    source = tmp_path / "esc.c"
+    source.write_text(
+        "#include <fcntl.h>\n#include <unistd.h>\n#include <signal.h>\n#include <stdio.h>\n#include <sys/wait.h>\n"
+        "__attribute__((constructor)) static void escape(void) {\n"
+        f'  int fd = open("{marker}", O_WRONLY | O_CREAT | O_TRUNC, 0644);\n'
+        '  if (fd >= 0) { dprintf(fd, "kill=%d\\n", kill(getppid(), 0)); close(fd); }\n'
+        "  pid_t p = fork();\n"
+        f'  if (p == 0) {{ execl("/bin/sh", "sh", "-c", "echo exec >> {marker}", (char *)0); _exit(1); }}\n'
+        "  if (p > 0) waitpid(p, 0, 0);\n"
+        "}\n"
+    )
+    library = tmp_path / "esc.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=120)
+    program = f"""
+        import base64, importlib.machinery, importlib.util
+        open("esc.so", "wb").write(base64.b64decode({base64.b64encode(library.read_bytes()).decode()!r}))
+        loader = importlib.machinery.ExtensionFileLoader("esc", "./esc.so")
+        try:
+            importlib.util.module_from_spec(importlib.util.spec_from_loader("esc", loader))
+        except ImportError as e:
+            print("loaded:", e)
+        """
+    result = run(program, wall_time_s=20)
+    assert b"PermissionError: sandbox: loading native code (the extension module esc)" in result.stderr
+    assert not marker.exists()
+
+
+def test_the_seccomp_filter_s_syscall_numbers_are_the_kernel_s() -> None:
+    # Checked against the kernel's headers where this machine has them (linux-libc-dev): x86_64's own
+    # table, and asm-generic's, which is aarch64's.
+    runner = _runner_functions()
+    tables = {
+        "x86_64": Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+        "aarch64": Path("/usr/include/asm-generic/unistd.h"),
+    }
+    checked = 0
+    for arch, column in (("x86_64", 1), ("aarch64", 2)):
+        if not tables[arch].exists():
+            continue
+        defined = dict(re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)\b", tables[arch].read_text()))
+        for row in runner["_SECCOMP_DENIED"] + runner["_SECCOMP_CHECKED"]:
+            name, nr = row[0], row[column]
+            if nr is None:
+                assert name not in defined, (arch, name)
+            elif name in defined:  # (headers older than a syscall lack it)
+                assert int(defined[name]) == nr, (arch, name, defined[name], nr)
+                checked += 1
+        program = runner["_seccomp_program"](arch, 1234)
+        assert len(program) % 8 == 0 and len(program) // 8 < 4096  # BPF_MAXINSNS
+    if not checked:
+        pytest.skip("no kernel headers here")
+
+
+def test_without_the_kernel_layers_a_case_still_runs_and_the_service_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(code_exec, "kernel_confinement", lambda: Confinement(0, ""))
+    result = run("print(open('/proc/self/status').read().count('Seccomp:\t0'))")
+    assert result.stdout == b"1\n", result.stderr
+    with caplog.at_level(logging.INFO):
+        code_exec.log_confinement(logging.getLogger("test"))
+    assert "lacks Landlock" in caplog.text and "and seccomp" in caplog.text
+    monkeypatch.setattr(code_exec, "kernel_confinement", lambda: Confinement(6, "x86_64"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        code_exec.log_confinement(logging.getLogger("test"))
+    assert "kernel confinement" in caplog.text and "lacks" not in caplog.text
+
+
 # -- the audit hook holds --------------------------------------------------------------------------
 
 
@@ -431,7 +743,7 @@ def test_the_hook_reads_no_global_and_holds_only_values_a_program_cannot_change(
     # runner's) must not change what it decides: no global read, no mutable value, no closure but its own
     # (a function's cells can be rebound), no exception caught, no list or dict built while it runs.
     runner = _runner_functions()
-    hook = runner["_hook_for"]("/nonexistent/work", "/proc/1", -1, posix, "utf-8")
+    hook = runner["_hook_for"]("/nonexistent/work", "/proc/1", -1, posix, "utf-8", frozenset({"/nonexistent/lib"}))
     immutable_kinds = (
         str, bytes, int, float, type(None), types.BuiltinFunctionType, types.MethodDescriptorType,
         types.WrapperDescriptorType,
@@ -464,6 +776,10 @@ def test_the_hook_reads_no_global_and_holds_only_values_a_program_cannot_change(
         hook("open", ("/proc/1/../2/environ", "r", os.O_RDONLY))
     with pytest.raises(PermissionError, match="importing x._sqlite3"):
         hook("import", ("x._sqlite3", None, None, None, None))
+    hook("import", ("_json", "/nonexistent/lib/_json.so", None, None, None))
+    for path in ("/nonexistent/work/_json.so", "/nonexistent/lib/site-packages/_json.so", "/tmp/_json.so", 3):
+        with pytest.raises(PermissionError, match=r"loading native code \(the extension module _json\)"):
+            hook("import", ("_json", path, None, None, None))
 
 
 def test_a_traceback_walk_to_the_hook_s_frame_does_not_disable_it(tmp_path: Path) -> None:

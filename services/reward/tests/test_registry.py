@@ -105,6 +105,61 @@ def test_settings_override_defaults_and_disable(plugin: list[metadata.EntryPoint
         reg.get("format")
 
 
+OPERATOR_LIMITS = {
+    "code": {"memory_mb": 64, "cpu_time_s": 1, "max_output_bytes": 1024, "wall_time_s": 3.0, "max_cases": 4},
+    "remote_rm": {"url": "http://rm.invalid/score", "retries": 1, "max_concurrency": 2, "budget_s": 10.0,
+                  "max_tokens": 64, "request_timeout_s": 5.0, "max_batch": 8},
+    "genrm": {"address": "judge.invalid:1", "max_new_tokens": 32, "request_timeout_s": 5.0,
+              "max_concurrency": 2},
+    "qa": {"max_answer_chars": 100},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fn_name", "key", "higher"),
+    [
+        ("code", "memory_mb", 16384),
+        ("code", "cpu_time_s", 60),
+        ("code", "max_output_bytes", 64 << 20),
+        ("code", "wall_time_s", 3.5),
+        ("code", "max_cases", 5),
+        ("remote_rm", "retries", 10),
+        ("remote_rm", "max_concurrency", 64),
+        ("remote_rm", "budget_s", 3600),
+        ("remote_rm", "max_tokens", 65536),
+        ("remote_rm", "request_timeout_s", 600),
+        ("remote_rm", "max_batch", 4096),
+        ("genrm", "max_new_tokens", 32768),
+        ("genrm", "max_concurrency", 3),
+        ("qa", "max_answer_chars", 101),
+    ],
+)
+def test_a_request_may_lower_the_operators_limits_but_never_raise_them(fn_name: str, key: str, higher: float) -> None:
+    # The operator's functions.<name>.config limits are ceilings: a request over one is INVALID_ARGUMENT
+    # naming the key and the ceiling (it was merged over them: 16 GiB for a sandbox set to 64 MiB).
+    functions = {name: {"config": limits} for name, limits in OPERATOR_LIMITS.items()}
+    fn = build_registry(config(load_entry_points=False, functions=functions)).get(fn_name)
+    ceiling = OPERATOR_LIMITS[fn_name][key]
+    with pytest.raises(InvalidRequest) as e:
+        fn.resolve_config({key: higher})
+    assert e.value.field == f"config.{key}"
+    assert f"over this service's ceiling of {ceiling!r} (functions.{fn_name}.config.{key})" in str(e.value)
+    assert fn.resolve_config({key: ceiling})[key] == ceiling
+    lower = ceiling / 2 if isinstance(ceiling, float) else max(1, ceiling // 2)
+    assert fn.resolve_config({key: lower})[key] == lower
+
+
+def test_ceilings_are_the_functions_defaults_where_the_operator_set_none_and_hold_in_compose() -> None:
+    reg = build_registry(config(load_entry_points=False, functions={"code": {"config": {"memory_mb": 64}}}))
+    with pytest.raises(InvalidRequest, match=r"^config\.cpu_time_s: 60 is over this service's ceiling of 5 "):
+        reg.get("code").resolve_config({"cpu_time_s": 60})
+    with pytest.raises(InvalidRequest, match=r"^config\.parts\.0\.config\.memory_mb: 16384 is over .* of 64 "):
+        reg.get("compose").resolve_config({"parts": [{"fn": "code", "config": {"memory_mb": 16384}}]})
+    # the operator's own settings may go past the built-in defaults: the ceilings are theirs to set
+    reg = build_registry(config(load_entry_points=False, functions={"code": {"config": {"memory_mb": 4096}}}))
+    assert reg.get("code").resolve_config({"memory_mb": 4096})["memory_mb"] == 4096
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -274,6 +274,11 @@ def _config(**kw: object) -> struct_pb2.Struct:
         ({"config": _config(ignorecase=True)}, "INVALID_ARGUMENT", "config.ignorecase: unknown key"),
         ({"reward_fn": "format", "config": _config(pattern="((")}, "INVALID_ARGUMENT", "config.pattern:"),
         ({"reward_fn": "spin", "config": _config(bonus=1, extra=2)}, "INVALID_ARGUMENT", "config.extra: unknown key"),
+        (  # the service's sandbox limits are ceilings: a request may lower them only
+            {"reward_fn": "code", "config": _config(memory_mb=16384)},
+            "INVALID_ARGUMENT",
+            "config.memory_mb: 16384 is over this service's ceiling of 512 (functions.code.config.memory_mb)",
+        ),
         ({"sample_timeout": duration_pb2.Duration(seconds=-1)}, "INVALID_ARGUMENT", "sample_timeout: must be positive"),
         ({"sample_timeout": duration_pb2.Duration(seconds=3600)}, "INVALID_ARGUMENT", "max_sample_timeout_s"),
         ({"groups": [group(f"g{i}", *["x"] * 8) for i in range(76)]}, "RESOURCE_EXHAUSTED", "608 samples"),

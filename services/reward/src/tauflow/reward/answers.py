@@ -58,16 +58,35 @@ def squad_normalise(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
 
 
+class _Answer:
+    """An answer normalised once: its normalised text and its bag of tokens, for comparing with many."""
+
+    __slots__ = ("bag", "size", "text")
+
+    def __init__(self, raw: str) -> None:
+        self.text = squad_normalise(raw)
+        tokens = self.text.split()
+        self.size = len(tokens)
+        self.bag = Counter(tokens)
+
+    def f1(self, other: _Answer) -> float:
+        """SQuAD's F1 of this answer (the prediction) against ``other`` (a reference)."""
+        if not self.size or not other.size:
+            return float(self.size == other.size)
+        small, large = (self.bag, other.bag) if len(self.bag) <= len(other.bag) else (other.bag, self.bag)
+        common = sum(min(n, large[t]) for t, n in small.items() if t in large)
+        if common == 0:
+            return 0.0
+        precision, recall = common / self.size, common / other.size
+        return 2 * precision * recall / (precision + recall)
+
+
 def token_f1(prediction: str, reference: str) -> float:
     """SQuAD's F1 over the normalised tokens (two empty answers agree: 1.0)."""
-    pred, ref = squad_normalise(prediction).split(), squad_normalise(reference).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
+    return _Answer(prediction).f1(_Answer(reference))
+
+
+MAX_ANSWER_CHARS = 1 << 20  # the most max_answer_chars may be (a request's text is at most 1 MiB)
 
 
 class QAOptions(_Options):
@@ -76,6 +95,10 @@ class QAOptions(_Options):
     metric: Literal["f1", "exact_match"] = "f1"
     # When set, the completion's answer is group 1 (else the whole match) of the pattern's last match.
     extract_pattern: RE2Pattern = ""
+    # The work per sample is bounded: an answer longer than this scores 0 without being compared (its F1
+    # against a short reference is near 0 anyway), and a reference (the metadata value, a JSON list
+    # included) longer than this is an error of the sample.
+    max_answer_chars: int = Field(65_536, ge=1, le=MAX_ANSWER_CHARS)
 
 
 class QuestionAnswering:
@@ -86,7 +109,8 @@ class QuestionAnswering:
     )
     default_config: ClassVar[dict[str, Any]] = QAOptions().model_dump()
     isolated_keys = ("extract_pattern",)
-    timeout_s = 1.0
+    ceiling_keys = ("max_answer_chars",)  # a request may lower the bound, not raise it
+    timeout_s = 1.0  # (inline, so not enforced: max_answer_chars bounds a sample's work instead)
     fallback_score = 0.0
 
     @staticmethod
@@ -94,16 +118,24 @@ class QuestionAnswering:
         return _validate(QAOptions, config)
 
     def __call__(self, sample: SampleInput, config: dict[str, Any]) -> Score:
-        golds = references(_reference(sample, config["answer_key"]), config["references"])
+        # Each text is normalised and counted once per sample, however many references there are (the
+        # prediction was normalised again for each one: 64 references cost 64 passes over the completion).
+        bound = config["max_answer_chars"]
+        raw = _reference(sample, config["answer_key"])
+        if len(raw) > bound:
+            raise ValueError(f"the reference is {len(raw)} characters long; max_answer_chars is {bound}")
+        golds = [_Answer(g) for g in references(raw, config["references"])]
         text = sample.completion_text
         if config["extract_pattern"]:
             found = _last_match(_compile(config["extract_pattern"], ()), text)
             if found is None:
                 return Score(0.0, {"answer_found": 0.0, "exact_match": 0.0, "f1": 0.0})
             text = found
-        answer = squad_normalise(text)
-        em = float(any(answer == squad_normalise(g) for g in golds))
-        f1 = max(token_f1(text, g) for g in golds)
+        if len(text) > bound:
+            return Score(0.0, {"answer_found": 1.0, "exact_match": 0.0, "f1": 0.0})
+        answer = _Answer(text)
+        em = float(any(answer.text == g.text for g in golds))
+        f1 = max(answer.f1(g) for g in golds)
         return Score(f1 if config["metric"] == "f1" else em, {"answer_found": 1.0, "exact_match": em, "f1": f1})
 
 

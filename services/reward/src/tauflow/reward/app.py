@@ -6,7 +6,7 @@ import logging
 
 from tauflow.core.app import service_main
 from tauflow.core.server import ServiceApp, ServiceBinding
-from tauflow.reward import __version__, worker
+from tauflow.reward import __version__, code_exec, worker
 from tauflow.reward.adapters.servicer import SERVICE, RewardServicer, add_reward_servicer_to_server
 from tauflow.reward.config import Executor, RewardConfig
 from tauflow.reward.metrics import RewardMetrics
@@ -23,6 +23,8 @@ async def build(config: RewardConfig) -> ServiceApp:
             "reward function",
             extra={"fn": fn.name, "executor": fn.executor.value, "timeout_s": fn.timeout_s, "source": fn.source},
         )
+    if "code" in registry:
+        code_exec.log_confinement(log)  # which of the sandbox's kernel layers this kernel has
     process_refs = [fn.ref for fn in registry.functions() if fn.executor is Executor.PROCESS]
     worker.not_dumpable()  # the service's environment (secrets) unreadable through /proc by its sandboxes
     scorer = Scorer(config.pool, process_refs)

@@ -31,17 +31,44 @@ order:
 2. its own network namespace, with nothing in it but a loopback that is down: as root by
    ``unshare(CLONE_NEWNET)``; as any other user inside a new user namespace (``CLONE_NEWUSER |
    CLONE_NEWNET``) where unprivileged user namespaces are allowed; Docker's and Kubernetes' default seccomp
-   profiles refuse them, and there the child shares the service's network, which only the audit hook
-   refuses. Inside a user namespace RLIMIT_NPROC is set too (64 tasks, threads included), since the kernel
-   (5.14+) then counts the sandbox's tasks alone. It is not set otherwise: root is exempt from it, and in the
-   service's own user namespace it would count every process and thread of the service's user;
+   profiles refuse them, and there the child shares the service's network, which the audit hook and the
+   seccomp filter (no socket) refuse. Inside a user namespace RLIMIT_NPROC is set too (64 tasks, threads
+   included), since the kernel (5.14+) then counts the sandbox's tasks alone. It is not set otherwise: root
+   is exempt from it, and in the service's own user namespace it would count every process and thread of
+   the service's user;
 3. ``PR_SET_NO_NEW_PRIVS``, and every capability dropped (the bounding set, then the permitted, effective
    and inheritable sets): a child of a root service cannot ``setns`` back to the host's network, mount,
    load modules, trace other processes or override file permissions; it is still uid 0, though, the owner
    of whatever root owns;
 4. ``PR_SET_PDEATHSIG`` SIGKILL: a child dies with its worker (the service kills workers past a sample's
    timeout);
-5. a Python audit hook (``sys.addaudithook``) that refuses network use (sockets other than AF_UNIX, connect,
+5. Landlock (Linux 5.13+ with the LSM enabled; ``_landlock``): writing, creating, removing, renaming and
+   linking only under the case's directory (a rename or link across directories needs ABI 2, Linux 5.19;
+   under ABI 1 it is refused everywhere), truncating there only (ABI 3), reading only the case's directory,
+   the interpreter's own files (``sys.path``, ``sys.base_prefix``), ``/usr``, ``/lib*``, ``/proc``, the
+   online CPUs, the C library's few files of ``/etc`` (ld.so.cache, localtime, passwd, group,
+   nsswitch.conf, os-release, mime.types) and ``/dev/null``, ``zero``, ``full``, ``random``, ``urandom``;
+   executing nothing. From ABI 4 (6.7) no TCP bind or connect; from ABI 6 (6.12) no signal to a process
+   outside the sandbox and no abstract UNIX socket of another domain. Where the kernel has no Landlock the
+   service says so once at its start (a warning) and the other layers still apply;
+6. a seccomp-BPF filter (Linux 4.14+, x86_64 and aarch64; ``_seccomp_program``): a syscall of another ABI
+   (i386, x32, arm32) kills the process; EPERM for ``execve``/``execveat``, ``fork``/``vfork``, ``clone``
+   without ``CLONE_THREAD`` or with a new namespace (``clone3``: ENOSYS, so that glibc makes its threads
+   with ``clone``), ``kill``/``tgkill``/``rt_sigqueueinfo``/``rt_tgsigqueueinfo`` to another process,
+   ``tkill``, ``pidfd_open``/``pidfd_send_signal``/``pidfd_getfd``, ``ptrace``, ``process_vm_readv``/
+   ``writev``, ``kcmp``, ``process_madvise``, ``prlimit64``/``setpriority``/``ioprio_set``/``sched_set*`` of
+   another process, ``socket`` (all families), ``connect``, ``bind``, ``listen`` and every ``socketpair`` but
+   AF_UNIX SOCK_STREAM (asyncio's), ``mount`` and the new mount API, ``umount2``, ``unshare``, ``setns``,
+   ``chroot``, ``pivot_root``, ``open_by_handle_at``, ``bpf``, ``perf_event_open``, ``userfaultfd``,
+   ``fanotify_init``, ``io_uring_*``, ``keyctl``/``add_key``/``request_key``, module loading, ``kexec``,
+   ``reboot``, swap, ``acct``, quotas, ``syslog``, ``personality``, x86's ``iopl``/``ioperm``/
+   ``modify_ldt``/``uselib``, setting the clock or the host's names, System V IPC and POSIX message queues,
+   ``ioctl`` TIOCSTI/TIOCLINUX/FIOSETOWN/SIOCSPGRP, ``fcntl`` F_SETOWN(_EX), and ``prctl(PR_SET_PDEATHSIG)``.
+   Where the kernel has no seccomp filter, or on another arch, the service says so once and the other
+   layers still apply. Both kernel layers are set up in the child only (the worker must still start
+   children), after ``PR_SET_NO_NEW_PRIVS``, and for good: a layer that the kernel offers (the worker asked
+   it: ``kernel_confinement``) but refuses to set up fails the case (exit status 71);
+7. a Python audit hook (``sys.addaudithook``) that refuses network use (sockets other than AF_UNIX, connect,
    bind, sendto, sendmsg, name look-ups, syslog); starting or signalling processes (``subprocess``,
    ``os.system``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn``, ``os.fork``, ``os.forkpty``, ``os.kill``,
    ``os.killpg``, ``signal.pthread_kill``; ``_posixsubprocess``, whose ``fork_exec`` raises no audit event,
@@ -50,9 +77,12 @@ order:
    which open their files themselves, ``ATTACH DATABASE`` too); ``os.open`` of a directory (so that no
    ``dir_fd`` exists to resolve paths the hook never sees); opening anything under ``/proc`` but the
    child's own ``/proc/<pid>`` (``/proc/self``), another process's above all (``/proc/<worker>/environ``);
-   and changing files outside the case's directory (opening for writing, removing, renaming, linking,
-   chmod, chown, truncate, utime). Paths are checked as the kernel will walk them (symbolic links and
-   ``..`` resolved).
+   changing files outside the case's directory (opening for writing, removing, renaming, linking,
+   chmod, chown, truncate, utime); and loading an extension module (``_imp.create_dynamic``, which
+   ``ExtensionFileLoader`` calls: its ``dlopen`` runs the library's constructor, native code no audit
+   event sees) from anywhere but the standard library's own directories (``sys.path`` under ``-I -S``, not
+   their subdirectories): never a library the program wrote. Paths are checked as the kernel will walk
+   them (symbolic links and ``..`` resolved).
 
    The program cannot switch the hook off from Python: everything the hook reads is bound before the
    program runs to values nothing can change (strings, numbers, tuples, frozensets, built-in functions and
@@ -73,24 +103,28 @@ service lacks the capabilities of its parent, which the kernel requires too; but
 get a user namespace and runs under the worker's own uid, nothing else stops it.
 
 What holds is what the kernel enforces: the resource limits, the network namespace where there is one, the
-capabilities dropped, the SIGKILL of the whole process group at ``wall_time_s`` (or at the output cap), a
-throwaway working directory, and a worker that is not dumpable. The audit hook is defence in depth, not a
-boundary (PEP 578 says as much): native code gets past it. ctypes, the usual way, is refused, but a
+capabilities dropped, Landlock and the seccomp filter where the kernel has them, the SIGKILL of the whole
+process group at ``wall_time_s`` (or at the output cap), a throwaway working directory, and a worker that
+is not dumpable. The audit hook is defence in depth, not a boundary (PEP 578 says as much): native code
+gets past it. ctypes and extension modules the program wrote, the usual ways, are refused, but a
 memory-corruption bug in the interpreter or in a C extension, crafted bytecode (``marshal.loads`` makes a
 code object of any bytes, and imports need it), or a race that swaps a path (a symbolic link) between the
-hook's check and the kernel's walk is enough. Nor does the hook see what raises no audit event:
-``os.mkfifo`` and ``os.mknod`` (empty files and FIFOs anywhere the service's user may write),
-``_posixshmem.shm_open`` (files in /dev/shm), ``os.pidfd_open`` with ``signal.pidfd_send_signal`` (signals to
-the service's processes, which share the child's uid), ``_imp.create_builtin`` of a ``_posixsubprocess`` a
-Python build links in (CPython's own builds load it from a file, which the hook refuses). Past the hook a
-program can reach the network where the child has no namespace of its own, write wherever the service's
-user may write, and signal the service's other processes. No layer covers reading the host's filesystem
-(the service's config, other files its user can read), the total size of what a case writes (RLIMIT_FSIZE
-bounds one file), or kernel attack surface; that takes a container, gVisor, nsjail or a remote sandbox. For
+hook's check and the kernel's walk is enough; and the hook does not see what raises no audit event
+(``os.mkfifo``, ``os.mknod``, ``_posixshmem.shm_open``, ``signal.pidfd_send_signal``). With both kernel
+layers, native code that gets past the hook still cannot start a process, signal, trace or re-limit
+another process, open a socket but a stream pair, write outside its directory, read the host's files
+outside the list above, or reach io_uring, bpf, perf, userfaultfd, keys or mounts; it runs as the same
+uid, though (uid 0 under a root service, without capabilities), and can read what Landlock leaves
+readable (``/proc`` of the service's processes included, but not a non-dumpable worker's environment or
+memory). Without Landlock a program past the hook can write wherever the service's user may write and
+read whatever it may read; without seccomp it can start processes (which inherit everything above but
+the hook), signal the service's other processes, and reach the network where the child has no namespace
+of its own. No layer covers the total size of what a case writes (RLIMIT_FSIZE bounds one file) or the
+kernel's remaining attack surface; that takes a container, gVisor, nsjail or a remote sandbox. For
 untrusted code at scale run the reward service in its own container, as deploy/ does (as the unprivileged
-uid 10001, over a root-owned environment), never as root (a program past the hook would own every
-root-owned file), and give that container no secrets, a network policy that lets it reach nothing but its
-callers, and a size-bounded tmpfs as TMPDIR.
+uid 10001, over a root-owned environment), never as root (a program past every layer would still be uid
+0), and give that container no secrets, a network policy that lets it reach nothing but its callers, and
+a size-bounded tmpfs as TMPDIR.
 
 Asserts run in the program's own process, so a program can defeat them (an ``__eq__`` that always returns
 True, a patched builtin, a frame walk that finds the token): stdin/stdout tests, compared outside the
@@ -102,16 +136,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import json
+import logging
 import marshal
 import math
 import os
+import platform
 import re
 import secrets
 import selectors
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -201,6 +239,17 @@ class CodeExecution:
         "1 when every case passes, else 0 (scoring='fraction': the fraction passed). Standard library only."
     )
     default_config: ClassVar[dict[str, Any]] = CodeOptions().model_dump()
+    # The sandbox's limits are the operator's (functions.code.config): a request may lower them, not raise them.
+    ceiling_keys = (
+        "cpu_time_s",
+        "wall_time_s",
+        "total_time_s",
+        "memory_mb",
+        "max_output_bytes",
+        "max_program_chars",
+        "max_tests_chars",
+        "max_cases",
+    )
     timeout_s = TIMEOUT_S
     fallback_score = 0.0
 
@@ -413,7 +462,9 @@ def _resolve(path, base, fns):
     return done or "/"
 
 
-def _hook_for(root, proc, proc_dev, posix, encoding):
+def _hook_for(root, proc, proc_dev, posix, encoding, native_dirs):
+    # ``native_dirs``: a frozenset of the directories whose files (not those of their subdirectories) an
+    # extension module may be loaded from: the standard library's.
     # Everything the hook reads is bound here, before the program runs, to what a program cannot change:
     # str, int, tuple and frozenset values, built-in functions and types, and _resolve. The hook reads no
     # global (the runner's globals are a dict that any frame walk reaches), calls no Python function of the
@@ -518,6 +569,13 @@ def _hook_for(root, proc, proc_dev, posix, encoding):
             last = name[name.rfind(".") + 1 :]
             if last in denied_modules or last.startswith("_test"):
                 raise refused("sandbox: importing %s is not allowed" % name)
+            # An extension module (``_imp.create_dynamic``, raised with its file just before the dlopen()):
+            # native code whose constructor runs at once, which no audit event would see. Only the
+            # standard library's own load; never a file the program wrote (its directory, /dev/shm, ...).
+            if args[1] is not None:
+                p = resolve(args[1], None, fns)
+                if p is None or p.startswith(prefix) or p[: p.rfind("/")] not in native_dirs:
+                    raise refused("sandbox: loading native code (the extension module %s) is not allowed" % name)
         elif event == "object.__setattr__":  # (only __code__, __defaults__ and the like raise it)
             if type_(args[1]) is not str_ or (args[0] is resolve and args[1] == "__code__"):
                 raise refused("sandbox: replacing the sandbox's code (object.__setattr__) is not allowed")
@@ -540,6 +598,236 @@ _hook_for = type(_hook_for)(_far(_hook_for.__code__, _FAR), globals(), "_hook_fo
 _resolve = type(_resolve)(_far(_resolve.__code__, _FAR), globals(), "_resolve")
 
 
+# -- kernel confinement (set up in the child before the program runs; see the module's docstring) ------
+
+# Syscalls the program may not make at all: name, x86_64 number, aarch64 number (None: the arch has none).
+# Processes (exec, fork; clone and clone3 below), signals and tracing of other processes, namespaces and
+# mounts, kernel interfaces that are attack surface more than service (bpf, io_uring, userfaultfd, keys,
+# perf), sockets (socketpair below), System V and POSIX message-queue IPC, and the host's clock and name.
+_SECCOMP_DENIED = (
+    ("execve", 59, 221), ("execveat", 322, 281), ("fork", 57, None), ("vfork", 58, None),
+    ("tkill", 200, 130), ("pidfd_open", 434, 434), ("pidfd_send_signal", 424, 424), ("pidfd_getfd", 438, 438),
+    ("ptrace", 101, 117), ("process_vm_readv", 310, 270), ("process_vm_writev", 311, 271), ("kcmp", 312, 272),
+    ("process_madvise", 440, 440), ("process_mrelease", 448, 448), ("migrate_pages", 256, 238),
+    ("move_pages", 279, 239),
+    ("socket", 41, 198), ("connect", 42, 203), ("bind", 49, 200), ("listen", 50, 201),
+    ("mount", 165, 40), ("umount2", 166, 39), ("unshare", 272, 97), ("setns", 308, 268), ("chroot", 161, 51),
+    ("pivot_root", 155, 41), ("open_tree", 428, 428), ("move_mount", 429, 429), ("fsopen", 430, 430),
+    ("fsconfig", 431, 431), ("fsmount", 432, 432), ("fspick", 433, 433), ("mount_setattr", 442, 442),
+    ("open_by_handle_at", 304, 265), ("name_to_handle_at", 303, 264),
+    ("bpf", 321, 280), ("perf_event_open", 298, 241), ("userfaultfd", 323, 282), ("fanotify_init", 300, 262),
+    ("io_uring_setup", 425, 425), ("io_uring_enter", 426, 426), ("io_uring_register", 427, 427),
+    ("keyctl", 250, 219), ("add_key", 248, 217), ("request_key", 249, 218),
+    ("init_module", 175, 105), ("finit_module", 313, 273), ("delete_module", 176, 106),
+    ("kexec_load", 246, 104), ("kexec_file_load", 320, 294), ("reboot", 169, 142), ("swapon", 167, 224),
+    ("swapoff", 168, 225), ("acct", 163, 89), ("quotactl", 179, 60), ("quotactl_fd", 443, 443),
+    ("syslog", 103, 116), ("lookup_dcookie", 212, 18), ("memfd_secret", 447, 447), ("personality", 135, 92),
+    ("iopl", 172, None), ("ioperm", 173, None), ("modify_ldt", 154, None), ("uselib", 134, None),
+    ("settimeofday", 164, 170), ("clock_settime", 227, 112), ("clock_adjtime", 305, 266),
+    ("sethostname", 170, 161), ("setdomainname", 171, 162), ("vhangup", 153, 58),
+    ("shmget", 29, 194), ("shmat", 30, 196), ("shmctl", 31, 195), ("shmdt", 67, 197), ("semget", 64, 190),
+    ("semop", 65, 193), ("semctl", 66, 191), ("semtimedop", 220, 192), ("msgget", 68, 186), ("msgsnd", 69, 189),
+    ("msgrcv", 70, 188), ("msgctl", 71, 187), ("mq_open", 240, 180), ("mq_unlink", 241, 181),
+    ("mq_timedsend", 242, 182), ("mq_timedreceive", 243, 183), ("mq_notify", 244, 184),
+    ("mq_getsetattr", 245, 185),
+)  # fmt: skip
+# Syscalls allowed with some arguments only: name, x86_64 number, aarch64 number.
+_SECCOMP_CHECKED = (
+    ("clone", 56, 220), ("clone3", 435, 435), ("kill", 62, 129), ("tgkill", 234, 131),
+    ("rt_sigqueueinfo", 129, 138), ("rt_tgsigqueueinfo", 297, 240), ("prlimit64", 302, 261),
+    ("setpriority", 141, 140), ("ioprio_set", 251, 30), ("sched_setaffinity", 203, 122),
+    ("sched_setscheduler", 144, 119), ("sched_setparam", 142, 118), ("sched_setattr", 314, 274),
+    ("socketpair", 53, 199), ("ioctl", 16, 29), ("fcntl", 72, 25), ("prctl", 157, 167),
+)  # fmt: skip
+_SECCOMP_ARCHES = {"x86_64": (0xC000003E, 1), "aarch64": (0xC00000B7, 2)}  # AUDIT_ARCH_*, column
+
+
+def _seccomp_program(arch, pid):
+    # The classic BPF program of the child's seccomp filter, as the bytes of its struct sock_filter array:
+    # a syscall of another arch (an x86_64 process can make i386 and x32 calls) kills the process; the
+    # syscalls of _SECCOMP_DENIED fail with EPERM, clone3 with ENOSYS (glibc then falls back to clone, which
+    # is checked: threads only); signals, rlimits, priorities and affinities go to this process (``pid``)
+    # alone; everything else is allowed. Arguments are compared by their low 32 bits, which is all the
+    # kernel reads of each (an int, a pid, clone's flags, a request or command number).
+    import struct
+
+    audit_arch, column = _SECCOMP_ARCHES[arch]
+    nrs = {row[0]: row[column] for row in _SECCOMP_DENIED + _SECCOMP_CHECKED}
+    allow, kill, eperm, enosys = 0x7FFF0000, 0x80000000, 0x00050001, 0x00050026
+    ld, jeq, jge, and_, ret = 0x20, 0x15, 0x35, 0x54, 0x06
+    clone_thread = 0x00010000
+    namespaces = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+
+    def arg(i):
+        return 16 + 8 * i  # seccomp_data.args[i]: its low 32 bits (little-endian, as both arches here)
+
+    def only(*conditions):
+        # ALLOW when every condition holds, else EPERM; a condition: (argument, mask or None, values)
+        code = []
+        for c, (i, mask, values) in enumerate(conditions):
+            code.append((ld, arg(i)))
+            if mask is not None:
+                code.append((and_, mask))
+            for j, value in enumerate(values):  # a match goes on to the next condition; none to EPERM
+                code.append((jeq, value, "held%d" % c, "deny" if j == len(values) - 1 else 0))
+            code.append(("label", "held%d" % c))
+        return code + [(ret, allow), ("label", "deny"), (ret, eperm)]
+
+    def never(i, values):
+        # EPERM when argument i is one of values, else ALLOW
+        code = [(ld, arg(i))] + [(jeq, v, "deny", 0) for v in values]
+        return code + [(ret, allow), ("label", "deny"), (ret, eperm)]
+
+    mine = (pid,)
+    mine_or_0 = (0, pid)
+    checked = {
+        # threads only: CLONE_THREAD set, no new namespace
+        "clone": only((0, clone_thread | namespaces, (clone_thread,))),
+        "clone3": [(ret, enosys)],  # its flags are behind a pointer: glibc's threads fall back to clone
+        "kill": only((0, None, mine)),
+        "tgkill": only((0, None, mine)),
+        "rt_sigqueueinfo": only((0, None, mine)),
+        "rt_tgsigqueueinfo": only((0, None, mine)),
+        "prlimit64": only((0, None, mine_or_0)),  # (another process of the same uid: its limits)
+        "setpriority": only((0, None, (0,)), (1, None, mine_or_0)),  # PRIO_PROCESS, this one
+        "ioprio_set": only((0, None, (1,)), (1, None, mine_or_0)),  # IOPRIO_WHO_PROCESS, this one
+        "sched_setaffinity": only((0, None, mine_or_0)),
+        "sched_setscheduler": only((0, None, mine_or_0)),
+        "sched_setparam": only((0, None, mine_or_0)),
+        "sched_setattr": only((0, None, mine_or_0)),
+        "socketpair": only((0, None, (1,)), (1, 0xF, (1,))),  # AF_UNIX, SOCK_STREAM (asyncio's self-pipe)
+        # TIOCSTI, TIOCLINUX (input into a terminal), FIOSETOWN, SIOCSPGRP (SIGIO to another process)
+        "ioctl": never(1, (0x5412, 0x541C, 0x8901, 0x8902)),
+        "fcntl": never(1, (8, 15)),  # F_SETOWN, F_SETOWN_EX: SIGIO/SIGURG to another process
+        "prctl": never(0, (1,)),  # PR_SET_PDEATHSIG: the child would outlive its worker
+    }
+    code = [(ld, 4), (jeq, audit_arch, 1, 0), (ret, kill), (ld, 0)]
+    if arch == "x86_64":  # x32 syscalls (nr | 0x40000000) carry AUDIT_ARCH_X86_64 too
+        code += [(jge, 0x40000000, 0, 1), (ret, eperm)]
+    chunks = [[(ret, eperm)] for name, *_ in _SECCOMP_DENIED if nrs[name] is not None]
+    names = [name for name, *_ in _SECCOMP_DENIED if nrs[name] is not None]
+    chunks += [checked[name] for name, *_ in _SECCOMP_CHECKED]
+    names += [name for name, *_ in _SECCOMP_CHECKED]
+    for name, body in zip(names, chunks):
+        # each body ends in a return: a syscall that is not this one skips it, its number still loaded
+        body = _assemble(body)
+        code.append((jeq, nrs[name], 0, len(body)))
+        code.extend(body)
+    code.append((ret, allow))
+    return b"".join(struct.pack("=HBBI", *_resolved(insn)) for insn in code)
+
+
+def _resolved(insn):
+    # (code, k) or (code, k, jt, jf) as (code, jt, jf, k)
+    if len(insn) == 2:
+        return insn[0], 0, 0, insn[1]
+    return insn[0], insn[2], insn[3], insn[1]
+
+
+def _assemble(code):
+    # Resolves the labels of ``code`` (("label", name) entries; forward jumps only) into jump offsets.
+    at, out = {}, []
+    for insn in code:
+        if insn[0] == "label":
+            at[insn[1]] = len(out)
+        else:
+            out.append(insn)
+    done = []
+    for pc, insn in enumerate(out):
+        if len(insn) == 4:
+            jt, jf = (at[j] - pc - 1 if isinstance(j, str) else j for j in insn[2:])
+            if not (0 <= jt < 256 and 0 <= jf < 256):
+                raise ValueError("a jump out of reach")
+            insn = (insn[0], insn[1], jt, jf)
+        done.append(insn)
+    return done
+
+
+def _landlock_rules(abi, root, readable):
+    # (path, access) of the Landlock ruleset; handled accesses: the first; a path that does not exist is
+    # skipped. Everything under ``root`` (the case's directory) but executing; reading under ``readable``
+    # (the standard library, the system's libraries, /proc, ...); reading and writing /dev/null.
+    fs = 0x1FFF  # ABI 1: EXECUTE, WRITE_FILE, READ_FILE, READ_DIR, REMOVE_*, MAKE_* (13 rights)
+    if abi >= 2:
+        fs |= 1 << 13  # REFER: linking or renaming a file into another directory
+    if abi >= 3:
+        fs |= 1 << 14  # TRUNCATE
+    read = 4 | 8  # READ_FILE, READ_DIR
+    rules = [(root, fs & ~1)] + [(p, read) for p in readable]
+    rules.append(("/dev/null", 2 | 4 | (fs & 1 << 14)))
+    rules += [(p, 4) for p in ("/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")]
+    return fs, rules
+
+
+def _landlock(libc, ctypes, abi, root, readable):
+    # Restricts this process (and the threads it starts) to _landlock_rules: writes, removals, renames and
+    # new files only under root, reads where Python needs them, no execution anywhere; from ABI 4 no TCP
+    # bind or connect, from ABI 6 no signal to a process outside the sandbox and no abstract UNIX socket
+    # of another domain. Raises OSError when the kernel refuses a step.
+    import os
+    import stat
+    import struct
+
+    long_ = ctypes.c_long
+    fs, rules = _landlock_rules(abi, root, readable)
+    net = 3 if abi >= 4 else 0  # BIND_TCP, CONNECT_TCP, with no port allowed
+    scoped = 3 if abi >= 6 else 0  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+    attr = ctypes.create_string_buffer(struct.pack("=QQQ", fs, net, scoped), 24)
+    ruleset = libc.syscall(long_(444), attr, long_(size), long_(0))  # landlock_create_ruleset
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                if path == root:
+                    raise
+                continue
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    access &= 1 | 2 | 4 | 1 << 14  # the rights a file (not a directory) can hold
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", access, fd), 12)
+                if libc.syscall(long_(445), long_(ruleset), long_(1), rule, long_(0)) != 0:  # PATH_BENEATH
+                    raise OSError(ctypes.get_errno(), "landlock_add_rule " + path)
+            finally:
+                os.close(fd)
+        if libc.syscall(long_(446), long_(ruleset), long_(0)) != 0:  # landlock_restrict_self
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+
+
+def _seccomp(libc, ctypes, arch):
+    # Installs _seccomp_program for this process (and the threads it starts); needs PR_SET_NO_NEW_PRIVS.
+    import os
+
+    program = _seccomp_program(arch, os.getpid())
+
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_char_p))
+
+    fprog = Program(len(program) // 8, program)
+    long_ = ctypes.c_long
+    if libc.prctl(long_(22), long_(2), ctypes.byref(fprog), long_(0), long_(0)) != 0:  # SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
+def _readable():
+    # What the program may read (Landlock): the interpreter's own files, the system's libraries and time
+    # zones, a few files of /etc that the C library reads, /proc (the audit hook keeps a program to its
+    # own), and which CPUs are online.
+    import os
+
+    paths = [p for p in sys.path if p.startswith("/")] + [sys.base_prefix, sys.base_exec_prefix]
+    paths += ["/usr", "/lib", "/lib64", "/lib32", "/libx32", "/proc", "/sys/devices/system/cpu"]
+    paths += ["/etc/" + name for name in (
+        "ld.so.cache", "localtime", "timezone", "passwd", "group", "nsswitch.conf", "os-release", "mime.types",
+    )]  # fmt: skip
+    return [p for p in paths if os.path.exists(p)]
+
+
 def _set_up():
     import builtins
     import marshal
@@ -548,7 +836,8 @@ def _set_up():
     import resource
 
     with open(int(sys.argv[1]), "rb") as f:
-        program, tests, cpu_s, memory, file_bytes, max_tasks, parent, token = marshal.loads(f.read())
+        payload = marshal.loads(f.read())
+    program, tests, cpu_s, memory, file_bytes, max_tasks, parent, token, landlock_abi, seccomp_arch = payload
     sys.argv = ["solution.py"]
     sys.dont_write_bytecode = True
 
@@ -585,6 +874,17 @@ def _set_up():
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG = SIGKILL (after the changes of credentials, which reset it)
     if os.getppid() != parent:
         os._exit(70)
+    root = os.path.realpath(os.getcwd())
+    # Before the program runs, and for good: what the kernel enforces whatever the program does, native
+    # code included. A layer the kernel offers (the worker checked) but refuses here fails the case.
+    try:
+        if landlock_abi:
+            _landlock(libc, ctypes, landlock_abi, root, _readable())
+        if seccomp_arch:
+            _seccomp(libc, ctypes, seccomp_arch)
+    except OSError as e:
+        os.write(2, ("sandbox: the kernel's confinement could not be set up: %s\n" % e).encode())
+        os._exit(71)
     del libc, ctypes
     for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
         del sys.modules[name]  # an import of ctypes is then refused, not served from the cache
@@ -600,8 +900,11 @@ def _set_up():
         proc_dev = os.stat("/proc").st_dev
     except OSError:
         proc_dev = -1
-    root, proc = os.path.realpath(os.getcwd()), "/proc/%d" % os.getpid()
-    sys.addaudithook(_hook_for(root, proc, proc_dev, posix, sys.getfilesystemencoding()))
+    proc = "/proc/%d" % os.getpid()
+    # extension modules: the standard library's (under -I -S, sys.path is the standard library only; not its
+    # subdirectories, such as the base interpreter's site-packages)
+    native_dirs = frozenset(os.path.realpath(p) for p in sys.path if p.startswith("/") and os.path.isdir(p))
+    sys.addaudithook(_hook_for(root, proc, proc_dev, posix, sys.getfilesystemencoding(), native_dirs))
 
     main = type(sys)("__main__")
     main.__builtins__ = builtins
@@ -629,6 +932,67 @@ if __name__ == "__main__":
 """
 
 
+@dataclass(frozen=True)
+class Confinement:
+    """What the kernel offers the sandbox (see the module's docstring): ``landlock_abi`` (0: no Landlock,
+    Linux < 5.13 or the LSM not enabled) and ``seccomp_arch`` (``"x86_64"`` or ``"aarch64"``; ``""``: no
+    seccomp filter, or an arch the filter is not written for)."""
+
+    landlock_abi: int
+    seccomp_arch: str
+
+    def missing(self) -> list[str]:
+        """The kernel layers that this kernel leaves out, in words (empty: none)."""
+        out = []
+        if not self.landlock_abi:
+            out.append("Landlock (writes outside the case's directory and reads of the host's files)")
+        if not self.seccomp_arch:
+            out.append("seccomp (exec, fork, signals to other processes, sockets, namespaces, io_uring, bpf)")
+        return out
+
+
+_SECCOMP_NR = {"x86_64": 317, "aarch64": 277}  # seccomp(2)
+_LANDLOCK_CREATE_RULESET = 444  # the same number on both
+
+
+@functools.cache
+def kernel_confinement() -> Confinement:
+    """Asks the kernel, once per process, which of the sandbox's kernel layers it has: Landlock's ABI
+    (``landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)``) and seccomp filters with
+    SECCOMP_RET_ERRNO (``seccomp(SECCOMP_GET_ACTION_AVAIL)``), on x86_64 and aarch64 (64-bit processes)."""
+    machine = platform.machine().lower()
+    if sys.platform != "linux" or machine not in _SECCOMP_NR or struct.calcsize("P") != 8:
+        return Confinement(0, "")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    long_ = ctypes.c_long
+    abi = libc.syscall(long_(_LANDLOCK_CREATE_RULESET), None, long_(0), long_(1))  # 1: ..._VERSION
+    action = ctypes.c_uint32(0x00050000)  # SECCOMP_RET_ERRNO
+    filters = libc.syscall(long_(_SECCOMP_NR[machine]), long_(2), long_(0), ctypes.byref(action)) == 0
+    return Confinement(max(0, int(abi)), machine if filters else "")
+
+
+def log_confinement(logger: logging.Logger) -> Confinement:
+    """Says once, at the service's start, which kernel layers the sandbox has here: a warning naming those
+    this kernel lacks (the other layers still apply), else one info line."""
+    confinement = kernel_confinement()
+    missing = confinement.missing()
+    if missing:
+        logger.warning(
+            "code sandbox: this kernel lacks %s; the other layers still apply (docs/rewards.md, code)",
+            " and ".join(missing),
+            extra={"landlock_abi": confinement.landlock_abi, "seccomp_arch": confinement.seccomp_arch},
+        )
+    else:
+        logger.info(
+            "code sandbox: kernel confinement",
+            extra={"landlock_abi": confinement.landlock_abi, "seccomp_arch": confinement.seccomp_arch},
+        )
+    return confinement
+
+
 def run_case(
     program: str,
     case: Case,
@@ -643,6 +1007,7 @@ def run_case(
     afterwards (or, where the process is killed first, by a later case: see ``_case_parent``);
     ``case_passed`` tells whether the result passes."""
     token = secrets.token_hex(16).encode() if case.tests is not None else b""
+    confinement = kernel_confinement()
     payload = (
         program,
         case.tests,
@@ -652,6 +1017,8 @@ def run_case(
         MAX_TASKS,
         os.getpid(),
         token,
+        confinement.landlock_abi,
+        confinement.seccomp_arch,
     )
     workdir = tempfile.mkdtemp(dir=_case_parent())
     start = time.monotonic()

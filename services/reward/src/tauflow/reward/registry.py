@@ -3,7 +3,9 @@
 A function is registered under a name with its reference (``"module:qualname"``, how a worker process
 finds it again) and its defaults, read from the object's attributes (see the README) and overridden
 by the service's ``functions.<name>`` settings. ``resolve_config`` merges a request's config over the
-defaults and validates it once per call.
+defaults and validates it once per call. The defaults of a function's ``ceiling_keys`` (the ``code``
+sandbox's limits, ``remote_rm``'s retries and concurrency) are ceilings: a request may lower them, never
+raise them, so that the operator's limits hold whatever a client sends.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ class RewardFunction:
     source: str
     isolated_keys: frozenset[str] = frozenset()
     service_only_keys: frozenset[str] = frozenset()
+    ceiling_keys: frozenset[str] = frozenset()
     uses_prompt_parts: bool = False
     validate: Callable[[dict[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
 
     def resolve_config(self, overrides: Mapping[str, Any] | None, *, from_request: bool = True) -> dict[str, Any]:
         """``overrides`` over the defaults, validated; ``InvalidRequest`` names the key (``config.<key>``). A
-        request may not set the function's ``service_only_keys`` (an address, the name of a secret)."""
+        request may not set the function's ``service_only_keys`` (an address, the name of a secret), nor
+        raise one of its ``ceiling_keys`` (a limit) above the default, which is the operator's setting."""
         overrides = dict(overrides or {})
         if from_request:
             locked = sorted(self.service_only_keys.intersection(overrides))
@@ -78,17 +82,34 @@ class RewardFunction:
                 f"unknown key for reward function {self.name!r} (its keys: {keys})",
             )
         merged = {**self.default_config, **overrides}
-        if self.validate is None:
-            return merged
-        try:
-            result = self.validate(merged)
-        except builtins.ConfigInvalid as e:
-            raise InvalidRequest(
-                f"config.{e.key}" if e.key else "config", f"{e.problem} (reward function {self.name!r})"
-            ) from None
-        except (ValueError, TypeError) as e:
-            raise InvalidRequest("config", f"{str(e)[:500]} (reward function {self.name!r})") from None
-        return merged if result is None else dict(result)
+        if self.validate is not None:
+            try:
+                result = self.validate(merged)
+            except builtins.ConfigInvalid as e:
+                raise InvalidRequest(
+                    f"config.{e.key}" if e.key else "config", f"{e.problem} (reward function {self.name!r})"
+                ) from None
+            except (ValueError, TypeError) as e:
+                raise InvalidRequest("config", f"{str(e)[:500]} (reward function {self.name!r})") from None
+            merged = merged if result is None else dict(result)
+        if from_request:
+            self._check_ceilings(overrides, merged)
+        return merged
+
+    def _check_ceilings(self, overrides: Mapping[str, Any], merged: Mapping[str, Any]) -> None:
+        """``InvalidRequest`` for a ceiling key that the request sets above the service's value."""
+        for key in sorted(self.ceiling_keys.intersection(overrides)):
+            value, ceiling = merged.get(key), self.default_config.get(key)
+            if isinstance(ceiling, bool) or not isinstance(ceiling, int | float):
+                continue  # a default that is no number is no ceiling
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRequest(f"config.{key}", f"must be a number (reward function {self.name!r})")
+            if value > ceiling:
+                raise InvalidRequest(
+                    f"config.{key}",
+                    f"{value!r} is over this service's ceiling of {ceiling!r} (functions.{self.name}.config."
+                    f"{key}): a request may only lower it (reward function {self.name!r})",
+                )
 
     def executor_for(self, overrides: Mapping[str, Any]) -> Executor:
         """Where a call with these request ``overrides`` runs: in the pool when the request sets one of the
@@ -139,6 +160,7 @@ def describe(
         source=source,
         isolated_keys=frozenset(getattr(obj, "isolated_keys", None) or ()),
         service_only_keys=frozenset(getattr(obj, "service_only_keys", None) or ()),
+        ceiling_keys=frozenset(getattr(obj, "ceiling_keys", None) or ()),
         validate=validate if callable(validate) else None,
     )
 

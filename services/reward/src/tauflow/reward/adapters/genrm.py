@@ -85,6 +85,7 @@ class GenerativeJudge:
     default_config: ClassVar[dict[str, Any]] = GenRMOptions().model_dump()
     group_level = True
     service_only_keys = ("address",)
+    ceiling_keys = ("max_new_tokens", "request_timeout_s", "max_concurrency")  # a request may only lower them
     timeout_s = 300.0  # a group's judgements: request_timeout_s each, max_concurrency at once
     fallback_score = 0.0
 

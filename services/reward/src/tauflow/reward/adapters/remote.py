@@ -504,6 +504,8 @@ class RemoteRewardModel:
     # Where the scores come from and which secret goes there are the operator's choice (functions.remote_rm.config):
     # a request that could set them could send the token to a server of its own.
     service_only_keys = ("url", "api_key_env")
+    # How hard a group may press the server is the operator's too: a request may lower these, not raise them.
+    ceiling_keys = ("request_timeout_s", "retries", "budget_s", "max_batch", "max_concurrency", "max_tokens")
     timeout_s = 120.0  # the default budget_s (100) leaves 20 s for the rest
     fallback_score = 0.0
 
