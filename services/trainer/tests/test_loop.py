@@ -473,6 +473,48 @@ def test_a_checkpoint_directory_the_trainer_cannot_use_still_fails_it(tiny_model
     assert loop.state is State.FAILED
 
 
+def test_a_checkpoint_folder_made_read_only_for_a_while_is_waited_out_then_fails_it(
+    tiny_model_dir, make_groups, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint folder remounted read-only for 45 s mid-run crash-looped the trainer until max_restarts failed the
+    # run. A folder that held checkpoints and is refused is now waited out (bounded); one refused for longer fails.
+    import errno
+
+    import tauflow.trainer.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "CHECKPOINT_RETRY_S", 0.01)
+    queue = FakeQueue(make_groups(1, 8))
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=4, checkpoint_every_steps=1)
+    save, refusals = loop.backend.save_checkpoint, [0]
+
+    def read_only_for_a_while(root, **kw):
+        if loop.version >= 2 and refusals[0] < 3:  # steps 2 and 3's checkpoints, then the last one once
+            refusals[0] += 1
+            raise OSError(errno.EROFS, "Read-only file system")
+        return save(root, **kw)
+
+    loop.backend.save_checkpoint = read_only_for_a_while
+    asyncio.run(loop.run())
+    assert loop.state is State.FINISHED and refusals[0] == 3 and len(queue.acked) == 8 and loop.last_error == ""
+
+    # refused for longer than REFUSED_FOR_AT_MOST_S: the trainer fails, saying so
+    monkeypatch.setattr(loop_module, "REFUSED_FOR_AT_MOST_S", -1.0)  # (already past at the first refusal)
+    again = _loop(
+        tiny_model_dir, tmp_path / "ckpt2", FakeQueue(make_groups(2, 8)), None, total=4, checkpoint_every_steps=1
+    )
+    save2 = again.backend.save_checkpoint
+
+    def refused_after_the_first(root, **kw):
+        if again.version >= 2:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return save2(root, **kw)
+
+    again.backend.save_checkpoint = refused_after_the_first
+    with pytest.raises(OSError, match="Read-only"):
+        asyncio.run(again.run())
+    assert again.state is State.FAILED
+
+
 @pytest.mark.parametrize(
     ("refusal", "code"),
     [

@@ -36,14 +36,17 @@ from opentelemetry.context import Context
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import set_error, span_context_of
 from tauflow.trainer.backend import StepResult, TorchBackend
-from tauflow.trainer.checkpoint import CheckpointInfo
+from tauflow.trainer.checkpoint import CheckpointInfo, latest_checkpoint
 from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tauflow.trainer")
 CHECKPOINT_RETRY_S = 5.0  # the last checkpoint, refused by the disk: tried again this often
-NOT_WRITTEN = "checkpoint not written (disk full)"
+NOT_WRITTEN = "checkpoint not written"
+REFUSED_FOR_AT_MOST_S = (
+    600.0  # a checkpoint folder that was usable and is refused (read-only, denied): waited this long
+)
 
 
 class State(enum.Enum):
@@ -133,6 +136,7 @@ class TrainerLoop:
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
         self._writes: dict[Path, asyncio.Task[CheckpointInfo]] = {}  # the checkpoint writes under way, by folder
+        self._refused_since: float | None = None  # when checkpoints began to be refused (read-only, denied)
         self._exported: dict[int, Path] = {}  # the export of each version (one per version), by version
         self._gets: list[QueueGet] = []  # the current step's
         self._offloaded_once = False  # (logged once)
@@ -276,15 +280,18 @@ class TrainerLoop:
     async def _checkpoint_when_due(self) -> None:
         """The periodic checkpoint, and the last one. A write the disk refuses (full, read-only) does not end
         the trainer (it crash-looped so): the steps' leases stay held and renewed, and the write is tried again
-        at the next one due; the last one until it is written (a run ends with every step durable)."""
+        at the next one due; the last one until it is written (a run ends with every step durable). A full disk
+        is waited out for as long as it lasts; a folder that held checkpoints and is now refused (remounted
+        read-only, its permissions changed) for REFUSED_FOR_AT_MOST_S; a folder never usable fails at once."""
         while True:
             try:
                 await self.checkpoint()
                 if self.last_error.startswith(NOT_WRITTEN):
                     self.last_error = ""
+                self._refused_since = None
                 return
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):  # (a directory it cannot use: fail, saying so)
+                if not self._waits_out(e):
                     raise
                 self.last_error = f"{NOT_WRITTEN}: {type(e).__name__}: {e}"
                 log.warning("checkpoint not written; training goes on and tries again",
@@ -293,6 +300,23 @@ class TrainerLoop:
                     return
             await asyncio.sleep(CHECKPOINT_RETRY_S)
             await self._renew(self._held)
+
+    def _waits_out(self, error: OSError) -> bool:
+        """Whether a refused checkpoint write is waited out (see _checkpoint_when_due) rather than ending the
+        trainer, saying why."""
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        if latest_checkpoint(self.checkpoint_dir) is None:
+            return False  # (never usable: a wrong path or mount, not a passing fault)
+        now = time.monotonic()
+        if self._refused_since is None:
+            self._refused_since = now
+        if now - self._refused_since <= REFUSED_FOR_AT_MOST_S:
+            return True
+        log.error("checkpoint folder refused for too long", extra={"seconds": REFUSED_FOR_AT_MOST_S})
+        return False
 
     def _checkpoint_due(self) -> bool:
         return self.version % self.config.checkpoint_every_steps == 0 or self.done()
