@@ -53,7 +53,9 @@ async def test_a_queue_whose_disk_is_full_is_waited_out(caplog: pytest.LogCaptur
         await client.ack("lease-1")  # retried until the disk has room again
         await client.set_version(3)
         assert queue.calls.count("Ack") == 3 and queue.calls.count("SetTrainerVersion") == 3
-        assert FULL in caplog.text  # the wait is in the log
+        assert FULL in caplog.text  # the wait is in the log, one line a retry (not a five-line repr of "<unknown>")
+        retries = [r for r in caplog.records if r.getMessage().startswith("peer call failed (RESOURCE_EXHAUSTED")]
+        assert len(retries) == 4 and "<unknown>" not in caplog.text and "\n" not in retries[0].getMessage()
     finally:
         await client.close()
         await server.stop(0)
