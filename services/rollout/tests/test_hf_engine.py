@@ -361,17 +361,113 @@ def test_a_scoring_call_given_up_or_failing_leaves_generation_alone(engine: HFEn
     running = engine.submit(PROMPTS, SamplingParams(max_new_tokens=12, n=2, temperature=1.0, seed=2))
     given_up = engine.submit_scoring([ScoredSequence([1, 2], [3, 4])])
     given_up.cancel()
-    score = engine._score
+    score = engine._score_chunk
 
     def broken(job: Any) -> Any:
         raise RuntimeError("device fell over")
 
-    engine._score = broken
+    engine._score_chunk = broken  # type: ignore[method-assign]
     failing = engine.submit_scoring([ScoredSequence([1, 2], [3, 4])])
     with pytest.raises(RuntimeError, match="fell over"):
         failing.result(30)
-    engine._score = score
+    engine._score_chunk = score  # type: ignore[method-assign]
     out = running.result(60)
     assert all(len(c.token_ids) >= 1 for group in out for c in group)
     assert given_up.cancelled()
     assert engine.submit_scoring([ScoredSequence([1, 2], [3, 4])]).result(30).logprobs[0]  # and it serves on
+
+
+def _long_scoring(rows: int = 24) -> list[Any]:
+    """Sequences of 40 tokens each: with max_prefill_tokens 40, one sequence a chunk (``rows`` chunks)."""
+    from tauflow.rollout.engine import ScoredSequence
+
+    return [ScoredSequence([1, 3 + i % 10] * 10, [4 + (i * 7 + j) % 10 for j in range(20)]) for i in range(rows)]
+
+
+def test_scoring_goes_one_chunk_a_turn_and_generation_decodes_between_its_chunks(model_dir: Path) -> None:
+    # A long ComputeLogprobs job (here 24 chunks) used to run whole on one turn of the engine: every decoding
+    # step of every Generate waited for it, and for every job queued before it. Now a turn scores one chunk:
+    # a short Generate sent with two such jobs ends before the first of them.
+    engine = HFEngine.from_pretrained(model_dir, seed=1, max_prefill_tokens=40)
+    try:
+        _slow_steps(engine, 0.02)
+        scoring: list[Any] = []
+        seen: list[bool] = []  # at each decoding step: was the first scoring job done?
+        step = engine._decode_step
+
+        def watched(batch: Any) -> None:
+            step(batch)
+            seen.append(bool(scoring) and scoring[0].done())
+
+        engine._decode_step = watched  # type: ignore[method-assign]
+        generated = engine.submit([[1, 5, 6]], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1))
+        scoring.extend(engine.submit_scoring(_long_scoring()) for _ in range(2))
+        assert len(generated.result(30)[0][0].token_ids) == 6
+        assert seen and not any(seen)
+        for f in scoring:
+            assert len(f.result(60).logprobs) == 24
+    finally:
+        engine.close()
+
+
+def test_chunked_scoring_gives_what_scoring_whole_gives(
+    model_dir: Path, reference: Any, make_model: Any, full_logprobs: Any
+) -> None:
+    # The same sequences scored in one chunk, and in 24 chunks interleaved with generation and with a weight
+    # version staged mid-job: the same numbers, of the version served when the job started (the staged one
+    # waits for its last chunk, then serves the next job).
+    from tauflow.rollout.engine import ScoredSequence
+
+    sequences = _long_scoring()
+    quiet = HFEngine.from_pretrained(model_dir, seed=1, max_prefill_tokens=40)
+    whole_engine = HFEngine.from_pretrained(model_dir, seed=1, max_prefill_tokens=1 << 15)
+    chunked = HFEngine.from_pretrained(model_dir, seed=1, max_prefill_tokens=40)
+    try:
+        whole = whole_engine.submit_scoring(sequences, 0.8).result(60)
+        alone = quiet.submit_scoring(sequences, 0.8).result(60)
+        score, staged, new_weights = chunked._score_chunk, [], make_model(seed=1).state_dict()
+
+        def staging_mid_job(job: Any) -> bool:
+            if job.order is not None and len(job.order) == 12:
+                staged.append(chunked.stage_weights(1, new_weights))
+            return score(job)
+
+        chunked._score_chunk = staging_mid_job  # type: ignore[method-assign]
+        generating = chunked.submit([[1, 5, 6]], SamplingParams(max_new_tokens=30, ignore_eos=True, seed=2))
+        got = chunked.submit_scoring(sequences, 0.8).result(60)
+        assert staged and got.policy_version == whole.policy_version == 0
+        assert got.logprobs == alone.logprobs  # exactly: the same chunks, whatever ran between them
+        for seq, a, b in zip(sequences, got.logprobs, whole.logprobs, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)  # (one batch of 24 rows against 24 of one: float noise)
+            expected = full_logprobs(reference, list(seq.prompt_token_ids), list(seq.completion_token_ids), 0.8)
+            assert a == pytest.approx(expected, abs=1e-4)
+        assert staged[0].result(10) == 1
+        after = chunked.submit_scoring([ScoredSequence([1, 2], [3, 4])], 0.8).result(30)
+        assert after.policy_version == 1
+        assert generating.result(30)[0][0].token_ids
+    finally:
+        for e in (quiet, whole_engine, chunked):
+            e.close()
+
+
+def test_a_scoring_job_whose_caller_went_away_stops_at_its_next_chunk(model_dir: Path) -> None:
+    from tauflow.rollout.engine import ScoredSequence
+
+    engine = HFEngine.from_pretrained(model_dir, seed=1, max_prefill_tokens=40)
+    try:
+        score, chunks, cancelled = engine._score_chunk, [0], threading.Event()
+
+        def counted(job: Any) -> bool:
+            chunks[0] += 1
+            if chunks[0] == 3:
+                assert job.future.cancel()  # the caller's deadline, mid-job
+                cancelled.set()
+            return score(job)
+
+        engine._score_chunk = counted  # type: ignore[method-assign]
+        given_up = engine.submit_scoring(_long_scoring())
+        assert cancelled.wait(30)
+        assert engine.submit_scoring([ScoredSequence([1, 2], [3, 4])]).result(30).logprobs[0]
+        assert given_up.cancelled() and chunks[0] == 4  # its 3 chunks, then the next job's one
+    finally:
+        engine.close()

@@ -4,6 +4,7 @@ requests get (the documented code, never INTERNAL) and that they change nothing 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -16,12 +17,16 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from tauflow.api.rollout.v1 import rollout_pb2 as pb
-from tauflow.rollout.adapters.servicer import RolloutServicer
+from tauflow.rollout.adapters.servicer import LONG_TEXT_CHARS, RolloutServicer
 from tauflow.rollout.config import RolloutConfig
+from tauflow.rollout.engine.base import MAX_POLICY_VERSION
 from tauflow.rollout.engine.hf import HFEngine
 from tauflow.rollout.ports import SidecarUnavailable, UnknownVersion
+from tauflow.rollout.text import TextCodec
 from tauflow.rollout.weights import CHECKSUM_ALGORITHMS_KEPT, WeightLoader
-from tauflow.weightsync import GroupSpec, StoreHost, WeightGroup
+from tauflow.weightsync import GroupSpec, StoreHost, WeightGroup, shared_request
+from tauflow.weightsync.ipc import DeviceStager
+from tauflow.weightsync.wire import shared_request_to_proto
 
 
 class Aborted(Exception):
@@ -45,11 +50,22 @@ class Context:
 
 
 class Codec:
-    """A tokenizer stand-in: a character a token."""
+    """A tokenizer stand-in: a character a token (``max_chars_per_token``: None, no bound known, or 1)."""
 
     has_chat_template = False
 
+    def __init__(self, max_chars_per_token: int | None = None) -> None:
+        self.max_chars_per_token = max_chars_per_token
+        self.encoded: list[str] = []
+
+    def check_length(self, text: str, max_tokens: int | None, what: str = "prompt_text") -> None:
+        TextCodec.check_length(self, text, max_tokens, what)  # type: ignore[arg-type]
+
+    def min_tokens(self, text: str) -> int:
+        return TextCodec.min_tokens(self, text)  # type: ignore[arg-type]
+
     def encode(self, text: str) -> list[int]:
+        self.encoded.append(text)
         return [1] + [3 + ord(c) % 10 for c in text]
 
     def decode(self, ids: list[int]) -> str:
@@ -76,9 +92,12 @@ class Sidecar:
         pass
 
 
-def _servicer(engine: HFEngine, model_dir: Path, sidecar: Sidecar | None = None, **config: Any) -> RolloutServicer:
+def _servicer(
+    engine: HFEngine, model_dir: Path, sidecar: Sidecar | None = None, codec: Codec | None = None, **config: Any
+) -> RolloutServicer:
     weights = WeightLoader(engine, "rollout-0", sidecar)  # type: ignore[arg-type]
-    return RolloutServicer(RolloutConfig(model_path=str(model_dir), **config), engine, weights, None, Codec())  # type: ignore[arg-type]
+    config = RolloutConfig(model_path=str(model_dir), **config)
+    return RolloutServicer(config, engine, weights, None, codec or Codec())  # type: ignore[arg-type]
 
 
 async def _refused(call: Any) -> Aborted:
@@ -267,3 +286,206 @@ def test_the_sidecar_client_names_an_unknown_version_and_an_unreachable_sidecar(
         sidecar.stub = Stub(code)  # type: ignore[assignment]
         with pytest.raises(error):
             asyncio.run(sidecar.checksum_algorithm(3))
+
+
+# -- policy versions ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stager() -> DeviceStager:
+    """The trainer's side of the colocated hand-off (its shared buffer lives as long as it does)."""
+    return DeviceStager("cpu")
+
+
+def _from_tensor(stager: DeviceStager, state_dict: dict[str, Any], version: int) -> pb.UpdateWeightsFromTensorRequest:
+    """An UpdateWeightsFromTensor of ``state_dict`` as ``version``, in a shared buffer as the trainer stages it."""
+    manifest, uri = stager.stage(state_dict, version)
+    return shared_request_to_proto(shared_request(manifest, uri))
+
+
+def test_a_policy_version_over_2_53_is_refused_on_every_path_and_nothing_changes(
+    engine: HFEngine, model_dir: Path, reference: Any, stager: DeviceStager
+) -> None:
+    # 2**64 - 1 is a valid uint64: accepted, it became the served version and every Generate then failed (the
+    # engine's per-token versions are int64). Refused now, as the queue refuses it, before anything is read.
+    sidecar = Sidecar(known=(1,))
+    servicer = _servicer(engine, model_dir, sidecar)
+    generate = pb.GenerateRequest(prompt_token_ids=[1, 5], sampling=pb.SamplingParams(max_new_tokens=2))
+
+    async def main() -> None:
+        for version in (2**64 - 1, 2**63, MAX_POLICY_VERSION + 1):
+            for call in (
+                servicer.UpdateWeightsFromTensor(_from_tensor(stager, reference.state_dict(), version), Context()),
+                servicer.UpdateWeightsFromTensor(pb.UpdateWeightsFromTensorRequest(policy_version=version), Context()),
+                servicer.UpdateWeightsFromDistributed(_update(policy_version=version), Context()),
+            ):
+                refused = await _refused(call)
+                assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "policy_version" in refused.details
+        assert sidecar.asked == [] and servicer.weights._load_started == {}
+        assert engine.policy_version == 0 and engine.newest_version == 0
+        assert not engine.stats().weight_update_in_progress
+        # the largest version is taken, and served, and a re-base goes back from it
+        loaded = await servicer.UpdateWeightsFromTensor(
+            _from_tensor(stager, reference.state_dict(), MAX_POLICY_VERSION), Context()
+        )
+        assert loaded.policy_version == MAX_POLICY_VERSION
+        answer = await servicer.Generate(generate, Context())
+        assert set(answer.samples[0].token_versions) == {MAX_POLICY_VERSION}
+        assert (
+            await servicer.UpdateWeightsFromTensor(_from_tensor(stager, reference.state_dict(), 1), Context())
+        ).policy_version == 1
+        assert set((await servicer.Generate(generate, Context())).samples[0].token_versions) == {1}
+
+    asyncio.run(main())
+    from tauflow.rollout.engine import WeightUpdateError
+
+    for rebase in (False, True):  # the engine's own check, whoever stages
+        with pytest.raises(WeightUpdateError, match="policy_version"):
+            engine.stage_weights(2**64 - 1, reference.state_dict(), rebase=rebase)
+    with pytest.raises(WeightUpdateError, match="policy_version"):
+        engine.stage_broadcast(2**63, reference.state_dict())
+    assert engine.newest_version == 1
+
+
+# -- weight groups -----------------------------------------------------------------------------------------
+
+
+def _dead_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nobody listens once it is closed
+
+
+def test_a_group_build_holds_up_no_weight_load_and_one_build_runs_at_a_time(
+    engine: HFEngine, model_dir: Path, reference: Any, stager: DeviceStager
+) -> None:
+    # An InitWeightsUpdateGroup naming a store nobody serves waits out its timeout (twice over, in torch's
+    # connect). It ran on the weight thread: every load queued behind it, and behind any other such build.
+    servicer = _servicer(engine, model_dir, max_wait_s=30)
+    port = _dead_port()
+
+    def init(name: str) -> pb.InitWeightsUpdateGroupRequest:
+        return pb.InitWeightsUpdateGroupRequest(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name=name,
+            backend="gloo",
+            membership_epoch=1,
+            timeout=Duration(seconds=2),
+        )
+
+    async def main() -> None:
+        build = asyncio.create_task(servicer.InitWeightsUpdateGroup(init("stuck"), Context()))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        refused = await _refused(servicer.InitWeightsUpdateGroup(init("other"), Context()))
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "'stuck' is being built" in refused.details
+        assert time.monotonic() - started < 1.0
+        same = asyncio.create_task(servicer.InitWeightsUpdateGroup(init("stuck"), Context()))  # gets its outcome
+        request = _from_tensor(stager, reference.state_dict(), 1)
+        loaded = await asyncio.wait_for(servicer.UpdateWeightsFromTensor(request, Context()), 1.5)
+        assert loaded.policy_version == 1 and engine.policy_version == 1 and not build.done()
+        codes = {(await _refused(t)).code for t in (build, same)}
+        assert len(codes) == 1 and codes <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
+        assert servicer.weights._building is None and servicer.weights.group is None  # (another may start)
+
+    asyncio.run(main())
+
+
+def test_a_weight_load_whose_caller_gave_up_while_it_waited_loads_nothing(
+    engine: HFEngine,
+    model_dir: Path,
+    reference: Any,
+    stager: DeviceStager,
+    sender: tuple[StoreHost, list[WeightGroup]],
+) -> None:
+    # A load queued behind another weight call (here: one holding the shared loads' thread) past its caller's
+    # deadline used to be made anyway, after its caller had given up: it is not, and the version served stays.
+    servicer = _servicer(engine, model_dir)
+    loader = servicer.weights
+    release = threading.Event()
+    request = _from_tensor(stager, reference.state_dict(), 1)
+
+    async def main() -> None:
+        busy = asyncio.get_running_loop().run_in_executor(loader._shared_thread, release.wait, 30)
+        late = asyncio.create_task(servicer.UpdateWeightsFromTensor(request, Context(time_remaining=0.2)))
+        await asyncio.sleep(0.5)
+        release.set()
+        await busy
+        refused = await _refused(late)
+        assert refused.code == grpc.StatusCode.DEADLINE_EXCEEDED and "nothing was loaded" in refused.details
+        await asyncio.sleep(0.2)
+        assert engine.policy_version == 0 and engine.newest_version == 0
+        # a bucket likewise: its receive is not posted for a version its sender has given up on
+        host, groups = sender
+        spec = GroupSpec("127.0.0.1", host.port, "g-e1", 2, 0, "gloo", 1, 10.0)
+        formed = threading.Thread(target=lambda: groups.append(WeightGroup(host.store, spec)))
+        formed.start()
+        await loader.init_group(dataclasses.replace(spec, rank=1))
+        formed.join(10)
+        bucket_busy = asyncio.get_running_loop().run_in_executor(loader._receiver_thread, time.sleep, 0.5)
+        refused = await _refused(servicer.UpdateWeightsFromDistributed(_update(), Context(time_remaining=0.2)))
+        await bucket_busy
+        assert refused.code == grpc.StatusCode.DEADLINE_EXCEEDED and loader.receiving_version is None
+        # in time, it loads
+        assert (await servicer.UpdateWeightsFromTensor(request, Context(time_remaining=10))).policy_version == 1
+
+    asyncio.run(main())
+    loader.forget_group()
+
+
+# -- tokenizing --------------------------------------------------------------------------------------------
+
+
+def test_text_is_tokenized_on_threads_of_its_own_and_a_text_surely_too_long_is_refused_untokenized(
+    engine: HFEngine, model_dir: Path
+) -> None:
+    # Six clients sending 262,144 characters each took every thread of the default pool to tokenize texts the
+    # context then refused; other clients' Generate waited behind them (17 ms -> 1.3-3.3 s).
+    codec = Codec()
+    servicer = _servicer(engine, model_dir, codec=codec)
+    long_started, release = threading.Event(), threading.Event()
+    encode = codec.encode
+
+    def slow_for_long_texts(text: str) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            long_started.set()
+            release.wait(30)
+        return encode(text)
+
+    codec.encode = slow_for_long_texts  # type: ignore[method-assign]
+    short = pb.GenerateRequest(prompt_text="12+34=", sampling=pb.SamplingParams(max_new_tokens=2))
+    long = pb.GenerateRequest(prompt_text="7" * (LONG_TEXT_CHARS + 1), sampling=pb.SamplingParams(max_new_tokens=2))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        default_busy = loop.run_in_executor(None, release.wait, 30)  # the default pool: held
+        longs = [asyncio.create_task(servicer.Generate(long, Context())) for _ in range(3)]
+        for _ in range(50):
+            if long_started.is_set():
+                break
+            await asyncio.sleep(0.02)
+        assert long_started.is_set()
+        answer = await asyncio.wait_for(servicer.Generate(short, Context()), 5)  # not behind the long texts
+        assert answer.prompt_token_ids == encode("12+34=")
+        release.set()
+        for task in longs:  # (64 tokens of context: the engine refuses them, once tokenized)
+            assert (await _refused(task)).code == grpc.StatusCode.INVALID_ARGUMENT
+        await default_busy
+
+        # With a bound of characters per token, a text surely over the context is refused untokenized.
+        codec.max_chars_per_token = 1
+        codec.encoded.clear()
+        over = pb.GenerateRequest(prompt_text="7" * 63, sampling=pb.SamplingParams(max_new_tokens=2))
+        refused = await _refused(servicer.Generate(over, Context()))
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "at least 63 tokens" in refused.details
+        assert codec.encoded == [] and servicer.in_flight == 0
+        fits = pb.GenerateRequest(prompt_text="7" * 61, sampling=pb.SamplingParams(max_new_tokens=2))
+        assert len((await servicer.Generate(fits, Context())).prompt_token_ids) == 62  # (and the BOS: 64 in all)
+
+    asyncio.run(main())

@@ -11,7 +11,7 @@ import pytest
 from tauflow.models import tiny
 from tauflow.rollout.engine.base import FinishReason, InvalidRequestError, SamplingParams
 from tauflow.rollout.engine.hf import HFEngine
-from tauflow.rollout.text import NoChatTemplate, TextCodec
+from tauflow.rollout.text import COMPOSITION_FACTOR, NoChatTemplate, PromptTooLong, TextCodec, chars_per_token_bound
 
 CORPUS = [f"Natalia sold {n} clips in April and half as many in May. How many in all? {n * 3 // 2}" for n in range(40)]
 
@@ -97,3 +97,105 @@ def test_a_chat_that_spells_special_tokens_or_that_the_template_refuses_is_refus
     assert strict.encode_chat([{"role": "user", "content": "y"}]) == strict.tokenizer.encode(
         "y", add_special_tokens=False
     )
+
+
+# -- texts too long for the context, refused before they are tokenized ---------------------------------------
+
+
+def test_a_text_surely_over_the_context_is_refused_untokenized_and_none_that_fits_is(
+    codec: TextCodec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 262,144 CJK characters are 786,432 tokens of this byte-level BPE and took 0.56 s to tokenize, for the
+    # context (1,024) to refuse them then. A token of it stands for at most its longest vocabulary entry's
+    # characters, 4 times over behind NFC (which composes up to 4 characters into one).
+    vocab = codec.tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    assert codec.max_chars_per_token == COMPOSITION_FACTOR * len(longest)
+    texts = [
+        "\u4e00" * 3000,
+        " " * 5000,
+        "\n" * 3000,
+        "7" * 4000,
+        "<|im_start|>" * 300,
+        "e\u0301" * 2000,  # NFC: 2 characters, 1
+        "\u1100\u1161\u11a8" * 1000,  # NFC: 3 Hangul jamo, 1 syllable
+        "\u03b1\u0313\u0300\u0345" * 500,  # NFC: 4 characters, U+1F82
+        longest * 500,
+        " ".join(CORPUS),
+    ]
+    for text in texts:
+        assert len(codec.encode(text)) >= codec.min_tokens(text) >= 1, text[:20]
+
+    def never(*args: object, **kwargs: object) -> list[int]:
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(codec.tokenizer, "encode", never)
+    with pytest.raises(PromptTooLong, match="at least 5042 tokens"):
+        codec.encode("\u4e00" * 262144, max_tokens=1000)
+    with pytest.raises(PromptTooLong, match="prompt_messages"):
+        codec.encode_chat([{"role": "user", "content": "\u4e00" * 262144}], max_tokens=1000)
+    codec.check_length("\u4e00" * (1000 * codec.max_chars_per_token), 1000)  # (at least 1000 tokens: may fit)
+
+
+def _bpe(vocab: dict[str, int], **model: object) -> dict[str, object]:
+    return {"model": {"type": "BPE", "vocab": vocab, "fuse_unk": False, "byte_fallback": False, **model}}
+
+
+BYTES = {f"<0x{b:02X}>": b for b in range(256)}
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "bound"),
+    [
+        # SentencePiece BPE with byte fallback (Llama 2, Mistral, Gemma): spaces become U+2581
+        (
+            {
+                **_bpe({**BYTES, "\u2581hello": 256}, byte_fallback=True, fuse_unk=True),
+                "normalizer": {
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "Prepend", "prepend": "\u2581"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+                    ],
+                },
+            },
+            6,
+        ),
+        ({**_bpe({"a": 0, "<unk>": 1}, unk_token="<unk>"), "added_tokens": [{"content": "<|x|>"}]}, 5),
+        # no bound can be proven
+        ({"model": {"type": "WordPiece", "vocab": {"a": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}, None),
+        ({"model": {"type": "Unigram", "vocab": [["a", 0.0]]}}, None),
+        (_bpe({"a": 0, "<unk>": 1}, unk_token="<unk>", fuse_unk=True), None),  # unknowns fused into one
+        (_bpe({"a": 0}), None),  # an unknown character is dropped
+        ({**_bpe({**BYTES}, byte_fallback=True), "normalizer": {"type": "Strip"}}, None),
+        ({**_bpe({**BYTES}, byte_fallback=True), "normalizer": {"type": "Precompiled"}}, None),
+        (
+            {
+                **_bpe({**BYTES}, byte_fallback=True),
+                "normalizer": {"type": "Replace", "pattern": {"String": "  "}, "content": " "},
+            },
+            None,
+        ),
+        (
+            {
+                **_bpe({**BYTES}, byte_fallback=True),
+                "normalizer": {"type": "Replace", "pattern": {"Regex": " +"}, "content": " "},
+            },
+            None,
+        ),
+        ({**_bpe({**BYTES}, byte_fallback=True), "pre_tokenizer": {"type": "WhitespaceSplit"}}, None),
+        (
+            {
+                **_bpe({**BYTES}, byte_fallback=True),
+                "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed"},
+            },
+            None,
+        ),
+        ({**_bpe({**BYTES}, byte_fallback=True), "added_tokens": [{"content": "<m>", "lstrip": True}]}, None),
+        (_bpe({**BYTES}, byte_fallback=True, continuing_subword_prefix="##"), None),
+    ],
+)
+def test_the_characters_per_token_bound_is_given_only_where_it_can_be_proven(
+    pipeline: dict[str, object], bound: int | None
+) -> None:
+    assert chars_per_token_bound(pipeline) == bound

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 import grpc
@@ -23,8 +24,8 @@ from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
 from tauflow.rollout.ports import SidecarUnavailable
 from tauflow.rollout.producer import Producer
-from tauflow.rollout.text import ChatTemplateError, TextCodec
-from tauflow.rollout.weights import LOAD_ERRORS, WeightLoader
+from tauflow.rollout.text import ChatTemplateError, PromptTooLong, TextCodec
+from tauflow.rollout.weights import LOAD_ERRORS, GroupBuildBusy, LoadExpired, WeightLoader
 from tauflow.weightsync import ChecksumMismatch, PhaseError, ReceiveError
 from tauflow.weightsync.wire import bucket_request_from_proto, group_spec_from_proto, shared_request_from_proto
 
@@ -42,7 +43,15 @@ def _refusal_code(err: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED if err.timed_out else grpc.StatusCode.ABORTED
     if isinstance(err, ChecksumMismatch):
         return grpc.StatusCode.DATA_LOSS
+    if isinstance(err, LoadExpired):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.INVALID_ARGUMENT  # WeightUpdateError: a version the engine refuses
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline as a ``time.monotonic()`` instant; None without one."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -53,6 +62,9 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
 
 MAX_CHAT_CHARS = 1 << 18  # prompt_messages: their content in all (as prompt_text's bound)
 MAX_SCORE_SEQUENCES = 4096  # ComputeLogprobs: sequences per call (the contract's bound)
+# prompt_text, or prompt_messages' content in all, over this many characters is tokenized on the long texts'
+# thread; shorter ones on their own two (tokenizing 4096 characters takes 10 ms at most on a byte-level BPE)
+LONG_TEXT_CHARS = 4096
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -72,6 +84,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.codec = codec  # None: a model folder without a tokenizer takes and gives token ids only
         self.processor = processor  # a multimodal model's (prompt_parts); None: a text model
         self.in_flight = 0
+        # Tokenizing takes CPU time in proportion to the text: on threads of its own, never the default pool's
+        # (which min_policy_version's waits and media decoding use), and a long text on one thread of its own, so
+        # that long texts (262,144 characters: 0.56 s each) never hold up short ones, and use one core at most.
+        self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        self._tokenize_long = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
 
     # -- data plane ------------------------------------------------------------------------
 
@@ -140,11 +157,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
             if request.prompt_text or messages:
                 assert self.codec is not None  # text without a tokenizer was refused above
-                # (a long chat or text is tokenized off the event loop)
+                max_context = getattr(self.engine, "max_context", None)
+                max_tokens = None if max_context is None else max_context - params.max_new_tokens
+                chars = len(request.prompt_text) + sum(len(m["content"]) for m in messages)
+                pool = self._tokenize_long if chars > LONG_TEXT_CHARS else self._tokenize
+                loop = asyncio.get_running_loop()
+                # (off the event loop; a text surely too long for the context is refused before it is tokenized,
+                # a chat once its template is rendered)
                 if messages:
-                    prompt = await asyncio.to_thread(self.codec.encode_chat, messages)
+                    prompt = await loop.run_in_executor(pool, self.codec.encode_chat, messages, max_tokens)
                 else:
-                    prompt = await asyncio.to_thread(self.codec.encode, request.prompt_text)
+                    self.codec.check_length(request.prompt_text, max_tokens)
+                    prompt = await loop.run_in_executor(pool, self.codec.encode, request.prompt_text)
             if parts:
                 assert self.processor is not None  # refused above
                 processed = await asyncio.to_thread(self.processor, parts)  # decodes media: off the event loop
@@ -162,6 +186,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ChatTemplateError as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prompt_messages: {e}")
+        except PromptTooLong as e:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (the model's context less max_new_tokens)")
         except EngineClosedError as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
@@ -255,6 +281,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             num_ranks = await self.weights.init_group(spec)
         except (ReceiveError, PhaseError) as e:
             await _abort(context, _refusal_code(e), str(e))
+        except GroupBuildBusy as e:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return rollout_pb2.InitWeightsUpdateGroupResponse(num_ranks=num_ranks)
 
     async def UpdateWeightsFromDistributed(
@@ -262,7 +290,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.UpdateWeightsFromDistributedResponse:
         try:
             # (the checksum algorithm is the manifest's: the loader asks the sidecar for it)
-            version = await self.weights.receive(bucket_request_from_proto(request, checksum_algorithm=""))
+            bucket = bucket_request_from_proto(request, checksum_algorithm="")
+            version = await self.weights.receive(bucket, _deadline(context))
         except LOAD_ERRORS as e:
             await _abort(context, _refusal_code(e), str(e))
         except SidecarUnavailable as e:
@@ -277,7 +306,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.UpdateWeightsFromTensorRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsFromTensorResponse:
         try:
-            version = await self.weights.load_shared(shared_request_from_proto(request))
+            version = await self.weights.load_shared(shared_request_from_proto(request), _deadline(context))
         except LOAD_ERRORS as e:
             await _abort(context, _refusal_code(e), str(e))
         except EngineClosedError as e:

@@ -77,7 +77,10 @@ class GrpcSidecar:
         try:
             await self.stub.ConfirmVersion(request)
         except grpc.aio.AioRpcError as e:
-            log.warning("confirm failed", extra={"version": version.policy_version, "code": e.code().name})
+            log.warning(
+                "confirm failed",
+                extra={"version": version.policy_version, "code": e.code().name, "details": (e.details() or "")[:200]},
+            )
 
     async def leave(self, member_id: str, reason: str) -> None:
         """Best effort: the sidecar drops dead members by itself."""

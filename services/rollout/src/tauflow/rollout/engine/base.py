@@ -27,6 +27,7 @@ import torch
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_POLICY_VERSION",
     "MIN_TEMPERATURE",
     "Completion",
     "EngineClosedError",
@@ -39,6 +40,7 @@ __all__ = [
     "TensorSpec",
     "WeightUpdateError",
     "check_newer",
+    "check_policy_version",
     "check_temperature",
     "check_weight_specs",
     "staged_copies",
@@ -269,8 +271,24 @@ def staged_copies(
     return staged
 
 
+MAX_POLICY_VERSION = 2**53
+"""The largest policy version: the queue's bound (docs/queue.md), exact in a double (metrics) and in any JSON
+reader. The wire's uint64 allows more, which the engine's int64 per-token versions cannot hold."""
+
+
+def check_policy_version(version: int) -> None:
+    """Raise WeightUpdateError, naming policy_version, unless ``version`` is in [0, MAX_POLICY_VERSION]: what
+    every path that sets a version checks before it stages, receives or confirms anything."""
+    if not 0 <= version <= MAX_POLICY_VERSION:
+        raise WeightUpdateError(
+            f"policy_version {version} is outside [0, {MAX_POLICY_VERSION}] (2**53, the largest version tauflow takes)"
+        )
+
+
 def check_newer(version: int, newest: int, rebase: bool) -> None:
-    """A staged version must be newer than the newest served or staged, unless it re-bases."""
+    """A staged version must be a valid version (``check_policy_version``) newer than the newest served or
+    staged, unless it re-bases."""
+    check_policy_version(version)
     if version <= newest and not rebase:
         raise WeightUpdateError(f"version {version} is not newer than version {newest} (served or staged)")
 
@@ -292,6 +310,7 @@ class GenerationEngine(ABC):
 
     def __init__(self, engine_id: str, policy_version: int) -> None:
         self.engine_id = engine_id
+        check_policy_version(int(policy_version))
         self._version = int(policy_version)
         self._version_cv = threading.Condition()
         self._version_listeners: list[Callable[[int], None]] = []

@@ -11,7 +11,9 @@ left-padded KV cache (``DynamicCache``), a 2-D attention mask and per-row positi
    into the running batch (left-padded to a common length);
 3. runs one decoding step for all rows: one forward pass of one token per row, then sampling as tensor ops
    (rows that finished are masked, not looped over);
-4. hands finished sequences back to their requests, and drops finished rows from the batch when worthwhile.
+4. hands finished sequences back to their requests, and drops finished rows from the batch when worthwhile;
+5. scores one chunk (``max_prefill_tokens`` padded tokens at most) of the oldest ComputeLogprobs job, so that
+   however many jobs wait, a decoding step waits for one chunk at most.
 
 (Over 450 lines: the loop, the running batch it owns and the cache surgery on it are one state machine on
 one thread; split, each part would need the others' invariants.)
@@ -28,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -136,11 +138,15 @@ class _Request:
 
 @dataclass
 class _ScoreJob:
-    """Sequences to score (prompt, completion), their temperature, and the caller's future."""
+    """Sequences to score (prompt, completion), their temperature, and the caller's future; once started, the
+    sequences not scored yet (longest first), the log-probs so far and the version they are of."""
 
     sequences: list[tuple[list[int], list[int]]]
     temperature: float
     future: Future[Scores]
+    order: list[int] | None = None  # None: not started
+    out: list[list[float]] = field(default_factory=list)
+    version: int = 0
 
 
 class _Row:
@@ -622,14 +628,18 @@ class HFEngine(GenerationEngine):
                 if was_idle and self._batch_wait_s > 0 and self._waiting:
                     time.sleep(self._batch_wait_s)  # let the other requests of a burst arrive
                 with self._cv:
-                    staged, self._staged = self._staged, []
+                    # Scoring goes one chunk a turn (so that a long job holds the decoding of the running batch
+                    # up for one chunk at most), the oldest job first. A job under way holds staged versions
+                    # back until its last chunk: all its log-probs are of one version.
+                    job = self._scoring[0] if self._scoring else None
+                    if job is None or job.order is None:
+                        staged, self._staged = self._staged, []
+                    else:
+                        staged = []
                     cancel, self._cancel_pending = self._cancel_pending, False
                     if cancel:
                         self._waiting = deque(r for r in self._waiting if not r.req.future.done())
                     admit = self._take_rows_locked()
-                    # one scoring job a turn, so that a long one holds the decoding of the running batch up
-                    # for one turn at most
-                    job = self._scoring.pop(0) if self._scoring else None
                 try:
                     self._turn(staged, cancel, admit)
                 except Exception as exc:  # noqa: BLE001 - keep serving: fail what was in flight, go on with the next
@@ -637,7 +647,7 @@ class HFEngine(GenerationEngine):
                     self._last_error = f"{type(exc).__name__}: {exc}"
                     self._fail_in_flight(exc, admit, staged)
                 if job is not None:
-                    self._score_job(job)  # its failure is its own
+                    self._score_step(job)  # its failure is its own
         finally:
             self._shutdown()
 
@@ -715,28 +725,42 @@ class HFEngine(GenerationEngine):
 
     # -- scoring --
 
-    def _score_job(self, job: _ScoreJob) -> None:
-        """The job's log-probs, after this turn's weight swap and decoding step (they name the version served
-        now). A job its caller cancelled is skipped; one that fails fails alone (the engine serves on)."""
-        if not job.future.set_running_or_notify_cancel():  # cancelled while it waited; from now on it cannot be
-            return
-        try:
-            self._wake()
-            with torch.inference_mode():
-                job.future.set_result(Scores(self._score(job), self._version))
-        except Exception as exc:  # noqa: BLE001 - the caller learns it
-            _log.exception("hf engine %s: scoring failed", self.engine_id)
-            job.future.set_exception(exc)
+    def _score_step(self, job: _ScoreJob) -> None:
+        """One chunk of the oldest scoring job, after this turn's weight swap and decoding step; with its last
+        chunk the job's log-probs are its caller's (they name the version served when its first chunk ran:
+        staged versions wait for its last). The future stays pending until then, so a caller that goes away
+        (cancels) stops the job at its next chunk; a job that fails fails alone (the engine serves on)."""
+        done = True
+        if not job.future.cancelled():
+            try:
+                self._wake()
+                with torch.inference_mode():
+                    done = self._score_chunk(job)
+                if done and job.future.set_running_or_notify_cancel():
+                    job.future.set_result(Scores(job.out, job.version))
+            except Exception as exc:  # noqa: BLE001 - the caller learns it
+                _log.exception("hf engine %s: scoring failed", self.engine_id)
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(exc)
+        if done:
+            with self._cv:
+                if self._scoring and self._scoring[0] is job:
+                    self._scoring.pop(0)
 
-    def _score(self, job: _ScoreJob) -> list[list[float]]:
-        """Right-padded forwards without a cache, in chunks of at most ``max_prefill_tokens`` padded tokens
-        (longest first); the log-softmax of logits / temperature gathered at each completion token."""
-        out: list[list[float]] = [[] for _ in job.sequences]
-        order = sorted(range(len(job.sequences)), key=lambda i: -sum(map(len, job.sequences[i])))
-        while order:
+    def _score_chunk(self, job: _ScoreJob) -> bool:
+        """Scores the job's next chunk: a right-padded forward without a cache over at most
+        ``max_prefill_tokens`` padded tokens (the sequences longest first: chunks, and so the numbers, are
+        those of scoring the job whole), the log-softmax of logits / temperature gathered at each completion
+        token. True once every sequence is scored."""
+        if job.order is None:  # its first chunk
+            job.order = sorted(range(len(job.sequences)), key=lambda i: -sum(map(len, job.sequences[i])))
+            job.out = [[] for _ in job.sequences]
+            job.version = self._version
+        out, order = job.out, job.order
+        if order:
             width = sum(map(len, job.sequences[order[0]]))
             rows = max(1, self._max_prefill_tokens // width)
-            chunk, order = order[:rows], order[rows:]
+            chunk, job.order = order[:rows], order[rows:]
             seqs = [job.sequences[i][0] + job.sequences[i][1] for i in chunk]
             ids = torch.tensor([s + [self._pad] * (width - len(s)) for s in seqs], device=self._device)
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=self._device)
@@ -752,7 +776,7 @@ class HFEngine(GenerationEngine):
                 start = len(prompt) - 1  # the target column of the first completion token
                 out[i] = picked[k, start : start + len(completion)].tolist()
                 self.counters["scored_tokens"] += len(completion)
-        return out
+        return not job.order
 
     # -- weights --
 

@@ -610,6 +610,9 @@ class SGLangEngine(GenerationEngine):
         version = int(version)
         if self._closing:
             raise EngineClosedError(f"engine {self.engine_id} is closed")
+        with self._lock:
+            newest = self._newest_staged
+        check_newer(version, newest, rebase)  # (before anything is copied)
         staged = staged_copies(
             self._spec,
             tensors,

@@ -215,7 +215,10 @@ class RolloutServiceServicer:
         FAILED_PRECONDITION when the server already holds a group of a newer
         membership epoch; DEADLINE_EXCEEDED when the rendezvous does not complete
         within `timeout` (the message names the group and the missing ranks when
-        known); UNAVAILABLE when the engines are not started.
+        known); RESOURCE_EXHAUSTED when another group is being built on this
+        server (one build at a time; a call with the same arguments as the build
+        under way gets that build's outcome instead): call again once it ends, at
+        most its `timeout` later; UNAVAILABLE when the engines are not started.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,12 +239,16 @@ class RolloutServiceServicer:
         version, in a rebuilt group if membership changed). Status:
         INVALID_ARGUMENT when `names`, `dtypes` and `shapes` differ in length, a
         name is not a parameter of the model, a dtype or shape does not match the
-        parameter, or `bucket_index` is not below `bucket_count`;
-        FAILED_PRECONDITION when no group named `group_name` exists (call
+        parameter, `bucket_index` is not below `bucket_count`, or
+        `policy_version` is above 2^53 (the largest version tauflow takes, the
+        queue's bound); FAILED_PRECONDITION when no group named `group_name` exists (call
         InitWeightsUpdateGroup first), `membership_epoch` is not that group's
         epoch, or a bucket arrives out of order for `policy_version`;
         DEADLINE_EXCEEDED when the broadcast does not complete within the group's
-        timeout (the partially received version is discarded); ABORTED when the
+        timeout (the partially received version is discarded), or when the call's
+        deadline passes while it waits behind another weight call, before its
+        receive is posted or its version is swapped in (nothing is received or
+        loaded); ABORTED when the
         group failed during the transfer (a peer died); UNAVAILABLE when the
         engines are not started.
         """
@@ -267,7 +274,10 @@ class RolloutServiceServicer:
         `names`, `dtypes` and `shapes` are empty or differ in length, a dtype is
         unknown, a name is not a parameter of the model or its dtype or shape does
         not match, `staging_uri` is not an `ipc://` URI of a shared buffer that
-        holds the tensors, or `checksum_algorithm` is not "sum64x2"; DATA_LOSS
+        holds the tensors, `checksum_algorithm` is not "sum64x2", or
+        `policy_version` is above 2^53; DEADLINE_EXCEEDED when the call's deadline
+        passes before the buffer is read or before the version is handed to the
+        engines (nothing is loaded); DATA_LOSS
         when the copy does not match `manifest_checksum` (the buffer was
         overwritten by a newer version before it was read); UNAVAILABLE when the
         engines are not started.
