@@ -254,6 +254,7 @@ def test_health_reflection_and_graceful_drain(service_process) -> None:
     # is seen in flight by its first attempt: it evicts a group too stale for its consumer_version (tau=1).
     stub = queue_stub(queue.address)
     stub.Put(q.PutRequest(group=make_group("old", version=0)))
+    stub.SetTrainerVersion(q.SetTrainerVersionRequest(policy_version=2))  # (a consumer_version above it is refused)
     answers: list[object] = []
     poll = threading.Thread(
         target=lambda: answers.append(

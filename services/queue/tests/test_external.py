@@ -17,11 +17,11 @@ from tauflow.api.common.v1 import common_pb2
 from tauflow.api.info.v1 import info_pb2, info_pb2_grpc
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
-from tauflow.core.config import ConfigError, load_config
+from tauflow.core.config import MIN_MESSAGE_BYTES, ConfigError, load_config
 from tauflow.core.testing import ServiceProcess, make_group
 from tauflow.queue.adapters import wire
 from tauflow.queue.adapters.external import bearer_token, with_client_identity
-from tauflow.queue.config import QueueConfig
+from tauflow.queue.config import PUT_FRAMING_BYTES, QueueConfig
 from tauflow.queue.tokens import TokensError, TokenTable
 
 A_TOKEN, B_TOKEN, C_TOKEN = "a" * 24, "b" * 24, "c" * 24
@@ -60,6 +60,24 @@ def test_the_external_port_needs_a_tokens_file_and_tls_needs_both_files() -> Non
         load_config(QueueConfig, overrides=["external.enabled=true"])
     with pytest.raises(ConfigError, match="tls_cert_file and external.tls_key_file go together"):
         load_config(QueueConfig, overrides=["external.tokens_file=t.yaml", "external.tls_cert_file=c.pem"])
+
+
+def test_the_external_port_receives_no_more_than_its_largest_put_needs() -> None:
+    """It inherited server.max_message_bytes (256 MiB, sized for Get's batches): gRPC receives a whole message
+    before the bearer token is checked, so four anonymous 200 MiB Puts made the queue hold 1.6 GiB."""
+    default = load_config(QueueConfig)
+    assert default.external.max_message_bytes == 64 * 1024 * 1024 + PUT_FRAMING_BYTES  # max_group_bytes + framing
+    assert default.server.max_message_bytes == 256 * 1024 * 1024  # (the internal port's stays)
+    small = load_config(QueueConfig, overrides=["max_group_bytes=1024"])
+    assert small.external.max_message_bytes == MIN_MESSAGE_BYTES  # (health and reflection answers still fit)
+    assert load_config(QueueConfig, overrides=["server.max_message_bytes=8388608"]).external.max_message_bytes == (
+        8 * 1024 * 1024 + PUT_FRAMING_BYTES  # a group never exceeds the internal port's limit either
+    )
+    chosen = load_config(QueueConfig, overrides=["external.max_message_bytes=1048576"])
+    assert chosen.external.max_message_bytes == 1 << 20
+    # Calls one connection may have in progress at once (each may hold a whole message before its token is
+    # checked): a producer's few, not the internal port's 1,000.
+    assert (default.external.max_concurrent_streams, default.server.max_concurrent_streams) == (32, 1000)
 
 
 @pytest.mark.parametrize(
@@ -288,6 +306,88 @@ def test_a_producer_released_by_id_gives_back_its_tickets_and_its_waiting_reserv
             grpc.StatusCode.INVALID_ARGUMENT,
             "producer_id must be set",
         )
+    finally:
+        proc.stop()
+
+
+def test_external_clients_cannot_take_the_room_of_tauflows_own_producers(tmp_path: Path) -> None:
+    """The hostile-client probe: one external client held every ticket of the pacing window (the rollout's
+    Reserve got granted=False for the ticket TTL), or with tau = -1 the whole capacity with one Reserve; it could
+    park any number of Reserves; and anyone could send 256 MiB messages to the port."""
+    (tmp_path / "tokens.yaml").write_text(f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    settings = {
+        "wal.dir": "wal",
+        "groups_per_step": 8,
+        "max_staleness": 1,  # a window of 16 groups: 8 for the external clients
+        "capacity_groups": 1000,
+        "max_group_bytes": 1 << 20,
+        "external.enabled": "true",
+        "external.port": 0,
+        "external.tokens_file": tmp_path / "tokens.yaml",
+        "external.max_waiting_reserves": 2,
+    }
+    proc = ServiceProcess("queue", tmp_path, settings).start()
+    try:
+        external = grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}")
+        stub = queue_pb2_grpc.QueueServiceStub(external)
+        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
+        a = (("authorization", f"Bearer {A_TOKEN}"),)
+        b = (("authorization", f"Bearer {B_TOKEN}"),)
+
+        held = 0
+        while stub.Reserve(q.ReserveRequest(request_id=f"hog-{held}", n_groups=1), metadata=a, timeout=5).granted:
+            held += 1
+            assert held <= 16
+        assert held == 8  # before: 16, every ticket of the window
+        rollout = q.ReserveRequest(request_id="rollout-0/1", producer_id="rollout-0", n_groups=8)
+        assert internal.Reserve(rollout, timeout=5).granted  # before: granted=False for 600 s
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="big", n_groups=9), metadata=a)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details == (
+            "n_groups=9 can never be granted on the external port: external.reserved_share=0.5 of the pacing "
+            "window and capacity allows the external clients 8 groups reserved at a time"
+        )
+
+        # A client's long polls: two wait (for 2 s), a third is answered at once.
+        wait = Duration(seconds=2)
+        parked = [
+            stub.Reserve.future(q.ReserveRequest(request_id=f"w{i}", n_groups=1, wait=wait), metadata=b, timeout=10)
+            for i in range(2)
+        ]
+        time.sleep(0.5)
+        started = time.monotonic()
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="w2", n_groups=1, wait=wait), metadata=b)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "external.max_waiting_reserves" in details
+        assert time.monotonic() - started < 1.5
+        assert [f.result().granted for f in parked] == [False, False]
+
+        # tau = -1: the capacity is the bound; a client holds at most external.max_reserved_groups (256).
+        internal.SetMaxStaleness(q.SetMaxStalenessRequest(max_staleness=-1), timeout=5)
+        for i in range(4):
+            assert stub.Reserve(q.ReserveRequest(request_id=f"cap-{i}", n_groups=64), metadata=b, timeout=5).granted
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="cap-4", n_groups=1), metadata=b)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "external.max_reserved_groups=256" in details
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="hog", n_groups=500), metadata=a)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "external.max_reserve_groups=64" in details
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 8 + 8 + 256
+        assert internal.Put(q.PutRequest(group=make_group("rollout-0/g0")), timeout=5).outcome == (
+            q.PUT_OUTCOME_ACCEPTED
+        )
+
+        # Anonymous bytes: refused by gRPC once over what the largest group needs, not received in full first.
+        body = b"\x0a" + b"\x80\x80\x80\x01" + b"\x00" * (2 << 20)  # field 1, 2 MiB
+        big = grpc.insecure_channel(
+            f"127.0.0.1:{proc.info['external_port']}", options=[("grpc.max_send_message_length", 8 << 20)]
+        )
+        try:
+            big.unary_unary("/tauflow.api.queue.v1.QueueService/Put")(body, timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()  # before: UNAUTHENTICATED
+        else:
+            raise AssertionError("a 2 MiB message was answered OK")
+        metrics = _metrics(proc)
+        rejected = "tauflow_queue_external_rejected_requests_total"
+        assert metrics[(rejected, (("client", "agent-b"), ("code", "RESOURCE_EXHAUSTED"), ("method", "Reserve")))] == 2
     finally:
         proc.stop()
 

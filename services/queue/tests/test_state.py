@@ -15,6 +15,7 @@ import pytest
 
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.model import (
+    ClientLimit,
     FailedPrecondition,
     GroupOverCapacity,
     GroupRecord,
@@ -67,10 +68,11 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
             for lid, x in m.leases.items()
         },
         "tickets": {
-            tid: (t.request_id, t.producer_id, t.n_groups, t.remaining, t.min_policy_version, t.expires_at)
+            tid: (t.request_id, t.producer_id, t.n_groups, t.remaining, t.min_policy_version, t.expires_at, t.external)
             for tid, t in m.tickets.items()
         },
         "in_flight": m.in_flight,
+        "external": (m.external_in_flight, dict(m.external_held)),
         "accepted": m.accepted,
         "pending_bytes": m.pending_bytes,
         "live_bytes": m.live_bytes,
@@ -306,6 +308,72 @@ def test_a_restarted_producer_releases_its_predecessors_tickets(tmp_path: Path) 
         q.release_producer("p" * 10_000)
     before = fingerprint(q)
     assert fingerprint(restart(q, path, c)) == recovered(before, c())
+
+
+# -- external clients (the external port): bounded, so that tauflow's own producers keep their room ----------
+
+
+def test_external_clients_together_hold_at_most_their_share_of_the_pacing_window() -> None:
+    """One external client held all 16 tickets of the window, for the ticket TTL and renewable: the run's own
+    rollout got granted=False. External clients now share external.reserved_share (0.5) of it."""
+    q, _ = make(max_staleness=1, groups_per_step=8)  # a window of (1 + 1) x 8 = 16 groups
+    assert all(q.reserve(f"a/r{i}", "a", 1, external=True) for i in range(8))
+    assert q.reserve("a/r8", "a", 1, external=True) is None  # no room for it now (it waits, as a Reserve does)
+    assert q.reserve("b/r0", "b", 1, external=True) is None  # the share is all external clients'
+    assert q.reserve("rollout-0/1", "rollout-0", 8) is not None  # tauflow's rollout keeps its half
+    with pytest.raises(InvalidRequest, match=r"n_groups=9 can never be granted on the external port: "):
+        q.reserve("a/big", "a", 9, external=True)
+    assert q.stats().reserved_groups == 16
+
+
+def test_an_external_client_is_bounded_per_reserve_and_in_what_it_holds() -> None:
+    """tau = -1: one external Reserve(n_groups=100,000) took the whole capacity, and every other Put was
+    RESOURCE_EXHAUSTED ("0 groups stored and 100000 reserved")."""
+    q, _ = make(max_staleness=-1, capacity_groups=100_000)
+    with pytest.raises(InvalidRequest, match=r"n_groups=100000 is over external.max_reserve_groups=64"):
+        q.reserve("a/hog", "a", 100_000, external=True)
+    tickets = [q.reserve(f"a/r{i}", "a", 64, external=True) for i in range(4)]
+    assert all(tickets)
+    with pytest.raises(ClientLimit, match=r"'a' holds 256 reserved groups .* external.max_reserved_groups=256"):
+        q.reserve("a/r4", "a", 1, external=True)
+    assert q.reserve("a/r0", "a", 64, external=True) == tickets[0]  # a retry is still answered with its ticket
+    assert q.reserve("b/r0", "b", 64, external=True) is not None  # another client's bound is its own
+    assert q.put(rec("a/g0"), tickets[0].ticket_id, owner="a")[0]  # a group put frees room of its client
+    assert q.reserve("a/r5", "a", 1, external=True) is not None
+    assert q.put(rec("rollout-0/g0"))[0]  # tauflow's own groups still come in
+    assert q.reserve("rollout-0/r0", "rollout-0", 100_000 - 2 - 320) is not None  # and its Reserves
+    assert q.memory.external_held == {"a": 256, "b": 64}
+
+
+def test_external_clients_together_hold_at_most_their_share_of_the_capacity() -> None:
+    q, _ = make(max_staleness=-1, capacity_groups=100, external={"max_reserve_groups": 100, "reserved_share": 0.3})
+    assert q.reserve("a/r0", "a", 30, external=True) is not None
+    assert q.reserve("b/r0", "b", 1, external=True) is None
+    with pytest.raises(InvalidRequest, match="external.reserved_share=0.3 .* allows the external clients 30 groups"):
+        q.reserve("b/r1", "b", 31, external=True)
+    for i in range(70):
+        assert q.put(rec(f"g{i}"))[0]
+
+
+def test_what_external_clients_hold_survives_a_restart_and_a_compaction(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=8)
+    ticket = q.reserve("a/r0", "a", 4, external=True)
+    assert ticket is not None and q.reserve("rollout-0/r0", "rollout-0", 2) is not None
+    q.put(rec("a/g0"), ticket.ticket_id, owner="a")
+    assert (q.memory.in_flight, q.memory.external_in_flight, q.memory.external_held) == (5, 3, {"a": 3})
+    before = fingerprint(q)
+    q = restart(q, path, c)
+    assert fingerprint(q) == recovered(before, c())
+    q.compact()
+    q = restart(q, path, c)
+    assert {**fingerprint(q), "stats": None, "live_wal_bytes": None} == {
+        **recovered(before, c()),
+        "stats": None,
+        "live_wal_bytes": None,
+    }
+    assert q.release_reservation(ticket.ticket_id, "a") == 3
+    assert (q.memory.in_flight, q.memory.external_in_flight, q.memory.external_held) == (2, 0, {})
 
 
 def test_ticketed_put_uses_the_ticket() -> None:
@@ -582,17 +650,44 @@ def test_eviction_happens_even_when_min_groups_is_not_met() -> None:
 
 def test_consumer_version_overrides_trainer_version() -> None:
     q, _ = make(max_staleness=1)
-    q.set_trainer_version(2)
+    q.set_trainer_version(3)
     q.put(rec("a", bv=0))
     q.put(rec("b", bv=2))
-    res = q.get("c", max_groups=5, consumer_version=3)  # trainer is at 2, consumer at 3
+    res = q.get("c", max_groups=5, consumer_version=2)  # trainer is at 3, consumer at 2
     assert res.evicted_stale == 1
-    assert res.lease is not None and res.lease.consumer_version == 3
-    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("b", 1)]
-    q.put(rec("c", bv=2))
-    res = q.get("c", max_groups=5)  # default: the trainer's version (2)
     assert res.lease is not None and res.lease.consumer_version == 2
-    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("c", 0)]
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("b", 0)]
+    q.put(rec("c", bv=2))
+    res = q.get("c", max_groups=5)  # default: the trainer's version (3)
+    assert res.lease is not None and res.lease.consumer_version == 3
+    assert [(d.group.group_id, d.staleness) for d in res.deliveries] == [("c", 1)]
+
+
+@pytest.mark.parametrize("ahead", [1, 2**53])
+def test_a_consumer_version_above_the_trainers_is_refused_before_any_eviction(ahead: int) -> None:
+    """A consumer_version no trainer has reached measured every group as stale: Get(consumer_version=2^53)
+    with the trainer at 0 evicted the whole queue (and its ids went into the dedup window)."""
+    q, _ = make(max_staleness=1)
+    for g in ("a", "b", "c"):
+        q.put(rec(g, bv=0))
+    with pytest.raises(FailedPrecondition, match=f"consumer_version={ahead} is above the trainer's version 0"):
+        q.get("c", max_groups=1, consumer_version=ahead)
+    assert pending(q) == ["a", "b", "c"] and q.stats().evicted_groups == {}
+    q.set_trainer_version(ahead)  # what the trainer does before it asks for the step's batch
+    assert q.get("c", max_groups=1, consumer_version=ahead).evicted_stale == (3 if ahead > 1 else 0)
+
+
+@pytest.mark.parametrize(("max_tokens", "min_groups"), [(1, 2), (5, 6)])
+def test_a_get_whose_token_budget_cannot_hold_min_groups_is_refused(max_tokens: int, min_groups: int) -> None:
+    """Every group has at least one token: no batch within max_tokens holds more than max_tokens groups, so
+    such a long poll could never be served (and was woken, in vain, by every change)."""
+    q, _ = make(max_staleness=-1)
+    for g in "abcdefgh":
+        q.put(rec(g, n_tokens=1))
+    with pytest.raises(InvalidRequest, match=f"min_groups={min_groups} can never be met within max_tokens"):
+        q.get("c", 0, max_tokens=max_tokens, min_groups=min_groups)
+    res = q.get("c", 0, max_tokens=max_tokens, min_groups=max_tokens)  # at the bound: served
+    assert res.lease is not None and len(res.lease.group_ids) == max_tokens
 
 
 def test_newer_than_consumer_has_staleness_zero() -> None:
@@ -1080,8 +1175,8 @@ def test_compaction_keeps_the_state_and_shrinks_the_log(tmp_path: Path) -> None:
     assert after["stats"].wal_bytes == path.stat().st_size < size_before
     assert {**after, "stats": None, "live_wal_bytes": None} == {**before, "stats": None, "live_wal_bytes": None}
     assert {**vars(after["stats"]), "wal_bytes": 0} == {**vars(before["stats"]), "wal_bytes": 0}
-    assert after["live_wal_bytes"] <= before["live_wal_bytes"]
-    assert not q.compaction_due(1024)
+    assert after["live_wal_bytes"] <= after["stats"].wal_bytes  # all it wrote is live (header, leases, tickets aside)
+    assert not q.compaction_due(0)
     assert not (tmp_path / "q.wal.compact").exists()
 
     q2 = restart(q, path, c)
@@ -1144,14 +1239,35 @@ def test_compaction_drops_dead_bytes_and_counts_live_ones(tmp_path: Path) -> Non
     q.compact()
     assert path.stat().st_size < 5 * 600
     assert q.stats().depth_groups == 2
+    snapshot = q.memory.live_wal_bytes - sum(g.wal_bytes for g in q.memory.groups.values())
+    assert snapshot > 0  # the snapshot record is live
     # Acking the survivors makes their bytes dead: compaction is due again.
     q.ack(_leased(q, 2))
-    assert q.memory.live_wal_bytes == 0
+    assert q.memory.live_wal_bytes == snapshot
     assert q.compaction_due(1)
     q.compact()
     q2 = restart(q, path, c)
     assert q2.stats().acked_groups == 50 and q2.stats().accepted_groups == 50
     assert q2.put(rec("g0"))[0] is False
+
+
+def test_a_snapshot_over_compact_min_bytes_does_not_make_every_change_due_for_compaction(tmp_path: Path) -> None:
+    """The snapshot carries every remembered done id (up to dedup_window of them, 256 characters each). Counted
+    as dead, once it alone passed compact_min_bytes every Ack compacted again: rewrote and fsynced the whole log."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=-1)
+    for i in range(300):
+        q.put(rec(f"{i:04d}" + "i" * 240, size=300))
+    q.ack(_leased(q, 300))
+    min_bytes = 16 * 1024
+    assert q.compaction_due(min_bytes)
+    q.compact()
+    assert path.stat().st_size > 4 * min_bytes  # the snapshot: 300 ids of 244 characters
+    for i in range(3):  # a trainer's steps
+        q.put(rec(f"new{i}"))
+        q.ack(_leased(q, 1))
+        assert not q.compaction_due(min_bytes)
+    assert not restart(q, path, c).compaction_due(min_bytes)  # nor after recovery (it counts the snapshot live)
 
 
 def test_compaction_due_without_a_log() -> None:

@@ -82,3 +82,42 @@ async def test_a_batch_over_the_channels_message_limit_is_an_error_not_a_wait() 
     finally:
         await client.close()
         await server.stop(0)
+
+
+async def test_a_queue_that_lost_the_trainers_version_is_told_it_again() -> None:
+    # A power cut under wal.fsync interval can lose the queue's last SetTrainerVersion; its Get then refuses
+    # the trainer's consumer_version as from the future (FAILED_PRECONDITION). The trainer sets it again.
+    class BehindQueue(queue_pb2_grpc.QueueServiceServicer):
+        def __init__(self) -> None:
+            self.version = 2
+            self.set_to: list[int] = []
+
+        async def Deliver(self, request_iterator, context):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Deliver")
+
+        async def Get(self, request, context):
+            if request.consumer_version > self.version:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"consumer_version {request.consumer_version} is above the trainer's version {self.version}",
+                )
+            return queue_pb2.GetResponse()
+
+        async def SetTrainerVersion(self, request, context):
+            self.version = request.policy_version
+            self.set_to.append(request.policy_version)
+            return queue_pb2.SetTrainerVersionResponse()
+
+    server = grpc.aio.server()
+    queue = BehindQueue()
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(queue, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcQueue(f"127.0.0.1:{port}", "trainer", ChannelConfig(default_timeout_s=5))
+    try:
+        assert await client.get_batch(2, 5, wait_s=0.1, lease_s=10) is None
+        assert queue.set_to == [5]
+        assert await client.get_batch(2, 5, wait_s=0.1, lease_s=10) is None and queue.set_to == [5]
+    finally:
+        await client.close()
+        await server.stop(0)

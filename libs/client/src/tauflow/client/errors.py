@@ -12,7 +12,9 @@ _ERROR_INFO = "google.rpc.ErrorInfo"
 class TauflowError(Exception):
     """A call that did not succeed. ``code`` is the gRPC status (UNAUTHENTICATED: a missing or unknown
     token; INVALID_ARGUMENT: a malformed request, the message names the field; RESOURCE_EXHAUSTED: a full
-    queue or a group that never fits, told apart by ``reason``; DEADLINE_EXCEEDED, UNAVAILABLE: the
+    queue or a group that never fits, told apart by ``reason``, or with no reason this client's own bound on
+    the external port (reserved groups not yet put, Reserves waiting: the message names it; put or release
+    first); DEADLINE_EXCEEDED, UNAVAILABLE: the
     service did not answer in time); ``reason`` is the ``google.rpc.ErrorInfo`` reason the service
     attached ("" when none), e.g. ``ERROR_REASON_QUEUE_FULL``."""
 

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from tauflow.core.config import MediaConfig, MetricsConfig, ServerConfig, ServiceConfig, StrictModel
+from tauflow.core.config import (
+    MAX_MESSAGE_BYTES,
+    MIN_MESSAGE_BYTES,
+    MediaConfig,
+    MetricsConfig,
+    ServerConfig,
+    ServiceConfig,
+    StrictModel,
+)
 from tauflow.queue.wal import FsyncPolicy, OnCorruption
 
 GiB = 1024**3
 MiB = 1024**2
+# What a Put request carries besides its group: the group's tag and length, and a ticket_id of up to 256
+# characters (1 KiB of UTF-8) with its own; generous, so that a group at the limit always fits.
+PUT_FRAMING_BYTES = 16 * 1024
+
+
+def external_message_bytes(max_group_bytes: int, max_message_bytes: int) -> int:
+    """The external port's default message limit: what its largest request, a Put of the largest group the
+    queue accepts, needs (never below what health and reflection answers need)."""
+    largest_group = min(max_group_bytes, max_message_bytes)
+    return min(max(largest_group + PUT_FRAMING_BYTES, MIN_MESSAGE_BYTES), MAX_MESSAGE_BYTES)
 
 
 class WalConfig(StrictModel):
@@ -42,6 +60,38 @@ class ExternalConfig(ServerConfig):
     )
     tls_cert_file: str = Field("", description="PEM certificate chain; with tls_key_file, the port speaks TLS")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    max_concurrent_streams: int = Field(
+        32,
+        ge=1,
+        description="calls one client connection may have in progress at once (HTTP/2; a producer needs its few "
+        "waiting Reserves and Puts): gRPC receives each call's message, up to max_message_bytes, before its "
+        "token is checked. Further calls wait for one to end",
+    )
+    # What one client, and all of them together, may hold of the queue's room (docs/queue.md, "External
+    # clients"): a client's tickets hold pacing room that tauflow's own rollout then cannot have.
+    max_reserve_groups: int = Field(
+        64, ge=1, description="largest n_groups of one Reserve on this port (more: INVALID_ARGUMENT)"
+    )
+    max_reserved_groups: int = Field(
+        256,
+        ge=1,
+        description="reserved groups, not yet put, that one client may hold; a Reserve past it is "
+        "RESOURCE_EXHAUSTED (put or release first)",
+    )
+    reserved_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of the pacing window ((tau + 1) x groups_per_step) and of capacity_groups that the "
+        "clients of this port together may hold reserved (rounded down); the rest is kept for tauflow's own "
+        "producers. A Reserve past it waits for room like any other",
+    )
+    max_waiting_reserves: int = Field(
+        8,
+        ge=1,
+        description="Reserves of one client waiting for room at a time; one more is answered at once, "
+        "RESOURCE_EXHAUSTED when it gets no ticket",
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> ExternalConfig:
@@ -76,3 +126,16 @@ class QueueConfig(ServiceConfig):
     media: MediaConfig = MediaConfig()
     wal: WalConfig = WalConfig()
     external: ExternalConfig = ExternalConfig()
+
+    @model_validator(mode="after")
+    def _external_message_limit(self) -> QueueConfig:
+        # The external port does not inherit the internal one's limit (256 MiB, sized for Get's batches): gRPC
+        # receives a whole message before the bearer token is checked, so any caller could make the queue hold
+        # that much per call. Its largest request is a Put of one group.
+        # (by default max_group_bytes plus framing; max_concurrent_streams bounds how many at once per connection)
+        if "max_message_bytes" not in self.external.model_fields_set:
+            limit = external_message_bytes(self.max_group_bytes, self.server.max_message_bytes)
+            if self.external.max_message_bytes != limit:
+                self.external.max_message_bytes = limit
+                self.external.model_fields_set.discard("max_message_bytes")  # still the default: follows its inputs
+        return self

@@ -33,6 +33,11 @@ class GroupOverCapacity(QueueFull):
     """A group larger than the queue's whole byte capacity: no amount of waiting makes room."""
 
 
+class ClientLimit(QueueError):
+    """An external client at one of its own bounds (``external.*``): RESOURCE_EXHAUSTED, no ErrorReason. The
+    same request can succeed once that client has put or released what it holds, not by waiting for others."""
+
+
 def check_id(value: str, field: str) -> None:
     if len(value) > MAX_ID_CHARS:
         raise InvalidRequest(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
@@ -65,6 +70,7 @@ class Ticket:
     min_policy_version: int
     expires_at: float
     remaining: int = 0
+    external: bool = False  # reserved through the external port (counts against ``external.*``)
 
 
 @dataclass
@@ -98,6 +104,7 @@ class SweepResult:
     expired_leases: int = 0
     expired_groups: int = 0
     expired_tickets: int = 0
+    error: Exception | None = None  # the log refused a record (a WalWriteError): the sweep stopped there
 
 
 @dataclass

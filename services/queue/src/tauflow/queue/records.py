@@ -42,6 +42,7 @@ RESERVE    t     TICKET_ID           the ticket's id
            mv    MIN_VERSION         the trainer's version when it was granted
            exp   EXPIRES_AT          when its room is released (Unix seconds)
            n0    N_GROUPS            groups it was granted, when compaction wrote it (absent: ``n``)
+           x     EXTERNAL            1: reserved through the external port (absent: 0)
 UNRESERVE  t     TICKET_ID
            why   WHY                 "released" or "expired"
 SNAPSHOT   v     VERSION             the trainer's policy version
@@ -99,6 +100,7 @@ class Key:
     MIN_VERSION = "mv"
     EXPIRES_AT = "exp"
     N_GROUPS = "n0"
+    EXTERNAL = "x"
     ACCEPTED = "acc"
     ACKED = "ackd"
     EVICTED = "ev"
@@ -127,6 +129,9 @@ class Memory:
     leases: dict[str, Lease] = field(default_factory=dict)
     leased_groups: int = 0
     tickets: dict[str, Ticket] = field(default_factory=dict)
+    # Of ``in_flight``, what external clients' tickets hold: all of them, and each client's (its producer id).
+    external_in_flight: int = 0
+    external_held: dict[str, int] = field(default_factory=dict)
     done_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)  # acked or evicted groups
     outcomes: OrderedDict[str, str] = field(default_factory=OrderedDict)  # lease/ticket id -> outcome
     # ticket id -> producer, for the tickets of ``outcomes``: only its owner learns a ticket's outcome
@@ -194,6 +199,8 @@ def reserve_meta(ticket: Ticket, *, with_n_groups: bool = False) -> Meta:
     }
     if with_n_groups:
         meta[Key.N_GROUPS] = ticket.n_groups
+    if ticket.external:
+        meta[Key.EXTERNAL] = 1
     return meta
 
 
@@ -225,6 +232,7 @@ def ticket_from_meta(meta: Meta) -> Ticket:
         meta[Key.MIN_VERSION],
         meta[Key.EXPIRES_AT],
         remaining,
+        external=bool(meta.get(Key.EXTERNAL, 0)),
     )
 
 
@@ -317,12 +325,17 @@ def apply(memory: Memory, config: QueueConfig, kind: int, meta: Meta, blob: byte
         ticket = ticket_from_meta(meta)
         memory.tickets[ticket.ticket_id] = ticket
         memory.in_flight += ticket.remaining
+        _hold_external(memory, ticket, ticket.remaining)
         _bounded_put(memory.reservations, ticket.request_id, meta, OUTCOME_WINDOW)
     elif kind == UNRESERVE:
         ticket = memory.tickets.pop(meta[Key.TICKET_ID])
         memory.in_flight -= ticket.remaining
+        _hold_external(memory, ticket, -ticket.remaining)
         _ticket_outcome(memory, ticket, meta[Key.WHY])
     elif kind == SNAPSHOT:
+        # Live: a compaction writes it again (at least as large), so it is no dead weight to compact away. Not
+        # counted, it made every later change look due for compaction once it alone passed compact_min_bytes.
+        memory.live_wal_bytes += size
         memory.trainer_version = meta[Key.VERSION]
         memory.accepted = meta[Key.ACCEPTED]
         memory.acked_total = meta[Key.ACKED]
@@ -356,9 +369,22 @@ def _apply_put(memory: Memory, meta: Meta, blob: bytes, size: int) -> None:
     if ticket is not None and ticket.remaining > 0:
         ticket.remaining -= 1
         memory.in_flight -= 1
+        _hold_external(memory, ticket, -1)
         if ticket.remaining == 0:
             del memory.tickets[ticket.ticket_id]
             _ticket_outcome(memory, ticket, "used")
+
+
+def _hold_external(memory: Memory, ticket: Ticket, groups: int) -> None:
+    """Counts ``groups`` more (or fewer) reserved groups held by an external client's ticket."""
+    if not ticket.external:
+        return
+    memory.external_in_flight += groups
+    held = memory.external_held.get(ticket.producer_id, 0) + groups
+    if held:
+        memory.external_held[ticket.producer_id] = held
+    else:
+        memory.external_held.pop(ticket.producer_id, None)
 
 
 def _ticket_outcome(memory: Memory, ticket: Ticket, outcome: str) -> None:

@@ -13,6 +13,7 @@ groups not yet put. The safety net evicts, at ``get`` time, any group too stale 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from tauflow.queue import records
 from tauflow.queue.config import QueueConfig
 from tauflow.queue.model import (
     MAX_VERSION,
+    ClientLimit,
     Delivery,
     FailedPrecondition,
     GetResult,
@@ -37,7 +39,7 @@ from tauflow.queue.model import (
     check_id,
 )
 from tauflow.queue.records import ACK, EVICT, LEASE, PUT, RELEASE, RENEW, RESERVE, UNRESERVE, VERSION, Memory, Meta
-from tauflow.queue.wal import WriteAheadLog
+from tauflow.queue.wal import WalWriteError, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +142,38 @@ class QueueState:
         return staleness.pacing_limit(self.memory.trainer_version, self.max_staleness, self.config.groups_per_step)
 
     def has_room(self, n: int) -> bool:
+        return n <= self.free_room()
+
+    def free_room(self) -> int:
+        """Groups a Reserve could be granted now (capacity and the pacing rule); 0 or less: none."""
         memory = self.memory
-        if len(memory.groups) + memory.in_flight + n > self.config.capacity_groups:
-            return False
+        room = self.config.capacity_groups - len(memory.groups) - memory.in_flight
         limit = self.pacing_limit()
-        return limit is None or memory.accepted + memory.in_flight + n <= limit
+        if limit is not None:
+            room = min(room, limit - memory.accepted - memory.in_flight)
+        return room
+
+    def external_limit(self) -> int:
+        """Most groups the external clients' tickets may hold together: ``external.reserved_share`` of the
+        pacing window and of the capacity, rounded down. The rest is kept for tauflow's own producers."""
+        share, config = self.config.external.reserved_share, self.config
+        limit = _share(share, config.capacity_groups)
+        ahead = staleness.most_ahead(self.max_staleness, config.groups_per_step)
+        if ahead is not None:
+            limit = min(limit, _share(share, ahead))
+        return limit
+
+    def external_room(self) -> int:
+        """Groups an external client's Reserve could be granted now, as far as the external share goes."""
+        return self.external_limit() - self.memory.external_in_flight
 
     # -- producers -------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, producer_id: str, n_groups: int) -> Ticket | None:
-        """A ticket for ``n_groups`` when the pacing rule and capacity allow, else None."""
+    def reserve(self, request_id: str, producer_id: str, n_groups: int, external: bool = False) -> Ticket | None:
+        """A ticket for ``n_groups`` when the pacing rule and capacity allow, else None. ``external``: a client
+        of the external port (``producer_id`` its name), held to ``external.*`` as well: at most
+        ``max_reserve_groups`` a Reserve (INVALID_ARGUMENT), ``max_reserved_groups`` held at a time (ClientLimit:
+        RESOURCE_EXHAUSTED), and room only within the external clients' share (else None: it waits)."""
         config = self.config
         if not request_id:
             raise InvalidRequest("request_id must be set (it makes Reserve idempotent)")
@@ -165,10 +189,21 @@ class QueueState:
             )
         if n_groups > config.capacity_groups:
             raise InvalidRequest(f"n_groups={n_groups} exceeds the queue capacity of {config.capacity_groups} groups")
+        if external:
+            self._check_external_reserve(n_groups)
         earlier = self.memory.reservations.get(request_id)
         if earlier is not None:
             return records.ticket_from_meta(earlier)
-        self.sweep()
+        self._sweep()
+        if external:
+            held = self.memory.external_held.get(producer_id, 0)
+            if held + n_groups > config.external.max_reserved_groups:
+                raise ClientLimit(
+                    f"client {producer_id!r} holds {held} reserved groups not yet put: {n_groups} more would pass "
+                    f"external.max_reserved_groups={config.external.max_reserved_groups}; put or release some first"
+                )
+            if n_groups > self.external_room():
+                return None
         if not self.has_room(n_groups):
             return None
         ticket = Ticket(
@@ -179,9 +214,26 @@ class QueueState:
             self.memory.trainer_version,
             self.clock() + config.reservation_ttl_s,
             remaining=n_groups,
+            external=external,
         )
         self._log(RESERVE, records.reserve_meta(ticket))
         return ticket
+
+    def _check_external_reserve(self, n_groups: int) -> None:
+        """Refuses an external Reserve larger than an external client can ever be granted."""
+        bound = self.config.external.max_reserve_groups
+        if n_groups > bound:
+            raise InvalidRequest(
+                f"n_groups={n_groups} is over external.max_reserve_groups={bound}, the most one Reserve on the "
+                "external port may ask for"
+            )
+        limit = self.external_limit()
+        if n_groups > limit:
+            raise InvalidRequest(
+                f"n_groups={n_groups} can never be granted on the external port: external.reserved_share="
+                f"{self.config.external.reserved_share:g} of the pacing window and capacity allows the external "
+                f"clients {limit} groups reserved at a time"
+            )
 
     def release_reservation(self, ticket_id: str, owner: str | None = None) -> int:
         """Gives back a ticket's unused room. With ``owner`` (an authenticated client) only that
@@ -275,11 +327,25 @@ class QueueState:
             raise InvalidRequest("set max_groups or max_tokens (both are 0)")
         if max_groups and min_groups > max_groups:
             raise InvalidRequest(f"min_groups={min_groups} is larger than max_groups={max_groups}")
+        if max_tokens and min_groups > max_tokens:
+            # (every group has at least one token, so no batch within max_tokens holds more than max_tokens groups:
+            # such a long poll was woken by every Put and never served)
+            raise InvalidRequest(
+                f"min_groups={min_groups} can never be met within max_tokens={max_tokens}: every group has at "
+                "least one token"
+            )
         check_id(consumer_id, "consumer_id")
         self._check_lease_s(lease_s)
         if consumer_version is not None and consumer_version > MAX_VERSION:
             raise InvalidRequest(f"consumer_version={consumer_version} is above the largest version {MAX_VERSION}")
-        self.sweep()
+        if consumer_version is not None and consumer_version > memory.trainer_version:
+            # Staleness against a version no trainer has reached would evict every waiting group (2^53 emptied
+            # the queue). The trainer tells the queue its version before it asks for the step's batch.
+            raise FailedPrecondition(
+                f"consumer_version={consumer_version} is above the trainer's version {memory.trainer_version} "
+                "known to the queue: SetTrainerVersion first"
+            )
+        self._sweep()
         version = memory.trainer_version if consumer_version is None else consumer_version
         stale: list[str] = []
         invalid: list[tuple[str, str]] = []
@@ -354,7 +420,7 @@ class QueueState:
 
     def ack(self, lease_id: str) -> int:
         check_id(lease_id, "lease_id")
-        self.sweep()
+        self._sweep()
         lease = self.memory.leases.get(lease_id)
         if lease is not None:
             self._log(ACK, records.ack_meta(lease_id))
@@ -370,7 +436,7 @@ class QueueState:
 
     def nack(self, lease_id: str) -> int:
         check_id(lease_id, "lease_id")
-        self.sweep()
+        self._sweep()
         lease = self.memory.leases.get(lease_id)
         if lease is not None:
             self._log(RELEASE, records.release_meta(lease_id, "nacked"))
@@ -385,7 +451,7 @@ class QueueState:
     def renew(self, lease_id: str, lease_s: float = 0.0) -> Lease:
         check_id(lease_id, "lease_id")
         self._check_lease_s(lease_s)
-        self.sweep()
+        self._sweep()
         lease = self.memory.leases.get(lease_id)
         if lease is None:
             outcome = self.memory.outcomes.get(lease_id)
@@ -421,18 +487,31 @@ class QueueState:
     # -- time ------------------------------------------------------------------------------
 
     def sweep(self) -> SweepResult:
-        """Returns expired leases to the head of the queue and releases expired tickets."""
+        """Returns expired leases to the head of the queue and releases expired tickets.
+
+        A record the log refuses (a full disk) stops the sweep there: what was swept before it stays swept
+        (each record is written, then applied), the lease or ticket it was for is left exactly as it was, and
+        ``error`` says why; the next sweep tries again."""
         now = self.clock()
         result = SweepResult()
-        # Newest first, so that the oldest expired lease ends up at the very head.
-        for lease in reversed([x for x in self.memory.leases.values() if x.deadline <= now]):
-            self._log(RELEASE, records.release_meta(lease.lease_id, "expired"))
-            result.expired_leases += 1
-            result.expired_groups += len(lease.group_ids)
-        for ticket in [t for t in self.memory.tickets.values() if t.expires_at <= now]:
-            self._log(UNRESERVE, records.unreserve_meta(ticket.ticket_id, "expired"))
-            result.expired_tickets += 1
+        try:
+            # Newest first, so that the oldest expired lease ends up at the very head.
+            for lease in reversed([x for x in self.memory.leases.values() if x.deadline <= now]):
+                self._log(RELEASE, records.release_meta(lease.lease_id, "expired"))
+                result.expired_leases += 1
+                result.expired_groups += len(lease.group_ids)
+            for ticket in [t for t in self.memory.tickets.values() if t.expires_at <= now]:
+                self._log(UNRESERVE, records.unreserve_meta(ticket.ticket_id, "expired"))
+                result.expired_tickets += 1
+        except WalWriteError as e:
+            result.error = e
         return result
+
+    def _sweep(self) -> None:
+        """The sweep before a call: a record the log refuses refuses the call (its own record would be too)."""
+        result = self.sweep()
+        if result.error is not None:
+            raise result.error
 
     def next_deadline(self) -> float | None:
         deadlines = [x.deadline for x in self.memory.leases.values()]
@@ -455,10 +534,17 @@ class QueueState:
         sizes = self.wal.rewrite(snapshot)
         for g, size in zip(order, sizes[1 : 1 + len(order)], strict=True):
             self.memory.groups[g].wal_bytes = size
-        self.memory.live_wal_bytes = sum(sizes[1 : 1 + len(order)])
+        # The snapshot is live too (records.apply counts it so at recovery): counted dead, it made the very next
+        # change look due for compaction once it alone passed compact_min_bytes, and every Ack rewrote the log.
+        self.memory.live_wal_bytes = sizes[0] + sum(sizes[1 : 1 + len(order)])
         log.info("compacted the log", extra={"bytes_before": before, "bytes_after": self.wal.size})
 
     def _log(self, kind: int, meta: Meta, blob: bytes = b"") -> None:
         size = self.wal.append(kind, meta, blob) if self.wal is not None else 0
         records.apply(self.memory, self.config, kind, meta, blob, size)
         self.changes += 1
+
+
+def _share(share: float, n: int) -> int:
+    """``share`` of ``n``, rounded down (0.5 of 16 is 8, not 7 by a rounding error)."""
+    return math.floor(share * n + 1e-9)

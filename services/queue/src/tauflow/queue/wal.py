@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _REPORTED_RECORDS = 20  # lost records named per damaged stretch in the log (the rest are counted)
+_LOG_ROLLBACKS_EVERY_S = 10.0  # a full disk fails every write: one line this often, with the count
 
 
 class FsyncPolicy(str, enum.Enum):
@@ -146,6 +148,8 @@ class WriteAheadLog:
         self._written = 0  # records appended
         self._synced = 0  # records known on stable storage
         self._sync_task: asyncio.Task[None] | None = None
+        self._rollback_logged_at = -_LOG_ROLLBACKS_EVERY_S  # (time.monotonic)
+        self._rollbacks_unlogged = 0
 
     # -- reading -------------------------------------------------------------------------
 
@@ -348,9 +352,13 @@ class WriteAheadLog:
             os.ftruncate(self._fd, self.size)
         except OSError as e:
             self._break(f"the log could not be rolled back after a failed write ({_describe(e)}); restart the queue")
-        log.error(
-            "a write to the log failed and was rolled back", extra={"path": str(self.path), "error": _describe(cause)}
-        )
+        self._rollbacks_unlogged += 1
+        if time.monotonic() - self._rollback_logged_at >= _LOG_ROLLBACKS_EVERY_S:  # (a full disk: every write)
+            log.error(
+                "a write to the log failed and was rolled back",
+                extra={"path": str(self.path), "error": _describe(cause), "failed_writes": self._rollbacks_unlogged},
+            )
+            self._rollback_logged_at, self._rollbacks_unlogged = time.monotonic(), 0
 
     def _break(self, why: str) -> None:
         if self.broken is None:

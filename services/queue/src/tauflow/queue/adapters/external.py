@@ -168,7 +168,7 @@ class ProducerServicer:
         if request.request_id:  # (an empty one stays empty: INVALID_ARGUMENT as on the internal port)
             await _refuse_unless_it_fits(context, "request_id", request.request_id, client)
             request.request_id = f"{client}/{request.request_id}"
-        return await self.queue.Reserve(request, context)
+        return await self.queue.Reserve(request, context, external=True)  # held to external.* (per client)
 
     async def ReleaseReservation(
         self, request: queue_pb2.ReleaseReservationRequest, context: grpc.aio.ServicerContext

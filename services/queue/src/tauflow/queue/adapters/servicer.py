@@ -1,15 +1,18 @@
 """The thin gRPC layer of the queue: protobuf in, domain calls, protobuf out.
 
-Long polls (Reserve and Get with ``wait``) wait in a FIFO of waiters, capped by
-``max_wait_s`` and by the caller's deadline, so a poll returns an empty answer
-rather than DEADLINE_EXCEEDED. A state change wakes only the waiters it can
-serve: Get waiters while the groups waiting cover their ``min_groups``, Reserve
-waiters while the pacing rule has room for them, in arrival order (so 200
-waiting consumers cost a Put one comparison, not 200 rescans of the queue).
-A woken waiter whose attempt still gets nothing (its ``max_tokens`` cut the
-batch, say) passes the wake-up on to those behind it, and is itself woken again
-only after a later change: what it could not use is not lost to the others,
-and it does not spin.
+Long polls (Reserve and Get with ``wait``) wait in line (one line for Gets, one
+for Reserves), capped by ``max_wait_s`` and by the caller's deadline, so a poll
+returns an empty answer rather than DEADLINE_EXCEEDED. A state change wakes only
+the waiters it can serve: Get waiters while the groups waiting (less those
+promised to waiters woken before) cover their ``min_groups``, Reserve waiters
+while the pacing rule has room for them, in arrival order (so 200 waiting
+consumers cost a Put one comparison each, not 200 rescans of the queue; with no
+room left, waiting Reserves cost nothing). A woken waiter whose attempt still
+gets nothing (its ``max_tokens`` cut the batch, say) gives back what it was
+promised and passes the wake-up on: the change's pass over the line goes on
+where it stopped (each waiter is looked at once per change), so what it could
+not use is not lost to the others; it is itself woken again only after a later
+change, so it does not spin.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
+import heapq
+import itertools
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +42,7 @@ from tauflow.queue.config import QueueConfig
 from tauflow.queue.metrics import QueueMetrics
 from tauflow.queue.model import (
     MAX_ID_CHARS,
+    ClientLimit,
     FailedPrecondition,
     GetResult,
     GroupOverCapacity,
@@ -70,9 +77,90 @@ class _Waiter:
     wants: _Wants
     need: int
     producer_id: str = ""  # (a Reserve's)
+    external: bool = False  # a Reserve of the external port: room within the external clients' share only
+    seq: int = 0  # arrival order
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     abandoned: bool = False  # its producer released all it holds: answer ungranted
     tried_at: int = -1  # the state's ``changes`` when its last attempt got nothing: not woken until it moves on
+    promised: int = 0  # groups (or room) its wake-up promised it, until its next attempt
+
+
+class _Line:
+    """The waiters of one kind, in arrival order, and the current change's pass over them.
+
+    A change (the state's ``changes``) starts a pass: waiters are woken in arrival order while the budget (the
+    groups waiting, or the room) less what earlier wake-ups promised covers their need. A woken waiter that
+    gets nothing gives its promise back (``settle``) and the same pass goes on where it stopped, first with
+    the waiters it had passed over for lack of budget (smallest need first), so that a pass costs each waiter
+    one look however many wake-ups are passed on (restarted from the head, 1,000 waiters that can never be
+    served cost each Put 500,000 looks). A pass starts only when there is budget: with none, a change costs
+    nothing however many wait."""
+
+    def __init__(self) -> None:
+        self.waiters: dict[_Waiter, None] = {}  # (a dict: ordered, and O(1) to leave)
+        self.promised = 0
+        self.promised_external = 0
+        self._pass = -1  # the ``changes`` of the current pass
+        self._order: list[_Waiter] | None = None  # the waiters when the pass began (None: not begun)
+        self._next = 0
+        self._passed_over: list[tuple[int, int, _Waiter]] = []  # heaps of (need, seq, waiter)
+        self._passed_over_external: list[tuple[int, int, _Waiter]] = []
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def __iter__(self) -> Iterator[_Waiter]:
+        return iter(list(self.waiters))
+
+    def settle(self, waiter: _Waiter) -> None:
+        """Gives back what ``waiter``'s wake-up promised it (it is about to try, or gone)."""
+        self.promised -= waiter.promised
+        if waiter.external:
+            self.promised_external -= waiter.promised
+        waiter.promised = 0
+
+    def wake(self, changes: int, budget: int, external_budget: int = 0) -> None:
+        """Wakes the waiters that ``budget`` (and, for external ones, ``external_budget`` too) can serve."""
+        if changes != self._pass:
+            self._pass, self._order, self._next = changes, None, 0
+            self._passed_over.clear()
+            self._passed_over_external.clear()
+        budget -= self.promised
+        external_budget -= self.promised_external
+        if budget <= 0:
+            return
+        if self._order is None:  # the first wake-up with budget since the change
+            self._order = list(self.waiters)
+        for heap in (self._passed_over, self._passed_over_external):
+            while heap and budget > 0:
+                need, _, w = heap[0]
+                if need > (min(budget, external_budget) if w.external else budget):
+                    break
+                heapq.heappop(heap)
+                if self._may_wake(w, changes):
+                    budget, external_budget = self._wake(w, budget, external_budget)
+        order = self._order
+        while budget > 0 and self._next < len(order):
+            w = order[self._next]
+            self._next += 1
+            if not self._may_wake(w, changes):
+                continue
+            if w.need <= (min(budget, external_budget) if w.external else budget):
+                budget, external_budget = self._wake(w, budget, external_budget)
+            else:
+                heapq.heappush(self._passed_over_external if w.external else self._passed_over, (w.need, w.seq, w))
+
+    def _may_wake(self, w: _Waiter, changes: int) -> bool:
+        return w in self.waiters and not w.woken.is_set() and w.tried_at != changes
+
+    def _wake(self, w: _Waiter, budget: int, external_budget: int) -> tuple[int, int]:
+        w.woken.set()
+        w.promised = w.need
+        self.promised += w.need
+        if w.external:
+            self.promised_external += w.need
+            external_budget -= w.need
+        return budget - w.need, external_budget
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -82,6 +170,8 @@ def _seconds(value: Any, name: str) -> float:
         raise InvalidRequest(str(e)) from None
 
 
+_LOG_EVERY_S = 10.0  # a failure repeated in the background (a sweep on a full disk) is logged this often
+COMPACT_RETRY_S = 30.0  # after a failed compaction, the next is not tried sooner
 OFF_LOOP_CHECKS = 2  # large groups and media that Put checks at once, off the event loop
 OFF_LOOP_BYTES = 1 << 20  # a group this large is decoded off the event loop (64 MiB: about 1 s of full decode)
 _PUT_LIMITS = {"group": 2**31, "ticket_id": MAX_ID_CHARS}  # (the group's own bounds are the queue's: convert.py)
@@ -94,33 +184,32 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.state = queue
         self.config = config
         self.metrics = metrics
-        self._waiters: deque[_Waiter] = deque()
+        self._gets = _Line()
+        self._reserves = _Line()
+        self._arrivals = itertools.count()
+        self._external_waiting: Counter[str] = Counter()  # an external client's Reserves in a long poll
         self.max_group_bytes = wire.group_limit(config.max_group_bytes, config.server.max_message_bytes)
         self.media_limits = media.MediaLimits.of(config.media.model_dump())
         self.off_loop_checks = asyncio.Semaphore(OFF_LOOP_CHECKS)
         self.draining = asyncio.Event()  # set when the service drains: the streams end
+        self._compact_after = 0.0  # (time.monotonic) no compaction before: one failed
         self._readers: set[_Reading] = set()  # the PutStreams' readers
         metrics.watch(queue.stats)
 
     # -- plumbing ----------------------------------------------------------------------
 
+    @property
+    def waiters(self) -> list[_Waiter]:
+        """Every long poll waiting now (Gets, then Reserves)."""
+        return [*self._gets, *self._reserves]
+
     def _notify(self) -> None:
-        """After a state change: wakes the waiters that it may serve."""
-        groups = self.state.depth_groups  # groups waiting, not yet promised to a woken Get
-        room = 0  # groups promised to the Reserve waiters woken so far
+        """After a state change, or a wake-up given back: wakes the waiters that it may serve."""
         changes = self.state.changes
-        for w in self._waiters:
-            if groups <= 0 and not self.state.has_room(room + 1):
-                break  # nothing left to serve anyone with
-            if w.woken.is_set() or w.tried_at == changes:  # (the latter would get nothing again)
-                continue
-            if w.wants is _Wants.GROUPS:
-                if groups >= w.need:
-                    w.woken.set()
-                    groups -= w.need
-            elif self.state.has_room(room + w.need):
-                w.woken.set()
-                room += w.need
+        if self._gets.waiters:
+            self._gets.wake(changes, self.state.depth_groups)
+        if self._reserves.waiters:
+            self._reserves.wake(changes, self.state.free_room(), self.state.external_room())
 
     def _classify(
         self, method: str, err: QueueError | convert.InvalidGroup | WalWriteError
@@ -134,6 +223,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_GROUP_TOO_LARGE
         elif isinstance(err, QueueFull):
             code, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, queue_pb2.ERROR_REASON_QUEUE_FULL
+        elif isinstance(err, ClientLimit):  # (no reason: the contract's two do not fit a client's own bound)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
         elif isinstance(err, WalWriteError):
             # A full disk is worth retrying once space returns (the failed record was rolled back);
             # any other write error makes the queue unavailable until it is restarted.
@@ -168,6 +259,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         wants: _Wants,
         need: int,
         producer_id: str = "",
+        external: bool = False,
     ) -> T | None:
         """Calls ``attempt`` until it returns a value or the wait runs out; between attempts the call
         waits in line until a change may serve it (``wants`` ``need`` groups or room)."""
@@ -177,17 +269,25 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         if remaining is not None:
             wait_s = min(wait_s, remaining - _MARGIN_S)
         until = loop.time() + wait_s
-        waiter = _Waiter(wants, max(need, 1), producer_id)
+        line = self._gets if wants is _Wants.GROUPS else self._reserves
+        waiter = _Waiter(wants, max(need, 1), producer_id, external, next(self._arrivals))
         try:
             while True:
+                woken = waiter.promised > 0
+                line.settle(waiter)
                 if waiter.abandoned:
                     return None
                 before = self.state.changes
-                result = attempt()
+                try:
+                    result = attempt()
+                except BaseException:
+                    if woken:  # (refused, e.g. an external client at its bound: what it was woken for is the next's)
+                        self._notify()
+                    raise
                 if result is not None:
                     return result
                 waiter.tried_at = self.state.changes
-                if waiter.woken.is_set() or waiter.tried_at != before:
+                if woken or waiter.tried_at != before:
                     # What it was woken for, or what its attempt changed (a lease it swept back), may serve
                     # those behind it.
                     self._notify()
@@ -198,20 +298,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 if deadline is not None:
                     left = min(left, max(deadline - self.state.clock(), 0.0) + 0.01)
                 waiter.woken.clear()
-                if waiter not in self._waiters:
-                    self._waiters.append(waiter)
+                line.waiters[waiter] = None  # (in line already: its place stays)
                 try:
                     await asyncio.wait_for(waiter.woken.wait(), left)
                 except TimeoutError:
                     pass
-                except asyncio.CancelledError:
-                    if waiter.woken.is_set():  # its caller gave up once woken: the wake-up goes to the next
-                        self._waiters.remove(waiter)
-                        self._notify()
-                    raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            line.waiters.pop(waiter, None)
+            if waiter.promised:  # its caller gave up once woken: the wake-up goes to the next
+                line.settle(waiter)
+                self._notify()
 
     async def _call(self, context: grpc.aio.ServicerContext, method: str, fn: Callable[[], Awaitable[T]]) -> T:
         with self.metrics.rpc_duration.labels(method).time():
@@ -224,17 +320,39 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     # -- RPCs --------------------------------------------------------------------------
 
     async def Reserve(
-        self, request: queue_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+        self, request: queue_pb2.ReserveRequest, context: grpc.aio.ServicerContext, external: bool = False
     ) -> queue_pb2.ReserveResponse:
+        """``external``: a client of the external port (its name in ``producer_id``), held to ``external.*``."""
+
         async def run() -> queue_pb2.ReserveResponse:
             def attempt() -> Ticket | None:
-                ticket = self.state.reserve(request.request_id, request.producer_id, request.n_groups)
+                ticket = self.state.reserve(request.request_id, request.producer_id, request.n_groups, external)
                 if ticket is not None:
                     self._notify()
                 return ticket
 
             wait_s = _seconds(request.wait, "wait")
-            ticket = await self._poll(context, wait_s, attempt, _Wants.ROOM, request.n_groups, request.producer_id)
+            client, cap = request.producer_id, self.config.external.max_waiting_reserves
+            over_cap = external and wait_s > 0 and self._external_waiting[client] >= cap
+            if over_cap:  # answered at once: one client's long polls must not pile up (each costs every change)
+                wait_s = 0.0
+            counted = external and wait_s > 0
+            if counted:
+                self._external_waiting[client] += 1
+            try:
+                ticket = await self._poll(
+                    context, wait_s, attempt, _Wants.ROOM, request.n_groups, request.producer_id, external
+                )
+            finally:
+                if counted:
+                    self._external_waiting[client] -= 1
+                    if not self._external_waiting[client]:
+                        del self._external_waiting[client]
+            if ticket is None and over_cap:
+                raise ClientLimit(
+                    f"client {client!r} has {cap} Reserves waiting for room already (external.max_waiting_reserves)"
+                    " and there is no room now: wait for their answers"
+                )
             resp = queue_pb2.ReserveResponse(granted=ticket is not None, trainer_version=self.state.trainer_version)
             if ticket is not None:
                 resp.ticket.CopyFrom(convert.ticket_to_proto(ticket))
@@ -262,7 +380,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             tickets, groups = self.state.release_producer(request.producer_id)
             # The producer's Reserves still waiting were given up on (its process stops, or was killed) but
             # may not be cancelled here yet: granted now, a ticket would hold room that no one fills.
-            for waiter in self._waiters:
+            for waiter in self._reserves:
                 if waiter.producer_id == request.producer_id:
                     waiter.abandoned = True
                     waiter.woken.set()
@@ -524,7 +642,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         """The service drains: each stream answers what it has read and ends (OK), so that its client goes
         on with a new stream (the restarted queue) at once rather than when the drain grace runs out."""
         self.draining.set()
-        for w in self._waiters:  # long polls answer now, empty, and their streams end
+        for w in self.waiters:  # long polls answer now, empty, and their streams end
             w.woken.set()
         for reading in self._readers:  # PutStreams stop waiting for their clients' next groups
             if reading.waiting and reading.task is not None:
@@ -533,10 +651,25 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
     # -- background ----------------------------------------------------------------------
 
     async def sweep_forever(self) -> None:
-        """Redelivers expired leases and releases expired tickets between calls."""
+        """Redelivers expired leases and releases expired tickets between calls.
+
+        A record the log refuses (a full disk) is logged, at most every ``_LOG_EVERY_S``, and tried again at
+        the next interval: what it was for is left as it was. Only a broken log ends the service
+        (``watch_log``); before, a lease expiring while the disk was full ended the process, and each restart
+        again while the disk stayed full."""
+        logged_at, unlogged = -_LOG_EVERY_S, 0
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             result = self.state.sweep()
+            if result.error is not None:
+                unlogged += 1
+                if time.monotonic() - logged_at >= _LOG_EVERY_S:
+                    log.error(
+                        "expired leases or tickets could not be released (the log refused the record); trying "
+                        "again every sweep",
+                        extra={"error": str(result.error), "failed_sweeps": unlogged},
+                    )
+                    logged_at, unlogged = time.monotonic(), 0
             if result.expired_leases or result.expired_tickets:
                 self.metrics.lease_expired.inc(result.expired_leases)
                 log.info(
@@ -562,13 +695,20 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 )
 
     async def _maybe_compact(self) -> None:
+        if time.monotonic() < self._compact_after:
+            return
         if self.state.compaction_due(self.config.wal.compact_min_bytes):
             assert self.state.wal is not None
             await self.state.wal.idle()
             try:
                 self.state.compact()
             except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
-                log.error("compaction failed; the log stays as it is", extra={"error": str(e)})
+                # Not again at the next Ack: each try writes up to the whole log (on a full disk, every Ack).
+                self._compact_after = time.monotonic() + COMPACT_RETRY_S
+                log.error(
+                    "compaction failed; the log stays as it is",
+                    extra={"error": str(e), "retry_in_s": COMPACT_RETRY_S},
+                )
 
 
 class _Reading:

@@ -57,6 +57,13 @@ class GrpcQueue:
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name, "details": e.details()})
                 await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "consumer_version" in (e.details() or ""):
+                # the queue lost the trainer's version (a power cut under wal.fsync interval): told again
+                log.warning(
+                    "the queue's trainer version is behind; setting it again", extra={"version": consumer_version}
+                )
+                await self.set_version(consumer_version)
+                return None
             raise
         if not resp.groups:
             return None

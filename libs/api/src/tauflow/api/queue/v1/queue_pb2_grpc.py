@@ -152,7 +152,14 @@ class QueueServiceServicer:
         Retry class: idempotent (by request_id: a repeated request returns the
         same ticket).
         Status: INVALID_ARGUMENT when request_id is empty or n_groups is 0 or
-        larger than the queue can ever grant.
+        larger than the queue can ever grant (on the external port: over
+        external.max_reserve_groups, or over the external clients' share of the
+        pacing window and capacity, external.reserved_share). On the external
+        port, RESOURCE_EXHAUSTED (no ErrorReason; the message names the bound)
+        when the client already holds external.max_reserved_groups reserved groups
+        not yet put (put or release first), or already has
+        external.max_waiting_reserves Reserves waiting and there is no room now. A
+        Reserve past the external clients' share waits for room like any other.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -253,8 +260,11 @@ class QueueServiceServicer:
         Retry class: not idempotent (each call creates a lease; a lost response
         costs only a lease expiry, the groups are then redelivered).
         Status: INVALID_ARGUMENT when max_groups and max_tokens are both 0,
-        min_groups > max_groups, or a bound is exceeded (lease_duration); OK with no
-        groups when none arrived in time. A stored group that does not decode or
+        min_groups > max_groups, min_groups > max_tokens (every group has at least
+        one token), or a bound is exceeded (lease_duration); FAILED_PRECONDITION
+        when consumer_version is above the trainer's version known to the queue
+        (SetTrainerVersion first; nothing is evicted); OK with no groups when none
+        arrived in time. A stored group that does not decode or
         validate (written by an older build) is never delivered: it is evicted with
         reason "invalid" and kept aside in the queue's quarantine folder.
         """
