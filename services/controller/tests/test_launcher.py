@@ -8,15 +8,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tauflow.controller.adapters.health_client import check_health
-from tauflow.controller.launcher import LocalLauncher, ServiceFailed, ServiceSpec
+from tauflow.controller.config import RayConfig
+from tauflow.controller.launcher import LocalLauncher, Rendezvous, ServiceFailed, ServiceSpec, instance_name
+from tauflow.controller.raylauncher import RayLauncher
+from tauflow.controller.scaling import health_of
 
 
 class Clock:
@@ -275,5 +282,233 @@ def test_a_services_settings_are_in_a_file_of_its_user_not_on_its_command_line(t
         assert (queue.settings_file.stat().st_mode & 0o777) == 0o600
         assert json.loads(queue.settings_file.read_text())["wal"] == {"dir": str(tmp_path / secret)}
         assert (tmp_path / secret).is_dir() and not (tmp_path / "env").exists()
+    finally:
+        launcher.stop()
+
+
+# -- a restart that fails before its process serves (found by fault injection: the queue SIGKILLed, then its
+# new process SIGKILLed before its ready file, failed the run with max_restarts=10 and 1 restart used) ------
+
+
+def _on_next_process(svc: Any, act: Callable[[int], None]) -> dict[str, Any]:
+    """Calls ``act(pid)`` on the next process of ``svc`` as soon as it appears, from a thread of its own (so that
+    it happens even while the launcher waits for that process); what it saw: ``pid``, and ``served``, whether
+    the process had written its ready file by then (it had not, or the test does not test what it says)."""
+    old_pid = svc.proc.pid
+    seen: dict[str, Any] = {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            proc = svc.proc
+            if proc is not None and proc.pid and proc.pid != old_pid:
+                seen["served"] = svc.ready_file.exists()
+                act(proc.pid)
+                seen["pid"] = proc.pid
+                return
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return seen
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def _check_until(launcher: Any, done: Callable[[list[str]], bool], timeout_s: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        restarted = launcher.check()
+        if done(restarted):
+            return restarted
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.05)
+
+
+def test_a_restarted_process_that_dies_before_it_serves_is_one_more_death(tmp_path) -> None:
+    # The queue dies; its new process is SIGKILLed before it serves: restarted again after the backoff, counted
+    # against max_restarts, and back on the same port, serving and reported healthy.
+    launcher = LocalLauncher(
+        tmp_path, max_restarts=3, backoff_s=0.1, health_check=check_health, health_timeout_s=2.0, health_every_s=0.0
+    )
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        address = queue.address
+        seen = _on_next_process(queue, _kill)
+        _kill(queue.proc.pid)
+        assert _check_until(launcher, bool) == ["queue"]
+        assert seen["pid"] and not seen["served"]  # (the process killed had not served)
+        assert queue.starts == 3 and queue.restarts == 2  # two restarts in a row: both count
+        assert queue.info["pid"] != seen["pid"] and queue.up and queue.address == address and _serving(address)
+        assert health_of(launcher, queue) == "serving" and launcher.health.answering("queue")
+        log = queue.log_file.read_text()
+        assert "=== start 1 of queue" in log and "=== start 2 of queue" in log
+    finally:
+        codes = launcher.stop()
+    assert codes == {"queue": 0}
+
+
+def test_a_restart_that_dies_before_it_serves_past_the_budget_fails_the_run_saying_so(tmp_path) -> None:
+    launcher = LocalLauncher(tmp_path, max_restarts=1, backoff_s=0.05)
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        seen = _on_next_process(queue, _kill)
+        _kill(queue.proc.pid)
+        with pytest.raises(ServiceFailed) as err:
+            _check_until(launcher, bool)
+        assert not seen["served"]
+        assert str(err.value).splitlines()[0] == (
+            "service 'queue' failed: exited with code -9 while restarting, after 1 restarts (max_restarts 1):"
+        )
+        assert queue.proc.poll() is not None  # nothing left running
+    finally:
+        launcher.stop()
+
+
+def test_a_restart_that_does_not_serve_in_time_is_killed_and_restarted_again(tmp_path, caplog) -> None:
+    # Its new process hangs (SIGSTOP) before it serves: past start_timeout_s it is killed, and restarted again.
+    launcher = LocalLauncher(tmp_path, max_restarts=3, backoff_s=0.1)
+    caplog.set_level("WARNING", logger="tauflow.controller.launcher")
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        launcher.start_timeout_s = 1.0
+        seen = _on_next_process(queue, lambda pid: os.kill(pid, signal.SIGSTOP))
+        _kill(queue.proc.pid)
+
+        def back(restarted: list[str]) -> bool:
+            if seen.get("pid") and not _running(seen["pid"]):  # the hung one killed: the next start may take long
+                launcher.start_timeout_s = 60.0
+            return bool(restarted)
+
+        assert _check_until(launcher, back) == ["queue"]
+        assert not seen["served"] and not _running(seen["pid"])
+        assert queue.starts == 3 and queue.up and _serving(queue.address)
+        failed = [
+            r for r in caplog.records if r.getMessage() == "a restarted service failed before it served; restarting"
+        ]
+        assert [r.reason for r in failed] == ["not ready after 1s while restarting"]  # type: ignore[attr-defined]
+    finally:
+        launcher.stop()
+
+
+def test_a_role_hanging_in_its_restart_delays_no_other_roles_restart(tmp_path) -> None:
+    # Two processes; the first's restart hangs before it serves (its new process SIGSTOPped). The second dies
+    # meanwhile: the next check() sees it, and it is restarted and back while the first still hangs.
+    launcher = LocalLauncher(tmp_path, max_restarts=3, backoff_s=0.05, start_timeout_s=60.0)
+    try:
+        first = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        second = launcher.start(ServiceSpec("queue-1", {"wal.dir": str(tmp_path / "wal-1")}, role="queue", index=1))
+        seen = _on_next_process(first, lambda pid: os.kill(pid, signal.SIGSTOP))
+        _kill(first.proc.pid)
+        first.proc.wait()
+        _check_until(launcher, lambda restarted: first.starts == 2, timeout_s=10)  # its restart has begun
+        deadline = time.monotonic() + 10
+        while "pid" not in seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not seen["served"] and not first.up  # hung before it served
+        hung = first.proc
+        _kill(second.proc.pid)
+        second.proc.wait()
+        assert launcher.check() == [] and second.next_restart_at > 0  # its death seen in the very next pass
+        assert _check_until(launcher, bool) == ["queue-1"]
+        assert second.up and _serving(second.address) and second.starts == 2
+        assert first.proc is hung and hung.poll() is None and not first.up  # the first one still hangs
+        os.kill(hung.pid, signal.SIGCONT)  # and serves, once it goes on: its restart completes
+        assert _check_until(launcher, bool) == ["queue"]
+        assert first.starts == 2 and first.up and _serving(first.address)
+    finally:
+        codes = launcher.stop()
+    assert codes == {"queue": 0, "queue-1": 0}
+
+
+def test_a_gang_whose_restart_loses_a_member_before_it_serves_restarts_whole_again(tmp_path) -> None:
+    # A gang (as the ranks of a trainer): rank 1 dies; at the gang's restart rank 0's new process is SIGKILLed
+    # before it serves. What is left of the gang is killed, and the gang restarts together once more (each
+    # start with its rendezvous).
+    launcher = LocalLauncher(tmp_path, max_restarts=3, backoff_s=0.1)
+    specs = [
+        ServiceSpec(instance_name("queue", rank), {"wal.dir": str(tmp_path / f"wal-{rank}")}, role="queue", index=rank)
+        for rank in range(2)
+    ]
+    rendezvous = Rendezvous("external.tokens_file")  # (a setting the queue takes and, external port off, ignores)
+    try:
+        rank0, rank1 = launcher.start_gang(specs, rendezvous)
+        addresses = [rank0.spec.settings[rendezvous.key]]
+        seen = _on_next_process(rank0, _kill)
+        rank1_pids = [rank1.proc.pid]
+
+        def back(restarted: list[str]) -> bool:
+            if rank1.proc.pid not in rank1_pids:
+                rank1_pids.append(rank1.proc.pid)
+                addresses.append(rank1.spec.settings[rendezvous.key])
+            return bool(restarted)
+
+        _kill(rank1.proc.pid)
+        assert _check_until(launcher, back) == ["queue", "queue-1"]
+        assert not seen["served"]
+        assert rank0.starts == rank1.starts == 3 and rank0.restarts == rank1.restarts == 2
+        assert len(rank1_pids) == 3 and not _running(rank1_pids[1])  # its process of the failed restart: killed
+        assert len(addresses) == 3 and all(address.startswith("127.0.0.1:") for address in addresses)
+        assert rank0.up and rank1.up and _serving(rank0.address) and _serving(rank1.address)
+    finally:
+        launcher.stop()
+
+
+class _FakeRay:
+    """Ray as the Ray launcher and its host actor use it, in this process: an actor is its ServiceHost here,
+    each call answered at once (the processes the hosts start are real)."""
+
+    class RayActorError(Exception):
+        pass
+
+    class GetTimeoutError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.exceptions = SimpleNamespace(RayActorError=self.RayActorError, GetTimeoutError=self.GetTimeoutError)
+        self.util = SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1")
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def remote(self, cls: type) -> Any:
+        class Actor:
+            def __init__(self) -> None:
+                self.host = cls()
+
+            def __getattr__(self, method: str) -> Any:
+                return SimpleNamespace(remote=getattr(self.host, method))
+
+        return SimpleNamespace(options=lambda **options: SimpleNamespace(remote=Actor))
+
+    def get(self, value: Any, timeout: float | None = None) -> Any:
+        return value
+
+    def kill(self, actor: Any) -> None:
+        pass
+
+    def get_runtime_context(self) -> Any:
+        return SimpleNamespace(get_actor_id=lambda: "actor-1", get_node_id=lambda: "")
+
+
+def test_on_ray_a_restarted_process_that_dies_before_it_serves_is_one_more_death(tmp_path, monkeypatch) -> None:
+    # The Ray launcher supervises with the same code: the same restart, through the service's actor.
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay())
+    launcher = RayLauncher(tmp_path, RayConfig(address="auto"), max_restarts=2, backoff_s=0.1)
+    try:
+        queue = launcher.start(ServiceSpec("queue", {"wal.dir": str(tmp_path / "wal")}))
+        address = queue.address
+        seen = _on_next_process(queue, _kill)
+        _kill(queue.proc.pid)
+        assert _check_until(launcher, bool) == ["queue"]
+        assert not seen["served"] and queue.starts == 3 and queue.up and queue.address == address
+        assert _serving(address)
+        pid = queue.proc.pid
+        _kill(pid)  # and once more: past max_restarts, the run fails
+        with pytest.raises(ServiceFailed, match=r"^service 'queue' failed: exited with code -9 after 2 restarts"):
+            _check_until(launcher, bool)
+        assert queue.proc.pid == pid  # (nothing restarted past the budget)
     finally:
         launcher.stop()

@@ -134,9 +134,17 @@ class RunConfig(StrictModel):
         "moved to checkpoints.prev and queue-wal.prev and the run starts afresh",
     )
     start_timeout_s: float = Field(
-        120.0, gt=0, description="how long a role may take to serve (model loading included; Ray: placement too)"
+        120.0,
+        gt=0,
+        description="how long a role may take to serve (model loading included; Ray: placement too); a restarted "
+        "process that does not serve by then is killed and restarted again",
     )
-    max_restarts: int = Field(3, ge=0, description="restarts in a row before a dying service fails the run")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="restarts in a row before a dying service fails the run (a restarted process that dies or "
+        "hangs before it serves is one more)",
+    )
     restart_window_s: float = Field(600.0, gt=0, description="uptime after which a service's restart count resets")
     stall_timeout_s: float = Field(
         600.0, gt=0, description="fail the run when the trainer makes no step for this long (a stall, not a slow step)"

@@ -16,7 +16,11 @@ tauflow.<role> --ready-file <run>/<name>.ready.json --config <run>/settings/<nam
 line (which any local user can read, in ``/proc/<pid>/cmdline``); its ports are read back from the ready
 file (no port races), its output goes to ``<run>/logs/<name>.log``. A service that exits
 unexpectedly is restarted in place (same ports) with exponential backoff; one that keeps dying
-(``max_restarts``) fails the run with a message that names it and quotes the end of its log. One that is
+(``max_restarts``) fails the run with a message that names it and quotes the end of its log. A restart is
+not waited for: ``check`` starts the new process and returns, and a later ``check`` reports it once it
+serves, so a role that takes its time (or hangs) starting delays the supervision of none of the others. A
+restarted process that dies before it serves, or does not serve within ``start_timeout_s`` (then it is
+killed), is one more death: restarted again with backoff, counted against ``max_restarts``. One that is
 alive but does not answer its gRPC health check (stopped, hung) is logged and counted
 (``tauflow.controller.health``).
 
@@ -166,7 +170,8 @@ class ManagedService:
     next_restart_at: float = 0.0
     started_at: float = 0.0  # on the launcher's clock
     started_wall: float = 0.0  # Unix time
-    ready_by: float = 0.0  # begun (begin_start) and not yet serving: the time it must serve by; 0 otherwise
+    ready_by: float = 0.0  # begun (begin_start, or a restart) and not yet serving: the time it must serve by
+    restarting: bool = False  # a restart (check's) under way: its new process does not serve yet
 
     gang: str = ""  # the gang it belongs to (restarted with it); "" when it stands alone
 
@@ -187,8 +192,8 @@ class ManagedService:
         return f"{self.info.get('host', '127.0.0.1')}:{self.info['grpc_port']}"
 
     @property
-    def up(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None and bool(self.info)
+    def up(self) -> bool:  # (a restarted process is not up before it serves: its info is its predecessor's)
+        return self.proc is not None and not self.restarting and self.proc.poll() is None and bool(self.info)
 
     @property
     def ready_file(self) -> Path:
@@ -332,6 +337,16 @@ class ProcessLauncher:
             raise ServiceFailed(name, "the run is stopping: nothing more starts")
 
     def _start_together(self, members: list[ManagedService], rendezvous: Rendezvous) -> None:
+        self._spawn_together(members, rendezvous)
+        try:
+            for svc in members:
+                self._wait_ready(svc)
+        except ServiceFailed:
+            self._kill_alive(members)
+            raise
+
+    def _spawn_together(self, members: list[ManagedService], rendezvous: Rendezvous) -> None:
+        """Starts the processes of a gang with a fresh rendezvous address, without waiting for them."""
         self._refuse_when_stopping(members[0].name)
         address = f"{self._rendezvous_host(members[0])}:{self._free_port(members[0])}"
         for svc in members:
@@ -339,8 +354,6 @@ class ProcessLauncher:
         try:
             for svc in members:
                 self._spawn(svc)
-            for svc in members:
-                self._wait_ready(svc)
         except ServiceFailed:
             self._kill_alive(members)
             raise
@@ -379,71 +392,147 @@ class ProcessLauncher:
             raise ServiceFailed(svc.name, "the run is stopping: nothing more starts")
         info = self._read_ready(svc)
         if info is None:
-            code = svc.proc.poll()
-            if code is not None:
-                raise ServiceFailed(svc.name, f"{self._exit_reason(svc, code)} while starting:\n{svc.log_tail()}")
-            if time.monotonic() > deadline:
-                raise ServiceFailed(svc.name, f"not ready after {self.start_timeout_s:.0f}s:\n{svc.log_tail()}")
+            failure = self._start_failure(svc, deadline)
+            if failure:
+                raise ServiceFailed(svc.name, f"{failure}:\n{svc.log_tail()}")
             return False
-        # A restarted service comes back on the same ports, so its peers' channels reconnect (and Prometheus
-        # keeps scraping the same target).
+        self._pin(svc, info)
+        return True
+
+    def _start_failure(self, svc: ManagedService, deadline: float, doing: str = "starting") -> str:
+        """Why ``svc``, not serving yet, failed to start (``doing``): it died, or ``deadline`` (monotonic)
+        has passed; "" while it may still serve."""
+        code = svc.proc.poll()
+        if code is not None:
+            return f"{self._exit_reason(svc, code)} while {doing}"
+        if time.monotonic() > deadline:
+            return f"not ready after {self.start_timeout_s:.0f}s" + ("" if doing == "starting" else f" while {doing}")
+        return ""
+
+    def _pin(self, svc: ManagedService, info: dict[str, Any]) -> None:
+        """``svc`` serves: its ready info. A restarted service comes back on the same ports, so its peers'
+        channels reconnect (and Prometheus keeps scraping the same target)."""
         pinned = {"server.port": info["grpc_port"], "metrics.port": info.get("metrics_port")}
         if info.get("external_port"):  # the queue's external port (its producers outside the run reconnect there)
             pinned["external.port"] = info["external_port"]
         svc.info = {**info, "pinned": pinned}
-        return True
 
     # -- supervising ---------------------------------------------------------------------
 
     def check(self) -> list[str]:
-        """Restarts services that died; returns the names restarted. Raises ServiceFailed
-        when one died more than ``max_restarts`` times in a row; a service that stayed up for
+        """Restarts services that died; returns the names restarted (once their new processes serve). Raises
+        ServiceFailed when one died more than ``max_restarts`` times in a row; a service that stayed up for
         ``restart_window_s`` since its last start has its count reset (one crash a day is not a crash loop).
         A gang restarts as one: the death of any member kills the others. Then probes the health of those
-        that are up (every ``health_every_s``)."""
+        that are up (every ``health_every_s``).
+
+        Nothing here waits for a process to serve: a restart starts the new process and returns, and a later
+        call reports it once it serves, so one role's slow (or hung) start delays no other role's restart.
+        A restarted process that dies before it serves, or does not serve within ``start_timeout_s`` (it is
+        killed then, with the rest of its gang), is one more death: restarted again after the backoff, and
+        counted against ``max_restarts``."""
         restarted: list[str] = []
         if self.stopping:
             return restarted
         now = self.clock()
         for unit in self._units():
-            if any(svc.ready_by for svc in unit):  # still starting (begin_start): poll_start judges it
+            first = unit[0]
+            if any(svc.ready_by and not svc.restarting for svc in unit):  # begun (begin_start): poll_start judges
+                continue
+            if any(svc.restarting for svc in unit):
+                failed = self._restart_failure(unit)
+                if failed is None:
+                    if not any(svc.ready_by for svc in unit):  # every process of the unit serves: it is back
+                        self._restarted(unit)
+                        restarted += [svc.name for svc in unit]
+                    continue
+                dead, reason = failed
+                self._kill_alive(unit)  # (a hung one, and the rest of its gang)
+                for svc in unit:
+                    svc.restarting, svc.ready_by = False, 0.0
+                if self.stopping:
+                    return restarted
+                delay = self._schedule_restart(unit, dead, f"{reason},", now)
+                log.warning(
+                    "a restarted service failed before it served; restarting",
+                    extra={"service": dead.name, "reason": reason, "in_s": delay},
+                )
                 continue
             died = [(svc, code) for svc in unit if svc.proc is not None and (code := svc.proc.poll()) is not None]
             if not died:
                 continue
-            first, (dead, code) = unit[0], died[0]
-            if first.next_restart_at == 0.0 and now - first.started_at >= self.restart_window_s:
-                for svc in unit:
-                    svc.restarts = 0
-            if first.restarts >= self.max_restarts:
-                raise ServiceFailed(
-                    dead.name, f"{self._exit_reason(dead, code)} after {first.restarts} restarts:\n{dead.log_tail()}"
-                )
-            if first.next_restart_at == 0.0:
-                delay = self.backoff_s * 2**first.restarts
-                first.next_restart_at = now + delay
+            dead, code = died[0]
+            if first.next_restart_at == 0.0:  # (not yet scheduled: a death seen now)
+                if now - first.started_at >= self.restart_window_s:
+                    for svc in unit:
+                        svc.restarts = 0
+                delay = self._schedule_restart(unit, dead, self._exit_reason(dead, code), now)
                 log.warning("service died; restarting", extra={"service": dead.name, "code": code, "in_s": delay})
-                if len(unit) > 1:  # a gang goes on only whole: its other members stop now
-                    self._kill_alive(unit)
             if now >= first.next_restart_at:
-                for svc in unit:
-                    svc.restarts += 1
-                first.next_restart_at = 0.0
-                if len(unit) > 1:
-                    self._start_together(unit, self._gangs[first.gang])
-                else:
-                    self._spawn(first)
-                    self._wait_ready(first)
-                for svc in unit:
-                    if self.health is not None:
-                        self.health.restarted(svc.name)
-                    restarted.append(svc.name)
+                self._begin_restart(unit)
+                if self.stopping:
+                    return restarted
         if self.health is not None:
             self.health.check(
                 {name: svc.address for name, svc in self.services.items() if svc.up},
                 alive=lambda name: self.services[name].up,
             )
         return restarted
+
+    def _schedule_restart(self, unit: list[ManagedService], dead: ManagedService, reason: str, now: float) -> float:
+        """``dead`` (of ``unit``) died (``reason``): its restart is due after the backoff (returned), the rest
+        of its gang killed now; raises ServiceFailed when the unit has had its ``max_restarts`` in a row."""
+        first = unit[0]
+        if first.restarts >= self.max_restarts:
+            raise ServiceFailed(
+                dead.name,
+                f"{reason} after {first.restarts} restarts (max_restarts {self.max_restarts}):\n{dead.log_tail()}",
+            )
+        delay = self.backoff_s * 2**first.restarts
+        first.next_restart_at = now + delay
+        if len(unit) > 1:  # a gang goes on only whole: its other members stop now
+            self._kill_alive(unit)
+        return delay
+
+    def _begin_restart(self, unit: list[ManagedService]) -> None:
+        """Starts the unit's new processes (a gang's together, with a fresh rendezvous) without waiting for
+        them to serve: :meth:`check` polls them (``restarting``) until they do, or fail to."""
+        first = unit[0]
+        for svc in unit:
+            svc.restarts += 1
+        first.next_restart_at = 0.0
+        if len(unit) > 1:
+            self._spawn_together(unit, self._gangs[first.gang])
+        else:
+            self._spawn(first)
+        ready_by = time.monotonic() + self.start_timeout_s
+        for svc in unit:
+            svc.restarting, svc.ready_by = True, ready_by
+        if self.stopping:  # stop() may have looked at the services before these were spawned: none is left behind
+            self._kill_alive(unit)
+
+    def _restart_failure(self, unit: list[ManagedService]) -> tuple[ManagedService, str] | None:
+        """A restart under way: reads the ready info of each new process that serves now; returns the one that
+        failed (died, or did not serve in time) and why, or None while none has."""
+        for svc in unit:
+            assert svc.proc is not None
+            if svc.ready_by:
+                info = self._read_ready(svc)
+                if info is not None:
+                    self._pin(svc, info)
+                    svc.ready_by = 0.0
+                elif failure := self._start_failure(svc, svc.ready_by, "restarting"):
+                    return svc, failure
+            elif (code := svc.proc.poll()) is not None:  # (a gang's member that served, dead before the others)
+                return svc, f"{self._exit_reason(svc, code)} while its gang restarted"
+        return None
+
+    def _restarted(self, unit: list[ManagedService]) -> None:
+        for svc in unit:
+            svc.restarting = False
+            log.info("restarted", extra={"service": svc.name, "restarts": svc.restarts})
+            if self.health is not None:
+                self.health.restarted(svc.name)
 
     def _units(self) -> list[list[ManagedService]]:
         """The services as they restart: each gang (rank 0 first), and every other service alone."""

@@ -5,7 +5,9 @@ for the rollout, the trainer and the weight sidecar when the run puts them on a 
 the same ``python -m tauflow.<role>`` as the local launcher, on its node, bound to the node's IP, and
 reports on it; the controller supervises through the actors with the local launcher's own code
 (:class:`~tauflow.controller.launcher.ProcessLauncher`): a process that dies is started again by its
-actor, on the same ports, with backoff, and a crash loop fails the run naming the role.
+actor, on the same ports, with backoff, and a crash loop fails the run naming the role; a restarted process
+that dies (or loses its actor) before it serves, or does not serve within ``start_timeout_s``, is one more
+death, restarted again and counted against ``max_restarts``.
 
 - The trainer's actor (its rank 0's, with several ranks) goes on the weight sidecar's node: they hand the
   weights over in ``/dev/shm``. A data-parallel trainer's other ranks go wherever their resources are, and
