@@ -403,6 +403,37 @@ def test_the_program_runs_in_a_throwaway_directory(tmp_path: Path, monkeypatch: 
     assert not (tmp_path.parent / "escape.txt").exists()
 
 
+def test_stdin_opens_by_its_paths_and_stdout_and_stderr_by_theirs() -> None:
+    # The competitive-programming idiom open("/dev/stdin"): the path opens the file anew through
+    # /proc/self/fd/0, which Landlock checks like any other path; stdin's file lay outside every rule.
+    program = """
+        import os
+        for path in ("/dev/stdin", "/dev/fd/0", "/proc/self/fd/0"):
+            with open(path) as f:
+                print(path, f.read().split())
+        print("open(0)", open(0).read().split())  # (each path opened the file anew, at its start)
+        print("listdir", os.listdir("."), flush=True)
+        with open("/dev/stdout", "w") as f:
+            f.write("via /dev/stdout\\n")
+        with open("/dev/stderr", "w") as f:
+            f.write("via /dev/stderr\\n")
+        """
+    result = run(program, stdin="1 2\n3\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().splitlines() == [
+        "/dev/stdin ['1', '2', '3']",
+        "/dev/fd/0 ['1', '2', '3']",
+        "/proc/self/fd/0 ['1', '2', '3']",
+        "open(0) ['1', '2', '3']",
+        "listdir []",  # stdin's file, in the case's directory, has no name there
+        "via /dev/stdout",
+    ]
+    assert result.stderr == b"via /dev/stderr\n"
+    # no input at all (an assert case): /dev/stdin is /dev/null
+    no_input = run_case('assert open("/dev/stdin").read() == ""\n', Case(tests="", expected=None))
+    assert no_input.returncode == 0 and no_input.finished, no_input.stderr
+
+
 def test_the_environment_does_not_leak(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TAUFLOW_TEST_SECRET", "hunter2")
     result = run("import os\nprint(sorted(os.environ))\nprint(os.environ.get('TAUFLOW_TEST_SECRET'))\n")
@@ -624,6 +655,85 @@ def test_a_case_runs_under_both_kernel_layers_and_what_the_hook_never_saw_is_ref
         Path("/dev/shm" + shm).unlink(missing_ok=True)
     assert result.stdout.decode().splitlines() == ["1 2", "refused", "refused", "refused", "refused"], result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]
+
+
+def test_threads_and_their_locks_and_queues_work_in_the_sandbox() -> None:
+    # What docs/rewards.md points to where multiprocessing's locks are refused.
+    program = """
+        import queue, threading
+        from concurrent.futures import ThreadPoolExecutor
+        lock, q, total = threading.Lock(), queue.Queue(), [0]
+        def add(n):
+            with lock:
+                total[0] += n
+            q.put(n)
+        threads = [threading.Thread(target=add, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with ThreadPoolExecutor(4) as pool:
+            print(total[0], q.qsize(), sum(pool.map(abs, [-1, -2, -3])))
+        """
+    result = run(program)
+    assert result.stdout == b"28 8 6\n", result.stderr
+
+
+@needs_landlock
+def test_dev_shm_stays_closed_and_multiprocessing_locks_say_why(tmp_path: Path) -> None:
+    # /dev/shm is shared with every process of the host's (or the container's) IPC namespace: other cases'
+    # semaphores, a colocated trainer's shared-memory staging buffers. Landlock cannot tell a program's own
+    # files there from theirs, so the program may neither make, write nor remove any file there; POSIX
+    # semaphores (multiprocessing's locks, queues and pools) are unavailable, and say so.
+    victims = [Path(f"/dev/shm/sem.tauflow-victim-{os.getpid()}"), Path(f"/dev/shm/torch_tauflow_victim_{os.getpid()}")]
+    made = f"/tauflow-made-{os.getpid()}"
+    program = f"""
+        import multiprocessing, multiprocessing.dummy, os, _posixshmem
+        def attempt(name, fn):
+            try:
+                fn()
+                print(name, "allowed")
+            except PermissionError as e:
+                print(name, "refused", "sandbox:" in str(e))
+        attempt("lock", multiprocessing.Lock)
+        attempt("dummy_pool", lambda: multiprocessing.dummy.Pool(2).close())
+        attempt("shm_open", lambda: os.close(_posixshmem.shm_open({made!r}, os.O_CREAT | os.O_RDWR, 0o600)))
+        for victim in {[str(v) for v in victims]!r}:  # shm_open and shm_unlink raise no audit event
+            attempt("shm_unlink", lambda: _posixshmem.shm_unlink(victim[len("/dev/shm"):]))
+            attempt("shm_write", lambda: os.close(_posixshmem.shm_open(victim[len("/dev/shm"):], os.O_RDWR, 0)))
+        """
+    try:
+        for victim in victims:
+            victim.write_bytes(b"staged")
+        result = run(program)
+        attempts = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in result.stdout.decode().splitlines()}
+        assert all(v.read_bytes() == b"staged" for v in victims)
+        assert not Path("/dev/shm" + made).exists()
+        # and the kernel alone (no audit hook), as native code past it would meet it
+        attempts_native = f"""
+            victim = {str(victims[0])!r}
+            attempt("create", lambda: open("/dev/shm/sem.tauflow-native-" + str(os.getpid()), "w").close())
+            attempt("write", lambda: open(victim, "r+b").close())
+            attempt("remove", lambda: os.remove(victim))
+            attempt("rename", lambda: os.rename(victim, victim + "-moved"))
+            """
+        native = _confined(tmp_path, attempts_native, "landlock")
+        assert all(v.read_bytes() == b"staged" for v in victims)
+    finally:
+        for victim in victims:
+            victim.unlink(missing_ok=True)
+        Path("/dev/shm" + made).unlink(missing_ok=True)
+    assert result.returncode == 0, result.stderr
+    assert attempts == {
+        "lock": "refused True",  # the sandbox's own message, not sem_open's bare EACCES
+        "dummy_pool": "refused True",
+        "shm_open": "refused False",
+        "shm_unlink": "refused False",
+        "shm_write": "refused False",
+    }
+    eacces = f"refused {errno.EACCES}"
+    assert native == {"create": eacces, "write": eacces, "remove": eacces, "rename": eacces}
+    assert not list(Path("/dev/shm").glob("sem.tauflow-native-*"))
 
 
 def test_a_native_library_the_program_wrote_cannot_be_loaded(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ The sandbox, and what it does and does not stop
 Each case is a fresh ``python -I -S -B`` (isolated mode: no PYTHON* variables, no site-packages, no user
 site, no bytecode written; so programs get the standard library only) with an empty environment (PATH, LANG,
 MALLOC_ARENA_MAX, and HOME and TMPDIR set to the case's directory), in its own session and process group,
-a new temporary directory as its working directory, and stdin from the case's input (else /dev/null); its
+a new temporary directory as its working directory, and stdin from the case's input (an unnamed file in
+that directory, so that ``open("/dev/stdin")`` passes Landlock; else /dev/null); its
 stdout and stderr are read up to ``max_output_bytes`` each. The case's directory is deleted afterwards; it
 lies in its worker process's own ``<TMPDIR>/tauflow-code-<pid>-*``, locked while that process lives, so
 that the directory of a worker killed mid-case (past a sample's timeout: no ``finally`` runs) is removed
@@ -50,7 +51,11 @@ order:
    nsswitch.conf, os-release, mime.types) and ``/dev/null``, ``zero``, ``full``, ``random``, ``urandom``;
    executing nothing. From ABI 4 (6.7) no TCP bind or connect; from ABI 6 (6.12) no signal to a process
    outside the sandbox and no abstract UNIX socket of another domain. Where the kernel has no Landlock the
-   service says so once at its start (a warning) and the other layers still apply;
+   service says so once at its start (a warning) and the other layers still apply. ``/dev/shm`` stays
+   closed: Landlock grants a directory, not names, and a program that may write there may overwrite or
+   remove every file of its uid in it (other cases' semaphores, a colocated trainer's shared memory). So
+   no POSIX semaphore, nor any of multiprocessing's locks, queues and pools (``multiprocessing.dummy``'s
+   too), which refuse with a PermissionError that says so (``_semaphores_refused``); threads work;
 6. a seccomp-BPF filter (Linux 4.14+, x86_64 and aarch64; ``_seccomp_program``): a syscall of another ABI
    (i386, x32, arm32) kills the process; EPERM for ``execve``/``execveat``, ``fork``/``vfork``, ``clone``
    without ``CLONE_THREAD`` or with a new namespace (``clone3``: ENOSYS, so that glibc makes its threads
@@ -828,6 +833,32 @@ def _readable():
     return [p for p in paths if os.path.exists(p)]
 
 
+def _semaphores_refused():
+    # Under Landlock /dev/shm is not writable (allowing it would let a program overwrite or remove every file
+    # there that its user owns: other cases' semaphores, a colocated trainer's shared memory): no POSIX
+    # semaphore can be made, and with it none of multiprocessing's locks, semaphores, conditions, events,
+    # queues or pools, multiprocessing.dummy's thread pool included. sem_open's bare EACCES names nothing; a
+    # SemLock that says why, and what works instead.
+    import _multiprocessing
+
+    base = _multiprocessing.SemLock
+
+    class SemLock(base):
+        def __new__(cls, *args, **kwargs):
+            try:
+                return base.__new__(cls, *args, **kwargs)
+            except PermissionError:
+                raise PermissionError(
+                    13,
+                    "sandbox: multiprocessing's locks, semaphores, queues and pools (multiprocessing.dummy.Pool "
+                    "too) need POSIX semaphores in /dev/shm, which the sandbox does not allow; use threading, "
+                    "queue.Queue or concurrent.futures.ThreadPoolExecutor",
+                ) from None
+
+    SemLock.__module__, SemLock.__qualname__ = base.__module__, base.__qualname__
+    _multiprocessing.SemLock = SemLock
+
+
 def _set_up():
     import builtins
     import marshal
@@ -886,6 +917,8 @@ def _set_up():
         os.write(2, ("sandbox: the kernel's confinement could not be set up: %s\n" % e).encode())
         os._exit(71)
     del libc, ctypes
+    if landlock_abi:
+        _semaphores_refused()
     for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
         del sys.modules[name]  # an import of ctypes is then refused, not served from the cache
 
@@ -1023,7 +1056,9 @@ def run_case(
     workdir = tempfile.mkdtemp(dir=_case_parent())
     start = time.monotonic()
     try:
-        with tempfile.TemporaryFile() as payload_file, tempfile.TemporaryFile() as stdin_file:
+        # stdin's file lies in the case's directory: ``open("/dev/stdin")`` (or ``/dev/fd/0``) opens it anew
+        # through /proc/self/fd/0, and Landlock lets the child read it only beneath a rule of its own
+        with tempfile.TemporaryFile() as payload_file, tempfile.TemporaryFile(dir=workdir) as stdin_file:
             payload_file.write(marshal.dumps(payload))
             payload_file.seek(0)
             if case.stdin is not None:
