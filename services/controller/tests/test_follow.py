@@ -263,3 +263,38 @@ def test_a_resumed_run_lists_each_step_once_from_the_checkpoint_on(tmp_path, cha
     summary = asyncio.run(scenario())
     assert _all_closed(channels)
     assert [s.policy_version for s in summary.steps] == [4, 5, 6, 7, 8]
+
+
+def test_a_restart_under_way_is_not_a_stall(tmp_path) -> None:
+    # A restart no longer blocks the launcher's check, so a trainer reloading a large model for longer than
+    # stall_timeout_s (its start_timeout_s bounds that) made the run fail as stalled while it came back.
+    from types import SimpleNamespace
+
+    async def scenario() -> tuple[bool, str]:
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(StuckTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=10, stall_timeout_s=1.0, out_dir=str(tmp_path))
+        run = follower(config)
+        restarting = SimpleNamespace(restarting=True, role="trainer")
+        run.launcher.services["trainer"] = restarting  # type: ignore[assignment]
+        run.launcher.check = list  # type: ignore[method-assign]
+        follow = asyncio.ensure_future(
+            run.follow({r: address for r in ("trainer", "queue", "rollout", "reward", "weights")})
+        )
+        try:
+            await asyncio.sleep(3.0)  # three stall budgets while the restart is under way
+            still_following = not follow.done()
+            restarting.restarting = False  # it serves, and makes no step: a stall again
+            with pytest.raises(RunStalled) as err:
+                await asyncio.wait_for(follow, timeout=30)
+            return still_following, str(err.value)
+        finally:
+            follow.cancel()
+            await server.stop(0)
+
+    still_following, message = asyncio.run(scenario())
+    assert still_following and "no training step for 1s" in message

@@ -141,10 +141,25 @@ def test_a_settings_file_and_the_environment_give_the_service_what_set_overrides
     # environment still sets what the run does not.
     environ = {"TAUFLOW_SVC_A__B": "5", "TAUFLOW_SVC_A": "{}", "TAUFLOW_SVC_F": "7", "TAUFLOW_SVC_D__Z": "3",
                "PATH": "/bin"}  # fmt: skip
-    env = service_env("svc", settings, environ)
+    file_settings, env = service_env("svc", settings, environ)
     assert env == {"TAUFLOW_SVC_F": "7", "TAUFLOW_SVC_D__Z": "3", "PATH": "/bin"}
+    write_settings(tmp_path / "s" / "svc.json", file_settings)
     loaded = load_config(Model, path=tmp_path / "s" / "svc.json", env_prefix="TAUFLOW_SVC_", environ=env)
     assert loaded == Model(a=Inner(b=1, c="1e3"), d={"x": 1, "y": 2, "z": 3}, path=str(tmp_path / "p"), f=7, flag=True)
+
+
+def test_an_environment_section_beneath_the_runs_settings_is_merged_not_dropped(tmp_path: Path) -> None:
+    # TAUFLOW_SVC_A='{c: x, e: 9}' beside the run's a.b: on the command line the run's key went over the section;
+    # dropping the variable lost a.e (a trainer's backend kind, silently the default)
+    settings = {"a.b": 1}
+    file_settings, env = service_env("svc", settings, {"TAUFLOW_SVC_A": "{c: x, b: 5}", "TAUFLOW_SVC_F": "7"})
+    assert file_settings == {"a": {"c": "x", "b": 1}} and env == {"TAUFLOW_SVC_F": "7"}
+    write_settings(tmp_path / "svc.json", file_settings)
+    loaded = load_config(Model, path=tmp_path / "svc.json", env_prefix="TAUFLOW_SVC_", environ=env)
+    assert loaded.a == Inner(b=1, c="x") and loaded.f == 7
+    assert "\\u00e9" in (
+        write_settings(tmp_path / "t.json", {"path": "caf\u00e9"}) or (tmp_path / "t.json").read_text()
+    )
 
 
 def test_the_ray_actor_writes_the_settings_to_a_file_and_not_onto_the_command_line(

@@ -244,7 +244,8 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _scalar(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """A value as the environment and `--set` give it: YAML (a number, a list, `{a: 1}`), else the text."""
     if text == "":
         return ""  # `--set key=` sets an empty string (YAML would read it as null)
     try:
@@ -270,7 +271,7 @@ def load_config(
             if name.startswith(env_prefix) and len(name) > len(env_prefix):
                 keys = name[len(env_prefix) :].lower().split("__")
                 layer: dict[str, Any] = {}
-                _set_path(layer, keys, _scalar(env[name]), f"environment variable {name}")
+                _set_path(layer, keys, parse_value(env[name]), f"environment variable {name}")
                 data = _deep_merge(data, layer)
                 origin[tuple(keys)] = f"environment variable {name}"
     for item in overrides:
@@ -279,7 +280,7 @@ def load_config(
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         keys = key.strip().split(".")
         layer = {}
-        _set_path(layer, keys, _scalar(value), f"override {item!r}")
+        _set_path(layer, keys, parse_value(value), f"override {item!r}")
         data = _deep_merge(data, layer)
         origin[tuple(keys)] = f"override {item!r}"
     try:

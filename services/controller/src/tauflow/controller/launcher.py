@@ -54,6 +54,7 @@ from typing import Any, Protocol
 
 from tauflow.controller.health import HealthProbe
 from tauflow.controller.ports import HealthCheck
+from tauflow.core.config import parse_value
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
 from tauflow.core.net import free_port
 
@@ -613,13 +614,11 @@ class LocalLauncher(ProcessLauncher):
         if svc.starts == 0:
             self._wait_for_previous(svc)
         svc.ready_file.unlink(missing_ok=True)
-        settings = self._settings(svc)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **svc.spec.env}
+        settings, env = service_env(svc.spec.module, self._settings(svc), env)
         write_settings(svc.settings_file, settings)
         command = service_command(sys.executable, svc.spec.module, svc.ready_file, svc.settings_file)
-        svc.proc = spawn_service(
-            command, service_env(svc.spec.module, settings, env), svc.log_file, log_header(svc.name, svc.restarts)
-        )
+        svc.proc = spawn_service(command, env, svc.log_file, log_header(svc.name, svc.restarts))
         self._started(svc)
 
     def _read_ready(self, svc: ManagedService) -> dict[str, Any] | None:
@@ -680,7 +679,8 @@ def write_settings(path: Path | str, settings: Mapping[str, Any]) -> None:
     restarting reads the whole file or the previous one."""
     path = Path(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    text = json.dumps(nested(settings), ensure_ascii=False, indent=1, default=str)
+    # (ASCII: the service reads the file in its locale's encoding)
+    text = json.dumps(nested(settings), ensure_ascii=True, indent=1, default=str)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -693,24 +693,43 @@ def write_settings(path: Path | str, settings: Mapping[str, Any]) -> None:
         raise
 
 
-def service_env(role: str, settings: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without the ``TAUFLOW_<ROLE>_*`` variables that would override one of ``settings``: the
-    service reads its environment over its config file, and the run's settings (on the command line, they
-    came last) win over whatever the controller's environment holds."""
+def service_env(
+    role: str, settings: Mapping[str, Any], env: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A service's config file (nested settings) and environment, so that the run's ``settings`` win over the
+    controller's ``TAUFLOW_<ROLE>_*`` variables, as they did when they came last on the command line, and
+    the environment still sets what the run does not: a variable the run's settings cover is left out; one
+    holding a section under which the run sets keys (``TAUFLOW_TRAINER_BACKEND='{kind: megatron}'`` beside
+    ``backend.model_path``) is merged into the file beneath the run's settings (the service reads its
+    environment over its file, which would otherwise drop the section or the run's keys in it)."""
     prefix = f"TAUFLOW_{role.upper()}_"
     data = nested(settings)
+    merged = data
     out = {}
-    for name, value in env.items():
+    for name, value in sorted(env.items()):
         if name.startswith(prefix) and len(name) > len(prefix):
             path = name[len(prefix) :].lower().split("__")
-            marker = object()
-            layer: Any = marker
-            for part in reversed(path):
-                layer = {part: layer}
-            if _lookup(_merge(layer, data), path) is not marker:
+            if _covered(data, path):
                 continue  # the run's setting wins
+            if isinstance(_lookup(data, path), dict):
+                layer: Any = parse_value(value)
+                for part in reversed(path):
+                    layer = {part: layer}
+                merged = _merge(layer, merged)  # (the run's settings on top)
+                continue
         out[name] = value
-    return out
+    return merged, out
+
+
+def _covered(data: Any, path: list[str]) -> bool:
+    """Whether ``data`` sets the value at ``path``, or a value (not a section) above it."""
+    for part in path:
+        if not isinstance(data, dict):
+            return True
+        if part not in data:
+            return False
+        data = data[part]
+    return not isinstance(data, dict)
 
 
 def _plain(value: Any) -> Any:

@@ -328,11 +328,11 @@ class ServiceHost:
             bind["store.host"] = self.host  # the TCPStore rollout engines rendezvous on
         Path(ready_file).unlink(missing_ok=True)
         self.ready_file = ready_file
-        settings = {**bind, **settings}
-        write_settings(settings_file, settings)  # (on this node: not on the command line, which anyone reads)
+        file_settings, child_env = service_env(role, {**bind, **settings}, {**os.environ, **env})
+        write_settings(settings_file, file_settings)  # (on this node: not on the command line, which anyone reads)
         self.proc = spawn_service(
             service_command(sys.executable, role, ready_file, settings_file),
-            service_env(role, settings, {**os.environ, **env}),
+            child_env,
             log_file,
             log_header(role, restarts, f" on {self.host}, Ray actor {context.get_actor_id()}"),
             cwd=cwd if os.path.isdir(cwd) else None,

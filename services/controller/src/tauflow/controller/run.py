@@ -385,6 +385,10 @@ class Run:
                 if names
             )
             following.progressed_at = time.monotonic()  # a restarted role needs time to catch up
+        if any(getattr(svc, "restarting", False) for svc in self.launcher.services.values()):
+            # a restart under way (bounded by start_timeout_s) is not a stall: a role reloading a large model
+            # answers UNAVAILABLE meanwhile
+            following.progressed_at = time.monotonic()
 
     async def _check_restarted(self, name: str) -> None:
         """CheckPeer of a process (re)started: kept in ``_unchecked`` until it answers."""
