@@ -727,3 +727,24 @@ def test_the_generation_budget_is_dr_grpos_constant_unless_set(tiny_model_dir: P
     assert config(tiny_model_dir, algorithm="dr_grpo").chosen_algorithm().config.loss_scale_factor is None
     with pytest.raises(ValueError, match="response_tokens"):
         config(tiny_model_dir, response_tokens=0)
+
+
+def test_fp16_with_a_mini_batch_of_zero_advantage_groups_only_steps_on(tiny_model_dir: Path) -> None:
+    # Zero groups count in their mini-batch (its denominators), so a mini-batch can hold nothing that trains: no
+    # backward, and fp16's GradScaler asserted on unscaling nothing (the trainer failed)
+    def group(name: str, rewards: list[float]) -> Group:
+        return Group(name, [Sample([1, 2], [3 + i % 4] * 3, [-2.0] * 3, reward=r) for i, r in enumerate(rewards)])
+
+    b = TorchBackend(config(tiny_model_dir, autocast_dtype="float16", algorithm_options={"mini_batches": 2}))
+    for batch in (
+        [group("ones", [1, 1, 1, 1]), group("zeros", [0, 0, 0, 0]), group("a", [1, 0, 1, 0]), group("b", [0, 1, 1, 0])],
+        [
+            group("c", [1, 0, 1, 0]),
+            group("d", [0, 1, 1, 0]),
+            group("ones2", [1, 1, 1, 1]),
+            group("zeros2", [0, 0, 0, 0]),
+        ],
+    ):
+        result = b.train_step(batch)
+        assert result.committed and result.metrics["updates"] == 2 and result.metrics["loss_scale"] > 0
+    assert b.version == 2

@@ -26,6 +26,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,16 +205,22 @@ def prune(root: Path, keep: int, *, spare: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+HASH_THREADS = 8  # files hashed at once (hashlib releases the GIL: a sharded checkpoint reads at the disk's pace)
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def _file_digests(folder: Path, checksums: bool) -> dict[str, dict[str, Any]]:
     """Each file under ``folder`` (its path relative to it): its size and, with ``checksums``, its sha256."""
-    out: dict[str, dict[str, Any]] = {}
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            entry: dict[str, Any] = {"bytes": f.stat().st_size}
-            if checksums:
-                with open(f, "rb") as fh:
-                    entry["sha256"] = hashlib.file_digest(fh, "sha256").hexdigest()  # (releases the GIL)
-            out[f.relative_to(folder).as_posix()] = entry
+    files = [f for f in sorted(folder.rglob("*")) if f.is_file()]
+    out: dict[str, dict[str, Any]] = {f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size} for f in files}
+    if checksums:
+        with ThreadPoolExecutor(HASH_THREADS) as pool:
+            for f, digest in zip(files, pool.map(_sha256, files), strict=True):
+                out[f.relative_to(folder).as_posix()]["sha256"] = digest
     return out
 
 
@@ -233,9 +240,9 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
     files = meta.get("files", {})
     if not isinstance(files, dict):
         raise ValueError(f"{path / STATE_JSON} is damaged (its 'files' is not an object): {_OLDER}")  # noqa: TRY004
-    for name, written in files.items():
-        file = path / name
-        why = _damage(file, written)
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        found = list(pool.map(lambda item: (path / item[0], _damage(path / item[0], item[1])), files.items()))
+    for file, why in found:
         if why is not None:
             raise ValueError(f"{file} is damaged ({why}): {_OLDER}")
     return meta
@@ -251,10 +258,8 @@ def _damage(file: Path, written: Any) -> str | None:
         return "missing"
     if size != written.get("bytes"):
         return f"{size} bytes, written as {written.get('bytes')}"
-    if "sha256" in written:
-        with open(file, "rb") as fh:
-            if hashlib.file_digest(fh, "sha256").hexdigest() != written["sha256"]:
-                return "its sha256 is not the one written"
+    if "sha256" in written and _sha256(file) != written["sha256"]:
+        return "its sha256 is not the one written"
     return None
 
 

@@ -425,14 +425,19 @@ class TrainerLoop:
     def _check_export(self, key: Path) -> None:
         version = self.version
         earlier = self._exported.get(version)
-        if earlier is not None and earlier != key:
-            raise ExportRefused(f"version {version} was exported already (to {str(earlier)!r}): one export per version")
+        if earlier is not None:
+            if earlier != key:
+                raise ExportRefused(
+                    f"version {version} was exported already (to {str(earlier)!r}): one export per version"
+                )
+            return  # (a retry: the same checkpoint, already on the disk)
         if self.last_checkpoint is None:
             return
         size = self.last_checkpoint.size_bytes
         existing = next((p for p in (key, *key.parents) if p.exists()), None)
-        if existing is None:
-            return
+        own = next((p for p in (self.checkpoint_dir, *self.checkpoint_dir.parents) if p.exists()), None)
+        if existing is None or own is None or existing.stat().st_dev != own.stat().st_dev:
+            return  # (another disk than the own checkpoints': theirs is not at stake)
         free = shutil.disk_usage(existing).free
         if free - size < EXPORT_HEADROOM * size:
             raise ExportRefused(

@@ -83,9 +83,14 @@ def clip_and_step(
     their gradient's norm) computes it where torch cannot see the shards (megatron's tensor parallelism).
     With fp16's ``scaler`` the gradients (of a scaled loss) are unscaled first, and the scale adapts: halved
     after an overflow, grown after a run of good steps (torch.amp.GradScaler)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    reported = scaler
+    if not params:
+        # (an update whose every sample is a zero-advantage group ran no backward: nothing to unscale, and the
+        # scale neither grows nor shrinks on it; the update is a no-op, as without fp16)
+        scaler = None
     if scaler is not None:
         scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip is not None else math.inf
     grad_norm = 0.0
     if norm_of is not None:  # (a collective where the ranks hold parts: every rank computes it, gradients or not)
@@ -106,7 +111,8 @@ def clip_and_step(
     out = {"grad_norm": grad_norm, "skipped_nonfinite_grad": skipped}
     if scaler is not None:
         scaler.update()
-        out["loss_scale"] = float(scaler.get_scale())
+    if reported is not None:
+        out["loss_scale"] = float(reported.get_scale())
     return out
 
 
