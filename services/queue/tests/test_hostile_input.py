@@ -342,18 +342,62 @@ async def test_a_woken_consumer_that_cannot_be_served_passes_the_wake_up_on() ->
     assert not servicer.waiters
 
 
-async def test_a_consumer_that_gives_up_once_woken_passes_the_wake_up_on() -> None:
+@pytest.mark.parametrize("cancelled", ["before the wake-up", "after the wake-up"])
+async def test_a_consumer_that_gives_up_once_woken_passes_the_wake_up_on(cancelled: str) -> None:
+    """Its client goes away as the group comes. Cancelled after the wake-up (before its task ran), asyncio.wait_for
+    (3.11) swallowed the cancellation: the gone consumer leased the group, held until its lease expired."""
     servicer, _ = _waiting_servicer()
     ctx = _Context()
     first = asyncio.create_task(servicer.Get(_get("a", 10, max_groups=1), ctx))
     second = asyncio.create_task(servicer.Get(_get("b", 10, max_groups=1), ctx))
     await _until(lambda: len(servicer.waiters) == 2)
-    first.cancel()  # its client goes away as the group comes: the Put wakes it before it sees the cancel
+    if cancelled == "before the wake-up":
+        first.cancel()  # the Put wakes it before it sees the cancel
     await servicer.Put(wire.PutRequestView(group=make_group("g").SerializeToString()), ctx)
+    if cancelled == "after the wake-up":
+        first.cancel()
     assert not first.done()
     got = q.GetResponse.FromString(await asyncio.wait_for(second, 2))
     assert [d.group.group_id for d in got.groups] == ["g"]
+    assert isinstance((await asyncio.gather(first, return_exceptions=True))[0], asyncio.CancelledError)
+    assert servicer.state.stats().leased_groups == 1
+
+
+@pytest.mark.parametrize("gives_up", ["released", "cancelled"])
+async def test_a_reserve_given_up_once_woken_passes_the_wake_up_on(gives_up: str) -> None:
+    """Room comes back and wakes the first Reserve in line; its producer is then released (or its client goes
+    away) before it runs. Released, it returned without passing its wake-up on: the pass had counted the room
+    promised to it, and the Reserve behind waited on free room until its wait ended or another change came.
+    Cancelled, asyncio.wait_for (3.11) swallowed the cancellation: the gone client was granted the ticket."""
+    from prometheus_client import CollectorRegistry
+
+    config = QueueConfig(max_staleness=0, groups_per_step=4, max_wait_s=30)
+    servicer = QueueServicer(QueueState(config), config, QueueMetrics(CollectorRegistry()))
+    ctx = _Context()
+
+    def reserve(request_id: str, producer_id: str, wait_s: int) -> q.ReserveRequest:
+        request = q.ReserveRequest(request_id=request_id, producer_id=producer_id, n_groups=4)
+        request.wait.seconds = wait_s
+        return request
+
+    held = await servicer.Reserve(reserve("a", "A", 0), ctx)  # the whole pacing window
+    assert held.granted
+    first = asyncio.create_task(servicer.Reserve(reserve("w", "P1", 20), ctx))
+    behind = asyncio.create_task(servicer.Reserve(reserve("v", "P2", 20), ctx))
+    await _until(lambda: len(servicer.waiters) == 2)
+    await servicer.ReleaseReservation(q.ReleaseReservationRequest(ticket_id=held.ticket.ticket_id), ctx)
+    assert [w.woken.is_set() for w in servicer.waiters] == [True, False]  # the room is promised to the first
+    if gives_up == "released":
+        await servicer.ReleaseProducerReservations(q.ReleaseProducerReservationsRequest(producer_id="P1"), ctx)
+    else:
+        first.cancel()
+    got = await asyncio.wait_for(behind, 2)  # before: still waiting (released), or the room taken (cancelled)
+    assert got.granted and got.ticket.n_groups == 4
+    if gives_up == "released":
+        assert not (await first).granted
     await asyncio.gather(first, return_exceptions=True)
+    assert not servicer.waiters and servicer._reserves.promised == 0
+    assert servicer.state.free_room() == 0
 
 
 async def test_a_broken_log_refuses_even_duplicates_and_ends_the_service(tmp_path: Path) -> None:
@@ -569,6 +613,26 @@ async def test_an_external_client_keeps_only_a_few_reserves_waiting() -> None:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
     assert not servicer.waiters and not servicer._external_waiting
+
+
+async def test_an_external_reserve_over_the_share_at_a_lowered_tau_waits_and_is_granted_when_tau_rises() -> None:
+    """A live lowering of tau shrank the external clients' share below an n_groups valid before: INVALID_ARGUMENT,
+    though the next SetMaxStaleness could grant it. It now waits in line, and the raise wakes it."""
+    from prometheus_client import CollectorRegistry
+
+    config = QueueConfig(max_staleness=1, groups_per_step=4, max_wait_s=30)  # 8 groups: 4 for external clients
+    servicer = QueueServicer(QueueState(config), config, QueueMetrics(CollectorRegistry()))
+    ctx = _Context()
+    await servicer.SetMaxStaleness(q.SetMaxStalenessRequest(max_staleness=0), ctx)  # 4 groups: 2 for them
+    request = q.ReserveRequest(request_id="a/r0", producer_id="a", n_groups=4)
+    assert not (await servicer.Reserve(request, ctx, external=True)).granted  # (before: INVALID_ARGUMENT)
+    request.wait.seconds = 20
+    waiting = asyncio.create_task(servicer.Reserve(request, ctx, external=True))
+    await _until(lambda: len(servicer.waiters) == 1)
+    await servicer.SetMaxStaleness(q.SetMaxStalenessRequest(max_staleness=1), ctx)
+    got = await asyncio.wait_for(waiting, 2)
+    assert got.granted and got.ticket.n_groups == 4
+    assert not servicer.waiters
 
 
 async def test_a_sweep_the_full_disk_refuses_is_tried_again_and_changes_nothing(

@@ -321,9 +321,38 @@ def test_external_clients_together_hold_at_most_their_share_of_the_pacing_window
     assert q.reserve("a/r8", "a", 1, external=True) is None  # no room for it now (it waits, as a Reserve does)
     assert q.reserve("b/r0", "b", 1, external=True) is None  # the share is all external clients'
     assert q.reserve("rollout-0/1", "rollout-0", 8) is not None  # tauflow's rollout keeps its half
-    with pytest.raises(InvalidRequest, match=r"n_groups=9 can never be granted on the external port: "):
-        q.reserve("a/big", "a", 9, external=True)
+    assert q.reserve("a/big", "a", 9, external=True) is None  # over the share at this tau: it waits (tau may rise)
     assert q.stats().reserved_groups == 16
+
+
+def test_a_window_of_one_group_leaves_the_external_clients_one_group() -> None:
+    """tau = 0 and groups_per_step = 1: 0.5 of a window of one group rounded down to 0, and every external
+    Reserve was INVALID_ARGUMENT ("allows the external clients 0 groups")."""
+    q, _ = make(max_staleness=0, groups_per_step=1)
+    assert q.external_limit() == 1
+    ticket = q.reserve("a/r0", "a", 1, external=True)
+    assert ticket is not None and ticket.n_groups == 1
+    assert q.reserve("b/r0", "b", 1, external=True) is None  # the share is held: it waits
+    q, _ = make(max_staleness=-1, capacity_groups=1)  # 0.5 of a capacity of one group: one group too
+    assert q.external_limit() == 1 and q.reserve("a/r0", "a", 1, external=True) is not None
+
+
+def test_an_external_reserve_over_the_share_waits_for_tau_to_rise_not_refused_for_good() -> None:
+    """The external clients' share of the pacing window follows tau, which SetMaxStaleness changes live: lowered,
+    it made a previously valid n_groups INVALID_ARGUMENT (its retries too), although raising tau again grants it."""
+    q, _ = make(max_staleness=1, groups_per_step=4)  # a window of 8 groups: 4 for the external clients
+    first = q.reserve("a/r0", "a", 4, external=True)
+    assert first is not None
+    q.set_max_staleness(0)  # a window of 4: 2 for the external clients
+    assert q.external_limit() == 2
+    assert q.reserve("a/r0", "a", 4, external=True) == first  # a retry is still answered with its ticket
+    q.release_reservation(first.ticket_id)
+    assert q.reserve("a/r1", "a", 4, external=True) is None  # not granted now: it waits as any Reserve does
+    assert q.reserve("a/r2", "a", 5, external=True) is None  # over the whole window too (internally: invalid)
+    q.set_max_staleness(1)
+    assert q.reserve("a/r1", "a", 4, external=True) is not None
+    with pytest.raises(InvalidRequest, match=r"n_groups=9 can never be granted: max_staleness=1 .* at most 8 groups"):
+        q.reserve("rollout-0/r0", "rollout-0", 9)  # (tauflow's own producers: as before)
 
 
 def test_an_external_client_is_bounded_per_reserve_and_in_what_it_holds() -> None:
@@ -349,7 +378,10 @@ def test_external_clients_together_hold_at_most_their_share_of_the_capacity() ->
     q, _ = make(max_staleness=-1, capacity_groups=100, external={"max_reserve_groups": 100, "reserved_share": 0.3})
     assert q.reserve("a/r0", "a", 30, external=True) is not None
     assert q.reserve("b/r0", "b", 1, external=True) is None
-    with pytest.raises(InvalidRequest, match="external.reserved_share=0.3 .* allows the external clients 30 groups"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"external.reserved_share=0.3 of capacity_groups=100 allows the external clients 30 groups",
+    ):
         q.reserve("b/r1", "b", 31, external=True)
     for i in range(70):
         assert q.put(rec(f"g{i}"))[0]

@@ -83,8 +83,10 @@ class ExternalConfig(ServerConfig):
         gt=0,
         le=1,
         description="share of the pacing window ((tau + 1) x groups_per_step) and of capacity_groups that the "
-        "clients of this port together may hold reserved (rounded down); the rest is kept for tauflow's own "
-        "producers. A Reserve past it waits for room like any other",
+        "clients of this port together may hold reserved (each rounded down, at least 1 group); the rest is kept "
+        "for tauflow's own producers. A Reserve past it waits for room like any other, even one over the share "
+        "of the window (it follows tau, which SetMaxStaleness changes live); over the share of capacity_groups "
+        "it is INVALID_ARGUMENT",
     )
     max_waiting_reserves: int = Field(
         8,

@@ -154,8 +154,10 @@ class QueueState:
         return room
 
     def external_limit(self) -> int:
-        """Most groups the external clients' tickets may hold together: ``external.reserved_share`` of the
-        pacing window and of the capacity, rounded down. The rest is kept for tauflow's own producers."""
+        """Most groups the external clients' tickets may hold together now: ``external.reserved_share`` of the
+        pacing window and of the capacity, each rounded down but at least 1 group (a window of one group,
+        tau = 0 and groups_per_step = 1, left them none: every external Reserve was refused). The rest is kept
+        for tauflow's own producers. The window's share follows tau, which SetMaxStaleness changes live."""
         share, config = self.config.external.reserved_share, self.config
         limit = _share(share, config.capacity_groups)
         ahead = staleness.most_ahead(self.max_staleness, config.groups_per_step)
@@ -172,8 +174,10 @@ class QueueState:
     def reserve(self, request_id: str, producer_id: str, n_groups: int, external: bool = False) -> Ticket | None:
         """A ticket for ``n_groups`` when the pacing rule and capacity allow, else None. ``external``: a client
         of the external port (``producer_id`` its name), held to ``external.*`` as well: at most
-        ``max_reserve_groups`` a Reserve (INVALID_ARGUMENT), ``max_reserved_groups`` held at a time (ClientLimit:
-        RESOURCE_EXHAUSTED), and room only within the external clients' share (else None: it waits)."""
+        ``max_reserve_groups`` a Reserve and the external clients' share of the capacity (INVALID_ARGUMENT: fixed
+        bounds), ``max_reserved_groups`` held at a time (ClientLimit: RESOURCE_EXHAUSTED), and room only within
+        the external clients' share of the pacing window (else None: it waits, even for an ``n_groups`` over the
+        whole share at the current tau, which SetMaxStaleness may raise)."""
         config = self.config
         if not request_id:
             raise InvalidRequest("request_id must be set (it makes Reserve idempotent)")
@@ -182,7 +186,8 @@ class QueueState:
         if n_groups < 1:
             raise InvalidRequest("n_groups must be at least 1")
         ahead = staleness.most_ahead(self.max_staleness, config.groups_per_step)
-        if ahead is not None and n_groups > ahead:
+        # (not on the external port: a Reserve over the window's share there waits, as the window follows tau)
+        if not external and ahead is not None and n_groups > ahead:
             raise InvalidRequest(
                 f"n_groups={n_groups} can never be granted: max_staleness={self.max_staleness} and "
                 f"groups_per_step={config.groups_per_step} allow at most {ahead} groups ahead of the trainer"
@@ -220,19 +225,22 @@ class QueueState:
         return ticket
 
     def _check_external_reserve(self, n_groups: int) -> None:
-        """Refuses an external Reserve larger than an external client can ever be granted."""
-        bound = self.config.external.max_reserve_groups
+        """Refuses an external Reserve larger than an external client can ever be granted: over the bounds that
+        never change while the queue runs. Over the share of the pacing window it waits instead: that share
+        follows tau, which SetMaxStaleness changes live (lowered, it refused for good a Reserve valid before)."""
+        config = self.config
+        bound = config.external.max_reserve_groups
         if n_groups > bound:
             raise InvalidRequest(
                 f"n_groups={n_groups} is over external.max_reserve_groups={bound}, the most one Reserve on the "
                 "external port may ask for"
             )
-        limit = self.external_limit()
+        limit = _share(config.external.reserved_share, config.capacity_groups)
         if n_groups > limit:
             raise InvalidRequest(
                 f"n_groups={n_groups} can never be granted on the external port: external.reserved_share="
-                f"{self.config.external.reserved_share:g} of the pacing window and capacity allows the external "
-                f"clients {limit} groups reserved at a time"
+                f"{config.external.reserved_share:g} of capacity_groups={config.capacity_groups} allows the "
+                f"external clients {limit} groups reserved at a time"
             )
 
     def release_reservation(self, ticket_id: str, owner: str | None = None) -> int:
@@ -546,5 +554,5 @@ class QueueState:
 
 
 def _share(share: float, n: int) -> int:
-    """``share`` of ``n``, rounded down (0.5 of 16 is 8, not 7 by a rounding error)."""
-    return math.floor(share * n + 1e-9)
+    """``share`` of ``n``, rounded down (0.5 of 16 is 8, not 7 by a rounding error), but at least 1."""
+    return max(1, math.floor(share * n + 1e-9))

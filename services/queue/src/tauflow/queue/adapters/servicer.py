@@ -273,10 +273,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         waiter = _Waiter(wants, max(need, 1), producer_id, external, next(self._arrivals))
         try:
             while True:
+                if waiter.abandoned:
+                    # (before settling: what a wake-up promised it, the finally passes on to the next. Settled
+                    # here and returned, it was lost: the pass that promised it had counted it spent, and the
+                    # waiter behind waited on free room until its wait ended or another change came)
+                    return None
                 woken = waiter.promised > 0
                 line.settle(waiter)
-                if waiter.abandoned:
-                    return None
                 before = self.state.changes
                 try:
                     result = attempt()
@@ -300,7 +303,11 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 waiter.woken.clear()
                 line.waiters[waiter] = None  # (in line already: its place stays)
                 try:
-                    await asyncio.wait_for(waiter.woken.wait(), left)
+                    # (not asyncio.wait_for: on 3.11 it swallows a cancellation that comes after the wake-up, and
+                    # the caller gone took what it was woken for, a ticket held until its TTL, a lease until it
+                    # expired, instead of passing it on)
+                    async with asyncio.timeout(left):
+                        await waiter.woken.wait()
                 except TimeoutError:
                     pass
         finally:
@@ -380,10 +387,13 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
             tickets, groups = self.state.release_producer(request.producer_id)
             # The producer's Reserves still waiting were given up on (its process stops, or was killed) but
             # may not be cancelled here yet: granted now, a ticket would hold room that no one fills.
+            # What a wake-up promised such a waiter goes to the next in line now (the _notify below), not once
+            # its task runs.
             for waiter in self._reserves:
                 if waiter.producer_id == request.producer_id:
                     waiter.abandoned = True
                     waiter.woken.set()
+                    self._reserves.settle(waiter)
             if tickets:
                 log.info(
                     "released a producer's tickets",

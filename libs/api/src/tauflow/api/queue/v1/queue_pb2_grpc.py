@@ -151,15 +151,22 @@ class QueueServiceServicer:
         once, the call waits up to `wait` for room.
         Retry class: idempotent (by request_id: a repeated request returns the
         same ticket).
-        Status: INVALID_ARGUMENT when request_id is empty or n_groups is 0 or
-        larger than the queue can ever grant (on the external port: over
-        external.max_reserve_groups, or over the external clients' share of the
-        pacing window and capacity, external.reserved_share). On the external
-        port, RESOURCE_EXHAUSTED (no ErrorReason; the message names the bound)
-        when the client already holds external.max_reserved_groups reserved groups
-        not yet put (put or release first), or already has
-        external.max_waiting_reserves Reserves waiting and there is no room now. A
-        Reserve past the external clients' share waits for room like any other.
+        Status: INVALID_ARGUMENT when request_id is empty, n_groups is 0, or
+        n_groups is over a bound that never changes while the queue runs: the
+        queue's capacity_groups and, on the external port,
+        external.max_reserve_groups or the external clients' share of
+        capacity_groups (external.reserved_share of it, rounded down, at least 1
+        group). On the internal port also when n_groups is over the pacing window
+        at the current tau ((tau + 1) * groups_per_step). On the external port a
+        Reserve past the external clients' share of the pacing window
+        (external.reserved_share of it, rounded down, at least 1 group) waits for
+        room like any other, even one over the whole share: that share follows
+        tau, which SetMaxStaleness changes live, and such a Reserve is granted
+        once tau is raised and the room is there. On the external port,
+        RESOURCE_EXHAUSTED (no ErrorReason; the message names the bound) when the
+        client already holds external.max_reserved_groups reserved groups not yet
+        put (put or release first), or already has external.max_waiting_reserves
+        Reserves waiting and there is no room now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
