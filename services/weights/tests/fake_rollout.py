@@ -92,6 +92,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeightsFromDistributed(self, request, context):
         if os.environ.get("FAKE_ROLLOUT_STALL") == "1":
             await asyncio.sleep(3600)  # a server that never posts its receives
+        if os.environ.get("FAKE_ROLLOUT_EXIT") == "1":
+            os._exit(1)  # a server that dies as a transfer starts (after the sidecar's probe)
+        if os.environ.get("FAKE_ROLLOUT_REFUSE") == "1":  # a server that refuses every bucket, posting nothing
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused (FAKE_ROLLOUT_REFUSE)")
         try:
             req = bucket_request_from_proto(
                 request, await self._algorithm(request.policy_version, request.manifest_checksum)
@@ -143,6 +147,9 @@ class FakeRollout(rollout_pb2_grpc.RolloutServiceServicer):
             membership_epoch=v.membership_epoch,
         )
         req.load_duration.FromNanoseconds(int(v.load_duration_s * 1e9))
+        if os.environ.get("FAKE_ROLLOUT_FORGET_GROUP") == "1":
+            # a server that leaves its weight group (its connections close) once it confirmed, but still answers
+            await asyncio.to_thread(self.receiver.reset)
         await self.sidecar.ConfirmVersion(req, timeout=10)
 
     async def DestroyWeightsUpdateGroup(self, request, context):

@@ -242,6 +242,74 @@ def test_a_member_that_never_receives_is_dropped_by_the_transfer_deadline(sideca
     assert err.deadline.ToMilliseconds() == 2000
 
 
+def test_a_member_killed_between_versions_holds_the_next_one_up_for_seconds_not_the_group_deadline(
+    sidecar, fakes, stager
+) -> None:
+    """Before the fix the live member got the next version after the group's deadline (group_s, 60 s by
+    default): the transfer started with the dead member, and its receive waited for a bucket that never came.
+    Now the dead member is found before the transfer (its status does not answer) and the group rebuilt."""
+    car = sidecar(**{"deadlines.group_s": 30})
+    stub = weights_stub(car.address)
+    a, b = fakes("fake-a", car.address), fakes("fake-b", car.address)
+    publish(stub, stager, 1)
+    wait_status(stub, lambda s: confirmed("fake-a", 1)(s) and confirmed("fake-b", 1)(s))
+    b.stop(signal.SIGKILL)
+    started = time.monotonic()
+    _, m2 = publish(stub, stager, 2)
+    status = wait_status(stub, confirmed("fake-a", 2), timeout_s=25)
+    assert time.monotonic() - started < 10
+    assert_same_weights(a, 2, m2)
+    dead = member(status, "fake-b")
+    assert dead.state == pb.MEMBER_STATE_FAILED and dead.last_error.phase == pb.BROADCAST_PHASE_TRANSFER
+    assert "unreachable" in dead.last_error.message and dead.last_error.policy_version == 2
+
+
+@pytest.mark.parametrize("fault", ["FAKE_ROLLOUT_EXIT", "FAKE_ROLLOUT_REFUSE"])
+def test_a_member_that_fails_during_a_transfer_has_the_group_aborted_at_once(
+    sidecar, fakes, stager, fault: str
+) -> None:
+    """A member that dies as the transfer starts (after the probe), or refuses the bucket without posting its
+    receives: the group is aborted at once — the sidecar's send ends, the other member's receive is ended by the
+    group's destroy — and the survivor gets the version in a rebuilt group. Before the fix both waited for the
+    group's deadline (30 s here)."""
+    car = sidecar(**{"deadlines.group_s": 30})
+    stub = weights_stub(car.address)
+    a = fakes("fake-a", car.address)
+    fakes("fake-b", car.address, env={fault: "1"})
+    started = time.monotonic()
+    _, m1 = publish(stub, stager, 1)
+    status = wait_status(stub, confirmed("fake-a", 1), timeout_s=25)
+    assert time.monotonic() - started < 12
+    assert_same_weights(a, 1, m1)
+    bad = member(status, "fake-b")
+    assert bad.state == pb.MEMBER_STATE_FAILED
+    assert (bad.last_error.phase, bad.last_error.peer) == (pb.BROADCAST_PHASE_TRANSFER, "fake-b")
+    assert member(status, "fake-a").state == pb.MEMBER_STATE_ACTIVE
+    code = "UNAVAILABLE" if fault == "FAKE_ROLLOUT_EXIT" else "FAILED_PRECONDITION"
+    assert code in bad.last_error.message
+
+
+def test_a_member_left_waiting_in_an_aborted_group_gets_the_version_in_the_next_one(sidecar, fakes, stager) -> None:
+    """fake-b leaves its group between versions (its connections close) but still answers: the sidecar's send
+    fails at it before anything reaches fake-a, whose receive would wait for the group's deadline. fake-b's
+    refusal aborts the group; fake-a's call is left, and the group's destroy ends its receive at once."""
+    car = sidecar(**{"deadlines.group_s": 30})
+    stub = weights_stub(car.address)
+    a = fakes("fake-a", car.address)
+    fakes("fake-b", car.address, env={"FAKE_ROLLOUT_FORGET_GROUP": "1"})
+    publish(stub, stager, 1)
+    wait_status(stub, lambda s: confirmed("fake-a", 1)(s) and confirmed("fake-b", 1)(s))
+    time.sleep(0.5)  # (fake-b has left its group by now)
+    started = time.monotonic()
+    _, m2 = publish(stub, stager, 2)
+    status = wait_status(stub, confirmed("fake-a", 2), timeout_s=25)
+    assert time.monotonic() - started < 12
+    assert_same_weights(a, 2, m2)
+    assert member(status, "fake-b").state == pb.MEMBER_STATE_FAILED
+    assert member(status, "fake-a").state == pb.MEMBER_STATE_ACTIVE
+    assert "member calls left waiting in an aborted group" in car.log_text()
+
+
 def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:
     staging = tmp_path / "staging"
     staging.mkdir()

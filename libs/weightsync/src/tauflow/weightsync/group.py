@@ -12,14 +12,27 @@ Besides the backend's own keys, every rank writes two small keys under
 ``<group_name>/tauflow/`` — ``joined/<rank>`` before the rendezvous and
 ``posted/<rank>`` (``"<version>:<bucket>"``) before it posts the receives of a bucket —
 so that a missed deadline names the ranks that did not arrive.
+
+A group can be aborted from another thread (``WeightGroup.abort``): a broadcast waiting in it raises at
+once, and so does every later one. Its members use that when a peer is known to be gone, instead of
+waiting for the group's timeout: the sender when a member's own call failed, a receiver when the sender
+destroys the group or a newer group forms. NCCL aborts the collective itself; gloo cannot interrupt one
+(it ends at the group's timeout, whatever else happens — a peer's death, the process group's
+``abort``/``shutdown``, even the sender's exit), so the wait stops and the group, never used again, is kept
+aside until its collective ends (dropping it earlier would block the thread that drops it until then).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +44,40 @@ from tauflow.weightsync.errors import Phase, PhaseError, looks_like_timeout
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
+
+# Process groups destroyed while a collective of theirs still ran (gloo's ends only at the group's timeout), with
+# those collectives: kept until they end, then dropped (``_reap_abandoned``).
+_abandoned: list[tuple[Any, list[Any]]] = []
+_abandoned_lock = threading.Lock()
+
+
+@atexit.register
+def _leave_abandoned_at_exit() -> None:
+    """At exit the abandoned process groups are left to the OS, never destroyed: their destructor would block the
+    exit until their collective's timeout, then abort the process."""
+    with _abandoned_lock:
+        for entry in _abandoned:
+            for obj in (entry[0], *entry[1]):
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _reap_abandoned() -> None:
+    """Drops the abandoned process groups whose collectives have ended (their destructor then returns at once)."""
+    with _abandoned_lock:
+        ended = [entry for entry in _abandoned if all(w.get_future().done() for w in entry[1])]
+        _abandoned[:] = [entry for entry in _abandoned if not any(entry is e for e in ended)]
+    del ended  # (outside the lock)
+
+
+def abandoned_groups() -> int:
+    """How many destroyed process groups still wait for a collective of theirs to end."""
+    _reap_abandoned()
+    with _abandoned_lock:
+        return len(_abandoned)
+
+
+class _Aborted(Exception):
+    pass
 
 
 @dataclass(frozen=True)
@@ -68,17 +115,47 @@ class StoreHost:
         self.port = int(self.store.port)
 
 
-def connect_store(address: str, port: int, timeout_s: float, *, label: str = "") -> dist.Store:
-    """A client of the TCPStore at ``address:port``; a failure is a GROUP_INIT error naming it."""
+_connecting: dict[tuple[str, int], Future[dist.Store]] = {}  # connections under way, by address
+_connecting_lock = threading.Lock()
+
+
+def _connect(key: tuple[str, int], timeout_s: float, result: Future[dist.Store]) -> None:
     try:
-        return dist.TCPStore(address, port, is_master=False, timeout=_td(timeout_s))
+        result.set_result(dist.TCPStore(key[0], key[1], is_master=False, timeout=_td(timeout_s)))
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        result.set_exception(e)
+    finally:
+        with _connecting_lock:
+            if _connecting.get(key) is result:
+                del _connecting[key]
+
+
+def connect_store(address: str, port: int, timeout_s: float, *, label: str = "") -> dist.Store:
+    """A client of the TCPStore at ``address:port``; a failure is a GROUP_INIT error naming it.
+
+    Returns or fails within ``timeout_s``: torch's own connect tries again after its timeout (a port nobody
+    serves took up to twice the timeout) and waits without a bound for a listener that never answers, so it
+    runs on a thread of its own, left to end by itself when the caller's time is up. A call for an address
+    whose connection is under way waits for that one (one such thread per address at most)."""
+    key = (address, port)
+    with _connecting_lock:
+        pending = _connecting.get(key)
+        if pending is None:
+            pending = _connecting[key] = Future()
+            threading.Thread(
+                target=_connect, args=(key, timeout_s, pending), name=f"store-connect-{address}:{port}", daemon=True
+            ).start()
+    try:
+        return pending.result(timeout=timeout_s)
     except Exception as e:  # torch raises several types here
+        timed_out = isinstance(e, FutureTimeout)
         raise PhaseError(
             Phase.GROUP_INIT,
             f"store {address}:{port}",
-            f"{label + ': ' if label else ''}cannot connect: {e}",
+            f"{label + ': ' if label else ''}cannot connect: "
+            + (f"no answer within {timeout_s:g}s" if timed_out else str(e)),
             deadline_s=timeout_s,
-            timed_out=looks_like_timeout(e),
+            timed_out=timed_out or looks_like_timeout(e),
         ) from e
 
 
@@ -106,7 +183,11 @@ class WeightGroup:
         self.device = torch.device(device_type(spec.backend))
         self._store = store
         self._meta = dist.PrefixStore(f"{spec.group_name}/tauflow/", store)
-        self._pg = None
+        self._pg: Any = None
+        self._cond = threading.Condition()  # a collective ended, or the group was aborted
+        self._aborted: str | None = None  # why, once aborted or destroyed
+        self._pending: list[Any] = []  # the collectives a broadcast waits for
+        _reap_abandoned()
         started = time.monotonic()
         try:
             self._meta.set(f"joined/{spec.rank}", str(spec.membership_epoch))
@@ -164,16 +245,34 @@ class WeightGroup:
     def broadcast(self, tensors: Sequence[torch.Tensor], *, policy_version: int, bucket_index: int) -> None:
         """Broadcasts ``tensors`` from rank 0, one collective each, in order; receivers pass
         their receive buffers. Returns when all are done; a failure or a missed deadline
-        raises ``PhaseError(TRANSFER)`` naming the peer."""
-        if self._pg is None:
-            raise PhaseError(Phase.TRANSFER, "the group", f"group {self.name!r} was destroyed")
+        raises ``PhaseError(TRANSFER)`` naming the peer, and so does an ``abort`` (at once)."""
+        epoch = self.spec.membership_epoch
+        if self._pg is None or self._aborted is not None:
+            raise PhaseError(
+                Phase.TRANSFER,
+                "the group",
+                f"group {self.name!r} was destroyed"
+                if self._pg is None
+                else f"group {self.name!r} was aborted: {self._aborted}",
+                bucket_index=bucket_index,
+                policy_version=policy_version,
+                membership_epoch=epoch,
+            )
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         try:
             works = [self._pg.broadcast([t], opts) for t in tensors]
-            for w in works:
-                w.wait()
+            self._wait(works)
+        except _Aborted as e:
+            raise PhaseError(
+                Phase.TRANSFER,
+                "the group",
+                f"broadcast in group {self.name!r} was aborted: {e}",
+                bucket_index=bucket_index,
+                policy_version=policy_version,
+                membership_epoch=epoch,
+            ) from None
         except Exception as e:
             peer, ranks = self._peers_missing("posted", f"{policy_version}:{bucket_index}")
             raise PhaseError(
@@ -182,21 +281,93 @@ class WeightGroup:
                 f"broadcast in group {self.name!r} failed: {e}",
                 deadline_s=self.spec.timeout_s,
                 timed_out=looks_like_timeout(e),
-                policy_version=policy_version,
-                membership_epoch=self.spec.membership_epoch,
                 bucket_index=bucket_index,
                 ranks=ranks,
+                policy_version=policy_version,
+                membership_epoch=epoch,
             ) from e
 
+    def _wait(self, works: list[Any]) -> None:
+        """Waits for ``works``; raises _Aborted as soon as the group is aborted."""
+        if self.device.type != "cpu":
+            # NCCL: wait() makes the current stream wait (the CPU does not block); abort() ends a hung collective.
+            for w in works:
+                w.wait()
+            return
+        with self._cond:
+            if self._aborted is not None:
+                raise _Aborted(self._aborted)
+            self._pending = works
+        # (a work's future is done before the work says it is completed: the futures are what the wait watches)
+        futures = [w.get_future() for w in works]
+        for f in futures:  # (a callback of a future already done runs here: the condition is not held)
+            f.add_done_callback(self._notify)
+        with self._cond:
+            # (the timeout only re-checks, should a callback never come: gloo's own deadline ends every work)
+            while self._aborted is None and not all(f.done() for f in futures):
+                self._cond.wait(1.0)
+            if not all(f.done() for f in futures):
+                raise _Aborted(self._aborted)
+            self._pending = []
+        for w in works:
+            w.wait()  # done: returns, or raises the collective's error, at once
+
+    def _notify(self, _: Any) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        """Makes a broadcast waiting in this group (on another thread) raise ``PhaseError(TRANSFER)`` at once,
+        and every later one; the group is not usable any more (``destroy`` it). NCCL's collectives are aborted;
+        gloo's end at the group's timeout in the backend's thread (``destroy`` keeps the group until then)."""
+        with self._cond:
+            if self._aborted is None:
+                self._aborted = reason
+            self._cond.notify_all()
+        if self._pg is not None:
+            self._abort_backend(self._pg)
+
+    def _abort_backend(self, pg: Any) -> None:
+        if self.spec.backend != "nccl":
+            return  # (gloo's abort() interrupts nothing)
+        try:
+            pg.abort()
+        except Exception:  # best effort: the collective then ends at its timeout
+            log.debug("abort of group %s failed", self.name, exc_info=True)
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted is not None
+
     def destroy(self) -> None:
-        """Leaves the group and frees its connections (idempotent)."""
-        pg, self._pg = self._pg, None
+        """Leaves the group and frees its connections (idempotent); never blocks: a broadcast waiting in it
+        raises (as after ``abort``), and a collective that still runs keeps the process group alive, aside,
+        until it ends."""
+        with self._cond:
+            pg, self._pg = self._pg, None
+            if self._aborted is None:
+                self._aborted = "the group was destroyed"
+            pending = [w for w in self._pending if not w.get_future().done()]
+            self._pending = []
+            self._cond.notify_all()
         if pg is None:
             return
-        try:
-            pg.shutdown()
-        except Exception:  # best effort; dropping the reference closes it too
-            log.debug("shutdown of group %s failed", self.name, exc_info=True)
+        if pending:
+            if self.spec.backend == "nccl":
+                self._abort_backend(pg)
+            log.info(
+                "group destroyed while a collective still runs; it is kept until the collective ends",
+                extra={"group": self.name, "collectives": len(pending)},
+            )
+            with _abandoned_lock:
+                _abandoned.append((pg, pending))
+        else:
+            try:
+                pg.shutdown()
+            except Exception:  # best effort; dropping the reference closes it too
+                log.debug("shutdown of group %s failed", self.name, exc_info=True)
+            del pg
+        _reap_abandoned()
 
     @property
     def destroyed(self) -> bool:

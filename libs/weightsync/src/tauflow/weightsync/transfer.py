@@ -181,10 +181,13 @@ class WeightReceiver:
         self.reuse_buffers = reuse_buffers
         # Receive buffers, one per bucket, in two sets used by alternate versions: the tensors
         # handed out for version N stay valid while N+1 arrives and are overwritten by N+2
-        # (the sidecar sends N+1 only after N was confirmed, i.e. swapped in).
+        # (the sidecar sends N+1 only after N was confirmed, i.e. swapped in). The set changes when a
+        # version is complete: a version received again after a failure reuses the set it failed in.
         self._buffers: list[dict[int, torch.Tensor]] = [{}, {}]
-        self._parity = 0
-        self._lock = threading.Lock()
+        self._parity = 0  # the set the next version is received into
+        self._lock = threading.Lock()  # the group and the version being received
+        self._build_lock = threading.Lock()  # one group build at a time (never held with ``_lock`` waited for)
+        self._generation = 0  # counts resets: a build that a reset overtook is not installed
         self._group: WeightGroup | None = None
         self._partial: _Partial | None = None
         self._stores: dict[tuple[str, int], dist.Store] = {}
@@ -205,8 +208,14 @@ class WeightReceiver:
         Idempotent by ``group_name`` with the same arguments. ``ReceiveError('exists')``
         for the same name with other arguments, ``('precondition')`` when a group of a
         newer epoch is held, ``('invalid')`` for bad arguments; ``PhaseError(GROUP_INIT)``
-        when the rendezvous misses its deadline. The group held before is left only once
-        the new one has formed: a refused call keeps it.
+        when the rendezvous misses its deadline (``spec.timeout_s``, once: a store nobody
+        serves included). The group held before is left only once the new one has formed:
+        a refused call keeps it.
+
+        The new group forms without the lock a receive holds (a build may take its whole timeout: receives and
+        ``destroy_group`` go on meanwhile); it is swapped in under it. The group it replaces is aborted first,
+        so that a receive still waiting in it (its sender moved on to the new group) ends at once. One build
+        at a time.
         """
         if not spec.group_name or not spec.master_address:
             raise ReceiveError("invalid", "group_name and master_address must be set")
@@ -216,17 +225,12 @@ class WeightReceiver:
             raise ReceiveError(
                 "invalid", f"rank {spec.rank} must be in 1..{spec.world_size - 1} (rank 0 is the sender)"
             )
-        with self._lock:
-            g = self._group
-            if g is not None and g.name == spec.group_name and not g.destroyed:
-                if g.spec != spec:
-                    raise ReceiveError("exists", f"group {spec.group_name!r} exists with other arguments")
+        if self._held(spec):
+            return 1
+        with self._build_lock:
+            if self._held(spec):  # (built by the call this one waited for)
                 return 1
-            if g is not None and not g.destroyed and g.spec.membership_epoch > spec.membership_epoch:
-                raise ReceiveError(
-                    "precondition",
-                    f"already in group {g.name!r} of epoch {g.spec.membership_epoch}, newer than {spec.membership_epoch}",
-                )
+            generation = self._generation
             # The new group forms first: a request whose group never forms (a store nobody serves, a sender
             # that never joins) is refused and leaves the group held, and a version it was receiving, as they were.
             key = (spec.master_address, spec.master_port)
@@ -234,22 +238,58 @@ class WeightReceiver:
             if store is None:
                 store = connect_store(spec.master_address, spec.master_port, spec.timeout_s, label=self.label)
             new = WeightGroup(store, spec, {0: "sender"})
-            self._stores[key] = store
-            if g is not None:
-                g.destroy()
-            self._group = new
-            self._partial = None
+            old = self._group
+            if (
+                old is not None
+                and self._generation == generation
+                and old.spec.membership_epoch <= spec.membership_epoch
+            ):
+                old.abort(f"group {spec.group_name!r} of epoch {spec.membership_epoch} replaces it")
+            with self._lock:
+                try:
+                    if self._generation != generation:
+                        raise ReceiveError("precondition", "the receiver was reset while the group formed")
+                    self._held(spec)
+                except BaseException:
+                    new.destroy()
+                    raise
+                self._stores[key] = store
+                g = self._group
+                if g is not None:
+                    g.destroy()
+                self._group = new
+                self._partial = None
             log.info(
                 "joined weight group",
                 extra={"group": spec.group_name, "rank": spec.rank, "world_size": spec.world_size},
             )
             return 1
 
+    def _held(self, spec: GroupSpec) -> bool:
+        """Whether the group ``spec`` names is held already; refuses a spec that conflicts with the group held."""
+        g = self._group
+        if g is None or g.destroyed:
+            return False
+        if g.name == spec.group_name:
+            if g.spec != spec:
+                raise ReceiveError("exists", f"group {spec.group_name!r} exists with other arguments")
+            return True
+        if g.spec.membership_epoch > spec.membership_epoch:
+            raise ReceiveError(
+                "precondition",
+                f"already in group {g.name!r} of epoch {g.spec.membership_epoch}, newer than {spec.membership_epoch}",
+            )
+        return False
+
     def destroy_group(self, group_name: str) -> bool:
         """Leaves ``group_name`` (SGLang's destroy_weights_update_group); False when not held.
-        A partially received version is discarded; the last complete one is kept."""
+        A partially received version is discarded (a receive waiting in the group ends at once); the last
+        complete one is kept."""
         if not group_name:
             raise ReceiveError("invalid", "group_name must be set")
+        g = self._group
+        if g is not None and g.name == group_name:
+            g.abort(f"group {group_name!r} was destroyed")  # (ends a receive that holds the lock)
         with self._lock:
             g = self._group
             if g is None or g.name != group_name:
@@ -262,7 +302,12 @@ class WeightReceiver:
     def reset(self) -> None:
         """Forgets the group, a partially received version and the store connections, before this rank
         joins a sidecar again: the one that built them restarted (its next group may have a lower epoch,
-        on a new store) or dropped this rank. The last complete version is kept."""
+        on a new store) or dropped this rank. The last complete version is kept. A receive waiting in the
+        group ends at once; a group build under way is not installed."""
+        self._generation += 1
+        g = self._group
+        if g is not None:
+            g.abort("the receiver was reset")
         with self._lock:
             if self._group is not None:
                 self._group.destroy()
@@ -327,7 +372,6 @@ class WeightReceiver:
         with self._lock:
             group = self._check(req)
             if req.bucket_index == 0:
-                self._parity ^= 1
                 self._partial = _Partial(
                     req.policy_version, req.checksum_algorithm, new_hasher(req.checksum_algorithm), time.monotonic()
                 )
@@ -337,6 +381,9 @@ class WeightReceiver:
                 self._receive(group, req, p)
             except BaseException:
                 self._partial = None
+                # A receive that failed may still be posted (an aborted gloo collective ends at its timeout):
+                # its buffer is not reused, so that nothing the old group delivers late lands in a new version.
+                self._buffers[self._parity].pop(req.bucket_index, None)
                 raise
             p.next_bucket += 1
             if req.bucket_index + 1 < req.bucket_count:
@@ -350,6 +397,7 @@ class WeightReceiver:
                     req.manifest_checksum,
                     loaded,
                 )
+            self._parity ^= 1  # the next version goes into the other set (a refused one's set is reused)
             version = ReceivedVersion(
                 policy_version=req.policy_version,
                 membership_epoch=req.membership_epoch,

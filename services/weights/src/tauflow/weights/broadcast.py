@@ -16,6 +16,13 @@ trainer's shared buffer, which each member copies and checks on its own device.
 
 A member that fails a phase is dropped (state FAILED, with the error) and the others go on from the
 same version in a rebuilt group. Failed rounds are retried with a backoff.
+
+A dead member must not hold the others up for the group's timeout. Before a transfer in a group built
+earlier, every member is probed (its status, one cheap call): one that is not there (UNAVAILABLE) is
+dropped and the group rebuilt first (with no destroy sent to it). During a transfer, a member whose own call fails (not as a victim of
+the collective) has the group aborted at once: the sidecar's send ends, the members still waiting get
+``ABORT_GRACE_S`` to answer and are then left (the group's destroy ends their receive), and the survivors
+get the version in a rebuilt group.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -49,7 +56,8 @@ from tauflow.weightsync import (
 
 tracer = trace.get_tracer("tauflow.weights")
 
-_KEEP_SENT = 8  # versions per member whose checksum a late ConfirmVersion is checked against
+ABORT_GRACE_S = 1.0  # after a member failed on its own: how long the others' calls of the bucket may still answer
+PROBE_S = 2.0  # the probe's deadline (at most deadlines.destroy_s); one that does not answer in time is not blamed
 
 
 def phase_deadlines(deadlines: DeadlinesConfig) -> dict[Phase, float]:
@@ -80,6 +88,18 @@ class Progress:
     buckets_sent: int = 0
     bytes_sent: int = 0
     phase_deadline: float | None = None
+
+
+async def _destroy_call(m: Member, group_name: str, timeout_s: float) -> None:
+    if m.state is MemberState.FAILED and m.unreachable:
+        return  # nothing answers there (each call would take the channel's retries to fail)
+    await m.client.destroy_group(group_name, timeout_s)
+
+
+def _own_failure(call: asyncio.Future[None]) -> bool:
+    """A member call that failed on its own account, not as a victim of the collective."""
+    err = call.exception()
+    return err is not None and not getattr(err, "collateral", False)
 
 
 def _overwritten(err: BaseException) -> bool:
@@ -159,6 +179,8 @@ class Broadcast:
                 span.set_attribute("rl.policy_version", manifest.policy_version)
                 span.set_attribute("weights.bytes", manifest.total_bytes)
                 rebuild = self._new_roster if self.shared else self._rebuild
+                if not self.shared and not self._needs_rebuild():
+                    await self._drop_unreachable(version)
                 if self._needs_rebuild() and not await rebuild():
                     span.set_status(
                         trace.Status(trace.StatusCode.ERROR, str(self.events.last_error or "group init failed"))
@@ -228,8 +250,12 @@ class Broadcast:
         self, phase: Phase, members: list[Member], results: Sequence[object], **ctx: Unpack[FailureContext]
     ) -> None:
         """After a failed phase (``results``: the sidecar's own outcome, then each member's)."""
+        outcomes = {m.member_id: r for m, r in zip(members, results[1:], strict=True)}
         for member_id, err in self._culprits(phase, members, results[1:], results[0], **ctx).items():
-            self.membership.drop(self.membership.members[member_id], err)
+            m = self.membership.members[member_id]
+            outcome = outcomes.get(member_id)
+            m.unreachable = isinstance(outcome, MemberCallFailed) and outcome.code == "UNAVAILABLE"
+            self.membership.drop(m, err)
         self.membership.group_broken = True
 
     async def _destroy_old(self) -> None:
@@ -241,7 +267,7 @@ class Broadcast:
         self._set_phase(Phase.GROUP_DESTROY, destroy_s)
         started = time.monotonic()
         old_members = [self.membership.members[i] for i in ids if i in self.membership.members]
-        calls = [m.client.destroy_group(group.name, destroy_s) for m in old_members]
+        calls = [_destroy_call(m, group.name, destroy_s) for m in old_members]
         results = await asyncio.gather(asyncio.to_thread(group.destroy), *calls, return_exceptions=True)
         for m, r in zip(old_members, results[1:], strict=True):
             if isinstance(r, BaseException) and m.state is not MemberState.FAILED:  # keep a failure's first cause
@@ -325,11 +351,37 @@ class Broadcast:
         self.events.notify()
         return True
 
+    async def _drop_unreachable(self, version: Version) -> None:
+        """Drops the members of the current group that no longer answer at their address (a process that died
+        since the last version): a transfer with them would wait for the group's timeout."""
+        members = [self.membership.members[i] for i in self.membership.group_ids]
+        timeout = min(PROBE_S, self.deadlines.destroy_s)
+
+        async def unreachable(m: Member) -> MemberCallFailed | None:
+            try:
+                await m.client.probe(timeout)  # (the channel tries an UNAVAILABLE status call again by itself)
+            except MemberCallFailed as e:
+                return e if e.code == "UNAVAILABLE" else None  # there, busy or refusing: the transfer will tell
+            return None
+
+        results = await asyncio.gather(*(unreachable(m) for m in members))
+        for m, err in zip(members, results, strict=True):
+            if err is not None and m.state is MemberState.ACTIVE:
+                m.unreachable = True
+                self.membership.drop(
+                    m,
+                    PhaseError(
+                        Phase.TRANSFER,
+                        m.member_id,
+                        f"unreachable before the transfer: {err}",
+                        policy_version=version.manifest.policy_version,
+                        membership_epoch=self.membership.epoch,
+                    ),
+                )
+
     def _record_sent(self, manifest_version: int, checksum: str, members: list[Member]) -> None:
         for m in members:
-            m.sent[manifest_version] = checksum
-            while len(m.sent) > _KEEP_SENT:
-                m.sent.popitem(last=False)
+            m.record_sent(manifest_version, checksum)
 
     async def _transfer_shared(self, version: Version, members: list[Member]) -> bool:
         """ipc: every member loads the version from the trainer's buffer at once."""
@@ -423,7 +475,7 @@ class Broadcast:
                 send_bucket, group, bucket, data, policy_version=manifest.policy_version, load_format=load_format
             )
             calls = [m.client.update_bucket(request, timeout) for m in members]
-            results = await asyncio.gather(send, *calls, return_exceptions=True)
+            results = await self._bucket_outcome(group, send, calls, members)
             if any(isinstance(r, BaseException) for r in results):
                 self._drop_culprits(
                     Phase.TRANSFER,
@@ -446,6 +498,75 @@ class Broadcast:
             extra={"policy_version": manifest.policy_version, "members": len(members), "seconds": round(took, 3)},
         )
         return True
+
+    async def _bucket_outcome(
+        self,
+        group: WeightGroup,
+        send: Coroutine[Any, Any, None],
+        calls: list[Coroutine[Any, Any, None]],
+        members: list[Member],
+    ) -> list[object]:
+        """The outcomes of one bucket: the sidecar's send, then each member's call (None or the exception).
+
+        When a member's call fails on its own (unreachable, refused, past its deadline: not collateral) before
+        the bucket is sent, the collective cannot complete: the group is aborted, so the sidecar's send ends at
+        once; the calls still waiting get ``ABORT_GRACE_S`` to answer, then are cancelled and count as
+        collateral failures (those members are not blamed; the group's destroy ends their receive). Once the
+        sidecar's send has succeeded every other receive has its bytes: their calls are waited for."""
+        sending = asyncio.ensure_future(send)
+        receiving = [asyncio.ensure_future(c) for c in calls]
+        pending: set[asyncio.Future[None]] = {sending, *receiving}
+        loop = asyncio.get_running_loop()
+        until: float | None = None
+        try:
+            while pending:
+                if until is None:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    done, pending = await asyncio.wait(
+                        pending, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:
+                        break
+                sent = sending.done() and sending.exception() is None
+                if until is None and not sent:  # (once the bucket is sent, nobody waits for a gone member)
+                    failed = [
+                        m.member_id
+                        for m, call in zip(members, receiving, strict=True)
+                        if call.done() and _own_failure(call)
+                    ]
+                    if failed:
+                        group.abort(f"member {', '.join(failed)} failed")
+                        until = loop.time() + ABORT_GRACE_S
+        except BaseException:  # (the loop cancelled: the member calls go with it)
+            for call in receiving:
+                call.cancel()
+            raise
+        left = [m for m, call in zip(members, receiving, strict=True) if call in pending]
+        for waiting in pending:
+            waiting.cancel()
+        if left:
+            log.info(
+                "member calls left waiting in an aborted group; the group is rebuilt",
+                extra={"members": [m.member_id for m in left], "group": group.name},
+            )
+        if not sending.done():  # (the abort ends it at once)
+            await asyncio.wait([sending])
+        results: list[object] = [sending.exception()]
+        for m, call in zip(members, receiving, strict=True):
+            if call in pending:
+                results.append(
+                    MemberCallFailed(
+                        "UpdateWeightsFromDistributed",
+                        m.address,
+                        "CANCELLED",
+                        f"left waiting: group {group.name!r} was aborted after another member failed",
+                        collateral=True,
+                    )
+                )
+            else:
+                results.append(call.exception())
+        return results
 
     async def _confirm(self, version: Version, members: list[Member]) -> bool:
         confirm_s = self.deadlines.confirm_s

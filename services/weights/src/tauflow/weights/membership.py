@@ -25,7 +25,9 @@ from tauflow.weights.ports import MemberClient, MemberClientFactory
 from tauflow.weights.retention import Retention, Version
 from tauflow.weightsync import Phase, PhaseError
 
+KEEP_SENT = 8  # versions per member a late ConfirmVersion is checked against (the last ones sent to it)
 MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
+_DIGITS = re.compile(r"\d+")
 # host:port of a member's RolloutService: a DNS name or IPv4 address, or an IPv6 one in brackets
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
@@ -50,14 +52,34 @@ class Member:
     rank_offset: int = 0
     confirmed_version: int | None = None
     confirmed_checksum: str | None = None
-    sent: OrderedDict[int, str] = field(default_factory=OrderedDict)  # version -> checksum broadcast to it
+    # (version, checksum) of the versions broadcast to it, in the order they were sent, the last sent last.
+    # Send order, not version numbers, says which of two versions is the newer for this member: a trainer resumed
+    # from a checkpoint publishes an older number (rebase), and the same number with other weights.
+    sent: OrderedDict[tuple[int, str], None] = field(default_factory=OrderedDict)
     last_error: PhaseError | None = None
     error_at: float | None = None
+    unreachable: bool = False  # dropped because nothing answered at its address
 
     def has(self, version: Version) -> bool:
         return self.confirmed_version == version.manifest.policy_version and (
             self.confirmed_checksum is None or self.confirmed_checksum == version.manifest.checksum
         )
+
+    def record_sent(self, version: int, checksum: str) -> None:
+        """``version`` (with ``checksum``) is being broadcast to this member: it is now the last one sent."""
+        key = (version, checksum)
+        self.sent[key] = None
+        self.sent.move_to_end(key)
+        while len(self.sent) > KEEP_SENT:
+            self.sent.popitem(last=False)  # the one sent longest ago
+
+    def sent_position(self, version: int | None, checksum: str | None) -> int:
+        """Where (version, checksum) is in the send order; -1 when not among the versions kept (a version
+        loaded before it joined, or sent before all of them)."""
+        for i, key in enumerate(self.sent):
+            if key == (version, checksum):
+                return i
+        return -1
 
 
 class Membership:
@@ -226,7 +248,25 @@ class Membership:
     def confirm(
         self, member_id: str, version: int, manifest_checksum: str, loaded_checksum: str, load_s: float | None = None
     ) -> int | None:
-        """Records that a member swapped ``version`` in; returns the newest accepted version."""
+        """Records that a member swapped ``version`` in; returns the newest accepted version.
+
+        A confirm is judged by the order the versions were sent to the member, not by their numbers: it is
+        refused (stale) only when the member already confirmed a version sent to it after this one. After a
+        rebase the sidecar sends an older number (or the same number with other weights) than the member
+        confirmed, and that version's confirm must count."""
+        try:
+            return self._confirm(member_id, version, manifest_checksum, loaded_checksum, load_s)
+        except (InvalidRequest, NotFound, FailedPrecondition) as e:
+            self.events.warn_limited(
+                ("confirm", member_id[:128], _DIGITS.sub("N", str(e)[:160])),  # (per member and kind of refusal)
+                "ConfirmVersion refused",
+                {"member_id": member_id[:128], "policy_version": version, "reason": str(e)},
+            )
+            raise
+
+    def _confirm(
+        self, member_id: str, version: int, manifest_checksum: str, loaded_checksum: str, load_s: float | None
+    ) -> int | None:
         if not member_id:
             raise InvalidRequest("member_id must be set")
         m = self.members.get(member_id)
@@ -235,26 +275,30 @@ class Membership:
         if m.state is MemberState.FAILED:
             raise NotFound(f"{member_id!r} was dropped ({m.last_error}); Join again")
         latest = self.retention.latest_version
-        sent = m.sent.get(version)
-        if sent is None:
+        sent = [checksum for v, checksum in m.sent if v == version]  # oldest first
+        if not sent:
             raise FailedPrecondition(f"version {version} was never broadcast to {member_id!r}")
-        if m.confirmed_version == version and m.confirmed_checksum == sent:
-            return latest
-        if manifest_checksum != sent or (loaded_checksum and loaded_checksum != sent):
+        key = (version, manifest_checksum)
+        if (m.confirmed_version, m.confirmed_checksum) == key and manifest_checksum in sent:
+            return latest  # a repeat
+        if manifest_checksum not in sent or (loaded_checksum and loaded_checksum != manifest_checksum):
             err = PhaseError(
                 Phase.CONFIRM,
                 member_id,
-                f"checksum mismatch: the manifest of version {version} has {sent}, the member reports "
+                f"checksum mismatch: the manifest of version {version} has {sent[-1]}, the member reports "
                 f"manifest_checksum {manifest_checksum!r} and loaded_checksum {loaded_checksum!r}",
                 policy_version=version,
                 membership_epoch=self.epoch,
             )
             self.drop(m, err)
             raise DataLoss(str(err))
-        if m.confirmed_version is not None and version < m.confirmed_version and version != latest:
-            raise FailedPrecondition(f"version {version} is older than version {m.confirmed_version} it confirmed")
+        if m.sent_position(version, manifest_checksum) < m.sent_position(m.confirmed_version, m.confirmed_checksum):
+            raise FailedPrecondition(
+                f"version {version} is older than version {m.confirmed_version} it confirmed (it was sent to "
+                f"{member_id!r} before that one)"
+            )
         m.confirmed_version = version
-        m.confirmed_checksum = sent
+        m.confirmed_checksum = manifest_checksum
         if load_s is not None:
             self.metrics.load_seconds.observe(load_s)
         self.events.notify()

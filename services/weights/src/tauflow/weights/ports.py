@@ -35,6 +35,11 @@ class MemberClient(Protocol):
 
     async def update_from_shared(self, request: SharedRequest, timeout_s: float) -> None: ...
 
+    async def probe(self, timeout_s: float) -> None:
+        """A cheap call (the server's status): ``MemberCallFailed`` with code ``UNAVAILABLE`` when nothing
+        answers at the address (a dead process)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -58,5 +58,8 @@ class RolloutMemberClient:
     async def update_from_shared(self, request: SharedRequest, timeout_s: float) -> None:
         await self._call("UpdateWeightsFromTensor", shared_request_to_proto(request), timeout_s)
 
+    async def probe(self, timeout_s: float) -> None:
+        await self._call("GetStatus", rollout_pb2.GetStatusRequest(), timeout_s)
+
     async def close(self) -> None:
         await self.channel.close()

@@ -209,8 +209,9 @@ class WeightsServiceServicer:
         `manifest_checksum`: confirming the same version twice records it once).
         Status: INVALID_ARGUMENT when `member_id` is empty; NOT_FOUND when
         `member_id` is not a member (Join first); FAILED_PRECONDITION when the
-        version is older than one the member already confirmed, or was never
-        broadcast to it; DATA_LOSS when `manifest_checksum` or `loaded_checksum`
+        version was sent to the member before a version it confirmed since (send
+        order, not version numbers: after a rebase an older number is the newer
+        version), or was never broadcast to it; DATA_LOSS when `manifest_checksum` or `loaded_checksum`
         differs from the manifest's checksum (the sidecar drops the member and
         resends the version after it rejoins).
         """
