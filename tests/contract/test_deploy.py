@@ -121,7 +121,7 @@ def test_the_deployed_services_train_the_embedded_default_recipe(tmp_path: Path)
         expected = run._settings(role, dict(external))
         deployed = flatten(config(role))
         for key, value in expected.items():
-            if key.endswith(("_address", "model_path", "dataset", "wal.dir", "checkpoint_dir")):
+            if key.endswith(("_address", "model_path", "dataset", "wal.dir", "checkpoint_dir", "token_file")):
                 continue  # where things are differs by deployment; checked below and by the compose/k8s tests
             assert deployed.get(key) == value, (
                 f"deploy/config/{role}.yaml: {key} is {deployed.get(key)!r}, the embedded default's is {value!r}"
@@ -319,6 +319,22 @@ def test_compose_mounts_each_role_its_config_and_keeps_state_and_data_on_named_v
     for role, paths in data.items():
         for path in paths:
             assert _mount_of(path, _mounts(services[role])) == prepared, f"{role} reads {path} from the data volume"
+
+
+RUN_TOKEN_FILE = "/etc/tauflow-secrets/run-token"
+
+
+def test_every_role_reads_the_run_token_from_the_secret() -> None:
+    for role in ROLES:
+        assert config(role)["auth"]["token_file"] == RUN_TOKEN_FILE, role
+
+
+def test_compose_gives_each_role_the_run_token_as_a_secret_no_image_holds() -> None:
+    services = compose()["services"]
+    assert compose()["secrets"]["run-token"] == {"file": "./run-token"}
+    assert "deploy/run-token" in (ROOT / ".gitignore").read_text().split()
+    for role in ROLES:
+        assert {"source": "run-token", "target": RUN_TOKEN_FILE} in services[role]["secrets"], role
 
 
 def test_compose_trainer_shares_the_sidecars_shared_memory_and_rollout_advertises_its_name() -> None:
@@ -566,6 +582,24 @@ def test_every_tauflow_pod_runs_unprivileged(overlay: Path) -> None:
         for c in [*pod.get("initContainers", []), *pod["containers"]]:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, (name, c["name"])
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_every_tauflow_container_reads_the_run_token_from_its_secret(overlay: Path) -> None:
+    """Every process of a role (the trainer's other ranks too) has the file its auth.token_file names,
+    readable by the image's user through the pod's group."""
+    directory, name = RUN_TOKEN_FILE.rsplit("/", 1)
+    for workload_name, workload in _workloads(rendered(overlay)).items():
+        pod = workload["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if not c.get("command", [""])[0].startswith("tauflow-"):
+                continue
+            (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == directory]
+            assert mount.get("readOnly") is True, (workload_name, c["name"])
+            (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert volume["secret"]["secretName"] == "tauflow-run-token" and name != "", workload_name
+            assert volume["secret"]["defaultMode"] & 0o040 and not volume["secret"]["defaultMode"] & 0o007
+            assert pod["securityContext"]["fsGroup"] == IMAGE_USER, workload_name
 
 
 def test_the_cpu_overlays_prepare_the_embedded_default_before_the_roles_read_it() -> None:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from tauflow.core.auth import load_run_token, run_token
 from tauflow.core.config import ConfigError, ServiceConfig, load_config
 from tauflow.core.logs import setup_logging
 from tauflow.core.metrics import start_metrics_server
@@ -78,6 +79,8 @@ def service_main(
             serving = True
 
         try:
+            if config.auth.token_file:
+                load_run_token(config.auth.token_file)  # (a bad file is a failure to start, naming it)
             setup_telemetry(service, version)  # (OTEL_* variables can be wrong too)
             ready_info: dict[str, Any] = {"service": service, "version": version}
             if config.metrics.enabled:
@@ -119,4 +122,6 @@ def one_line(error: BaseException) -> str:
 
 async def _run(build, config, ready_info, ready_file, started) -> None:
     app = await build(config)
-    await serve(app, config.server, ready_info=ready_info, ready_file=ready_file, started=started)
+    await serve(
+        app, config.server, ready_info=ready_info, ready_file=ready_file, started=started, run_token=run_token()
+    )

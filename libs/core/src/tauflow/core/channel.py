@@ -1,6 +1,7 @@
 """The one client channel factory.
 
-Every call gets a deadline (the caller's, else ``default_timeout_s``); keepalive
+Every call gets a deadline (the caller's, else ``default_timeout_s``) and the process's run token
+(``authorization: Bearer``, tauflow.core.auth) unless the channel leads outside the run; keepalive
 and message-size limits are set; and gRPC's own retry policy is enabled only
 for the methods whose contract declares ``idempotency_level = IDEMPOTENT`` or
 ``NO_SIDE_EFFECTS``: a non-idempotent call is never sent twice.
@@ -16,6 +17,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from tauflow.api.retry import RetryPolicy, service_config_json
+from tauflow.core.auth import run_token
 from tauflow.core.config import ChannelConfig
 from tauflow.core.server import message_size_options
 
@@ -48,20 +50,29 @@ def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig
 
 
 class _DefaultDeadline:
-    """Client interceptor (sync and asyncio) that gives every call a deadline."""
+    """Client interceptor (sync and asyncio) that gives every call a deadline, and the run token when the
+    process has one (read at each call: a token loaded after the channel was made is sent too)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, send_run_token: bool = True) -> None:
         self.timeout_s = timeout_s
+        self.send_run_token = send_run_token
 
     def _details(self, details: Any) -> Any:
-        if details.timeout is not None:
+        token = run_token() if self.send_run_token else ""
+        if details.timeout is not None and not token:
             return details
+        timeout = self.timeout_s if details.timeout is None else details.timeout
+        metadata = details.metadata
+        if token and not any(key == "authorization" for key, _ in metadata or ()):
+            metadata = (*(metadata or ()), ("authorization", f"Bearer {token}"))
         if isinstance(details, grpc.aio.ClientCallDetails):
-            return details._replace(timeout=self.timeout_s)
+            if metadata is not None and not isinstance(metadata, grpc.aio.Metadata):
+                metadata = grpc.aio.Metadata(*metadata)
+            return details._replace(timeout=timeout, metadata=metadata)
         return _SyncCallDetails(
             details.method,
-            self.timeout_s,
-            details.metadata,
+            timeout,
+            metadata,
             details.credentials,
             getattr(details, "wait_for_ready", None),
             getattr(details, "compression", None),
@@ -117,14 +128,17 @@ def create_channel(
     target: str,
     services: Sequence[ServiceDescriptor],
     config: ChannelConfig | None = None,
+    *,
+    send_run_token: bool = True,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` for calling ``services``."""
+    """An asyncio channel to ``target`` for calling ``services``; ``send_run_token=False`` for a server
+    outside the run, which must never see the run's token."""
     config = config or ChannelConfig()
-    t = config.default_timeout_s
+    t, s = config.default_timeout_s, send_run_token
     return grpc.aio.insecure_channel(
         target,
         options=channel_options(services, config),
-        interceptors=[_AioUnaryUnary(t), _AioUnaryStream(t), _AioStreamUnary(t), _AioStreamStream(t)],
+        interceptors=[_AioUnaryUnary(t, s), _AioUnaryStream(t, s), _AioStreamUnary(t, s), _AioStreamStream(t, s)],
     )
 
 
@@ -132,8 +146,10 @@ def create_sync_channel(
     target: str,
     services: Sequence[ServiceDescriptor],
     config: ChannelConfig | None = None,
+    *,
+    send_run_token: bool = True,
 ) -> grpc.Channel:
     """A blocking channel, for scripts, tests and benchmarks; same policy as ``create_channel``."""
     config = config or ChannelConfig()
     channel = grpc.insecure_channel(target, options=channel_options(services, config))
-    return grpc.intercept_channel(channel, _SyncDefaultDeadline(config.default_timeout_s))
+    return grpc.intercept_channel(channel, _SyncDefaultDeadline(config.default_timeout_s, send_run_token))

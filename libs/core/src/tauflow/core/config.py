@@ -138,12 +138,24 @@ class LogConfig(StrictModel):
         return logging.getLevelName(self.level) <= logging.DEBUG
 
 
+class AuthConfig(StrictModel):
+    """The run token (tauflow.core.auth): the control methods of this process's server need it, and its
+    channels send it."""
+
+    token_file: str = Field(
+        "",
+        description="file holding the run's token (a mounted Secret; `tauflow run` writes one per run); "
+        "empty: control methods are open to any caller",
+    )
+
+
 class ServiceConfig(StrictModel):
     """Sections every service has; a service's config subclasses this."""
 
     server: ServerConfig = ServerConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    auth: AuthConfig = AuthConfig()
 
     @model_validator(mode="after")
     def _one_socket_per_port(self) -> ServiceConfig:
@@ -234,11 +246,12 @@ def _set_path(data: dict[str, Any], path: list[str], value: Any, source: str) ->
     node[path[-1]] = value
 
 
-def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, mappings merged key by key; neither is changed."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -272,7 +285,7 @@ def load_config(
                 keys = name[len(env_prefix) :].lower().split("__")
                 layer: dict[str, Any] = {}
                 _set_path(layer, keys, parse_value(env[name]), f"environment variable {name}")
-                data = _deep_merge(data, layer)
+                data = deep_merge(data, layer)
                 origin[tuple(keys)] = f"environment variable {name}"
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -281,7 +294,7 @@ def load_config(
         keys = key.strip().split(".")
         layer = {}
         _set_path(layer, keys, parse_value(value), f"override {item!r}")
-        data = _deep_merge(data, layer)
+        data = deep_merge(data, layer)
         origin[tuple(keys)] = f"override {item!r}"
     try:
         return model.model_validate(data)

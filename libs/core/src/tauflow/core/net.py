@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -11,3 +12,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, maybe in brackets) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -50,10 +50,12 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from tauflow.core import health
+from tauflow.core.auth import CONTROL_METHODS, RunTokenAuth
 from tauflow.core.config import ServerConfig
 from tauflow.core.decoding import add_handlers, checked_handlers, servicer_adder
 from tauflow.core.files import write_atomic
 from tauflow.core.metrics import ServerMetrics
+from tauflow.core.net import is_loopback
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import ServerInfoServicer, server_info
 
@@ -293,6 +295,7 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         key: str = "server",
+        run_token: str = "",
     ) -> None:
         self.config = config
         self.credentials = credentials
@@ -304,6 +307,13 @@ class GrpcServer:
             ServiceBinding(INFO_SERVICE, ServerInfoServicer(info), servicer_adder(INFO_SERVICE)),
         ]
         self.catch_all = CatchAll(server_metrics())
+        if run_token:
+            interceptors = [RunTokenAuth(run_token), *interceptors]
+        elif not is_loopback(config.host) and any(b.descriptor.full_name in CONTROL_METHODS for b in bindings):
+            log.warning(
+                "no run token (auth.token_file): the control methods are open to any caller that reaches the port",
+                extra={"key": f"{key}.host", "host": config.host},
+            )
         self.server = grpc.aio.server(
             # First, so that it guards what the others return too. A keyword: telemetry's instrumentation
             # adds its own.
@@ -372,12 +382,15 @@ async def serve(
     ready_info: dict[str, Any] | None = None,
     ready_file: str | None = None,
     started: Callable[[], None] | None = None,
+    run_token: str = "",
 ) -> None:
     """Serves ``app`` until SIGTERM/SIGINT, then drains and closes it. ``started`` is called once every
-    server serves and the ready file is written: an exception before it is a failure to start."""
+    server serves and the ready file is written: an exception before it is a failure to start. With
+    ``run_token``, the main server's control methods need it (tauflow.core.auth); the extra servers have
+    their own interceptors."""
     ready_info = ready_info or {}
     role, version = ready_info.get("service", ""), ready_info.get("version", "")
-    server = GrpcServer(app.bindings, config, role=role, version=version)
+    server = GrpcServer(app.bindings, config, role=role, version=version, run_token=run_token)
     extras = {
         extra.name: GrpcServer(
             extra.bindings,

@@ -101,6 +101,7 @@ async def execute_with_control(run: Run) -> RunSummary:
         role="controller",
         version=__version__,
         key="control",
+        run_token=run.run_token,
     )
     port = await server.start()
     await server.set_serving(True)
@@ -123,7 +124,10 @@ def _cancelling() -> bool:
 
 
 async def build(config: ControllerConfig) -> ServiceApp:
-    run = build_run(config.run, serve_metrics=False)  # its metrics are on this service's /metrics
+    run_config = config.run
+    if config.auth.token_file and not run_config.token_file:  # the service's token is the run's
+        run_config = run_config.model_copy(update={"token_file": config.auth.token_file})
+    run = build_run(run_config, serve_metrics=False)  # its metrics are on this service's /metrics
     servicer = ControllerServicer(run)
 
     async def execute() -> None:

@@ -107,7 +107,8 @@ def control_command(args: argparse.Namespace) -> int:
     """``tauflow scale``, ``set`` and ``status`` against a running run."""
 
     async def call() -> str:
-        client = ControllerClient(find_run(args.run or getattr(args, "run_option", None)))
+        address, token_file = find_run(args.run or getattr(args, "run_option", None))
+        client = ControllerClient(address, args.token_file or token_file)
         try:
             if args.command == "scale":
                 previous, replicas = await client.scale_rollout(args.replicas)
@@ -183,18 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     where = (
         "the run: its directory (out_dir) or its ControllerService's host:port; default: the only live run under ./runs"
     )
+    token_help = (
+        "the run token's file, which scale and set need (default: the one the run directory's "
+        "controller.ready.json names; give it with a host:port)"
+    )
     scale = sub.add_parser("scale", help="change the number of rollout servers of a running run")
     scale.add_argument("role", choices=["rollout"], help="the role to scale (rollout)")
     scale.add_argument("replicas", type=int, help="rollout servers wanted (1-256)")
     scale.add_argument("--run", help=where)
+    scale.add_argument("--token-file", help=token_help)
     set_ = sub.add_parser("set", help="change a running run's staleness bound tau")
     set_.add_argument("key", choices=["max-staleness"], help="what to set (max-staleness: tau)")
     set_.add_argument("value", type=int, help="0 on-policy, N bounded, -1 unbounded")
     set_.add_argument("--run", help=where)
+    set_.add_argument("--token-file", help=token_help)
     status = sub.add_parser("status", help="a running run's progress and every process of every role")
     status.add_argument("run", nargs="?", help=where)
     status.add_argument("--run", dest="run_option", metavar="RUN", help="the same, as scale and set take it")
     status.add_argument("--json", action="store_true", help="as JSON")
+    status.add_argument("--token-file", help=token_help)
     trace = sub.add_parser("trace", help="a run's spans as the rollout-to-update latency breakdown (table and PNG)")
     trace.add_argument("path", help="a run folder (its traces.jsonl) or a span file written with traces_file")
     trace.add_argument("--png", help="where the chart goes (default: traces.png beside the span file)")

@@ -150,6 +150,12 @@ class RunConfig(StrictModel):
         600.0, gt=0, description="fail the run when the trainer makes no step for this long (a stall, not a slow step)"
     )
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    token_file: str = Field(
+        "",
+        description="the run token's file (tauflow.core.auth: control methods need the token): every role's "
+        "auth.token_file and what the controller sends. Empty: <out_dir>/run.token, written (0600) by the first run there; "
+        "launcher external: the file (a mounted Secret) the deployed roles read too",
+    )
     traces_file: str = Field(
         "",
         description="write every service's spans here as JSON lines (relative: under out_dir); empty: off. "

@@ -54,7 +54,7 @@ from typing import Any, Protocol
 
 from tauflow.controller.health import HealthProbe
 from tauflow.controller.ports import HealthCheck
-from tauflow.core.config import parse_value
+from tauflow.core.config import deep_merge, parse_value
 from tauflow.core.lifeline import HARD_EXIT_MARGIN_S, PARENT_PID_ENV
 from tauflow.core.net import free_port
 
@@ -669,7 +669,7 @@ def nested(settings: Mapping[str, Any]) -> dict[str, Any]:
         layer: Any = _plain(value)
         for part in reversed(str(key).split(".")):
             layer = {part: layer}
-        data = _merge(data, layer)
+        data = deep_merge(data, layer)
     return data
 
 
@@ -715,7 +715,7 @@ def service_env(
                 layer: Any = parse_value(value)
                 for part in reversed(path):
                     layer = {part: layer}
-                merged = _merge(layer, merged)  # (the run's settings on top)
+                merged = deep_merge(layer, merged)  # (the run's settings on top)
                 continue
         out[name] = value
     return merged, out
@@ -741,17 +741,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``, mappings merged key by key (what the service's config loader does)."""
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _lookup(data: Any, path: list[str]) -> Any:

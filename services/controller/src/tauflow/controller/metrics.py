@@ -157,14 +157,17 @@ def controller_metrics() -> ControllerMetrics:
         return _metrics
 
 
-def serve(out_dir: Path, control_address: str = "") -> MetricsServer:
+def serve(out_dir: Path, control_address: str = "", token_file: str = "") -> MetricsServer:
     """Serves the process's metrics for ``tauflow run`` and records the port in ``out_dir``, with the address
-    of the run's ControllerService (``control_address``: tauflow scale, set and status find the run there)."""
+    of the run's ControllerService (``control_address``: tauflow scale, set and status find the run there) and
+    the path (not the content) of the run token's file."""
     host = os.environ.get("TAUFLOW_METRICS_HOST", "127.0.0.1")
     server = serve_metrics(host, int(os.environ.get("TAUFLOW_METRICS_PORT", "0")))
     info = {"service": "controller", "pid": os.getpid(), "metrics_host": host, "metrics_port": server.port}
     if control_address:
         info["control_address"] = control_address
+    if token_file:
+        info["token_file"] = token_file
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / READY_FILE, info)
     log.info("serving metrics", extra={"address": f"{host}:{server.port}"})

@@ -59,6 +59,7 @@ from tauflow.controller.launcher import (
     write_settings,
 )
 from tauflow.controller.secrets import redact_text
+from tauflow.core.auth import run_token, write_token_file
 from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class RayLauncher(ProcessLauncher):
             svc.restarts,
             previous_pid,
             self.stop_grace_s,
+            run_token(),  # (through Ray's object store: written on the node for the process, never logged)
         )
         try:
             placed = ray.get(call, timeout=self.start_timeout_s)
@@ -316,6 +318,7 @@ class ServiceHost:
         restarts: int,
         previous_pid: int | None,
         grace_s: float,
+        token: str = "",
     ) -> dict[str, Any]:
         import ray
 
@@ -328,6 +331,9 @@ class ServiceHost:
             bind["store.host"] = self.host  # the TCPStore rollout engines rendezvous on
         Path(ready_file).unlink(missing_ok=True)
         self.ready_file = ready_file
+        token_file = settings.get("auth.token_file")
+        if token and token_file:  # the run token at the path the controller's node has it (the same on one node)
+            write_token_file(str(token_file), token)
         file_settings, child_env = service_env(role, {**bind, **settings}, {**os.environ, **env})
         write_settings(settings_file, file_settings)  # (on this node: not on the command line, which anyone reads)
         self.proc = spawn_service(

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from tauflow.controller.config import JUDGE, MAX_ROLLOUT_REPLICAS, ROLES, SCORERS, TEACHER, RunConfig, flatten
 from tauflow.controller.dial import TauChange
@@ -41,6 +42,7 @@ from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+from tauflow.core.auth import TokenFileError, load_run_token, new_token, read_token_file, write_token_file
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
 from tauflow.media import DataRow
@@ -51,6 +53,7 @@ POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
 CHECK_TIMEOUT_S = 5.0  # the check of a restarted process: a hung one must not hold the loop (it restarts the others)
+RUN_TOKEN_FILE = "run.token"  # in out_dir, 0600, written by the first run there (tauflow.core.auth)
 STOP_ORDER = [
     "rollout",
     "trainer",
@@ -128,6 +131,14 @@ class Run:
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
         self.metrics_port: int | None = None
         self.control_address = ""  # where ControllerService answers for this run (tauflow run serves one)
+        # The run token (tauflow.core.auth): every role's control methods need it; this process's channels send it.
+        self.token_file = Path(config.token_file) if config.token_file else self.out_dir / RUN_TOKEN_FILE
+        if not config.token_file:
+            try:  # one token per out_dir: services deployed with it (launcher external) keep working across runs
+                read_token_file(self.token_file)
+            except TokenFileError:
+                write_token_file(self.token_file, new_token())
+        self.run_token = load_run_token(self.token_file)
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
@@ -195,7 +206,7 @@ class Run:
                 **flatten({"data": config.data.model_dump(exclude_defaults=True)}),  # (the defaults are the service's)
             },
         }
-        return {**base[role], **flatten(config.services.get(role, {}))}
+        return {**base[role], "auth.token_file": str(self.token_file), **flatten(config.services.get(role, {}))}
 
     def _spec(self, role: str, index: int, addresses: Mapping[str, str]) -> ServiceSpec:
         """The process ``index`` of ``role``: a rollout replica (its own server id and seed) or a trainer rank."""
@@ -625,7 +636,9 @@ class Run:
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)
-        metrics_server = serve_metrics(self.out_dir, self.control_address) if self.serve_metrics else None
+        metrics_server = (
+            serve_metrics(self.out_dir, self.control_address, str(self.token_file)) if self.serve_metrics else None
+        )
         self.metrics_port = metrics_server.port if metrics_server else None
         try:
             addresses = await asyncio.to_thread(self.launch)

@@ -12,6 +12,7 @@ import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.metrics import READY_FILE
+from tauflow.core.auth import TokenFileError, read_token_file
 from tauflow.core.channel import create_channel
 
 SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
@@ -54,15 +55,28 @@ def live_runs(root: Path = Path("runs")) -> list[Path]:
     return found
 
 
-def find_run(run: str | None) -> str:
-    """The address of the run named (a directory or host:port), or of the only live run under ./runs."""
-    if run:
-        return control_address(run)
-    live = live_runs()
-    if len(live) != 1:
-        where = ", ".join(str(p) for p in live) or "none"
-        raise ControlError(f"say which run (--run DIR or --run HOST:PORT): live runs under ./runs: {where}")
-    return control_address(str(live[0]))
+def control_token_file(run: str) -> str:
+    """The run token's file of the run in directory ``run`` (controller.ready.json names it); "" for a
+    host:port or a run that records none."""
+    path = Path(run)
+    if not path.is_dir():
+        return ""
+    try:
+        return str(json.loads((path / READY_FILE).read_text()).get("token_file", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def find_run(run: str | None) -> tuple[str, str]:
+    """The address and the token file of the run named (a directory or host:port), or of the only live run
+    under ./runs."""
+    if not run:
+        live = live_runs()
+        if len(live) != 1:
+            where = ", ".join(str(p) for p in live) or "none"
+            raise ControlError(f"say which run (--run DIR or --run HOST:PORT): live runs under ./runs: {where}")
+        run = str(live[0])
+    return control_address(run), control_token_file(run)
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,16 @@ class Status:
 
 
 class ControllerClient:
-    def __init__(self, address: str) -> None:
+    """``token_file``: the run token's file, which the control calls (scale, set) need (tauflow.core.auth)."""
+
+    def __init__(self, address: str, token_file: str = "") -> None:
         self.address = address
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        if token_file:
+            try:
+                self._metadata = (("authorization", f"Bearer {read_token_file(token_file)}"),)
+            except TokenFileError as e:
+                raise ControlError(str(e)) from None
         self._channel = create_channel(address, [SERVICE])
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
 
@@ -120,7 +142,7 @@ class ControllerClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=CALL_TIMEOUT_S)
+            return await method(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata or None)
         except grpc.aio.AioRpcError as e:
             raise ControlError(f"{e.code().name}: {e.details() or 'no details'} ({self.address})") from None
 

@@ -15,10 +15,9 @@ Decisions: docs/external-sources.md.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -27,6 +26,8 @@ from grpc_health.v1 import health_pb2
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.auth import bearer_token, refusal
+from tauflow.core.net import is_loopback
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.queue.adapters import wire
@@ -52,18 +53,6 @@ PUBLIC_SERVICES = frozenset(
 )
 CLIENT: ContextVar[str] = ContextVar("tauflow_queue_external_client", default="")
 _WARN_EVERY_S = 10.0
-
-
-def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
-    """(token, "") from ``authorization: Bearer <token>``, or ("", why not)."""
-    values = [v for k, v in metadata or () if k == "authorization"]
-    if not values:
-        return "", "missing `authorization: Bearer <token>` metadata"
-    value = values[0].decode() if isinstance(values[0], bytes) else values[0]
-    scheme, _, token = value.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return "", "the authorization metadata must be `Bearer <token>`"
-    return token.strip(), ""
 
 
 class BearerTokenAuth(grpc.aio.ServerInterceptor):
@@ -94,7 +83,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
             why = why or "the bearer token is not one of the queue's client tokens"
             self.metrics.external_rejected.labels(UNKNOWN_CLIENT, label, "UNAUTHENTICATED").inc()
             self._warn(details.method, why)
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, why)
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, why)
         if handler is None:
             self.metrics.external_rejected.labels(client, "other", "UNIMPLEMENTED").inc()
             return None  # gRPC answers UNIMPLEMENTED: the external port serves producers only
@@ -130,26 +119,6 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         if now - self._warned_at >= _WARN_EVERY_S:
             log.warning("external call refused", extra={"method": method, "why": why, "refused": self._unwarned})
             self._warned_at, self._unwarned = now, 0
-
-
-def _refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers ``code`` without reading the request."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        # (a response-streaming handler must be an async generator, or grpc.aio answers UNKNOWN)
-        await context.abort(code, message)
-        yield  # pragma: no cover - abort raises
-
-    if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class ProducerServicer:
@@ -232,7 +201,7 @@ def external_server(config: ExternalConfig, queue: QueueServicer, metrics: Queue
     credentials = None
     if config.tls_cert_file:
         credentials = tls_server_credentials(config.tls_cert_file, config.tls_key_file)
-    elif not _is_loopback(config.host):
+    elif not is_loopback(config.host):
         log.warning(
             "the external port listens beyond loopback without TLS: bearer tokens travel in clear text",
             extra={"host": config.host},
@@ -244,12 +213,3 @@ def external_server(config: ExternalConfig, queue: QueueServicer, metrics: Queue
         functools.partial(add_queue_servicer_to_server, methods=PRODUCER_METHODS),
     )
     return ExtraServer("external", [binding], config, [BearerTokenAuth(tokens, metrics)], credentials)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -26,7 +26,9 @@ class ScoreFailed(Exception):
 def _stub(url: str) -> reward_pb2_grpc.RewardServiceStub:
     with _lock:
         if url not in _stubs:
-            _stubs[url] = reward_pb2_grpc.RewardServiceStub(create_sync_channel(urlsplit(url).netloc, [SERVICE]))
+            # (another service, maybe another cluster's: it never sees this run's token)
+            channel = create_sync_channel(urlsplit(url).netloc, [SERVICE], send_run_token=False)
+            _stubs[url] = reward_pb2_grpc.RewardServiceStub(channel)
         return _stubs[url]
 
 
