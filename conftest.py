@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+@pytest.fixture(autouse=True)
+def _no_run_token_after_a_test() -> object:
+    """A Run makes its token the process's (tauflow.core.auth); a later test must not send it."""
+    yield
+    import sys
+
+    auth = sys.modules.get("tauflow.core.auth")  # (not imported where no test used it)
+    if auth is not None:
+        auth.use_run_token("")

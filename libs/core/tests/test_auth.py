@@ -46,6 +46,7 @@ class Queue(queue_pb2_grpc.QueueServiceServicer):
         self.seen_metadata: list[tuple[str, str]] = []
 
     async def SetTrainerVersion(self, request, context):
+        self.seen_metadata = [(k, v) for k, v in context.invocation_metadata() if k == "authorization"]
         self.version = request.policy_version
         return queue_pb2.SetTrainerVersionResponse(trainer_version=self.version)
 
@@ -120,18 +121,20 @@ async def test_a_control_stream_without_the_token_never_reaches_the_servicer(ser
     assert state.put_streams == 0
 
 
-async def test_the_process_token_is_sent_by_its_channels_and_admitted(served: tuple[str, Queue]) -> None:
+async def test_the_process_token_is_sent_on_control_calls_only_and_admitted(served: tuple[str, Queue]) -> None:
     address, state = served
     use_run_token(TOKEN)  # after the channel is made too: read at each call
     async with create_channel(address, [QUEUE]) as channel:
         stub = queue_pb2_grpc.QueueServiceStub(channel)
         reply = await stub.SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(policy_version=7))
         assert reply.trainer_version == 7 and state.version == 7
-        await stub.Stats(queue_pb2.StatsRequest())
         assert state.seen_metadata == [("authorization", f"Bearer {TOKEN}")]
+        await stub.Stats(queue_pb2.StatsRequest())  # open: a server of another deployment never sees the token
+        assert state.seen_metadata == []
         # a caller's own authorization is not doubled
-        await stub.Stats(queue_pb2.StatsRequest(), metadata=_bearer("other-token-0123456789"))
-        assert state.seen_metadata == [("authorization", "Bearer other-token-0123456789")]
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(), metadata=_bearer("other-0123456789ab"))
+        assert state.version == 7
 
 
 async def test_a_channel_outside_the_run_never_sends_the_token(served: tuple[str, Queue]) -> None:
@@ -171,19 +174,33 @@ async def test_health_and_info_need_no_token(served: tuple[str, Queue]) -> None:
         await info_pb2_grpc.ServerInfoServiceStub(channel).GetServerInfo(info_pb2.GetServerInfoRequest())
 
 
-def test_control_methods_name_methods_that_exist() -> None:
-    """A renamed method would leave the guard silently open."""
+# Every method of the run's services is either a control method or one of these, so that a method added later
+# is not left open unnoticed.
+OPEN_METHODS = {
+    "tauflow.api.queue.v1.QueueService": {"Stats"},
+    "tauflow.api.weights.v1.WeightsService": {"GetManifest", "GetStatus"},
+    "tauflow.api.rollout.v1.RolloutService": {"Generate", "ComputeLogprobs", "GetStatus"},
+    "tauflow.api.trainer.v1.TrainerService": {"GetStatus", "ListSteps"},
+    "tauflow.api.controller.v1.ControllerService": {"GetRun", "ListServices"},
+    "tauflow.api.reward.v1.RewardService": {"Score", "ListRewardFunctions"},
+}
+
+
+def test_every_method_of_the_run_is_either_guarded_or_known_to_be_open() -> None:
+    """A renamed method would leave the guard silently open; a new one must be put in one list or the other."""
     from google.protobuf import descriptor_pool
 
     import tauflow.api.controller.v1.controller_pb2
+    import tauflow.api.reward.v1.reward_pb2
     import tauflow.api.rollout.v1.rollout_pb2
     import tauflow.api.trainer.v1.trainer_pb2
     import tauflow.api.weights.v1.weights_pb2  # noqa: F401
 
     pool = descriptor_pool.Default()
-    for service, methods in CONTROL_METHODS.items():
-        descriptor = pool.FindServiceByName(service)
-        assert methods <= {m.name for m in descriptor.methods}, service
+    for service in {*CONTROL_METHODS, *OPEN_METHODS}:
+        guarded, open_ = CONTROL_METHODS.get(service, frozenset()), OPEN_METHODS.get(service, set())
+        methods = {m.name for m in pool.FindServiceByName(service).methods}
+        assert not guarded & open_ and guarded | open_ == methods, service
     assert "Publish" in CONTROL_METHODS["tauflow.api.weights.v1.WeightsService"]
     assert "Generate" not in CONTROL_METHODS["tauflow.api.rollout.v1.RolloutService"]
 

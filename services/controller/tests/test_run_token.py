@@ -18,9 +18,10 @@ from tauflow.api.controller.v1 import controller_pb2 as pb
 from tauflow.api.controller.v1 import controller_pb2_grpc
 from tauflow.controller.adapters.controller_client import ControlError, ControllerClient, find_run
 from tauflow.controller.app import build_run, execute_with_control
+from tauflow.controller.cli import main as cli_main
 from tauflow.controller.config import ROLES, RunConfig
 from tauflow.controller.external import ExternalLauncher
-from tauflow.core.auth import use_run_token, write_token_file
+from tauflow.core.auth import TokenFileError, use_run_token, write_token_file
 from tauflow.core.channel import create_channel
 
 EXTERNAL = {role: "127.0.0.1:9" for role in ("queue", "reward", "weights", "trainer", "rollout")}
@@ -116,6 +117,62 @@ def test_control_methods_need_the_token_and_the_run_directory_gives_it(tmp_path:
 def test_a_bad_token_file_is_a_control_error_that_does_not_quote_it(tmp_path: Path) -> None:
     bad = tmp_path / "token"
     bad.write_text("tiny")
+
+    async def set_tau() -> None:
+        client = ControllerClient("127.0.0.1:9", str(bad))  # (`tauflow status` reads no token: it needs none)
+        try:
+            await client.set_max_staleness(0)
+        finally:
+            await client.close()
+
     with pytest.raises(ControlError, match="at least 16") as refused:
-        ControllerClient("127.0.0.1:9", str(bad))
+        asyncio.run(set_tau())
     assert "tiny" not in str(refused.value)
+
+
+def test_the_token_path_is_absolute_and_a_damaged_token_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    run = build_run(_config(Path("runs/relative")), serve_metrics=False)
+    assert run.token_file == tmp_path / "runs" / "relative" / "run.token"
+    assert run._settings("trainer", {})["auth.token_file"] == str(run.token_file)
+    run.token_file.write_text("damaged")  # services deployed with the old token would be locked out
+    with pytest.raises(TokenFileError, match="at least 16"):
+        build_run(_config(Path("runs/relative")), serve_metrics=False)
+    assert run.token_file.read_text() == "damaged"
+
+
+def test_tauflow_run_with_a_bad_token_file_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from tauflow.controller import cli
+
+    printed = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=printed, width=400))
+    (tmp_path / "token").write_text("short")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: m\ndataset: d\nsteps: 1\nout_dir: {tmp_path / 'out'}\ntoken_file: {tmp_path / 'token'}\n"
+    )
+    assert cli_main(["run", str(config)]) == 2
+    out = printed.getvalue()
+    assert "auth.token_file" in out and "at least 16" in out and "Traceback" not in out
+
+
+def test_a_ray_node_gets_the_token_unless_it_holds_it(tmp_path: Path) -> None:
+    from tauflow.controller.raylauncher import _place_token
+
+    path = tmp_path / "node" / "run.token"
+    _place_token(str(path), "token-0123456789abcdef")  # a node without it
+    assert path.read_text().strip() == "token-0123456789abcdef"
+    path.chmod(0o400)
+    path.parent.chmod(0o500)  # a read-only mount that holds it: left alone
+    try:
+        _place_token(str(path), "token-0123456789abcdef")
+    finally:
+        path.parent.chmod(0o700)
+    _place_token(str(path), "token-of-a-new-run-0123")
+    assert path.read_text().strip() == "token-of-a-new-run-0123"

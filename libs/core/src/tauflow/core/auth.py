@@ -9,8 +9,9 @@ stopping — are *control methods* (``CONTROL_METHODS``): with a run token confi
 UNAUTHENTICATED before its request is read, and changes nothing.
 
 Every process of a run reads the same token file (``tauflow run`` writes one per run, 0600; a cluster
-mounts a Secret) and sends the token on the calls of the channels ``tauflow.core.channel`` makes, except
-those to servers outside the run (a remote reward service: ``send_run_token=False``). The token is
+mounts a Secret) and sends the token on the control calls of the channels ``tauflow.core.channel`` makes
+(never on an open method: a judge or teacher of another deployment never sees it), and on none of those to
+servers outside the run (a remote reward service: ``send_run_token=False``). The token is
 compared as SHA-256 digests, in constant time, and never logged. It guards against callers that do not
 hold it, not against a reader of the traffic: on a network you do not trust, add TLS (a service mesh).
 Decisions: docs/reliability.md, "The run token".
@@ -65,6 +66,15 @@ CONTROL_METHODS: Mapping[str, frozenset[str]] = {
     "tauflow.api.trainer.v1.TrainerService": frozenset({"SaveCheckpoint", "Pause", "Resume", "SetMaxStaleness"}),
     "tauflow.api.controller.v1.ControllerService": frozenset({"SetMaxStaleness", "ScaleRollout", "StopRun"}),
 }
+
+
+def control_method(path: str | bytes) -> bool:
+    """Whether the gRPC method ``/<service>/<method>`` is a control method."""
+    text = path.decode("ascii", "replace") if isinstance(path, bytes) else path
+    service, _, method = text.lstrip("/").rpartition("/")
+    return method in CONTROL_METHODS.get(service, ())
+
+
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
 _WARN_EVERY_S = 10.0
@@ -84,7 +94,7 @@ def write_token_file(path: str | os.PathLike[str], token: str) -> None:
     """Writes ``token`` to ``path``, readable by this user only, replacing the file at once."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")  # (nodes may share the folder)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="ascii") as out:

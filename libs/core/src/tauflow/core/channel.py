@@ -1,7 +1,7 @@
 """The one client channel factory.
 
-Every call gets a deadline (the caller's, else ``default_timeout_s``) and the process's run token
-(``authorization: Bearer``, tauflow.core.auth) unless the channel leads outside the run; keepalive
+Every call gets a deadline (the caller's, else ``default_timeout_s``); a control method's call gets the
+process's run token (``authorization: Bearer``, tauflow.core.auth) unless the channel leads outside the run; keepalive
 and message-size limits are set; and gRPC's own retry policy is enabled only
 for the methods whose contract declares ``idempotency_level = IDEMPOTENT`` or
 ``NO_SIDE_EFFECTS``: a non-idempotent call is never sent twice.
@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from tauflow.api.retry import RetryPolicy, service_config_json
-from tauflow.core.auth import run_token
+from tauflow.core.auth import control_method, run_token
 from tauflow.core.config import ChannelConfig
 from tauflow.core.server import message_size_options
 
@@ -50,15 +50,16 @@ def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig
 
 
 class _DefaultDeadline:
-    """Client interceptor (sync and asyncio) that gives every call a deadline, and the run token when the
-    process has one (read at each call: a token loaded after the channel was made is sent too)."""
+    """Client interceptor (sync and asyncio) that gives every call a deadline, and a control method's call the
+    run token when the process has one (read at each call: a token loaded after the channel was made is sent
+    too)."""
 
     def __init__(self, timeout_s: float, send_run_token: bool = True) -> None:
         self.timeout_s = timeout_s
         self.send_run_token = send_run_token
 
     def _details(self, details: Any) -> Any:
-        token = run_token() if self.send_run_token else ""
+        token = run_token() if self.send_run_token and control_method(details.method) else ""
         if details.timeout is not None and not token:
             return details
         timeout = self.timeout_s if details.timeout is None else details.timeout

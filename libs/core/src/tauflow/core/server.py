@@ -309,7 +309,11 @@ class GrpcServer:
         self.catch_all = CatchAll(server_metrics())
         if run_token:
             interceptors = [RunTokenAuth(run_token), *interceptors]
-        elif not is_loopback(config.host) and any(b.descriptor.full_name in CONTROL_METHODS for b in bindings):
+        elif (
+            key == "server"  # (an extra server, e.g. the queue's external port, is guarded by its own interceptors)
+            and not is_loopback(config.host)
+            and any(b.descriptor.full_name in CONTROL_METHODS for b in bindings)
+        ):
             log.warning(
                 "no run token (auth.token_file): the control methods are open to any caller that reaches the port",
                 extra={"key": f"{key}.host", "host": config.host},

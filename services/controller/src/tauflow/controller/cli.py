@@ -28,6 +28,8 @@ from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.progress import progress_view
 from tauflow.controller.run import RunStalled
+from tauflow.core.app import one_line
+from tauflow.core.auth import TokenFileError
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
 
@@ -61,8 +63,12 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
-    run = build_run(config)
-    (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        run = build_run(config)  # (writes or reads the run token: out_dir must be writable)
+        (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    except (OSError, TokenFileError) as e:  # (a token file's error names the file, never the token)
+        console.print(f"[red]tauflow run: {one_line(e)}")
+        return 2
     setup_logging("controller", "WARNING")
     # A live table on a terminal; plain lines every few seconds elsewhere (a log file shows how far it is).
     try:

@@ -59,7 +59,7 @@ from tauflow.controller.launcher import (
     write_settings,
 )
 from tauflow.controller.secrets import redact_text
-from tauflow.core.auth import run_token, write_token_file
+from tauflow.core.auth import TokenFileError, read_token_file, run_token, run_token_file, write_token_file
 from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ class RayLauncher(ProcessLauncher):
             previous_pid,
             self.stop_grace_s,
             run_token(),  # (through Ray's object store: written on the node for the process, never logged)
+            run_token_file(),
         )
         try:
             placed = ray.get(call, timeout=self.start_timeout_s)
@@ -319,6 +320,7 @@ class ServiceHost:
         previous_pid: int | None,
         grace_s: float,
         token: str = "",
+        token_file: str = "",
     ) -> dict[str, Any]:
         import ray
 
@@ -331,9 +333,8 @@ class ServiceHost:
             bind["store.host"] = self.host  # the TCPStore rollout engines rendezvous on
         Path(ready_file).unlink(missing_ok=True)
         self.ready_file = ready_file
-        token_file = settings.get("auth.token_file")
-        if token and token_file:  # the run token at the path the controller's node has it (the same on one node)
-            write_token_file(str(token_file), token)
+        if token and token_file:  # the run's token at the (absolute) path the controller's node has it
+            _place_token(token_file, token)
         file_settings, child_env = service_env(role, {**bind, **settings}, {**os.environ, **env})
         write_settings(settings_file, file_settings)  # (on this node: not on the command line, which anyone reads)
         self.proc = spawn_service(
@@ -407,3 +408,14 @@ def _probe(address: str) -> None:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _place_token(path: str, token: str) -> None:
+    """Writes the run token at ``path`` on this node unless it is there already: a file that holds it (the
+    controller's own node, a mounted Secret) is left as it is, read-only or not."""
+    try:
+        if read_token_file(path) == token:
+            return
+    except TokenFileError:
+        pass
+    write_token_file(path, token)

@@ -42,7 +42,7 @@ from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
-from tauflow.core.auth import TokenFileError, load_run_token, new_token, read_token_file, write_token_file
+from tauflow.core.auth import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
 from tauflow.media import DataRow
@@ -132,12 +132,18 @@ class Run:
         self.metrics_port: int | None = None
         self.control_address = ""  # where ControllerService answers for this run (tauflow run serves one)
         # The run token (tauflow.core.auth): every role's control methods need it; this process's channels send it.
-        self.token_file = Path(config.token_file) if config.token_file else self.out_dir / RUN_TOKEN_FILE
-        if not config.token_file:
-            try:  # one token per out_dir: services deployed with it (launcher external) keep working across runs
-                read_token_file(self.token_file)
-            except TokenFileError:
-                write_token_file(self.token_file, new_token())
+        # (absolute: controller.ready.json and the roles' settings name it, read from other directories)
+        self.token_file = (Path(config.token_file) if config.token_file else self.out_dir / RUN_TOKEN_FILE).resolve()
+        if not config.token_file and not self.token_file.exists():
+            # One token per out_dir, kept: services deployed with it (launcher external) work across runs. One
+            # that is there but unreadable is an error (load_run_token), never silently replaced under them.
+            write_token_file(self.token_file, new_token())
+            if config.launcher == "external":
+                log.warning(
+                    "launcher external without run.token_file: a new run token was written; the deployed "
+                    "services need it as their auth.token_file, or their control methods refuse the controller",
+                    extra={"token_file": str(self.token_file)},
+                )
         self.run_token = load_run_token(self.token_file)
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)

@@ -90,22 +90,18 @@ class ControllerClient:
 
     def __init__(self, address: str, token_file: str = "") -> None:
         self.address = address
-        self._metadata: tuple[tuple[str, str], ...] = ()
-        if token_file:
-            try:
-                self._metadata = (("authorization", f"Bearer {read_token_file(token_file)}"),)
-            except TokenFileError as e:
-                raise ControlError(str(e)) from None
+        self.token_file = token_file  # read at the first control call: `tauflow status` needs none
         self._channel = create_channel(address, [SERVICE])
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
 
     async def scale_rollout(self, replicas: int) -> tuple[int, int]:
-        reply = await self._call(self._stub.ScaleRollout, controller_pb2.ScaleRolloutRequest(replicas=replicas))
+        request = controller_pb2.ScaleRolloutRequest(replicas=replicas)
+        reply = await self._call(self._stub.ScaleRollout, request, self._bearer())
         return reply.previous_replicas, reply.replicas
 
     async def set_max_staleness(self, tau: int) -> tuple[int, int, int]:
         request = controller_pb2.SetMaxStalenessRequest(max_staleness=tau)
-        reply = await self._call(self._stub.SetMaxStaleness, request)
+        reply = await self._call(self._stub.SetMaxStaleness, request, self._bearer())
         return reply.previous_max_staleness, reply.max_staleness, reply.policy_version
 
     async def status(self) -> Status:
@@ -140,9 +136,18 @@ class ControllerClient:
             ],
         )
 
-    async def _call(self, method: Any, request: Any) -> Any:
+    def _bearer(self) -> tuple[tuple[str, str], ...]:
+        """The run token as call metadata, for the control methods (none without a token file)."""
+        if not self.token_file:
+            return ()
         try:
-            return await method(request, timeout=CALL_TIMEOUT_S, metadata=self._metadata or None)
+            return (("authorization", f"Bearer {read_token_file(self.token_file)}"),)
+        except TokenFileError as e:
+            raise ControlError(str(e)) from None
+
+    async def _call(self, method: Any, request: Any, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
+        try:
+            return await method(request, timeout=CALL_TIMEOUT_S, metadata=metadata or None)
         except grpc.aio.AioRpcError as e:
             raise ControlError(f"{e.code().name}: {e.details() or 'no details'} ({self.address})") from None
 
