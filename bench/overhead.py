@@ -77,13 +77,15 @@ def run_config(recipe: Path, prepared: Path, out: Path, steps: int, extra: list[
 
 def service_config(run: Any, role: str, config_cls: type) -> Any:
     """``role``'s typed config exactly as its process would load it: the controller's settings for the role
-    (run config + ``services.<role>``), formatted as the launcher's ``--set`` values, read back by the
+    (run config + ``services.<role>``), written as the launcher's settings file, read back by the
     services' loader (with its environment prefix)."""
-    from tauflow.controller.launcher import _format
+    from tauflow.controller.launcher import write_settings
     from tauflow.core.config import load_config
 
-    overrides = [f"{key}={_format(value)}" for key, value in run._settings(role, {}).items()]
-    return load_config(config_cls, env_prefix=f"TAUFLOW_{role.upper()}_", overrides=overrides)
+    with tempfile.TemporaryDirectory() as folder:
+        settings_file = Path(folder) / f"{role}.json"
+        write_settings(settings_file, run._settings(role, {}))  # the file the launcher gives the process
+        return load_config(config_cls, path=settings_file, env_prefix=f"TAUFLOW_{role.upper()}_")
 
 
 # -- the in-process baseline ---------------------------------------------------------------------------
