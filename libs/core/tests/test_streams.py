@@ -113,6 +113,38 @@ def test_a_stream_is_renewed_before_its_deadline_and_the_old_one_ends_cleanly() 
     asyncio.run(scenario())
 
 
+def test_close_ends_the_retired_streams_too_and_leaves_no_task_pending() -> None:
+    """A retired stream still waiting for an answer was left to the loop's end ("Task was destroyed but it
+    is pending") and its caller waited on it until its own deadline."""
+
+    async def scenario() -> None:
+        pipe = Pipe()
+        server, address = await _serve(pipe)
+        channel, stream = _client(address, lifetime_s=0.6)
+        try:
+            unanswered = asyncio.ensure_future(stream.request(b"mute", 3600))
+            await asyncio.sleep(0.35)  # past half the first stream's lifetime: the next request retires it
+            assert await stream.request(b"r1", 10) == b"r1"
+            assert pipe.streams == 2 and not unanswered.done()
+
+            def readers() -> list[asyncio.Task]:  # (all_tasks: the tasks not done; the server's run on)
+                return [t for t in asyncio.all_tasks() if "_Stream" in getattr(t.get_coro(), "__qualname__", "")]
+
+            assert len(readers()) == 2  # the retired stream's and the current one's
+            await stream.close()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(unanswered, 5)
+            assert ended.value.code() == grpc.StatusCode.CANCELLED
+            await asyncio.sleep(0)
+            assert readers() == []
+        finally:
+            await stream.close()
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 class _FakeCall:
     """A call whose first write may hang (as grpc.aio's does until the call's metadata is sent) and that
     answers each message that really went out with itself."""

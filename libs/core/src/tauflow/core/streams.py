@@ -79,6 +79,10 @@ class OrderedStream:
         self._stream: _Stream | None = None
         self._lock = asyncio.Lock()  # the order of writes is the order of answers
         self._retiring: set[asyncio.Future[None]] = set()
+        # Every stream whose reader still runs, the retired ones included: held here so that no reader is
+        # collected while it waits (asyncio keeps only weak references to tasks), and closed by ``close``, so
+        # that none is left pending when the loop ends ("Task was destroyed but it is pending").
+        self._open: set[_Stream] = set()
 
     def _current(self) -> _Stream:
         stream = self._stream
@@ -86,8 +90,10 @@ class OrderedStream:
             if time.monotonic() - stream.opened < self.lifetime_s / 2:
                 return stream
             self._retire(stream)
-        self._stream = _Stream(self.open_call(self.lifetime_s))
-        return self._stream
+        self._stream = fresh = _Stream(self.open_call(self.lifetime_s))
+        self._open.add(fresh)
+        fresh.reader.add_done_callback(lambda _: self._open.discard(fresh))
+        return fresh
 
     def _retire(self, stream: _Stream) -> None:
         async def finish() -> None:  # the server ends the stream once it has answered everything sent
@@ -133,9 +139,13 @@ class OrderedStream:
             return await answer  # (raises the error just set, or the answer that raced it)
 
     async def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        """Closes every stream, the retired ones still answering too, and waits for their readers."""
+        streams, self._stream = list(self._open), None
+        for stream in streams:
+            stream.close()
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*(s.reader for s in streams), *self._retiring, return_exceptions=True)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
