@@ -339,8 +339,11 @@ class Fuzzer:
         service: ServiceDescriptor,
         observe: Callable[[], Any] | None = None,
         log: Callable[[], str] | None = None,
+        token: str = "",
     ) -> None:
         self.address = address
+        # the run token, on every call: the fuzzed requests reach the control methods' handlers
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.log = log  # the server's log, whose tail a failure shows
         self.service = service
         self.observe = observe
@@ -356,7 +359,7 @@ class Fuzzer:
         rpc = self.channel.unary_unary(f"/{self.service.full_name}/{method.name}")
         started = time.monotonic()
         try:
-            rpc(payload, timeout=method.timeout_s)
+            rpc(payload, timeout=method.timeout_s, metadata=self.metadata)
         except grpc.RpcError as e:
             return e.code(), e.details() or "", time.monotonic() - started
         return C.OK, "", time.monotonic() - started

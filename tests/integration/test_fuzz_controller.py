@@ -1,5 +1,6 @@
 """Fuzzes every ControllerService RPC of a real controller process (issue #11): generated and mutated requests get
-OK or a documented code, never UNKNOWN or INTERNAL; a refused one changes nothing. The controller runs with the
+OK or a documented code, never UNKNOWN or INTERNAL; a refused one changes nothing. The control methods are
+fuzzed with the run token, and refused UNAUTHENTICATED without it. The controller runs with the
 external launcher towards roles that are not there, so it serves while its run waits for them (no model needed);
 StopRun, which ends the run by contract, is fuzzed last."""
 
@@ -55,7 +56,17 @@ def test_every_controller_rpc_survives_generated_and_mutated_requests(service_pr
         Method("ScaleRollout", refused, [pb.ScaleRolloutRequest(replicas=2)]),
         Method("StopRun", set(), [pb.StopRunRequest(reason="fuzz", grace_period=Duration(seconds=1))]),
     ]
-    fuzzer = Fuzzer(controller.address, SERVICE, observe, controller.log_text)
+    # Without the run token (tauflow.core.auth) a control method is refused before it reads anything.
+    stranger = Fuzzer(controller.address, SERVICE, observe, controller.log_text)
+    try:
+        for method in methods[2:]:
+            before = observe()
+            assert stranger.call(method, method.valid[0].SerializeToString())[0] == C.UNAUTHENTICATED
+            assert observe() == before
+    finally:
+        stranger.close()
+    token = (tmp_path / "run" / "run.token").read_text().strip()
+    fuzzer = Fuzzer(controller.address, SERVICE, observe, controller.log_text, token=token)
     try:
         for method in methods[:-1]:
             fuzzer.fuzz(method, budget(80))

@@ -679,3 +679,42 @@ async def test_a_sweep_the_full_disk_refuses_is_tried_again_and_changes_nothing(
         assert state.stats().expired_leases == 1 and not sweeper.done()
     sweeper.cancel()
     await asyncio.gather(sweeper, return_exceptions=True)
+
+
+async def test_an_ack_that_makes_compaction_due_answers_while_it_runs_beside_the_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compaction held the event loop (and the Ack that found it due) while it rewrote the whole log."""
+    from prometheus_client import CollectorRegistry
+
+    from tauflow.queue import wal as wal_module
+
+    config = QueueConfig.model_validate({"max_staleness": -1, "wal": {"compact_min_bytes": 1}})
+    q_ = QueueState(config, WriteAheadLog(tmp_path / "q.wal", "never"))
+    servicer = QueueServicer(q_, config, QueueMetrics(CollectorRegistry()))
+    for i in range(4):
+        await servicer.Put(wire.PutRequestView(group=make_group(f"g{i}").SerializeToString()), _Context())
+    lease_id = q.GetResponse.FromString(await servicer.Get(_get("c", 0, max_groups=3), _Context())).lease.lease_id
+    writing, release = threading.Event(), threading.Event()
+    real = wal_module._write_frames
+
+    def held(out: Any, frames: Any) -> Any:
+        writing.set()
+        release.wait(30)
+        return real(out, frames)
+
+    monkeypatch.setattr(wal_module, "_write_frames", held)
+    answer = await asyncio.wait_for(servicer.Ack(q.AckRequest(lease_id=lease_id), _Context()), 10)
+    assert answer.acked_groups == 3
+    await _until(writing.is_set)
+    assert servicer.compacting is not None and not servicer.compacting.done()
+    put = await servicer.Put(wire.PutRequestView(group=make_group("during").SerializeToString()), _Context())
+    assert put.outcome == q.PUT_OUTCOME_ACCEPTED  # served while the snapshot is written
+    closing = asyncio.create_task(servicer.close())
+    await asyncio.sleep(0.1)
+    assert not closing.done()  # the log closes after the compaction, not under it
+    release.set()
+    await asyncio.wait_for(closing, 10)
+    recovered = QueueState(config, WriteAheadLog(tmp_path / "q.wal", "never"))
+    assert sorted(recovered.memory.groups) == ["during", "g3"]
+    assert recovered.stats().acked_groups == 3

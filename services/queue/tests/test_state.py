@@ -5,6 +5,7 @@ Time is a fake clock (``t[0]``); durability tests use a real WriteAheadLog under
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -1330,3 +1331,99 @@ def test_a_cut_batch_below_min_groups_waits_until_min_groups_are_waiting() -> No
     q.put(rec("c", size=40))
     res = q.get("c", max_groups=3, min_groups=3, max_bytes=50, overhead_bytes=5)
     assert res.lease is not None and res.lease.group_ids == ["a"]
+
+
+# -- compaction beside the calls (QueueState.compact_in_background) ------------------------------------
+
+
+def _held_rewrite(monkeypatch: pytest.MonkeyPatch, fail: OSError | None = None) -> tuple[Any, Any]:
+    """Makes the background rewrite's first write in its thread wait for ``release`` (and then raise ``fail``)."""
+    import threading
+
+    from tauflow.queue import wal as wal_module
+
+    writing, release = threading.Event(), threading.Event()
+    real = wal_module._write_frames
+
+    def held(out: Any, frames: Any) -> Any:
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(30)
+            if fail is not None:
+                raise fail
+        return real(out, frames)
+
+    monkeypatch.setattr(wal_module, "_write_frames", held)
+    return writing, release
+
+
+async def _until(event: Any) -> None:
+    for _ in range(3000):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the rewrite's thread never started")
+
+
+def test_work_during_a_background_compaction_follows_its_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calls go on while the snapshot is written in a thread (it held the event loop: seconds for a large log);
+    what they change is in the new file after it, and a restart recovers exactly the state."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    h = _compactable(q, c)
+    size_before = path.stat().st_size
+    writing, release = _held_rewrite(monkeypatch)
+
+    async def scenario() -> None:
+        compaction = asyncio.create_task(q.compact_in_background())
+        await _until(writing)
+        # Meanwhile: a snapshot group acked and one redelivered, many groups put (more than the loop writes
+        # itself at the end), a version, a lease.
+        assert q.ack(h["open"]) == 2
+        q.nack(h["renewed"])
+        for i in range(100):
+            q.put(rec(f"during{i}", bv=2, size=50))
+        q.set_trainer_version(3)
+        q.get("c", max_groups=3)
+        assert not compaction.done()
+        release.set()
+        await compaction
+
+    asyncio.run(scenario())
+    after = fingerprint(q)
+    assert path.stat().st_size == after["stats"].wal_bytes < size_before + 100 * 200
+    assert not (tmp_path / "q.wal.compact").exists()
+    q2 = restart(q, path, c)
+    assert fingerprint(q2) == recovered(after, c())  # live_wal_bytes included: the sizes add up
+    assert q2.put(rec("during7", bv=3))[0] is False and q2.ack(h["open"]) == 0
+
+
+def test_a_failed_background_compaction_keeps_the_old_log_and_what_came_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from tauflow.queue.wal import WalWriteError
+
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)
+    _compactable(q, c)
+    writing, release = _held_rewrite(monkeypatch, fail=OSError(errno.ENOSPC, "No space left on device"))
+
+    async def scenario() -> None:
+        compaction = asyncio.create_task(q.compact_in_background())
+        await _until(writing)
+        q.put(rec("meanwhile", bv=2))
+        release.set()
+        with pytest.raises(WalWriteError, match="old log is kept"):
+            await compaction
+
+    asyncio.run(scenario())
+    assert not (tmp_path / "q.wal.compact").exists()
+    before = fingerprint(q)
+    q.put(rec("after", bv=2))  # the old log takes appends as before
+    q2 = restart(q, path, c)
+    assert "meanwhile" in q2.memory.groups and "after" in q2.memory.groups
+    assert fingerprint(q2)["done_ids"] == before["done_ids"]

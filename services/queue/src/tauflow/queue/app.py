@@ -37,7 +37,7 @@ async def build(config: QueueConfig) -> ServiceApp:
     return ServiceApp(
         bindings=[ServiceBinding(SERVICE, servicer, add_queue_servicer_to_server)],
         background=background,
-        close=wal.close,
+        close=servicer.close,  # (a compaction under way finishes first)
         info={"wal": str(wal.path)},
         extra_servers=[external_server(config.external, servicer, metrics)] if config.external.enabled else [],
         on_drain=servicer.drain,

@@ -534,6 +534,21 @@ class QueueState:
         dead = self.wal.size - self.memory.live_wal_bytes
         return dead >= min_bytes and dead >= self.memory.live_wal_bytes
 
+    async def compact_in_background(self) -> None:
+        """Rewrites the log as a snapshot of the live state while the state goes on changing
+        (``WriteAheadLog.rewrite_in_background``): what changes meanwhile follows the snapshot in the new file."""
+        assert self.wal is not None
+        order, snapshot = records.compaction_records(self.memory)
+        before = self.wal.size
+        sizes = await self.wal.rewrite_in_background(snapshot)
+        for g, size in zip(order, sizes[1 : 1 + len(order)], strict=True):
+            group = self.memory.groups.get(g)
+            if group is not None:  # (acked or evicted meanwhile: its PUT in the new file is dead weight)
+                group.wal_bytes = size
+        # Live: the snapshot and each stored group's PUT (a group put meanwhile has the same size in both files).
+        self.memory.live_wal_bytes = sizes[0] + sum(group.wal_bytes for group in self.memory.groups.values())
+        log.info("compacted the log", extra={"bytes_before": before, "bytes_after": self.wal.size})
+
     def compact(self) -> None:
         """Rewrites the log as a snapshot of the live state (call ``wal.idle()`` first)."""
         assert self.wal is not None

@@ -148,6 +148,8 @@ class WriteAheadLog:
         self._written = 0  # records appended
         self._synced = 0  # records known on stable storage
         self._sync_task: asyncio.Task[None] | None = None
+        # While a rewrite runs in the background: every record appended since its snapshot, to go after it.
+        self._tail: list[tuple[int, bytes, bytes]] | None = None
         self._rollback_logged_at = -_LOG_ROLLBACKS_EVERY_S  # (time.monotonic)
         self._rollbacks_unlogged = 0
 
@@ -343,6 +345,8 @@ class WriteAheadLog:
         self._seq += 1
         self.size += total
         self._written += 1
+        if self._tail is not None:
+            self._tail.append((kind, meta_bytes, blob))
         return total
 
     def _roll_back(self, cause: OSError) -> None:
@@ -426,6 +430,59 @@ class WriteAheadLog:
             out.close()
             tmp.unlink(missing_ok=True)
             raise _write_error(e, "compacting the log (the old log is kept)") from None
+        self._swap(tmp, out)
+        return sizes
+
+    async def rewrite_in_background(self, records: Iterable[Record]) -> list[int]:
+        """Replaces the log with ``records`` (a snapshot of the state now) and every record appended while it
+        is written; returns the size of each of ``records``.
+
+        The snapshot's frames are written and fsynced in a thread while the log takes appends as before
+        (a compaction of hundreds of MB held the event loop for seconds); each record appended meanwhile
+        is kept and written after the snapshot, most of them in the thread too, the last few on the loop
+        right before the new file replaces the old one, so that none can come between. On WalWriteError
+        the old log stays in place and in use, with every record appended meanwhile."""
+        if self.broken is not None:
+            raise WalWriteError(errno.EIO, self.broken)
+        if self._tail is not None:
+            raise RuntimeError("a rewrite is under way")
+        # Encoded now: the metas describe the state at this moment (the loop changes it from here on).
+        frames = [(kind, json.dumps(meta, separators=(",", ":")).encode(), blob) for kind, meta, blob in records]
+        tmp = self.path.with_name(self.path.name + ".compact")
+        out: FrameWriter | None = None
+        self._tail = []
+        try:
+            out = await _shielded_thread(FrameWriter.create, tmp, FormatV2.new())
+            sizes = await _shielded_thread(_write_frames, out, frames)
+            for _ in range(_CATCH_UP_PASSES):  # what came meanwhile, in the thread while there is much of it
+                if len(self._tail) <= _TAIL_ON_LOOP:
+                    break
+                batch, self._tail = self._tail, []
+                await _shielded_thread(_write_frames, out, batch)
+            await self.idle()  # no fsync running on the old file when it is replaced
+            # From here to the end nothing awaits: no append can come between the last tail and the swap.
+            if self.broken is not None:
+                raise WalWriteError(errno.EIO, self.broken)
+            for kind, meta, blob in self._tail:
+                out.write(kind, meta, blob)
+            out.sync_and_close()  # (the bulk was fsynced in the thread: this one covers the last records)
+        except OSError as e:
+            if out is not None:
+                out.close()
+            tmp.unlink(missing_ok=True)
+            raise _write_error(e, "compacting the log (the old log is kept)") from None
+        except BaseException:
+            if out is not None:
+                out.close()
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self._tail = None
+        self._swap(tmp, out)
+        return sizes
+
+    def _swap(self, tmp: Path, out: FrameWriter) -> None:
+        """Puts the fsynced file ``tmp`` (written by ``out``) in place of the log and appends to it from now on."""
         os.replace(tmp, self.path)
         try:
             fsync_dir(self.path.parent)
@@ -436,7 +493,6 @@ class WriteAheadLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._fmt, self._seq, self.size = out.fmt, out.seq, out.size
         self._synced = self._written
-        return sizes
 
     def close(self) -> None:
         if self._fd is not None:
@@ -444,6 +500,30 @@ class WriteAheadLog:
                 os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
+
+
+_CATCH_UP_PASSES = 4  # passes over the records appended during a background rewrite, in its thread
+_TAIL_ON_LOOP = 64  # records appended meanwhile that may be left for the loop to write before the swap
+
+
+def _write_frames(out: FrameWriter, frames: list[tuple[int, bytes, bytes]]) -> list[int]:
+    """Writes ``frames`` to ``out`` and fsyncs it (in a thread); returns their sizes."""
+    sizes = [out.write(kind, meta, blob) for kind, meta, blob in frames]
+    assert out.fd is not None
+    os.fsync(out.fd)
+    return sizes
+
+
+async def _shielded_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a thread; a cancellation waits for the thread to finish first (it writes a file
+    that the caller closes and removes on the way out)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            await work
+        raise
 
 
 def _write_error(e: OSError, doing: str) -> WalWriteError:

@@ -18,6 +18,7 @@ change, so it does not spin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import errno
 import heapq
@@ -193,6 +194,7 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.off_loop_checks = asyncio.Semaphore(OFF_LOOP_CHECKS)
         self.draining = asyncio.Event()  # set when the service drains: the streams end
         self._compact_after = 0.0  # (time.monotonic) no compaction before: one failed
+        self.compacting: asyncio.Task[None] | None = None  # the compaction under way
         self._readers: set[_Reading] = set()  # the PutStreams' readers
         metrics.watch(queue.stats)
 
@@ -705,20 +707,33 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
                 )
 
     async def _maybe_compact(self) -> None:
-        if time.monotonic() < self._compact_after:
+        """Starts a compaction when one is due; it runs beside the calls (the Ack that found it due answers
+        at once), one at a time."""
+        if time.monotonic() < self._compact_after or self.compacting is not None:
             return
         if self.state.compaction_due(self.config.wal.compact_min_bytes):
-            assert self.state.wal is not None
-            await self.state.wal.idle()
-            try:
-                self.state.compact()
-            except WalWriteError as e:  # the old log is kept whole: the call that triggered it succeeded
-                # Not again at the next Ack: each try writes up to the whole log (on a full disk, every Ack).
-                self._compact_after = time.monotonic() + COMPACT_RETRY_S
-                log.error(
-                    "compaction failed; the log stays as it is",
-                    extra={"error": str(e), "retry_in_s": COMPACT_RETRY_S},
-                )
+            self.compacting = asyncio.create_task(self._compact(), name="compaction")
+
+    async def _compact(self) -> None:
+        try:
+            await self.state.compact_in_background()
+        except WalWriteError as e:  # the old log is kept whole, with what came meanwhile
+            # Not again at the next Ack: each try writes up to the whole log (on a full disk, every Ack).
+            self._compact_after = time.monotonic() + COMPACT_RETRY_S
+            log.error(
+                "compaction failed; the log stays as it is",
+                extra={"error": str(e), "retry_in_s": COMPACT_RETRY_S},
+            )
+        finally:
+            self.compacting = None
+
+    async def close(self) -> None:
+        """After the drain: a compaction under way finishes (or fails, keeping the old log), then the log closes."""
+        if self.compacting is not None:
+            with contextlib.suppress(Exception):
+                await self.compacting
+        if self.state.wal is not None:
+            self.state.wal.close()
 
 
 class _Reading:
