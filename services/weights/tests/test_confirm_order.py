@@ -116,7 +116,7 @@ async def test_a_confirm_of_a_rebased_older_version_counts_while_a_newer_one_wai
         await wait_for(lambda: r.state is MemberState.FAILED or r.confirmed_checksum == new_4.checksum, 6)
         assert member.refused == []
         assert r.state is MemberState.ACTIVE and r.confirmed_version == 4, r.last_error
-        assert sidecar.broadcast.confirmed_version == 4
+        await wait_for(lambda: sidecar.broadcast.confirmed_version == 4, 5)  # (the loop sees the confirm next)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -155,3 +155,15 @@ def test_a_late_confirm_of_a_version_sent_earlier_is_refused_by_send_order(
     assert [
         rec.__dict__["policy_version"] for rec in caplog.records if rec.getMessage() == "ConfirmVersion refused"
     ] == [5, 9]
+
+
+async def test_the_broadcast_loop_stops_when_cancelled_as_it_is_woken() -> None:
+    """asyncio.wait_for on Python 3.11 swallows a cancellation that comes as the awaited event is set: the loop
+    ran on, and the sidecar's stop (and this suite, once in a while under load) hung forever."""
+    sidecar = Sidecar(WeightsConfig(), FakeStore(), lambda address: ConfirmingMember(0))
+    running = asyncio.create_task(sidecar.broadcast.run())
+    await asyncio.sleep(0.05)  # no work: it waits to be woken
+    sidecar.broadcast.events.wake.set()
+    running.cancel()  # in the same step: the wake-up and the cancellation race
+    done, _ = await asyncio.wait([running], timeout=5)
+    assert running in done

@@ -8,6 +8,10 @@ then gets the stream's ``grpc.aio.AioRpcError`` (which the caller's retry policy
 unary call's), and the next request opens a new stream. Streams are renewed before their deadline: after
 half their lifetime new requests go to a fresh stream, and the old one is closed for writing, so the
 server finishes it once it has answered what it holds.
+
+Deadlines are ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11 ``wait_for`` returns the result
+of an awaitable that completes as its caller is cancelled, and the cancellation is lost (fixed in 3.12);
+a loop that relies on being cancelled then runs on. tauflow uses ``asyncio.timeout`` everywhere.
 """
 
 from __future__ import annotations
@@ -113,7 +117,8 @@ class OrderedStream:
             answer: asyncio.Future[Any] = loop.create_future()
             stream.pending.append(answer)
             try:  # (a server that stops reading holds the write back: it too has the deadline)
-                await asyncio.wait_for(stream.call.write(message), timeout_s)
+                async with asyncio.timeout(timeout_s):  # (not wait_for: see the module's docstring)
+                    await stream.call.write(message)
             except TimeoutError:
                 stream.fail(
                     rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"the stream took no message in {timeout_s:.3g} s")
@@ -130,7 +135,8 @@ class OrderedStream:
                     self._stream = None
                 raise
         try:
-            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(answer)
         except TimeoutError:
             stream.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream in {timeout_s:.3g} s"))
             stream.close()  # what it still holds is answered on no stream: the callers retry or expire it

@@ -276,7 +276,8 @@ class Scorer:
 
         threading.Thread(target=run, name=f"inline-{fn.name}", daemon=True).start()
         try:
-            return await asyncio.wait_for(done, deadline_s)
+            async with asyncio.timeout(deadline_s):  # (not wait_for: on 3.11 it can swallow a cancellation)
+                return await done
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the call's deadline passed after {deadline_s:.3g} s before reward function {fn.name!r} "

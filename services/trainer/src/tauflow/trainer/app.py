@@ -157,7 +157,8 @@ def follower(backend: TorchBackend, config: TrainerConfig) -> ServiceApp:
         # threads still run aborts ("terminate called without an active exception").
         if following and not following[0].done():
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(following[0]), FOLLOWER_CLOSE_S)
+                async with asyncio.timeout(FOLLOWER_CLOSE_S):  # (not wait_for: it can swallow a cancellation)
+                    await asyncio.shield(following[0])
 
     return ServiceApp(
         bindings=[],

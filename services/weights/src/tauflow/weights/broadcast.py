@@ -143,7 +143,10 @@ class Broadcast:
                 if not self._work():
                     self.events.wake.clear()
                     try:
-                        await asyncio.wait_for(self.events.wake.wait(), 1.0)
+                        # Not wait_for: on Python 3.11 a cancellation that comes as the event is set is
+                        # swallowed, and this loop ran on forever (the sidecar's stop hung; seen in a test).
+                        async with asyncio.timeout(1.0):
+                            await self.events.wake.wait()
                     except TimeoutError:
                         pass
                     continue
@@ -597,7 +600,8 @@ class Broadcast:
                 return False
             changed = self.events.changed
             try:
-                await asyncio.wait_for(changed.wait(), left)
+                async with asyncio.timeout(left):  # (not wait_for: on 3.11 it can swallow a cancellation)
+                    await changed.wait()
             except TimeoutError:
                 pass
         self.metrics.phase_seconds.labels(Phase.CONFIRM.value).observe(loop.time() - started)

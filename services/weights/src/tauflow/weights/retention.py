@@ -208,7 +208,8 @@ class Retention:
                     # The copy checks the deadline between chunks; a read that blocks must not hold the
                     # publish lock (every later Publish waits on it) past the deadline all the same.
                     try:
-                        await asyncio.wait_for(asyncio.shield(copy), deadline_s)
+                        async with asyncio.timeout(deadline_s):  # (not wait_for: it can swallow a cancellation)
+                            await asyncio.shield(copy)
                     except TimeoutError:
                         raise PhaseError(
                             Phase.HANDOFF,

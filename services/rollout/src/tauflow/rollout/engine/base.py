@@ -412,7 +412,8 @@ class GenerationEngine(ABC):
                 return True
             self._version_listeners.append(on_version)
         try:
-            await asyncio.wait_for(reached, timeout)
+            async with asyncio.timeout(timeout):  # (not wait_for: on 3.11 it can swallow a cancellation)
+                await reached
             return True
         except TimeoutError:
             return False
