@@ -22,10 +22,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _no_run_token_after_a_test() -> object:
-    """A Run makes its token the process's (tauflow.core.auth); a later test must not send it."""
+    """A Run makes its token the process's (tauflow.core.runtoken); a later test must not send it."""
     yield
     import sys
 
-    auth = sys.modules.get("tauflow.core.auth")  # (not imported where no test used it)
+    auth = sys.modules.get("tauflow.core.runtoken")  # (not imported where no test used it)
     if auth is not None:
         auth.use_run_token("")

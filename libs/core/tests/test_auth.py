@@ -16,9 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tauflow.api.info.v1 import info_pb2, info_pb2_grpc
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
-from tauflow.core import auth
+from tauflow.core import runtoken
 from tauflow.core.app import service_main
-from tauflow.core.auth import (
+from tauflow.core.channel import create_channel, create_sync_channel
+from tauflow.core.config import ServerConfig, ServiceConfig
+from tauflow.core.runtoken import (
     CONTROL_METHODS,
     TokenFileError,
     bearer_token,
@@ -27,8 +29,6 @@ from tauflow.core.auth import (
     use_run_token,
     write_token_file,
 )
-from tauflow.core.channel import create_channel, create_sync_channel
-from tauflow.core.config import ServerConfig, ServiceConfig
 from tauflow.core.server import GrpcServer, ServiceApp, ServiceBinding
 
 QUEUE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
@@ -227,11 +227,11 @@ def test_a_bad_token_file_is_refused_without_quoting_it(tmp_path: Path, content:
 
 def test_a_token_file_is_written_for_its_user_only_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "secrets" / "run.token"
-    token = auth.new_token()
+    token = runtoken.new_token()
     write_token_file(path, token)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert load_run_token(path) == token == auth.run_token()
-    assert auth.run_token_file() == str(path)
+    assert load_run_token(path) == token == runtoken.run_token()
+    assert runtoken.run_token_file() == str(path)
 
 
 @pytest.mark.parametrize(
@@ -252,3 +252,41 @@ def test_a_service_with_a_bad_token_file_does_not_start(tmp_path: Path, capsys: 
     assert code == 2
     err = capsys.readouterr().err
     assert "auth.token_file" in err and "at least 16" in err
+
+
+def test_a_token_file_that_is_a_fifo_or_a_folder_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO in its place held a restarting role (and `tauflow set`) forever, with no word of the token."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, tmp_path):
+        with pytest.raises(TokenFileError, match="not a regular file|Is a directory"):
+            read_token_file(path)
+
+
+def test_a_peer_refusing_the_token_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role restarted with another run's token died on its first control call with a traceback (exit 1),
+    three times, and the run failed without a word of the token."""
+    import tauflow.core.app
+
+    # (not the process-wide gRPC instrumentation: it would stay on for the later tests of this process)
+    monkeypatch.setattr(tauflow.core.app, "setup_telemetry", lambda service, version: None)
+    token_file = tmp_path / "token"
+    write_token_file(token_file, "another-runs-token-0123456789")
+
+    async def build(config: ServiceConfig) -> ServiceApp:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "SetTrainerVersion is a control method: the bearer token is not the run's token",
+        )
+
+    main = service_main("probe", ServiceConfig, build, "0.0.0")
+    code = main(["--set", f"auth.token_file={token_file}", "--set", "metrics.enabled=false"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"auth.token_file {token_file}" in err and "not the run's token" in err
+    assert "another-runs-token" not in err

@@ -60,6 +60,33 @@ def test_a_metrics_server_serves_then_closes() -> None:
         server.close()
 
 
+def test_idle_connections_are_bounded_and_closed_so_that_scrapes_go_on() -> None:
+    """Every half-sent request held a thread and a descriptor for ever: 1,000 idle connections, 1,000 threads
+    (and, near the descriptor limit, a queue whose gRPC port stopped accepting)."""
+    import socket
+    import threading
+    import time
+
+    registry = CollectorRegistry()
+    Gauge("tauflow_x_up", "up", registry=registry).set(1)
+    server = serve_metrics("127.0.0.1", 0, registry, idle_timeout_s=0.5, max_connections=4)
+    threads_before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(10)]
+    try:
+        for s in idle:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # half a request, then nothing
+        time.sleep(0.2)
+        assert threading.active_count() <= threads_before + 4  # the 5th and later were closed at once
+        time.sleep(1.0)  # past the idle timeout: the held ones are closed too
+        assert threading.active_count() <= threads_before
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        assert "tauflow_x_up 1.0" in body
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
 def test_the_cuda_memory_peak_sums_the_allocators_high_water_marks(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
     from types import SimpleNamespace

@@ -128,7 +128,7 @@ def test_close_ends_the_retired_streams_too_and_leaves_no_task_pending() -> None
             assert pipe.streams == 2 and not unanswered.done()
 
             def readers() -> list[asyncio.Task]:  # (all_tasks: the tasks not done; the server's run on)
-                return [t for t in asyncio.all_tasks() if "_Stream" in getattr(t.get_coro(), "__qualname__", "")]
+                return [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "_Stream._read"]
 
             assert len(readers()) == 2  # the retired stream's and the current one's
             await stream.close()

@@ -21,8 +21,8 @@ from tauflow.controller.app import build_run, execute_with_control
 from tauflow.controller.cli import main as cli_main
 from tauflow.controller.config import ROLES, RunConfig
 from tauflow.controller.external import ExternalLauncher
-from tauflow.core.auth import TokenFileError, use_run_token, write_token_file
 from tauflow.core.channel import create_channel
+from tauflow.core.runtoken import TokenFileError, use_run_token, write_token_file
 
 EXTERNAL = {role: "127.0.0.1:9" for role in ("queue", "reward", "weights", "trainer", "rollout")}
 

@@ -35,7 +35,8 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
         "stats": stats,
         "pending": list(m.pending),
         "groups": {
-            g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries) for g, r in m.groups.items()
+            g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries, r.delivered_for)
+            for g, r in m.groups.items()
         },
         "leases": {
             i: (x.group_ids, x.deadline, x.duration_s, x.consumer_id, x.consumer_version) for i, x in m.leases.items()
@@ -80,7 +81,11 @@ class QueueMachine(RuleBasedStateMachine):
         self.accepted: dict[str, int] = {}  # group id -> behaviour version
         self.acked: set[str] = set()
         self.evicted: set[str] = set()
+        # Of ``evicted``, those a trainer step had used: delivered for a version the trainer had passed when
+        # they were evicted (a lease back unacked). They keep their count in the pacing sum.
+        self.evicted_used: set[str] = set()
         self.deliveries: dict[str, int] = {}
+        self.delivered_for: dict[str, int] = {}  # group id -> the version its last delivery was for
         self.tickets: dict[str, list[Any]] = {}  # ticket id -> [min version, groups left, expires_at]
         self.requests: dict[str, tuple[int, str]] = {}  # request id -> (n, ticket id)
         self.leases: dict[str, tuple[list[str], float, float]] = {}  # held by the trainer: ids, deadline, duration
@@ -306,8 +311,12 @@ class QueueMachine(RuleBasedStateMachine):
         for g in evicted:
             assert self.tau >= 0 and version - self.accepted[g] > self.tau, "evicted a fresh group"
         self.evicted |= evicted
+        used = {g for g in evicted if self.delivered_for.get(g, version) < version}
+        self.evicted_used |= used
         if evicted:
             event("get: evicted stale groups")
+        if used:
+            event("get: evicted stale groups a step had used")
         if res.lease is None:
             assert delivered == []
             if not max_tokens or min_groups <= 1:  # the whole queue was scanned: not enough fresh groups
@@ -332,6 +341,7 @@ class QueueMachine(RuleBasedStateMachine):
             if d.redeliveries:
                 event("get: redelivery")
             self.deliveries[g] = self.deliveries.get(g, 0) + 1
+            self.delivered_for[g] = version
         if max_tokens and len(delivered) > 1:
             assert sum(d.group.n_tokens for d in res.deliveries) <= max_tokens
         self.leases[res.lease.lease_id] = (delivered, res.lease.deadline, lease_s or LEASE_S)
@@ -486,7 +496,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert s.depth_groups == len(p) and s.leased_groups == len(ls)
         assert s.acked_groups == len(self.acked)
         assert s.evicted_groups.get("stale", 0) == len(self.evicted)
-        assert s.accepted_groups == len(self.accepted) - len(self.evicted)
+        assert s.accepted_groups == len(self.accepted) - len(self.evicted - self.evicted_used)
         assert s.depth_bytes == sum(q.memory.groups[g].size for g in p)
 
     @invariant()

@@ -62,7 +62,8 @@ def fingerprint(q: QueueState) -> dict[str, Any]:
         "stats": q.stats(),
         "pending": list(m.pending),
         "groups": {
-            g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries) for g, r in m.groups.items()
+            g: (r.payload, r.behaviour_version, r.n_tokens, r.accepted_at, r.deliveries, r.delivered_for)
+            for g, r in m.groups.items()
         },
         "leases": {
             lid: (x.group_ids, x.deadline, x.duration_s, x.consumer_id, x.consumer_version)
@@ -863,6 +864,187 @@ def test_stale_check_happens_again_on_redelivery() -> None:
     c.advance(5.0)
     res = q.get("c", max_groups=1)
     assert res.lease is None and res.evicted_stale == 1
+
+
+# =========================================================================================
+# Pacing after a fault: a group a step used, evicted after its lease came back
+# =========================================================================================
+
+
+class Run:
+    """A rollout and a trainer in lockstep on ``q`` (``groups_per_step`` G): each turn the rollout reserves all
+    the room the pacing rule gives and puts that many groups made with the trainer's current weights; the
+    trainer then leases a step's batch for its version, trains it and commits (acks, then the next version)."""
+
+    def __init__(self, q: QueueState, clock: Clock) -> None:
+        self.q, self.clock, self.made = q, clock, 0
+
+    @property
+    def gps(self) -> int:
+        return self.q.config.groups_per_step
+
+    def produce(self) -> int:
+        room = self.q.free_room()
+        if room <= 0:
+            return 0
+        ticket = self.q.reserve(f"r{self.made}", "rollout", room)
+        assert ticket is not None
+        for _ in range(room):
+            assert self.q.put(rec(f"g{self.made}", bv=self.q.trainer_version), ticket.ticket_id)[0]
+            self.made += 1
+        return room
+
+    def lease_step(self) -> str | None:
+        """The lease of a whole step's batch for the trainer's version, or None (not enough fresh groups)."""
+        v = self.q.trainer_version
+        res = self.q.get("trainer", max_groups=self.gps, min_groups=self.gps, consumer_version=v, lease_s=5.0)
+        return None if res.lease is None else res.lease.lease_id
+
+    def step(self) -> None:
+        """One step: the rollout fills the room, the trainer trains a batch (two turns at most: the first Get
+        may only evict) and commits."""
+        for _ in range(2):
+            self.produce()
+            lease_id = self.lease_step()
+            if lease_id is not None:
+                self.q.ack(lease_id)
+                self.q.set_trainer_version(self.q.trainer_version + 1)
+                return
+        raise AssertionError(f"no batch at version {self.q.trainer_version}: {self.q.stats()}")
+
+    def paced_as_steps_used(self, trained: tuple[str, ...] = ()) -> None:
+        """The pacing sum is what the steps so far consumed plus what is stored and no step used yet (of the
+        stored groups, ``trained`` were): no room lost or gained."""
+        m = self.q.memory
+        unused = len(set(m.groups) - set(trained))
+        assert m.accepted == m.trainer_version * self.gps + unused, self.q.stats()
+
+
+def _fault(q: QueueState, clock: Clock, lease_id: str, how: str) -> None:
+    """The trained step's lease goes back to the queue without its ack."""
+    if how == "expired":  # the trainer (or the queue, or its sidecar) stopped past the lease
+        clock.advance(11.0)  # (past a lease granted anew by a recovery too)
+        assert q.sweep().expired_leases == 1
+    elif how == "nacked":
+        assert q.nack(lease_id) > 0
+    else:  # killed after its checkpoint, before its acks: resumed from that checkpoint, at the same version
+        q.set_trainer_version(q.trainer_version, rebase=True)
+    assert not q.memory.leases
+
+
+@pytest.mark.parametrize("how", ["expired", "nacked", "rebased"])
+@pytest.mark.parametrize("durability", ["live", "restarted", "compacted"])
+@pytest.mark.parametrize("tau", [0, 1])
+def test_a_group_evicted_after_the_step_it_was_delivered_for_gives_no_pacing_room_back(
+    tmp_path: Path, how: str, durability: str, tau: int
+) -> None:
+    """Found by fault injection: groups trained whose lease was not acked (a trainer killed after its checkpoint
+    and before its acks, a lease expiring while the trainer or the queue was stopped, a resumed run) come back
+    older than tau and are evicted at the next Get. Each eviction took one off the pacing sum although its step
+    had already used it up: the sum stayed short by that many for the rest of the run, so Reserve granted that
+    many groups more each step, which only aged past tau and were evicted in turn (8 such groups: 1,336 groups
+    evicted as stale over 400 steps). Now such a group keeps its count, the same after a restart (the log
+    replayed) and a compaction, and the faulted groups are the only ones ever evicted."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=tau, groups_per_step=2)
+    run = Run(q, c)
+    for _ in range(4):
+        run.step()
+        run.paced_as_steps_used()
+    room_before = q.free_room()  # the turn's room, before the rollout fills it
+    run.produce()
+    trained = run.lease_step()
+    assert trained is not None
+    lost = list(q.memory.leases[trained].group_ids)
+    q.set_trainer_version(q.trainer_version + 1)  # the step committed (its checkpoint written); no ack comes
+    if durability != "live":  # the queue restarts with the lease still held (compacted: from a snapshot)
+        if durability == "compacted":
+            q.compact()
+        q = run.q = restart(q, path, c)
+    _fault(q, c, trained, how)
+    assert pending(q)[: len(lost)] == lost and q.free_room() == room_before  # back at the head; nothing gained
+    run.paced_as_steps_used(tuple(lost))
+    for _ in range(20):
+        run.step()
+        run.paced_as_steps_used()
+        assert q.free_room() <= room_before
+    assert q.stats().evicted_groups == {"stale": len(lost)}  # the faulted groups once, and nothing after them
+    assert run.made == (4 + 1 + 20 + tau) * 2  # each step's batch, tau steps ahead: no group made in vain
+    before = fingerprint(q)
+    q = restart(q, path, c)
+    assert fingerprint(q) == recovered(before, c())
+    q.compact()
+    q = restart(q, path, c)
+    assert _but_the_log(fingerprint(q)) == _but_the_log(recovered(before, c()))
+
+
+def _but_the_log(state: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint without the log's sizes (what a compaction changes)."""
+    return {**state, "stats": {**vars(state["stats"]), "wal_bytes": 0}, "live_wal_bytes": None}
+
+
+def test_a_group_that_no_step_used_still_gives_its_room_back_when_evicted(tmp_path: Path) -> None:
+    """The other side of the rule: a group evicted before any step used it (never delivered, or delivered only
+    for the trainer's current version and nacked, its step not committed) gives its room back, so that the
+    rollout can make its replacement. Kept for the never-delivered one, which is what pacing always did; for
+    the one delivered for the current version a kept count would hold the rollout below a step's batch for good
+    (here with tau lowered to 0: one group of room, two needed). One EVICT record with both kinds of group."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=2)
+    q.set_trainer_version(2, rebase=True)  # (paced as if two steps had consumed their batches)
+    assert q.stats().accepted_groups == 4
+    for g in ("used", "nacked", "never"):
+        q.put(rec(g, bv=1))
+    used = _leased(q, 1, consumer_version=1)  # delivered for step 1, which has since committed (trainer at 2)
+    nacked = _leased(q, 1)  # delivered for step 2, not committed
+    q.nack(nacked)
+    c.advance(11.0)
+    assert q.sweep().expired_leases == 1  # `used` comes back unacked
+    assert pending(q) == ["used", "nacked", "never"] and used not in q.memory.leases
+    assert q.memory.groups["used"].delivered_for == 1 and q.memory.groups["nacked"].delivered_for == 2
+    assert q.memory.groups["never"].delivered_for is None
+    for step in ("restarted", "compacted"):
+        if step == "compacted":
+            q.compact()
+        before = fingerprint(q)
+        q = restart(q, path, c)
+        assert fingerprint(q) == recovered(before, c())
+    assert q.stats().accepted_groups == 7
+    q.set_max_staleness(0)
+    res = q.get("trainer", max_groups=2)
+    assert res.evicted_stale == 3 and res.lease is None
+    s = q.stats()
+    assert (s.accepted_groups, s.evicted_groups) == (5, {"stale": 3})  # only "used" keeps its count
+    assert q.free_room() == 1 and q.reserve("r", "rollout", 2) is None
+    assert q.reserve("r", "rollout", 1) is not None
+    before = fingerprint(q)
+    q = restart(q, path, c)
+    q.set_max_staleness(0)  # (not logged: the controller sets it again)
+    assert fingerprint(q) == recovered(before, c())
+
+
+def test_a_rebase_counts_every_stored_group_as_unused_by_a_step(tmp_path: Path) -> None:
+    """A trainer resumed from an older checkpoint re-paces (its version times groups_per_step, plus every group
+    stored): the deliveries before it were to steps the checkpoint does not hold, so a stored group evicted
+    after the rebase gives its room back, even one delivered for a version older than the checkpoint's."""
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=2, groups_per_step=1)
+    q.set_trainer_version(1)
+    q.put(rec("a", bv=1))
+    _leased(q, 1)  # for step 1
+    q.set_trainer_version(3)  # steps 1 and 2 committed, held unacked until a checkpoint
+    assert q.set_trainer_version(2, rebase=True) == 2  # resumed from step 2's checkpoint: `a` is back
+    assert pending(q) == ["a"] and q.memory.groups["a"].delivered_for is None
+    assert q.stats().accepted_groups == 2 * 1 + 1
+    q.compact()
+    q = restart(q, path, c)
+    q.set_max_staleness(0)
+    assert q.get("trainer", max_groups=1).evicted_stale == 1  # bv 1 at version 2
+    assert q.stats().accepted_groups == 2 and q.free_room() == 1  # the rollout can make step 2's batch
+    before = fingerprint(q)
+    q = restart(q, path, c)
+    q.set_max_staleness(0)  # (not logged: the controller sets it again)
+    assert fingerprint(q) == recovered(before, c())
 
 
 # =========================================================================================

@@ -30,6 +30,7 @@ class Engine:
 
 class Servicer:
     in_flight = 1
+    version_waiters = 2
 
 
 class Producer:
@@ -56,7 +57,7 @@ def test_engine_counters_and_state_are_read_at_every_scrape() -> None:
     assert _value(registry, "tauflow_rollout_engine_policy_version") == 3
     assert _value(registry, "tauflow_rollout_engine_inflight_requests") == 2
     assert _value(registry, "tauflow_rollout_engine_state") == int(EngineState.SERVING)
-    assert _value(registry, "tauflow_rollout_inflight_requests") == 1
+    assert _value(registry, "tauflow_rollout_inflight_requests") == 3  # waiting for a version too
     assert _value(registry, "tauflow_rollout_inflight_groups") == 6
     assert _value(registry, "tauflow_rollout_produced_groups_total") == 11
     # A counter the engine does not keep is absent rather than a made-up zero.

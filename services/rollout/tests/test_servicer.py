@@ -138,8 +138,8 @@ def test_a_min_policy_version_wait_holds_no_thread_and_ends_with_its_caller(
     engine: HFEngine, model_dir: Path, reference: Any
 ) -> None:
     servicer = _servicer(engine, model_dir, max_wait_s=8)  # (a wait that held a thread would end in 8 s)
-    waiting = pb.GenerateRequest(
-        prompt_token_ids=[1, 5], min_policy_version=10**9, sampling=pb.SamplingParams(max_new_tokens=2)
+    waiting = pb.GenerateRequest(  # (a version the engine never reaches here, within max_version_lead)
+        prompt_token_ids=[1, 5], min_policy_version=64, sampling=pb.SamplingParams(max_new_tokens=2)
     )
     text = pb.GenerateRequest(prompt_text="12+34=", sampling=pb.SamplingParams(max_new_tokens=2))
 
@@ -153,7 +153,7 @@ def test_a_min_policy_version_wait_holds_no_thread_and_ends_with_its_caller(
         for w in waits:  # the waiting clients go away
             w.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
-        assert servicer.in_flight == 0 and not engine._version_listeners
+        assert servicer.in_flight == servicer.version_waiters == 0 and not engine._version_listeners
         await asyncio.wait_for(asyncio.to_thread(lambda: None), 5)
 
         # A wait ends with the version it waits for, or with its deadline.
@@ -161,7 +161,7 @@ def test_a_min_policy_version_wait_holds_no_thread_and_ends_with_its_caller(
             prompt_token_ids=[1, 5], min_policy_version=1, sampling=pb.SamplingParams(max_new_tokens=2)
         )
         refused = await _refused(servicer.Generate(soon, Context(time_remaining=0.2)))
-        assert refused.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert refused.code == grpc.StatusCode.DEADLINE_EXCEEDED and servicer.version_waiters == 0
         served = asyncio.create_task(servicer.Generate(soon, Context()))
         await asyncio.sleep(0.05)
         assert not served.done()
@@ -169,6 +169,112 @@ def test_a_min_policy_version_wait_holds_no_thread_and_ends_with_its_caller(
         answer = await asyncio.wait_for(served, 10)
         assert set(answer.samples[0].token_versions) == {1}
         assert not engine._version_listeners
+
+    asyncio.run(main())
+
+
+def _small(min_policy_version: int = 0) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt_token_ids=[1, 5], min_policy_version=min_policy_version, sampling=pb.SamplingParams(max_new_tokens=1)
+    )
+
+
+_SCORE = pb.ComputeLogprobsRequest(sequences=[pb.ScoredSequence(prompt_token_ids=[1, 5], completion_token_ids=[3])])
+
+
+def test_a_min_policy_version_far_ahead_of_the_engines_is_refused_at_once_naming_the_field(
+    engine: HFEngine, model_dir: Path
+) -> None:
+    # 64 calls with min_policy_version 10**9 (below 2**53) held every slot of max_in_flight for max_wait_s
+    # (600 s): every other Generate and ComputeLogprobs got RESOURCE_EXHAUSTED. Refused at once now: UNAVAILABLE
+    # (the server has not loaded that version; the documented code), and the refusal holds and changes nothing.
+    servicer = _servicer(engine, model_dir)
+    assert servicer.config.max_version_lead == 64
+
+    async def main() -> None:
+        for version in (10**9, MAX_POLICY_VERSION, 2**64 - 1, 65):
+            for _ in range(3):
+                refused = await _refused(asyncio.wait_for(servicer.Generate(_small(version), Context()), 2))
+                assert refused.code == grpc.StatusCode.UNAVAILABLE
+                assert f"min_policy_version {version}" in refused.details and "max_version_lead" in refused.details
+        assert servicer.in_flight == servicer.version_waiters == 0 and not engine._version_listeners
+        assert engine.policy_version == 0 and engine.stats().last_error == ""
+        # within the lead: it waits (for the version, within max_wait_s and its deadline)
+        waiting = asyncio.create_task(servicer.Generate(_small(64), Context()))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and servicer.version_waiters == 1
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert servicer.version_waiters == 0 and not engine._version_listeners
+
+    asyncio.run(main())
+
+    no_waits = _servicer(engine, model_dir, max_version_lead=0)  # a server that never waits for a version
+    refused = asyncio.run(_refused(no_waits.Generate(_small(1), Context())))
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and "min_policy_version 1 " in refused.details
+    assert len(asyncio.run(no_waits.Generate(_small(0), Context())).samples) == 1
+
+
+def test_calls_waiting_for_a_version_hold_no_slot_of_max_in_flight_and_another_client_is_served(
+    engine: HFEngine, model_dir: Path
+) -> None:
+    # The probe's 64 waiters, at the largest version within max_version_lead: max_version_waiters (32) of them
+    # wait, the rest are refused (RESOURCE_EXHAUSTED naming the bound); no slot of max_in_flight is held, so
+    # another client's 10 Generates and a ComputeLogprobs are served meanwhile.
+    servicer = _servicer(engine, model_dir)
+    assert (servicer.config.max_in_flight, servicer.config.max_version_waiters) == (64, 32)
+
+    async def main() -> None:
+        calls = [asyncio.create_task(servicer.Generate(_small(64), Context())) for _ in range(64)]
+        await asyncio.sleep(0.2)
+        refused = [c.exception() for c in calls if c.done()]
+        assert len(refused) == 32 and servicer.version_waiters == 32 and servicer.in_flight == 0
+        for e in refused:
+            assert isinstance(e, Aborted) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_version_waiters" in e.details
+        for _ in range(10):
+            answer = await asyncio.wait_for(servicer.Generate(_small(), Context()), 10)
+            assert len(answer.samples[0].completion_token_ids) == 1
+        scored = await asyncio.wait_for(servicer.ComputeLogprobs(_SCORE, Context()), 10)
+        assert len(scored.sequences[0].logprobs) == 1
+        status = await servicer.GetStatus(pb.GetStatusRequest(), Context())
+        assert status.in_flight_requests == 32  # the waiting calls are admitted and not yet answered
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        assert servicer.in_flight == servicer.version_waiters == 0 and not engine._version_listeners
+
+    asyncio.run(main())
+
+
+def test_waiters_for_the_next_version_are_served_when_it_comes_even_over_max_in_flight(
+    engine: HFEngine, model_dir: Path, reference: Any
+) -> None:
+    # A producer's ticket one version ahead of the engine (the trainer publishes one every step): its calls
+    # wait for the weight update, and are all served once it is loaded, though they outnumber max_in_flight
+    # (a waiter takes its slot then; max_in_flight + max_version_waiters calls run at most).
+    servicer = _servicer(engine, model_dir, max_in_flight=2, max_version_waiters=4)
+
+    async def main() -> None:
+        waiting = [asyncio.create_task(servicer.Generate(_small(1), Context())) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        assert not any(w.done() for w in waiting) and servicer.version_waiters == 4
+        fifth = await _refused(servicer.Generate(_small(1), Context()))
+        assert fifth.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_version_waiters" in fifth.details
+        # calls that can run now: admitted up to max_in_flight, as before
+        assert len((await asyncio.wait_for(servicer.Generate(_small(0), Context()), 10)).samples) == 1
+        await asyncio.wrap_future(engine.stage_weights(1, reference.state_dict()))
+        answers = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+        assert [set(a.samples[0].token_versions) for a in answers] == [{1}] * 4
+        assert servicer.in_flight == servicer.version_waiters == 0 and not engine._version_listeners
+        # and the lead counts from the version loaded now
+        waits = asyncio.create_task(servicer.Generate(_small(1 + 64), Context()))
+        await asyncio.sleep(0.05)
+        assert not waits.done()
+        waits.cancel()
+        await asyncio.gather(waits, return_exceptions=True)
+        refused = await _refused(servicer.Generate(_small(1 + 65), Context()))
+        assert refused.code == grpc.StatusCode.UNAVAILABLE and "version 1," in refused.details
 
     asyncio.run(main())
 

@@ -20,10 +20,10 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from tauflow.core.auth import load_run_token, run_token
 from tauflow.core.config import ConfigError, ServiceConfig, load_config
 from tauflow.core.logs import setup_logging
 from tauflow.core.metrics import start_metrics_server
+from tauflow.core.runtoken import load_run_token, run_token
 from tauflow.core.server import ServiceApp, serve
 from tauflow.core.telemetry import setup_telemetry, shutdown_telemetry
 
@@ -87,6 +87,9 @@ def service_main(
                 ready_info["metrics_port"] = start_metrics_server(config.metrics.host, config.metrics.port)
             asyncio.run(_run(build, config, ready_info, args.ready_file, started))
         except Exception as e:
+            if (why := token_refused(e, config.auth.token_file)) is not None:  # an operator's mistake, not a bug
+                print(f"tauflow-{service}: {why}", file=sys.stderr)  # (stderr is the service's log too)
+                return 1 if serving else 2
             if serving:
                 log.exception("service failed")
                 return 1
@@ -118,6 +121,19 @@ def one_line(error: BaseException) -> str:
     if len(text) > MAX_LINE_CHARS:
         text = text[: MAX_LINE_CHARS - 3] + "..."
     return text
+
+
+def token_refused(error: BaseException, token_file: str) -> str | None:
+    """One line, when ``error`` is a peer's UNAUTHENTICATED: this process holds another run's token (or none)."""
+    import grpc
+
+    if not (isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None))):
+        return None
+    if error.code() != grpc.StatusCode.UNAUTHENTICATED:
+        return None
+    held = f"auth.token_file {token_file}" if token_file else "no auth.token_file"
+    details = error.details() if callable(getattr(error, "details", None)) else ""
+    return one_line(ValueError(f"a peer refused this process's run token ({held}): {details}"))
 
 
 async def _run(build, config, ready_info, ready_file, started) -> None:

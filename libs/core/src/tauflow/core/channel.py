@@ -1,7 +1,7 @@
 """The one client channel factory.
 
 Every call gets a deadline (the caller's, else ``default_timeout_s``); a control method's call gets the
-process's run token (``authorization: Bearer``, tauflow.core.auth) unless the channel leads outside the run; keepalive
+process's run token (``authorization: Bearer``, tauflow.core.runtoken) unless the channel leads outside the run; keepalive
 and message-size limits are set; and gRPC's own retry policy is enabled only
 for the methods whose contract declares ``idempotency_level = IDEMPOTENT`` or
 ``NO_SIDE_EFFECTS``: a non-idempotent call is never sent twice.
@@ -17,8 +17,8 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from tauflow.api.retry import RetryPolicy, service_config_json
-from tauflow.core.auth import control_method, run_token
 from tauflow.core.config import ChannelConfig
+from tauflow.core.runtoken import control_method, run_token
 from tauflow.core.server import message_size_options
 
 

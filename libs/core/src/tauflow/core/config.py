@@ -139,7 +139,7 @@ class LogConfig(StrictModel):
 
 
 class AuthConfig(StrictModel):
-    """The run token (tauflow.core.auth): the control methods of this process's server need it, and its
+    """The run token (tauflow.core.runtoken): the control methods of this process's server need it, and its
     channels send it."""
 
     token_file: str = Field(

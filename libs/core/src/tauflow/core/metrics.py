@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import (
     REGISTRY,
@@ -31,7 +34,7 @@ from prometheus_client import (
     Gauge,
     Info,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
@@ -58,14 +61,77 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+MAX_CONNECTIONS = 64  # connections served at once; one more is closed at once
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S  # (the socket's: a client that holds a request half-sent gives its thread back)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # (a scrape every few seconds: no log line each)
+
+
+class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
+    """prometheus_client's server (a thread per connection) with its connections bounded: it kept every idle
+    connection, a thread and a descriptor each, for ever (1,000 half-sent requests: 1,000 threads)."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: closed at once, the scraper retries at its next interval
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve_metrics(
+    host: str,
+    port: int,
+    registry: CollectorRegistry = REGISTRY,
+    *,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> MetricsServer:
     """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free port (read it from the handle).
-    A port that cannot be bound raises OSError naming the address (and no traceback is needed to see why)."""
+    A port that cannot be bound raises OSError naming the address (and no traceback is needed to see why).
+    At most ``max_connections`` at once, each closed after ``idle_timeout_s`` without a byte."""
+    handler = type("MetricsHandler", (_MetricsHandler,), {"timeout": idle_timeout_s})
+    server_class = type(
+        "MetricsHTTPServer",
+        (_MetricsHTTPServer,),
+        {"max_connections": max_connections, "address_family": _family(host)},
+    )
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        server = server_class((host, port), handler)
     except OSError as e:
         raise OSError(f"cannot serve /metrics on {host}:{port}: {e.strerror or e}") from e
+    server.set_app(make_wsgi_app(registry))
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return MetricsServer(int(server.server_address[1]), server, thread)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    try:
+        return socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return socket.AF_INET
 
 
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> int:
@@ -81,6 +147,13 @@ class ServerMetrics:
             "tauflow_server_unexpected_errors",
             "calls whose handler raised an unexpected exception (a bug), answered INTERNAL, by method",
             ["method"],
+            registry=registry,
+        )
+        self.rebuilds = Counter(
+            "tauflow_server_rebuilds",
+            "times a gRPC server of this process stopped by itself and was served again on its port, by config key "
+            "(server, external...)",
+            ["key"],
             registry=registry,
         )
         # Which process of its role this is (rollout replica 2, trainer rank 1): Prometheus's file_sd labels

@@ -20,6 +20,11 @@ token): calls in progress (``server.max_concurrent_rpcs``), calls of one connect
 and reflection decode their requests as the services do (``tauflow.core.decoding``): bytes that do not
 decode answer INVALID_ARGUMENT.
 
+grpcio's asyncio server shuts itself down for good on one request whose method path is not UTF-8 (before any
+interceptor sees it); ``GrpcServer.keep_serving`` serves again at once, on the same port with the same
+servicers (``tauflow_server_rebuilds_total``). Compressed requests are refused (UNIMPLEMENTED) before they
+are inflated: the message limit counts inflated bytes, and tauflow's clients never compress.
+
 A service may serve a second face on its own port (``ServiceApp.extra_servers``,
 e.g. the queue's authenticated external port): the same bootstrap with its own
 bindings, server interceptors and optional TLS credentials, started, reported in
@@ -29,6 +34,7 @@ the ready file (``<name>_port``) and drained together with the main server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import inspect
 import json
@@ -50,12 +56,13 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from tauflow.core import health
-from tauflow.core.auth import CONTROL_METHODS, RunTokenAuth
+from tauflow.core.auth import RunTokenAuth
 from tauflow.core.config import ServerConfig
 from tauflow.core.decoding import add_handlers, checked_handlers, servicer_adder
 from tauflow.core.files import write_atomic
 from tauflow.core.metrics import ServerMetrics
 from tauflow.core.net import is_loopback
+from tauflow.core.runtoken import CONTROL_METHODS
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import ServerInfoServicer, server_info
 
@@ -318,10 +325,18 @@ class GrpcServer:
                 "no run token (auth.token_file): the control methods are open to any caller that reaches the port",
                 extra={"key": f"{key}.host", "host": config.host},
             )
-        self.server = grpc.aio.server(
+        self.interceptors = [self.catch_all, *interceptors]
+        self.draining = False
+        self.server = self._build()
+        self.port: int | None = None
+
+    def _build(self) -> grpc.aio.Server:
+        """A gRPC server with every binding, health, info and reflection (a new one each time: ``keep_serving``)."""
+        config = self.config
+        server = grpc.aio.server(
             # First, so that it guards what the others return too. A keyword: telemetry's instrumentation
             # adds its own.
-            interceptors=[self.catch_all, *interceptors],
+            interceptors=self.interceptors,
             # Calls in progress at once, streams and long polls included: one more is refused RESOURCE_EXHAUSTED.
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
@@ -335,33 +350,66 @@ class GrpcServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                 ("grpc.http2.max_ping_strikes", 0),
+                # Uncompressed messages only (a compressed one is refused before it is inflated): the message
+                # limit counts inflated bytes, so 250 KB of gzip on the wire held 250 MB each, before any
+                # token or field was checked. tauflow's clients never compress.
+                ("grpc.compression_enabled_algorithms_bitset", 1),
             ],
         )
         # Bounded (tauflow.core.health): its service names, its Watch streams, which end when the server drains.
         self.health = health.HealthServicer(config.max_health_watches)
         for b in self.bindings:
-            b.add_to_server(b.servicer, self.server)
-        servicer_adder(health.SERVICE, health.LIMITS)(self.health, self.server)
+            b.add_to_server(b.servicer, server)
+        servicer_adder(health.SERVICE, health.LIMITS)(self.health, server)
         names = [b.descriptor.full_name for b in self.bindings]
         reflector = reflection.aio.ReflectionServicer((*names, health.SERVICE.full_name, reflection.SERVICE_NAME))
-        _add_reflection(reflector, self.server)
-        self.port: int | None = None
+        _add_reflection(reflector, server)
+        return server
+
+    async def keep_serving(self) -> None:
+        """Serves again, on the same port and with the same servicers (their state kept), whenever the gRPC
+        server stops by itself: grpcio's asyncio server shuts down for good on one request whose method path
+        is not UTF-8 (a single packet, before any interceptor or token check), and the process went on
+        without a port. Returns when the server drains."""
+        while True:
+            try:
+                await self.server.wait_for_termination()
+                why = "it stopped"
+            except Exception as e:  # noqa: BLE001 - grpcio's main loop raised (UnicodeDecodeError)
+                why = f"{type(e).__name__}: {e}"[:300]
+            if self.draining:
+                return
+            server_metrics().rebuilds.labels(self.key).inc()
+            log.error(
+                "the gRPC server stopped by itself; serving again on the same port",
+                extra={"key": self.key, "port": self.port, "why": why},
+            )
+            with contextlib.suppress(Exception):
+                await self.server.stop(0)
+            self.server = self._build()
+            await self._bind(f"{self.config.host}:{self.port}")
+            await self.server.start()
+            await self.set_serving(True)
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
         _bind_check(self.config.host, self.config.port, f"{self.key}.port")
-        try:
-            if self.credentials is not None:
-                self.port = self.server.add_secure_port(address, self.credentials)
-            else:
-                self.port = self.server.add_insecure_port(address)
-        except RuntimeError:  # gRPC's "Failed to bind to address ..."
-            self.port = 0
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address} ({self.key}.port): the port is in use or the host is not local")
+        self.port = await self._bind(address)
         await self.set_serving(False)
         await self.server.start()
         return self.port
+
+    async def _bind(self, address: str) -> int:
+        try:
+            if self.credentials is not None:
+                port = self.server.add_secure_port(address, self.credentials)
+            else:
+                port = self.server.add_insecure_port(address)
+        except RuntimeError:  # gRPC's "Failed to bind to address ..."
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot listen on {address} ({self.key}.port): the port is in use or the host is not local")
+        return int(port)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -369,6 +417,7 @@ class GrpcServer:
             self.health.set(name, status)
 
     async def drain(self) -> None:
+        self.draining = True
         await self.set_serving(False)
         self.health.close()  # open Watch streams send NOT_SERVING and end: none holds the drain for its grace
         await self.server.stop(self.config.drain_grace_s)
@@ -425,6 +474,7 @@ async def serve(
 
     tasks.append(asyncio.create_task(watch_parent(stop, config.drain_grace_s), name="lifeline"))
     servers = [server, *extras.values()]
+    tasks += [asyncio.create_task(s.keep_serving(), name=f"{s.key} server") for s in servers]
     for s in servers:
         await s.set_serving(True)
     info = {"grpc_port": port, **extra_ports, "pid": os.getpid(), **ready_info, **app.info}

@@ -28,6 +28,8 @@ import atexit
 import ctypes
 import datetime
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -110,9 +112,40 @@ class StoreHost:
     """The sidecar's TCPStore server: the rendezvous point of every group it builds."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> None:
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
+        # Listens on ``host`` only: torch's master store binds every interface whatever its host says (a store
+        # meant for loopback was open to the network), so the socket is bound here and handed to it.
+        listener = _listening_socket(host, port)
+        bound_port = listener.getsockname()[1]
+        # The store owns the descriptor from here on and closes it when it goes: detached, so that Python does not
+        # close it too (a second close took whatever descriptor had the number by then: a test process aborted).
+        listen_fd = listener.detach()
+        try:
+            self.store = dist.TCPStore(
+                host,
+                bound_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_td(timeout_s),
+                master_listen_fd=listen_fd,
+            )
+        except BaseException:
+            os.close(listen_fd)
+            raise
         self.host = host
         self.port = int(self.store.port)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 _connecting: dict[tuple[str, int], Future[dist.Store]] = {}  # connections under way, by address

@@ -29,9 +29,9 @@ from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.progress import progress_view
 from tauflow.controller.run import RunStalled
 from tauflow.core.app import one_line
-from tauflow.core.auth import TokenFileError
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
+from tauflow.core.runtoken import TokenFileError
 
 console = Console(stderr=True)
 

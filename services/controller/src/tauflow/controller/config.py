@@ -152,7 +152,7 @@ class RunConfig(StrictModel):
     services: dict[str, dict[str, Any]] = Field(default_factory=dict)
     token_file: str = Field(
         "",
-        description="the run token's file (tauflow.core.auth: control methods need the token): every role's "
+        description="the run token's file (tauflow.core.runtoken: control methods need the token): every role's "
         "auth.token_file and what the controller sends. Empty: <out_dir>/run.token, written (0600) by the first run there; "
         "launcher external: the file (a mounted Secret) the deployed roles read too",
     )

@@ -20,9 +20,10 @@ unexpectedly is restarted in place (same ports) with exponential backoff; one th
 not waited for: ``check`` starts the new process and returns, and a later ``check`` reports it once it
 serves, so a role that takes its time (or hangs) starting delays the supervision of none of the others. A
 restarted process that dies before it serves, or does not serve within ``start_timeout_s`` (then it is
-killed), is one more death: restarted again with backoff, counted against ``max_restarts``. One that is
-alive but does not answer its gRPC health check (stopped, hung) is logged and counted
-(``tauflow.controller.health``).
+killed), is one more death: restarted again with backoff, counted against ``max_restarts``; so is a restart
+whose process could not even be started (:class:`SpawnFailed`: its settings file or log could not be written
+on a full disk, or the process could not be forked). One that is alive but does not answer its gRPC health
+check (stopped, hung) is logged and counted (``tauflow.controller.health``).
 
 A role may run as several processes, each a service of its own name (:func:`instance_name`: ``rollout``,
 ``rollout-1``, ...). Rollout replicas are started without waiting for each to serve (``begin_start``, then
@@ -40,6 +41,7 @@ run --resume``) waits for the previous run's processes to be gone before it star
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -47,6 +49,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +74,31 @@ class ServiceFailed(LaunchFailed):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"service '{name}' failed: {message}")
         self.name = name
+
+
+class SpawnFailed(ServiceFailed):
+    """A service's process could not be started at all: writing its settings file or its log, or the fork,
+    failed (``error``; e.g. ENOSPC on a full disk). At launch or scale-out it fails that start as any
+    :class:`ServiceFailed`; in a restart it is one more failed start (:meth:`ProcessLauncher.check`)."""
+
+    def __init__(self, name: str, error: OSError) -> None:
+        self.reason = f"could not start its process ({describe_os_error(error)})"
+        super().__init__(name, self.reason)
+        self.error = error
+
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a write refused for want of room: ENOSPC, or EDQUOT (the user's quota)."""
+    return isinstance(error, OSError) and error.errno in DISK_FULL
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for a log or a failure message; a full disk said as such."""
+    text = f"{type(error).__name__}: {error}"
+    return f"disk full: {text}" if disk_full(error) else text
 
 
 def instance_name(role: str, index: int) -> str:
@@ -291,7 +319,7 @@ class ProcessLauncher:
     def start(self, spec: ServiceSpec) -> ManagedService:
         """Starts one service and waits for its ready file (it serves gRPC health then)."""
         svc = self._register(spec)
-        self._spawn(svc)
+        self._spawn_checked(svc)
         self._wait_ready(svc)
         return svc
 
@@ -299,7 +327,7 @@ class ProcessLauncher:
         """Starts one service without waiting for it to serve (:meth:`poll_start` says when it does), so that
         the run's loop goes on meanwhile; :meth:`check` leaves it alone until then."""
         svc = self._register(spec)
-        self._spawn(svc)
+        self._spawn_checked(svc)
         svc.ready_by = time.monotonic() + self.start_timeout_s
         return svc
 
@@ -354,10 +382,18 @@ class ProcessLauncher:
             svc.spec.settings[rendezvous.key] = address
         try:
             for svc in members:
-                self._spawn(svc)
+                self._spawn_checked(svc)
         except ServiceFailed:
             self._kill_alive(members)
             raise
+
+    def _spawn_checked(self, svc: ManagedService) -> None:
+        """``_spawn``, with an OSError (a settings file or log that cannot be written, a fork refused) said as
+        :class:`SpawnFailed`: a failed start of ``svc``, not a crash of the controller."""
+        try:
+            self._spawn(svc)
+        except OSError as e:
+            raise SpawnFailed(svc.name, e) from e
 
     def _kill_alive(self, members: list[ManagedService]) -> None:
         for svc in members:
@@ -470,7 +506,7 @@ class ProcessLauncher:
                 delay = self._schedule_restart(unit, dead, self._exit_reason(dead, code), now)
                 log.warning("service died; restarting", extra={"service": dead.name, "code": code, "in_s": delay})
             if now >= first.next_restart_at:
-                self._begin_restart(unit)
+                self._begin_restart(unit, now)
                 if self.stopping:
                     return restarted
         if self.health is not None:
@@ -495,17 +531,32 @@ class ProcessLauncher:
             self._kill_alive(unit)
         return delay
 
-    def _begin_restart(self, unit: list[ManagedService]) -> None:
+    def _begin_restart(self, unit: list[ManagedService], now: float) -> None:
         """Starts the unit's new processes (a gang's together, with a fresh rendezvous) without waiting for
-        them to serve: :meth:`check` polls them (``restarting``) until they do, or fail to."""
+        them to serve: :meth:`check` polls them (``restarting``) until they do, or fail to. One that cannot
+        even be started (:class:`SpawnFailed`: e.g. its settings file on a full disk) is a failed start like
+        one that dies before it serves: the unit's restart is due again after the next backoff, and counted
+        against ``max_restarts`` (ServiceFailed once they are spent)."""
         first = unit[0]
         for svc in unit:
             svc.restarts += 1
         first.next_restart_at = 0.0
-        if len(unit) > 1:
-            self._spawn_together(unit, self._gangs[first.gang])
-        else:
-            self._spawn(first)
+        try:
+            if len(unit) > 1:
+                self._spawn_together(unit, self._gangs[first.gang])  # (kills the members it started, on failure)
+            else:
+                self._spawn_checked(first)
+        except SpawnFailed as e:
+            if self.stopping:
+                return
+            failed = self.services.get(e.name, first)
+            delay = self._schedule_restart(unit, failed, f"{e.reason} while restarting,", now)
+            log.warning(
+                "a restart could not start its process; restarting",
+                extra={"service": failed.name, "reason": describe_os_error(e.error), "in_s": delay,
+                       "restarts": first.restarts, "max_restarts": self.max_restarts},
+            )  # fmt: skip
+            return
         ready_by = time.monotonic() + self.start_timeout_s
         for svc in unit:
             svc.restarting, svc.ready_by = True, ready_by
@@ -676,21 +727,61 @@ def nested(settings: Mapping[str, Any]) -> dict[str, Any]:
 def write_settings(path: Path | str, settings: Mapping[str, Any]) -> None:
     """Writes a service's settings as its ``--config`` file (JSON), readable and writable by this user only:
     they may hold secrets (an engine's API key, a reward function's token). Replaced at once: a process
-    restarting reads the whole file or the previous one."""
+    restarting reads the whole file or the previous one.
+
+    On a full disk (ENOSPC, EDQUOT) a file already there that holds exactly these settings is kept and used
+    (a restart with the settings of the previous one); otherwise the error is raised, nothing left behind:
+    the start fails (:class:`SpawnFailed`)."""
     path = Path(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # (ASCII: the service reads the file in its locale's encoding)
     text = json.dumps(nested(settings), ensure_ascii=True, indent=1, default=str)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.chmod(partial, 0o600)  # (a file left by an earlier try keeps its mode through O_CREAT)
+        replace_file(path, text.encode("ascii"), mode=0o600)
+    except OSError as e:
+        if not disk_full(e) or not _holds(path, text):
+            raise
+        log.warning(
+            "disk full: a settings file was not rewritten; the one there holds the same settings and is used",
+            extra={"file": str(path), "error": describe_os_error(e)},
+        )
+
+
+def _holds(path: Path, text: str) -> bool:
+    """Whether ``path`` is this user's file of exactly ``text``, readable by this user only."""
+    try:
+        st = path.stat()
+        return st.st_uid == os.getuid() and st.st_mode & 0o077 == 0 and path.read_text(encoding="ascii") == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def replace_file(path: Path | str, data: bytes, *, mode: int | None = None, durable: bool = False) -> None:
+    """Replaces ``path`` with ``data`` at once: written to a new file of its own in the same folder (``mode``;
+    None: as ``open`` makes one, by the umask), fsynced, then renamed over ``path``; ``durable``: its folder
+    fsynced too. A reader sees the old file or the new one, never half of either; when any step fails (a full
+    disk) the old file stays as it was, the error is raised, and no temporary file is left behind."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if mode is not None:
+                os.fchmod(out.fileno(), mode)  # (exactly: the umask may have taken more)
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
         raise
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def service_env(
@@ -760,9 +851,12 @@ def spawn_service(
 ) -> subprocess.Popen[bytes]:
     """Starts a service process in its own session (its group is killed as one), its output appended to
     ``log_file``; it stops by itself once the process that started it (this one) is gone."""
-    with open(log_file, "ab") as out:
-        out.write(header.encode())
-        out.flush()
+    with open(log_file, "ab", buffering=0) as out:
+        try:
+            out.write(header.encode())
+        except OSError as e:  # (a full disk: the service starts all the same; its own output waits for room)
+            log.warning("could not write a service's start to its log", extra={"log": str(log_file),
+                        "error": describe_os_error(e)})  # fmt: skip
         return subprocess.Popen(
             command,
             stdout=out,

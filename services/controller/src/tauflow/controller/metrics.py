@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from tauflow.controller.health import HealthProbe
-from tauflow.controller.launcher import Service
-from tauflow.core.files import write_atomic
+from tauflow.controller.launcher import Service, replace_file
 from tauflow.core.metrics import MetricsServer, Reading, ScrapeCollector, serve_metrics
 
 if TYPE_CHECKING:
@@ -180,7 +179,9 @@ def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service],
     is rollout replica 1, ``trainer-1`` the trainer's rank 1), rewritten when a process restarts, starts or
     stops. A role's
     host is its node's with the Ray launcher, loopback with the local one; roles deployed elsewhere
-    (launcher external) are their deployment's to scrape and are not listed."""
+    (launcher external) are their deployment's to scrape and are not listed. Replaced whole or not at all:
+    an OSError (a full disk) leaves the previous file as it was and no temporary file (the run logs it and
+    writes the file again at its next pass: ``Run._write_targets``)."""
     groups = []
     endpoints = {
         role: (svc.info.get("host", "127.0.0.1"), svc.info.get("metrics_port"))
@@ -199,4 +200,4 @@ def write_targets(out_dir: Path, run_name: str, services: Mapping[str, Service],
 
 
 def _write_json(path: Path, data: object) -> None:
-    write_atomic(path, json.dumps(data, indent=1))  # Prometheus never reads half a file
+    replace_file(path, json.dumps(data, indent=1).encode())  # Prometheus never reads half a file

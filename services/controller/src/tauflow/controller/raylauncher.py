@@ -59,8 +59,8 @@ from tauflow.controller.launcher import (
     write_settings,
 )
 from tauflow.controller.secrets import redact_text
-from tauflow.core.auth import TokenFileError, read_token_file, run_token, run_token_file, write_token_file
 from tauflow.core.net import free_port
+from tauflow.core.runtoken import TokenFileError, read_token_file, run_token, run_token_file, write_token_file
 
 log = logging.getLogger(__name__)
 

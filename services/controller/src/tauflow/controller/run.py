@@ -23,8 +23,16 @@ from pathlib import Path
 from tauflow.controller.config import JUDGE, MAX_ROLLOUT_REPLICAS, ROLES, SCORERS, TEACHER, RunConfig, flatten
 from tauflow.controller.dial import TauChange
 from tauflow.controller.evaluation import evaluate, read_heldout
-from tauflow.controller.launcher import Launcher, LaunchFailed, Rendezvous, Service, ServiceSpec, instance_name
-from tauflow.controller.metrics import controller_metrics, write_targets
+from tauflow.controller.launcher import (
+    Launcher,
+    LaunchFailed,
+    Rendezvous,
+    Service,
+    ServiceSpec,
+    describe_os_error,
+    instance_name,
+)
+from tauflow.controller.metrics import TARGETS_FILE, controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.ports import (
     CheckPeer,
@@ -42,7 +50,7 @@ from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
-from tauflow.core.auth import load_run_token, new_token, write_token_file
+from tauflow.core.runtoken import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
 from tauflow.media import DataRow
@@ -53,7 +61,7 @@ POLL_S = 0.5  # between two looks at the trainer and the queue
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
 CHECK_TIMEOUT_S = 5.0  # the check of a restarted process: a hung one must not hold the loop (it restarts the others)
-RUN_TOKEN_FILE = "run.token"  # in out_dir, 0600, written by the first run there (tauflow.core.auth)
+RUN_TOKEN_FILE = "run.token"  # in out_dir, 0600, written by the first run there (tauflow.core.runtoken)
 STOP_ORDER = [
     "rollout",
     "trainer",
@@ -65,6 +73,7 @@ STOP_ORDER = [
 ]  # roles: every process of each at once
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
+WRITE_FAILURE_LOG_EVERY_S = 60.0  # a file that cannot be written (a full disk): one log line per this, at most
 
 
 class RunStalled(RuntimeError):
@@ -131,7 +140,7 @@ class Run:
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
         self.metrics_port: int | None = None
         self.control_address = ""  # where ControllerService answers for this run (tauflow run serves one)
-        # The run token (tauflow.core.auth): every role's control methods need it; this process's channels send it.
+        # The run token (tauflow.core.runtoken): every role's control methods need it; this process's channels send it.
         # (absolute: controller.ready.json and the roles' settings name it, read from other directories)
         self.token_file = (Path(config.token_file) if config.token_file else self.out_dir / RUN_TOKEN_FILE).resolve()
         if not config.token_file and not self.token_file.exists():
@@ -159,6 +168,9 @@ class Run:
         self.ended_wall: float | None = None
         self.stop_reason = ""  # StopRun's: the summary says why the run stopped
         self.stop_grace_s: float | None = None  # StopRun's grace period (0: immediate); None: the launcher's own
+        # prometheus-targets.json behind the services (its write failed: a full disk): written again each pass
+        self._targets_due = False
+        self._targets_logged_at: float | None = None  # monotonic time of the last failure logged
 
     # -- launch --------------------------------------------------------------------------
 
@@ -394,8 +406,9 @@ class Run:
             following.members_at = time.monotonic()
             await self._read_members(peers)
         self.progress.rollout_replicas = self._rollout_count()
-        if restarted or started or stopped:
+        if restarted or started or stopped or self._targets_due:
             self._write_targets()
+        if restarted or started or stopped:
             self.progress.message = "; ".join(
                 f"{what} {', '.join(names)}"
                 for what, names in (("restarted", restarted), ("started", started), ("stopped", stopped))
@@ -638,7 +651,37 @@ class Run:
     # -- all of it -----------------------------------------------------------------------
 
     def _write_targets(self) -> None:
-        write_targets(self.out_dir, self.config.name, self.launcher.services, self.metrics_port)
+        """prometheus-targets.json, for the services now. It is observability, not the run: a failure to write
+        it (a full disk) is logged, at most once a minute, the previous file stays whole, and the run goes on
+        writing it again at each pass of its loop until it is written."""
+        try:
+            write_targets(self.out_dir, self.config.name, self.launcher.services, self.metrics_port)
+        except OSError as e:
+            self._targets_due = True
+            now = time.monotonic()
+            if self._targets_logged_at is None or now - self._targets_logged_at >= WRITE_FAILURE_LOG_EVERY_S:
+                self._targets_logged_at = now
+                log.warning(
+                    "could not write the Prometheus targets; the previous file stays and the run goes on "
+                    "(written again at each pass)",
+                    extra={"file": str(self.out_dir / TARGETS_FILE), "error": describe_os_error(e)},
+                )
+            return
+        if self._targets_due:
+            log.warning("the Prometheus targets are written again", extra={"file": str(self.out_dir / TARGETS_FILE)})
+        self._targets_due, self._targets_logged_at = False, None
+
+    def _write_summary(self) -> None:
+        """summary.json and summary.png, each replaced whole (summary.py). A failure (a full disk) must not
+        hide how the run ended, nor end a run that completed with a traceback: it is logged (stderr) and the
+        previous summary stays as it was."""
+        try:
+            self.summary.write(self.out_dir)
+        except OSError as e:
+            log.error(
+                "could not write the run summary; the previous one (if any) stays",
+                extra={"out_dir": str(self.out_dir), "status": self.summary.status, "error": describe_os_error(e)},
+            )
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)
@@ -674,7 +717,7 @@ class Run:
             except asyncio.CancelledError:  # (cancelled again: the stop still finishes)
                 await stopping
             self.ended_wall = time.time()
-            self.summary.write(self.out_dir)
+            self._write_summary()
             if metrics_server is not None:
                 metrics_server.close()
         return self.summary

@@ -3,12 +3,14 @@ with the histogram of delivered staleness."""
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tauflow.controller.dial import StalenessLedger, TauChange
+from tauflow.controller.launcher import replace_file
 
 # The τ changes a summary keeps (the last ones; ``max_staleness_changes_total`` counts them all): a client
 # that toggles τ must not grow the summary, its plot's title or the controller's memory without bound. The
@@ -115,9 +117,13 @@ class RunSummary:
         return data
 
     def write(self, out_dir: Path) -> tuple[Path, Path]:
+        """``summary.json``, then ``summary.png``, each replaced whole and durably (a temporary file in
+        ``out_dir``, fsynced, renamed over it): a full disk never leaves an empty or half summary. Raises
+        OSError when one cannot be written; that file is then as it was (the previous run's, or none), and
+        the PNG is not attempted after a JSON that failed (the two stay a pair)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / "summary.json"
-        json_path.write_text(json.dumps(self.to_json(), indent=2))
+        replace_file(json_path, json.dumps(self.to_json(), indent=2).encode(), durable=True)
         png_path = out_dir / "summary.png"
         plot(self, png_path)
         return json_path, png_path
@@ -158,5 +164,9 @@ def plot(summary: RunSummary, path: Path) -> None:
     axes[2].set_title("delivered staleness (groups)")
     axes[2].set_xlabel("staleness (steps)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, dpi=90, format="png")
+    finally:
+        plt.close(fig)
+    replace_file(path, image.getvalue(), durable=True)  # (never half a PNG)

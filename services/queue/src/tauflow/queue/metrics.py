@@ -22,7 +22,8 @@ class QueueMetrics:
         self.leased_groups = gauge("tauflow_queue_leased_groups", "Groups held by unacked leases")
         self.reserved_groups = gauge("tauflow_queue_reserved_groups", "Groups reserved and not yet put (in flight)")
         self.accepted_groups = gauge(
-            "tauflow_queue_accepted_groups", "Groups accepted since the run began minus evicted (the pacing sum)"
+            "tauflow_queue_accepted_groups",
+            "Groups accepted since the run began minus those evicted before a step used them (the pacing sum)",
         )
         self.trainer_version = gauge("tauflow_queue_trainer_version", "Trainer policy version known to the queue")
         self.wal_bytes = gauge("tauflow_queue_wal_bytes", "Size of the write-ahead log")

@@ -51,6 +51,10 @@ class GroupRecord:
     n_tokens: int
     accepted_at: float = 0.0
     deliveries: int = 0
+    # The consumer version of its last delivery since the pacing count was last re-based (None: none). Once the
+    # trainer's version is past it, the step it was delivered for has committed and used up its pacing room:
+    # evicted after that (its lease expired or was nacked before the ack), it gives no room back.
+    delivered_for: int | None = None
     wal_bytes: int = 0
     newest_version: int = 0  # newest policy version of any token (Put refuses one from the future)
     checked: bool = False  # validated by this build (groups recovered from a log are checked at Get)

@@ -6,8 +6,10 @@ state after a restart is the state before it.
 
 Pacing (docs/design.md §2, tauflow.core.staleness): a reservation of ``n`` groups is granted only while
 ``accepted + in_flight + n <= (trainer_version + tau + 1) * groups_per_step``, where ``accepted``
-counts every group accepted since the run began minus those evicted, and ``in_flight`` the reserved
-groups not yet put. The safety net evicts, at ``get`` time, any group too stale for the consumer.
+counts every group accepted since the run began minus those evicted before a step used them (a group
+evicted after the step it was delivered for committed keeps its count: ``records.used_by_a_step``), and
+``in_flight`` the reserved groups not yet put. The safety net evicts, at ``get`` time, any group too
+stale for the consumer.
 """
 
 from __future__ import annotations

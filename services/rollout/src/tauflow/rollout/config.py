@@ -88,6 +88,19 @@ class RolloutConfig(ServiceConfig):
     max_in_flight: int = Field(
         64, ge=1, description="Generate and ComputeLogprobs: calls admitted at once (RESOURCE_EXHAUSTED above)"
     )
+    max_version_waiters: int = Field(
+        32,
+        ge=1,
+        description="Generate: calls waiting for their min_policy_version at once (RESOURCE_EXHAUSTED above); "
+        "a waiting call holds none of max_in_flight's slots, and takes one (over it, if need be) once its "
+        "version is loaded",
+    )
+    max_version_lead: int = Field(
+        64,
+        ge=0,
+        description="Generate: a min_policy_version more than this many versions ahead of the engine's is "
+        "refused at once (UNAVAILABLE: the server has not loaded that version) instead of waiting for it",
+    )
     max_score_tokens: int = Field(
         262_144,
         ge=1,

@@ -100,7 +100,8 @@ class RolloutMetrics:
         collector.gauge(
             "tauflow_rollout_inflight_requests",
             "Generate RPCs in progress (outside callers, e.g. evaluation)",
-            lambda: None if self._servicer is None else self._servicer.in_flight,
+            # (those waiting for their min_policy_version too)
+            lambda: None if self._servicer is None else self._servicer.in_flight + self._servicer.version_waiters,
         )
         collector.gauge(
             "tauflow_rollout_inflight_groups",

@@ -12,8 +12,8 @@ import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.metrics import READY_FILE
-from tauflow.core.auth import TokenFileError, read_token_file
 from tauflow.core.channel import create_channel
+from tauflow.core.runtoken import TokenFileError, read_token_file
 
 SERVICE = controller_pb2.DESCRIPTOR.services_by_name["ControllerService"]
 CALL_TIMEOUT_S = 30.0

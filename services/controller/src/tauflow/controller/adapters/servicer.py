@@ -133,6 +133,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ListServices(
         self, request: controller_pb2.ListServicesRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.ListServicesResponse:
+        if request.kind not in controller_pb2.ServiceKind.values():  # (proto3 keeps an unknown number as it is)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"kind: {request.kind} is not a ServiceKind")
         views = [v for v in self.run.services() if request.kind in (0, _KINDS.get(v.role))]
         return controller_pb2.ListServicesResponse(services=[_service_info(v) for v in views])
 

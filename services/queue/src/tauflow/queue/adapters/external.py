@@ -26,8 +26,9 @@ from grpc_health.v1 import health_pb2
 
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
-from tauflow.core.auth import bearer_token, refusal
+from tauflow.core.auth import refusal
 from tauflow.core.net import is_loopback
+from tauflow.core.runtoken import bearer_token
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.queue.adapters import wire

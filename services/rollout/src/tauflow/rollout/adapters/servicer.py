@@ -77,13 +77,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         codec: TextCodec | None,
         processor: Callable[[list[media.PromptPart]], Processed] | None = None,
     ) -> None:
-        self.config = config  # max_n, max_in_flight, max_wait_s: what one client may ask of the server
+        # max_n, max_in_flight, max_version_waiters, max_version_lead, max_wait_s: what one client may ask of the server
+        self.config = config
         self.engine = engine
         self.weights = weights
         self.producer = producer
         self.codec = codec  # None: a model folder without a tokenizer takes and gives token ids only
         self.processor = processor  # a multimodal model's (prompt_parts); None: a text model
-        self.in_flight = 0
+        self.in_flight = 0  # Generate and ComputeLogprobs calls holding one of max_in_flight's slots
+        # Generate calls admitted to wait for their min_policy_version: they hold no slot of max_in_flight (a
+        # caller that asks for a version that never comes would otherwise keep every other caller out for
+        # max_wait_s), but one of max_version_waiters' own, and take a slot once their version is loaded
+        self.version_waiters = 0
         # Tokenizing takes CPU time in proportion to the text: on threads of its own, never the default pool's
         # (which min_policy_version's waits and media decoding use), and a long text on one thread of its own, so
         # that long texts (262,144 characters: 0.56 s each) never hold up short ones, and use one core at most.
@@ -137,7 +142,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"sampling.n {request.sampling.n} is over this server's maximum of {self.config.max_n}",
             )
-        if self.in_flight >= self.config.max_in_flight:
+        ahead = request.min_policy_version - self.engine.policy_version
+        if ahead > self.config.max_version_lead:
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"min_policy_version {request.min_policy_version} is {ahead} versions ahead of this server's "
+                f"version {self.engine.policy_version}, more than its max_version_lead of "
+                f"{self.config.max_version_lead}: it has not loaded that version (call again later)",
+            )
+        waits = ahead > 0  # (counted against max_version_waiters until its version is loaded)
+        if waits and self.version_waiters >= self.config.max_version_waiters:
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.version_waiters} Generate calls waiting for a min_policy_version, this server's "
+                f"max_version_waiters",
+            )
+        if not waits and self.in_flight >= self.config.max_in_flight:
             await _abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -151,7 +173,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         prompt = list(request.prompt_token_ids)
         started = time.monotonic()
-        self.in_flight += 1  # from here: tokenizing counts too
+        # from here: tokenizing counts too
+        if waits:
+            self.version_waiters += 1
+        else:
+            self.in_flight += 1
         inputs = None
         try:
             params = sampling_from_proto(request.sampling, self.config.sampling.max_new_tokens)
@@ -180,6 +206,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 ok = await self.engine.reach_version(request.min_policy_version, remaining)
                 if not ok:
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
+            if waits:  # its version is loaded: it takes a slot, over max_in_flight if need be (bounded by
+                # max_version_waiters), so that a caller that waited for a version is not refused once it came
+                waits = False
+                self.version_waiters -= 1
+                self.in_flight += 1
             queued = time.monotonic()
             [completions] = await self.engine.generate([prompt], params, inputs)
         except (InvalidRequestError, media.InvalidMedia) as e:
@@ -191,7 +222,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except EngineClosedError as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            self.in_flight -= 1
+            if waits:
+                self.version_waiters -= 1
+            else:
+                self.in_flight -= 1
         resp = rollout_pb2.GenerateResponse(
             request_id=request.request_id,
             prompt_token_ids=prompt,
@@ -258,7 +292,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.GetStatusResponse(
             server_id=self.config.server_id,
             engines=[engine_status_to_proto(self.engine.stats(), self.weights.receiving_version)],
-            in_flight_requests=self.in_flight,
+            in_flight_requests=self.in_flight + self.version_waiters,
             in_flight_groups=self.producer.groups_in_flight if self.producer else 0,
             groups_produced=self.producer.groups_produced if self.producer else 0,
             groups_filtered=(self.producer.groups_filtered + self.producer.groups_surplus) if self.producer else 0,

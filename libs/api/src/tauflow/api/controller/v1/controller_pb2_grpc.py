@@ -120,7 +120,8 @@ class ControllerServiceServicer:
         and contract revisions. With launcher `external`, rollout replicas are
         those that the weight sidecar lists as members.
 
-        Retry class: no side effects. Status: OK always.
+        Retry class: no side effects. Status: OK; INVALID_ARGUMENT for a kind
+        that is not a ServiceKind this server knows.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
