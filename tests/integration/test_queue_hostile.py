@@ -133,3 +133,28 @@ def test_a_stored_group_no_consumer_can_decode_is_quarantined(service_process, t
     assert "quarantined" in queue.log_text()
     with pytest.raises(Exception):  # noqa: B017 - it really is undecodable
         common_pb2.Group.FromString(kept[0].read_bytes())
+
+
+def test_a_port_that_grpcio_stops_on_a_bad_path_ends_the_process_for_its_launcher_to_restart(
+    service_process, tmp_path: Path
+) -> None:
+    """grpcio's asyncio server shuts down for good on one request whose method path is not UTF-8 (before any
+    interceptor or token check): the queue went on without its port, nothing restarted it, and the run
+    stalled. Now the process exits (code 1) saying why, and a restart recovers what it had accepted."""
+    import time
+
+    from tauflow.core.testing import raw_http2_request
+
+    settings = {"max_staleness": -1, "wal.dir": str(tmp_path / "wal")}
+    queue = service_process("queue", settings)
+    stub = queue_stub(queue.address)
+    assert stub.Put(q.PutRequest(group=make_group("kept"))).outcome == q.PUT_OUTCOME_ACCEPTED
+    raw_http2_request(int(queue.address.rsplit(":", 1)[1]), b"/x\xff")
+    deadline = time.monotonic() + 30
+    while queue.proc.poll() is None:
+        assert time.monotonic() < deadline, "the queue went on without its port"
+        time.sleep(0.1)
+    assert queue.proc.returncode == 1
+    assert "stopped by itself" in queue.log_text() and "restarts this process" in queue.log_text()
+    again = service_process("queue", settings)  # what its launcher does
+    assert queue_stub(again.address).Stats(q.StatsRequest()).depth_groups == 1

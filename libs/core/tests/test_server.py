@@ -5,7 +5,6 @@ refuses (a port in use, TLS files that do not fit), the INTERNAL answer of a han
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -35,7 +34,7 @@ from tauflow.core.server import (
 )
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import fetch_server_info
-from tauflow.core.testing import self_signed_certificate
+from tauflow.core.testing import raw_http2_request, self_signed_certificate
 
 QUEUE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"]
@@ -493,57 +492,6 @@ async def test_the_catch_all_logs_one_traceback_per_kind_per_interval_and_counts
 # -- what grpcio itself lets through -------------------------------------------------------------------
 
 
-def _raw_http2_request(port: int, path: bytes, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """One HTTP/2 request written by hand (HPACK literals): gRPC clients cannot send a path that is not UTF-8."""
-    import struct
-
-    def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
-
-    def literal(name: bytes, value: bytes) -> bytes:
-        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
-
-    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path), (b":authority", b"x"),
-               (b"content-type", b"application/grpc"), (b"te", b"trailers"), *extra]  # fmt: skip
-    block = b"".join(literal(n, v) for n, v in headers)
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0) + frame(1, 0x4 | 0x1, 1, block))
-        with contextlib.suppress(OSError):
-            s.recv(65536)
-
-
-async def test_a_server_that_grpcio_stops_on_a_bad_path_serves_again_on_its_port_with_its_state() -> None:
-    """grpcio's asyncio server shuts down for good on one request whose method path is not UTF-8 (before any
-    interceptor): the process went on with no port, and the run stalled."""
-    state = Counter()
-    server = GrpcServer([_binding(state)], ServerConfig(port=0), role="queue")
-    port = await server.start()
-    await server.set_serving(True)
-    keeping = asyncio.create_task(server.keep_serving())
-    before = REGISTRY.get_sample_value("tauflow_server_rebuilds_total", {"key": "server"}) or 0.0
-    try:
-        async with create_channel(f"127.0.0.1:{port}", [QUEUE, HEALTH]) as channel:
-            stub = queue_pb2_grpc.QueueServiceStub(channel)
-            await stub.SetTrainerVersion(queue_pb2.SetTrainerVersionRequest(policy_version=5))
-            for _ in range(2):  # and again: each time
-                await asyncio.to_thread(_raw_http2_request, port, b"/x\xff")
-                for _ in range(100):
-                    with contextlib.suppress(grpc.aio.AioRpcError):
-                        reply = await stub.Stats(queue_pb2.StatsRequest(), timeout=1, wait_for_ready=True)
-                        break
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("the port never served again")
-                assert reply.trainer_version == 5  # the same servicer: its state kept
-                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-                assert health.status == health_pb2.HealthCheckResponse.SERVING
-        after = REGISTRY.get_sample_value("tauflow_server_rebuilds_total", {"key": "server"})
-        assert after == before + 2
-    finally:
-        await server.drain()
-        await asyncio.wait_for(keeping, 10)  # a drain is not a crash: it returns
-
-
 async def test_a_compressed_request_is_refused_before_it_is_inflated() -> None:
     """The message limit counts inflated bytes: 250 KB of gzip on the wire held 250 MB of the server's memory."""
     state = Counter()
@@ -579,7 +527,7 @@ async def test_metadata_that_is_not_utf8_is_logged_once_a_minute_without_its_val
     try:
         for _ in range(20):  # (a gRPC client cannot send it: by hand)
             await asyncio.to_thread(
-                _raw_http2_request, port, f"/{QUEUE.full_name}/Stats".encode(), ((b"authorization", secret),)
+                raw_http2_request, port, f"/{QUEUE.full_name}/Stats".encode(), ((b"authorization", secret),)
             )
     finally:
         await server.drain()

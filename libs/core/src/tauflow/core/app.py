@@ -131,8 +131,10 @@ def token_refused(error: BaseException, token_file: str) -> str | None:
         return None
     if error.code() != grpc.StatusCode.UNAUTHENTICATED:
         return None
-    held = f"auth.token_file {token_file}" if token_file else "no auth.token_file"
     details = error.details() if callable(getattr(error, "details", None)) else ""
+    if "is a control method" not in (details or ""):  # (another service's own credentials: not the run token)
+        return None
+    held = f"auth.token_file {token_file}" if token_file else "no auth.token_file"
     return one_line(ValueError(f"a peer refused this process's run token ({held}): {details}"))
 
 

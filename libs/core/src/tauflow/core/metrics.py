@@ -93,6 +93,12 @@ class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
             self._slots.release()
             raise
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went quiet (the idle timeout) or away is no error: socketserver printed a traceback for
+        # each, a log flood of its own. Anything else is reported as before.
+        if not isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            super().handle_error(request, client_address)
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
@@ -149,10 +155,10 @@ class ServerMetrics:
             ["method"],
             registry=registry,
         )
-        self.rebuilds = Counter(
-            "tauflow_server_rebuilds",
-            "times a gRPC server of this process stopped by itself and was served again on its port, by config key "
-            "(server, external...)",
+        self.stopped_by_itself = Counter(
+            "tauflow_server_stopped_by_itself",
+            "gRPC servers of this process that stopped by themselves (the process then exits to be restarted), "
+            "by config key (server, external...)",
             ["key"],
             registry=registry,
         )

@@ -21,8 +21,8 @@ and reflection decode their requests as the services do (``tauflow.core.decoding
 decode answer INVALID_ARGUMENT.
 
 grpcio's asyncio server shuts itself down for good on one request whose method path is not UTF-8 (before any
-interceptor sees it); ``GrpcServer.keep_serving`` serves again at once, on the same port with the same
-servicers (``tauflow_server_rebuilds_total``). Compressed requests are refused (UNIMPLEMENTED) before they
+interceptor sees it); ``GrpcServer.keep_serving`` then ends the service (exit code 1), so that its launcher
+restarts it (``tauflow_server_stopped_by_itself_total``). Compressed requests are refused (UNIMPLEMENTED) before they
 are inflated: the message limit counts inflated bytes, and tauflow's clients never compress.
 
 A service may serve a second face on its own port (``ServiceApp.extra_servers``,
@@ -34,7 +34,6 @@ the ready file (``<name>_port``) and drained together with the main server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import inspect
 import json
@@ -367,29 +366,24 @@ class GrpcServer:
         return server
 
     async def keep_serving(self) -> None:
-        """Serves again, on the same port and with the same servicers (their state kept), whenever the gRPC
-        server stops by itself: grpcio's asyncio server shuts down for good on one request whose method path
-        is not UTF-8 (a single packet, before any interceptor or token check), and the process went on
-        without a port. Returns when the server drains."""
-        while True:
-            try:
-                await self.server.wait_for_termination()
-                why = "it stopped"
-            except Exception as e:  # noqa: BLE001 - grpcio's main loop raised (UnicodeDecodeError)
-                why = f"{type(e).__name__}: {e}"[:300]
-            if self.draining:
-                return
-            server_metrics().rebuilds.labels(self.key).inc()
-            log.error(
-                "the gRPC server stopped by itself; serving again on the same port",
-                extra={"key": self.key, "port": self.port, "why": why},
-            )
-            with contextlib.suppress(Exception):
-                await self.server.stop(0)
-            self.server = self._build()
-            await self._bind(f"{self.config.host}:{self.port}")
-            await self.server.start()
-            await self.set_serving(True)
+        """Returns when the server drains; raises when the gRPC server stops by itself. grpcio's asyncio server
+        shuts down for good on one request whose method path is not UTF-8 (a single packet, before any
+        interceptor or token check), and the process went on without a port: nothing restarted it and the run
+        stalled. Raising ends the service (exit code 1), so that its launcher restarts it. (Serving again in
+        the same process was tried: grpcio's state after that shutdown made the new server fail to serve, or
+        the process crash, now and then.)"""
+        try:
+            await self.server.wait_for_termination()
+            why = "it stopped"
+        except Exception as e:  # noqa: BLE001 - grpcio's main loop raised (UnicodeDecodeError)
+            why = f"{type(e).__name__}: {e}"[:300]
+        if self.draining:
+            return
+        server_metrics().stopped_by_itself.labels(self.key).inc()
+        raise RuntimeError(
+            f"the gRPC server on port {self.port} ({self.key}) stopped by itself ({why}): "
+            "exiting so that the launcher restarts this process"
+        )
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"

@@ -129,3 +129,24 @@ def self_signed_certificate(cert: Path, key: Path) -> tuple[Path, Path]:
         capture_output=True,
     )
     return cert, key
+
+
+def raw_http2_request(port: int, path: bytes, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """One HTTP/2 request written by hand (HPACK literals): gRPC clients cannot send a path that is not UTF-8."""
+    import socket
+    import struct
+    from contextlib import suppress
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+    def literal(name: bytes, value: bytes) -> bytes:
+        return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path), (b":authority", b"x"),
+               (b"content-type", b"application/grpc"), (b"te", b"trailers"), *extra]  # fmt: skip
+    block = b"".join(literal(n, v) for n, v in headers)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0) + frame(1, 0x4 | 0x1, 1, block))
+        with suppress(OSError):
+            s.recv(65536)

@@ -28,7 +28,6 @@ import atexit
 import ctypes
 import datetime
 import logging
-import os
 import socket
 import threading
 import time
@@ -119,24 +118,25 @@ class StoreHost:
         # The store owns the descriptor from here on and closes it when it goes: detached, so that Python does not
         # close it too (a second close took whatever descriptor had the number by then: a test process aborted).
         listen_fd = listener.detach()
-        try:
-            self.store = dist.TCPStore(
-                host,
-                bound_port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=_td(timeout_s),
-                master_listen_fd=listen_fd,
-            )
-        except BaseException:
-            os.close(listen_fd)
-            raise
+        # (on a failure the descriptor may be torch's already: left open rather than closed twice)
+        self.store = dist.TCPStore(
+            host,
+            bound_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_td(timeout_s),
+            master_listen_fd=listen_fd,
+        )
         self.host = host
         self.port = int(self.store.port)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0]
+    # (an empty host is every interface, as torch's own bind was; "[::1]" is an IPv6 address)
+    name = host.strip("[]") or None
+    family, kind, proto, _, address = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

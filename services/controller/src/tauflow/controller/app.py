@@ -105,7 +105,6 @@ async def execute_with_control(run: Run) -> RunSummary:
     )
     port = await server.start()
     await server.set_serving(True)
-    keeping = asyncio.create_task(server.keep_serving())  # (served again if grpcio stops it by itself)
     run.control_address = f"{control.host}:{port}"
     task = asyncio.create_task(run.execute())
     servicer.task = task
@@ -116,9 +115,7 @@ async def execute_with_control(run: Run) -> RunSummary:
             return run.summary  # StopRun ended the run: its summary is written
         raise
     finally:
-        server.draining = True
         await server.server.stop(1.0)
-        await asyncio.gather(keeping, return_exceptions=True)
 
 
 def _cancelling() -> bool:

@@ -488,9 +488,14 @@ class WriteAheadLog:
             fsync_dir(self.path.parent)
         except OSError as e:
             self._break(f"fsync of the log's directory failed ({_describe(e)}); restart the queue")
+        try:  # the new descriptor first: the old one is never left closed under its number
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as e:
+            self._break(f"the compacted log could not be opened ({_describe(e)}); restart the queue")
+            raise _write_error(e, "opening the compacted log") from None
         if self._fd is not None:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._fd = fd
         self._fmt, self._seq, self.size = out.fmt, out.seq, out.size
         self._synced = self._written
 

@@ -206,11 +206,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 ok = await self.engine.reach_version(request.min_policy_version, remaining)
                 if not ok:
                     await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "min_policy_version not reached in time")
-            if waits:  # its version is loaded: it takes a slot, over max_in_flight if need be (bounded by
-                # max_version_waiters), so that a caller that waited for a version is not refused once it came
-                waits = False
-                self.version_waiters -= 1
-                self.in_flight += 1
+            # (a call that waited keeps its waiter's slot to the end: so at most max_in_flight +
+            # max_version_waiters calls run, however often the version moves)
             queued = time.monotonic()
             [completions] = await self.engine.generate([prompt], params, inputs)
         except (InvalidRequestError, media.InvalidMedia) as e:
