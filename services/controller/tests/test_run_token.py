@@ -157,7 +157,13 @@ def test_tauflow_run_with_a_bad_token_file_says_so_in_one_line(tmp_path: Path, m
     config.write_text(
         f"model: m\ndataset: d\nsteps: 1\nout_dir: {tmp_path / 'out'}\ntoken_file: {tmp_path / 'token'}\n"
     )
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
     assert cli_main(["run", str(config)]) == 2
+    # A run that could not be built leaves SIGTERM as it was (it set its own handler first: a worker later forked
+    # by this process caught SIGTERM, and a reward test saw its case directory cleaned up).
+    assert signal.getsignal(signal.SIGTERM) == before
     out = printed.getvalue()
     assert "auth.token_file" in out and "at least 16" in out and "Traceback" not in out
 

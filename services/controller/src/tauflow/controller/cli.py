@@ -62,13 +62,14 @@ def run_command(args: argparse.Namespace) -> int:
         console.print(f"[red]tauflow run: {e}")
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
     try:
         run = build_run(config)  # (writes or reads the run token: out_dir must be writable)
         (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     except (OSError, TokenFileError) as e:  # (a token file's error names the file, never the token)
         console.print(f"[red]tauflow run: {one_line(e)}")
         return 2
+    # (only now: a run that could not be built leaves the process's SIGTERM as it was)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
     setup_logging("controller", "WARNING")
     # A live table on a terminal; plain lines every few seconds elsewhere (a log file shows how far it is).
     try:
