@@ -108,8 +108,9 @@ class Producer(threading.Thread):
     """An outside producer on the queue's external port: reserve one group, put it, again, until stopped.
     Its groups are synthetic answers to addition problems (one right, the rest random digits), at the
     ticket's policy version, one every ``pause_s`` at most (alone, it feeds a step every two seconds: the run
-    goes on while the rollout is stopped, without racing past the schedule). Calls refused as UNAVAILABLE or DEADLINE_EXCEEDED (the queue restarting) are
-    retried with the same request id / group id; ``acked`` is every group the queue acknowledged."""
+    goes on while the rollout is stopped, without racing past the schedule). Calls refused as ``retryable`` (the
+    queue restarting or draining) are retried with the same request id / group id; ``acked`` is every group the
+    queue acknowledged."""
 
     def __init__(self, address: str, token: str, seed: int, pause_s: float = 0.5) -> None:
         super().__init__(name="chaos-producer", daemon=True)

@@ -114,7 +114,8 @@ def test_retry_classes_come_from_the_contracts() -> None:
 
 
 class Flaky(queue_pb2_grpc.QueueServiceServicer, rollout_pb2_grpc.RolloutServiceServicer):
-    """Answers UNAVAILABLE to the first two calls of Put and Generate; Stats takes 2 s."""
+    """Answers UNAVAILABLE, then CANCELLED (a server stopping as the call came), to the first two calls of Put
+    and Generate; Stats takes 2 s."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
@@ -127,7 +128,7 @@ class Flaky(queue_pb2_grpc.QueueServiceServicer, rollout_pb2_grpc.RolloutService
             self.metadata.append(dict(context.invocation_metadata()))
             n = self.calls[name]
         if n <= 2:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+            context.abort(grpc.StatusCode.UNAVAILABLE if n == 1 else grpc.StatusCode.CANCELLED, "try again")
 
     def Put(self, request, context):
         self._flaky("Put", context)
@@ -155,7 +156,7 @@ def test_only_idempotent_calls_are_retried_and_every_call_has_a_deadline() -> No
             RolloutClient(address, timeout_s=5) as rollout,
             QueueClient(address, "t0ken", timeout_s=0.5) as impatient,
         ):
-            assert queue.put(wire_group("g1")).accepted  # Put is idempotent: retried through two UNAVAILABLEs
+            assert queue.put(wire_group("g1")).accepted  # Put is idempotent: retried through UNAVAILABLE, CANCELLED
             assert servicer.calls["Put"] == 3
             assert all(m["authorization"] == "Bearer t0ken" for m in servicer.metadata)  # on every attempt
             with pytest.raises(TauflowError) as refused:
@@ -166,6 +167,7 @@ def test_only_idempotent_calls_are_retried_and_every_call_has_a_deadline() -> No
             with pytest.raises(TauflowError) as late:
                 impatient.stats()
             assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and late.value.retryable
+            assert TauflowError("Put", grpc.StatusCode.CANCELLED, "CANCELLED").retryable
             assert time.monotonic() - started < 1.5  # the client's 0.5 s, not the server's 2 s
     finally:
         server.stop(0)

@@ -23,7 +23,8 @@ def test_retry_classes_come_from_the_contract() -> None:
 
 
 class FlakyQueue(queue_pb2_grpc.QueueServiceServicer):
-    """Fails the first ``failures`` calls of each method with UNAVAILABLE."""
+    """Fails the first ``failures`` calls of each method: UNAVAILABLE, then CANCELLED (what grpcio answers to a
+    call that arrives as its server stops)."""
 
     def __init__(self, failures: int) -> None:
         self.failures = failures
@@ -35,7 +36,7 @@ class FlakyQueue(queue_pb2_grpc.QueueServiceServicer):
             self.calls[name] = self.calls.get(name, 0) + 1
             n = self.calls[name]
         if n <= self.failures:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+            context.abort(grpc.StatusCode.UNAVAILABLE if n == 1 else grpc.StatusCode.CANCELLED, "try again")
 
     def Put(self, request, context):
         self._count("Put", context)

@@ -1,8 +1,8 @@
 """The one retry policy of tauflow's clients (hand-written; the rest of this package is generated).
 
 A method's retry class is in its contract (``option idempotency_level``): only ``IDEMPOTENT`` and
-``NO_SIDE_EFFECTS`` methods may be sent again, and only on ``UNAVAILABLE`` (the server was not reached or
-is restarting). The services' channel factory (``tauflow.core.channel``, where the attempts and backoff are
+``NO_SIDE_EFFECTS`` methods may be sent again, and only on ``RETRY_STATUS_CODES`` (the server was not
+reached, is restarting, or was stopping as the call came). The services' channel factory (``tauflow.core.channel``, where the attempts and backoff are
 configurable) and the outside client (``tauflow.client``, which cannot depend on tauflow-core) both build
 their gRPC service config here, so the two can never disagree.
 """
@@ -17,6 +17,11 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions
 
 RETRYABLE_LEVELS = (MethodOptions.IDEMPOTENT, MethodOptions.NO_SIDE_EFFECTS)
+# The answers of a server that was not there for the call: not reached or restarting (UNAVAILABLE), or
+# stopping as it came (CANCELLED: grpcio's asyncio server cancels a call that arrives while it shuts down,
+# before any handler has run; seen in the chaos run at a queue's drain). A client's own cancellation is not
+# an answer from the server, and gRPC never retries it.
+RETRY_STATUS_CODES = ("UNAVAILABLE", "CANCELLED")
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class RetryPolicy:
     max_attempts: int = 5  # gRPC caps attempts at 5
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
-    status_codes: tuple[str, ...] = field(default=("UNAVAILABLE",))
+    status_codes: tuple[str, ...] = field(default=RETRY_STATUS_CODES)
 
 
 def is_retryable(method: MethodDescriptor) -> bool:

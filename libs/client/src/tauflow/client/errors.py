@@ -5,6 +5,8 @@ from __future__ import annotations
 import grpc
 from google.protobuf import any_pb2, empty_pb2, unknown_fields
 
+from tauflow.api.retry import RETRY_STATUS_CODES
+
 _DETAILS_KEY = "grpc-status-details-bin"
 _ERROR_INFO = "google.rpc.ErrorInfo"
 
@@ -14,8 +16,8 @@ class TauflowError(Exception):
     token; INVALID_ARGUMENT: a malformed request, the message names the field; RESOURCE_EXHAUSTED: a full
     queue or a group that never fits, told apart by ``reason``, or with no reason this client's own bound on
     the external port (reserved groups not yet put, Reserves waiting: the message names it; put or release
-    first); DEADLINE_EXCEEDED, UNAVAILABLE: the
-    service did not answer in time); ``reason`` is the ``google.rpc.ErrorInfo`` reason the service
+    first); DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED: the
+    service did not answer in time, or was stopping as the call came); ``reason`` is the ``google.rpc.ErrorInfo`` reason the service
     attached ("" when none), e.g. ``ERROR_REASON_QUEUE_FULL``."""
 
     def __init__(self, method: str, code: grpc.StatusCode, details: str, reason: str = "") -> None:
@@ -27,11 +29,12 @@ class TauflowError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """Whether the same call may succeed later: a full queue, or a service that is not reachable now
-        (the channel already retried idempotent calls on UNAVAILABLE)."""
-        return self.reason == "ERROR_REASON_QUEUE_FULL" or self.code in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
+        """Whether the same call may succeed later: a full queue, or a service that is not reachable now, slow,
+        or stopping (the channel already retried idempotent calls on UNAVAILABLE and CANCELLED)."""
+        return (
+            self.reason == "ERROR_REASON_QUEUE_FULL"
+            or self.code.name in RETRY_STATUS_CODES
+            or self.code == grpc.StatusCode.DEADLINE_EXCEEDED
         )
 
     @classmethod

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 
+from tauflow.core.logs import LogLimit
 from tauflow.core.runtoken import CONTROL_METHODS, bearer_token, digest
 
 log = logging.getLogger(__name__)
@@ -27,8 +27,7 @@ class RunTokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, guarded: Mapping[str, frozenset[str]] = CONTROL_METHODS) -> None:
         self._digest = digest(token)
         self.guarded = guarded
-        self._warned_at = -_WARN_EVERY_S
-        self._unwarned = 0
+        self._warnings = LogLimit(_WARN_EVERY_S)  # a caller with a wrong token must not flood the log
 
     async def intercept_service(
         self,
@@ -47,12 +46,8 @@ class RunTokenAuth(grpc.aio.ServerInterceptor):
         return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method} is a control method: {why}")
 
     def _warn(self, method: str, why: str) -> None:
-        """At most one warning per ``_WARN_EVERY_S``: a caller with a wrong token must not flood the log."""
-        now = time.monotonic()
-        self._unwarned += 1
-        if now - self._warned_at >= _WARN_EVERY_S:
-            log.warning("control call refused", extra={"method": method, "why": why, "refused": self._unwarned})
-            self._warned_at, self._unwarned = now, 0
+        if refused := self._warnings.due():
+            log.warning("control call refused", extra={"method": method, "why": why, "refused": refused})
 
 
 def refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

@@ -26,6 +26,25 @@ class KeyValueFormatter(logging.Formatter):
         return f"{base} {extras}" if extras else base
 
 
+class LogLimit:
+    """For an event a caller or a fault can repeat at will (a refused token, a write to a full disk): says when
+    to log it, at most once per ``every_s`` (the first at once), and how many came since the last line."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._logged_at = -every_s  # (time.monotonic)
+        self._count = 0
+
+    def due(self) -> int:
+        """Counts one event; returns how many to report now, this one included, or 0 when no line is due."""
+        self._count += 1
+        now = time.monotonic()
+        if now - self._logged_at < self.every_s:
+            return 0
+        count, self._count, self._logged_at = self._count, 0, now
+        return count
+
+
 class GrpcDecodeErrors(logging.Filter):
     """grpcio logs every metadata value it cannot decode as UTF-8 at ERROR, with a traceback and the raw value
     (about 3 lines and up to 100 KB per call of a hostile client, a bearer token's bytes included). Keeps one
@@ -33,22 +52,18 @@ class GrpcDecodeErrors(logging.Filter):
 
     def __init__(self, every_s: float = 60.0) -> None:
         super().__init__()
-        self.every_s = every_s
-        self._last = -every_s
-        self._dropped = 0
+        self.limit = LogLimit(every_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith("Invalid encoding"):
             return True
-        now = time.monotonic()
-        if now - self._last < self.every_s:
-            self._dropped += 1
+        count = self.limit.due()
+        if not count:
             return False
         value = record.args[0] if isinstance(record.args, tuple) and record.args else b""
         record.msg = "a request's metadata is not UTF-8 (value of %d bytes, not shown; %d more since the last line)"
-        record.args = (len(value) if isinstance(value, (bytes, str)) else -1, self._dropped)
+        record.args = (len(value) if isinstance(value, (bytes, str)) else -1, count - 1)
         record.exc_info, record.exc_text, record.stack_info = None, None, None
-        self._last, self._dropped = now, 0
         return True
 
 

@@ -9,6 +9,11 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"
+# The answers of a peer that is restarting, stopping or slow, after which an idempotent call may be sent again:
+# the channel's own retry codes (tauflow.api.retry.RETRY_STATUS_CODES: UNAVAILABLE, and CANCELLED from a
+# server that stopped as the call came) and a deadline that passed. Our own cancellation is
+# asyncio.CancelledError, never one of these.
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def error_info_trailer(code: grpc.StatusCode, message: str, reason: str, domain: str) -> tuple[tuple[str, bytes], ...]:

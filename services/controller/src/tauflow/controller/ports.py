@@ -24,7 +24,7 @@ class PeerError(RuntimeError):
 
 
 class PeerUnavailable(PeerError):
-    """The service did not answer in time (UNAVAILABLE, DEADLINE_EXCEEDED): ask again later."""
+    """The service did not answer in time, or was stopping (tauflow.core.status.TRANSIENT): ask again later."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import logging
 import mmap
 import os
 import shutil
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tauflow.core.files import fsync_dir
+from tauflow.core.logs import LogLimit
 from tauflow.queue.wal_frames import (
     Bad,
     BadHeader,
@@ -150,8 +150,7 @@ class WriteAheadLog:
         self._sync_task: asyncio.Task[None] | None = None
         # While a rewrite runs in the background: every record appended since its snapshot, to go after it.
         self._tail: list[tuple[int, bytes, bytes]] | None = None
-        self._rollback_logged_at = -_LOG_ROLLBACKS_EVERY_S  # (time.monotonic)
-        self._rollbacks_unlogged = 0
+        self._rollback_log = LogLimit(_LOG_ROLLBACKS_EVERY_S)  # (a full disk: every write fails)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -356,13 +355,11 @@ class WriteAheadLog:
             os.ftruncate(self._fd, self.size)
         except OSError as e:
             self._break(f"the log could not be rolled back after a failed write ({_describe(e)}); restart the queue")
-        self._rollbacks_unlogged += 1
-        if time.monotonic() - self._rollback_logged_at >= _LOG_ROLLBACKS_EVERY_S:  # (a full disk: every write)
+        if failed_writes := self._rollback_log.due():
             log.error(
                 "a write to the log failed and was rolled back",
-                extra={"path": str(self.path), "error": _describe(cause), "failed_writes": self._rollbacks_unlogged},
+                extra={"path": str(self.path), "error": _describe(cause), "failed_writes": failed_writes},
             )
-            self._rollback_logged_at, self._rollbacks_unlogged = time.monotonic(), 0
 
     def _break(self, why: str) -> None:
         if self.broken is None:

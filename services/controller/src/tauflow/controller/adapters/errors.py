@@ -8,9 +8,8 @@ from contextlib import contextmanager
 import grpc
 
 from tauflow.controller.ports import PeerError, PeerUnavailable
+from tauflow.core.status import TRANSIENT  # a service that is not there for now: worth asking again
 
-# The codes of a service that is not there for now (restarting, stopped, overloaded): worth asking again.
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # The deadline of the run's polls (the trainer's steps and state, the queue's counters) and of the check of a
 # restarted process: a hung peer (SIGSTOP, a stuck disk) must not hold the run's loop, which also restarts
 # what died, for the channel's default 30 s at every pass.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.auth import refusal
+from tauflow.core.logs import LogLimit
 from tauflow.core.net import is_loopback
 from tauflow.core.runtoken import bearer_token
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
@@ -64,8 +64,7 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokenTable, metrics: QueueMetrics) -> None:
         self.tokens = tokens
         self.metrics = metrics
-        self._warned_at = -_WARN_EVERY_S
-        self._unwarned = 0
+        self._warnings = LogLimit(_WARN_EVERY_S)  # a client with a wrong token must not flood the log
 
     async def intercept_service(
         self,
@@ -114,12 +113,8 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
         return call
 
     def _warn(self, method: str, why: str) -> None:
-        """At most one warning per ``_WARN_EVERY_S``: a client with a wrong token must not flood the log."""
-        now = time.monotonic()
-        self._unwarned += 1
-        if now - self._warned_at >= _WARN_EVERY_S:
-            log.warning("external call refused", extra={"method": method, "why": why, "refused": self._unwarned})
-            self._warned_at, self._unwarned = now, 0
+        if refused := self._warnings.due():
+            log.warning("external call refused", extra={"method": method, "why": why, "refused": refused})
 
 
 class ProducerServicer:

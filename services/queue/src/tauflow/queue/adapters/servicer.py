@@ -36,6 +36,7 @@ from google.protobuf import message_factory
 from tauflow import media
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.core.decoding import Undecodable, check_bounds, checked_deserializer, refusing_undecodable
+from tauflow.core.logs import LogLimit
 from tauflow.core.protobuf import duration_seconds
 from tauflow.core.status import error_info_trailer
 from tauflow.queue.adapters import convert, wire
@@ -669,19 +670,16 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         the next interval: what it was for is left as it was. Only a broken log ends the service
         (``watch_log``); before, a lease expiring while the disk was full ended the process, and each restart
         again while the disk stayed full."""
-        logged_at, unlogged = -_LOG_EVERY_S, 0
+        failures = LogLimit(_LOG_EVERY_S)
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
             result = self.state.sweep()
-            if result.error is not None:
-                unlogged += 1
-                if time.monotonic() - logged_at >= _LOG_EVERY_S:
-                    log.error(
-                        "expired leases or tickets could not be released (the log refused the record); trying "
-                        "again every sweep",
-                        extra={"error": str(result.error), "failed_sweeps": unlogged},
-                    )
-                    logged_at, unlogged = time.monotonic(), 0
+            if result.error is not None and (failed_sweeps := failures.due()):
+                log.error(
+                    "expired leases or tickets could not be released (the log refused the record); trying "
+                    "again every sweep",
+                    extra={"error": str(result.error), "failed_sweeps": failed_sweeps},
+                )
             if result.expired_leases or result.expired_tickets:
                 self.metrics.lease_expired.inc(result.expired_leases)
                 log.info(

@@ -10,19 +10,14 @@ from typing import TypeVar
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
 
+from tauflow.core.status import TRANSIENT as PEER_NOT_THERE
 from tauflow.core.status import error_reason
 
 T = TypeVar("T")
 FIRST_WAIT_S = 0.1
 
-# CANCELLED: the server cancelled the call (a peer draining to stop cancels what it had in flight); our own
-# cancellation raises asyncio.CancelledError instead, and is never retried.
-TRANSIENT = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-)
+# A peer restarting, stopping or slow (tauflow.core.status.TRANSIENT), or full for now (a queue, a disk).
+TRANSIENT = (*PEER_NOT_THERE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def over_message_limit(e: grpc.aio.AioRpcError) -> bool:

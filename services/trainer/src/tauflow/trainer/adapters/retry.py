@@ -14,9 +14,9 @@ from tenacity import (
     wait_exponential,
 )
 
-log = logging.getLogger(__name__)
+from tauflow.core.status import TRANSIENT
 
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+log = logging.getLogger(__name__)
 
 
 def until_it_works(
