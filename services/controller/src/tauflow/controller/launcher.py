@@ -22,7 +22,7 @@ serves, so a role that takes its time (or hangs) starting delays the supervision
 restarted process that dies before it serves, or does not serve within ``start_timeout_s`` (then it is
 killed), is one more death: restarted again with backoff, counted against ``max_restarts``; so is a restart
 whose process could not even be started (:class:`SpawnFailed`: its settings file or log could not be written
-on a full disk, or the process could not be forked). One that is alive but does not answer its gRPC health
+on a full disk, the process could not be forked, or its Ray actor could not be placed or failed to start it). One that is alive but does not answer its gRPC health
 check (stopped, hung) is logged and counted (``tauflow.controller.health``).
 
 A role may run as several processes, each a service of its own name (:func:`instance_name`: ``rollout``,
@@ -77,14 +77,18 @@ class ServiceFailed(LaunchFailed):
 
 
 class SpawnFailed(ServiceFailed):
-    """A service's process could not be started at all: writing its settings file or its log, or the fork,
-    failed (``error``; e.g. ENOSPC on a full disk). At launch or scale-out it fails that start as any
-    :class:`ServiceFailed`; in a restart it is one more failed start (:meth:`ProcessLauncher.check`)."""
+    """A service's process could not be started at all (``reason``): writing its settings file or its log, or
+    the fork, failed (e.g. ENOSPC on a full disk), or its Ray actor was not placed in time, died, or failed
+    while starting it. At launch or scale-out it fails that start as any :class:`ServiceFailed`; in a restart
+    it is one more failed start (:meth:`ProcessLauncher.check`)."""
 
-    def __init__(self, name: str, error: OSError) -> None:
-        self.reason = f"could not start its process ({describe_os_error(error)})"
-        super().__init__(name, self.reason)
-        self.error = error
+    def __init__(self, name: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(name, reason)
+
+    @classmethod
+    def from_os_error(cls, name: str, error: OSError) -> SpawnFailed:
+        return cls(name, f"could not start its process ({describe_os_error(error)})")
 
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -393,7 +397,7 @@ class ProcessLauncher:
         try:
             self._spawn(svc)
         except OSError as e:
-            raise SpawnFailed(svc.name, e) from e
+            raise SpawnFailed.from_os_error(svc.name, e) from e
 
     def _kill_alive(self, members: list[ManagedService]) -> None:
         for svc in members:
@@ -553,7 +557,7 @@ class ProcessLauncher:
             delay = self._schedule_restart(unit, failed, f"{e.reason} while restarting,", now)
             log.warning(
                 "a restart could not start its process; restarting",
-                extra={"service": failed.name, "reason": describe_os_error(e.error), "in_s": delay,
+                extra={"service": failed.name, "reason": e.reason, "in_s": delay,
                        "restarts": first.restarts, "max_restarts": self.max_restarts},
             )  # fmt: skip
             return

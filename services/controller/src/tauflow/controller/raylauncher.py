@@ -50,7 +50,8 @@ from tauflow.controller.launcher import (
     LaunchFailed,
     ManagedService,
     ProcessLauncher,
-    ServiceFailed,
+    SpawnFailed,
+    describe_os_error,
     is_service_process,
     log_header,
     service_command,
@@ -166,18 +167,27 @@ class RayLauncher(ProcessLauncher):
             run_token(),  # (through Ray's object store: written on the node for the process, never logged)
             run_token_file(),
         )
+        # Each failure is a SpawnFailed: in a restart, one more failed start (counted against max_restarts and
+        # retried after its backoff), not the end of the run.
         try:
             placed = ray.get(call, timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            # Given up: were it placed later, its queued spawn would start a process no one supervises.
+            with contextlib.suppress(Exception):
+                ray.kill(proc.actor)
+            proc.lost = "not placed in time"  # (the next start creates a new actor)
             where = f" on node {proc.node_id}" if proc.node_id else ""
-            raise ServiceFailed(
+            raise SpawnFailed(
                 svc.name,
                 f"its Ray actor was not placed within {self.start_timeout_s:.0f}s: it needs "
                 f"{role_resources(svc.role, svc.spec.settings, self.config)}{where}; the cluster has "
                 f"{ray.available_resources()} free",
             ) from None
         except ray.exceptions.RayActorError as e:
-            raise ServiceFailed(svc.name, f"its Ray actor died while starting it: {_first_line(e)}") from None
+            proc.lost = _first_line(e)  # (the next start creates a new actor on the node)
+            raise SpawnFailed(svc.name, f"its Ray actor died while starting it: {proc.lost}") from None
+        except ray.exceptions.RayTaskError as e:  # raised on the node: its settings file, log or token, the fork
+            raise SpawnFailed(svc.name, f"its Ray actor could not start it: {_cause(e)}") from None
         proc.started(placed)
         self._started(svc)
 
@@ -266,10 +276,11 @@ class RayProcess:
             return None
 
     def call_or_fail(self, method: str, name: str) -> Any:
-        """The actor's answer to ``method``; a ServiceFailed naming ``name`` when it gives none."""
+        """The actor's answer to ``method`` (asked before a start); a SpawnFailed naming ``name`` when it gives
+        none."""
         answer = self._call(method)
         if answer is None:
-            raise ServiceFailed(name, f"its Ray actor did not answer {method} ({self.lost or 'no answer in time'})")
+            raise SpawnFailed(name, f"its Ray actor did not answer {method} ({self.lost or 'no answer in time'})")
         return answer
 
     def poll(self) -> int | None:
@@ -408,6 +419,15 @@ def _probe(address: str) -> None:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _cause(error: Any) -> str:
+    """The exception a Ray task raised on its node, in one line (RayTaskError's own text is a remote traceback)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        text = describe_os_error(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {cause}"
+        return _first_line(ValueError(text))
+    return _first_line(error)
 
 
 def _place_token(path: str, token: str) -> None:
