@@ -57,3 +57,35 @@ def test_masked_tool_tokens_get_no_loss_and_no_gradient(tiny_model_dir: Path) ->
     unmasked, all_tokens = _step(tiny_model_dir, _group(-2.5, [9, 10], None))
     assert all_tokens == 2 * len(COMPLETION)
     assert any(not torch.allclose(value, unmasked[name], rtol=0, atol=1e-6) for name, value in reference.items())
+
+
+def test_padding_with_a_non_finite_log_prob_gives_no_gradient_through_any_kl_estimator() -> None:
+    """Outside the mask nothing counts, its gradient included: k2 and the straight-through estimators gave NaN
+    there (0 · NaN in the backward) while the loss stayed finite (a peer's reference check found it)."""
+    from tauflow.trainer.algorithms import AlgorithmConfig
+    from tauflow.trainer.losses import KL_ESTIMATORS, LossInputs, Normaliser, policy_loss
+
+    mask = torch.tensor([[True, True, False]])
+    for estimator in KL_ESTIMATORS:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            logp = torch.tensor([[-0.5, -1.0, bad]], dtype=torch.float64, requires_grad=True)
+            ref = torch.tensor([[-0.7, -0.9, bad]], dtype=torch.float64)
+            inputs = LossInputs(logp, logp.detach(), torch.zeros(1, 3, dtype=torch.float64), mask, ref_logp=ref)
+            out = policy_loss(inputs, AlgorithmConfig(kl_coef=0.1, kl_estimator=estimator), Normaliser.of(mask))
+            out.loss.backward()
+            assert torch.isfinite(out.loss), (estimator, bad)
+            assert torch.isfinite(logp.grad).all() and float(logp.grad[0, 2]) == 0.0, (estimator, bad, logp.grad)
+
+
+def test_an_empty_completion_gets_no_advantage_from_any_estimator() -> None:
+    """The queue refuses empty completions, but ``estimate`` is public: reinforce_pp, gae and remax raised
+    IndexError placing the outcome reward on a token that is not there."""
+    from tauflow.trainer.advantages import ESTIMATORS, Scored, estimate
+    from tauflow.trainer.algorithms import AlgorithmConfig
+
+    for estimator in ESTIMATORS:
+        group = [[Scored(1.0, [], values=[], baseline=0.5), Scored(0.0, [True, True], values=[0.1, 0.2], baseline=0.5)]]
+        values = estimate(group, AlgorithmConfig(estimator=estimator)).values
+        assert len(values) == 1 and len(values[0]) == 2, estimator
+        if isinstance(values[0][0], list):  # per-token advantages: none for a completion without tokens
+            assert values[0][0] == [] and len(values[0][1]) == 2, estimator

@@ -211,7 +211,8 @@ def reinforce_pp(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) ->
             rewards = torch.zeros(len(s.mask), dtype=torch.float64)
             if s.token_rewards:
                 rewards += torch.tensor([float(x) for x in s.token_rewards], dtype=torch.float64) * mask
-            rewards[last] += float(s.reward)
+            if len(s.mask):  # (an empty completion has no token to carry it)
+                rewards[last] += float(s.reward)
             discounted = torch.zeros_like(rewards)
             running = 0.0
             for t in range(len(s.mask) - 1, -1, -1):
@@ -277,7 +278,8 @@ def token_rewards_of(s: Scored) -> list[float]:
     """The per-token rewards of a completion: its per-token rewards on the trained tokens, plus the outcome
     reward on its last trained token (verl's ``token_level_rewards``)."""
     rewards = [float(r) if m else 0.0 for r, m in zip(s.token_rewards or [0.0] * len(s.mask), s.mask, strict=True)]
-    rewards[_last_trained(s.mask)] += float(s.reward)
+    if rewards:  # (an empty completion has no token to carry the outcome)
+        rewards[_last_trained(s.mask)] += float(s.reward)
     return rewards
 
 

@@ -335,7 +335,11 @@ def policy_loss(inputs: LossInputs, config: AlgorithmConfig, norm: Normaliser) -
     if config.kl_coef > 0:
         if inputs.ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp (the reference model's log-probs)")
-        kl = kl_estimate(logp, inputs.ref_logp.detach().to(logp.dtype), config.kl_estimator, config.kl_clamp)
+        # Outside the mask both log-probs are 0 (a log-ratio of 0): padding with a non-finite log-prob gave a NaN
+        # gradient through k2 and the straight-through estimators (0 · NaN), the loss itself finite.
+        zero = torch.zeros((), dtype=logp.dtype)
+        ref = torch.where(m, inputs.ref_logp.detach().to(logp.dtype), zero)
+        kl = kl_estimate(torch.where(m, logp, zero), ref, config.kl_estimator, config.kl_clamp)
         kl_loss = aggregate(kl, m, config.aggregation, norm, config.loss_scale_factor)
         loss = loss + config.kl_coef * kl_loss
         sums["kl_ref"] = _masked_sum(kl, m)
