@@ -149,3 +149,91 @@ def test_toggling_tau_keeps_getrun_and_the_summary_bounded(tmp_path: Path, monke
     assert written["max_staleness_changes_total"] == toggles
     assert len(written["max_staleness_changes"]) == MAX_TAU_CHANGES_KEPT
     assert written["staleness_violations"] == summary.staleness_violations
+
+
+class Role:
+    """A queue or trainer that holds the τ it was given; it can wait on ``gate`` or fail the next ``failures`` sets."""
+
+    def __init__(self, tau: int) -> None:
+        self.tau = tau
+        self.gate: asyncio.Event | None = None
+        self.failures = 0
+        self.version = 0
+
+    async def status(self) -> TrainerStatus:
+        return TrainerStatus("TRAINER_STATE_TRAINING", self.version, False)
+
+    async def set_max_staleness(self, tau: int) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(0)
+        if self.failures:
+            self.failures -= 1
+            raise PeerUnavailable("role", "UNAVAILABLE")
+        self.tau = tau
+
+
+def _roles_run(tmp_path: Path, tau: int) -> tuple[Run, Role, Role]:
+    config = RunConfig(model="m", dataset="d", steps=10**6, max_staleness=tau, out_dir=str(tmp_path / "run"))
+    run = build_run(config, serve_metrics=False)
+    trainer, queue = Role(tau), Role(tau)
+    run._peers = SimpleNamespace(trainer=trainer, queue=queue)  # type: ignore[assignment]
+    return run, trainer, queue
+
+
+def test_a_change_whose_caller_is_cancelled_between_the_roles_still_reaches_both(tmp_path: Path) -> None:
+    """A caller's deadline cancelled the change between the trainer and the queue: they kept different τ, the
+    controller recorded neither, and a later set of its record answered OK and changed nothing (a probe left
+    the roles unbounded while every status said τ = 3)."""
+    run, trainer, queue = _roles_run(tmp_path, 3)
+
+    async def scenario() -> None:
+        queue.gate = asyncio.Event()  # raising τ: the trainer first, then the queue, which waits
+        caller = asyncio.ensure_future(run.set_max_staleness(-1))
+        while trainer.tau != -1:
+            await asyncio.sleep(0)
+        caller.cancel()  # the caller's deadline passes with the trainer changed and the queue not yet
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        queue.gate.set()
+        while run._tau_changes:
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert (run.tau, trainer.tau, queue.tau) == (-1, -1, -1)
+    assert run.summary.max_staleness_changes_total == 1
+
+
+def test_a_change_that_fails_half_way_puts_the_first_role_back(tmp_path: Path) -> None:
+    run, trainer, queue = _roles_run(tmp_path, 3)
+    queue.failures = 1  # lowering: the queue first, then the trainer; raising: the trainer, then the queue
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(run.set_max_staleness(5))
+    assert (run.tau, trainer.tau, queue.tau) == (3, 3, 3)
+    assert run.summary.max_staleness_changes_total == 0 and not run._tau_diverged
+
+
+def test_a_role_that_cannot_be_put_back_gets_the_tau_in_force_again(tmp_path: Path) -> None:
+    run, trainer, queue = _roles_run(tmp_path, 3)
+    queue.failures = 1
+    trainer_fails_after_its_change = {"left": 1}
+    real_set = trainer.set_max_staleness
+
+    async def set_then_unreachable(tau: int) -> None:
+        if tau == 3 and trainer_fails_after_its_change["left"]:  # the put-back fails too
+            trainer_fails_after_its_change["left"] -= 1
+            raise PeerUnavailable("trainer", "UNAVAILABLE")
+        await real_set(tau)
+
+    trainer.set_max_staleness = set_then_unreachable  # type: ignore[method-assign]
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(run.set_max_staleness(-1))
+    assert (run.tau, trainer.tau, queue.tau) == (3, -1, 3) and run._tau_diverged
+    # A set of the τ in force gives it to both roles (before, it answered OK and changed nothing).
+    assert asyncio.run(run.set_max_staleness(3)) == (3, 0)
+    assert (run.tau, trainer.tau, queue.tau) == (3, 3, 3) and not run._tau_diverged
+    # And the follow loop does the same by itself.
+    trainer.tau = -1
+    run._tau_diverged = True
+    asyncio.run(run._reapply_tau(run._peers, {"queue", "trainer"}))  # type: ignore[arg-type]
+    assert (trainer.tau, queue.tau) == (3, 3) and not run._tau_diverged

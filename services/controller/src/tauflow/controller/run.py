@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tauflow.controller.config import JUDGE, MAX_ROLLOUT_REPLICAS, ROLES, SCORERS, TEACHER, RunConfig, flatten
 from tauflow.controller.dial import TauChange
@@ -159,6 +160,8 @@ class Run:
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
         self._peers: Peers | None = None  # while the run trains: the live changes use its clients
         self._dial = asyncio.Lock()  # one τ change at a time
+        self._tau_changes: set[asyncio.Future[tuple[int, int]]] = set()  # under way (each runs to its end)
+        self._tau_diverged = False  # a failed change could not put a role back: the follow loop does
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str] = {}
         self._unchecked: set[str] = set()  # processes (re)started but not yet checked (CheckPeer): each pass asks
@@ -398,7 +401,9 @@ class Run:
         # the loop one deadline, not one each)
         await asyncio.gather(*(self._check_restarted(name) for name in sorted(self._unchecked)))
         back = {self.launcher.services[name].role for name in restarted}
-        if self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
+        if self._tau_diverged:
+            await self._reapply_tau(peers, {"queue", "trainer"})
+        elif self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
             await self._reapply_tau(peers, back)
         if started or stopped:
             self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
@@ -592,26 +597,44 @@ class Run:
     async def set_max_staleness(self, tau: int) -> tuple[int, int]:
         """Sets τ on the queue and the trainer while the run goes on (dial.py); returns (the τ before, the
         trainer's version once the new one is in force). Raises ValueError for a value that is not a τ,
-        RunNotLive, or PeerError when a role cannot be reached (the τ in force is then unchanged for this
-        run's accounting; the call may be retried)."""
+        RunNotLive, or PeerError when a role cannot be reached (the τ in force is then unchanged: a role
+        already changed is put back; the call may be retried).
+
+        The change runs to its end whatever becomes of the call that asked for it: cancelled between the two
+        roles (a caller's deadline), it left them on different τ, and the controller's record on a third."""
         check_tau(tau, largest=MAX_TAU)
+        self._live_peers()
+        change = asyncio.ensure_future(self._change_tau(tau))
+        self._tau_changes.add(change)
+        change.add_done_callback(_settled_in(self._tau_changes))
+        return await asyncio.shield(change)
+
+    async def _change_tau(self, tau: int) -> tuple[int, int]:
         async with self._dial:
             peers = self._live_peers()
             previous = self.tau
             before = (await peers.trainer.status()).policy_version
-            if tau == previous:  # (the τ in force: nothing changes, nothing is recorded)
+            if tau == previous:
+                # The τ in force by the record: nothing is recorded, but both roles are given it (idempotent
+                # there), so that a role a failed change left elsewhere (see _put_back) has it again.
+                for peer in (peers.queue, peers.trainer):
+                    await peer.set_max_staleness(tau)
+                self._tau_diverged = False
                 return previous, before
             # The steps the trainer lists from `before` on may race the change: judged once it is known.
             self.summary.tau_change_begins(before)
+            changed: list[Any] = []
             try:
                 # Lowering: the queue first, so it never delivers under a looser τ than the trainer's;
                 # raising: the trainer first. The trainer judges each batch by the τ it was delivered under.
                 looser = loosest([tau, previous]) == tau
                 for peer in (peers.trainer, peers.queue) if looser else (peers.queue, peers.trainer):
                     await peer.set_max_staleness(tau)
+                    changed.append(peer)
                 after = (await peers.trainer.status()).policy_version
             except BaseException:
                 self.summary.tau_change_failed()
+                await self._put_back(changed, previous)
                 raise
             change = TauChange(previous, tau, before, after, time.monotonic() - self._t0)
             self.summary.tau_changed(change)
@@ -621,13 +644,26 @@ class Run:
             log.warning("max_staleness changed", extra={"previous": previous, "tau": tau, "policy_version": after})
             return previous, after
 
+    async def _put_back(self, changed: list[Any], tau: int) -> None:
+        """A change that failed half-way: the roles it changed get the τ in force back. One that cannot be
+        reached either is given it by the follow loop (``_tau_diverged``), or by the next SetMaxStaleness."""
+        for peer in reversed(changed):
+            try:
+                await peer.set_max_staleness(tau)
+            except (PeerError, asyncio.CancelledError):
+                self._tau_diverged = True
+                log.error("a role kept the τ of a failed change; it gets the one in force again", extra={"tau": tau})
+
     async def _reapply_tau(self, peers: Peers, roles: set[str]) -> None:
-        """A queue or trainer that came back (launcher external: with its deployment's τ) gets the live one."""
+        """A queue or trainer that came back (launcher external: with its deployment's τ), or that a failed
+        change left on another τ, gets the live one."""
         async with self._dial:
+            self._tau_diverged = False
             for role in sorted(roles & {"queue", "trainer"}):
                 try:
                     await (peers.queue if role == "queue" else peers.trainer).set_max_staleness(self.tau)
                 except PeerError as e:
+                    self._tau_diverged = True  # tried again at the next pass
                     log.warning("could not re-apply max_staleness", extra={"role": role, "code": e.code})
 
     def scale_rollout(self, replicas: int) -> int:
@@ -721,6 +757,17 @@ class Run:
             if metrics_server is not None:
                 metrics_server.close()
         return self.summary
+
+
+def _settled_in(pending: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    """A done-callback that forgets a background change and reads its outcome (its caller may be gone)."""
+
+    def settled(future: asyncio.Future[Any]) -> None:
+        pending.discard(future)
+        if not future.cancelled():
+            future.exception()
+
+    return settled
 
 
 def _follower(svc: Service) -> bool:
