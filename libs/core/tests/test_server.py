@@ -34,6 +34,7 @@ from tauflow.core.server import (
 )
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import fetch_server_info
+from tauflow.core.status import MAX_DETAILS_BYTES, error_info_trailer, error_reason
 from tauflow.core.testing import raw_http2_request, self_signed_certificate
 
 QUEUE = queue_pb2.DESCRIPTOR.services_by_name["QueueService"]
@@ -535,3 +536,40 @@ async def test_metadata_that_is_not_utf8_is_logged_once_a_minute_without_its_val
     lines = [r for r in caplog.records if r.name == "grpc._cython.cygrpc"]
     assert len(lines) <= 1
     assert all(r.exc_info is None and "s3cret" not in r.getMessage() for r in lines)
+
+
+class Quoting(queue_pb2_grpc.QueueServiceServicer):
+    """Refuses by quoting what it was sent, as a handler's message may (a list of ids, a tensor shape)."""
+
+    async def Stats(self, request, context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ids must be non-negative, got " + str([-1] * 100_000))
+
+    async def Put(self, request, context):
+        message = "é" * 50_000  # (percent-encoded on the wire: 6 bytes each)
+        trailer = error_info_trailer(grpc.StatusCode.FAILED_PRECONDITION, message, "ERROR_REASON_X", "test")
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message, trailing_metadata=trailer)
+
+
+async def test_a_refusal_that_quotes_a_huge_request_keeps_its_code() -> None:
+    """A 400 KB status message outgrew what clients accept in trailers (16 KiB): the client saw
+    RESOURCE_EXHAUSTED "received metadata size exceeds hard limit", not the refusal and its field."""
+    server = GrpcServer([ServiceBinding(QUEUE, Quoting(), queue_pb2_grpc.add_QueueServiceServicer_to_server)],
+                        ServerConfig(port=0))  # fmt: skip
+    port = await server.start()
+    await server.set_serving(True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = queue_pb2_grpc.QueueServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Stats(queue_pb2.StatsRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = refused.value.details()
+            assert details.startswith("ids must be non-negative, got [-1, -1")
+            assert len(details.encode()) <= MAX_DETAILS_BYTES and "bytes in all" in details
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Put(queue_pb2.PutRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert len(refused.value.details().encode()) <= MAX_DETAILS_BYTES
+            assert error_reason(refused.value) == "ERROR_REASON_X"
+    finally:
+        await server.drain()

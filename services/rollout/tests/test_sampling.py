@@ -159,3 +159,10 @@ def test_a_row_of_non_finite_logits_gets_a_token_in_range_and_leaves_the_others_
     assert not math.isfinite(logprobs[1].item())
     assert tokens[0].item() == 0 and logprobs[0].item() == pytest.approx(math.log(0.05), abs=1e-6)
     assert math.isfinite(logprobs[2].item()) == (temperature != 1e-40)
+
+
+def test_a_negative_stop_id_is_named_by_its_index_not_by_quoting_the_list() -> None:
+    """The message quoted the whole list: 100,000 ids made a refusal bigger than clients take in trailers."""
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(stop_token_ids=tuple([7] * 3 + [-1] * 100_000))
+    assert str(refused.value) == "stop_token_ids[3] is -1: token ids are non-negative"

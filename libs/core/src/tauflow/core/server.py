@@ -47,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -64,6 +64,7 @@ from tauflow.core.net import is_loopback
 from tauflow.core.runtoken import CONTROL_METHODS
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
 from tauflow.core.serverinfo import ServerInfoServicer, server_info
+from tauflow.core.status import bounded_details
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,31 @@ def _no_password() -> bytes:
     raise ValueError("the private key is encrypted; gRPC needs it unencrypted")
 
 
+class BoundedDetails:
+    """A handler's context whose status messages are cut to ``tauflow.core.status.MAX_DETAILS_BYTES``: whatever a
+    handler quotes of a request, its refusal keeps its code (every other use goes to the context itself)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
+        await self._context.abort(code, bounded_details(details), trailing_metadata)
+        raise AssertionError("unreachable")  # (abort raises)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(bounded_details(details))
+
+
 class CatchAll(grpc.aio.ServerInterceptor):
     """Turns an unexpected exception of any handler, unary or streaming, into INTERNAL with a neutral
     message, logged with its traceback and counted. ``context.abort`` (which raises ``AbortError``) and
-    cancellation pass through untouched, so an aborted call keeps its code.
+    cancellation pass through untouched, so an aborted call keeps its code. Every handler gets its context as
+    :class:`BoundedDetails`, so that no status message outgrows what clients accept.
 
     Every such call is counted; the traceback of a kind (method and exception type) is logged once per
     ``traceback_interval_s``, so that a caller who can provoke the bug at will cannot flood the log: the
@@ -194,6 +216,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behaviour):
 
             async def stream(request, context):
+                context = BoundedDetails(context)
                 try:
                     async for item in behaviour(request, context):
                         yield item
@@ -206,6 +229,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
         if inspect.iscoroutinefunction(behaviour):
 
             async def call(request, context):
+                context = BoundedDetails(context)
                 try:
                     return await behaviour(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):

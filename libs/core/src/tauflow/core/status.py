@@ -16,9 +16,24 @@ DETAILS_KEY = "grpc-status-details-bin"
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+# A status message travels in the trailers, which clients bound (gRPC: 8 KiB soft, 16 KiB hard), percent-encoded
+# where not ASCII, and again inside an ErrorInfo trailer: one that quoted what a client sent (100,000 stop ids,
+# a tensor shape, a list of backends) turned a refusal into the client's RESOURCE_EXHAUSTED "metadata size
+# exceeds hard limit", the field unnamed.
+MAX_DETAILS_BYTES = 1024
+
+
+def bounded_details(message: str) -> str:
+    """``message``, cut to :data:`MAX_DETAILS_BYTES` of UTF-8 when longer (the cut says how long it was)."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    return f"{data[: MAX_DETAILS_BYTES - 48].decode('utf-8', 'ignore')}… (cut: {len(data)} bytes in all)"
+
+
 def error_info_trailer(code: grpc.StatusCode, message: str, reason: str, domain: str) -> tuple[tuple[str, bytes], ...]:
     """Trailing metadata for ``context.abort(code, message, trailing_metadata=...)``."""
-    status = status_pb2.Status(code=code.value[0], message=message)
+    status = status_pb2.Status(code=code.value[0], message=bounded_details(message))
     status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=domain))
     return ((DETAILS_KEY, status.SerializeToString()),)
 

@@ -151,8 +151,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise InvalidRequestError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
+        if (bad := next((i for i, t in enumerate(self.stop_token_ids) if t < 0), None)) is not None:
+            raise InvalidRequestError(f"stop_token_ids[{bad}] is {self.stop_token_ids[bad]}: token ids are non-negative")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < _U64):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
