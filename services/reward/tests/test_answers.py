@@ -175,6 +175,78 @@ def test_qa_bounds_the_work_of_a_sample_by_max_answer_chars() -> None:
         run(qa, sample("word", answer=json.dumps(["w" * 98])), max_answer_chars=100)
 
 
+def counting_normalise(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the texts ``squad_normalise`` is given from now on (the memos forgotten first)."""
+    from tauflow.reward import answers
+
+    answers._gold_answers.clear()
+    answers._gold_choice.clear()
+    seen: list[int] = []
+    real = answers.squad_normalise
+    monkeypatch.setattr(answers, "squad_normalise", lambda text: seen.append(len(text)) or real(text))
+    return seen
+
+
+def test_qa_normalises_a_groups_references_once_not_once_per_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Group.metadata is shared by every sample: each sample normalised its 64 references again (~30 ms per
+    # sample at the bound, half an hour for the 65,536 samples a request may hold).
+    seen = counting_normalise(monkeypatch)
+    qa = QuestionAnswering()
+    config = qa.validate_config(qa.default_config)
+    shared = {"answer": json.dumps([f"answer number {i} " + "w " * 400 for i in range(64)])}
+    for i in range(200):
+        got = qa(
+            SampleInput(sample_id=str(i), completion_text=f"answer number {i % 64}", group_metadata=shared), config
+        )
+        assert got.components["f1"] > 0
+    assert len(seen) == 64 + 200  # each reference once for the group, each completion once
+
+
+def test_multiple_choice_reads_a_groups_reference_and_options_once_not_once_per_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The probe's request: a reference that names no option, 10 long options, shared by every sample through
+    # Group.metadata; each sample normalised the reference and every option again (0.4 s per sample for a
+    # 2 MiB request: ~27 min for 4,096 samples, inline in the service process).
+    seen = counting_normalise(monkeypatch)
+    mc = MultipleChoice()
+    config = mc.validate_config({**mc.default_config, "choices_key": "choices"})
+    shared = {"answer": "x " * 3000, "choices": json.dumps([f"option {i} " + "y " * 600 for i in range(10)])}
+    samples = [SampleInput(sample_id=str(i), completion_text="", group_metadata=shared) for i in range(300)]
+    for s in samples:
+        with pytest.raises(ValueError, match="neither one of the letters ABCDEFGHIJ nor the text of exactly one"):
+            mc(s, config)
+    assert len(seen) == 10 + 1  # the options and the reference, once for the group (it was 300 x 20)
+    # a good reference: scored, still reading the group's options once
+    seen.clear()
+    shared = {"answer": "option 3 " + "y " * 600, "choices": shared["choices"]}
+    said = ["Answer: D", "Answer: A", "I pick\noption 3 " + "y " * 600, "no idea"]
+    got = [
+        mc(SampleInput(sample_id=str(i), completion_text=t, group_metadata=shared), config) for i, t in enumerate(said)
+    ]
+    assert [g.score for g in got] == [1.0, 0.0, 1.0, 0.0]
+    assert len(seen) == 10 + 1 + 2  # options, reference; then the last lines of the two without a letter
+
+
+def test_multiple_choice_bounds_the_reference_and_the_options_by_max_answer_chars() -> None:
+    mc = MultipleChoice()
+    assert mc.default_config["max_answer_chars"] == 65_536
+    options = json.dumps(["Helium", "Neon", "Argon", "Krypton"])  # 38 characters
+    with pytest.raises(ValueError, match="the reference is 65537 characters long; max_answer_chars is 65536"):
+        run(mc, sample("Answer: A", answer="A" * 65_537))
+    with pytest.raises(ValueError, match=r"metadata\['choices'\] is 38 characters long; max_answer_chars is 37"):
+        run(mc, sample("Answer: C", answer="Argon", choices=options), choices_key="choices", max_answer_chars=37)
+    assert run(mc, sample("Answer: C", answer="Argon", choices=options), choices_key="choices", max_answer_chars=38)
+    # a last line longer than the bound is not read as an option's text
+    long_line = "argon" + " " * 60 + "."  # 66 characters, normalised "argon"
+    assert run(mc, sample(long_line, answer="Argon", choices=options), choices_key="choices").score == 1.0
+    got = run(mc, sample(long_line, answer="Argon", choices=options), choices_key="choices", max_answer_chars=64)
+    assert got == Score(0.0, {"answer_found": 0.0})
+    with pytest.raises(ConfigInvalid) as e:
+        mc.validate_config({**mc.default_config, "max_answer_chars": 0})
+    assert e.value.key == "max_answer_chars"
+
+
 # -- compose ------------------------------------------------------------------------------------
 
 

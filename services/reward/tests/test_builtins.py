@@ -73,6 +73,66 @@ def test_exact_match_scores_are_configurable_and_config_is_checked() -> None:
     assert e.value.key == "strip"
 
 
+class CountingSpaces:
+    """Stands in for ``builtins._SPACES``: counts the texts exact_match normalises, by their length."""
+
+    def __init__(self) -> None:
+        import re
+
+        self.real = re.compile(r"\s+")
+        self.lengths: list[int] = []
+
+    def sub(self, repl: str, text: str) -> str:
+        self.lengths.append(len(text))
+        return self.real.sub(repl, text)
+
+
+def test_exact_match_normalises_a_groups_reference_once_not_once_per_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Group.metadata is shared by every sample of a request: its reference was normalised again for each
+    # sample (a 1 MiB reference: ~50 ms per sample, ~50 min for the 65,536 samples one request may hold).
+    from tauflow.reward import builtins
+
+    counting = CountingSpaces()
+    monkeypatch.setattr(builtins, "_SPACES", counting)
+    builtins._normalised_reference.clear()
+    em = ExactMatch()
+    config = em.validate_config(em.default_config)
+    reference = "the answer  is " + "x " * 30_000  # under max_answer_chars (65,536)
+    shared = {"answer": reference}  # one dict for the group, as the service builds it
+    samples = [SampleInput(sample_id=str(i), completion_text=f"c{i}", group_metadata=shared) for i in range(500)]
+    results = [em(s, config) for s in samples]
+    assert [r.score for r in results] == [0.0] * 500
+    assert counting.lengths.count(len(reference)) == 1  # once for the group (it was 500)
+    assert len(counting.lengths) == 1 + 500  # and each completion once
+    # a sample's own reference is its own, and another group's reference is normalised once more
+    assert em(sample(" " + reference, answer=reference + "  "), config).score == 1.0
+    other = {"answer": "y " * 100}
+    for i in range(10):
+        em(SampleInput(sample_id=str(i), completion_text="y", group_metadata=other), config)
+    assert counting.lengths.count(200) == 1
+    # the normalisation options are part of what is remembered
+    assert em(sample("THE ANSWER IS " + "X " * 30_000, group_answer=reference), {**config, "ignore_case": True}).score
+    assert em(sample("THE ANSWER IS " + "X " * 30_000, group_answer=reference), config).score == 0.0
+
+
+def test_exact_match_bounds_the_reference_and_the_answer_by_max_answer_chars() -> None:
+    em = ExactMatch()
+    assert em.default_config["max_answer_chars"] == 65_536
+    # a reference over the bound is an error of the sample (as qa's), found without reading it
+    with pytest.raises(ValueError, match="the reference is 65537 characters long; max_answer_chars is 65536"):
+        run(em, sample("x", group_answer="x" * 65_537))
+    with pytest.raises(ValueError, match="the reference is 11 characters long; max_answer_chars is 10"):
+        run(em, sample("x", group_answer="x" * 11), max_answer_chars=10)
+    assert run(em, sample("x" * 10, group_answer="x" * 10), max_answer_chars=10) == 1.0
+    # an answer over it scores incorrect_score without being compared (answer_found: it was there)
+    config = em.validate_config({**em.default_config, "max_answer_chars": 10})
+    assert em(sample("42" + " " * 9, "42"), config) == Score(0.0, {"answer_found": 1.0})
+    assert em(sample("42" + " " * 8, "42"), config) == Score(1.0, {"answer_found": 1.0})
+    with pytest.raises(ConfigInvalid) as e:
+        em.validate_config({**em.default_config, "max_answer_chars": (1 << 20) + 1})
+    assert e.value.key == "max_answer_chars"
+
+
 # -- format -------------------------------------------------------------------------------------
 
 

@@ -112,6 +112,8 @@ OPERATOR_LIMITS = {
     "genrm": {"address": "judge.invalid:1", "max_new_tokens": 32, "request_timeout_s": 5.0,
               "max_concurrency": 2},
     "qa": {"max_answer_chars": 100},
+    "exact_match": {"max_answer_chars": 100},
+    "multiple_choice": {"max_answer_chars": 100},
 }  # fmt: skip
 
 
@@ -132,6 +134,8 @@ OPERATOR_LIMITS = {
         ("genrm", "max_new_tokens", 32768),
         ("genrm", "max_concurrency", 3),
         ("qa", "max_answer_chars", 101),
+        ("exact_match", "max_answer_chars", 101),
+        ("multiple_choice", "max_answer_chars", 101),
     ],
 )
 def test_a_request_may_lower_the_operators_limits_but_never_raise_them(fn_name: str, key: str, higher: float) -> None:

@@ -8,10 +8,11 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tauflow.reward import worker
+from tauflow.reward import runner, worker
 from tauflow.reward.api import GroupInput, SampleInput
 from tauflow.reward.config import Executor, PoolConfig, RewardConfig
 from tauflow.reward.errors import DeadlineExceeded
@@ -52,6 +53,27 @@ FUNCTIONS = textwrap.dedent(
 
     def pid(sample, config):
         return float(os.getpid())
+
+    import threading
+    release = threading.Event()
+    called = []
+
+    def stall(sample, config):
+        # blocks on 'block' until the test releases it (inline only: the Event is the test process's)
+        called.append(sample.completion_text)
+        if sample.completion_text == "block":
+            release.wait(30)
+        return float(len(sample.completion_text))
+
+    stall.fallback_score = -1.0
+    stall.timeout_s = 10.0
+
+    class StallGroups:
+        group_level = True
+        timeout_s = 10.0
+        fallback_score = -1.0
+        def __call__(self, group, config):
+            return [stall(s, config) for s in group.samples]
     """
 )
 
@@ -65,6 +87,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Scorer, Regi
     for name, ref in [("picky", "runner_fns:picky"), ("ranker", "runner_fns:Ranker"), ("pid", "runner_fns:pid")]:
         reg.register(name, load_object(ref), ref=ref, executor=Executor.PROCESS)
     reg.register("inline_picky", load_object("runner_fns:picky"), ref="runner_fns:picky", executor=Executor.INLINE)
+    reg.register("stall", load_object("runner_fns:stall"), ref="runner_fns:stall", executor=Executor.INLINE)
+    reg.register(
+        "stall_groups", load_object("runner_fns:StallGroups"), ref="runner_fns:StallGroups", executor=Executor.INLINE
+    )
     scorer = Scorer(PoolConfig(workers=2, preload=[]), ["runner_fns:picky"])
     asyncio.run(scorer.start())
     yield scorer, reg
@@ -215,6 +241,112 @@ def test_an_inline_call_past_its_deadline_is_refused_and_stops_between_samples(e
     assert time.monotonic() - start < 1.0
     time.sleep(0.4)  # the sample in progress ends; the thread sees the stop and scores no more
     assert not [t for t in threading.enumerate() if t.name == "inline-inline_picky"]
+
+
+@pytest.fixture
+def stall(env: tuple[Scorer, Registry]) -> Iterator[Any]:
+    """The ``stall`` functions' module, reset, and released at the end (its blocked threads end)."""
+    fns = sys.modules["runner_fns"]
+    fns.release.clear()
+    fns.called.clear()
+    yield fns
+    fns.release.set()
+
+
+def _inline_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"inline-{name}"]
+
+
+def test_an_inline_call_without_a_deadline_ends_at_its_budget_with_the_rest_timed_out(
+    env: tuple[Scorer, Registry], stall: Any
+) -> None:
+    # Without a deadline from the caller nothing ended an inline call: a request whose samples cost seconds
+    # each (a 1 MiB reference normalised per sample) held its slot and a thread for hours.
+    _, reg = env
+    fn = reg.get("stall")
+    scorer = Scorer(PoolConfig(workers=1, preload=[]), max_inline_call_s=0.5)
+    (results,) = asyncio.run(scorer.score(fn, groups(["ab", "cde", "block", "f", "g"]), {}, fn.timeout_s))
+    assert [r.status for r in results] == [Status.OK, Status.OK, Status.TIMEOUT, Status.TIMEOUT, Status.TIMEOUT]
+    assert [r.score for r in results] == [2.0, 3.0, -1.0, -1.0, -1.0]  # the fallback, as a pool timeout gives
+    assert {r.reason for r in results[2:]} == {"timeout"}
+    assert "runs inline and this call's time budget (0.5 s: at most max_inline_call_s, 0.5 s" in results[2].message
+    # the thread stops at its next sample: the two after the blocked one are never scored
+    stall.release.set()
+    for _ in range(200):
+        if not _inline_threads("stall"):
+            break
+        time.sleep(0.01)
+    assert not _inline_threads("stall")
+    assert stall.called == ["ab", "cde", "block"]
+
+
+def test_an_inline_calls_budget_is_its_samples_times_their_timeout_when_that_is_less(
+    env: tuple[Scorer, Registry], stall: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, reg = env
+    fn, by_group = reg.get("stall"), reg.get("stall_groups")
+    scorer = Scorer(PoolConfig(workers=1, preload=[]), max_inline_call_s=60.0)
+    assert scorer.inline_budget_s(fn, groups(["a"] * 3, ["b"] * 2), 10.0) == 50.0  # 5 samples x 10 s
+    assert scorer.inline_budget_s(fn, groups(["a"] * 3, ["b"] * 4), 10.0) == 60.0  # max_inline_call_s
+    assert scorer.inline_budget_s(by_group, groups(["a"] * 3, ["b"] * 4), 10.0) == 20.0  # 2 groups x 10 s
+    # a call of one sample of a 1 s function: a loaded machine must not time it out
+    assert scorer.inline_budget_s(fn, groups(["a"]), 1.0) == runner.MIN_INLINE_BUDGET_S == 10.0
+    monkeypatch.setattr(runner, "MIN_INLINE_BUDGET_S", 0.0)  # (for the short budgets below)
+    # the request's sample_timeout is the timeout: 3 samples at 0.1 s each
+    (results,) = asyncio.run(scorer.score(fn, groups(["a", "block", "c"]), {}, 0.1))
+    assert [r.status for r in results] == [Status.OK, Status.TIMEOUT, Status.TIMEOUT]
+    assert "time budget (0.3 s" in results[1].message
+    # a group-level function: the groups scored keep their scores, the others time out whole
+    (first, second) = asyncio.run(scorer.score(by_group, groups(["a", "bc"], ["block", "d"]), {}, 0.2))
+    assert [r.score for r in first] == [1.0, 2.0] and {r.status for r in first} == {Status.OK}
+    assert [(r.status, r.score) for r in second] == [(Status.TIMEOUT, -1.0)] * 2
+
+
+def test_the_callers_deadline_still_answers_deadline_exceeded_when_it_comes_before_the_budget(
+    env: tuple[Scorer, Registry], stall: Any
+) -> None:
+    _, reg = env
+    fn = reg.get("stall")
+    scorer = Scorer(PoolConfig(workers=1, preload=[]), max_inline_call_s=60.0)
+    with pytest.raises(DeadlineExceeded, match="deadline passed after 0.2 s"):
+        asyncio.run(scorer.score(fn, groups(["a", "block"]), {}, 10.0, deadline_s=0.2))
+    stall.release.clear()
+    # a deadline later than the budget: the budget ends the call, with its samples timed out
+    (results,) = asyncio.run(scorer.score(fn, groups(["a", "block"]), {}, 0.2, deadline_s=30.0))
+    assert [r.status for r in results] == [Status.OK, Status.TIMEOUT]
+
+
+def test_a_large_shared_reference_is_normalised_once_per_call_inline(
+    env: tuple[Scorer, Registry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The probe's exact_match request at a smaller scale, through the real inline path (its own thread):
+    # 2,000 samples sharing a group's 64 KiB reference normalised it 2,000 times (46 ms each at 1 MiB).
+    from tauflow.reward import builtins
+
+    scorer, _ = env
+    em = build_registry(RewardConfig(load_entry_points=False)).get("exact_match")
+    lengths: list[int] = []
+    real = builtins._SPACES
+
+    class Counting:
+        def sub(self, repl: str, text: str) -> str:
+            lengths.append(len(text))
+            return real.sub(repl, text)
+
+    monkeypatch.setattr(builtins, "_SPACES", Counting())
+    reference = "x " * 32_768  # 65,536 characters: the default max_answer_chars
+    shared = {"answer": reference}
+    samples = tuple(SampleInput(sample_id=str(i), completion_text="x", group_metadata=shared) for i in range(2000))
+    (results,) = asyncio.run(scorer.score(em, [GroupInput("g", "p", samples, shared)], em.default_config, 1.0))
+    assert {(r.status, r.score) for r in results} == {(Status.OK, 0.0)}
+    assert lengths.count(len(reference)) == 1 and len(lengths) == 1 + 2000
+    # one character more is an error of each sample, found without normalising anything
+    lengths.clear()
+    shared = {"answer": reference + "x"}
+    samples = tuple(SampleInput(sample_id=str(i), completion_text="x", group_metadata=shared) for i in range(100))
+    (results,) = asyncio.run(scorer.score(em, [GroupInput("g", "p", samples, shared)], em.default_config, 1.0))
+    assert {r.status for r in results} == {Status.ERROR} and lengths == []
+    assert results[0].message == "ValueError: the reference is 65537 characters long; max_answer_chars is 65536"
 
 
 def test_a_request_pattern_moves_an_inline_builtin_into_the_pool() -> None:

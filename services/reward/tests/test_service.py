@@ -7,6 +7,7 @@ A tiny distribution (a module plus a ``.dist-info`` whose ``entry_points.txt`` d
 
 from __future__ import annotations
 
+import json
 import textwrap
 import threading
 import time
@@ -56,6 +57,17 @@ MODULE = textwrap.dedent(
 
         def __call__(self, group, config):
             return [float(len(group.samples) - i) for i in range(len(group.samples))]
+
+    class Stall:
+        """Sleeps 20 s on 'block' (the service runs it inline), else scores its length."""
+        timeout_s = 10.0
+        fallback_score = -3.0
+
+        def __call__(self, sample, config):
+            import time
+            if sample.completion_text == "block":
+                time.sleep(20)
+            return float(len(sample.completion_text))
     '''
 )
 ENTRY_POINTS = textwrap.dedent(
@@ -64,6 +76,7 @@ ENTRY_POINTS = textwrap.dedent(
     picky = tauflow_test_rewards:picky
     spin = tauflow_test_rewards:Spin
     judge = tauflow_test_rewards:Judge
+    stall = tauflow_test_rewards:Stall
     broken = tauflow_test_rewards_missing:fn
     """
 )
@@ -82,6 +95,8 @@ def start_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServiceProc
         "pool.preload": "[]",
         "max_samples_per_request": 600,
         "functions.exact_match.config.ignore_case": "true",
+        "functions.stall.executor": "inline",
+        "max_inline_call_s": 3,
     }
     proc = ServiceProcess("reward", tmp_path_factory.mktemp("svc"), settings, env={"PYTHONPATH": str(site)})
     proc.start()
@@ -137,7 +152,7 @@ def test_lists_builtins_and_entry_points(stub: reward_pb2_grpc.RewardServiceStub
     by_name = {f.name: f for f in resp.reward_functions}
     builtins = ["code", "compose", "exact_match", "format", "genrm", "ifeval", "math", "multiple_choice", "qa"]
     builtins.append("remote_rm")
-    assert list(by_name) == sorted([*builtins, "judge", "picky", "spin"])  # sorted, no 'broken'
+    assert list(by_name) == sorted([*builtins, "judge", "picky", "spin", "stall"])  # sorted, no 'broken'
     assert resp.default_reward_fn == "exact_match"
     assert by_name["exact_match"].default_config["ignore_case"] is True  # the service setting applied
     assert by_name["spin"].timeout.ToTimedelta().total_seconds() == 0.4
@@ -345,6 +360,55 @@ def test_refusals_are_counted_by_field(stub: reward_pb2_grpc.RewardServiceStub, 
                 )
             )
     assert metric(service, "tauflow_reward_invalid_requests_total", **labels) == before + 2
+
+
+def test_an_inline_call_without_a_deadline_answers_within_its_budget(
+    stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess
+) -> None:
+    # Nothing ended an inline call that came without a deadline: it held a slot and a thread for as long as
+    # its samples took (an hour for one request of large shared references). Now its budget (here
+    # max_inline_call_s, 3 s) ends it: the samples scored keep their scores, the rest time out.
+    before = metric(service, "tauflow_reward_failures_total", fn="stall", reason="timeout")
+    req = reward_pb2.ScoreRequest(reward_fn="stall", groups=[group("s", "ab", "block", "cde"), group("t", "f")])
+    with grpc.insecure_channel(service.address) as channel:  # (tauflow's channels give every call a deadline)
+        resp = reward_pb2_grpc.RewardServiceStub(channel).Score(req)
+    got = [(s.reward.status, s.reward.score) for g in resp.groups for s in g.samples]
+    assert got == [(OK, 2.0), (TIMEOUT, -3.0), (TIMEOUT, -3.0), (TIMEOUT, -3.0)]
+    assert "this call's time budget (3 s: at most max_inline_call_s, 3 s" in resp.groups[0].samples[1].reward.message
+    assert metric(service, "tauflow_reward_failures_total", fn="stall", reason="timeout") == before + 3
+    # its slot is free, and the service serves on (the blocked sample's thread ends by itself)
+    assert scores(stub.Score(reward_pb2.ScoreRequest(reward_fn="stall", groups=[group("u", "abcd")]))) == [[4.0]]
+
+
+def test_a_large_shared_reference_is_an_error_of_each_sample_past_max_answer_chars(
+    stub: reward_pb2_grpc.RewardServiceStub,
+) -> None:
+    # The probe's request (smaller): multiple_choice with a group reference and options of 80,000 characters
+    # each, shared by 64 samples; each sample normalised them all again (0.4 s per sample at 2 MiB, inline).
+    options = json.dumps(["y " * 4000] * 10)
+    meta = {"answer": "x " * 40_000, "choices": options}
+    samples = [common_pb2.Sample(sample_id=str(i), completion_text="") for i in range(64)]
+    config = struct_pb2.Struct()
+    config.update({"choices_key": "choices"})
+    req = reward_pb2.ScoreRequest(
+        reward_fn="multiple_choice",
+        config=config,
+        groups=[common_pb2.Group(group_id="g", metadata=meta, samples=samples)],
+    )
+    resp = stub.Score(req)
+    (rewards,) = [[s.reward for s in g.samples] for g in resp.groups]
+    assert {(r.status, r.score) for r in rewards} == {(ERROR, 0.0)}
+    assert rewards[0].message == "ValueError: the reference is 80000 characters long; max_answer_chars is 65536"
+    req.groups[0].metadata["answer"] = "A"
+    (rewards,) = [[s.reward for s in g.samples] for g in stub.Score(req).groups]
+    assert rewards[0].message == (
+        "ValueError: metadata['choices'] is 80040 characters long; max_answer_chars is 65536"
+    ) and {r.status for r in rewards} == {ERROR}
+    # exact_match: the same bound
+    req = reward_pb2.ScoreRequest(reward_fn="exact_match", groups=[group("e", "x", "y", answer="x" * 65_537)])
+    assert {s.reward.message for s in stub.Score(req).groups[0].samples} == {
+        "ValueError: the reference is 65537 characters long; max_answer_chars is 65536"
+    }
 
 
 def test_a_missing_reference_is_a_per_sample_error(stub: reward_pb2_grpc.RewardServiceStub) -> None:

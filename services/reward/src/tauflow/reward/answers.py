@@ -19,13 +19,17 @@ from pydantic import Field, field_validator
 
 from tauflow.reward.api import SampleInput, Score
 from tauflow.reward.builtins import (
+    DEFAULT_ANSWER_CHARS,
+    MAX_ANSWER_CHARS,
     MAX_KEY_CHARS,
+    GroupMemo,
     RE2Pattern,
     _compile,
     _last_match,
     _Options,
     _reference,
     _validate,
+    answer_too_long,
 )
 
 MAX_REFERENCES = 64  # answers in a JSON list of references (SQuAD has up to 6)
@@ -86,7 +90,11 @@ def token_f1(prediction: str, reference: str) -> float:
     return _Answer(prediction).f1(_Answer(reference))
 
 
-MAX_ANSWER_CHARS = 1 << 20  # the most max_answer_chars may be (a request's text is at most 1 MiB)
+def _golds(raw: str, form: str) -> tuple[_Answer, ...]:
+    return tuple(_Answer(g) for g in references(raw, form))
+
+
+_gold_answers = GroupMemo(_golds)  # once per group: its samples share the reference
 
 
 class QAOptions(_Options):
@@ -98,7 +106,7 @@ class QAOptions(_Options):
     # The work per sample is bounded: an answer longer than this scores 0 without being compared (its F1
     # against a short reference is near 0 anyway), and a reference (the metadata value, a JSON list
     # included) longer than this is an error of the sample.
-    max_answer_chars: int = Field(65_536, ge=1, le=MAX_ANSWER_CHARS)
+    max_answer_chars: int = Field(DEFAULT_ANSWER_CHARS, ge=1, le=MAX_ANSWER_CHARS)
 
 
 class QuestionAnswering:
@@ -110,7 +118,7 @@ class QuestionAnswering:
     default_config: ClassVar[dict[str, Any]] = QAOptions().model_dump()
     isolated_keys = ("extract_pattern",)
     ceiling_keys = ("max_answer_chars",)  # a request may lower the bound, not raise it
-    timeout_s = 1.0  # (inline, so not enforced: max_answer_chars bounds a sample's work instead)
+    timeout_s = 1.0  # (inline, so enforced only by the call's budget: max_answer_chars bounds a sample's work)
     fallback_score = 0.0
 
     @staticmethod
@@ -118,13 +126,14 @@ class QuestionAnswering:
         return _validate(QAOptions, config)
 
     def __call__(self, sample: SampleInput, config: dict[str, Any]) -> Score:
-        # Each text is normalised and counted once per sample, however many references there are (the
-        # prediction was normalised again for each one: 64 references cost 64 passes over the completion).
+        # The completion is normalised and counted once per sample, however many references there are (it
+        # was normalised again for each one: 64 references cost 64 passes over the completion), and the
+        # references once per group (they were normalised again for each of its samples).
         bound = config["max_answer_chars"]
         raw = _reference(sample, config["answer_key"])
         if len(raw) > bound:
-            raise ValueError(f"the reference is {len(raw)} characters long; max_answer_chars is {bound}")
-        golds = [_Answer(g) for g in references(raw, config["references"])]
+            raise answer_too_long("the reference", len(raw), bound)
+        golds = _gold_answers(raw, config["references"])
         text = sample.completion_text
         if config["extract_pattern"]:
             found = _last_match(_compile(config["extract_pattern"], ()), text)
@@ -162,6 +171,10 @@ class ChoiceOptions(_Options):
     ignore_case: bool = False  # accept "answer: c"
     correct_score: float = 1.0
     incorrect_score: float = 0.0
+    # The work per sample is bounded: a reference, or a choices_key value (the JSON list counted whole),
+    # longer than this is an error of the sample; a completion's last line longer than this is not read as
+    # an option's text.
+    max_answer_chars: int = Field(DEFAULT_ANSWER_CHARS, ge=1, le=MAX_ANSWER_CHARS)
 
     @field_validator("letters")
     @classmethod
@@ -196,10 +209,7 @@ def extract_choice(text: str, letters: str, ignore_case: bool = False) -> str | 
     return None
 
 
-def _choices(sample: SampleInput, key: str, letters: str) -> list[str]:
-    raw = sample.get(key)
-    if raw is None:
-        return []
+def _choices(raw: str, key: str, letters: str) -> list[str]:
     try:
         value = json.loads(raw)
     except ValueError as e:
@@ -217,7 +227,8 @@ class MultipleChoice:
         "incorrect_score; components answer_found"
     )
     default_config: ClassVar[dict[str, Any]] = ChoiceOptions().model_dump()
-    timeout_s = 1.0
+    ceiling_keys = ("max_answer_chars",)  # a request may lower the bound, not raise it
+    timeout_s = 1.0  # (inline, so enforced only by the call's budget: max_answer_chars bounds a sample's work)
     fallback_score = 0.0
 
     @staticmethod
@@ -226,14 +237,22 @@ class MultipleChoice:
 
     def __call__(self, sample: SampleInput, config: dict[str, Any]) -> Score:
         letters: str = config["letters"]
-        reference = _reference(sample, config["answer_key"]).strip()
-        options = _choices(sample, config["choices_key"], letters) if config["choices_key"] else []
-        gold = _letter_of(reference, letters, options)
+        bound: int = config["max_answer_chars"]
+        reference = _reference(sample, config["answer_key"])
+        if len(reference) > bound:
+            raise answer_too_long("the reference", len(reference), bound)
+        key: str = config["choices_key"]
+        choices = sample.get(key) if key else None
+        if choices is not None and len(choices) > bound:
+            raise answer_too_long(f"metadata[{key!r}]", len(choices), bound)
+        # once per group (its samples share the reference and the options), not once per sample
+        gold, options = _gold_choice(reference, letters, key, choices)
         answer = extract_choice(sample.completion_text, letters, config["ignore_case"])
         lines = sample.completion_text.strip().splitlines()
-        if answer is None and options and lines:  # the completion may spell out an option instead of its letter
+        # the completion may spell out an option instead of its letter (a line longer than the bound is none)
+        if answer is None and options and lines and len(lines[-1]) <= bound:
             said = squad_normalise(lines[-1])
-            hits = [letters[i] for i, o in enumerate(options) if squad_normalise(o) == said]
+            hits = [letters[i] for i, o in enumerate(options) if o == said]
             answer = hits[0] if len(hits) == 1 else None
         if answer is None:
             return Score(config["incorrect_score"], {"answer_found": 0.0})
@@ -241,12 +260,23 @@ class MultipleChoice:
         return Score(score, {"answer_found": 1.0})
 
 
-def _letter_of(reference: str, letters: str, options: list[str]) -> str:
-    """The reference's letter: the reference itself (``C``, ``(C)``), or the letter of the option it names."""
+def _resolve_choice(reference: str, letters: str, key: str, choices: str | None) -> tuple[str, tuple[str, ...]]:
+    """The reference's letter, and the options' texts normalised (none without ``choices``)."""
+    options = tuple(squad_normalise(o) for o in _choices(choices, key, letters)) if choices is not None else ()
+    return _letter_of(reference.strip(), letters, options), options
+
+
+_gold_choice = GroupMemo(_resolve_choice)
+
+
+def _letter_of(reference: str, letters: str, options: tuple[str, ...]) -> str:
+    """The reference's letter: the reference itself (``C``, ``(C)``), or the letter of the option it names
+    (``options`` normalised by ``squad_normalise``)."""
     bare = _compile(rf"\W*([{letters}])\W*", ()).fullmatch(reference)
     if bare is not None:
         return bare.group(1)
-    matches = [letters[i] for i, o in enumerate(options) if squad_normalise(o) == squad_normalise(reference)]
+    named = squad_normalise(reference)
+    matches = [letters[i] for i, o in enumerate(options) if o == named]
     if len(matches) == 1:
         return matches[0]
     raise ValueError(

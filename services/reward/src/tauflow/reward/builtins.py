@@ -18,7 +18,10 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from typing import Annotated, Any, ClassVar, Literal
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import re2
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,6 +66,54 @@ def _reference(sample: SampleInput, key: str) -> str:
 
 MAX_PATTERN_CHARS = 2048
 MAX_KEY_CHARS = 256  # answer_key: a metadata key (limits.max_id_chars by default)
+# The most max_answer_chars may be (a request's text is at most 1 MiB): the bound of a reference (and of the
+# options of multiple_choice) and of the answer compared with it, in exact_match, qa and multiple_choice.
+MAX_ANSWER_CHARS = 1 << 20
+DEFAULT_ANSWER_CHARS = 65_536
+
+T = TypeVar("T")
+
+
+class GroupMemo(Generic[T]):
+    """``compute(*key)``, remembered for the last few keys on each thread: what a reward function derives
+    from a group's shared metadata (its reference normalised, its options parsed) is computed once per
+    group, not once per sample. A group's samples share ``Group.metadata``, so without it the work of one
+    call grew as samples x reference (a 1 MiB reference normalised again for each of 65,536 samples).
+
+    Per thread, not per process: an inline call scores its samples one after another on a thread of its own
+    (its groups' samples in a row, so a few entries suffice), and the memo goes with the thread; concurrent
+    calls cannot evict each other's entries, and nothing outlives a call but a pool worker's last few. A
+    ``ValueError`` (a reference that is no answer) is remembered too, by its message, so a bad reference
+    fails each sample without being read again."""
+
+    def __init__(self, compute: Callable[..., T], size: int = 4) -> None:
+        self._compute = compute
+        self._size = size
+        self._local = threading.local()
+
+    def __call__(self, *key: Hashable) -> T:
+        entries: OrderedDict[tuple[Hashable, ...], tuple[T | None, str]] | None = getattr(self._local, "entries", None)
+        if entries is None:
+            entries = self._local.entries = OrderedDict()
+        entry = entries.get(key)
+        if entry is not None:
+            entries.move_to_end(key)
+        else:
+            try:
+                entry = (self._compute(*key), "")
+            except ValueError as e:
+                entry = (None, str(e) or type(e).__name__)
+            entries[key] = entry
+            if len(entries) > self._size:
+                entries.popitem(last=False)
+        value, failure = entry
+        if failure:
+            raise ValueError(failure)
+        return cast(T, value)  # (None only with a failure)
+
+    def clear(self) -> None:
+        """Forgets this thread's entries (for tests)."""
+        self._local.entries = OrderedDict()
 
 
 def _compiled(pattern: str) -> str:
@@ -93,19 +144,34 @@ class ExactMatchOptions(_Options):
     extract_pattern: RE2Pattern = ""
     correct_score: float = 1.0
     incorrect_score: float = 0.0
+    # The work per sample is bounded: a reference longer than this is an error of the sample, and an answer
+    # longer than this scores incorrect_score without being compared (as qa's max_answer_chars).
+    max_answer_chars: int = Field(DEFAULT_ANSWER_CHARS, ge=1, le=MAX_ANSWER_CHARS)
 
 
 _SPACES = re.compile(r"\s+")
 
 
 def _normalise(text: str, c: dict[str, Any]) -> str:
-    if c["collapse_whitespace"]:
+    return _normalised(text, c["collapse_whitespace"], c["strip"], c["ignore_case"])
+
+
+def _normalised(text: str, collapse_whitespace: bool, strip: bool, ignore_case: bool) -> str:
+    if collapse_whitespace:
         text = _SPACES.sub(" ", text)
-    if c["strip"]:
+    if strip:
         text = text.strip()
-    if c["ignore_case"]:
+    if ignore_case:
         text = text.casefold()
     return text
+
+
+_normalised_reference = GroupMemo(_normalised)
+
+
+def answer_too_long(what: str, length: int, bound: int) -> ValueError:
+    """The error of a sample whose reference (or options) is over ``max_answer_chars``."""
+    return ValueError(f"{what} is {length} characters long; max_answer_chars is {bound}")
 
 
 class ExactMatch:
@@ -116,7 +182,8 @@ class ExactMatch:
     )
     default_config: ClassVar[dict[str, Any]] = ExactMatchOptions().model_dump()
     isolated_keys = ("extract_pattern",)
-    timeout_s = 1.0
+    ceiling_keys = ("max_answer_chars",)  # a request may lower the bound, not raise it
+    timeout_s = 1.0  # (inline, so enforced only by the call's budget: max_answer_chars bounds a sample's work)
     fallback_score = 0.0
 
     @staticmethod
@@ -124,7 +191,12 @@ class ExactMatch:
         return _validate(ExactMatchOptions, config)
 
     def __call__(self, sample: SampleInput, config: dict[str, Any]) -> Score:
-        reference = _normalise(_reference(sample, config["answer_key"]), config)
+        bound = config["max_answer_chars"]
+        raw = _reference(sample, config["answer_key"])
+        if len(raw) > bound:
+            raise answer_too_long("the reference", len(raw), bound)
+        # normalised once per group (the samples of a group share Group.metadata's reference)
+        reference = _normalised_reference(raw, config["collapse_whitespace"], config["strip"], config["ignore_case"])
         text = sample.completion_text
         pattern = config["extract_pattern"]
         if pattern:
@@ -132,6 +204,8 @@ class ExactMatch:
             if found is None:
                 return Score(config["incorrect_score"], {"answer_found": 0.0})
             text = found
+        if len(text) > bound:  # not compared: an answer this long is not the (bounded) reference's
+            return Score(config["incorrect_score"], {"answer_found": 1.0})
         correct = _normalise(text, config) == reference
         return Score(config["correct_score"] if correct else config["incorrect_score"], {"answer_found": 1.0})
 

@@ -82,6 +82,13 @@ class RewardConfig(ServiceConfig):
     default_timeout_s: float = Field(10.0, gt=0, description="timeout of functions that declare none")
     default_fallback_score: float = Field(0.0, description="fallback of functions that declare none")
     max_sample_timeout_s: float = Field(600.0, gt=0, description="largest ScoreRequest.sample_timeout accepted")
+    max_inline_call_s: float = Field(
+        60.0,
+        gt=0,
+        description="the most time an inline Score call runs, deadline or none: its budget is the lesser of this "
+        "and its samples (groups, for a group-level function) x its timeout; the samples not scored within it "
+        "get REWARD_STATUS_TIMEOUT and the fallback score",
+    )
     max_samples_per_request: int = Field(65_536, ge=1, description="more samples in one Score: RESOURCE_EXHAUSTED")
     max_concurrent_requests: int = Field(64, ge=1, description="more Score calls in flight: RESOURCE_EXHAUSTED")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

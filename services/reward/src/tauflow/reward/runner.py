@@ -3,12 +3,17 @@
 Inline functions are called in the service process, one sample after another, on a thread of their own
 per call: no pickling, which is what cheap built-ins want (``exact_match`` and ``format``), and never on
 the event loop, so that a large request or a slow sample cannot hold up other calls, health checks or
-SIGTERM. Their timeout is not enforced (a thread cannot be interrupted); the caller's deadline stops the
-call between samples. Process functions run in a ``pebble.ProcessPool``: one task per sample (or per
-group, for group-level functions) with the per-sample timeout, measured from the moment a worker
-starts the task. A task that runs past it is stopped by terminating its worker process, which the pool
-replaces; a worker that dies (a segfault, ``os._exit``) fails only its own task. Either way the sample
-gets the function's fallback score and a status, and the service keeps serving.
+SIGTERM. A sample's timeout cannot be enforced there (a thread cannot be interrupted); the call's budget
+is: the lesser of ``max_inline_call_s`` and its samples (groups, for a group-level function) times the
+timeout (at least ``MIN_INLINE_BUDGET_S``), deadline or none. Past it the call answers at once: the samples
+scored keep their scores, the
+others (the one in progress included) get the fallback score and ``TIMEOUT``, as a pool sample past its
+timeout does, and the thread stops at its next sample. The caller's deadline, when it comes first, stops
+the call the same way but raises ``DeadlineExceeded``. Process functions run in a ``pebble.ProcessPool``:
+one task per sample (or per group, for group-level functions) with the per-sample timeout, measured from
+the moment a worker starts the task. A task that runs past it is stopped by terminating its worker
+process, which the pool replaces; a worker that dies (a segfault, ``os._exit``) fails only its own task.
+Either way the sample gets the function's fallback score and a status, and the service keeps serving.
 
 The pool's workers are shared between calls: a call's tasks wait here, not in the pool's own first-come
 queue, and a free worker takes the next task of the next call in turn (round robin), each call holding at
@@ -98,11 +103,20 @@ def _settle(outcome: concurrent.futures.Future[Any], result: Any = None, error: 
         pass
 
 
+# The least budget of an inline call (unless max_inline_call_s is less): a call of one sample of a 1 s function
+# must not time out because a loaded machine started its thread late or held the GIL (2 cores, CI), only
+# because its function was slow.
+MIN_INLINE_BUDGET_S = 10.0
+
+
 class Scorer:
     """Scores groups with a registered function; owns the worker pool and shares it between calls."""
 
-    def __init__(self, pool_config: PoolConfig, preload_refs: Sequence[str] = ()) -> None:
+    def __init__(
+        self, pool_config: PoolConfig, preload_refs: Sequence[str] = (), max_inline_call_s: float = 60.0
+    ) -> None:
         self.pool_config = pool_config
+        self.max_inline_call_s = max_inline_call_s
         self.preload_refs = list(preload_refs)
         self._pool: ProcessPool | None = None
         self.pool_restarts = 0
@@ -239,23 +253,37 @@ class Scorer:
         executor: Executor | None = None,
     ) -> list[list[SampleResult]]:
         """One list of results per group, in order. ``deadline_s`` (seconds from now) bounds the call:
-        past it the unfinished work is cancelled and ``DeadlineExceeded`` raised. ``executor`` replaces the
-        function's for this call (``RewardFunction.executor_for``)."""
+        past it the unfinished work is cancelled and ``DeadlineExceeded`` raised. An inline call is also
+        bounded by its budget (``inline_budget_s``), past which its unscored samples time out. ``executor``
+        replaces the function's for this call (``RewardFunction.executor_for``)."""
         if (executor or fn.executor) is Executor.INLINE:
-            return await self._inline_off_loop(fn, groups, config, deadline_s)
+            return await self._inline_off_loop(fn, groups, config, timeout_s, deadline_s)
         return await self._in_pool(fn, groups, config, timeout_s, deadline_s)
 
+    def inline_budget_s(self, fn: RewardFunction, groups: Sequence[GroupInput], timeout_s: float) -> float:
+        """How long an inline call may run: ``max_inline_call_s``, or less for a call of few samples (groups,
+        for a group-level function) at ``timeout_s`` each, but not less than ``MIN_INLINE_BUDGET_S``."""
+        units = len(groups) if fn.group_level else sum(len(g.samples) for g in groups)
+        return min(self.max_inline_call_s, max(MIN_INLINE_BUDGET_S, units * timeout_s))
+
     async def _inline_off_loop(
-        self, fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any], deadline_s: float | None
+        self,
+        fn: RewardFunction,
+        groups: Sequence[GroupInput],
+        config: dict[str, Any],
+        timeout_s: float,
+        deadline_s: float | None,
     ) -> list[list[SampleResult]]:
         # A daemon thread, not an executor's: a thread stuck in a function that never returns must not keep
         # the process from exiting after SIGTERM (executor threads are joined at exit).
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[list[SampleResult]]] = loop.create_future()
         stop = threading.Event()
+        scored: list[list[SampleResult]] = []  # filled as the thread goes: what the budget's end keeps
+        lock = threading.Lock()
 
         def settle(result: Any, error: BaseException | None) -> None:
-            if done.done():  # the caller left (its deadline, or a cancelled call)
+            if done.done():  # the caller left (its deadline, the budget, or a cancelled call)
                 return
             if error is not None:
                 done.set_exception(error)
@@ -264,7 +292,7 @@ class Scorer:
 
         def run() -> None:
             try:
-                result, error = self._inline(fn, groups, config, stop), None
+                result, error = self._inline(fn, groups, config, stop, scored, lock), None
             except worker.Stopped:
                 return
             except BaseException as e:  # noqa: BLE001 - handed to the caller, whatever it is
@@ -274,33 +302,77 @@ class Scorer:
             except RuntimeError:  # the loop is closed: the service stopped meanwhile
                 pass
 
+        budget_s = self.inline_budget_s(fn, groups, timeout_s)
+        limit_s = budget_s if deadline_s is None else min(deadline_s, budget_s)
         threading.Thread(target=run, name=f"inline-{fn.name}", daemon=True).start()
         try:
-            async with asyncio.timeout(deadline_s):  # (not wait_for: on 3.11 it can swallow a cancellation)
+            async with asyncio.timeout(limit_s):  # (not wait_for: on 3.11 it can swallow a cancellation)
                 return await done
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"the call's deadline passed after {deadline_s:.3g} s before reward function {fn.name!r} "
-                "had scored every sample"
-            ) from None
+            if deadline_s is not None and deadline_s <= budget_s:
+                raise DeadlineExceeded(
+                    f"the call's deadline passed after {deadline_s:.3g} s before reward function {fn.name!r} "
+                    "had scored every sample"
+                ) from None
+            stop.set()  # (before the copy: the thread adds at most the sample it is scoring)
+            with lock:
+                so_far = [list(g) for g in scored]
+            return self._past_budget(fn, groups, so_far, budget_s)
         finally:
-            stop.set()  # a deadline or a cancelled call: the thread stops at its next sample
+            stop.set()  # a deadline, the budget or a cancelled call: the thread stops at its next sample
+
+    def _past_budget(
+        self,
+        fn: RewardFunction,
+        groups: Sequence[GroupInput],
+        so_far: list[list[SampleResult]],
+        budget_s: float,
+    ) -> list[list[SampleResult]]:
+        """The results of an inline call whose budget passed: those scored, then ``TIMEOUT`` for the rest."""
+        message = (
+            f"reward function {fn.name!r} runs inline and this call's time budget ({budget_s:.3g} s: at most "
+            f"max_inline_call_s, {self.max_inline_call_s:g} s, and the call's samples x the timeout) passed "
+            "before it scored this sample"
+        )
+        timed_out = SampleResult(Status.TIMEOUT, fn.fallback_score, {}, message, 0.0, "timeout")
+        out = []
+        for i, g in enumerate(groups):
+            have = so_far[i] if i < len(so_far) else []
+            out.append(have + [timed_out] * (len(g.samples) - len(have)))
+        return out
 
     @staticmethod
     def _inline(
-        fn: RewardFunction, groups: Sequence[GroupInput], config: dict[str, Any], stop: threading.Event | None = None
+        fn: RewardFunction,
+        groups: Sequence[GroupInput],
+        config: dict[str, Any],
+        stop: threading.Event | None = None,
+        out: list[list[SampleResult]] | None = None,
+        lock: threading.Lock | None = None,
     ) -> list[list[SampleResult]]:
+        """Scores the groups in order, appending each result to ``out`` as soon as it is known (under
+        ``lock``); ``worker.Stopped`` once ``stop`` is set, checked between samples (or groups)."""
         fallback = fn.fallback_score
-        if fn.group_level:
-            out = []
-            for g in groups:
+        out = [] if out is None else out
+        lock = lock or threading.Lock()
+        for g in groups:
+            if stop is not None and stop.is_set():
+                raise worker.Stopped
+            if fn.group_level:
+                results = [from_outcome(o, fallback) for o in worker.call_group(fn.ref, g, config)]
+                with lock:
+                    out.append(results)
+                continue
+            group: list[SampleResult] = []
+            with lock:
+                out.append(group)
+            for s in g.samples:
                 if stop is not None and stop.is_set():
                     raise worker.Stopped
-                out.append([from_outcome(o, fallback) for o in worker.call_group(fn.ref, g, config)])
-            return out
-        return [
-            [from_outcome(o, fallback) for o in worker.call_samples(fn.ref, g.samples, config, stop)] for g in groups
-        ]
+                result = from_outcome(worker.call_sample(fn.ref, s, config), fallback)
+                with lock:
+                    group.append(result)
+        return out
 
     async def _in_pool(
         self,

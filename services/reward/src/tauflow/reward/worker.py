@@ -170,20 +170,8 @@ def call_sample(ref: str, sample: SampleInput, config: dict[str, Any]) -> Outcom
 
 
 class Stopped(Exception):
-    """An inline call's caller gave up (its deadline passed): the samples left are not scored."""
-
-
-def call_samples(
-    ref: str, samples: Sequence[SampleInput], config: dict[str, Any], stop: threading.Event | None = None
-) -> list[Outcome]:
-    """Inline fast path: one call per sample, one function look-up for all; ``stop`` is checked between
-    samples (a call in progress cannot be interrupted)."""
-    out = []
-    for s in samples:
-        if stop is not None and stop.is_set():
-            raise Stopped
-        out.append(call_sample(ref, s, config))
-    return out
+    """An inline call is over (its caller's deadline or its budget passed, or it was cancelled): the samples
+    left are not scored."""
 
 
 def call_group(ref: str, group: GroupInput, config: dict[str, Any]) -> list[Outcome]:
