@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
-from tauflow.api.retry import RetryPolicy, service_config_json
+from tauflow.api.retry import RETRY_STATUS_CODES, RetryPolicy, service_config_json
 from tauflow.core.config import ChannelConfig
 from tauflow.core.runtoken import control_method, run_token
 from tauflow.core.server import message_size_options
@@ -27,7 +27,7 @@ def retry_policy(config: ChannelConfig) -> RetryPolicy:
         config.retry_max_attempts,
         config.retry_initial_backoff_s,
         config.retry_max_backoff_s,
-        tuple(config.retry_status_codes),
+        tuple(RETRY_STATUS_CODES if config.retry_status_codes is None else config.retry_status_codes),
     )
 
 

@@ -22,8 +22,6 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tauflow.api.retry import RETRY_STATUS_CODES
-
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message says which key and why."""
@@ -329,4 +327,6 @@ class ChannelConfig(StrictModel):
     retry_max_attempts: int = Field(5, ge=2, le=5, description="gRPC caps attempts at 5")
     retry_initial_backoff_s: float = Field(0.1, gt=0)
     retry_max_backoff_s: float = Field(2.0, gt=0)
-    retry_status_codes: list[str] = list(RETRY_STATUS_CODES)
+    # None: the contracts' retry codes (tauflow.api.retry.RETRY_STATUS_CODES: UNAVAILABLE, CANCELLED), read by
+    # tauflow.core.channel (this module speaks no wire: domain code reads it)
+    retry_status_codes: list[str] | None = None
