@@ -152,7 +152,9 @@ class SamplingParams:
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise InvalidRequestError(f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}")
         if (bad := next((i for i, t in enumerate(self.stop_token_ids) if t < 0), None)) is not None:
-            raise InvalidRequestError(f"stop_token_ids[{bad}] is {self.stop_token_ids[bad]}: token ids are non-negative")
+            raise InvalidRequestError(
+                f"stop_token_ids[{bad}] is {self.stop_token_ids[bad]}: token ids are non-negative"
+            )
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < _U64):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
