@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,18 @@ import torch
 from tauflow.weightsync import (
     ALGORITHMS,
     ALIGN_BYTES,
+    MAX_DIMS,
+    BucketRequest,
+    BucketSpec,
     ChecksumMismatch,
+    Manifest,
     ManifestError,
+    ReceiveError,
     Stager,
     StagingError,
     StagingNotFound,
+    TensorSpec,
+    WeightReceiver,
     bucket_tensors,
     canonical_layout,
     plan_buckets,
@@ -23,6 +31,7 @@ from tauflow.weightsync import (
     staging_path,
     validate,
 )
+from tauflow.weightsync.manifest import nbytes_of
 
 
 def sd() -> dict[str, torch.Tensor]:
@@ -139,3 +148,68 @@ def _manifest(tmp_path: Path):
 def test_validate_names_what_is_wrong(tmp_path: Path, mutate, message: str) -> None:
     with pytest.raises(ManifestError, match=message.replace("[", r"\[").replace("]", r"\]")):
         validate(mutate(_manifest(tmp_path)))
+
+
+def _one_tensor(shape: tuple[int, ...], name: str = "w") -> Manifest:
+    """A manifest of one float32 tensor of ``shape``, laid out as if it were 4 bytes (so only the shape is wrong)."""
+    tensor = TensorSpec(name, "float32", shape, 0, 4)
+    return Manifest(1, (BucketSpec(0, (tensor,), 0, 64),), 64, "xxh3-64", "ab")
+
+
+@pytest.mark.parametrize(
+    ("shape", "problem"),
+    [
+        ((2**62,) * 300, "(it has 300)"),  # was ValueError: "Exceeds the limit (4300 digits) for integer string..."
+        ((2**62,) * 30_000, "(it has 30000)"),  # was 1.7 s of multiplying (quadratic), then the same ValueError
+        ((-1,) * 100_000, "(it has 100000)"),  # was a 400 KB message (the whole shape)
+        ((1,) * 9, "(it has 9)"),
+        ((3, -1), "(dimension 1 is -1)"),
+        ((2**40, 2), "(dimension 0 is 1099511627776)"),
+        ((2**9000,), "(dimension 0 is <a 9001-bit integer>)"),  # (a Python caller's: never printed in full)
+    ],
+)
+def test_validate_refuses_a_shape_out_of_bounds_at_once_with_a_short_message(shape, problem: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ManifestError) as refused:
+        validate(_one_tensor(shape))
+    assert time.monotonic() - started < 0.5
+    message = str(refused.value)
+    assert message.startswith(
+        f"tensor 'w' in bucket 0 (tensors[0]): shape must have at most {MAX_DIMS} dimensions, each in 0..2^40-1 "
+    ), message
+    assert problem in message and len(message) < 600, message
+
+
+def test_the_bounds_of_a_shape_are_the_ones_every_size_is_computed_under() -> None:
+    validate(_one_tensor((1,) * MAX_DIMS))  # MAX_DIMS dimensions: valid
+    with pytest.raises(ManifestError, match="size_bytes 4 does not match"):
+        validate(_one_tensor((2**40 - 1, 2)))  # the largest dimension is a size, not a refusal
+    for compute in (
+        lambda: nbytes_of("float32", (2**62,) * 300),
+        lambda: canonical_layout(["float32"], [(2**62,) * 300]),
+        lambda: plan_buckets([("w", "float32", (1,) * 9)]),
+    ):
+        with pytest.raises(ManifestError, match=f"at most {MAX_DIMS} dimensions"):
+            compute()
+
+
+def test_a_message_shows_a_bounded_part_of_what_the_manifest_names() -> None:
+    long_name = "x" * 100_000
+    with pytest.raises(ManifestError) as refused:
+        validate(_one_tensor((-1,), name=long_name))
+    assert "… (100000 characters)" in str(refused.value) and len(str(refused.value)) < 600
+    tensor = TensorSpec(long_name, "f" * 100_000, (1,), 0, 4)
+    with pytest.raises(ManifestError, match="unknown dtype") as refused:
+        validate(Manifest(1, (BucketSpec(0, (tensor,), 0, 64),), 64, "xxh3-64", "ab"))
+    assert len(str(refused.value)) < 600
+    for bad in ({"checksum_algorithm": "y" * 100_000}, {"checksum": "Z" * 100_000}, {"checksum": "a" * 129}):
+        with pytest.raises(ManifestError) as refused:
+            validate(dataclasses.replace(_one_tensor((1,)), **bad))
+        assert len(str(refused.value)) < 600
+
+
+def test_a_receiver_refuses_a_bucket_whose_shapes_are_out_of_bounds_before_its_layout() -> None:
+    request = BucketRequest(["w"], ["float32"], [[2**62] * 300], "g", 1, 1, 0, 1)
+    with pytest.raises(ReceiveError, match=r"shapes\[0\] must have at most 8 dimensions") as refused:
+        WeightReceiver().check_bucket(request)
+    assert refused.value.kind == "invalid" and len(str(refused.value)) < 600

@@ -109,6 +109,32 @@ def test_join_refuses_an_address_that_is_not_host_port_and_changes_nothing() -> 
     assert len(membership.members) == 5  # (the last a Compose service name)
 
 
+def test_join_keeps_nothing_of_its_backends_and_its_refusal_quotes_a_bounded_part() -> None:
+    """hostile4 #4: each member kept its Join's backends as sent (50000 strings of 4 KiB: ~205 MB per member), and
+    the FAILED_PRECONDITION of backends that lack the sidecar's quoted all of them (past gRPC's 16 KiB of metadata
+    the caller got RESOURCE_EXHAUSTED). The servicer bounds the list; the domain keeps none of it whatever it gets."""
+    import tracemalloc
+
+    release, called = asyncio.Event(), asyncio.Event()
+    sidecar = Sidecar(WeightsConfig(), FakeStore(), lambda address: FakeMember(release, called))
+    membership = sidecar.membership
+    with pytest.raises(FailedPrecondition) as refused:
+        membership.join("m" * 4096, "127.0.0.1:1", 1, ["nccl"] * 3000, None, "x" * 4096)
+    assert "… (4096 characters)" in str(refused.value) and "(3000 in all)" in str(refused.value)
+    assert len(str(refused.value)) < 1024 and not membership.members
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        backends = [str(i).rjust(4096, "y") for i in range(2000)] + ["gloo"]  # 8 MB, each string its own
+        membership.join("big", "127.0.0.1:2", 1, backends, None, "")
+        del backends
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert membership.members["big"].state.name == "JOINING"
+    assert kept < 1_000_000, kept  # was the 8 MB of the list's strings
+
+
 async def test_a_join_from_a_process_restarted_on_the_same_port_is_a_new_member_not_a_repeat() -> None:
     """A member killed and restarted on the same address before the sidecar noticed joins with older
     weights than it confirmed: it is in no group, so it must be brought up to date, not ignored (a stalled

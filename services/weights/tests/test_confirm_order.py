@@ -167,3 +167,46 @@ async def test_the_broadcast_loop_stops_when_cancelled_as_it_is_woken() -> None:
     running.cancel()  # in the same step: the wake-up and the cancellation race
     done, _ = await asyncio.wait([running], timeout=5)
     assert running in done
+
+
+async def test_each_version_is_one_info_line_that_tells_its_hand_off_and_its_broadcast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """hostile4 (minor): the sidecar logged two INFO lines per version ("accepted version", "broadcast
+    version"), ~437 KB/min on a fast tiny run. Now the broadcast's line also tells the hand-off (bytes, its
+    duration, the version it superseded); "accepted version" is DEBUG."""
+    monkeypatch.setattr(broadcast_module, "WeightGroup", FakeGroup)
+    monkeypatch.setattr(broadcast_module, "send_bucket", lambda *args, **kwargs: None)
+    caplog.set_level(logging.DEBUG, logger="tauflow.weights.sidecar")
+    member = ConfirmingMember(delay_s=0.0)
+    sidecar = Sidecar(WeightsConfig(staging_roots=[str(tmp_path)]), FakeStore(), lambda address: member)
+    member.sidecar = sidecar
+    stager = Stager(f"file://{tmp_path}/staged", bucket_bytes=128)
+    loop = asyncio.create_task(sidecar.broadcast.run())
+    try:
+        for version in (1, 2, 3):  # no member yet: 2 supersedes 1, 3 supersedes 2
+            await sidecar.retention.publish(stager.stage(weights(version), version), stager.uri)
+        sidecar.membership.join("r", "127.0.0.1:1", 1, ("gloo",), None, "")
+        await wait_for(lambda: sidecar.broadcast.confirmed_version == 3, 5)
+        await sidecar.retention.publish(stager.stage(weights(4), 4), stager.uri)
+        await wait_for(lambda: sidecar.broadcast.confirmed_version == 4, 5)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        stager.close()
+    per_version = [rec for rec in caplog.records if hasattr(rec, "policy_version")]
+    info = [(rec.getMessage(), rec.__dict__) for rec in per_version if rec.levelno == logging.INFO]
+    assert [(message, fields["policy_version"]) for message, fields in info] == [
+        ("broadcast version", 3),
+        ("broadcast version", 4),
+    ]
+    latest = sidecar.retention.latest
+    assert latest is not None
+    nbytes = latest.manifest.total_bytes  # (every version's: one tensor of the same shape)
+    for (_, fields), superseded in zip(info, (2, None), strict=True):
+        assert fields["bytes"] == nbytes and fields["superseded"] == superseded and fields["members"] == 1
+        assert fields["handoff_ms"] >= 0 and fields["seconds"] >= 0
+    accepted = [rec.__dict__["policy_version"] for rec in per_version if rec.getMessage() == "accepted version"]
+    assert accepted == [1, 2, 3, 4] and all(
+        rec.levelno == logging.DEBUG for rec in per_version if rec.getMessage() == "accepted version"
+    )

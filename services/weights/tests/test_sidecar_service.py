@@ -393,3 +393,86 @@ def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) ->
     assert stub.Leave(pb.LeaveRequest(member_id="nobody")).membership_epoch == 0
     status = stub.GetStatus(pb.GetStatusRequest())
     assert status.latest_policy_version == 7 and status.backend == "gloo" and not status.members
+
+
+def test_every_request_field_has_a_bound_and_a_refusal_changes_nothing(sidecar, stager) -> None:
+    """hostile4 #3 and #4: a manifest shape of many huge dimensions answered INTERNAL (Python would not print the
+    product) after holding the event loop for seconds, or RESOURCE_EXHAUSTED (a 400 KB message echoing it); a
+    Join's 3000 backends turned its FAILED_PRECONDITION into RESOURCE_EXHAUSTED, and 50000 of 4 KiB were kept."""
+    car = sidecar()
+    stub = weights_stub(car.address)
+    C = grpc.StatusCode
+
+    def refusal(call, request) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=30)
+        return e.value.code(), e.value.details()
+
+    good = manifest_to_proto(stager.stage(state_dict(1), 1))
+
+    def publish_with(path: str, value: object) -> pb.PublishRequest:
+        m = pb.WeightManifest()
+        m.CopyFrom(good)
+        target, field = m.buckets[0].tensors[0], path
+        if path.startswith("manifest."):
+            target, field = m, path.removeprefix("manifest.")
+        if isinstance(value, list):
+            getattr(target, field)[:] = value
+        else:
+            setattr(target, field, value)
+        return pb.PublishRequest(manifest=m, staging_uri=stager.uri)
+
+    refused = {
+        "manifest.buckets[0].tensors[0].shape has 300 elements, over the limit of 8": publish_with(
+            "shape", [2**62] * 300
+        ),
+        "manifest.buckets[0].tensors[0].shape has 30000 elements": publish_with("shape", [2**62] * 30_000),
+        "manifest.buckets[0].tensors[0].shape has 100000 elements": publish_with("shape", [-1] * 100_000),
+        "manifest.buckets[0].tensors[0].shape has 9 elements": publish_with("shape", [1] * 9),
+        "tensors[0]): shape must have at most 8 dimensions, each in 0..2^40-1 (dimension 1 is -3)": publish_with(
+            "shape", [2, -3]
+        ),
+        "(dimension 0 is 1099511627776)": publish_with("shape", [2**40]),
+        "manifest.buckets[0].tensors[0].name is 1025 long, over the limit of 1024": publish_with("name", "n" * 1025),
+        "manifest.buckets[0].tensors[0].dtype is 65 long": publish_with("dtype", "d" * 65),
+        "manifest.checksum is 129 long, over the limit of 128": publish_with("manifest.checksum", "a" * 129),
+        "manifest.checksum_algorithm is 65 long": publish_with("manifest.checksum_algorithm", "x" * 65),
+    }
+    for expected, request in refused.items():
+        started = time.monotonic()
+        code, message = refusal(stub.Publish, request)
+        assert code == C.INVALID_ARGUMENT and expected in message, (expected, code, message[:300])
+        assert len(message) < 1024 and time.monotonic() - started < 5
+
+    join = {"address": "127.0.0.1:1", "num_ranks": 1, "backends": ["gloo", "nccl", "ipc"], "member_id": "m"}
+    for field, value, expected in [
+        ("backends", ["nccl"] * 3000, "backends has 3000 elements, over the limit of 16"),
+        ("backends", ["y" * 4096] * 4, "backends[0] is 4096 long, over the limit of 32"),
+        ("member_id", "x" * 4096, "member_id is 4096 long, over the limit of 256"),
+        ("address", "a" * 301, "address is 301 long, over the limit of 300"),
+    ]:
+        code, message = refusal(stub.Join, pb.JoinRequest(**{**join, field: value}))
+        assert code == C.INVALID_ARGUMENT and message == expected, (code, message[:300])
+    # Within its bounds, a Join whose backends lack the sidecar's is FAILED_PRECONDITION with a short message.
+    code, message = refusal(stub.Join, pb.JoinRequest(**{**join, "member_id": "x" * 256, "backends": ["n" * 32] * 16}))
+    assert code == C.FAILED_PRECONDITION and "… (256 characters)" in message and len(message) < 2048, message
+    for call, request, expected in [
+        (stub.Leave, pb.LeaveRequest(member_id="x" * 257), "member_id is 257 long"),
+        (stub.Leave, pb.LeaveRequest(member_id="m", reason="r" * 257), "reason is 257 long"),
+        (stub.ConfirmVersion, pb.ConfirmVersionRequest(member_id="x" * 257), "member_id is 257 long"),
+        (
+            stub.ConfirmVersion,
+            pb.ConfirmVersionRequest(member_id="m", manifest_checksum="a" * 129),
+            "manifest_checksum",
+        ),
+        (stub.ConfirmVersion, pb.ConfirmVersionRequest(member_id="m", loaded_checksum="a" * 129), "loaded_checksum"),
+    ]:
+        code, message = refusal(call, request)
+        assert code == C.INVALID_ARGUMENT and expected in message, (code, message)
+
+    status = stub.GetStatus(pb.GetStatusRequest())
+    assert not status.HasField("latest_policy_version") and not status.members  # nothing was taken
+    # Within their bounds the requests are taken: a rollout server's Join (as tauflow's sends it), a Publish.
+    assert stub.Join(pb.JoinRequest(**{**join, "member_id": "rollout-0", "loaded_policy_version": 0, "model": "tiny"}))
+    assert stub.Publish(pb.PublishRequest(manifest=good, staging_uri=stager.uri)).policy_version == 1
+    assert "Exceeds the limit" not in car.log_text() and "Traceback" not in car.log_text()

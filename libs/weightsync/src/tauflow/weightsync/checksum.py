@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 DEFAULT_ALGORITHM = "xxh3-64"
+MAX_CHECKSUM_CHARS = 128  # a hex checksum (sha256's, the longest here, has 64 characters)
 
 
 class Hasher(Protocol):

@@ -35,15 +35,16 @@ from tauflow.weightsync.manifest import (
     BucketSpec,
     Manifest,
     canonical_layout,
+    check_shape,
     dtype_from_name,
     dtype_name,
     nbytes_of,
     plan_buckets,
+    shown,
 )
 from tauflow.weightsync.transfer import ReceivedVersion, ReceiveError
 
 SCHEME = "ipc://"
-MAX_DIMS = 8  # dimensions of one tensor in a shared version
 MAX_TENSORS = 1 << 17  # tensors in one shared version (a large model has thousands)
 CHECKSUM = "sum64x2"
 MAX_URI_CHARS = 16384  # a URI's JSON names a CUDA IPC handle in a few hundred bytes
@@ -338,17 +339,18 @@ class SharedReader:
                 f"{n}, {len(req.dtypes)}, {len(req.shapes)}",
             )
         if (req.checksum_algorithm or CHECKSUM) != CHECKSUM:
-            raise ReceiveError("invalid", f"checksum_algorithm must be {CHECKSUM!r}, not {req.checksum_algorithm!r}")
+            raise ReceiveError(
+                "invalid", f"checksum_algorithm must be {CHECKSUM!r}, not {shown(req.checksum_algorithm)}"
+            )
         if not req.manifest_checksum:
             raise ReceiveError("invalid", "manifest_checksum must be set")
         if len(set(req.names)) != n:
             raise ReceiveError("invalid", "names must be distinct")
-        for i, shape in enumerate(req.shapes):
-            if len(shape) > MAX_DIMS or any(not 0 <= d < 2**40 for d in shape):
-                raise ReceiveError(
-                    "invalid",
-                    f"shapes[{i}] must have at most {MAX_DIMS} dimensions, each in 0..2^40: {list(shape)[:9]}",
-                )
+        try:
+            for i, shape in enumerate(req.shapes):
+                check_shape(shape, f"shapes[{i}]")  # (a manifest's bounds, before any size is computed)
+        except ManifestError as e:
+            raise ReceiveError("invalid", str(e)) from None
         try:
             layout, total = canonical_layout(req.dtypes, req.shapes)
         except (ManifestError, ValueError, OverflowError) as e:

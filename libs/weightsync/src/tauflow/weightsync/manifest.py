@@ -17,12 +17,53 @@ from functools import lru_cache
 
 import torch
 
-from tauflow.weightsync.checksum import ALGORITHMS
+from tauflow.weightsync.checksum import ALGORITHMS, MAX_CHECKSUM_CHARS
 from tauflow.weightsync.errors import ManifestError
 
 ALIGN_BYTES = 64
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+# The shape of one tensor: at most MAX_DIMS dimensions, each in 0..DIM_LIMIT-1 (no model's weight comes near
+# either). Checked before any size is computed from a shape: the product of unbounded dimensions is an integer
+# of any size (a manifest of 30000 dimensions of 2^62 took seconds to multiply out, and could not be printed).
+MAX_DIMS = 8
+DIM_LIMIT = 1 << 40
+SHOWN_CHARS = 80  # characters of a name or other string from a request that a message shows
 _HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``repr(text)``, cut to ``limit`` characters: for a message that names a string a caller sent."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def _dim_text(d: int) -> str:
+    if -(1 << 64) < d < 1 << 64:
+        return str(d)
+    return f"<a {d.bit_length()}-bit integer>" if isinstance(d, int) else "<out of range>"  # (never printed in full)
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """``shape`` for a message: its first ``MAX_DIMS`` dimensions, then how many there are."""
+    head = ", ".join(_dim_text(d) for d in shape[:MAX_DIMS])
+    return f"[{head}]" if len(shape) <= MAX_DIMS else f"[{head}, …] ({len(shape)} dimensions)"
+
+
+def check_shape(shape: Sequence[int], where: str = "shape") -> None:
+    """Raises ``ManifestError`` (naming ``where``) unless ``shape`` has at most ``MAX_DIMS`` dimensions, each in
+    0..DIM_LIMIT-1: the bounds of every shape a manifest or a receiver takes, checked before any size."""
+    if len(shape) > MAX_DIMS:
+        problem = f"it has {len(shape)}"
+    else:
+        bad = next((j for j, d in enumerate(shape) if not 0 <= d < DIM_LIMIT), None)
+        if bad is None:
+            return
+        problem = f"dimension {bad} is {_dim_text(shape[bad])}"
+    raise ManifestError(
+        f"{where} must have at most {MAX_DIMS} dimensions, each in 0..2^{DIM_LIMIT.bit_length() - 1}-1 "
+        f"({problem}): {shape_text(shape)}"
+    )
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
@@ -44,7 +85,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _dtypes()[name]
     except KeyError:
-        raise ManifestError(f"unknown dtype {name!r} (use torch's name without 'torch.', e.g. 'bfloat16')") from None
+        raise ManifestError(
+            f"unknown dtype {shown(name)} (use torch's name without 'torch.', e.g. 'bfloat16')"
+        ) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,6 +95,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    """The bytes of a tensor of ``dtype`` and ``shape``; ManifestError for an unknown dtype or a shape out of
+    its bounds (``check_shape``)."""
+    check_shape(shape)
     n = dtype_from_name(dtype).itemsize
     for d in shape:
         n *= d
@@ -138,14 +184,20 @@ def plan_buckets(
 
 
 def validate(m: Manifest) -> None:
-    """Raises ``ManifestError`` saying what is wrong: empty, duplicate names, sizes that do not
-    match dtype and shape, overlapping or non-canonical offsets, wrong totals, unknown checksum."""
+    """Raises ``ManifestError`` saying what is wrong: empty, duplicate names, shapes out of their bounds
+    (``check_shape``), sizes that do not match dtype and shape, overlapping or non-canonical offsets, wrong
+    totals, unknown checksum. A message shows at most ``SHOWN_CHARS`` of a name and ``MAX_DIMS`` dimensions
+    of a shape, whatever the manifest holds."""
     if not m.buckets:
         raise ManifestError("manifest has no buckets")
     if m.checksum_algorithm not in ALGORITHMS:
-        raise ManifestError(f"unknown checksum_algorithm {m.checksum_algorithm!r}; supported: {', '.join(ALGORITHMS)}")
-    if not m.checksum or not _HEX.match(m.checksum):
-        raise ManifestError(f"checksum must be lower-case hex, not {m.checksum!r}")
+        raise ManifestError(
+            f"unknown checksum_algorithm {shown(m.checksum_algorithm)}; supported: {', '.join(ALGORITHMS)}"
+        )
+    if not m.checksum or len(m.checksum) > MAX_CHECKSUM_CHARS or not _HEX.match(m.checksum):
+        raise ManifestError(
+            f"checksum must be lower-case hex of at most {MAX_CHECKSUM_CHARS} characters, not {shown(m.checksum)}"
+        )
     names: set[str] = set()
     offset = 0
     for i, b in enumerate(m.buckets):
@@ -159,20 +211,19 @@ def validate(m: Manifest) -> None:
                 "(buckets follow each other without gaps)"
             )
         end = 0
-        for t in b.tensors:
-            where = f"tensor {t.name!r} in bucket {i}"
+        for j, t in enumerate(b.tensors):
+            where = f"tensor {shown(t.name)} in bucket {i} (tensors[{j}])"
             if not t.name:
-                raise ManifestError(f"a tensor in bucket {i} has an empty name")
+                raise ManifestError(f"tensor {j} in bucket {i} has an empty name")
             if t.name in names:
-                raise ManifestError(f"duplicate tensor name {t.name!r}")
+                raise ManifestError(f"duplicate tensor name {shown(t.name)} (bucket {i}, tensors[{j}])")
             names.add(t.name)
-            if any(d < 0 for d in t.shape):
-                raise ManifestError(f"{where}: negative dimension in shape {list(t.shape)}")
+            check_shape(t.shape, f"{where}: shape")
             expected = nbytes_of(t.dtype, t.shape)
             if t.size_bytes != expected:
                 raise ManifestError(
                     f"{where}: size_bytes {t.size_bytes} does not match dtype {t.dtype} and shape "
-                    f"{list(t.shape)} ({expected} bytes)"
+                    f"{shape_text(t.shape)} ({expected} bytes)"
                 )
             if t.offset_bytes < end:
                 raise ManifestError(

@@ -28,7 +28,14 @@ import torch.distributed as dist
 from tauflow.weightsync.checksum import DEFAULT_ALGORITHM, Hasher, new_hasher, update_zeros
 from tauflow.weightsync.errors import ChecksumMismatch, ManifestError, WeightSyncError
 from tauflow.weightsync.group import GroupSpec, WeightGroup, connect_store
-from tauflow.weightsync.manifest import BucketSpec, Manifest, canonical_layout, dtype_from_name, nbytes_of
+from tauflow.weightsync.manifest import (
+    BucketSpec,
+    Manifest,
+    canonical_layout,
+    check_shape,
+    dtype_from_name,
+    nbytes_of,
+)
 from tauflow.weightsync.staging import tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -340,6 +347,8 @@ class WeightReceiver:
         try:
             for d in req.dtypes:
                 dtype_from_name(d)
+            for i, shape in enumerate(req.shapes):
+                check_shape(shape, f"shapes[{i}]")  # (before the bucket's layout is computed from them)
         except ManifestError as e:
             raise ReceiveError("invalid", str(e)) from None
         g = self._group

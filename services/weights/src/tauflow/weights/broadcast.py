@@ -433,7 +433,7 @@ class Broadcast:
         self.metrics.broadcast_bytes.inc(manifest.total_bytes * len(members))
         log.info(
             "members loaded version from the shared buffer",
-            extra={"policy_version": manifest.policy_version, "members": len(members), "seconds": round(took, 3)},
+            extra={**version.log_fields(), "members": len(members), "seconds": round(took, 3)},
         )
         return True
 
@@ -498,7 +498,7 @@ class Broadcast:
             self.metrics.bandwidth.set(manifest.total_bytes / took)
         log.info(
             "broadcast version",
-            extra={"policy_version": manifest.policy_version, "members": len(members), "seconds": round(took, 3)},
+            extra={**version.log_fields(), "members": len(members), "seconds": round(took, 3)},
         )
         return True
 

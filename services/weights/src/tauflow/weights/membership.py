@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tauflow.weights.config import WeightsConfig
@@ -24,9 +25,16 @@ from tauflow.weights.metrics import WeightsMetrics
 from tauflow.weights.ports import MemberClient, MemberClientFactory
 from tauflow.weights.retention import Retention, Version
 from tauflow.weightsync import Phase, PhaseError
+from tauflow.weightsync.manifest import shown
 
 KEEP_SENT = 8  # versions per member a late ConfirmVersion is checked against (the last ones sent to it)
 MAX_RANKS_PER_MEMBER = 1024  # devices of one rollout server; a client's num_ranks sizes the next weight group
+# The bounds of a member's request fields (the servicer checks them before any handler runs; README "Bounds").
+MAX_MEMBER_ID_CHARS = 256  # a member_id (a rollout server's server_id)
+MAX_ADDRESS_CHARS = 300  # host:port (a DNS name is at most 253 characters)
+MAX_BACKENDS = 16  # backends a Join names (tauflow's rollout servers name 3)
+MAX_BACKEND_CHARS = 32  # characters of one backend name ("gloo", "nccl", "ipc")
+MAX_REASON_CHARS = 256  # a Leave's reason (logged)
 _DIGITS = re.compile(r"\d+")
 # host:port of a member's RolloutService: a DNS name or IPv4 address, or an IPv6 one in brackets
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
@@ -44,8 +52,6 @@ class Member:
     member_id: str
     address: str
     num_ranks: int
-    backends: tuple[str, ...]
-    model: str
     joined_at: float
     client: MemberClient
     state: MemberState = MemberState.JOINING
@@ -168,26 +174,30 @@ class Membership:
         member_id: str,
         address: str,
         num_ranks: int,
-        backends: tuple[str, ...],
+        backends: Sequence[str],
         loaded_version: int | None,
         model: str,
     ) -> int:
-        """Adds (or re-adds) a member; returns the epoch from which it takes part."""
+        """Adds (or re-adds) a member; returns the epoch from which it takes part. Of ``backends`` and ``model``
+        nothing is kept: they are checked against the sidecar's backend and the published model, here."""
         backend = self.config.backend
         if not member_id or not address:
             raise InvalidRequest("member_id and address must be set")
         if not _HOST_PORT.fullmatch(address) or not 1 <= int(address.rsplit(":", 1)[1]) <= 65535:
-            raise InvalidRequest(f"address must be host:port (a port in 1..65535), not {address[:80]!r}")
+            raise InvalidRequest(f"address must be host:port (a port in 1..65535), not {shown(address)}")
         if not 1 <= num_ranks <= MAX_RANKS_PER_MEMBER:
             raise InvalidRequest(f"num_ranks must be in 1..{MAX_RANKS_PER_MEMBER}, not {num_ranks}")
         if backend not in backends:
+            offered = ", ".join(shown(b, MAX_BACKEND_CHARS) for b in backends[:MAX_BACKENDS])
+            more = f", … ({len(backends)} in all)" if len(backends) > MAX_BACKENDS else ""
             raise FailedPrecondition(
-                f"member {member_id!r} supports backends {list(backends)}, the sidecar uses {backend!r}"
+                f"member {shown(member_id)} supports backends [{offered}{more}], the sidecar uses {backend!r}"
             )
         latest = self.retention.latest
         if model and latest is not None and latest.manifest.model and model != latest.manifest.model:
             raise FailedPrecondition(
-                f"member {member_id!r} serves model {model!r}, the published weights are for {latest.manifest.model!r}"
+                f"member {shown(member_id)} serves model {shown(model, 256)}, the published weights are for "
+                f"{shown(latest.manifest.model, 256)}"
             )
         old = self.members.get(member_id)
         # A Join repeated by a live member changes nothing. A LEAVING member said it was going: a Join under its
@@ -220,8 +230,6 @@ class Membership:
             member_id,
             address,
             num_ranks,
-            tuple(backends),
-            model,
             self.events.clock(),
             self.clients(address),
             confirmed_version=loaded_version,
@@ -271,13 +279,13 @@ class Membership:
             raise InvalidRequest("member_id must be set")
         m = self.members.get(member_id)
         if m is None:
-            raise NotFound(f"{member_id!r} is not a member (Join first)")
+            raise NotFound(f"{shown(member_id)} is not a member (Join first)")
         if m.state is MemberState.FAILED:
-            raise NotFound(f"{member_id!r} was dropped ({m.last_error}); Join again")
+            raise NotFound(f"{shown(member_id)} was dropped ({m.last_error}); Join again")
         latest = self.retention.latest_version
         sent = [checksum for v, checksum in m.sent if v == version]  # oldest first
         if not sent:
-            raise FailedPrecondition(f"version {version} was never broadcast to {member_id!r}")
+            raise FailedPrecondition(f"version {version} was never broadcast to {shown(member_id)}")
         key = (version, manifest_checksum)
         if (m.confirmed_version, m.confirmed_checksum) == key and manifest_checksum in sent:
             return latest  # a repeat
@@ -286,7 +294,7 @@ class Membership:
                 Phase.CONFIRM,
                 member_id,
                 f"checksum mismatch: the manifest of version {version} has {sent[-1]}, the member reports "
-                f"manifest_checksum {manifest_checksum!r} and loaded_checksum {loaded_checksum!r}",
+                f"manifest_checksum {shown(manifest_checksum)} and loaded_checksum {shown(loaded_checksum)}",
                 policy_version=version,
                 membership_epoch=self.epoch,
             )
@@ -295,7 +303,7 @@ class Membership:
         if m.sent_position(version, manifest_checksum) < m.sent_position(m.confirmed_version, m.confirmed_checksum):
             raise FailedPrecondition(
                 f"version {version} is older than version {m.confirmed_version} it confirmed (it was sent to "
-                f"{member_id!r} before that one)"
+                f"{shown(member_id)} before that one)"
             )
         m.confirmed_version = version
         m.confirmed_checksum = manifest_checksum

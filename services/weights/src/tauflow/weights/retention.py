@@ -54,6 +54,16 @@ class Version:
     tracestate: str = ""
     broadcast_started: bool = False
     staging_uri: str = ""  # the ipc backend's: the trainer's shared buffer
+    superseded: int | None = None  # the version this one replaced before its broadcast began
+
+    def log_fields(self) -> dict[str, object]:
+        """What the hand-off of this version was, for the one INFO line of its broadcast."""
+        return {
+            "policy_version": self.manifest.policy_version,
+            "bytes": self.manifest.total_bytes,
+            "handoff_ms": round(self.handoff_s * 1000, 1),
+            "superseded": self.superseded,
+        }
 
 
 @dataclass(frozen=True)
@@ -266,6 +276,7 @@ class Retention:
                 traceparent,
                 tracestate,
                 staging_uri=staging_uri if shared else "",
+                superseded=superseded,
             )
             self._release(latest)
             outcome = PublishOutcome(version, superseded, handoff_s)
@@ -274,15 +285,8 @@ class Retention:
                 self._outcomes.popitem(last=False)
             self.metrics.handoff_seconds.observe(handoff_s)
             self.metrics.published_bytes.inc(manifest.total_bytes)
-            log.info(
-                "accepted version",
-                extra={
-                    "policy_version": version,
-                    "bytes": manifest.total_bytes,
-                    "handoff_ms": round(handoff_s * 1000, 1),
-                    "superseded": superseded,
-                },
-            )
+            # (DEBUG: the line of its broadcast says the same at INFO; one INFO line per version, not two)
+            log.debug("accepted version", extra=self.latest.log_fields())
             self.events.notify()
             return outcome
 

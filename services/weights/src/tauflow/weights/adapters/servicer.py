@@ -13,13 +13,49 @@ from tauflow.core.decoding import servicer_adder
 from tauflow.core.protobuf import duration, seconds
 from tauflow.weights import errors
 from tauflow.weights.adapters import convert
+from tauflow.weights.membership import (
+    MAX_ADDRESS_CHARS,
+    MAX_BACKEND_CHARS,
+    MAX_BACKENDS,
+    MAX_MEMBER_ID_CHARS,
+    MAX_REASON_CHARS,
+)
 from tauflow.weights.metrics import WeightsMetrics
 from tauflow.weights.sidecar import Sidecar
+from tauflow.weightsync.checksum import MAX_CHECKSUM_CHARS
+from tauflow.weightsync.manifest import MAX_DIMS
 from tauflow.weightsync.wire import manifest_from_proto, manifest_to_proto
 
 T = TypeVar("T")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]
+MAX_TENSOR_NAME_CHARS = 1024  # a parameter's name (a Hugging Face name has tens of characters)
+MAX_NAME_CHARS = 64  # a dtype's or a checksum algorithm's name
+# The bounds of request fields tighter than the generic ones (tauflow.core.decoding: 4096 characters, 100000
+# elements), checked before any handler runs (INVALID_ARGUMENT naming the field; README "Bounds"). The fields
+# not named keep the generic bounds: a model is a path, a staging_uri a path or an ipc:// URI, and a trace
+# context W3C's (a tracestate may be long; only the retained versions keep one).
+LIMITS = {
+    "Publish": {
+        "manifest.buckets.tensors.name": MAX_TENSOR_NAME_CHARS,
+        "manifest.buckets.tensors.dtype": MAX_NAME_CHARS,
+        "manifest.buckets.tensors.shape": MAX_DIMS,
+        "manifest.checksum_algorithm": MAX_NAME_CHARS,
+        "manifest.checksum": MAX_CHECKSUM_CHARS,
+    },
+    "Join": {
+        "member_id": MAX_MEMBER_ID_CHARS,
+        "address": MAX_ADDRESS_CHARS,
+        "backends": MAX_BACKENDS,
+        "backends[]": MAX_BACKEND_CHARS,
+    },
+    "Leave": {"member_id": MAX_MEMBER_ID_CHARS, "reason": MAX_REASON_CHARS},
+    "ConfirmVersion": {
+        "member_id": MAX_MEMBER_ID_CHARS,
+        "manifest_checksum": MAX_CHECKSUM_CHARS,
+        "loaded_checksum": MAX_CHECKSUM_CHARS,
+    },
+}
 _STATUS = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
@@ -119,4 +155,5 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         return await self._call(context, "GetStatus", run)
 
 
-add_weights_servicer_to_server = servicer_adder(SERVICE)  # undecodable requests: INVALID_ARGUMENT
+# undecodable requests, and requests out of their bounds (LIMITS): INVALID_ARGUMENT naming the field
+add_weights_servicer_to_server = servicer_adder(SERVICE, LIMITS)
