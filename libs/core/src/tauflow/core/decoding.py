@@ -11,6 +11,7 @@ bidirectional streaming (each request checked as the handler reads it: the first
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,7 +39,37 @@ def check_bounds(
     """Raises ValueError naming the field (``a.b[3].c``) of the first breach in ``msg``: a string longer than its
     bound, a repeated or map field with more elements, an invalid Duration or Timestamp. ``limits`` maps a
     field path without indices (``sampling.stop``, ``names``) to its own bound (characters or elements)."""
-    limits = limits or {}
+    _check(msg, limits or {}, path, _unindexed(path), max_string, max_items)
+
+
+# What each field is, by descriptor, worked out once: a manifest of 100,000 tensors was checked at 23 µs each
+# (its fields' options and paths worked out again for every element), 2.3 s of the sidecar's event loop.
+_SCALARS, _MESSAGES, _MESSAGE, _STRING, _OTHER = range(5)
+
+
+@functools.cache
+def _kind(f: FieldDescriptor) -> tuple[int, bool, bool, bool]:
+    """(kind, a map, its keys are strings, a map's values or a list's elements are strings)."""
+    strings = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+    if f.is_repeated:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+            scalar_values = value.message_type is None
+            return (
+                _SCALARS if scalar_values else _MESSAGES,
+                True,
+                key.type == FieldDescriptor.TYPE_STRING,
+                scalar_values and value.type == FieldDescriptor.TYPE_STRING,
+            )
+        if f.message_type is None:
+            return _SCALARS, False, False, f.type == FieldDescriptor.TYPE_STRING
+        return _MESSAGES, False, False, False
+    if f.message_type is not None:
+        return _MESSAGE, False, False, False
+    return (_STRING if f.type in strings else _OTHER), False, False, False
+
+
+def _check(msg: Message, limits: dict[str, int], path: str, key: str, max_string: int, max_items: int) -> None:
     name = msg.DESCRIPTOR.full_name
     if name == "google.protobuf.Duration":
         s, n = msg.seconds, msg.nanos
@@ -52,34 +83,34 @@ def check_bounds(
         return
     for f, value in msg.ListFields():
         where = f"{path}.{f.name}" if path else f.name
-        key = _unindexed(where)
-        if f.is_repeated:
-            bound = limits.get(key, max_items)
+        field_key = f"{key}.{f.name}" if key else f.name
+        kind, is_map, string_keys, string_items = _kind(f)
+        if kind == _STRING:
+            _check_string(value, where, limits.get(field_key, max_string))
+        elif kind == _MESSAGE:
+            _check(value, limits, where, field_key, max_string, max_items)
+        elif kind != _OTHER:  # a repeated or map field
+            bound = limits.get(field_key, max_items)
             if len(value) > bound:
                 raise ValueError(f"{where} has {len(value)} elements, over the limit of {bound}")
-            items = value.values() if f.message_type is not None and f.message_type.GetOptions().map_entry else value
-            if f.message_type is not None and f.message_type.GetOptions().map_entry:
-                if f.message_type.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING:
-                    for k in value:
-                        _check_string(k, f"{where} key", limits.get(key + ".key", max_string))
-                vf = f.message_type.fields_by_name["value"]
-                if vf.message_type is None:
-                    if vf.type == FieldDescriptor.TYPE_STRING:
+            if is_map and string_keys:
+                for k in value:
+                    _check_string(k, f"{where} key", limits.get(field_key + ".key", max_string))
+            items = value.values() if is_map else value
+            if kind == _SCALARS:
+                if string_items:
+                    if is_map:
+                        bound = limits.get(field_key + ".value", max_string)
                         for v in items:
-                            _check_string(v, f"{where} value", limits.get(key + ".value", max_string))
-                    continue
-            elif f.message_type is None:
-                if f.type == FieldDescriptor.TYPE_STRING:
-                    bound = limits.get(key + "[]", max_string)
-                    for i, v in enumerate(items):
-                        _check_string(v, f"{where}[{i}]", bound)
+                            _check_string(v, f"{where} value", bound)
+                    else:
+                        bound = limits.get(field_key + "[]", max_string)
+                        for i, v in enumerate(items):
+                            if len(v) > bound:
+                                _check_string(v, f"{where}[{i}]", bound)
                 continue
             for i, v in enumerate(items):
-                check_bounds(v, limits, f"{where}[{i}]", max_string, max_items)
-        elif f.message_type is not None:
-            check_bounds(value, limits, where, max_string, max_items)
-        elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
-            _check_string(value, where, limits.get(key, max_string))
+                _check(v, limits, f"{where}[{i}]", field_key, max_string, max_items)
 
 
 def _check_string(value: str | bytes, where: str, bound: int) -> None:
