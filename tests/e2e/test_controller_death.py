@@ -1,6 +1,7 @@
 """End to end on CPU: `tauflow run` SIGKILLed mid-run leaves no service behind (each stops by itself, drained,
 once its controller is gone: TAUFLOW_PARENT_PID, tauflow.core.lifeline), and `tauflow run --resume` finishes
-the run from the trainer's checkpoint and the queue's log with nothing lost and nothing trained twice."""
+the run from the trainer's checkpoint and the queue's log with nothing lost and nothing trained twice; a
+resume of the completed run ends at once and keeps its summary."""
 
 from __future__ import annotations
 
@@ -138,3 +139,17 @@ def test_a_killed_controller_leaves_no_service_and_resume_trains_every_group_onc
         int(s["metrics"].get(f"skipped_{why}_groups", 0)) for s in summary["steps"] for why in ("duplicate", "stale")
     )
     assert len(trained) == STEPS * GROUPS_PER_STEP - skipped, skipped
+    # A resume of the completed run (or of one whose controller died after the last checkpoint) has nothing
+    # to train: it ends at once, completed, and the run's summary stays (it waited for a step that never came,
+    # ended "stalled" after stall_timeout_s, and replaced the summary with one of no steps).
+    again = subprocess.run(
+        run_command(ADDITION, [*sets, "stall_timeout_s=120"], "--resume"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert "the run had completed already" in again.stderr

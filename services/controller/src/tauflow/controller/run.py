@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import os
 import shutil
@@ -156,6 +157,7 @@ class Run:
                 )
         self.run_token = load_run_token(self.token_file)
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
+        self.resumed_version = 0  # --resume: the version the trainer resumed at
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
         self._peers: Peers | None = None  # while the run trains: the live changes use its clients
@@ -313,6 +315,7 @@ class Run:
             addresses[role] = started[0].address
             if role == "trainer" and started[0].info.get("resumed_from"):  # its first step is the one after this
                 self.summary.extra["resumed_from_version"] = started[0].info.get("policy_version")
+                self.resumed_version = int(started[0].info.get("policy_version") or 0)
             for svc in started:
                 asyncio.run(self.check_peer(role, svc.address, self.summary.services, svc.name, _follower(svc)))
             self._write_targets()
@@ -504,7 +507,9 @@ class Run:
     def _show_progress(self, following: Following, poll: Poll) -> int:
         """Updates the progress from what the poll brought; returns the newest policy version."""
         steps, progress = self.summary.steps, self.progress
-        version = steps[-1].policy_version if steps else 0
+        # (a trainer resumed at the last version lists no step: the run is done all the same; before, it
+        # waited for a step that never came and ended "stalled")
+        version = max(steps[-1].policy_version if steps else 0, self.resumed_version)
         progress.version, progress.steps, progress.queue_depth = version, len(steps), poll.stats.depth_groups
         if steps:
             progress.reward, progress.staleness = steps[-1].mean_reward, steps[-1].max_staleness
@@ -711,6 +716,12 @@ class Run:
         """summary.json and summary.png, each replaced whole (summary.py). A failure (a full disk) must not
         hide how the run ended, nor end a run that completed with a traceback: it is logged (stderr) and the
         previous summary stays as it was."""
+        if self._was_complete():
+            log.warning(
+                "the run had completed already (its trainer resumed at the last version): its summary stays",
+                extra={"out_dir": str(self.out_dir), "version": self.resumed_version},
+            )
+            return
         try:
             self.summary.write(self.out_dir)
         except OSError as e:
@@ -718,6 +729,17 @@ class Run:
                 "could not write the run summary; the previous one (if any) stays",
                 extra={"out_dir": str(self.out_dir), "status": self.summary.status, "error": describe_os_error(e)},
             )
+
+    def _was_complete(self) -> bool:
+        """A resume of a run that had completed (its summary says so) that trained nothing more: the summary of
+        the whole run stays, not one of no steps."""
+        if self.summary.steps or self.resumed_version < self.config.steps or self.summary.status != "completed":
+            return False
+        try:
+            previous = json.loads((self.out_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(previous, dict) and previous.get("status") == "completed"
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)
