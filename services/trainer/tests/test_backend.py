@@ -12,7 +12,7 @@ import torch
 
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample
-from tauflow.trainer.checkpoint import STATE_JSON, latest_checkpoint, list_checkpoints
+from tauflow.trainer.checkpoint import STATE_JSON, checkpoint_to_resume, latest_checkpoint, list_checkpoints
 from tauflow.trainer.optim import OptimConfig, lr_factor
 
 MakeGroups = Callable[..., list[Group]]
@@ -207,6 +207,27 @@ def test_a_damaged_checkpoint_is_refused_naming_its_file(
     state.write_text(state.read_text()[:100])  # torn
     with pytest.raises(ValueError, match=r"trainer_state.json is damaged .*move that checkpoint folder aside"):
         TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+
+
+def test_a_newest_checkpoint_without_its_state_file_is_refused_not_passed_over(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    """A checkpoint is renamed into place only whole, so a newest folder without trainer_state.json is damage:
+    resuming from the one before without a word lost the steps after it (a fault probe: 12 acked groups neither
+    trained nor in the queue). An older one (a prune cut short) is passed over."""
+    b = TorchBackend(config(tiny_model_dir))
+    saved = []
+    for step in range(3):
+        b.train_step(make_groups(step, 2))
+        saved.append(b.save_checkpoint(tmp_path).path)
+    assert checkpoint_to_resume(tmp_path) == saved[-1]
+    (saved[0] / STATE_JSON).unlink()  # older: passed over
+    assert checkpoint_to_resume(tmp_path) == saved[-1]
+    (saved[-1] / STATE_JSON).unlink()  # the newest: refused, naming it
+    with pytest.raises(ValueError, match=rf"{saved[-1].name}/trainer_state.json is missing .*move that checkpoint"):
+        checkpoint_to_resume(tmp_path)
+    assert latest_checkpoint(tmp_path) == saved[1]  # (what listing the complete ones still says)
+    assert checkpoint_to_resume(tmp_path / "none") is None
 
 
 def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_it_is_loaded(

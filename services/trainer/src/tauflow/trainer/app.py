@@ -27,7 +27,7 @@ from tauflow.trainer.adapters.rollout_client import RolloutTeacher
 from tauflow.trainer.adapters.servicer import TrainerServicer
 from tauflow.trainer.adapters.weights_client import SidecarPublisher
 from tauflow.trainer.backend import TorchBackend, backend_class
-from tauflow.trainer.checkpoint import latest_checkpoint
+from tauflow.trainer.checkpoint import checkpoint_to_resume
 from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.loop import TrainerLoop
 from tauflow.trainer.metrics import TrainerMetrics
@@ -90,7 +90,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
     # Rank 0 alone reads the checkpoints (the others get their state from it): on Kubernetes they live on
     # rank 0's volume only.
     has_checkpoints = leads and Path(config.checkpoint_dir).exists()
-    checkpoint = latest_checkpoint(config.checkpoint_dir) if has_checkpoints else None
+    checkpoint = checkpoint_to_resume(config.checkpoint_dir) if has_checkpoints else None
     # A teacher served by its own deployment (on-policy distillation): rank 0 alone asks it.
     teacher = (
         RolloutTeacher(config.backend.teacher_address, config.channel, asyncio.get_running_loop())

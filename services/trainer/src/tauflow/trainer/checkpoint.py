@@ -79,6 +79,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_to_resume(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``: the one the trainer resumes from. Raises ValueError when a
+    checkpoint folder newer than it lacks its trainer_state.json: a checkpoint is renamed into place only whole
+    (``write_checkpoint``), so such a folder is damage, and resuming from the one before would lose the steps
+    after it without a word (their leases were acked), as a damaged file would (``read_checkpoint_meta``). An
+    older incomplete folder (a prune cut short) is passed over."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir())
+    for _, folder in reversed(found):
+        if (folder / STATE_JSON).exists():
+            return folder
+        raise ValueError(f"{folder / STATE_JSON} is missing (the checkpoint is damaged): {_OLDER}")
+    return None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """``path`` itself when it is a checkpoint folder, else the newest checkpoint in it."""
     path = Path(path)
