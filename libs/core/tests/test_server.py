@@ -211,6 +211,11 @@ class Boom:
     """Handlers of every kind that raise an unexpected exception or abort on purpose."""
 
     async def unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if request == b"late":  # fails once its caller has given up (as an abort gRPC can no longer send does)
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:  # (a handler whose work turns the cancel into its own error)
+                raise RuntimeError("failed after the caller left") from None
         if request == b"abort":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
         raise RuntimeError(f"secret internals {request!r}")
@@ -573,3 +578,24 @@ async def test_a_refusal_that_quotes_a_huge_request_keeps_its_code() -> None:
             assert error_reason(refused.value) == "ERROR_REASON_X"
     finally:
         await server.drain()
+
+
+async def test_a_handler_that_fails_after_its_caller_left_is_no_unexpected_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rollout's broadcast call that the sidecar gave up on failed to abort (gRPC could no longer send it): it
+    was logged with two tracebacks, counted as an unexpected error, and aborted again ("Abort already called")."""
+    server = GrpcServer([_boom_binding()], ServerConfig(port=0))
+    port = await server.start()
+    await server.set_serving(True)
+    before = _errors("Unary")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with caplog.at_level(logging.ERROR), pytest.raises(grpc.aio.AioRpcError) as e:
+                await channel.unary_unary(f"/{BOOM}/Unary")(b"late", timeout=0.3)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.3)  # the handler sees the cancel and fails
+    finally:
+        await server.drain()
+    assert _errors("Unary") == before
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

@@ -34,6 +34,7 @@ the ready file (``<name>_port``) and drained together with the main server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import inspect
 import json
@@ -223,6 +224,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
+                    _raise_when_gone(context)
                     await self._failed(method, context, e)
 
             return stream
@@ -235,6 +237,7 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
+                    _raise_when_gone(context)
                     await self._failed(method, context, e)
 
             return call
@@ -271,6 +274,22 @@ class CatchAll(grpc.aio.ServerInterceptor):
     @staticmethod
     async def _abort_internal(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _raise_when_gone(context: Any) -> None:
+    """Raises CancelledError (gRPC's own end of a call whose caller left) when the caller gave up already (its
+    deadline, a cancel): a handler's error then, e.g. an abort that gRPC can no longer send, is no bug, and
+    there is no one to answer (it was logged with two tracebacks and counted as unexpected, and aborted again:
+    "Abort already called!")."""
+    # gRPC cancels the handler's task when the caller leaves (context.cancelled() says False for a deadline);
+    # a handler's own asyncio.timeout takes its cancel back (uncancel), so a count left is gRPC's.
+    task = asyncio.current_task()
+    gone = task is not None and task.cancelling() > 0
+    with contextlib.suppress(Exception):  # (a context that cannot say: taken as live)
+        remaining = context.time_remaining()
+        gone = gone or bool(context.cancelled()) or (remaining is not None and remaining <= 0)
+    if gone:
+        raise asyncio.CancelledError
 
 
 _HANDLER_KINDS = {
