@@ -512,3 +512,18 @@ def test_on_ray_a_restarted_process_that_dies_before_it_serves_is_one_more_death
         assert queue.proc.pid == pid  # (nothing restarted past the budget)
     finally:
         launcher.stop()
+
+
+def test_a_failure_quotes_the_log_of_the_newest_process_only(tmp_path: Path) -> None:
+    """A failed restart's message began with the previous process's traceback, its own reason after it."""
+    from tauflow.controller.launcher import ManagedService, log_header
+
+    svc = ManagedService(ServiceSpec("trainer", {}), tmp_path)
+    svc.log_file.parent.mkdir(parents=True, exist_ok=True)
+    svc.log_file.write_text(
+        log_header("trainer", 0) + "Traceback (most recent call last):\n  grpc INTERNAL\n"
+        + log_header("trainer", 1) + "ValueError: v00000063/model.safetensors is damaged\n"
+    )  # fmt: skip
+    assert svc.log_tail() == "ValueError: v00000063/model.safetensors is damaged"
+    svc.log_file.write_text("no header: " + "x" * 100_000 + "\nthe last line\n")  # (a log's end is read)
+    assert svc.log_tail(1) == "the last line"

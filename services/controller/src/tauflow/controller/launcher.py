@@ -64,6 +64,10 @@ from tauflow.core.net import free_port
 log = logging.getLogger(__name__)
 
 
+START_HEADER = "=== start "  # a process's first line in its role's log (log_header)
+LOG_TAIL_BYTES = 64 * 1024  # what log_tail reads of a log's end
+
+
 class LaunchFailed(RuntimeError):
     """The run's services cannot be launched (e.g. the Ray cluster cannot be reached)."""
 
@@ -241,10 +245,17 @@ class ManagedService:
         return self.run_dir / "logs" / f"{self.name}.log"
 
     def log_tail(self, lines: int = 15) -> str:
+        """The last ``lines`` of the log written by the newest process (from its ``=== start`` header on: a
+        failure message must not begin with the previous process's traceback), read from the log's end."""
         try:
-            text = self.log_file.read_text(errors="replace").splitlines()
+            with open(self.log_file, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                text = fh.read().decode(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        starts = [i for i, line in enumerate(text) if line.startswith(START_HEADER)]
+        if starts:
+            text = text[starts[-1] + 1 :]
         return "\n".join(text[-lines:])
 
 
@@ -847,7 +858,7 @@ def _lookup(data: Any, path: list[str]) -> Any:
 
 
 def log_header(role: str, restarts: int, where: str = "") -> str:
-    return f"\n=== start {restarts} of {role} at {time.ctime()}{where} ===\n"
+    return f"\n{START_HEADER}{restarts} of {role} at {time.ctime()}{where} ===\n"
 
 
 def spawn_service(
