@@ -216,6 +216,14 @@ class Boom:
                 await asyncio.sleep(10)
             except asyncio.CancelledError:  # (a handler whose work turns the cancel into its own error)
                 raise RuntimeError("failed after the caller left") from None
+        if request == b"self-cancelled":  # its task's cancel count left at 1 (as a failed TaskGroup leaves it)
+            try:
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                raise RuntimeError("a bug, its caller still there") from None
         if request == b"abort":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
         raise RuntimeError(f"secret internals {request!r}")
@@ -599,3 +607,20 @@ async def test_a_handler_that_fails_after_its_caller_left_is_no_unexpected_error
         await server.drain()
     assert _errors("Unary") == before
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+async def test_a_handler_that_only_seems_to_have_lost_its_caller_still_answers_internal_and_is_counted() -> None:
+    """A handler whose task's cancel count is left over (a TaskGroup whose child failed leaves it so on 3.11)
+    seems to have lost its caller: the caller, still there, must get INTERNAL at once, and the bug be counted."""
+    server = GrpcServer([_boom_binding()], ServerConfig(port=0))
+    port = await server.start()
+    await server.set_serving(True)
+    before = _errors("Unary")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await channel.unary_unary(f"/{BOOM}/Unary")(b"self-cancelled", timeout=10)
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    finally:
+        await server.drain()
+    assert _errors("Unary") == before + 1

@@ -158,6 +158,7 @@ class Role:
         self.tau = tau
         self.gate: asyncio.Event | None = None
         self.failures = 0
+        self.late = False
         self.version = 0
 
     async def status(self) -> TrainerStatus:
@@ -167,6 +168,9 @@ class Role:
         if self.gate is not None:
             await self.gate.wait()
         await asyncio.sleep(0)
+        if self.late:  # applies it, but its answer comes too late (a deadline, a broken connection)
+            self.late, self.tau = False, tau
+            raise PeerUnavailable("role", "DEADLINE_EXCEEDED")
         if self.failures:
             self.failures -= 1
             raise PeerUnavailable("role", "UNAVAILABLE")
@@ -237,3 +241,34 @@ def test_a_role_that_cannot_be_put_back_gets_the_tau_in_force_again(tmp_path: Pa
     run._tau_diverged = True
     asyncio.run(run._reapply_tau(run._peers, {"queue", "trainer"}))  # type: ignore[arg-type]
     assert (trainer.tau, queue.tau) == (3, 3) and not run._tau_diverged
+
+
+@pytest.mark.parametrize(("tau", "late"), [(1, "queue"), (1, "trainer"), (9, "queue")])
+def test_a_role_that_applied_the_change_but_answered_too_late_is_put_back(tmp_path: Path, tau: int, late: str) -> None:
+    """Counted as changed only once it answered, a role that applied the τ and answered too late kept it: the
+    queue looser than the trainer, the record on the old τ, and nothing to repair it (a reviewer's finding)."""
+    run, trainer, queue = _roles_run(tmp_path, 5)
+    (queue if late == "queue" else trainer).late = True
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(run.set_max_staleness(tau))
+    assert (run.tau, trainer.tau, queue.tau) == (5, 5, 5)
+
+
+def test_a_second_change_while_one_is_under_way_is_refused_to_be_retried(tmp_path: Path) -> None:
+    """A change runs to its end, so against a hung role callers that retry must not pile changes up."""
+    from tauflow.controller.run import TauChangeUnderWay
+
+    run, trainer, queue = _roles_run(tmp_path, 3)
+
+    async def scenario() -> None:
+        queue.gate = asyncio.Event()  # lowering: the queue first, which hangs
+        first = asyncio.ensure_future(run.set_max_staleness(1))
+        while not run._tau_changes:
+            await asyncio.sleep(0)
+        with pytest.raises(TauChangeUnderWay):
+            await run.set_max_staleness(0)
+        queue.gate.set()
+        assert await first == (3, 0)
+
+    asyncio.run(scenario())
+    assert (run.tau, trainer.tau, queue.tau) == (1, 1, 1)

@@ -224,7 +224,8 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
-                    _raise_when_gone(context)
+                    if _caller_gone(context):
+                        await self._end_quietly(method, context, e)
                     await self._failed(method, context, e)
 
             return stream
@@ -237,18 +238,19 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
-                    _raise_when_gone(context)
+                    if _caller_gone(context):
+                        await self._end_quietly(method, context, e)
                     await self._failed(method, context, e)
 
             return call
         return behaviour  # a synchronous handler (none in tauflow): gRPC's own handling applies
 
-    def _record(self, method: str) -> None:
-        """Counts the exception being handled, and logs it with its traceback unless its kind was logged
-        less than ``traceback_interval_s`` ago."""
+    def _record(self, method: str, error: BaseException | None = None) -> None:
+        """Counts ``error`` (default: the exception being handled), and logs it with its traceback unless its
+        kind was logged less than ``traceback_interval_s`` ago."""
         self.metrics.unexpected_errors.labels(method).inc()
-        error = sys.exc_info()[0]
-        kind = (method, error.__qualname__ if error is not None else "")
+        error = error if error is not None else sys.exc_info()[1]
+        kind = (method, type(error).__qualname__ if error is not None else "")
         now = time.monotonic()
         if kind not in self._logged and len(self._logged) >= MAX_TRACEBACK_KINDS:
             # (bounded: a later interceptor that fails for any method name the caller chooses)
@@ -260,10 +262,24 @@ class CatchAll(grpc.aio.ServerInterceptor):
             self._logged[kind] = (logged, left_out + 1)
             return
         self._logged[kind] = (now, 0)
-        log.exception(
+        log.error(
             "unexpected error in a handler; answered INTERNAL",
+            exc_info=error,
             extra={"method": method, "suppressed": left_out},
         )
+
+    async def _end_quietly(self, method: str, context: grpc.aio.ServicerContext, error: Exception) -> None:
+        """A handler failed once its caller seemed gone (its deadline passed, gRPC cancelled the handler): an
+        abort gRPC can no longer send is then no bug, and the call ends as cancelled, neither logged nor
+        counted (it was logged with two tracebacks, counted, and aborted again: "Abort already called!"). Should
+        the abort be sent after all (the caller was there), the error is recorded as any other."""
+        try:
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        except grpc.aio.AbortError:
+            self._record(method, error)
+            raise
+        except Exception:  # noqa: BLE001 - the call is over: there is no one to answer
+            raise asyncio.CancelledError from None
 
     async def _failed(self, method: str, context: grpc.aio.ServicerContext, error: Exception) -> None:
         if isinstance(error, NotImplementedError):  # the generated base class's method: not built, not a bug
@@ -276,20 +292,17 @@ class CatchAll(grpc.aio.ServerInterceptor):
         await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
-def _raise_when_gone(context: Any) -> None:
-    """Raises CancelledError (gRPC's own end of a call whose caller left) when the caller gave up already (its
-    deadline, a cancel): a handler's error then, e.g. an abort that gRPC can no longer send, is no bug, and
-    there is no one to answer (it was logged with two tracebacks and counted as unexpected, and aborted again:
-    "Abort already called!")."""
-    # gRPC cancels the handler's task when the caller leaves (context.cancelled() says False for a deadline);
-    # a handler's own asyncio.timeout takes its cancel back (uncancel), so a count left is gRPC's.
+def _caller_gone(context: Any) -> bool:
+    """Whether the caller seems to have given up: gRPC cancelled the handler's task (a handler's own
+    asyncio.timeout takes its cancel back; context.cancelled() says False for a passed deadline), or the
+    call's deadline passed."""
     task = asyncio.current_task()
-    gone = task is not None and task.cancelling() > 0
+    if task is not None and task.cancelling() > 0:
+        return True
     with contextlib.suppress(Exception):  # (a context that cannot say: taken as live)
         remaining = context.time_remaining()
-        gone = gone or bool(context.cancelled()) or (remaining is not None and remaining <= 0)
-    if gone:
-        raise asyncio.CancelledError
+        return remaining is not None and remaining <= 0
+    return False
 
 
 _HANDLER_KINDS = {

@@ -86,6 +86,10 @@ class RunNotLive(RuntimeError):
     """The run is not training (still starting, or ended): a live change cannot be made now."""
 
 
+class TauChangeUnderWay(RuntimeError):
+    """Another change of τ is under way (it runs to its end): this one is refused, to be retried."""
+
+
 @dataclass
 class Poll:
     """One look at the run: the trainer's new steps, the queue's counters, and when (since the start)."""
@@ -163,7 +167,9 @@ class Run:
         self._peers: Peers | None = None  # while the run trains: the live changes use its clients
         self._dial = asyncio.Lock()  # one τ change at a time
         self._tau_changes: set[asyncio.Future[tuple[int, int]]] = set()  # under way (each runs to its end)
-        self._tau_diverged = False  # a failed change could not put a role back: the follow loop does
+        # a failed change could not put a role back, or a queue or trainer came back: the follow loop gives
+        # both the τ in force
+        self._tau_diverged = False
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str] = {}
         self._unchecked: set[str] = set()  # processes (re)started but not yet checked (CheckPeer): each pass asks
@@ -404,10 +410,10 @@ class Run:
         # the loop one deadline, not one each)
         await asyncio.gather(*(self._check_restarted(name) for name in sorted(self._unchecked)))
         back = {self.launcher.services[name].role for name in restarted}
-        if self._tau_diverged:
+        if self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
+            self._tau_diverged = True  # a queue or trainer that came back gets the live τ (idempotent on both)
+        if self._tau_diverged and not self._dial.locked():  # (a change under way may wait on a hung role)
             await self._reapply_tau(peers, {"queue", "trainer"})
-        elif self.tau != self.config.max_staleness and back & {"queue", "trainer"}:
-            await self._reapply_tau(peers, back)
         if started or stopped:
             self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
         if not self.launcher.starts_services and time.monotonic() - following.members_at >= MEMBERS_EVERY_S:
@@ -609,6 +615,8 @@ class Run:
         roles (a caller's deadline), it left them on different τ, and the controller's record on a third."""
         check_tau(tau, largest=MAX_TAU)
         self._live_peers()
+        if self._tau_changes:  # (one at a time: callers that retry against a hung role must not pile up)
+            raise TauChangeUnderWay("a change of max_staleness is under way; retry once it has ended")
         change = asyncio.ensure_future(self._change_tau(tau))
         self._tau_changes.add(change)
         change.add_done_callback(_settled_in(self._tau_changes))
@@ -634,8 +642,9 @@ class Run:
                 # raising: the trainer first. The trainer judges each batch by the τ it was delivered under.
                 looser = loosest([tau, previous]) == tau
                 for peer in (peers.trainer, peers.queue) if looser else (peers.queue, peers.trainer):
-                    await peer.set_max_staleness(tau)
+                    # (counted before it answers: one that applied the τ but answered too late is put back too)
                     changed.append(peer)
+                    await peer.set_max_staleness(tau)
                 after = (await peers.trainer.status()).policy_version
             except BaseException:
                 self.summary.tau_change_failed()
@@ -655,7 +664,7 @@ class Run:
         for peer in reversed(changed):
             try:
                 await peer.set_max_staleness(tau)
-            except (PeerError, asyncio.CancelledError):
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - unreachable, closed (the run ending)
                 self._tau_diverged = True
                 log.error("a role kept the τ of a failed change; it gets the one in force again", extra={"tau": tau})
 
@@ -733,13 +742,14 @@ class Run:
     def _was_complete(self) -> bool:
         """A resume of a run that had completed (its summary says so) that trained nothing more: the summary of
         the whole run stays, not one of no steps."""
-        if self.summary.steps or self.resumed_version < self.config.steps or self.summary.status != "completed":
+        ended = ("completed", "below_target")
+        if self.summary.steps or self.resumed_version < self.config.steps or self.summary.status not in ended:
             return False
         try:
             previous = json.loads((self.out_dir / "summary.json").read_text())
         except (OSError, ValueError):
             return False
-        return isinstance(previous, dict) and previous.get("status") == "completed"
+        return isinstance(previous, dict) and previous.get("status") in ended
 
     async def execute(self) -> RunSummary:
         controller_metrics().watch(self)

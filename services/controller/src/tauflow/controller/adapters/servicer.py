@@ -9,7 +9,7 @@ import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.ports import PeerError
-from tauflow.controller.run import MAX_TAU, Run, RunNotLive
+from tauflow.controller.run import MAX_TAU, Run, RunNotLive, TauChangeUnderWay
 from tauflow.controller.scaling import ScalingRefused, ServiceView
 from tauflow.controller.secrets import redacted
 from tauflow.core.protobuf import duration_seconds, timestamp
@@ -120,6 +120,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RunNotLive as e:
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TauChangeUnderWay as e:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except PeerError as e:
             await _abort(
                 context,

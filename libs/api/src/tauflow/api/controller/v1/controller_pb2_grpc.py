@@ -102,13 +102,17 @@ class ControllerServiceServicer:
         never trains on a group whose staleness exceeds the τ in force when the
         group was delivered (docs/scaling.md: a live τ).
 
-        Retry class: idempotent (by value: setting the value in force does
-        nothing). Status: INVALID_ARGUMENT when `max_staleness` is below -1 or
-        above 1000000;
+        A change runs to its end whatever becomes of the call (a caller whose
+        deadline passes does not leave it half applied).
+
+        Retry class: idempotent (by value: setting the value in force records
+        nothing and gives it to both roles again). Status: INVALID_ARGUMENT when
+        `max_staleness` is below -1 or above 1000000;
         FAILED_PRECONDITION when the run is not training (still starting, or
         ended);
         UNAVAILABLE when the queue or the trainer cannot be reached to apply it
-        (the old value may then still be in force on one of them; retry).
+        (a role already changed is given the old value back; retry), or when
+        another change is under way (retry once it has ended).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
