@@ -65,7 +65,7 @@ def test_tau_zero_colocated_trains_only_on_policy_groups(prepared: Path, tmp_pat
     assert summary["staleness_violations"] == 0
     sidecar_log = (out / "logs" / "weights.log").read_text()
     assert sidecar_log.count("members loaded version from the shared buffer") >= 12, sidecar_log[-2000:]
-    assert "accepted version" in sidecar_log and "broadcast version" not in sidecar_log
+    assert "broadcast version" not in sidecar_log  # (each version's one INFO line is the shared buffer's)
     logs = {p.name: p.read_text() for p in (out / "logs").glob("*.log")}
     assert "model weights offloaded to host memory" in logs["trainer.log"]
     assert any("weights offloaded to host memory while idle" in text for name, text in logs.items() if "rollout" in name)
