@@ -67,11 +67,16 @@ def checkpoint_name(version: int) -> str:
 
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest version first."""
+    return [p for p in _version_folders(root) if (p / STATE_JSON).exists()]
+
+
+def _version_folders(root: str | Path) -> list[Path]:
+    """The ``v<version>`` folders under ``root``, complete or not, oldest version first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / STATE_JSON).exists()]
+    return [p for _, p in sorted(found)]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -85,11 +90,7 @@ def checkpoint_to_resume(root: str | Path) -> Path | None:
     (``write_checkpoint``), so such a folder is damage, and resuming from the one before would lose the steps
     after it without a word (their leases were acked), as a damaged file would (``read_checkpoint_meta``). An
     older incomplete folder (a prune cut short) is passed over."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_NAME.match(p.name)) and p.is_dir())
-    for _, folder in reversed(found):
+    for folder in reversed(_version_folders(root)):
         if (folder / STATE_JSON).exists():
             return folder
         raise ValueError(f"{folder / STATE_JSON} is missing (the checkpoint is damaged): {_OLDER}")
