@@ -145,6 +145,45 @@ def test_close_ends_the_retired_streams_too_and_leaves_no_task_pending() -> None
     asyncio.run(scenario())
 
 
+class _PassThrough(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(details, request_iterator)
+
+
+def test_a_stream_whose_server_is_gone_leaves_no_task_pending() -> None:
+    """Through an interceptor (every tauflow channel has them) a call's writes go through a task of grpc.aio's
+    own; a server killed mid-stream left that task waiting for ever, logged when collected as "Task was
+    destroyed but it is pending" and "aclose(): asynchronous generator is already running"."""
+
+    async def scenario() -> None:
+        server, address = await _serve(Pipe())
+        channel = grpc.aio.insecure_channel(address, interceptors=[_PassThrough()])
+        call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)
+        stream = OrderedStream(lambda lifetime: call(timeout=lifetime))
+
+        def writers() -> list[asyncio.Task]:
+            return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
+
+        try:
+            assert await stream.request(b"a0", 10) == b"a0"
+            assert len(writers()) == 1
+            waiting = asyncio.ensure_future(stream.request(b"mute", 3600))
+            await asyncio.sleep(0.1)
+            await server.stop(None)  # gone, as a killed server is: no half-close, no status of its own
+            with pytest.raises(grpc.aio.AioRpcError):
+                await asyncio.wait_for(waiting, 10)
+            for _ in range(50):  # (the reader ends the write side once it has failed the waiters)
+                if not writers():
+                    break
+                await asyncio.sleep(0.02)
+            assert writers() == []
+        finally:
+            await stream.close()
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
 class _FakeCall:
     """A call whose first write may hang (as grpc.aio's does until the call's metadata is sent) and that
     answers each message that really went out with itself."""

@@ -44,6 +44,7 @@ class _Stream:
 
     async def _read(self) -> None:
         error: BaseException
+        closed = False
         try:
             async for answer in self.call:
                 if not self.pending:  # an answer nobody asked for: the server broke the one-for-one rule
@@ -55,10 +56,18 @@ class _Stream:
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed")
+            error, closed = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed"), True
         except Exception as e:  # noqa: BLE001 - e.g. an answer that does not decode: fail the waiters with it
             error = rpc_error(grpc.StatusCode.INTERNAL, f"the stream failed: {type(e).__name__}")
         self.fail(error)
+        if not closed:  # (close() cancelled the call, and with it that task)
+            # A call through interceptors takes its writes from an iterator of grpc.aio's own, whose task
+            # waits for ever on a call that ended without a half-close (a server gone); cancelling an ended
+            # call does not stop it, half-closing does. Left pending, it was logged as "Task was destroyed but
+            # it is pending" and "aclose(): asynchronous generator is already running" when collected.
+            self.call.cancel()  # (a call still open here broke the one-for-one rule: it is given up)
+            with contextlib.suppress(Exception):
+                await self.call.done_writing()
 
     def fail(self, error: BaseException) -> None:
         self.failed = self.failed or error
