@@ -5,6 +5,7 @@ refuses (a port in use, TLS files that do not fit), the INTERNAL answer of a han
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import weakref
 from pathlib import Path
 
 import grpc
@@ -624,3 +626,53 @@ async def test_a_handler_that_only_seems_to_have_lost_its_caller_still_answers_i
     finally:
         await server.drain()
     assert _errors("Unary") == before + 1
+
+
+class _Held:
+    """A request that can be watched for its release (a weak reference)."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+
+async def test_a_refused_or_failed_request_is_freed_without_waiting_for_the_cycle_collector() -> None:
+    """grpcio keeps a call's last exception in a reference cycle, and its frames held the request: twenty
+    refused 205 MB requests held 2.6 GB of a weights sidecar until Python's cycle collector ran."""
+    seen: list[weakref.ref[_Held]] = []
+
+    async def unary(request: _Held, context: grpc.aio.ServicerContext) -> bytes:
+        seen.append(weakref.ref(request))
+        if request.raw == b"abort":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: refused")
+        raise RuntimeError("a bug")
+
+    async def bidi(requests, context: grpc.aio.ServicerContext):
+        async for request in requests:
+            seen.append(weakref.ref(request))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: refused")
+            yield b""
+
+    def add(servicer: object, server: grpc.aio.Server) -> None:
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(Counter(), server)
+        handlers = {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary, request_deserializer=_Held),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=_Held),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tauflow.test.Held", handlers),))
+
+    server = GrpcServer([ServiceBinding(QUEUE, object(), add)], ServerConfig(port=0))
+    port = await server.start()
+    await server.set_serving(True)
+    gc.disable()  # (what a quiet server does between collections)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for raw in (b"abort", b"bug"):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await channel.unary_unary("/tauflow.test.Held/Unary")(raw, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await channel.stream_stream("/tauflow.test.Held/Bidi")(iter([b"x"]), timeout=5).read()
+            await asyncio.sleep(0.2)
+            assert len(seen) == 3 and [ref() for ref in seen] == [None, None, None]
+    finally:
+        gc.enable()
+        await server.drain()

@@ -45,6 +45,7 @@ import socket
 import ssl
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,12 +222,20 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 try:
                     async for item in behaviour(request, context):
                         yield item
-                except (grpc.aio.AbortError, asyncio.CancelledError):
+                except (grpc.aio.AbortError, asyncio.CancelledError) as e:
+                    await _close_requests(request)
+                    del request  # (see _release_frames)
+                    _release_frames(e)
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
-                    if _caller_gone(context):
-                        await self._end_quietly(method, context, e)
-                    await self._failed(method, context, e)
+                    await _close_requests(request)
+                    del request
+                    try:
+                        if _caller_gone(context):
+                            await self._end_quietly(method, context, e)
+                        await self._failed(method, context, e)
+                    finally:
+                        _release_frames(e)
 
             return stream
         if inspect.iscoroutinefunction(behaviour):
@@ -235,12 +244,18 @@ class CatchAll(grpc.aio.ServerInterceptor):
                 context = BoundedDetails(context)
                 try:
                     return await behaviour(request, context)
-                except (grpc.aio.AbortError, asyncio.CancelledError):
+                except (grpc.aio.AbortError, asyncio.CancelledError) as e:
+                    del request  # (see _release_frames)
+                    _release_frames(e)
                     raise
                 except Exception as e:  # noqa: BLE001 - the catch-all: any bug becomes INTERNAL, logged
-                    if _caller_gone(context):
-                        await self._end_quietly(method, context, e)
-                    await self._failed(method, context, e)
+                    del request
+                    try:
+                        if _caller_gone(context):
+                            await self._end_quietly(method, context, e)
+                        await self._failed(method, context, e)
+                    finally:
+                        _release_frames(e)
 
             return call
         return behaviour  # a synchronous handler (none in tauflow): gRPC's own handling applies
@@ -290,6 +305,30 @@ class CatchAll(grpc.aio.ServerInterceptor):
     @staticmethod
     async def _abort_internal(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clears the locals of the finished frames ``error`` went through, and those of the exceptions it
+    chains. grpcio keeps a call's last exception (an abort's too) in a reference cycle that only Python's
+    cycle collector frees, and those frames held the handler's request: twenty refused 205 MB requests held
+    2.6 GB of a server until a collection. Frames still running are left as they are."""
+    todo: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
+async def _close_requests(request: Any) -> None:
+    """Ends a streaming call's request iterator, whose generator held the last message read until it was
+    collected (see _release_frames); a single request is left as it is."""
+    if hasattr(request, "__aiter__"):
+        with contextlib.suppress(Exception):
+            await request.__aiter__().aclose()
 
 
 def _caller_gone(context: Any) -> bool:
