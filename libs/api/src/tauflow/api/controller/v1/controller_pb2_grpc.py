@@ -31,6 +31,12 @@ class ControllerServiceStub:
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
 
+    Control methods: SetMaxStaleness, ScaleRollout and StopRun. A run always has
+    a run token (the run config's `token_file`, else `<out_dir>/run.token`): a
+    call of one of them without `authorization: Bearer <run token>` metadata, or
+    with another token, is refused UNAUTHENTICATED before its request is decoded,
+    and changes nothing.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
     4096 characters and every repeated or map field at most 100000 elements
@@ -77,6 +83,12 @@ class ControllerServiceServicer:
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
 
+    Control methods: SetMaxStaleness, ScaleRollout and StopRun. A run always has
+    a run token (the run config's `token_file`, else `<out_dir>/run.token`): a
+    call of one of them without `authorization: Bearer <run token>` metadata, or
+    with another token, is refused UNAUTHENTICATED before its request is decoded,
+    and changes nothing.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
     4096 characters and every repeated or map field at most 100000 elements
@@ -113,6 +125,7 @@ class ControllerServiceServicer:
         UNAVAILABLE when the queue or the trainer cannot be reached to apply it
         (a role already changed is given the old value back; retry), or when
         another change is under way (retry once it has ended).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +158,7 @@ class ControllerServiceServicer:
         the same target). Status: INVALID_ARGUMENT when `replicas` is 0 or above
         256; FAILED_PRECONDITION when the run is not running, or its launcher is
         `external` (the deployment scales the servers: the message says how).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +174,7 @@ class ControllerServiceServicer:
         and returns its state). Status: OK whenever the controller is up;
         INVALID_ARGUMENT when `grace_period` is negative or above its bound
         (nothing stops).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,6 +221,12 @@ class ControllerService:
     the services (launcher `local`, `ray` or `external`), checks their health
     with gRPC health checking and restarts a failed one in place with backoff,
     holds the staleness dial, and keeps the run's summary.
+
+    Control methods: SetMaxStaleness, ScaleRollout and StopRun. A run always has
+    a run token (the run config's `token_file`, else `<out_dir>/run.token`): a
+    call of one of them without `authorization: Bearer <run token>` metadata, or
+    with another token, is refused UNAUTHENTICATED before its request is decoded,
+    and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most

@@ -35,6 +35,14 @@ class QueueServiceStub:
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
 
+    Control methods: on the internal port, every method but Stats. With a run
+    token configured (`auth.token_file`; the services `tauflow run` starts always
+    have one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing. The external port does not take the run
+    token: every call there (gRPC health, ServerInfo and reflection aside) needs
+    a client token of the queue's tokens file, else UNAUTHENTICATED.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     request_id, producer_id, consumer_id, ticket_id and lease_id at most 256
     characters; policy versions, consumer_version and max_staleness at most
@@ -133,6 +141,14 @@ class QueueServiceServicer:
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
 
+    Control methods: on the internal port, every method but Stats. With a run
+    token configured (`auth.token_file`; the services `tauflow run` starts always
+    have one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing. The external port does not take the run
+    token: every call there (gRPC health, ServerInfo and reflection aside) needs
+    a client token of the queue's tokens file, else UNAUTHENTICATED.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     request_id, producer_id, consumer_id, ticket_id and lease_id at most 256
     characters; policy versions, consumer_version and max_staleness at most
@@ -167,6 +183,8 @@ class QueueServiceServicer:
         client already holds external.max_reserved_groups reserved groups not yet
         put (put or release first), or already has external.max_waiting_reserves
         Reserves waiting and there is no room now.
+        UNAUTHENTICATED without the run token or, on the external port, a client
+        token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +195,8 @@ class QueueServiceServicer:
         its room can be granted to others.
         Retry class: idempotent.
         Status: NOT_FOUND when the ticket is unknown.
+        UNAUTHENTICATED without the run token or, on the external port, a client
+        token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -193,6 +213,7 @@ class QueueServiceServicer:
         Internal port only (revision 2).
         Retry class: idempotent.
         Status: INVALID_ARGUMENT when producer_id is empty or too long.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -210,6 +231,8 @@ class QueueServiceServicer:
         bytes), its disk is full (the write was rolled back: worth retrying) or the
         group exceeds the per-group byte limit; UNAVAILABLE while draining or when
         the write-ahead log cannot be written.
+        UNAUTHENTICATED without the run token or, on the external port, a client
+        token (see above).
         A RESOURCE_EXHAUSTED status carries a google.rpc.ErrorInfo detail whose
         reason is an ErrorReason name: ERROR_REASON_QUEUE_FULL is worth retrying,
         ERROR_REASON_GROUP_TOO_LARGE never succeeds.
@@ -234,6 +257,7 @@ class QueueServiceServicer:
         Status: of each group, in its answer. A queue that drains (to stop)
         answers the groups it has read and ends the stream OK; a group sent after
         that had no answer, and the producer sends it again on a new stream.
+        UNAUTHENTICATED without the run token (see above).
         Unary Put stays for simple clients.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -255,6 +279,7 @@ class QueueServiceServicer:
         RESOURCE_EXHAUSTED when the request is over gRPC's message limit (send
         fewer groups a call); UNAVAILABLE while draining. Otherwise OK, with the
         status of each group in its result.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -274,6 +299,7 @@ class QueueServiceServicer:
         arrived in time. A stored group that does not decode or
         validate (written by an older build) is never delivered: it is evicted with
         reason "invalid" and kept aside in the queue's quarantine folder.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -294,6 +320,7 @@ class QueueServiceServicer:
         (INVALID_ARGUMENT naming the field) and changes nothing. A queue that
         drains answers a waiting request at once (no groups) and ends the stream
         OK.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -305,6 +332,7 @@ class QueueServiceServicer:
         Retry class: idempotent (acking an acked lease is OK).
         Status: NOT_FOUND when the lease is unknown; FAILED_PRECONDITION when the
         lease expired or was nacked (its groups were redelivered).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,6 +343,7 @@ class QueueServiceServicer:
         Retry class: idempotent.
         Status: NOT_FOUND when the lease is unknown; FAILED_PRECONDITION when the
         lease was already acked.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -326,6 +355,7 @@ class QueueServiceServicer:
         Retry class: idempotent.
         Status: NOT_FOUND when the lease is unknown; FAILED_PRECONDITION when the
         lease is no longer held (expired, nacked or acked).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -340,6 +370,7 @@ class QueueServiceServicer:
         expire. An ack of such a lease is FAILED_PRECONDITION.
         Retry class: idempotent.
         Status: OK; the response carries the version in force.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -352,6 +383,7 @@ class QueueServiceServicer:
         controller sets the dial again when it reconnects.
         Retry class: idempotent.
         Status: INVALID_ARGUMENT when max_staleness < -1.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,7 +392,7 @@ class QueueServiceServicer:
     def Stats(self, request, context):
         """Reports the queue's state and counters.
         Retry class: no side effects.
-        Status: OK.
+        Status: OK; on the external port UNAUTHENTICATED without a client token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -456,6 +488,14 @@ class QueueService:
     The staleness bound tau (max_staleness) is the queue's one dial: the trainer
     never receives a group whose staleness (consumer version minus the oldest
     behaviour version in the group) exceeds tau. tau = -1 means unbounded.
+
+    Control methods: on the internal port, every method but Stats. With a run
+    token configured (`auth.token_file`; the services `tauflow run` starts always
+    have one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing. The external port does not take the run
+    token: every call there (gRPC health, ServerInfo and reflection aside) needs
+    a client token of the queue's tokens file, else UNAUTHENTICATED.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     request_id, producer_id, consumer_id, ticket_id and lease_id at most 256

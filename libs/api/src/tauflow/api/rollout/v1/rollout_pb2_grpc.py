@@ -53,6 +53,13 @@ class RolloutServiceStub:
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
 
+    Control methods: InitWeightsUpdateGroup, UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor and DestroyWeightsUpdateGroup (the weight sidecar's).
+    With a run token configured (`auth.token_file`; the services `tauflow run`
+    starts always have one), a call of one of them without `authorization: Bearer
+    <run token>` metadata, or with another token, is refused UNAUTHENTICATED
+    before its request is decoded, and changes nothing.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
     4096 characters and every repeated or map field at most 100000 elements
@@ -130,6 +137,13 @@ class RolloutServiceServicer:
     The rollout server hosts the engines as one member of the weight group; a
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
+
+    Control methods: InitWeightsUpdateGroup, UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor and DestroyWeightsUpdateGroup (the weight sidecar's).
+    With a run token configured (`auth.token_file`; the services `tauflow run`
+    starts always have one), a call of one of them without `authorization: Bearer
+    <run token>` metadata, or with another token, is refused UNAUTHENTICATED
+    before its request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
@@ -219,6 +233,7 @@ class RolloutServiceServicer:
         server (one build at a time; a call with the same arguments as the build
         under way gets that build's outcome instead): call again once it ends, at
         most its `timeout` later; UNAVAILABLE when the engines are not started.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +266,7 @@ class RolloutServiceServicer:
         loaded); ABORTED when the
         group failed during the transfer (a peer died); UNAVAILABLE when the
         engines are not started.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,6 +297,7 @@ class RolloutServiceServicer:
         when the copy does not match `manifest_checksum` (the buffer was
         overwritten by a newer version before it was read); UNAVAILABLE when the
         engines are not started.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,6 +313,7 @@ class RolloutServiceServicer:
         exist, or no longer exists, succeeds). Status: INVALID_ARGUMENT when
         `group_name` is empty; DEADLINE_EXCEEDED when the local teardown does not
         finish within the call's deadline.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -374,6 +392,13 @@ class RolloutService:
     The rollout server hosts the engines as one member of the weight group; a
     server becomes a member by calling WeightsService.Join itself, and confirms
     a loaded version with WeightsService.ConfirmVersion.
+
+    Control methods: InitWeightsUpdateGroup, UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor and DestroyWeightsUpdateGroup (the weight sidecar's).
+    With a run token configured (`auth.token_file`; the services `tauflow run`
+    starts always have one), a call of one of them without `authorization: Bearer
+    <run token>` metadata, or with another token, is refused UNAUTHENTICATED
+    before its request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most

@@ -30,10 +30,17 @@ class TrainerServiceStub:
 
     The trainer's work loop does not go through this service: it leases batches
     from the queue, runs one optimizer step per batch (step k consumes batch k
-    and turns policy version k into k+1), acknowledges the batch, and publishes
-    the new version to the weight sidecar. This service lets the controller and
-    operators read its state, checkpoint it, pause it, and set the staleness
-    bound it enforces.
+    and turns policy version k into k+1), tells the queue the new version,
+    publishes it to the weight sidecar, and acknowledges the batch once a
+    checkpoint holds the step. This service lets the controller and operators
+    read its state, checkpoint it, pause it, and set the staleness bound it
+    enforces.
+
+    Control methods: SaveCheckpoint, Pause, Resume and SetMaxStaleness. With a
+    run token configured (`auth.token_file`; the services `tauflow run` starts
+    always have one), a call of one of them without `authorization: Bearer <run
+    token>` metadata, or with another token, is refused UNAUTHENTICATED before
+    its request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
@@ -85,10 +92,17 @@ class TrainerServiceServicer:
 
     The trainer's work loop does not go through this service: it leases batches
     from the queue, runs one optimizer step per batch (step k consumes batch k
-    and turns policy version k into k+1), acknowledges the batch, and publishes
-    the new version to the weight sidecar. This service lets the controller and
-    operators read its state, checkpoint it, pause it, and set the staleness
-    bound it enforces.
+    and turns policy version k into k+1), tells the queue the new version,
+    publishes it to the weight sidecar, and acknowledges the batch once a
+    checkpoint holds the step. This service lets the controller and operators
+    read its state, checkpoint it, pause it, and set the staleness bound it
+    enforces.
+
+    Control methods: SaveCheckpoint, Pause, Resume and SetMaxStaleness. With a
+    run token configured (`auth.token_file`; the services `tauflow run` starts
+    always have one), a call of one of them without `authorization: Bearer <run
+    token>` metadata, or with another token, is refused UNAUTHENTICATED before
+    its request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
@@ -144,6 +158,7 @@ class TrainerServiceServicer:
         passes first (the write goes on, and holds training until it is done; a
         retry at the same version returns it); INTERNAL when writing fails for
         another reason.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +175,7 @@ class TrainerServiceServicer:
         FAILED_PRECONDITION when the trainer has failed or is stopping;
         DEADLINE_EXCEEDED when the step in progress does not commit within the
         call's deadline (the pause still takes effect after it).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +186,7 @@ class TrainerServiceServicer:
 
         Retry class: idempotent (resuming a running trainer does nothing).
         Status: FAILED_PRECONDITION when the trainer has failed or is stopping.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +200,7 @@ class TrainerServiceServicer:
 
         Retry class: idempotent (by value: setting the bound it already has does
         nothing). Status: INVALID_ARGUMENT when `max_staleness` is below -1.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,10 +252,17 @@ class TrainerService:
 
     The trainer's work loop does not go through this service: it leases batches
     from the queue, runs one optimizer step per batch (step k consumes batch k
-    and turns policy version k into k+1), acknowledges the batch, and publishes
-    the new version to the weight sidecar. This service lets the controller and
-    operators read its state, checkpoint it, pause it, and set the staleness
-    bound it enforces.
+    and turns policy version k into k+1), tells the queue the new version,
+    publishes it to the weight sidecar, and acknowledges the batch once a
+    checkpoint holds the step. This service lets the controller and operators
+    read its state, checkpoint it, pause it, and set the staleness bound it
+    enforces.
+
+    Control methods: SaveCheckpoint, Pause, Resume and SetMaxStaleness. With a
+    run token configured (`auth.token_file`; the services `tauflow run` starts
+    always have one), a call of one of them without `authorization: Bearer <run
+    token>` metadata, or with another token, is refused UNAUTHENTICATED before
+    its request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most

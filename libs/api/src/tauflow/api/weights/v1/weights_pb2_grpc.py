@@ -52,6 +52,12 @@ class WeightsServiceStub:
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
 
+    Control methods: Publish, Join, Leave and ConfirmVersion. With a run token
+    configured (`auth.token_file`; the services `tauflow run` starts always have
+    one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
     4096 characters and every repeated or map field at most 100000 elements
@@ -124,6 +130,12 @@ class WeightsServiceServicer:
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
 
+    Control methods: Publish, Join, Leave and ConfirmVersion. With a run token
+    configured (`auth.token_file`; the services `tauflow run` starts always have
+    one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing.
+
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
     4096 characters and every repeated or map field at most 100000 elements
@@ -151,6 +163,7 @@ class WeightsServiceServicer:
         RESOURCE_EXHAUSTED when the sidecar has no room to hold the version;
         DEADLINE_EXCEEDED when the copy does not finish within the hand-off
         deadline.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +197,7 @@ class WeightsServiceServicer:
         FAILED_PRECONDITION when none of `backends` is the collective backend the
         sidecar uses; RESOURCE_EXHAUSTED when the membership is at its configured
         maximum.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +210,7 @@ class WeightsServiceServicer:
 
         Retry class: idempotent (by `member_id`: leaving when not a member
         succeeds). Status: INVALID_ARGUMENT when `member_id` is empty.
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +229,7 @@ class WeightsServiceServicer:
         version), or was never broadcast to it; DATA_LOSS when `manifest_checksum` or `loaded_checksum`
         differs from the manifest's checksum (the sidecar drops the member and
         resends the version after it rejoins).
+        UNAUTHENTICATED without the run token (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -296,6 +312,12 @@ class WeightsService:
     on, in a rebuilt group, from the same version. When a newer version is
     published while one is still broadcast, the sidecar finishes the current one
     and then broadcasts only the newest pending version.
+
+    Control methods: Publish, Join, Leave and ConfirmVersion. With a run token
+    configured (`auth.token_file`; the services `tauflow run` starts always have
+    one), a call of one of them without `authorization: Bearer <run token>`
+    metadata, or with another token, is refused UNAUTHENTICATED before its
+    request is decoded, and changes nothing.
 
     Bounds, checked before anything changes (INVALID_ARGUMENT naming the field):
     a request that does not decode in full is refused; every string is at most
