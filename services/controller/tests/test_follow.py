@@ -5,6 +5,7 @@ ends, every channel it opened is closed."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -298,3 +299,66 @@ def test_a_restart_under_way_is_not_a_stall(tmp_path) -> None:
 
     still_following, message = asyncio.run(scenario())
     assert still_following and "no training step for 1s" in message
+
+
+class BusyQueue(EmptyQueue):
+    """A queue (fake) whose call slots are full for its first Stats calls: RESOURCE_EXHAUSTED, as grpcio
+    answers beyond max_concurrent_rpcs."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy = busy
+
+    async def Stats(self, request, context):
+        if self.busy > 0:
+            self.busy -= 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!")
+        return await super().Stats(request, context)
+
+
+def test_a_queue_that_refuses_a_poll_for_want_of_call_slots_does_not_end_the_run(tmp_path, channels) -> None:
+    """One RESOURCE_EXHAUSTED from the queue's Stats (a flood had taken its call slots) ended `tauflow run`
+    with a traceback, drained every service and left the summary "running"."""
+    queue = BusyQueue(busy=3)
+
+    class FinishingTrainer(SteppingTrainer):
+        async def GetStatus(self, request, context):
+            return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_FINISHED, policy_version=self.version)
+
+    async def scenario():
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(FinishingTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(queue, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=3, stall_timeout_s=30.0, out_dir=str(tmp_path))
+        try:
+            return await asyncio.wait_for(
+                follower(config).follow(
+                    {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
+                ),
+                timeout=30,
+            )
+        finally:
+            await server.stop(0)
+
+    summary = asyncio.run(scenario())
+    assert queue.busy == 0 and [s.policy_version for s in summary.steps][-1] >= 3
+
+
+def test_a_run_ended_by_a_peers_error_says_so_in_its_summary(tmp_path) -> None:
+    """A PeerError (or any exception) out of the follow left summary.json "running", with no message."""
+    from tauflow.controller.ports import PeerError
+
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)), serve_metrics=False)
+
+    async def follow(addresses):
+        raise PeerError("queue", "PERMISSION_DENIED", "not this token")
+
+    run.launch = dict  # type: ignore[method-assign]
+    run.follow = follow  # type: ignore[method-assign]
+    with pytest.raises(PeerError):
+        asyncio.run(run.execute())
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["status"] == "failed"
+    assert written["message"] == "the controller stopped the run: PeerError: queue: PERMISSION_DENIED: not this token"

@@ -26,6 +26,7 @@ from tauflow.controller.adapters.controller_client import ControlError, Controll
 from tauflow.controller.app import build_run, execute_with_control
 from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LaunchFailed
+from tauflow.controller.ports import PeerError
 from tauflow.controller.progress import progress_view
 from tauflow.controller.run import RunStalled
 from tauflow.core.app import one_line
@@ -76,7 +77,7 @@ def run_command(args: argparse.Namespace) -> int:
         with progress_view(console, config, run.progress) as view:
             run.on_progress = view.update
             summary = asyncio.run(execute_with_control(run))
-    except (LaunchFailed, RunStalled) as e:  # said after the view's last state
+    except (LaunchFailed, RunStalled, PeerError) as e:  # said after the view's last state
         console.print(f"[red]tauflow run: {e}")
         return 1
     except KeyboardInterrupt:

@@ -24,7 +24,8 @@ class PeerError(RuntimeError):
 
 
 class PeerUnavailable(PeerError):
-    """The service did not answer in time, or was stopping (tauflow.core.status.TRANSIENT): ask again later."""
+    """The service did not answer in time, was stopping (tauflow.core.status.TRANSIENT) or had no call slot free
+    (RESOURCE_EXHAUSTED): ask again later."""
 
 
 @dataclass(frozen=True)

@@ -774,6 +774,10 @@ class Run:
             why = f": {self.stop_reason}" if self.stop_reason else ""
             self.summary.status, self.summary.message = "interrupted", f"stopped by the user{why}"
             raise
+        except Exception as e:  # a peer's answer the run cannot go on from, or a bug: the summary says which
+            self.summary.status = "failed"
+            self.summary.message = redact_text(f"the controller stopped the run: {type(e).__name__}: {e}")
+            raise
         finally:
             self.summary.wall_s = time.monotonic() - self._t0
             # in a thread: the processes' grace period must not hold the loop (ControllerService answers meanwhile)

@@ -10,6 +10,11 @@ import grpc
 from tauflow.controller.ports import PeerError, PeerUnavailable
 from tauflow.core.status import TRANSIENT  # a service that is not there for now: worth asking again
 
+# What the controller asks again later: a peer not there for now, or one whose call slots are full (gRPC's
+# max_concurrent_rpcs answers RESOURCE_EXHAUSTED; the controller's requests are small, so it is never their
+# size). One RESOURCE_EXHAUSTED to the run's poll of the queue ended the run.
+ASK_AGAIN = (*TRANSIENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
 # The deadline of the run's polls (the trainer's steps and state, the queue's counters) and of the check of a
 # restarted process: a hung peer (SIGSTOP, a stuck disk) must not hold the run's loop, which also restarts
 # what died, for the channel's default 30 s at every pass.
@@ -22,5 +27,5 @@ def peer_errors(role: str) -> Iterator[None]:
     try:
         yield
     except grpc.aio.AioRpcError as e:
-        error = PeerUnavailable if e.code() in TRANSIENT else PeerError
+        error = PeerUnavailable if e.code() in ASK_AGAIN else PeerError
         raise error(role, e.code().name, e.details() or "") from e
