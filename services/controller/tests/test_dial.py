@@ -208,13 +208,18 @@ def test_a_change_whose_caller_is_cancelled_between_the_roles_still_reaches_both
     assert run.summary.max_staleness_changes_total == 1
 
 
-def test_a_change_that_fails_half_way_puts_the_first_role_back(tmp_path: Path) -> None:
+def test_a_change_that_fails_half_way_puts_the_first_role_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run, trainer, queue = _roles_run(tmp_path, 3)
     queue.failures = 1  # lowering: the queue first, then the trainer; raising: the trainer, then the queue
     with pytest.raises(PeerUnavailable):
         asyncio.run(run.set_max_staleness(5))
     assert (run.tau, trainer.tau, queue.tau) == (3, 3, 3)
     assert run.summary.max_staleness_changes_total == 0 and not run._tau_diverged
+    # (the caller may have left: the log tells the outcome)
+    [failed] = [r for r in caplog.records if r.getMessage().startswith("a change of max_staleness failed")]
+    assert (failed.tau, failed.kept) == (5, 3)
 
 
 def test_a_role_that_cannot_be_put_back_gets_the_tau_in_force_again(tmp_path: Path) -> None:

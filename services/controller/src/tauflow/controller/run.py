@@ -646,8 +646,14 @@ class Run:
                     changed.append(peer)
                     await peer.set_max_staleness(tau)
                 after = (await peers.trainer.status()).policy_version
-            except BaseException:
+            except BaseException as e:
                 self.summary.tau_change_failed()
+                # (its caller may be gone, a deadline passed: the log is where the outcome is told)
+                why = e.code if isinstance(e, PeerError) else type(e).__name__
+                log.warning(
+                    "a change of max_staleness failed; the τ in force stays",
+                    extra={"tau": tau, "kept": previous, "why": why},
+                )
                 await self._put_back(changed, previous)
                 raise
             change = TauChange(previous, tau, before, after, time.monotonic() - self._t0)
