@@ -74,6 +74,9 @@ class FakePublisher:
         self.versions.append((version, rebase))
         self.dtypes.update(t.dtype for t in tensors.values())
 
+    async def latest_version(self) -> int | None:
+        return self.versions[-1][0] if self.versions else None
+
 
 def _loop(model_dir: Path, ckpt: Path, queue, publisher, total: int, **overrides) -> TrainerLoop:
     backend_config = TorchBackendConfig(model_path=str(model_dir), optim=OptimConfig(lr=1e-3))
@@ -222,6 +225,29 @@ def test_a_batch_is_judged_by_the_tau_it_was_delivered_under(tiny_model_dir, mak
     later = make_groups(6, 2, prefix="later", version=0)  # staleness 3 now, delivered under τ = 0: dropped
     dropped = loop.backend.train_step(later, max_staleness=loop.delivered_tau([Batch("l3", later, max_staleness=0)]))
     assert not dropped.committed and dropped.skipped_stale_group_ids == [g.group_id for g in later]
+
+
+def test_a_version_the_sidecar_lost_is_published_again_while_the_trainer_waits_for_data(
+    tiny_model_dir: Path, make_groups: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar killed after it took version v and before the engines loaded it restarts with no version: the
+    engines waited for v, the queue for their groups, and the run stalled."""
+    monkeypatch.setattr("tauflow.trainer.loop.SIDECAR_CHECK_S", 0.05)
+    queue, publisher = FakeQueue(make_groups(1, 2)), FakePublisher()
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=2, groups_per_step=2)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: loop.version == 1 and publisher.versions[-1] == (1, False), task)
+        await asyncio.sleep(0.3)
+        assert publisher.versions == [(0, True), (1, False)]  # asked, and it held version 1: nothing again
+        publisher.versions.clear()  # the sidecar restarts, holding none
+        await _until(lambda: publisher.versions == [(1, False)], task)
+        queue.pending += make_groups(2, 2, prefix="h")  # (the engines load it and generate again)
+        await task
+
+    asyncio.run(scenario())
+    assert loop.version == 2 and publisher.versions == [(1, False), (2, False)]
 
 
 def test_versions_are_published_in_publish_dtype(

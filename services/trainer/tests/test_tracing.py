@@ -65,6 +65,9 @@ class ContextPublisher:
     async def publish(self, version, tensors, rebase=False):
         self.contexts[version] = traceparent_of()[0]
 
+    async def latest_version(self) -> int | None:
+        return max(self.contexts, default=None)
+
 
 def test_a_step_span_links_its_groups_with_their_staleness_and_holds_its_phases(
     tiny_model_dir, make_groups, tmp_path

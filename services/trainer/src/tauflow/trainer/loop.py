@@ -43,6 +43,7 @@ from tauflow.trainer.ports import Batch, PublisherPort, QueuePort
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("tauflow.trainer")
 CHECKPOINT_RETRY_S = 5.0  # the last checkpoint, refused by the disk: tried again this often
+SIDECAR_CHECK_S = 10.0  # while waiting for data: how often the sidecar is asked whether it lost the version
 NOT_WRITTEN = "checkpoint not written"
 REFUSED_FOR_AT_MOST_S = (
     600.0  # a checkpoint folder that was usable and is refused (read-only, denied): waited this long
@@ -135,6 +136,7 @@ class TrainerLoop:
         self._running = asyncio.Event()
         self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
+        self._sidecar_asked = time.monotonic()  # (see _republish_if_lost)
         self._writes: dict[Path, asyncio.Task[CheckpointInfo]] = {}  # the checkpoint writes under way, by folder
         self._refused_since: float | None = None  # when checkpoints began to be refused (read-only, denied)
         self._exported: dict[int, Path] = {}  # the export of each version (one per version), by version
@@ -169,6 +171,7 @@ class TrainerLoop:
                         await self.queue.nack(part.lease_id)  # (its groups back at the head of the queue)
                     continue
                 if not parts:
+                    await self._republish_if_lost()
                     continue
                 self._open_step_span(parts)
                 result, timing = await self._train(parts, waited_from)
@@ -332,6 +335,30 @@ class TrainerLoop:
             tensors = await asyncio.to_thread(self.backend.state_dict_for_publish, dtype)
             await self.publisher.publish(self.version, tensors, rebase=rebase)
         self.published_version = self.version
+
+    async def _republish_if_lost(self) -> None:
+        """A sidecar that restarted after it took a version and before the engines loaded it holds none: the
+        engines waited for that version, the queue for their groups, and the run stalled. While it waits for
+        data, the trainer asks the sidecar every ``SIDECAR_CHECK_S`` and publishes its version again."""
+        now = time.monotonic()
+        if (
+            self.publisher is None
+            or self.published_version != self.version
+            or now - self._sidecar_asked < SIDECAR_CHECK_S
+        ):
+            return
+        self._sidecar_asked = now
+        try:
+            latest = await self.publisher.latest_version()
+        except ConnectionError:
+            return  # restarting: asked again next time
+        if latest is not None and latest >= self.version:
+            return
+        log.warning("the weight sidecar lost the trainer's version; publishing it again",
+                    extra={"version": self.version, "sidecar_version": latest})  # fmt: skip
+        async with self._lock:
+            self.published_version = -1
+            await self._publish()
 
     async def _renew(self, leases: list[HeldLease]) -> None:
         """Renews each lease held for more than half of its length."""

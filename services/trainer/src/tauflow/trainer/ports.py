@@ -45,3 +45,7 @@ class TeacherPort(Protocol):
 class PublisherPort(Protocol):
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor], rebase: bool = False) -> None:
         """Hands ``version`` over; returns once ``tensors`` may change again."""
+
+    async def latest_version(self) -> int | None:
+        """The newest version the sidecar holds, None when it holds none (it restarted before any Publish);
+        raises ConnectionError when it cannot be asked now."""

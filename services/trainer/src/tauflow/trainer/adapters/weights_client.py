@@ -22,6 +22,8 @@ from tauflow.weightsync import Manifest, Stager
 from tauflow.weightsync.ipc import DeviceStager
 from tauflow.weightsync.wire import manifest_to_proto
 
+SIDECAR_STATUS_TIMEOUT_S = 5.0  # (asked while the trainer waits for data: a hung sidecar must not hold that)
+
 
 class SidecarPublisher:
     def __init__(self, address: str, channel: ChannelConfig, model: str = "", device: str = "cpu") -> None:
@@ -62,6 +64,13 @@ class SidecarPublisher:
         except grpc.aio.AioRpcError:
             self.sidecar_backend = None  # (a sidecar restarted with another backend refuses the other URI)
             raise
+
+    async def latest_version(self) -> int | None:
+        try:
+            status = await self.stub.GetStatus(weights_pb2.GetStatusRequest(), timeout=SIDECAR_STATUS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise ConnectionError(f"the weight sidecar: {e.code().name}") from e
+        return status.latest_policy_version if status.HasField("latest_policy_version") else None
 
     async def close(self) -> None:
         if self.stager is not None:
