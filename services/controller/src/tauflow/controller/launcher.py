@@ -699,7 +699,7 @@ class LocalLauncher(ProcessLauncher):
         would lose what the run had. Waits until it is gone; one that stays fails the start, naming it."""
         try:
             pid = int(json.loads(svc.ready_file.read_text())["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):  # (a damaged file: {"pid": 1e400})
             return
         if not is_service_process(pid, svc.spec.module):
             return

@@ -36,8 +36,8 @@ def control_address(run: str) -> str:
         info = json.loads((path / READY_FILE).read_text())
     except (OSError, ValueError) as e:
         raise ControlError(f"{path} holds no running tauflow run ({READY_FILE}: {e})") from None
-    address = info.get("control_address", "")
-    if not address:
+    address = info.get("control_address", "") if isinstance(info, dict) else ""  # (a damaged file: [], null)
+    if not address or not isinstance(address, str):
         raise ControlError(f"the run in {path} serves no ControllerService (started by an older tauflow)")
     return str(address)
 
@@ -48,7 +48,7 @@ def live_runs(root: Path = Path("runs")) -> list[Path]:
     for ready in sorted(root.glob(f"*/{READY_FILE}")):
         try:
             pid = int(json.loads(ready.read_text())["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             continue
         if Path(f"/proc/{pid}").exists():
             found.append(ready.parent)
