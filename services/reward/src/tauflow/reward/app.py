@@ -32,9 +32,14 @@ async def build(config: RewardConfig) -> ServiceApp:
     metrics = RewardMetrics()
     metrics.pool_workers.set(config.pool.workers)
     servicer = RewardServicer(registry, scorer, config, metrics)
+
+    def close() -> None:
+        scorer.close()  # (its workers joined: their pids run no more)
+        code_exec.sweep_abandoned()
+
     return ServiceApp(
         bindings=[ServiceBinding(SERVICE, servicer, add_reward_servicer_to_server)],
-        close=scorer.close,
+        close=close,
         info={
             "reward_functions": [fn.name for fn in registry.functions()],
             "default_reward_fn": registry.default_name,

@@ -1226,6 +1226,13 @@ def _abandoned(path: str, pid: int) -> bool:
     return False  # its lock is free yet the pid runs: not locked yet, or the pid is reused (swept later)
 
 
+def sweep_abandoned() -> None:
+    """Removes the case directories of dead processes now (the service's last act: its workers end by SIGTERM,
+    which skips their ``atexit``, and the last run's directories waited for a later service's first case)."""
+    own = _own[1] if _own is not None and _own[0] == os.getpid() else ""
+    _sweep(tempfile.gettempdir(), own)
+
+
 @atexit.register
 def _remove_own() -> None:
     if _own is not None and _own[0] == os.getpid():
