@@ -51,20 +51,19 @@ class RunTokenAuth(grpc.aio.ServerInterceptor):
 
 
 def refusal(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers ``code`` without reading the request."""
+    """A handler that answers ``code`` without reading the request: always request-streaming (response-streaming
+    too where ``handler`` is), whatever the method's kind. A unary handler would have grpc-aio receive the whole
+    message first (up to ``max_message_bytes``), and a caller who never sent its last byte held that memory for
+    ever; a streaming one is called as soon as the headers arrive, and its abort ends the call."""
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
         # (a response-streaming handler must be an async generator, or grpc.aio answers UNKNOWN)
         await context.abort(code, message)
         yield  # pragma: no cover - abort raises
 
-    if handler is not None and handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    return grpc.stream_unary_rpc_method_handler(refuse)

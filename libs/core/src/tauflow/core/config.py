@@ -66,6 +66,39 @@ class ServerConfig(StrictModel):
         ge=0,
         description="health Watch streams open at once; one more is refused RESOURCE_EXHAUSTED (probes use Check)",
     )
+    max_reflection_streams: int = Field(
+        16,
+        ge=0,
+        le=10_000,
+        description="server reflection streams open at once (grpcurl, buf curl); one more is refused "
+        "RESOURCE_EXHAUSTED",
+    )
+    reflection_idle_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="a reflection stream that sends no request for this long is ended (DEADLINE_EXCEEDED)",
+    )
+    max_connections: int = Field(
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="client connections open at once on this port; one more is closed at once (its calls: "
+        "UNAVAILABLE). Keep it under the process's open-files limit (raised to its hard limit at start)",
+    )
+    max_connection_idle_s: float = Field(
+        300.0,
+        ge=1,
+        le=86_400,
+        description="a connection with no call in progress for this long is closed (GOAWAY; a client "
+        "reconnects at its next call)",
+    )
+    handshake_timeout_s: float = Field(
+        10.0,
+        ge=0.1,
+        le=300,
+        description="a new connection that has not completed its handshake (TLS, HTTP/2 preface) by then is closed",
+    )
 
 
 class MetricsConfig(StrictModel):

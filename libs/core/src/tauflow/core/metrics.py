@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -62,7 +63,31 @@ class MetricsServer:
 
 
 IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
+REQUEST_TIMEOUT_S = 10.0  # a connection is closed this long after it was accepted, whatever it sends
 MAX_CONNECTIONS = 64  # connections served at once; one more is closed at once
+
+
+class _DeadlineSocket(socket.socket):
+    """An accepted connection whose every read and write waits at most ``idle_s`` and ends by ``deadline``
+    (time.monotonic) in any case: the idle timeout alone is per read, so a client that sent a byte every few
+    seconds kept its connection for ever, and 64 of them held every slot (scrapes refused)."""
+
+    deadline = float("inf")
+    idle_s = IDLE_TIMEOUT_S
+
+    def _arm(self) -> None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the connection's time is up")
+        self.settimeout(min(self.idle_s, remaining))
+
+    def recv_into(self, *args: Any, **kwargs: Any) -> int:  # (what the handler's rfile reads with)
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def sendall(self, *args: Any, **kwargs: Any) -> None:  # (what its wfile writes with)
+        self._arm()
+        super().sendall(*args, **kwargs)
 
 
 class _MetricsHandler(WSGIRequestHandler):
@@ -78,10 +103,19 @@ class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    idle_timeout_s = IDLE_TIMEOUT_S
+    request_timeout_s = REQUEST_TIMEOUT_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
         super().__init__(*args, **kwargs)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        connection, address = self.socket.accept()
+        timed = _DeadlineSocket(connection.family, connection.type, connection.proto, fileno=connection.detach())
+        timed.idle_s = self.idle_timeout_s
+        timed.deadline = time.monotonic() + self.request_timeout_s  # (a request and its answer: one scrape)
+        return timed, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -112,16 +146,23 @@ def serve_metrics(
     registry: CollectorRegistry = REGISTRY,
     *,
     idle_timeout_s: float = IDLE_TIMEOUT_S,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
     max_connections: int = MAX_CONNECTIONS,
 ) -> MetricsServer:
     """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free port (read it from the handle).
     A port that cannot be bound raises OSError naming the address (and no traceback is needed to see why).
-    At most ``max_connections`` at once, each closed after ``idle_timeout_s`` without a byte."""
+    At most ``max_connections`` at once, each closed after ``idle_timeout_s`` without a byte, and
+    ``request_timeout_s`` after it was accepted in any case (a slowly dripping client holds a slot no longer)."""
     handler = type("MetricsHandler", (_MetricsHandler,), {"timeout": idle_timeout_s})
     server_class = type(
         "MetricsHTTPServer",
         (_MetricsHTTPServer,),
-        {"max_connections": max_connections, "address_family": _family(host)},
+        {
+            "max_connections": max_connections,
+            "address_family": _family(host),
+            "idle_timeout_s": idle_timeout_s,
+            "request_timeout_s": request_timeout_s,
+        },
     )
     try:
         server = server_class((host, port), handler)

@@ -40,6 +40,7 @@ import inspect
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -94,6 +95,31 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+def connection_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """What a server's connections may hold (gRPC's defaults bound none of it: a client that opened thousands of
+    idle connections took every descriptor of the process, and its other port stopped accepting):"""
+    return [
+        # Client connections open at once on this port; one more is closed at once (its calls: UNAVAILABLE).
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
+        # A connection with no call in progress for this long gets GOAWAY (a channel reconnects at its next call;
+        # keepalive pings do not count as calls).
+        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
+        # A connection that has not completed its handshake (TLS, HTTP/2 preface) by then is closed (gRPC: 120 s).
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+    ]
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raises this process's soft limit of open files (RLIMIT_NOFILE) to its hard limit, as far as the
+    platform allows; returns (before, after). A server started with the common soft limit of 1024 ran out of
+    descriptors at about 1000 connections; every server bounds its own (``server.max_connections``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # (a sandbox may refuse: the limit stays as it was)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 @dataclass(frozen=True)
@@ -355,6 +381,51 @@ _HANDLER_KINDS = {
 REFLECTION = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]
 
 
+class BoundedReflection(reflection.aio.ReflectionServicer):
+    """grpcio-reflection's servicer, bounded: at most ``max_streams`` streams at once (one more is refused
+    RESOURCE_EXHAUSTED, naming ``server.max_reflection_streams``), and a stream that sends no request for
+    ``idle_s`` is ended DEADLINE_EXCEEDED (``server.reflection_idle_s``). Its streams were unbounded and never
+    ended: a client that opened thousands and sent nothing held every call slot of the server
+    (``max_concurrent_rpcs``), and the run's own calls were refused RESOURCE_EXHAUSTED. A tool (grpcurl, buf
+    curl) sends its requests one after another and closes the stream."""
+
+    def __init__(self, service_names: Sequence[str], *, max_streams: int, idle_s: float) -> None:
+        super().__init__(tuple(service_names))
+        self.max_streams = max_streams
+        self.idle_s = idle_s
+        self.streams = 0  # reflection streams open now
+
+    async def ServerReflectionInfo(self, request_iterator: Any, context: Any) -> Any:
+        if self.streams >= self.max_streams:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.streams} reflection streams are open, this server's limit (server.max_reflection_streams); "
+                "retry once one has ended",
+            )
+        self.streams += 1
+        try:
+            answers = super().ServerReflectionInfo(self._until_idle(request_iterator, context), context)
+            async for answer in answers:
+                yield answer
+        finally:
+            self.streams -= 1
+
+    async def _until_idle(self, requests: Any, context: Any) -> Any:
+        it = requests.__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    request = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no reflection request for {self.idle_s:g} s (server.reflection_idle_s): the stream is ended",
+                )
+            yield request
+
+
 def _add_reflection(servicer: Any, server: grpc.aio.Server) -> None:
     """The v1alpha servicer under its name and under the v1 name (wire-identical messages). Its requests are
     decoded and bounded as every service's (``tauflow.core.decoding``): bytes that do not decode end the stream
@@ -435,6 +506,7 @@ class GrpcServer:
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
             options=[
                 *message_size_options(config.max_message_bytes),
+                *connection_options(config),
                 # Streams one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a
                 # client's further calls wait for one to end (gRPC's default is unbounded).
                 ("grpc.max_concurrent_streams", config.max_concurrent_streams),
@@ -456,8 +528,14 @@ class GrpcServer:
             b.add_to_server(b.servicer, server)
         servicer_adder(health.SERVICE, health.LIMITS)(self.health, server)
         names = [b.descriptor.full_name for b in self.bindings]
-        reflector = reflection.aio.ReflectionServicer((*names, health.SERVICE.full_name, reflection.SERVICE_NAME))
-        _add_reflection(reflector, server)
+        # Bounded as health Watch is: its streams at once (server.max_reflection_streams), and each ended once
+        # idle (server.reflection_idle_s): 10,000 idle reflection streams held every call slot of a server.
+        self.reflection = BoundedReflection(
+            (*names, health.SERVICE.full_name, reflection.SERVICE_NAME),
+            max_streams=config.max_reflection_streams,
+            idle_s=config.reflection_idle_s,
+        )
+        _add_reflection(self.reflection, server)
         return server
 
     async def keep_serving(self) -> None:
@@ -532,6 +610,9 @@ async def serve(
     their own interceptors."""
     ready_info = ready_info or {}
     role, version = ready_info.get("service", ""), ready_info.get("version", "")
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.debug("open files limit raised", extra={"before": before, "after": after})
     server = GrpcServer(app.bindings, config, role=role, version=version, run_token=run_token)
     extras = {
         extra.name: GrpcServer(

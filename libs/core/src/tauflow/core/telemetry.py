@@ -27,6 +27,8 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tauflow.core.logs import LogLimit
+
 log = logging.getLogger(__name__)
 _configured = False
 # gRPC methods the instrumentation leaves alone: health checks (polled all run long), and the per-group
@@ -140,9 +142,46 @@ def _exporter_wanted() -> bool:
     return "otlp" in configured_exporters()
 
 
+DETACH_LOGGER = "opentelemetry.context"
+DETACH_LOG_EVERY_S = 60.0
+
+
+class DetachErrors(logging.Filter):
+    """OpenTelemetry logs "Failed to detach context" at ERROR with a traceback (about 1 KB) whenever a context is
+    detached in another context than it was attached in: the grpc aio server instrumentation does so for every
+    response-streaming call whose caller left mid-stream (its generator is closed from another task), so any
+    client could write one traceback per dropped stream, at will (28 KB/s from one client). Keeps one short line
+    per ``every_s``, saying how many were left out since, without the traceback."""
+
+    def __init__(self, every_s: float = DETACH_LOG_EVERY_S) -> None:
+        super().__init__()
+        self.limit = LogLimit(every_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Failed to detach context"):
+            return True
+        count = self.limit.due()
+        if not count:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = "failed to detach a trace context (%s; a caller left a stream); %d more since the last line"
+        record.args = (type(error).__name__ if error is not None else "no exception", count - 1)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def quiet_detach_errors(every_s: float = DETACH_LOG_EVERY_S) -> None:
+    """Installs :class:`DetachErrors` on OpenTelemetry's context logger (once: a second call replaces it)."""
+    logger = logging.getLogger(DETACH_LOGGER)
+    logger.filters[:] = [f for f in logger.filters if not isinstance(f, DetachErrors)]
+    logger.addFilter(DetachErrors(every_s))
+
+
 def setup_telemetry(service: str, version: str) -> None:
     """Installs the tracer provider and the gRPC instrumentation, once per process."""
     global _configured
+    quiet_detach_errors()  # (before the early return: the rate limit holds whoever set tracing up)
     if _configured:
         return
     _configured = True
