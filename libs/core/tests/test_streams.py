@@ -4,6 +4,7 @@ exactly the callers waiting on it, a silent one times out, and the next call ope
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -184,6 +185,52 @@ def test_a_stream_whose_server_is_gone_leaves_no_task_pending() -> None:
     asyncio.run(scenario())
 
 
+class _Wrapping(grpc.aio.StreamStreamClientInterceptor):
+    """An interceptor that wraps the answers (as OpenTelemetry's does): grpc.aio puts its call one level down."""
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        call = await continuation(details, request_iterator)
+
+        async def answers():
+            async for answer in call:
+                yield answer
+
+        return answers()
+
+
+@pytest.mark.parametrize("interceptor", [_PassThrough, _Wrapping])
+def test_a_stream_to_a_server_that_is_down_leaves_no_task_pending(interceptor) -> None:
+    """A call that fails before its headers go out (nothing listens) left grpc.aio's writer task waiting for
+    them for ever (its trainer's queue client, with the queue stopped, logged it as destroyed but pending)."""
+
+    async def scenario() -> None:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        channel = grpc.aio.insecure_channel(address, interceptors=[interceptor()])
+        call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)
+        stream = OrderedStream(lambda lifetime: call(timeout=lifetime))
+
+        def writers() -> list[asyncio.Task]:
+            return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
+
+        try:
+            for _ in range(2):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await stream.request(b"a", 5)
+                assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            for _ in range(50):
+                if not writers():
+                    break
+                await asyncio.sleep(0.02)
+            assert writers() == []
+        finally:
+            await stream.close()
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
 class _FakeCall:
     """A call whose first write may hang (as grpc.aio's does until the call's metadata is sent) and that
     answers each message that really went out with itself."""
@@ -229,6 +276,34 @@ def test_a_caller_cancelled_mid_write_never_shifts_the_answers_of_the_others() -
         answers = await asyncio.gather(stream.request(b"B", 5), stream.request(b"C", 5))
         assert answers == [b"B", b"C"]  # each its own answer, on a new stream
         assert len(calls) == 2 and calls[0].cancelled
+        await stream.close()
+
+    asyncio.run(scenario())
+
+
+class _FailedSendCall(_FakeCall):
+    """A call whose write failed in gRPC core as its server ended the stream (a queue draining): the call's
+    status is then INTERNAL "Internal error from Core", no answer of the server's."""
+
+    async def __anext__(self) -> bytes:
+        await asyncio.sleep(0.01)
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            "Internal error from Core",
+            'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation object>,)',
+        )
+
+
+def test_a_write_that_failed_as_the_server_ended_the_stream_is_worth_retrying() -> None:
+    """The trainer exited on it (INTERNAL is not retried) when its queue drained mid-Deliver."""
+
+    async def scenario() -> None:
+        stream = OrderedStream(lambda lifetime_s: _FailedSendCall(hang_first_write=False))
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stream.request(b"A", 5)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         await stream.close()
 
     asyncio.run(scenario())

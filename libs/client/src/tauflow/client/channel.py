@@ -5,6 +5,12 @@ tauflow-core (pydantic, OpenTelemetry, Prometheus: more than an agent should ins
 channel here, with the one retry policy both share (``tauflow.api.retry``): the retry class of each method
 is read from the contract (``idempotency_level``), and only ``IDEMPOTENT`` and ``NO_SIDE_EFFECTS`` methods
 are retried, on ``UNAVAILABLE``. Deadlines are not set here: every call of the clients passes its own.
+
+Sending and receiving have separate limits: a client whose answers are small (the queue's Stats, Reserve,
+Put, ReleaseReservation) takes no answer over ``SMALL_ANSWER_BYTES``, so a hostile or broken server cannot
+make it hold hundreds of MiB; a client whose answers grow with its request (Score, Generate) takes what
+the services may send (``DEFAULT_MAX_MESSAGE_BYTES``). An answer over the limit fails the call with
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from tauflow.api.retry import service_config_json
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # the services' default limit
+SMALL_ANSWER_BYTES = 4 * 1024 * 1024  # the receive limit of a client whose answers are under a KiB
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,15 @@ def open_channel(
     *,
     tls: Tls | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
 ) -> grpc.Channel:
-    """A blocking channel to ``address`` for calling ``services``."""
+    """A blocking channel to ``address`` for calling ``services``: it sends messages up to
+    ``max_message_bytes`` and takes answers up to ``max_receive_bytes`` (None: ``max_message_bytes``)."""
+    for name, value in (("max_message_bytes", max_message_bytes), ("max_receive_bytes", max_receive_bytes)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, not {value}")
     options: list[tuple[str, object]] = [
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes if max_receive_bytes is None else max_receive_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),  # tauflow's servers accept a ping every 10 s
         ("grpc.keepalive_timeout_ms", 10_000),

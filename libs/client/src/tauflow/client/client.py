@@ -6,8 +6,15 @@
 - ``RewardClient``: ``RewardService.Score``, for a producer that does not compute its own reward.
 
 Every call has a deadline (``timeout_s``, per client and per call); only the calls the contract marks
-idempotent are retried (on UNAVAILABLE, by the channel); every failure is a ``TauflowError``. The token
-goes to the queue only.
+idempotent are retried (on UNAVAILABLE, by the channel); every failure is a ``TauflowError``, an answer
+that breaks its contract included (INTERNAL: e.g. a Score answer whose groups are not the request's, a Put
+answer with no outcome). The token goes to the queue only.
+
+Each client takes answers up to ``max_receive_bytes`` (over it: RESOURCE_EXHAUSTED): ``QueueClient``
+``SMALL_ANSWER_BYTES`` (4 MiB; its answers are under a KiB), ``RolloutClient`` and ``RewardClient``
+``DEFAULT_MAX_MESSAGE_BYTES`` (256 MiB, what the services may send), as their answers grow with the request
+(``n`` completions; one reward per sample, each up to ~70 KB by the contract: 64 named components and a
+500-character message).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2, queue_pb2_grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from tauflow.client.channel import DEFAULT_MAX_MESSAGE_BYTES, Tls, open_channel
+from tauflow.client.channel import DEFAULT_MAX_MESSAGE_BYTES, SMALL_ANSWER_BYTES, Tls, open_channel
 from tauflow.client.errors import TauflowError
 from tauflow.client.trajectory import Completion
 
@@ -87,7 +94,8 @@ class PutResult:
 
 class QueueClient(_Client):
     """The queue's external port. ``token`` is this client's bearer token (the queue's tokens file names
-    the client it belongs to); ``tls`` when the port speaks TLS."""
+    the client it belongs to); ``tls`` when the port speaks TLS; ``max_message_bytes`` the largest Put it
+    sends, ``max_receive_bytes`` the largest answer it takes (its answers are under a KiB)."""
 
     def __init__(
         self,
@@ -97,10 +105,14 @@ class QueueClient(_Client):
         tls: Tls | None = None,
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_receive_bytes: int = SMALL_ANSWER_BYTES,
     ) -> None:
         if not token:
             raise ValueError("a token is needed: the external port refuses calls without one")
-        super().__init__(open_channel(address, [QUEUE], tls=tls, max_message_bytes=max_message_bytes), timeout_s)
+        channel = open_channel(
+            address, [QUEUE], tls=tls, max_message_bytes=max_message_bytes, max_receive_bytes=max_receive_bytes
+        )
+        super().__init__(channel, timeout_s)
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._stub = queue_pb2_grpc.QueueServiceStub(self.channel)
 
@@ -168,15 +180,31 @@ class QueueClient(_Client):
         safely: the group id makes the call idempotent."""
         request = queue_pb2.PutRequest(group=group, ticket_id=ticket.ticket_id if ticket else "")
         response = self._queue_call("Put", request)
+        if response.outcome not in (queue_pb2.PUT_OUTCOME_ACCEPTED, queue_pb2.PUT_OUTCOME_DUPLICATE):
+            # (UNSPECIFIED, e.g. an empty answer, says neither "accepted" nor "put before": not a duplicate)
+            raise TauflowError(
+                "Put",
+                grpc.StatusCode.INTERNAL,
+                f"the answer's outcome is {_outcome_name(response.outcome)}, neither ACCEPTED nor DUPLICATE: "
+                "whether the group was taken is unknown",
+            )
         return PutResult(response.outcome == queue_pb2.PUT_OUTCOME_ACCEPTED, int(response.depth_groups))
 
 
 class RolloutClient(_Client):
     """``RolloutService.Generate``. Its port is tauflow's internal rollout port (no token): reach it
-    over a network you trust."""
+    over a network you trust. ``max_receive_bytes``: the largest answer it takes (an answer grows with
+    ``n`` and the tokens generated; by default what the service may send)."""
 
-    def __init__(self, address: str, *, tls: Tls | None = None, timeout_s: float = 120.0) -> None:
-        super().__init__(open_channel(address, [ROLLOUT], tls=tls), timeout_s)
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: Tls | None = None,
+        timeout_s: float = 120.0,
+        max_receive_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(open_channel(address, [ROLLOUT], tls=tls, max_receive_bytes=max_receive_bytes), timeout_s)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     def generate(
@@ -216,10 +244,20 @@ class RolloutClient(_Client):
 
 
 class RewardClient(_Client):
-    """``RewardService.Score``. Its port is tauflow's internal reward port (no token)."""
+    """``RewardService.Score``. Its port is tauflow's internal reward port (no token).
+    ``max_receive_bytes``: the largest answer it takes. A Score answer holds one reward per sample sent (up
+    to ~70 KB each by the contract, typically tens of bytes), so it grows with the request: by default the
+    limit is what the service may send; a program that scores small batches may lower it."""
 
-    def __init__(self, address: str, *, tls: Tls | None = None, timeout_s: float = 120.0) -> None:
-        super().__init__(open_channel(address, [REWARD], tls=tls), timeout_s)
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: Tls | None = None,
+        timeout_s: float = 120.0,
+        max_receive_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(open_channel(address, [REWARD], tls=tls, max_receive_bytes=max_receive_bytes), timeout_s)
         self._stub = reward_pb2_grpc.RewardServiceStub(self.channel)
 
     def score(
@@ -232,15 +270,38 @@ class RewardClient(_Client):
     ) -> str:
         """Scores every sample of ``groups`` with ``reward_fn`` (the service's default when empty) and sets
         each sample's ``reward`` in place; returns the function's name. A sample whose reward function
-        failed gets the function's fallback score and a status that says so."""
+        failed gets the function's fallback score and a status that says so. An answer whose groups or
+        samples do not match the request's, one for one, is a ``TauflowError`` (INTERNAL), and no reward is
+        set then."""
         request = reward_pb2.ScoreRequest(groups=groups, reward_fn=reward_fn)
         if config:
             request.config.CopyFrom(_struct(config))
         response = self._call("Score", self._stub.Score, request, timeout_s)
+        _check_shape(groups, response)  # before any reward is written: a bad answer changes nothing
         for group, scored in zip(groups, response.groups, strict=True):
             for sample, reward in zip(group.samples, scored.samples, strict=True):
                 sample.reward.CopyFrom(reward.reward)
         return response.reward_fn
+
+
+def _check_shape(groups: Sequence[common_pb2.Group], response: reward_pb2.ScoreResponse) -> None:
+    """The answer has one entry per group sent and, in each, one per sample (the contract's order)."""
+
+    def bad(what: str) -> TauflowError:
+        return TauflowError("Score", grpc.StatusCode.INTERNAL, f"the answer does not match the request: {what}")
+
+    if len(response.groups) != len(groups):
+        raise bad(f"{len(response.groups)} group(s) for the {len(groups)} sent")
+    for i, (group, scored) in enumerate(zip(groups, response.groups, strict=True)):
+        if len(scored.samples) != len(group.samples):
+            raise bad(f"groups[{i}] has {len(scored.samples)} reward(s) for its {len(group.samples)} sample(s)")
+
+
+def _outcome_name(outcome: int) -> str:
+    try:
+        return queue_pb2.PutOutcome.Name(outcome)
+    except ValueError:
+        return str(outcome)
 
 
 def _struct(values: Mapping[str, Any]) -> struct_pb2.Struct:

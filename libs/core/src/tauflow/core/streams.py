@@ -47,6 +47,8 @@ class _Stream:
         closed = False
         try:
             async for answer in self.call:
+                if answer is None:  # grpc.aio's undecodable answer (tauflow.core.channel's channels raise instead)
+                    raise rpc_error(grpc.StatusCode.INTERNAL, "the stream's answer did not decode")
                 if not self.pending:  # an answer nobody asked for: the server broke the one-for-one rule
                     raise rpc_error(grpc.StatusCode.INTERNAL, "the stream answered a message that was never sent")
                 waiter = self.pending.popleft()
@@ -54,7 +56,11 @@ class _Stream:
                     waiter.set_result(answer)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the stream ended before answering every message")
         except grpc.aio.AioRpcError as e:
-            error = e
+            # A write on a stream its server had just ended (a queue draining) fails in gRPC core, which sets
+            # the call's status to INTERNAL "Internal error from Core": no answer of the server's, and the
+            # message was not taken, so it is as worth retrying as a stream that ended.
+            failed_send = e.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (e.debug_error_string() or "")
+            error = _ended() if failed_send else e
         except asyncio.CancelledError:
             error, closed = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed"), True
         except Exception as e:  # noqa: BLE001 - e.g. an answer that does not decode: fail the waiters with it
@@ -68,6 +74,7 @@ class _Stream:
             self.call.cancel()  # (a call still open here broke the one-for-one rule: it is given up)
             with contextlib.suppress(Exception):
                 await self.call.done_writing()
+        _stop_writer(self.call)
 
     def fail(self, error: BaseException) -> None:
         self.failed = self.failed or error
@@ -80,6 +87,28 @@ class _Stream:
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
+        _stop_writer(self.call)
+
+
+def _stop_writer(call: Any) -> None:
+    """Cancels grpc.aio's own writer task of an intercepted call (see _Stream._read) where it still waits:
+    one whose call failed before its headers went out (a server down) waits for them for ever, and neither
+    cancelling the ended call nor half-closing it reaches that task. Through grpc.aio's private attributes
+    (the interceptors' task, a wrapping response iterator's call), so anything unexpected is left as it is."""
+    with contextlib.suppress(Exception):
+        for _ in range(8):  # (one level per interceptor that wraps the call)
+            writer = getattr(call, "_async_request_poller", None)
+            if writer is not None:
+                if not writer.done():
+                    writer.cancel()
+                return
+            task = getattr(call, "_interceptors_task", None)
+            if task is not None:
+                if not task.done():
+                    return
+                call = task.result()
+            else:
+                call = call._call
 
 
 class OrderedStream:
