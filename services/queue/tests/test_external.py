@@ -18,6 +18,7 @@ from tauflow.api.info.v1 import info_pb2, info_pb2_grpc
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.api.queue.v1 import queue_pb2_grpc
 from tauflow.core.config import MIN_MESSAGE_BYTES, ConfigError, load_config
+from tauflow.core.status import error_reason
 from tauflow.core.testing import ServiceProcess, make_group
 from tauflow.queue.adapters import wire
 from tauflow.queue.adapters.external import bearer_token, with_client_identity
@@ -112,11 +113,11 @@ def test_the_client_name_namespaces_the_group_id_and_replaces_the_producer_id() 
 # -- the port, in a real queue process -------------------------------------------------------------
 
 
-def _queue(tmp_path: Path, tokens: str) -> ServiceProcess:
+def _queue(tmp_path: Path, tokens: str, groups_per_step: int = 2) -> ServiceProcess:
     (tmp_path / "tokens.yaml").write_text(tokens)
     settings = {
         "wal.dir": "wal",
-        "groups_per_step": 2,
+        "groups_per_step": groups_per_step,
         "max_staleness": 1,
         "external.enabled": "true",
         "external.port": 0,
@@ -144,7 +145,8 @@ def _metrics(proc: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ...
 
 
 def test_the_external_port_serves_producers_with_a_token_and_records_the_client(tmp_path: Path) -> None:
-    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    # (a window of 16 groups: the external clients' share, 8, holds what they put and reserve here)
+    proc = _queue(tmp_path, f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n", groups_per_step=8)
     try:
         assert proc.info["external_port"] != proc.info["grpc_port"]
         external = grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}")
@@ -370,7 +372,8 @@ def test_external_clients_cannot_take_the_room_of_tauflows_own_producers(tmp_pat
             q.PUT_OUTCOME_ACCEPTED
         )
 
-        # Anonymous bytes: refused by gRPC once over what the largest group needs, not received in full first.
+        # Anonymous bytes: refused at their headers, before any of the message is read (it was read whole, up to
+        # what the largest group needs, before the refusal).
         body = b"\x0a" + b"\x80\x80\x80\x01" + b"\x00" * (2 << 20)  # field 1, 2 MiB
         big = grpc.insecure_channel(
             f"127.0.0.1:{proc.info['external_port']}", options=[("grpc.max_send_message_length", 8 << 20)]
@@ -378,7 +381,7 @@ def test_external_clients_cannot_take_the_room_of_tauflows_own_producers(tmp_pat
         try:
             big.unary_unary("/tauflow.api.queue.v1.QueueService/Put")(body, timeout=10)
         except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()  # before: UNAUTHENTICATED
+            assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
         else:
             raise AssertionError("a 2 MiB message was answered OK")
         metrics = _metrics(proc)
@@ -429,5 +432,65 @@ def test_reflection_on_the_external_port_needs_no_token(tmp_path: Path) -> None:
         # the producer's methods still need a token
         stub = queue_pb2_grpc.QueueServiceStub(channel)
         assert _code(stub.Stats, q.StatsRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        proc.stop()
+
+
+def test_external_puts_without_a_ticket_stop_at_the_external_share_also_after_a_restart(tmp_path: Path) -> None:
+    """The hostile-client probe (round 5): one client's 20 Puts without a ticket filled the whole capacity (20
+    groups), and the run's own rollout then got Reserve not granted and Put RESOURCE_EXHAUSTED. A Reserve that
+    reused a request id with another n_groups was answered OK with the first, smaller ticket."""
+    (tmp_path / "tokens.yaml").write_text(f"agent-a: {A_TOKEN}\nagent-b: {B_TOKEN}\n")
+    settings = {
+        "wal.dir": "wal",
+        "capacity_groups": 20,
+        "groups_per_step": 4,
+        "max_staleness": 1,  # a window of 8 groups: 4 for the external clients
+        "external.enabled": "true",
+        "external.port": 0,
+        "external.tokens_file": tmp_path / "tokens.yaml",
+    }
+    proc = ServiceProcess("queue", tmp_path, settings).start()
+    a = (("authorization", f"Bearer {A_TOKEN}"),)
+    b = (("authorization", f"Bearer {B_TOKEN}"),)
+    try:
+        stub = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}"))
+        internal = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(proc.address))
+        ticket = stub.Reserve(q.ReserveRequest(request_id="r", n_groups=1), metadata=b, timeout=5).ticket
+        # The same request id with other content: refused naming it, changing nothing; an exact repeat is the same.
+        code, details = _code(stub.Reserve, q.ReserveRequest(request_id="r", n_groups=5), metadata=b)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id 'agent-b/r' was already used" in details
+        assert stub.Reserve(q.ReserveRequest(request_id="r", n_groups=1), metadata=b, timeout=5).ticket == ticket
+        assert internal.Stats(q.StatsRequest(), timeout=5).reserved_groups == 1
+
+        accepted = 0
+        while True:
+            try:
+                stub.Put(q.PutRequest(group=make_group(f"g{accepted}")), metadata=a, timeout=5)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert error_reason(e) == "ERROR_REASON_QUEUE_FULL" and "external.reserved_share=0.5" in e.details()
+                break
+            accepted += 1
+            assert accepted <= 20
+        assert accepted == 3  # before: 20, the whole capacity (b's ticket holds the fourth)
+        rollout = q.ReserveRequest(request_id="rollout-0/1", producer_id="rollout-0", n_groups=4)
+        assert internal.Reserve(rollout, timeout=5).granted  # before: granted=False
+        assert internal.Put(q.PutRequest(group=make_group("rollout-0/g0")), timeout=5).outcome == (
+            q.PUT_OUTCOME_ACCEPTED  # before: RESOURCE_EXHAUSTED "queue is full"
+        )
+
+        proc.stop()  # a restart counts the same (from the log)
+        proc.start()
+        stub = queue_pb2_grpc.QueueServiceStub(grpc.insecure_channel(f"127.0.0.1:{proc.info['external_port']}"))
+        code, details = _code(stub.Put, q.PutRequest(group=make_group("g3")), metadata=a)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "external.reserved_share" in details
+        assert (
+            stub.ReleaseReservation(
+                q.ReleaseReservationRequest(ticket_id=ticket.ticket_id), metadata=b, timeout=5
+            ).released_groups
+            == 1
+        )
+        assert stub.Put(q.PutRequest(group=make_group("g3")), metadata=a, timeout=5).outcome == q.PUT_OUTCOME_ACCEPTED
     finally:
         proc.stop()

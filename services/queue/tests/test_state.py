@@ -1609,3 +1609,99 @@ def test_a_failed_background_compaction_keeps_the_old_log_and_what_came_meanwhil
     q2 = restart(q, path, c)
     assert "meanwhile" in q2.memory.groups and "after" in q2.memory.groups
     assert fingerprint(q2)["done_ids"] == before["done_ids"]
+
+
+# -- external clients' Puts without a ticket: within the external share (hostile5, item 6) ----------------------
+
+
+def test_external_puts_without_a_ticket_count_against_the_external_share() -> None:
+    """An external client filled the whole capacity with Puts without a ticket (20 of 20), and the run's own
+    rollout then got Reserve not granted and Put RESOURCE_EXHAUSTED. Those groups now count against
+    external.reserved_share together with the external tickets, while stored."""
+    q, _ = make(max_staleness=1, groups_per_step=4, capacity_groups=20)  # a window of 8: 4 for the externals
+    ticket = q.reserve("a/r0", "a", 1, external=True)
+    assert ticket is not None
+    for i in range(3):
+        assert q.put(rec(f"a/g{i}"), owner="a")[0]
+    with pytest.raises(
+        QueueFull, match=r"3 groups put without a ticket .* and 1 reserved: external.reserved_share=0.5"
+    ):
+        q.put(rec("b/g0"), owner="b")  # the share is all external clients'
+    assert q.external_room() == 0 and q.reserve("b/r0", "b", 1, external=True) is None
+    assert q.put(rec("a/g3"), ticket.ticket_id, owner="a")[0]  # a ticket's group takes the room it held
+    assert q.put(rec("b/g0"), owner="b")[0]  # (3 without a ticket, and this one: 4)
+    assert q.put(rec("b/g0"), owner="b") == (False, 5)  # a repeat is still a duplicate, not refused
+    with pytest.raises(QueueFull, match="external.reserved_share"):
+        q.put(rec("b/g1"), owner="b")
+    assert q.reserve("rollout-0/r0", "rollout-0", 3) is not None  # tauflow's rollout keeps the rest of the window
+    assert q.put(rec("rollout-0/g0"))[0]  # and its Puts without a ticket come in as before
+    res = q.get("trainer", max_groups=2)  # a/g0, a/g1: still stored while leased
+    assert res.lease is not None
+    with pytest.raises(QueueFull):
+        q.put(rec("b/g1"), owner="b")
+    q.ack(res.lease.lease_id)  # taken by the trainer: their room in the share comes back
+    assert q.put(rec("b/g1"), owner="b")[0] and q.put(rec("b/g2"), owner="b")[0]
+    assert sorted(q.external_loose) == ["a/g2", "b/g0", "b/g1", "b/g2"]
+    with pytest.raises(QueueFull, match="external.reserved_share"):
+        q.put(rec("b/g3"), owner="b")
+    q.set_max_staleness(3)  # the window's share follows tau: 8 of 16 now
+    assert q.put(rec("b/g3"), owner="b")[0]
+
+
+def test_external_puts_without_a_ticket_hold_at_most_their_share_of_the_capacity() -> None:
+    q, _ = make(max_staleness=-1, capacity_groups=10, capacity_bytes=1000, external={"reserved_share": 0.3})
+    for i in range(3):
+        assert q.put(rec(f"a/g{i}", size=10), owner="a")[0]
+    with pytest.raises(QueueFull, match=r"external.reserved_share=0.3 of the pacing window and of capacity_groups=10"):
+        q.put(rec("a/g3", size=10), owner="a")
+    for i in range(7):
+        assert q.put(rec(f"rollout/g{i}", size=10))[0]  # the rest of the capacity stays tauflow's own
+    q, _ = make(max_staleness=-1, capacity_groups=10, capacity_bytes=1000, external={"reserved_share": 0.3})
+    assert q.put(rec("a/g0", size=200), owner="a")[0]
+    with pytest.raises(
+        QueueFull, match=r"200 bytes: 200 more would pass external.reserved_share=0.3 of capacity_bytes"
+    ):
+        q.put(rec("a/g1", size=200), owner="a")
+    with pytest.raises(GroupOverCapacity, match=r"can never fit without a ticket"):
+        q.put(rec("a/g2", size=301), owner="a")
+    assert q.put(rec("rollout/g0", size=700))[0]
+
+
+def test_external_puts_without_a_ticket_count_the_same_after_a_restart_and_a_compaction(tmp_path: Path) -> None:
+    path = tmp_path / "q.wal"
+    q, c = make(wal=open_wal(path), max_staleness=1, groups_per_step=4)  # 4 for the external clients
+    ticket = q.reserve("a/r0", "a", 2, external=True)
+    assert ticket is not None
+    assert q.put(rec("a/g0"), ticket.ticket_id, owner="a")[0]  # with its ticket: not counted once put
+    assert q.put(rec("a/g1"), owner="a")[0] and q.put(rec("b/g0"), owner="b")[0]
+    assert q.put(rec("rollout-0/g0"))[0]
+    res = q.get("trainer", max_groups=3)  # a/g0, a/g1, b/g0
+    assert res.lease is not None
+    q.ack(res.lease.lease_id)
+    assert q.put(rec("b/g1"), owner="b")[0] and q.put(rec("b/g2"), owner="b")[0]
+    expected = ({"b/g1": 16, "b/g2": 16}, 32, 3)
+    assert (q.external_loose, q.external_loose_bytes, q.external_held_now()) == expected
+    q = restart(q, path, c)
+    assert (q.external_loose, q.external_loose_bytes, q.external_held_now()) == expected
+    q.compact()
+    q = restart(q, path, c)
+    assert (q.external_loose, q.external_loose_bytes, q.external_held_now()) == expected
+    assert q.put(rec("c/g0"), owner="c")[0]  # (1 reserved and 3 stored: the share is full)
+    with pytest.raises(QueueFull, match="external.reserved_share"):
+        q.put(rec("c/g1"), owner="c")
+    assert q.release_reservation(ticket.ticket_id, "a") == 1
+    assert q.put(rec("c/g1"), owner="c")[0]
+
+
+def test_a_reserve_reusing_a_request_id_with_other_content_is_refused_and_changes_nothing() -> None:
+    """Reserve(r, n_groups=1), then Reserve(r, n_groups=5), answered OK with the 1-group ticket: the caller
+    believed it had room for 5."""
+    q, _ = make(max_staleness=1, groups_per_step=8)
+    first = q.reserve("a/r", "a", 1, external=True)
+    assert first is not None
+    before = fingerprint(q)
+    for n, producer, external in ((5, "a", True), (1, "b", True), (1, "a", False)):
+        with pytest.raises(InvalidRequest, match=r"request_id 'a/r' was already used for a Reserve of n_groups=1"):
+            q.reserve("a/r", producer, n, external=external)
+    assert fingerprint(q) == before
+    assert q.reserve("a/r", "a", 1, external=True) == first  # an identical repeat is still idempotent

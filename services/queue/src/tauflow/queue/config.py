@@ -83,10 +83,12 @@ class ExternalConfig(ServerConfig):
         gt=0,
         le=1,
         description="share of the pacing window ((tau + 1) x groups_per_step) and of capacity_groups that the "
-        "clients of this port together may hold reserved (each rounded down, at least 1 group); the rest is kept "
-        "for tauflow's own producers. A Reserve past it waits for room like any other, even one over the share "
-        "of the window (it follows tau, which SetMaxStaleness changes live); over the share of capacity_groups "
-        "it is INVALID_ARGUMENT",
+        "clients of this port together may hold (each rounded down, at least 1 group): their reserved groups not "
+        "yet put, and their groups put without a ticket while stored; the rest is kept for tauflow's own "
+        "producers. A Reserve past it waits for room like any other, even one over the share of the window (it "
+        "follows tau, which SetMaxStaleness changes live); over the share of capacity_groups it is "
+        "INVALID_ARGUMENT. A Put without a ticket past it, or past this share of capacity_bytes (for those "
+        "groups' bytes), is RESOURCE_EXHAUSTED (ERROR_REASON_QUEUE_FULL)",
     )
     max_waiting_reserves: int = Field(
         8,

@@ -20,6 +20,8 @@ PUT        g     GROUP_ID            the group's id (the blob is its serialized 
            d     DELIVERIES          times delivered before (0 but in compaction; absent: 0)
            cv    CONSUMER_VERSION    the version its last delivery was for, since the last rebase (compaction
                                      only; absent: none): ``_apply_evict`` gives its pacing room back or not
+           xl    EXTERNAL_LOOSE      1: put by an external client without a ticket; counts against
+                                     ``external.reserved_share`` while stored (absent: 0)
 LEASE      l     LEASE_ID            the lease's id
            gs    GROUP_IDS           its groups, in delivery order
            dl    DEADLINE            when it expires (Unix seconds)
@@ -105,6 +107,7 @@ class Key:
     EXPIRES_AT = "exp"
     N_GROUPS = "n0"
     EXTERNAL = "x"
+    EXTERNAL_LOOSE = "xl"
     ACCEPTED = "acc"
     ACKED = "ackd"
     EVICTED = "ev"

@@ -40,8 +40,21 @@ from tauflow.queue.model import (
     Ticket,
     check_id,
 )
-from tauflow.queue.records import ACK, EVICT, LEASE, PUT, RELEASE, RENEW, RESERVE, UNRESERVE, VERSION, Memory, Meta
-from tauflow.queue.wal import WalWriteError, WriteAheadLog
+from tauflow.queue.records import (
+    ACK,
+    EVICT,
+    LEASE,
+    PUT,
+    RELEASE,
+    RENEW,
+    RESERVE,
+    UNRESERVE,
+    VERSION,
+    Key,
+    Memory,
+    Meta,
+)
+from tauflow.queue.wal import Record, WalWriteError, WriteAheadLog
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +62,9 @@ log = logging.getLogger(__name__)
 Validate = Callable[[bytes], str | None]
 # Keeps a group that failed ``Validate`` aside, with the reason, before it is evicted.
 Quarantine = Callable[[GroupRecord, str], None]
+# PUT meta key: 1 when an external client put the group without a ticket (absent: 0). It counts against the
+# external share while stored (``QueueState.external_held_now``), after a restart and a compaction as before.
+EXTERNAL_LOOSE = Key.EXTERNAL_LOOSE
 
 
 class QueueState:
@@ -69,6 +85,11 @@ class QueueState:
         self.validate = validate
         self.quarantine = quarantine
         self.memory = Memory()
+        # The external clients' groups put without a ticket and still stored (not acked nor evicted): group id
+        # to its bytes. They count against external.reserved_share with the external tickets (a client that
+        # never reserved filled the whole capacity). Rebuilt at recovery from the PUT records' EXTERNAL_LOOSE.
+        self.external_loose: dict[str, int] = {}
+        self.external_loose_bytes = 0
         self.changes = 0  # changes made so far: a long poll that found nothing retries only after one
         self.wal: WriteAheadLog | None = None
         if wal is not None:
@@ -80,7 +101,10 @@ class QueueState:
             if wal.losses and not records.still_applies(self.memory, kind, meta):
                 skipped += 1  # it needed a record lost to damage (wal.on_corruption: proceed)
                 continue
+            self._forget_loose(kind, meta)
             records.apply(self.memory, self.config, kind, meta, blob, size)
+            if kind == PUT and meta.get(EXTERNAL_LOOSE):
+                self._hold_loose(meta[Key.GROUP_ID], len(blob))
         log.info(
             "recovered",
             extra={
@@ -167,9 +191,61 @@ class QueueState:
             limit = min(limit, _share(share, ahead))
         return limit
 
+    def external_held_now(self) -> int:
+        """Groups of the external share in use: the external tickets' reserved groups not yet put, and the
+        external clients' groups put without a ticket and still stored (acked or evicted, they leave it)."""
+        return self.memory.external_in_flight + len(self.external_loose)
+
     def external_room(self) -> int:
         """Groups an external client's Reserve could be granted now, as far as the external share goes."""
-        return self.external_limit() - self.memory.external_in_flight
+        return self.external_limit() - self.external_held_now()
+
+    def _check_external_loose_put(self, group: GroupRecord) -> None:
+        """Refuses an external client's Put without a ticket beyond the external share: with the external
+        tickets, at most ``external.reserved_share`` of the pacing window and of capacity_groups (as a Reserve),
+        and of capacity_bytes. Over the share of the window it is QueueFull (the trainer's steps make room); a
+        group larger than the whole share of capacity_bytes can never come in that way (GroupOverCapacity)."""
+        share, config = self.config.external.reserved_share, self.config
+        limit = self.external_limit()
+        if self.external_held_now() + 1 > limit:
+            raise QueueFull(
+                f"the external clients hold {len(self.external_loose)} groups put without a ticket and still "
+                f"stored, and {self.memory.external_in_flight} reserved: external.reserved_share={share:g} of the "
+                f"pacing window and of capacity_groups={config.capacity_groups} allows them {limit} groups; "
+                "retry once the trainer has taken some (or Reserve, and wait for a ticket)"
+            )
+        byte_limit = _share(share, config.capacity_bytes)
+        if group.size > byte_limit:
+            raise GroupOverCapacity(
+                f"group {group.group_id} is {group.size} bytes, more than external.reserved_share={share:g} of "
+                f"capacity_bytes={config.capacity_bytes} ({byte_limit} bytes): it can never fit without a ticket"
+            )
+        if self.external_loose_bytes + group.size > byte_limit:
+            raise QueueFull(
+                f"the external clients' groups put without a ticket hold {self.external_loose_bytes} bytes: "
+                f"{group.size} more would pass external.reserved_share={share:g} of capacity_bytes="
+                f"{config.capacity_bytes} ({byte_limit} bytes); retry once the trainer has taken some"
+            )
+
+    def _hold_loose(self, group_id: str, size: int) -> None:
+        self.external_loose[group_id] = size
+        self.external_loose_bytes += size
+
+    def _forget_loose(self, kind: int, meta: Meta) -> None:
+        """Before an ACK or EVICT record applies: its groups leave the external share."""
+        if not self.external_loose:
+            return
+        if kind == ACK:
+            lease = self.memory.leases.get(meta[Key.LEASE_ID])
+            gone = lease.group_ids if lease is not None else []
+        elif kind == EVICT:
+            gone = meta[Key.GROUP_IDS]
+        else:
+            return
+        for g in gone:
+            size = self.external_loose.pop(g, None)
+            if size is not None:
+                self.external_loose_bytes -= size
 
     # -- producers -------------------------------------------------------------------------
 
@@ -200,7 +276,15 @@ class QueueState:
             self._check_external_reserve(n_groups)
         earlier = self.memory.reservations.get(request_id)
         if earlier is not None:
-            return records.ticket_from_meta(earlier)
+            granted = records.ticket_from_meta(earlier)
+            if (granted.n_groups, granted.producer_id, granted.external) != (n_groups, producer_id, external):
+                # (answered with the first ticket, the caller believed it had room for n_groups it never got)
+                raise InvalidRequest(
+                    f"request_id {request_id!r} was already used for a Reserve of n_groups={granted.n_groups} by "
+                    f"producer_id {granted.producer_id!r}: a retry must repeat it exactly (n_groups={n_groups}, "
+                    f"producer_id {producer_id!r} here); a new Reserve needs a new request_id"
+                )
+            return granted
         self._sweep()
         if external:
             held = self.memory.external_held.get(producer_id, 0)
@@ -309,9 +393,17 @@ class QueueState:
                 f"queue is full: {memory.live_bytes} bytes stored, group of {group.size} bytes "
                 f"exceeds capacity {config.capacity_bytes}"
             )
+        loose = owner is not None and not own_room  # an external client's group without a (usable) ticket
+        if loose:
+            self._check_external_loose_put(group)
         used_ticket = ticket.ticket_id if ticket is not None and own_room else ""
-        self._log(PUT, records.put_meta(group, self.clock(), used_ticket, 0), group.payload)
+        meta = records.put_meta(group, self.clock(), used_ticket, 0)
+        if loose:
+            meta[EXTERNAL_LOOSE] = 1
+        self._log(PUT, meta, group.payload)
         memory.groups[group.group_id].checked = True  # validated on its way in
+        if loose:
+            self._hold_loose(group.group_id, group.size)
         return True, len(memory.pending)
 
     # -- consumers -------------------------------------------------------------------------
@@ -540,7 +632,7 @@ class QueueState:
         """Rewrites the log as a snapshot of the live state while the state goes on changing
         (``WriteAheadLog.rewrite_in_background``): what changes meanwhile follows the snapshot in the new file."""
         assert self.wal is not None
-        order, snapshot = records.compaction_records(self.memory)
+        order, snapshot = self._compaction_records()
         before = self.wal.size
         sizes = await self.wal.rewrite_in_background(snapshot)
         for g, size in zip(order, sizes[1 : 1 + len(order)], strict=True):
@@ -554,7 +646,7 @@ class QueueState:
     def compact(self) -> None:
         """Rewrites the log as a snapshot of the live state (call ``wal.idle()`` first)."""
         assert self.wal is not None
-        order, snapshot = records.compaction_records(self.memory)
+        order, snapshot = self._compaction_records()
         before = self.wal.size
         sizes = self.wal.rewrite(snapshot)
         for g, size in zip(order, sizes[1 : 1 + len(order)], strict=True):
@@ -564,8 +656,19 @@ class QueueState:
         self.memory.live_wal_bytes = sizes[0] + sum(sizes[1 : 1 + len(order)])
         log.info("compacted the log", extra={"bytes_before": before, "bytes_after": self.wal.size})
 
+    def _compaction_records(self) -> tuple[list[str], list[Record]]:
+        """``records.compaction_records``, each external group put without a ticket still marked so (its PUT
+        in the new file says no ticket for every group): a restart after a compaction counts the same."""
+        order, snapshot = records.compaction_records(self.memory)
+        if self.external_loose:
+            for kind, meta, _ in snapshot:
+                if kind == PUT and meta[Key.GROUP_ID] in self.external_loose:
+                    meta[EXTERNAL_LOOSE] = 1
+        return order, snapshot
+
     def _log(self, kind: int, meta: Meta, blob: bytes = b"") -> None:
         size = self.wal.append(kind, meta, blob) if self.wal is not None else 0
+        self._forget_loose(kind, meta)
         records.apply(self.memory, self.config, kind, meta, blob, size)
         self.changes += 1
 
