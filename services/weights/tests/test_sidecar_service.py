@@ -423,11 +423,12 @@ def test_every_request_field_has_a_bound_and_a_refusal_changes_nothing(sidecar, 
         return pb.PublishRequest(manifest=m, staging_uri=stager.uri)
 
     refused = {
-        "manifest.buckets[0].tensors[0].shape has 300 elements, over the limit of 8": publish_with(
+        # (counted on the wire bytes before the decode, which stops at the bound: "at least")
+        "manifest.buckets[0].tensors[0].shape has at least 300 elements, over the limit of 8": publish_with(
             "shape", [2**62] * 300
         ),
-        "manifest.buckets[0].tensors[0].shape has 30000 elements": publish_with("shape", [2**62] * 30_000),
-        "manifest.buckets[0].tensors[0].shape has 100000 elements": publish_with("shape", [-1] * 100_000),
+        "manifest.buckets[0].tensors[0].shape has at least 30000 elements": publish_with("shape", [2**62] * 30_000),
+        "manifest.buckets[0].tensors[0].shape has at least 100000 elements": publish_with("shape", [-1] * 100_000),
         "manifest.buckets[0].tensors[0].shape has 9 elements": publish_with("shape", [1] * 9),
         "tensors[0]): shape must have at most 8 dimensions, each in 0..2^40-1 (dimension 1 is -3)": publish_with(
             "shape", [2, -3]
@@ -446,7 +447,7 @@ def test_every_request_field_has_a_bound_and_a_refusal_changes_nothing(sidecar, 
 
     join = {"address": "127.0.0.1:1", "num_ranks": 1, "backends": ["gloo", "nccl", "ipc"], "member_id": "m"}
     for field, value, expected in [
-        ("backends", ["nccl"] * 3000, "backends has 3000 elements, over the limit of 16"),
+        ("backends", ["nccl"] * 3000, "backends has more than 16 elements, over the limit of 16"),
         ("backends", ["y" * 4096] * 4, "backends[0] is 4096 long, over the limit of 32"),
         ("member_id", "x" * 4096, "member_id is 4096 long, over the limit of 256"),
         ("address", "a" * 301, "address is 301 long, over the limit of 300"),
@@ -476,3 +477,82 @@ def test_every_request_field_has_a_bound_and_a_refusal_changes_nothing(sidecar, 
     assert stub.Join(pb.JoinRequest(**{**join, "member_id": "rollout-0", "loaded_policy_version": 0, "model": "tiny"}))
     assert stub.Publish(pb.PublishRequest(manifest=good, staging_uri=stager.uri)).policy_version == 1
     assert "Exceeds the limit" not in car.log_text() and "Traceback" not in car.log_text()
+
+
+def test_a_manifest_of_many_tensors_is_refused_before_it_is_converted(sidecar, stager) -> None:
+    """hostile5 #7: 1000 buckets of 10,000 empty tensors (each list within the generic 100,000) held the sidecar
+    41 s, GetStatus included, before "unknown checksum_algorithm ''": 10 M dataclasses were built first."""
+    car = sidecar()
+    stub = weights_stub(car.address)
+    many = pb.WeightManifest(
+        checksum_algorithm="xxh3-64", checksum="ab", buckets=[pb.Bucket(tensors=[pb.TensorSpec()] * 60_000)] * 20
+    )
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Publish(pb.PublishRequest(manifest=many, staging_uri=stager.uri), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # (the request's wire walk, tauflow.core.decoding, may refuse it first, by its count of fields)
+    assert any(
+        why in e.value.details()
+        for why in ("manifest.buckets hold 1200000 tensors in all, over the limit of 1000000", "wire fields")
+    ), e.value.details()
+    assert time.monotonic() - started < 30
+    status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
+    assert not status.HasField("latest_policy_version")  # nothing was taken
+
+
+def test_the_cheap_manifest_checks_run_on_the_wire_form_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checksum fields and the bucket count are checked before ``manifest_from_proto`` builds an object per
+    tensor (of 10 M tensors: 30 s before the refusal)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from tauflow.weights.adapters import servicer as weights_servicer
+    from tauflow.weights.metrics import WeightsMetrics
+
+    def converted(_m: pb.WeightManifest) -> Manifest:
+        raise AssertionError("the manifest was converted before its cheap checks")
+
+    monkeypatch.setattr(weights_servicer, "manifest_from_proto", converted)
+
+    class Refused(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, message: str) -> None:
+            raise Refused(code, message)
+
+    servicer = weights_servicer.WeightsServicer(None, WeightsMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    bucket = pb.Bucket(tensors=[pb.TensorSpec(name="t")])
+    for manifest, expected in [
+        (pb.WeightManifest(checksum_algorithm="", checksum="ab", buckets=[bucket]), "unknown checksum_algorithm ''"),
+        (pb.WeightManifest(checksum_algorithm="xxh3-64", checksum="XY", buckets=[bucket]), "lower-case hex"),
+        (pb.WeightManifest(checksum_algorithm="xxh3-64", checksum="ab"), "manifest has no buckets"),
+        (
+            pb.WeightManifest(
+                checksum_algorithm="xxh3-64",
+                checksum="ab",
+                buckets=[pb.Bucket(tensors=[pb.TensorSpec()] * 500_001)] * 2,
+            ),
+            "manifest.buckets hold 1000002 tensors in all, over the limit of 1000000",
+        ),
+    ]:
+        with pytest.raises(Refused) as e:
+            asyncio.run(servicer.Publish(pb.PublishRequest(manifest=manifest), Context()))
+        assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and expected in e.value.args[1], e.value.args
+
+
+def test_a_join_above_the_newest_published_version_is_taken_as_unknown(sidecar, stager) -> None:
+    """hostile5 (minor): Join(loaded_policy_version=2^64-1) was kept, and GetStatus showed it as the member's
+    confirmed version: a version never published. The contract calls it the version the server has loaded; one
+    above the newest published version (above 0, the initial checkpoint's, before any Publish) is none this sidecar
+    made, and it is taken as unknown: the member gets the newest version at the next broadcast."""
+    car = sidecar()
+    stub = weights_stub(car.address)
+    join = {"address": "127.0.0.1:1", "num_ranks": 1, "backends": ["gloo", "nccl", "ipc"], "model": "tiny"}
+    stub.Join(pb.JoinRequest(**join, member_id="m-huge", loaded_policy_version=2**64 - 1), timeout=10)
+    stub.Join(pb.JoinRequest(**join, member_id="m-0", loaded_policy_version=0), timeout=10)
+    members = {m.member_id: m for m in stub.GetStatus(pb.GetStatusRequest(), timeout=10).members}
+    assert not members["m-huge"].HasField("confirmed_policy_version")
+    assert members["m-0"].HasField("confirmed_policy_version") and members["m-0"].confirmed_policy_version == 0

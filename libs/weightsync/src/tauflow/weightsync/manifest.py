@@ -183,21 +183,27 @@ def plan_buckets(
     return tuple(buckets)
 
 
+def check_header(n_buckets: int, checksum_algorithm: str, checksum: str) -> None:
+    """The checks of ``validate`` that need no tensor: a manifest's bucket count and checksum fields. Cheap on
+    the wire form too, before a manifest of many tensors is converted (tauflow-weights' Publish)."""
+    if not n_buckets:
+        raise ManifestError("manifest has no buckets")
+    if checksum_algorithm not in ALGORITHMS:
+        raise ManifestError(
+            f"unknown checksum_algorithm {shown(checksum_algorithm)}; supported: {', '.join(ALGORITHMS)}"
+        )
+    if not checksum or len(checksum) > MAX_CHECKSUM_CHARS or not _HEX.match(checksum):
+        raise ManifestError(
+            f"checksum must be lower-case hex of at most {MAX_CHECKSUM_CHARS} characters, not {shown(checksum)}"
+        )
+
+
 def validate(m: Manifest) -> None:
     """Raises ``ManifestError`` saying what is wrong: empty, duplicate names, shapes out of their bounds
     (``check_shape``), sizes that do not match dtype and shape, overlapping or non-canonical offsets, wrong
     totals, unknown checksum. A message shows at most ``SHOWN_CHARS`` of a name and ``MAX_DIMS`` dimensions
     of a shape, whatever the manifest holds."""
-    if not m.buckets:
-        raise ManifestError("manifest has no buckets")
-    if m.checksum_algorithm not in ALGORITHMS:
-        raise ManifestError(
-            f"unknown checksum_algorithm {shown(m.checksum_algorithm)}; supported: {', '.join(ALGORITHMS)}"
-        )
-    if not m.checksum or len(m.checksum) > MAX_CHECKSUM_CHARS or not _HEX.match(m.checksum):
-        raise ManifestError(
-            f"checksum must be lower-case hex of at most {MAX_CHECKSUM_CHARS} characters, not {shown(m.checksum)}"
-        )
+    check_header(len(m.buckets), m.checksum_algorithm, m.checksum)
     names: set[str] = set()
     offset = 0
     for i, b in enumerate(m.buckets):

@@ -232,7 +232,7 @@ class Membership:
             num_ranks,
             self.events.clock(),
             self.clients(address),
-            confirmed_version=loaded_version,
+            confirmed_version=_known(loaded_version, latest.manifest.policy_version if latest is not None else 0),
         )
         log.info("member joined", extra={"member_id": member_id, "address": address, "num_ranks": num_ranks})
         self.events.notify()
@@ -311,3 +311,14 @@ class Membership:
             self.metrics.load_seconds.observe(load_s)
         self.events.notify()
         return latest
+
+
+def _known(loaded_version: int | None, newest: int) -> int | None:
+    """The version a joining member is taken to have loaded. One above the newest published version (above 0, the
+    initial checkpoint's, before any Publish) is none this sidecar made: a stale claim (a member that served a
+    version a resumed trainer has since re-based away, or a sidecar restarted) or a made-up one (2^64 - 1 was
+    shown as its confirmed version). It is taken as unknown, as an unset one: the member gets the newest version
+    at the next broadcast, which it needs either way (its weights are not the newest's)."""
+    if loaded_version is None or loaded_version > newest:
+        return None
+    return loaded_version

@@ -23,7 +23,8 @@ from tauflow.weights.membership import (
 from tauflow.weights.metrics import WeightsMetrics
 from tauflow.weights.sidecar import Sidecar
 from tauflow.weightsync.checksum import MAX_CHECKSUM_CHARS
-from tauflow.weightsync.manifest import MAX_DIMS
+from tauflow.weightsync.errors import ManifestError
+from tauflow.weightsync.manifest import MAX_DIMS, check_header
 from tauflow.weightsync.wire import manifest_from_proto, manifest_to_proto
 
 T = TypeVar("T")
@@ -31,12 +32,20 @@ T = TypeVar("T")
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightsService"]
 MAX_TENSOR_NAME_CHARS = 1024  # a parameter's name (a Hugging Face name has tens of characters)
 MAX_NAME_CHARS = 64  # a dtype's or a checksum algorithm's name
+# A manifest's size. Each list is within the generic 100,000 elements, but 1000 buckets of 10,000 empty tensors
+# each (19 MiB) held the sidecar 41 s (10 M dataclasses built before a trivial refusal). MoE models have the
+# most tensors: DeepSeek-V3 ~92 k (~184 k with FP8 scales); a 1-TB model is ~16 k buckets of 64 MiB.
+MAX_BUCKETS = 100_000
+MAX_BUCKET_TENSORS = 100_000  # tensors of one bucket
+MAX_TENSORS = 1_000_000  # tensors of all buckets together (checked before the manifest is converted)
 # The bounds of request fields tighter than the generic ones (tauflow.core.decoding: 4096 characters, 100000
 # elements), checked before any handler runs (INVALID_ARGUMENT naming the field; README "Bounds"). The fields
 # not named keep the generic bounds: a model is a path, a staging_uri a path or an ipc:// URI, and a trace
 # context W3C's (a tracestate may be long; only the retained versions keep one).
 LIMITS = {
     "Publish": {
+        "manifest.buckets": MAX_BUCKETS,
+        "manifest.buckets.tensors": MAX_BUCKET_TENSORS,
         "manifest.buckets.tensors.name": MAX_TENSOR_NAME_CHARS,
         "manifest.buckets.tensors.dtype": MAX_NAME_CHARS,
         "manifest.buckets.tensors.shape": MAX_DIMS,
@@ -66,6 +75,19 @@ _STATUS = {
 }
 
 
+def check_manifest_proto(manifest: pb.WeightManifest) -> None:
+    """The cheap checks of a Published manifest, on its wire form: its tensor count (``MAX_TENSORS``) and the
+    fields ``manifest.check_header`` checks. Converting the manifest builds one object per tensor, and a refusal
+    must not cost that (10 M empty tensors: 30 s before "unknown checksum_algorithm ''")."""
+    tensors = sum(len(b.tensors) for b in manifest.buckets)
+    if tensors > MAX_TENSORS:
+        raise errors.InvalidRequest(f"manifest.buckets hold {tensors} tensors in all, over the limit of {MAX_TENSORS}")
+    try:
+        check_header(len(manifest.buckets), manifest.checksum_algorithm, manifest.checksum)
+    except ManifestError as e:
+        raise errors.InvalidRequest(str(e)) from None
+
+
 class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
     def __init__(self, sidecar: Sidecar, metrics: WeightsMetrics) -> None:
         self.sidecar = sidecar
@@ -85,6 +107,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         async def run() -> pb.PublishResponse:
             if not request.HasField("manifest"):
                 raise errors.InvalidRequest("manifest must be set")
+            check_manifest_proto(request.manifest)
             out = await self.sidecar.retention.publish(
                 manifest_from_proto(request.manifest),
                 request.staging_uri,
