@@ -58,7 +58,7 @@ def test_generate_formats_a_chat_with_the_models_template_and_honours_stop_strin
     ("messages", "details"),
     [
         ([{"role": "wizard", "content": "x"}], "prompt_messages[0].role must be one of system, user, assistant, tool"),
-        ([{"role": "user", "content": "x"}] * 257, "prompt_messages has 257 elements, over the limit of 256"),
+        ([{"role": "user", "content": "x"}] * 257, "prompt_messages has more than 256 elements, over the limit of 256"),
         ([{"role": "r" * 33, "content": "x"}], "prompt_messages[0].role is 33 long, over the limit of 32"),
     ],
 )
