@@ -494,7 +494,7 @@ def test_a_manifest_of_many_tensors_is_refused_before_it_is_converted(sidecar, s
     # (the request's wire walk, tauflow.core.decoding, may refuse it first, by its count of fields)
     assert any(
         why in e.value.details()
-        for why in ("manifest.buckets hold 1200000 tensors in all, over the limit of 1000000", "wire fields")
+        for why in ("manifest.buckets hold 1200000 tensors in all, over the limit of 500000", "wire fields")
     ), e.value.details()
     assert time.monotonic() - started < 30
     status = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
@@ -533,9 +533,9 @@ def test_the_cheap_manifest_checks_run_on_the_wire_form_first(monkeypatch: pytes
             pb.WeightManifest(
                 checksum_algorithm="xxh3-64",
                 checksum="ab",
-                buckets=[pb.Bucket(tensors=[pb.TensorSpec()] * 500_001)] * 2,
+                buckets=[pb.Bucket(tensors=[pb.TensorSpec()] * 250_001)] * 2,
             ),
-            "manifest.buckets hold 1000002 tensors in all, over the limit of 1000000",
+            "manifest.buckets hold 500002 tensors in all, over the limit of 500000",
         ),
     ]:
         with pytest.raises(Refused) as e:

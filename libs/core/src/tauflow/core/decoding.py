@@ -256,9 +256,7 @@ class _Walk:
             if number == 0:
                 raise _Malformed
             if wt == 0:
-                while raw[pos] >= 0x80:
-                    pos += 1
-                pos += 1
+                _, pos = _varint(raw, pos)  # (at most 10 bytes: an over-long varint is left to the full decode)
                 if pos > end:
                     raise _Malformed
                 payload = -1

@@ -358,7 +358,13 @@ class TrainerLoop:
                     extra={"version": self.version, "sidecar_version": latest})  # fmt: skip
         async with self._lock:
             self.published_version = -1
-            await self._publish()
+            try:
+                await self._publish()
+            except Exception as e:  # noqa: BLE001 - a trainer waiting for data must not fail on it: asked again
+                self.published_version = self.version  # (so the next check asks again)
+                log.warning(
+                    "could not publish the version again", extra={"version": self.version, "error": repr(e)[:300]}
+                )
 
     async def _renew(self, leases: list[HeldLease]) -> None:
         """Renews each lease held for more than half of its length."""

@@ -27,5 +27,7 @@ def peer_errors(role: str) -> Iterator[None]:
     try:
         yield
     except grpc.aio.AioRpcError as e:
-        error = PeerUnavailable if e.code() in ASK_AGAIN else PeerError
+        # (an answer over the channel's message limit is RESOURCE_EXHAUSTED too, and never fits: not asked again)
+        too_large = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")
+        error = PeerUnavailable if e.code() in ASK_AGAIN and not too_large else PeerError
         raise error(role, e.code().name, e.details() or "") from e

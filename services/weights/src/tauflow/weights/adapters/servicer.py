@@ -37,7 +37,9 @@ MAX_NAME_CHARS = 64  # a dtype's or a checksum algorithm's name
 # most tensors: DeepSeek-V3 ~92 k (~184 k with FP8 scales); a 1-TB model is ~16 k buckets of 64 MiB.
 MAX_BUCKETS = 100_000
 MAX_BUCKET_TENSORS = 100_000  # tensors of one bucket
-MAX_TENSORS = 1_000_000  # tensors of all buckets together (checked before the manifest is converted)
+# Tensors of all buckets together (checked before the manifest is converted); under the wire walk's 2^20 fields
+# (tauflow.core.decoding.MAX_WALK_TAGS), which a manifest of a million tensors in thousands of buckets passes.
+MAX_TENSORS = 500_000
 # The bounds of request fields tighter than the generic ones (tauflow.core.decoding: 4096 characters, 100000
 # elements), checked before any handler runs (INVALID_ARGUMENT naming the field; README "Bounds"). The fields
 # not named keep the generic bounds: a model is a path, a staging_uri a path or an ipc:// URI, and a trace
