@@ -34,6 +34,7 @@ from tauflow.controller.launcher import (
     describe_os_error,
     instance_name,
 )
+from tauflow.controller.livechanges import LiveValues, resumed_config, write_live
 from tauflow.controller.metrics import TARGETS_FILE, controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.ports import (
@@ -132,6 +133,11 @@ class Run:
         on_progress: Callable[[Progress], None] | None = None,
         serve_metrics: bool = True,
     ) -> None:
+        # What live changes are recorded against; --resume goes on with the run's live changes (livechanges.py).
+        self._configured = LiveValues.of(config)
+        config, self.resumed_live = resumed_config(config)
+        self._live_recorded = LiveValues.of(config)  # as live.json holds them (or the config, before any change)
+        self._live_failed: LiveValues | None = None  # the values whose record failed last (logged once)
         self.config = config
         self.out_dir = config.run_dir
         self.launcher = launcher
@@ -141,6 +147,8 @@ class Run:
         self.summary = RunSummary(
             config.name, config.max_staleness, config.steps, target_accuracy=config.target_accuracy
         )
+        if self.resumed_live:
+            self.summary.extra["resumed_live_changes"] = dict(self.resumed_live)
         self.progress = Progress(max_staleness=config.max_staleness)
         self._t0, self._wall0 = time.monotonic(), time.time()  # the run's start, on both clocks
         self.serve_metrics = serve_metrics  # False where the process serves /metrics already (tauflow-controller)
@@ -169,7 +177,7 @@ class Run:
         self._tau_changes: set[asyncio.Future[tuple[int, int]]] = set()  # under way (each runs to its end)
         # a failed change could not put a role back, or a queue or trainer came back: the follow loop gives
         # both the τ in force
-        self._tau_diverged = False
+        self._tau_diverged = "max_staleness" in self.resumed_live  # (external roles may hold another τ)
         self._env: dict[str, str] = {}
         self._addresses: dict[str, str] = {}
         self._unchecked: set[str] = set()  # processes (re)started but not yet checked (CheckPeer): each pass asks
@@ -414,6 +422,7 @@ class Run:
             self._tau_diverged = True  # a queue or trainer that came back gets the live τ (idempotent on both)
         if self._tau_diverged and not self._dial.locked():  # (a change under way may wait on a hung role)
             await self._reapply_tau(peers, {"queue", "trainer"})
+        self._record_live()  # (a target that fell back; a record that failed before)
         if started or stopped:
             self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
         if not self.launcher.starts_services and time.monotonic() - following.members_at >= MEMBERS_EVERY_S:
@@ -661,6 +670,7 @@ class Run:
             self.tau = self.progress.max_staleness = tau
             for role in ("queue", "trainer"):  # a restarted process starts with it
                 self.launcher.update_settings(role, {"max_staleness": tau})
+            self._record_live()  # ... and a resumed run
             log.warning("max_staleness changed", extra={"previous": previous, "tau": tau, "policy_version": after})
             return previous, after
 
@@ -693,7 +703,29 @@ class Run:
             raise ValueError(f"replicas={replicas} must be between 1 and {self.scaler.limit}")
         if self.launcher.starts_services:
             self._live_peers()
-        return self.scaler.set_target(self.launcher, replicas)
+        previous = self.scaler.set_target(self.launcher, replicas)
+        self._record_live()
+        return previous
+
+    def _record_live(self) -> None:
+        """Keeps live.json (livechanges.py) at the τ in force and the rollout target, so that a --resume after
+        the controller's death goes on with them. A failed write is logged once per value and tried again at
+        each pass of the follow loop: the change stays in force meanwhile."""
+        live = LiveValues(self.tau, self.scaler.target)
+        if live == self._live_recorded:
+            return
+        try:
+            write_live(self.out_dir, self._configured, live)
+        except OSError as e:
+            if live != self._live_failed:
+                self._live_failed = live
+                log.error(
+                    "could not record a live change; it is in force, but a --resume after a crash would go back "
+                    "to the config's value (tried again at each pass)",
+                    extra={"out_dir": str(self.out_dir), "error": describe_os_error(e)},
+                )
+            return
+        self._live_recorded, self._live_failed = live, None
 
     def request_stop(self, reason: str = "", grace_s: float | None = None) -> None:
         """What StopRun asked for, before it cancels the run: why (the summary says so), and how long the
