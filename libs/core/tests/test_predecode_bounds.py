@@ -308,3 +308,34 @@ def _all_fields(d: Any, seen: set[str]) -> list[FieldDescriptor]:
         if f.message_type is not None:
             out.extend(_all_fields(f.message_type, seen))
     return out
+
+
+@given(
+    parts=st.lists(st.dictionaries(st.text(max_size=8), st.text(max_size=40), max_size=4), max_size=5),
+    functions=st.lists(st.text(max_size=20), max_size=3),
+)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+def test_field_wire_bytes_is_the_sum_of_a_fields_parts_as_sent(
+    parts: list[dict[str, str]], functions: list[str]
+) -> None:
+    """A message field sent in parts (merged by the decode) is measured by its parts' payloads; other fields,
+    before, between and after them, are skipped."""
+    raw, expected = b"", 0
+    for i, part in enumerate(parts):
+        config = reward_pb2.ScoreRequest()
+        config.config.update(part)
+        piece = config.SerializeToString()
+        expected += len(config.config.SerializeToString()) if part else 0
+        raw += (
+            piece
+            + reward_pb2.ScoreRequest(reward_fn=functions[i % len(functions)] if functions else "").SerializeToString()
+        )
+    raw += b"\x5b\x08\x01\x5c"  # an unknown group (field 11) with a varint inside
+    assert decoding.field_wire_bytes(raw, 3) == expected
+    merged = reward_pb2.ScoreRequest.FromString(raw)
+    assert merged.config.ByteSize() <= expected  # (here: parts of distinct or repeated keys)
+
+
+def test_field_wire_bytes_leaves_what_is_not_wire_format_to_the_decode() -> None:
+    for raw in (b"\x1a\x05ab", b"\x1a", b"\x0f", b"\x5b\x08\x01", b"\x00\x00"):
+        assert decoding.field_wire_bytes(raw, 3) is None, raw

@@ -365,6 +365,47 @@ def test_a_group_of_millions_of_samples_is_refused_before_it_is_decoded(
     assert stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")])).groups  # serving
 
 
+def _peak_rss_mib(pid: int) -> float:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmHWM"].split()[0]) / 1024
+
+
+def test_a_config_holding_millions_of_values_is_refused_before_it_is_decoded(
+    stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess
+) -> None:
+    """A config of 2 M nulls in one list (`{"a": [null, ...]}`, 8 MiB) was decoded whole (~0.5 GB) before the
+    max_config_bytes check refused it: the config's bytes are measured as sent."""
+    nulls = b"\x0a\x02\x08\x00" * 2_000_000  # ListValue.values: Value{null_value}
+    value = b"\x32" + _varint(len(nulls)) + nulls  # Value.list_value = 6
+    entry = b"\x0a\x01a\x12" + _varint(len(value)) + value  # Struct.fields entry: "a" -> the list
+    config = b"\x0a" + _varint(len(entry)) + entry
+    raw = b"\x1a" + _varint(len(config)) + config  # ScoreRequest.config = 3
+    before = metric(service, "tauflow_reward_invalid_requests_total", field="config", method="Score")
+    peak = _peak_rss_mib(service.proc.pid)
+    call = grpc.insecure_channel(service.address, options=[("grpc.max_send_message_length", -1)]).unary_unary(
+        "/tauflow.api.reward.v1.RewardService/Score"
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        call(raw, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == (
+        f"config: {len(config)} bytes as sent, over this service's limit of 65536 (limits.max_config_bytes)"
+    )
+    assert metric(service, "tauflow_reward_invalid_requests_total", field="config", method="Score") == before + 1
+    assert _peak_rss_mib(service.proc.pid) - peak < 100  # (decoded: ~500 MiB more)
+    # in parts: the parts are merged by the decode, so their sum is what was sent
+    part = struct_pb2.Struct(fields={"k": struct_pb2.Value(string_value="x" * 40_000)}).SerializeToString()
+    two = b"".join(b"\x1a" + _varint(len(part)) + part for _ in range(2))
+    with pytest.raises(grpc.RpcError) as e:
+        call(two, timeout=30)
+    assert e.value.details().startswith(f"config: {2 * len(part)} bytes as sent, over")
+    one = b"\x1a" + _varint(len(part)) + part  # one part is within the bound (the function refuses key k)
+    with pytest.raises(grpc.RpcError) as e:
+        call(one, timeout=30)
+    assert "as sent" not in e.value.details()
+    assert stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")])).groups  # serving
+
+
 def _varint(n: int) -> bytes:
     out = b""
     while n > 0x7F:

@@ -409,6 +409,37 @@ def wire_bounds(
     return check
 
 
+def field_wire_bytes(raw: bytes, number: int) -> int | None:
+    """The payload bytes of every occurrence of the length-delimited field ``number`` at the top level of the
+    serialized message ``raw`` (a message field sent in parts is merged by the decode: its size as sent is
+    their sum), or None where ``raw`` is not wire format as the walk reads it (the full decode decides). Its
+    cost is one read per top-level field, ``MAX_WALK_TAGS`` at most: a field's payload is skipped, not read."""
+    walk, pos, end, total = _Walk(raw, "request"), 0, len(raw), 0
+    try:
+        while pos < end:
+            walk.spend()
+            tag, pos = _varint(raw, pos)
+            wt = tag & 7
+            if tag >> 3 == 0:
+                return None
+            if wt == 0:
+                _, pos = _varint(raw, pos)
+            elif wt == 2:
+                n, pos = _varint(raw, pos)
+                if tag >> 3 == number:
+                    total += n
+                pos += n
+            elif wt == 1 or wt == 5:
+                pos += 8 if wt == 1 else 4
+            elif wt == 3:
+                pos = walk.group(pos, end, tag >> 3)
+            else:
+                return None
+    except (_Breach, _Malformed, IndexError):
+        return None
+    return total if pos == end else None
+
+
 @dataclass(frozen=True)
 class Undecodable:
     """A request whose bytes did not parse as ``message`` (a full name); ``reason`` is protobuf's."""

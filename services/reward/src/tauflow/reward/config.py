@@ -69,7 +69,9 @@ class LimitsConfig(StrictModel):
     max_tokens_per_sample: int = Field(
         1 << 20, ge=0, description="each per-token list of a sample (token ids, log-probs, versions, loss mask)"
     )
-    max_config_bytes: int = Field(64 * 1024, ge=0, description="ScoreRequest.config, serialized")
+    max_config_bytes: int = Field(
+        64 * 1024, ge=0, description="ScoreRequest.config: its bytes as sent (before the decode) and serialized"
+    )
 
 
 class RewardConfig(ServiceConfig):

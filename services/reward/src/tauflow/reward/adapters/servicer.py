@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
-from tauflow.core.decoding import OutOfBounds, Undecodable, checked_deserializer, wire_bounds
+from tauflow.core.decoding import OutOfBounds, Undecodable, checked_deserializer, field_wire_bytes, wire_bounds
 from tauflow.reward.adapters import convert
 from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
@@ -51,13 +51,27 @@ _WIRE_WALKS = {
 }
 
 
-def _deserializer(message_class: Any) -> Any:
+# A Score's config (a Struct) is measured on the wire too: its lists and maps nest without a bound the walk
+# knows, and a config of 20 M nulls in one list (`{"a": [null, ...]}`, 38 MiB) was decoded whole before the
+# max_config_bytes check refused it. The bound now applies to the config as sent (the sum of its parts: a
+# message field sent in parts is merged) before the decode, and to the decoded one after it.
+_CONFIG_FIELD = reward_pb2.ScoreRequest.DESCRIPTOR.fields_by_name["config"].number
+
+
+def _deserializer(message_class: Any, max_config_bytes: int) -> Any:
     decode, walk = checked_deserializer(message_class), _WIRE_WALKS.get(message_class.DESCRIPTOR.name)
     if walk is None:
         return decode
 
     def parse(raw: bytes) -> Any:
         reason = walk(raw)
+        if reason is None and len(raw) > max_config_bytes:
+            sent = field_wire_bytes(raw, _CONFIG_FIELD)
+            if sent is not None and sent > max_config_bytes:
+                reason = (
+                    f"config {sent} bytes as sent, over this service's limit of {max_config_bytes} "
+                    "(limits.max_config_bytes)"
+                )
         return decode(raw) if reason is None else OutOfBounds(reason)
 
     return parse
@@ -69,7 +83,9 @@ def add_reward_servicer_to_server(servicer: Any, server: Any) -> None:
     handlers = {
         method.name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, method.name),
-            request_deserializer=_deserializer(getattr(reward_pb2, method.input_type.name)),
+            request_deserializer=_deserializer(
+                getattr(reward_pb2, method.input_type.name), servicer.config.limits.max_config_bytes
+            ),
             response_serializer=getattr(reward_pb2, method.output_type.name).SerializeToString,
         )
         for method in SERVICE.methods
