@@ -281,7 +281,12 @@ def ref_advantages(groups, c: AlgorithmConfig) -> list[list[Any]]:
         for group, row in zip(groups, per_token, strict=True):
             skip = len(group) == 1 and c.singleton_groups == "skip" and c.estimator != "reinforce_pp"
             if c.estimator == "reinforce_pp":
-                out.append([[(v - mu) / math.sqrt(var + 1e-8) for v in values] for values in row])
+                out.append(
+                    [
+                        [(v - mu) / math.sqrt(var + 1e-8) if m else 0.0 for v, m in zip(values, s.mask, strict=True)]
+                        for values, s in zip(row, group, strict=True)
+                    ]
+                )  # (0 where no token trains: verl's masked_whiten(returns, mask) * mask)
             else:
                 out.append([0.0 if skip else (values[0] - mu) / math.sqrt(var + 1e-8) for values in row])
         return out
@@ -574,6 +579,19 @@ def test_reinforce_pp_returns_count_from_the_last_trained_token() -> None:
     tokens = np.array([0.25, 0.5, 1.0, 0.0])
     whitened = (tokens - tokens.mean()) / math.sqrt(tokens.var(ddof=1) + 1e-8)
     assert values[0][0][:3] == pytest.approx(list(whitened[:3]))
+    assert values[0][0][3:] == [0.0, 0.0]  # (verl: masked_whiten(returns, mask) * mask)
+
+
+def test_reinforce_pp_advantages_are_zero_where_no_token_trains() -> None:
+    # whitening shifts every position: a masked one held (0 − μ)/σ, −10,000 where a single token trained
+    config = AlgorithmConfig(estimator="reinforce_pp")
+    one = estimate([[Scored(1.0, [True, False, False])]], config)
+    assert one.values == [[[0.0, 0.0, 0.0]]] and one.zero_groups == [True]
+    inside = estimate(
+        [[Scored(1.0, [True, True, False, True, True]), Scored(0.0, [True, True, True, False, False])]], config
+    )
+    assert inside.values[0][0][2] == 0.0 and inside.values[0][1][3:] == [0.0, 0.0]
+    assert all(v != 0.0 for v in inside.values[0][0][:2] + inside.values[0][0][3:])
 
 
 def test_bounds_that_cannot_work_are_refused() -> None:
@@ -621,7 +639,13 @@ def test_per_token_rewards_enter_as_verl_sums_them(estimator: str, seed: int) ->
                 tokens += [v for v, m in zip(values, s.mask) if m]
             returns.append(row)
         mu, var = float(np.mean(tokens)), float(np.var(tokens, ddof=1))
-        want = [[[(v - mu) / math.sqrt(var + 1e-8) for v in values] for values in row] for row in returns]
+        want = [
+            [
+                [(v - mu) / math.sqrt(var + 1e-8) if m else 0.0 for v, m in zip(values, s.mask)]
+                for values, s in zip(row, g)
+            ]
+            for row, g in zip(returns, shaped)
+        ]
     for g_got, g_want in zip(got.values, want, strict=True):
         for a, b in zip(g_got, g_want, strict=True):
             assert a == pytest.approx(b, **TOL)

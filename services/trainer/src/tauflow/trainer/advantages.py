@@ -223,7 +223,12 @@ def reinforce_pp(groups: Sequence[Sequence[Scored]], config: AlgorithmConfig) ->
         returns.append(row)
         masks.append(mask_row)
     whitened = _whiten(returns, masks)
-    values: list[list[Advantage]] = [[[float(x) for x in a] for a in row] for row in whitened]
+    # 0 on tokens that do not train (verl's `masked_whiten(...) * mask`): whitening shifts every position, and a
+    # masked one held (0 − μ)/σ (−10,000 where one token trained), which zero_groups read as a signal
+    values: list[list[Advantage]] = [
+        [[float(x) if m else 0.0 for x, m in zip(a, mask, strict=True)] for a, mask in zip(row, mask_row, strict=True)]
+        for row, mask_row in zip(whitened, masks, strict=True)
+    ]
     return _result(values)
 
 
