@@ -162,27 +162,29 @@ def test_a_stream_whose_server_is_gone_leaves_no_task_pending() -> None:
         call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)
         stream = OrderedStream(lambda lifetime: call(timeout=lifetime))
 
-        def writers() -> list[asyncio.Task]:
-            return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
-
         try:
             assert await stream.request(b"a0", 10) == b"a0"
-            assert len(writers()) == 1
+            assert len(_writers()) == 1
             waiting = asyncio.ensure_future(stream.request(b"mute", 3600))
             await asyncio.sleep(0.1)
             await server.stop(None)  # gone, as a killed server is: no half-close, no status of its own
             with pytest.raises(grpc.aio.AioRpcError):
                 await asyncio.wait_for(waiting, 10)
             for _ in range(50):  # (the reader ends the write side once it has failed the waiters)
-                if not writers():
+                if not _writers():
                     break
                 await asyncio.sleep(0.02)
-            assert writers() == []
+            assert _writers() == []
         finally:
             await stream.close()
             await channel.close()
 
     asyncio.run(scenario())
+
+
+def _writers() -> list[asyncio.Task]:
+    """grpc.aio's writer tasks of intercepted stream calls still alive."""
+    return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
 
 
 class _Wrapping(grpc.aio.StreamStreamClientInterceptor):
@@ -211,19 +213,16 @@ def test_a_stream_to_a_server_that_is_down_leaves_no_task_pending(interceptor) -
         call = channel.stream_stream(_METHOD, request_serializer=bytes, response_deserializer=bytes)
         stream = OrderedStream(lambda lifetime: call(timeout=lifetime))
 
-        def writers() -> list[asyncio.Task]:
-            return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
-
         try:
             for _ in range(2):
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await stream.request(b"a", 5)
                 assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             for _ in range(50):
-                if not writers():
+                if not _writers():
                     break
                 await asyncio.sleep(0.02)
-            assert writers() == []
+            assert _writers() == []
         finally:
             await stream.close()
             await channel.close()

@@ -527,3 +527,18 @@ def test_a_failure_quotes_the_log_of_the_newest_process_only(tmp_path: Path) -> 
     assert svc.log_tail() == "ValueError: v00000063/model.safetensors is damaged"
     svc.log_file.write_text("no header: " + "x" * 100_000 + "\nthe last line\n")  # (a log's end is read)
     assert svc.log_tail(1) == "the last line"
+
+
+def test_the_restart_backoff_doubles_up_to_a_minute(tmp_path: Path) -> None:
+    """With max_restarts of 10 or more the doubling passed stall_timeout_s (600 s): the run ended "stalled"
+    while its controller was still waiting to restart the role."""
+    from tauflow.controller.launcher import MAX_BACKOFF_S, ManagedService, ProcessLauncher, ServiceSpec
+
+    launcher = ProcessLauncher(tmp_path, max_restarts=10_000, backoff_s=1.0)
+    svc = ManagedService(ServiceSpec("reward", role="reward"), tmp_path)
+    delays = []
+    for restarts in (0, 1, 2, 5, 6, 9, 40, 9_999):
+        svc.restarts = restarts
+        delays.append(launcher._schedule_restart([svc], svc, "exited with code 1", now=100.0))
+    assert delays == [1, 2, 4, 32, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S] and MAX_BACKOFF_S == 60
+    assert svc.next_restart_at == 160.0

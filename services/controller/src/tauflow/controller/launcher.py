@@ -63,6 +63,8 @@ from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
 
+MAX_BACKOFF_S = 60.0  # the longest wait before a restart (1, 2, 4 ... s, then a minute each)
+
 
 START_HEADER = "=== start "  # a process's first line in its role's log (log_header)
 LOG_TAIL_BYTES = 64 * 1024  # what log_tail reads of a log's end
@@ -540,7 +542,9 @@ class ProcessLauncher:
                 dead.name,
                 f"{reason} after {first.restarts} restarts (max_restarts {self.max_restarts}):\n{dead.log_tail()}",
             )
-        delay = self.backoff_s * 2**first.restarts
+        # (capped: with max_restarts of 10 or more the doubling passed stall_timeout_s, and the run ended
+        # "stalled" while its controller was still waiting to restart the role)
+        delay = min(self.backoff_s * 2 ** min(first.restarts, 32), MAX_BACKOFF_S)
         first.next_restart_at = now + delay
         if len(unit) > 1:  # a gang goes on only whole: its other members stop now
             self._kill_alive(unit)

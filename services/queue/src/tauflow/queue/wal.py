@@ -265,6 +265,8 @@ class WriteAheadLog:
 
     def _finish(self, scan: _Scan, out: FrameWriter | None, tmp: Path) -> None:
         if scan.tail is not None and not self.losses:
+            meta = scan.tail.meta_json()  # (what the cut record was, where its meta can still be read: a
+            # Put's group id, as a loss in the middle names its records)
             log.warning(
                 "cutting torn tail of the log",
                 extra={
@@ -272,6 +274,7 @@ class WriteAheadLog:
                     "bytes": scan.tail_bytes,
                     "damage": scan.tail.why,
                     "kept": str(self.kept[-1]) if self.kept else "no (a partial record or zeros)",
+                    "record": json.dumps(meta)[:300] if meta is not None else "unreadable",
                 },
             )
         if out is not None:  # replace the file with what was recovered

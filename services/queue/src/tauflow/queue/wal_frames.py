@@ -111,7 +111,9 @@ class FormatV2:
                 meta = meta if meta_len and crc32(meta) == meta_crc else None
             return Bad(pos, "header", meta=meta)
         if meta_len + blob_len > end - body:  # lengths are trustworthy here (the tag checked them)
-            return Bad(pos, "partial", seq)
+            # (its meta, when whole and checked, still tells what the record was: a torn tail's Put is named)
+            meta = mm[body : body + meta_len] if meta_len <= end - body else None
+            return Bad(pos, "partial", seq, meta if meta is not None and crc32(meta) == meta_crc else None)
         meta = mm[body : body + meta_len]
         if crc32(meta) != meta_crc:
             return Bad(pos, "checksum", seq)

@@ -26,13 +26,12 @@ from grpc_health.v1 import health_pb2
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
 from tauflow.core.auth import refusal
-from tauflow.core.decoding import wire_bounds
 from tauflow.core.logs import LogLimit
 from tauflow.core.net import is_loopback
 from tauflow.core.runtoken import bearer_token
 from tauflow.core.server import ExtraServer, ServiceBinding, tls_server_credentials
 from tauflow.core.serverinfo import SERVICE as INFO_SERVICE
-from tauflow.queue.adapters import convert, wire
+from tauflow.queue.adapters import wire
 from tauflow.queue.adapters.servicer import SERVICE, QueueServicer, add_queue_servicer_to_server
 from tauflow.queue.config import ExternalConfig
 from tauflow.queue.metrics import QueueMetrics
@@ -174,20 +173,13 @@ async def _refuse_unless_it_fits(context: grpc.aio.ServicerContext, field: str, 
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _too_long(field, value, client))
 
 
-# The group's samples counted before it is decoded (tauflow.core.decoding.wire_bounds): only their number, the
-# queue's bound; every other bound is Put's, on the decoded group.
-_count_samples = wire_bounds(
-    common_pb2.Group.DESCRIPTOR, {"samples": convert.MAX_SAMPLES}, max_string=1 << 62, max_items=1 << 62
-)
-
-
 def with_client_identity(raw: bytes, client: str) -> bytes:
     """The serialized Group ``raw`` as ``client`` put it: its group_id namespaced (``<client>/<id>``) and
     its producer_id set to the client. A group of more samples than the queue takes is refused (ValueError)
     before it is decoded. Bytes that do not decode are returned as they are, for Put to
     refuse them like any other malformed group (the queue decodes every group in full anyway)."""
-    if (too_many := _count_samples(raw)) is not None:  # (counted on the wire: 20 M samples are not decoded)
-        raise ValueError(f"group.{too_many}" if too_many.startswith("samples ") else f"group: {too_many}")
+    if (too_many := wire.too_many_samples(raw)) is not None:  # (counted on the wire: 20 M samples are not decoded)
+        raise ValueError(too_many)
     try:
         group = common_pb2.Group.FromString(raw)
     except Exception:  # noqa: BLE001 - refused by Put with the field named

@@ -34,6 +34,7 @@ from google.protobuf.message import Message
 from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.decoding import wire_bounds
 from tauflow.core.protobuf import field_header, length_delimited, timestamp
 from tauflow.queue.adapters import convert
 from tauflow.queue.model import GetResult, GroupRecord
@@ -190,7 +191,7 @@ def group_record_fast(raw: bytes, max_group_bytes: int, view: Any | None = None)
         n_prompt = _short_varint_count(prompt)
         if not n or not n_prompt:
             return None
-        if (logprobs and len(logprobs) != 4 * n) or (mask and len(mask) != n) or (versions and len(versions) != n):
+        if len(logprobs) != 4 * n or (mask and len(mask) != n) or (versions and len(versions) != n):
             return None  # (one byte per flag and per version: see below)
         logprob_chunks.append(logprobs)
         mask_chunks.append(mask)
@@ -233,10 +234,29 @@ def decode_group(raw: bytes) -> common_pb2.Group:
         ) from e
 
 
+# A group's samples counted before it is decoded (tauflow.core.decoding.wire_bounds): only their number, the
+# queue's bound; every other bound is checked on the decoded group. 20 M empty samples fit in 38 MiB and took
+# GBs and seconds to decode before their refusal.
+_count_samples = wire_bounds(
+    common_pb2.Group.DESCRIPTOR, {"samples": convert.MAX_SAMPLES}, max_string=1 << 62, max_items=1 << 62
+)
+
+
+def too_many_samples(raw: bytes) -> str | None:
+    """Why the serialized Group ``raw`` holds more samples than the queue takes (``group.samples has more
+    than ...``), read on its wire bytes; None when it does not (or does not decode: the full decode says)."""
+    breach = _count_samples(raw)
+    if breach is None:
+        return None
+    return f"group.{breach}" if breach.startswith("samples ") else f"group: {breach}"
+
+
 def group_record(raw: bytes, max_group_bytes: int) -> GroupRecord:
     """The stored form of a serialized Group: accepted only if it decodes in full and validates."""
     if len(raw) > max_group_bytes:  # before decoding it: an oversized group costs no decode
         raise convert.GroupTooLarge(f"the group is {len(raw)} bytes, over the limit of {max_group_bytes}")
+    if (too_many := too_many_samples(raw)) is not None:  # (nor one of millions of samples)
+        raise convert.InvalidGroup(too_many)
     view = decode_view(raw)
     record = group_record_fast(raw, max_group_bytes, view)
     if record is not None and view is not None:
