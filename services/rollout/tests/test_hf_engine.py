@@ -471,3 +471,45 @@ def test_a_scoring_job_whose_caller_went_away_stops_at_its_next_chunk(model_dir:
         assert given_up.cancelled() and chunks[0] == 4  # its 3 chunks, then the next job's one
     finally:
         engine.close()
+
+
+def test_a_weight_version_whose_caller_left_is_still_loaded_and_generation_goes_on(
+    model_dir: Path, make_model: Any
+) -> None:
+    """The weight sidecar died (its Load call cancelled, and with it the engine's future) after the engine had
+    taken the staged versions: setting the cancelled future's result raised in the engine's thread, whose
+    catch-all failed every request in flight, and a newer version copied in with it was never published (the
+    engine served version 2's weights as version 1)."""
+    from tauflow.rollout.engine.base import settle
+
+    engine = HFEngine.from_pretrained(model_dir, seed=1)
+    apply = engine._apply_weights
+
+    def caller_gone(staged: list[Any]) -> None:
+        for s in staged:
+            if s.version == 1:
+                s.future.cancel()
+        apply(staged)
+
+    engine._apply_weights = caller_gone  # type: ignore[method-assign]
+    _slow_steps(engine, 0.02)
+    try:
+        generating = engine.submit([[1, 5, 6]], SamplingParams(max_new_tokens=40, ignore_eos=True, seed=2))
+        while engine.stats().running_sequences == 0:
+            time.sleep(0.005)
+        weights = make_model(seed=1).state_dict()
+        with engine._cv:  # both staged before the next safe point: one swap takes both
+            first, second = engine.stage_weights(1, weights), engine.stage_weights(2, weights)
+        assert second.result(30) == 2 and first.cancelled()
+        assert engine.policy_version == 2  # (published, though the first's caller was gone)
+        completion = generating.result(60)[0][0]
+        assert len(completion.token_ids) == 40 and 2 in completion.versions  # generated on, through the swap
+    finally:
+        engine.close()
+    # settle: a caller's future resolved unless it was cancelled, whichever thread cancels it
+    from concurrent.futures import Future
+
+    cancelled, pending = Future(), Future()
+    assert cancelled.cancel() and not settle(cancelled, 1) and cancelled.cancelled()
+    assert settle(pending, error=ValueError("x")) and isinstance(pending.exception(), ValueError)
+    assert not settle(pending, 2)  # (done already: left as it is)

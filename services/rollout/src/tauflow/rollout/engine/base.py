@@ -287,6 +287,21 @@ def check_policy_version(version: int) -> None:
         )
 
 
+def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> bool:
+    """Resolves a caller's ``future`` (its ``result``, or ``error``) unless the caller left: its call was
+    cancelled (a sidecar that died, a deadline), or a re-base dropped it. Race-free against a cancel from
+    another thread (the future is set running first). False when there was no one to tell: a future set
+    directly after a cancel raised InvalidStateError in the engine's thread, whose catch-all then failed every
+    request in flight."""
+    if future.done() or not (future.running() or future.set_running_or_notify_cancel()):
+        return False
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return True
+
+
 def check_newer(version: int, newest: int, rebase: bool) -> None:
     """A staged version must be a valid version (``check_policy_version``) newer than the newest served or
     staged, unless it re-bases."""

@@ -54,6 +54,7 @@ from tauflow.rollout.engine.base import (
     TensorSpec,
     check_newer,
     check_temperature,
+    settle,
     staged_copies,
 )
 from tauflow.rollout.engine.sampling import counter_uniforms, row_keys, sample_tokens
@@ -788,10 +789,11 @@ class HFEngine(GenerationEngine):
                     if self._offload is None or not self._offload.adopt(param, tensor):
                         param.copy_(tensor)  # (offloaded: the staged copy becomes the weight, nothing copied)
                 s.tensors.clear()
-        for s in staged:
+        for s in staged:  # (every version copied in is published, whether or not its caller is still there)
             self.counters["weight_swaps"] += 1
             self._publish_version(s.version)
-            s.future.set_result(s.version)
+        for s in staged:
+            settle(s.future, s.version)
 
     def _recompute_cache(self, b: _Batch) -> None:
         """Re-prefill every row (prompt + tokens so far, except the pending one) with the current weights."""
@@ -996,9 +998,7 @@ class HFEngine(GenerationEngine):
         self._last_error = f"{type(error).__name__}: {error}"
         _log.error("hf engine %s: %s; failing %d row(s)", self.engine_id, error, int(broken.sum()))
         for r in broken.nonzero()[:, 0].tolist():
-            future = b.rows[r].req.future
-            if not future.done():
-                future.set_exception(error)
+            settle(b.rows[r].req.future, error=error)
         b.done |= broken
         b.n_done = int(b.done.sum())
         with self._cv:
@@ -1044,7 +1044,7 @@ class HFEngine(GenerationEngine):
         req.remaining -= 1
         if req.remaining == 0:
             self._uncount(req)  # before the caller wakes up, so that stats() never shows it in flight after
-            req.future.set_result([[c for c in group if c is not None] for group in req.results])  # all are in
+            settle(req.future, [[c for c in group if c is not None] for group in req.results])  # all are in
 
     # -- failure and shutdown --
 
@@ -1053,11 +1053,9 @@ class HFEngine(GenerationEngine):
         self._batch = None
         self._running = 0
         for row in rows:
-            if not row.req.future.done():
-                row.req.future.set_exception(exc)
+            settle(row.req.future, error=exc)
         for s in staged:
-            if not s.future.done():
-                s.future.set_exception(exc)
+            settle(s.future, error=exc)
 
     def _shutdown(self) -> None:
         with self._cv:
@@ -1074,8 +1072,8 @@ class HFEngine(GenerationEngine):
         for row in waiting:
             self._complete(row, Completion([], [], [], FinishReason.ABORT))
         for s in staged:
-            s.future.set_exception(
-                EngineClosedError(f"engine {self.engine_id} closed before loading version {s.version}")
+            settle(
+                s.future, error=EngineClosedError(f"engine {self.engine_id} closed before loading version {s.version}")
             )
         with self._cv:
             scoring, self._scoring = self._scoring, []

@@ -68,6 +68,7 @@ from tauflow.rollout.engine.base import (
     SamplingParams,
     TensorSpec,
     check_newer,
+    settle,
     staged_copies,
 )
 
@@ -729,7 +730,7 @@ class SGLangEngine(GenerationEngine):
             self._closing = True
             staged, self._staged = self._staged, []
         for s in staged:
-            s.future.set_exception(EngineClosedError(f"engine {self.engine_id} is closed"))
+            settle(s.future, error=EngineClosedError(f"engine {self.engine_id} is closed"))
         if self._thread.is_alive():
             try:
                 self._call(self._shutdown(timeout)).result(timeout + 5)
