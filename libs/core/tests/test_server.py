@@ -228,6 +228,10 @@ class Boom:
                 raise RuntimeError("a bug, its caller still there") from None
         if request == b"abort":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: abort asked for")
+        if request == b"unsent":  # what an abort raises when gRPC cannot send it (its caller left, or never read)
+            from grpc._cython.cygrpc import ExecuteBatchError
+
+            raise ExecuteBatchError('Failed "execute_batch"')
         raise RuntimeError(f"secret internals {request!r}")
 
     async def server_stream(self, request: bytes, context: grpc.aio.ServicerContext):
@@ -609,6 +613,58 @@ async def test_a_handler_that_fails_after_its_caller_left_is_no_unexpected_error
         await server.drain()
     assert _errors("Unary") == before
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+async def test_an_answer_that_could_not_be_sent_is_no_unexpected_error(caplog: pytest.LogCaptureFixture) -> None:
+    """An abort gRPC could not send (a client that asks without its token and leaves, or never opens its
+    flow-control window) was taken as a bug: logged and counted, then aborted again, which gRPC logged with a
+    traceback for each ("Abort already called!": 2,871 from one client). Raw connections with a zero window
+    ask and close; the handler's abort then cannot be sent."""
+    import struct
+
+    from tauflow.core.testing import raw_http2_request
+
+    server = GrpcServer([_boom_binding()], ServerConfig(port=0))
+    port = await server.start()
+    await server.set_serving(True)
+    before = _errors("Unary")
+    try:
+        with caplog.at_level(logging.INFO):
+            for wait_s in (0.005, 0.02, 0.05, 0.1, 0.2) * 2:
+                await asyncio.to_thread(
+                    raw_http2_request, port, f"/{BOOM}/Unary".encode(), message=b"abort", requests=16,
+                    settings=struct.pack(">HI", 4, 0), close_after_s=wait_s,
+                )  # fmt: skip
+            await asyncio.sleep(0.5)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # a caller that stays: INTERNAL
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await channel.unary_unary(f"/{BOOM}/Unary")(b"unsent", timeout=5)
+                assert e.value.code() == grpc.StatusCode.INTERNAL
+    finally:
+        await server.drain()
+    assert _errors("Unary") == before + 1  # the one whose caller was there to be told
+    tracebacks = [r for r in caplog.records if r.levelno >= logging.ERROR and "unsent" not in str(r.exc_info)]
+    assert not [r for r in tracebacks if "Abort already called" in str(r.exc_info) or "Unexpected" in r.getMessage()]
+
+
+def test_grpcs_traceback_per_unsent_answer_is_one_line_a_minute() -> None:
+    from tauflow.core.logs import UnsentAnswers
+
+    limit = UnsentAnswers(every_s=60.0)
+    records = []
+    for _ in range(50):
+        record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1,
+                                   "ExecuteBatchError raised in core by servicer method [%s]", ("/a/B",),
+                                   (RuntimeError, RuntimeError("x"), None))  # fmt: skip
+        if limit.filter(record):
+            records.append(record)
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "something else", (), None)
+    assert limit.filter(other) and other.levelno == logging.ERROR  # (others pass as they are)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and records[0].exc_info is None
+    assert (
+        records[0].getMessage()
+        == "an answer could not be sent (RuntimeError: its caller had gone); 0 more since the last line"
+    )
 
 
 async def test_a_handler_that_only_seems_to_have_lost_its_caller_still_answers_internal_and_is_counted() -> None:

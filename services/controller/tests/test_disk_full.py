@@ -427,3 +427,20 @@ def test_a_queue_killed_on_a_full_disk_is_restarted_once_there_is_room(
     finally:
         codes = launcher.stop()
     assert codes == {"queue": 0}
+
+
+def test_a_summary_with_a_nan_loss_is_standard_json(tmp_path: Path) -> None:
+    """A step's NaN loss or infinite mean reward was written as NaN/Infinity, which is not JSON: JavaScript's
+    JSON.parse refused the whole summary. They are null now."""
+    from tauflow.controller.summary import StepRecord
+
+    summary = RunSummary("r", 1, 2)
+    summary.add_step(StepRecord(1, 1, 0.5, float("inf"), 0, 0.0, float("nan"), 10, 2, {"grad_norm": float("-inf")}))
+    text = summary.write(tmp_path)[0].read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+    def strict(name: str) -> None:
+        raise ValueError(name)
+
+    step = json.loads(text, parse_constant=strict)["steps"][0]
+    assert (step["mean_reward"], step["loss"], step["metrics"]["grad_norm"]) == (None, None, None)

@@ -29,8 +29,8 @@ def sample(
         behaviour_version=behaviour_version,
         reward=common_pb2.Reward(score=score),
     )
-    if logprobs is not None:
-        s.behaviour_logprobs.extend(logprobs)
+    # (one per completion token unless the test says otherwise: the contract requires them)
+    s.behaviour_logprobs.extend((-0.5,) * len(completion) if logprobs is None else logprobs)
     if versions is not None:
         s.token_versions.extend(versions)
     if mask is not None:

@@ -61,16 +61,39 @@ def test_never_trains_a_group_twice(tiny_model_dir: Path, make_groups: MakeGroup
 
 
 def test_zero_advantage_groups_are_skipped_but_the_step_commits(tiny_model_dir: Path) -> None:
-    b = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=1e-2)))
+    b = TorchBackend(config(tiny_model_dir, optim=OptimConfig(lr=1e-2, weight_decay=0.1)))
     flat = Group("flat", [Sample([1, 2], [3, 4], [-2.0, -2.0], reward=1.0) for _ in range(4)])
     before = params(b)
     r = b.train_step([flat])
     assert r.committed and b.version == 1 and r.trained_tokens == 0
     assert r.metrics["skipped_zero_advantage_groups"] == 1 and r.metrics["micro_batches"] == 0
-    assert all(torch.equal(before[k], v) for k, v in params(b).items())  # no gradient, no decay: unchanged
+    # a zero gradient's AdamW update, as the formula's (and verl's) backward makes it: momentum 0 at the first
+    # step, so only the decoupled weight decay moves the matrices (lr · wd); the vectors have no decay
+    for k, v in params(b).items():
+        decayed = before[k] * (1 - 1e-2 * 0.1) if before[k].ndim >= 2 else before[k]
+        assert torch.allclose(v, decayed, rtol=0, atol=1e-7), k
+    assert r.metrics["updates"] == 1 and r.metrics["grad_norm"] == 0.0
     varied = Group("varied", [Sample([1, 2], [3, 4], [-2.0, -2.0], reward=float(i % 2)) for i in range(4)])
     r = b.train_step([Group("flat2", flat.samples), varied])
     assert r.groups == 2 and r.metrics["skipped_zero_advantage_groups"] == 1 and r.trained_tokens == 8
+
+
+def test_groups_no_step_can_train_are_skipped_and_the_others_train(tiny_model_dir: Path) -> None:
+    # A token id outside the vocabulary (the embedding's lookup raised and ended the trainer, each restart handed
+    # the group again) or a reward whose square overflows (the step's loss and every group's update were NaN).
+    b = TorchBackend(config(tiny_model_dir))
+    vocab = b.model.config.vocab_size
+
+    def group(name: str, completion: list[int], reward: float = 1.0) -> Group:
+        n = len(completion)
+        return Group(name, [Sample([1, 2], completion, [-2.0] * n, reward=reward * (i % 2)) for i in range(4)])
+
+    poison = [group("oov", [3, vocab]), group("negative", [3, -1]), group("huge", [3, 4], reward=1.7e308)]
+    r = b.train_step([group("ok", [3, 4]), *poison])
+    assert r.committed and r.groups == 1 and r.trained_group_ids == ["ok"]
+    assert r.metrics["skipped_invalid_groups"] == 3 and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
+    alone = b.train_step([group("oov2", [vocab + 7, 3])])  # nothing else: nothing trains, nothing commits
+    assert not alone.committed and alone.metrics["skipped_invalid_groups"] == 1 and b.version == 1
 
 
 @pytest.mark.parametrize(
@@ -78,6 +101,7 @@ def test_zero_advantage_groups_are_skipped_but_the_step_commits(tiny_model_dir: 
     [
         {"aggregation": "token-mean"},
         {"aggregation": "seq-mean-token-mean", "mini_batches": 2},
+        {"aggregation": "token-mean", "mini_batches": 3, "epochs": 2},
         {"aggregation": "seq-mean-token-sum-norm"},
         {"aggregation": "sample-sum"},
         {"algorithm": "gpg"},
@@ -94,15 +118,16 @@ def test_skipping_zero_advantage_groups_changes_no_update(tiny_model_dir: Path, 
                 name, [Sample([1, 2], [3 + i % 4] * length, [-2.0] * length, reward=r) for i, r in enumerate(rewards)]
             )
 
-        # (each of two mini-batches holds trained samples: one of zero groups alone would make no update, where
-        # the formula's zero gradient still moves Adam's momentum; docs/algorithms.md)
-        return [group("ones", [1, 1, 1, 1], 5), group("varied", [1, 0, 1, 0], 3), group("zeros", [0, 0, 0, 0], 2)]
+        # (with mini_batches 2, the first mini-batch holds zero groups alone: its update is a zero gradient's,
+        # which still moves Adam's momentum, and weight decay)
+        return [group("ones", [1, 1, 1, 1], 5), group("zeros", [0, 0, 0, 0], 2), group("varied", [1, 0, 1, 0], 3)]
 
     algorithm = str(options.get("algorithm", "grpo"))
     algorithm_options = {k: v for k, v in options.items() if k != "algorithm"}
     updated = {}
     for skip in (True, False):
-        optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=None)  # Adam with eps 1: the update ~ the gradient
+        # Adam with eps 1: the update ~ the gradient; weight decay: an update of a zero gradient still decays
+        optim = OptimConfig(lr=1.0, eps=1.0, grad_clip=None, weight_decay=0.01)
         b = TorchBackend(
             config(
                 tiny_model_dir,

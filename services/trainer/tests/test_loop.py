@@ -577,3 +577,33 @@ def test_a_refused_export_answers_its_documented_code(tmp_path, refusal: str, co
     with pytest.raises(Aborted) as e:
         asyncio.run(servicer.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(directory="exports/1"), Context()))
     assert e.value.args == (getattr(grpc.StatusCode, code), "refused")
+
+
+def test_groups_the_trainer_cannot_take_are_consumed_with_their_lease_and_counted(
+    tiny_model_dir, make_groups, tmp_path
+) -> None:
+    """A lease whose groups do not convert (the queue client leaves them out, naming them) is acked with the
+    step, and the step still takes its full count of groups: before, the conversion's error ended the trainer,
+    and the group, redelivered to each restart, ended the run."""
+
+    class PoisonFirst(FakeQueue):
+        async def get_batch(self, n_groups, consumer_version, wait_s, lease_s):
+            if "lease-bad" not in self.acked_leases and "lease-bad" not in self.leases:
+                self.leases["lease-bad"] = []
+                return Batch("lease-bad", [], invalid={"poison": "sample '0': 0 behaviour log-probs for 8 tokens"})
+            return await super().get_batch(n_groups, consumer_version, wait_s, lease_s)
+
+        async def ack(self, lease_id: str) -> None:
+            self.acked_leases.append(lease_id)
+            await super().ack(lease_id)
+
+    queue, publisher = PoisonFirst(make_groups(1, 4)), FakePublisher()
+    queue.acked_leases = []
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=2)
+    asyncio.run(loop.run())
+    assert loop.version == 2 and [r.groups for r in loop.history] == [2, 2]
+    assert (
+        loop.history[0].metrics["skipped_invalid_groups"] == 1
+        and "skipped_invalid_groups" not in loop.history[1].metrics
+    )
+    assert "lease-bad" in queue.acked_leases and not queue.leases and len(queue.acked) == 4

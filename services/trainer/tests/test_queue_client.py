@@ -121,3 +121,36 @@ async def test_a_queue_that_lost_the_trainers_version_is_told_it_again() -> None
     finally:
         await client.close()
         await server.stop(0)
+
+
+async def test_a_group_the_trainer_cannot_take_is_skipped_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    # A group without behaviour log-probs (a queue of an earlier build took it): converting it raised, which
+    # ended the trainer, and each restart was handed it again until the run failed (one external Put did it).
+    from tauflow.core.testing import make_group
+
+    class PoisonQueue(queue_pb2_grpc.QueueServiceServicer):
+        async def Deliver(self, request_iterator, context):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Deliver")
+
+        async def Get(self, request, context):
+            poison = make_group("poison")
+            del poison.samples[0].behaviour_logprobs[:]
+            return queue_pb2.GetResponse(
+                lease=queue_pb2.Lease(lease_id="L"),
+                groups=[queue_pb2.DeliveredGroup(group=g) for g in (make_group("a"), poison, make_group("b"))],
+            )
+
+    server = grpc.aio.server()
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(PoisonQueue(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcQueue(f"127.0.0.1:{port}", "trainer", ChannelConfig(default_timeout_s=5))
+    try:
+        batch = await client.get_batch(3, 0, wait_s=0.1, lease_s=10)
+        assert batch is not None and [g.group_id for g in batch.groups] == ["a", "b"] and batch.lease_id == "L"
+        assert len(batch.trace_contexts) == 2
+        assert batch.invalid == {"poison": "sample '0': 0 behaviour log-probs for 8 completion tokens"}
+        assert "group skipped: the trainer cannot take it" in caplog.text
+    finally:
+        await client.close()
+        await server.stop(0)

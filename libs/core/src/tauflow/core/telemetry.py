@@ -27,7 +27,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from tauflow.core.logs import LogLimit
+from tauflow.core.logs import CallerProvokedErrors
 
 log = logging.getLogger(__name__)
 _configured = False
@@ -146,29 +146,18 @@ DETACH_LOGGER = "opentelemetry.context"
 DETACH_LOG_EVERY_S = 60.0
 
 
-class DetachErrors(logging.Filter):
-    """OpenTelemetry logs "Failed to detach context" at ERROR with a traceback (about 1 KB) whenever a context is
-    detached in another context than it was attached in: the grpc aio server instrumentation does so for every
+class DetachErrors(CallerProvokedErrors):
+    """OpenTelemetry logs "Failed to detach context" at ERROR with a traceback whenever a context is detached in
+    another context than it was attached in: the grpc aio server instrumentation does so for every
     response-streaming call whose caller left mid-stream (its generator is closed from another task), so any
-    client could write one traceback per dropped stream, at will (28 KB/s from one client). Keeps one short line
-    per ``every_s``, saying how many were left out since, without the traceback."""
+    client could write one traceback per dropped stream, at will (28 KB/s from one client)."""
 
     def __init__(self, every_s: float = DETACH_LOG_EVERY_S) -> None:
-        super().__init__()
-        self.limit = LogLimit(every_s)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Failed to detach context"):
-            return True
-        count = self.limit.due()
-        if not count:
-            return False
-        error = record.exc_info[1] if record.exc_info else None
-        record.msg = "failed to detach a trace context (%s; a caller left a stream); %d more since the last line"
-        record.args = (type(error).__name__ if error is not None else "no exception", count - 1)
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
-        return True
+        super().__init__(
+            "Failed to detach context",
+            "failed to detach a trace context (%s; a caller left a stream); %d more since the last line",
+            every_s,
+        )
 
 
 def quiet_detach_errors(every_s: float = DETACH_LOG_EVERY_S) -> None:

@@ -131,10 +131,22 @@ def self_signed_certificate(cert: Path, key: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def raw_http2_request(port: int, path: bytes, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """One HTTP/2 request written by hand (HPACK literals): gRPC clients cannot send a path that is not UTF-8."""
+def raw_http2_request(
+    port: int,
+    path: bytes,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+    *,
+    message: bytes | None = None,
+    requests: int = 1,
+    settings: bytes = b"",
+    close_after_s: float | None = None,
+) -> None:
+    """HTTP/2 requests written by hand (HPACK literals): gRPC clients cannot send a path that is not UTF-8, nor
+    open a connection with a zero flow-control window (``settings``) and leave ``close_after_s`` later without
+    reading. ``message``: each request's gRPC message (none: headers only, the stream ended)."""
     import socket
     import struct
+    import time
     from contextlib import suppress
 
     def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -146,7 +158,18 @@ def raw_http2_request(port: int, path: bytes, extra: tuple[tuple[bytes, bytes], 
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path), (b":authority", b"x"),
                (b"content-type", b"application/grpc"), (b"te", b"trailers"), *extra]  # fmt: skip
     block = b"".join(literal(n, v) for n, v in headers)
+    streams = []
+    for i in range(requests):
+        sid = 2 * i + 1
+        if message is None:
+            streams.append(frame(1, 0x4 | 0x1, sid, block))
+        else:
+            body = b"\x00" + struct.pack(">I", len(message)) + message
+            streams.append(frame(1, 0x4, sid, block) + frame(0, 0x1, sid, body))
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0) + frame(1, 0x4 | 0x1, 1, block))
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, settings) + b"".join(streams))
+        if close_after_s is not None:
+            time.sleep(close_after_s)
+            return
         with suppress(OSError):
             s.recv(65536)

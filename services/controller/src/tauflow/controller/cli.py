@@ -29,6 +29,7 @@ from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.ports import PeerError
 from tauflow.controller.progress import progress_view
 from tauflow.controller.run import RunStalled
+from tauflow.controller.summary import json_text
 from tauflow.core.app import one_line
 from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
@@ -126,7 +127,7 @@ def control_command(args: argparse.Namespace) -> int:
                 return f"max_staleness: {previous} -> {tau}, in force from policy version {version}"
             status = await client.status()
             if args.json:
-                return json.dumps({"run": status.run, "services": status.services}, indent=1)
+                return json_text({"run": status.run, "services": status.services}, indent=1)
             return status_text(status)
         finally:
             await client.close()

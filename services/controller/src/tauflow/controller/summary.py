@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,23 @@ class EvalRecord:
     accuracy: float
     prompts: int
     engine_version: int = 0  # the oldest version the rollout engine answered with
+
+
+def json_text(value: Any, indent: int = 2) -> str:
+    """``value`` as standard JSON: a float that is not finite (a step's NaN loss, an infinite mean reward)
+    becomes null. Python writes NaN and Infinity, which JSON has not: JavaScript's JSON.parse, Go's and
+    Rust's decoders refuse the whole file."""
+    return json.dumps(_finite(value), indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclass
@@ -123,7 +141,7 @@ class RunSummary:
         the PNG is not attempted after a JSON that failed (the two stay a pair)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path = out_dir / "summary.json"
-        replace_file(json_path, json.dumps(self.to_json(), indent=2).encode(), durable=True)
+        replace_file(json_path, json_text(self.to_json()).encode(), durable=True)
         png_path = out_dir / "summary.png"
         plot(self, png_path)
         return json_path, png_path

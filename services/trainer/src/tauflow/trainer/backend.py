@@ -14,6 +14,7 @@ run :meth:`TorchBackend.follow`, doing what rank 0 tells them, until it tells th
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -30,6 +31,7 @@ import torch
 from opentelemetry import trace
 
 from tauflow import media
+from tauflow.core.limits import MAX_ABS_REWARD
 from tauflow.core.staleness import UNBOUNDED, too_stale
 from tauflow.models.offload import ParameterOffload
 from tauflow.models.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
@@ -266,6 +268,8 @@ class StepPlan:
     stale: list[str]
     invalid_media: list[str] = field(default_factory=list)
     """Groups whose prompt parts this model cannot take (not trained, not recorded; the log says why)."""
+    invalid: list[str] = field(default_factory=list)
+    """Groups no model could train (a token id outside the vocabulary, a reward out of bounds): likewise."""
     samples: list[Sample] = field(default_factory=list)
     """The samples that run a forward and backward: at least one trained token, not a skipped zero group's."""
     advantages: list[Advantage] = field(default_factory=list)
@@ -295,7 +299,10 @@ class StepPlan:
 
     @property
     def invalid_media_metric(self) -> dict[str, float]:
-        return {"skipped_invalid_media_groups": float(len(self.invalid_media))} if self.invalid_media else {}
+        return {
+            **({"skipped_invalid_media_groups": float(len(self.invalid_media))} if self.invalid_media else {}),
+            **({"skipped_invalid_groups": float(len(self.invalid))} if self.invalid else {}),
+        }
 
 
 class TorchBackend:
@@ -356,6 +363,7 @@ class TorchBackend:
         # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
         fp16 = config.autocast_dtype == "float16"
         self._scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
+        self._stand_in_zeros = False  # the update under way ran no backward: zeros stand in (_update)
         if fp16 and self.algorithm.config.uses_critic:
             raise ValueError("autocast_dtype float16 with a critic is not supported: use bfloat16")
         if self.processor is not None and self.algorithm.config.uses_critic:
@@ -424,7 +432,9 @@ class TorchBackend:
         self.group.load_optimizer_state(self.model, self.optimizer, state)
 
     def _clip_and_step(self) -> dict[str, float]:
-        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler)
+        return clip_and_step(
+            self.model, self.optimizer, self.config.optim.grad_clip, self._scaler, scaled=not self._stand_in_zeros
+        )
 
     def release_memory(self) -> int:
         """The trainer's turn is over (colocated mode): with ``offload_model``, the weights of every model this
@@ -563,6 +573,7 @@ class TorchBackend:
     def _update(self) -> dict[str, float]:
         """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step); with offload_optimizer,
         its state is on the GPU for the update only."""
+        self._stand_in_zeros = self._zero_gradient_without_backward()
         if self._offload is None:
             return self._clip_and_step()
         self._offload.to_device()
@@ -570,6 +581,21 @@ class TorchBackend:
             return self._clip_and_step()
         finally:
             self._offload.to_host()  # (after a failed update too: the engine's memory is not held hostage)
+
+    def _zero_gradient_without_backward(self) -> bool:
+        """An update whose every sample is a skipped zero-advantage group ran no backward (on any rank: every
+        rank runs one when any has a sample). Its gradient is zero, and the formula's update (verl's, which runs
+        the backward) still moves AdamW's momentum and weight decay and counts a step: zeros stand in, so that
+        skipping changes no weight. (Before, AdamW left every weight without a gradient alone.) True when the
+        zeros stand in: fp16's loss scale neither unscales them nor learns from them."""
+        if any(p.grad is not None for p in self.model.parameters()):
+            return False
+        if self.group is not None and self.group.strategy == "fsdp":
+            self.group.reshard(self.model)  # (its root stays gathered after a forward without backward)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return True
 
     def _backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, of the loss times fp16's loss scale when there is one."""
@@ -682,9 +708,11 @@ class TorchBackend:
                 fresh.append(g)
         stale = [g.group_id for g in fresh if too_stale(step, g.oldest_version, max_staleness)]
         fresh = [g for g in fresh if not too_stale(step, g.oldest_version, max_staleness)]
+        unfit = self._unfit(fresh)
+        fresh = [g for g in fresh if g.group_id not in unfit]
         invalid = self._attach_media(fresh)
         fresh = [g for g in fresh if g.group_id not in invalid]
-        plan = StepPlan(fresh, duplicates, stale, list(invalid))
+        plan = StepPlan(fresh, duplicates, stale, list(invalid), list(unfit))
         if not fresh:
             return plan
         forwarded: dict[int, dict[str, list[float]]] = {}
@@ -784,6 +812,41 @@ class TorchBackend:
             )
             trained += n
         return plan
+
+    @functools.cached_property
+    def _vocab_rows(self) -> int:
+        """The token ids the policy's embedding has rows for (a multimodal model's text vocabulary)."""
+        config: Any = self.model.config
+        text = getattr(config, "text_config", None)
+        return int(getattr(text, "vocab_size", None) or config.vocab_size)
+
+    def _unfit(self, groups: Sequence[Group]) -> dict[str, str]:
+        """Groups no step can train, with why: a token id outside [0, vocabulary) (the embedding's lookup
+        raised, and ended the trainer: each restart was handed the group again), a reward beyond
+        ``MAX_ABS_REWARD`` (its square overflowed, and the step's loss and every other group's update were NaN).
+        They are skipped and logged; the step consumes them (their leases are acked)."""
+        unfit: dict[str, str] = {}
+        rows = self._vocab_rows
+        for g in groups:
+            for s in g.samples:
+                for what, ids in (("prompt", s.prompt_ids), ("completion", s.completion_ids)):
+                    if ids and (min(ids) < 0 or max(ids) >= rows):
+                        unfit[g.group_id] = f"sample {s.sample_id!r}: a {what} token id outside [0, {rows})"
+                        break
+                if g.group_id in unfit:
+                    break
+                if not abs(s.reward) <= MAX_ABS_REWARD:
+                    unfit[g.group_id] = f"sample {s.sample_id!r}: reward {s.reward!r} beyond ±{MAX_ABS_REWARD:g}"
+                    break
+            if (
+                g.group_id not in unfit
+                and g.baseline_reward is not None
+                and not abs(g.baseline_reward) <= MAX_ABS_REWARD
+            ):
+                unfit[g.group_id] = f"baseline_reward {g.baseline_reward!r} beyond ±{MAX_ABS_REWARD:g}"
+        for group_id, why in unfit.items():
+            log.warning("group skipped: %s", why, extra={"group_id": group_id[:200]})
+        return unfit
 
     def _attach_media(self, groups: Sequence[Group]) -> dict[str, str]:
         """A multimodal policy: each group's encoder inputs, computed once from its prompt parts and shared by

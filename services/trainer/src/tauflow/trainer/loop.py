@@ -248,6 +248,10 @@ class TrainerLoop:
             timing = StepTiming(waited_from, trained_from=time.monotonic())
             result = await asyncio.to_thread(self.backend.train_step, groups, max_staleness=self.delivered_tau(parts))
             timing.trained_until = time.monotonic()
+            if undecodable := sum(len(p.invalid) for p in parts):  # (consumed with their leases: acked)
+                result.metrics["skipped_invalid_groups"] = (
+                    result.metrics.get("skipped_invalid_groups", 0.0) + undecodable
+                )
             self._since_checkpoint.update(result.trained_group_ids)
             # Held only once trained, so a concurrent checkpoint never acks an untrained lease. A part with
             # nothing to make durable (every group skipped as too stale, or trained before and already in a

@@ -33,6 +33,8 @@ SKIPPED = {
     "zero_advantage": "skipped_zero_advantage_groups",
     "duplicate": "skipped_duplicate_groups",
     "stale": "skipped_stale_groups",
+    "invalid": "skipped_invalid_groups",
+    "invalid_media": "skipped_invalid_media_groups",
 }
 
 

@@ -76,18 +76,20 @@ def clip_and_step(
     grad_clip: float | None,
     scaler: torch.amp.GradScaler | None = None,
     norm_of: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None,
+    scaled: bool = True,
 ) -> dict[str, float]:
     """One optimizer update of ``model``'s accumulated gradients: clip their global norm, step, clear them.
     A non-finite norm skips the update (``skipped_nonfinite_grad`` = 1). Under FSDP2 the norm is that of
     the whole gradient over every rank's shard, so every rank decides alike; ``norm_of`` (the parameters ->
     their gradient's norm) computes it where torch cannot see the shards (megatron's tensor parallelism).
     With fp16's ``scaler`` the gradients (of a scaled loss) are unscaled first, and the scale adapts: halved
-    after an overflow, grown after a run of good steps (torch.amp.GradScaler)."""
+    after an overflow, grown after a run of good steps (torch.amp.GradScaler). ``scaled`` False: the gradients
+    are zeros standing in for an update that ran no backward: nothing to unscale, and the scale stays."""
     params = [p for p in model.parameters() if p.grad is not None]
     reported = scaler
-    if not params:
-        # (an update whose every sample is a zero-advantage group ran no backward: nothing to unscale, and the
-        # scale neither grows nor shrinks on it; the update is a no-op, as without fp16)
+    if not params or not scaled:
+        # (no gradient at all: nothing to unscale, and the scale neither grows nor shrinks on it; AdamW leaves
+        # the weights alone. The backend gives the policy zeros instead where its update ran no backward.)
         scaler = None
     if scaler is not None:
         scaler.unscale_(optimizer)

@@ -17,6 +17,9 @@ class Batch:
     groups: list[Group]
     trace_contexts: list[str] = field(default_factory=list)  # W3C traceparent of each group's rollout
     max_staleness: int | None = None  # the τ the queue delivered it under; None: the queue did not say
+    # groups of the lease that cannot be trained (id -> why: a sample's log-probs missing, an empty prompt):
+    # not in ``groups``, consumed with the lease (acked), logged and counted (skipped_invalid_groups)
+    invalid: dict[str, str] = field(default_factory=dict)
 
 
 class QueuePort(Protocol):

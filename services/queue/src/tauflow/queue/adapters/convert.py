@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.limits import MAX_ABS_REWARD
 from tauflow.core.protobuf import timestamp
 from tauflow.media import wire as media_wire
 from tauflow.queue.model import MAX_ID_CHARS, GroupRecord, Lease, Stats, Ticket
@@ -73,8 +74,8 @@ def check_structure(group: common_pb2.Group) -> None:
     if len(group.trace_context.tracestate) > MAX_TRACESTATE_CHARS:
         raise InvalidGroup(f"{where}: group.trace_context.tracestate is longer than {MAX_TRACESTATE_CHARS} characters")
     _check_map(group.metadata, f"{where}: group.metadata")
-    if group.HasField("baseline_reward") and not math.isfinite(group.baseline_reward):
-        raise InvalidGroup(f"{where}: group.baseline_reward is not finite")
+    if group.HasField("baseline_reward") and not abs(group.baseline_reward) <= MAX_ABS_REWARD:
+        raise InvalidGroup(f"{where}: group.baseline_reward is not finite, or beyond ±{MAX_ABS_REWARD:g}")
     if group.prompt_parts:
         prompt_parts(group, STRUCTURE_ONLY)
     seen_ids: set[str] = set()
@@ -86,7 +87,7 @@ def check_structure(group: common_pb2.Group) -> None:
             and not s.metadata
             and not reward.components
             and len(reward.message) <= MAX_REWARD_MESSAGE_CHARS
-            and math.isfinite(reward.score)
+            and abs(reward.score) <= MAX_ABS_REWARD  # (False for NaN)
         ):
             seen_ids.add(sample_id)
             continue
@@ -98,8 +99,8 @@ def check_structure(group: common_pb2.Group) -> None:
         seen_ids.add(s.sample_id)
         _check_map(s.metadata, f"{at}.metadata")
         reward = s.reward
-        if not math.isfinite(reward.score):
-            raise InvalidGroup(f"{at}.reward.score is not finite")
+        if not abs(reward.score) <= MAX_ABS_REWARD:
+            raise InvalidGroup(f"{at}.reward.score is not finite, or beyond ±{MAX_ABS_REWARD:g}")
         _check_map(reward.components, f"{at}.reward.components")
         for name, value in reward.components.items():
             if not math.isfinite(value):
@@ -137,8 +138,14 @@ def group_to_record(group: common_pb2.Group, max_group_bytes: int) -> GroupRecor
             raise InvalidGroup(f"{where}.prompt_token_ids is empty")
         if n == 0:
             raise InvalidGroup(f"{where}.completion_token_ids is empty")
+        for name, ids in (("prompt_token_ids", s.prompt_token_ids), ("completion_token_ids", s.completion_token_ids)):
+            if min(ids) < 0:  # (no embedding has a row for it: the trainer's lookup raised)
+                raise InvalidGroup(f"{where}.{name} holds a negative token id")
+        if len(s.behaviour_logprobs) != n:  # (required: the trainer's loss needs one per token)
+            raise InvalidGroup(
+                f"{where}.behaviour_logprobs has {len(s.behaviour_logprobs)} entries for {n} completion tokens"
+            )
         for name, field in (
-            ("behaviour_logprobs", s.behaviour_logprobs),
             ("token_versions", s.token_versions),
             ("loss_mask", s.loss_mask),
         ):

@@ -67,11 +67,25 @@ class GrpcQueue:
             raise
         if not resp.groups:
             return None
+        # A group the queue took that the trainer cannot (a sample without its log-probs, an empty prompt) is
+        # skipped, not raised: raised, it ended the trainer, and each restart was handed it again until the
+        # run failed, and its --resume too (one external Put ended a run).
+        groups, contexts, invalid = [], [], {}
+        for delivered in resp.groups:
+            try:
+                groups.append(group_from_proto(delivered.group))
+            except ValueError as e:
+                invalid[delivered.group.group_id] = str(e)[:300]
+                continue
+            contexts.append(delivered.group.trace_context.traceparent)
+        for group_id, why in invalid.items():
+            log.warning("group skipped: the trainer cannot take it", extra={"group_id": group_id[:200], "why": why})
         return Batch(
             lease_id=resp.lease.lease_id,
-            groups=[group_from_proto(d.group) for d in resp.groups],
-            trace_contexts=[d.group.trace_context.traceparent for d in resp.groups],
+            groups=groups,
+            trace_contexts=contexts,
             max_staleness=resp.max_staleness if resp.HasField("max_staleness") else None,
+            invalid=invalid,
         )
 
     async def _get(self, request: queue_pb2.GetRequest, timeout_s: float) -> queue_pb2.GetResponse:

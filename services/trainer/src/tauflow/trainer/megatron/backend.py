@@ -470,7 +470,14 @@ class MegatronBackend(TorchBackend):
             self._average_gradients_over_replicas()
         split = model.tensor_parallel > 1 or model.stage is not None
         norm_of = self._model_parallel_grad_norm if split else None
-        return clip_and_step(self.model, self.optimizer, self.config.optim.grad_clip, self._scaler, norm_of)
+        return clip_and_step(
+            self.model,
+            self.optimizer,
+            self.config.optim.grad_clip,
+            self._scaler,
+            norm_of,
+            scaled=not self._stand_in_zeros,
+        )
 
     def _add_tied_embedding_gradients(self) -> None:
         """The first stage's embedding and the last's copy of it (the output layer) are one weight: each gets
