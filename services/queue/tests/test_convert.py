@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -177,3 +178,30 @@ def test_a_baseline_reward_that_is_not_finite_is_refused_by_name(bad: float) -> 
     assert "group.baseline_reward is not finite" in invalid(g)
     g.baseline_reward = 0.25  # a finite one travels with the group
     convert.group_to_record(g, LIMIT)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda g: setattr(g.created_at, "seconds", 2**62),
+            "group.created_at is not a valid google.protobuf.Timestamp",
+        ),
+        (lambda g: setattr(g.created_at, "nanos", -1), "group.created_at is not a valid google.protobuf.Timestamp"),
+        (lambda g: setattr(g.samples[0], "finish_reason", 99), "samples[0].finish_reason 99 is not a FinishReason"),
+        (lambda g: setattr(g.samples[0].reward, "status", -5), "samples[0].reward.status -5 is not a RewardStatus"),
+        (lambda g: setattr(g, "group_id", "a\x00b"), "group.group_id holds a control character"),
+        (lambda g: setattr(g.samples[0], "sample_id", "0\n"), "samples[0].sample_id holds a control character"),
+        (lambda g: setattr(g, "producer_id", "p\x1b[31m"), "group.producer_id holds a control character"),
+    ],
+)
+def test_values_no_consumer_can_read_are_refused_by_both_paths(change, message: str) -> None:
+    # Timestamps beyond what the well-known type allows (ToDatetime raises), enum values no name matches, and
+    # control characters in ids were stored, latent poison for the next consumer (a dashboard, an export).
+    from tauflow.queue.adapters import wire
+
+    g = group(sample("0"), sample("1"))
+    change(g)
+    assert message in invalid(g)
+    with pytest.raises(convert.InvalidGroup, match=re.escape(message)):
+        wire.group_record(g.SerializeToString(), LIMIT)  # (the wire fast path checks the same)

@@ -9,11 +9,13 @@ and list a client sends has one, checked before anything is stored.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 from tauflow import media
 from tauflow.api.common.v1 import common_pb2
 from tauflow.api.queue.v1 import queue_pb2
+from tauflow.core.decoding import TIMESTAMP_SECONDS
 from tauflow.core.limits import MAX_ABS_REWARD
 from tauflow.core.protobuf import timestamp
 from tauflow.media import wire as media_wire
@@ -36,12 +38,22 @@ class GroupTooLarge(InvalidGroup):
     """A group over the per-group byte limit (RESOURCE_EXHAUSTED, like an oversized message)."""
 
 
+# Control characters (NUL, newlines, escapes) in an id: no producer means them, and an id reaches logs, file
+# names of exports and dashboards.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_FINISH_REASONS = frozenset(common_pb2.FinishReason.values())
+_REWARD_STATUSES = frozenset(common_pb2.RewardStatus.values())
+
+
 def check_id(value: str, field: str, *, required: bool = True) -> None:
-    """Raises InvalidGroup when ``value`` (the field ``field``) is empty (if required) or too long."""
+    """Raises InvalidGroup when ``value`` (the field ``field``) is empty (if required), too long, or holds a
+    control character."""
     if required and not value:
         raise InvalidGroup(f"{field} must be set")
     if len(value) > MAX_ID_CHARS:
         raise InvalidGroup(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
+    if _CONTROL.search(value):
+        raise InvalidGroup(f"{field} holds a control character")
 
 
 def _check_map(entries: Mapping[str, object], where: str) -> None:
@@ -60,6 +72,8 @@ def check_structure(group: common_pb2.Group) -> None:
         raise InvalidGroup("group.group_id must be set")
     if len(group.group_id) > MAX_ID_CHARS:
         raise InvalidGroup(f"group.group_id is longer than {MAX_ID_CHARS} characters")
+    if _CONTROL.search(group.group_id):
+        raise InvalidGroup("group.group_id holds a control character")
     if not group.samples:
         raise InvalidGroup(f"group {group.group_id}: group.samples is empty (a group has at least one sample)")
     where = f"group {group.group_id}"
@@ -74,6 +88,10 @@ def check_structure(group: common_pb2.Group) -> None:
     if len(group.trace_context.tracestate) > MAX_TRACESTATE_CHARS:
         raise InvalidGroup(f"{where}: group.trace_context.tracestate is longer than {MAX_TRACESTATE_CHARS} characters")
     _check_map(group.metadata, f"{where}: group.metadata")
+    if group.HasField("created_at"):  # (what google.protobuf.Timestamp allows: years 1 to 9999)
+        seconds, nanos = group.created_at.seconds, group.created_at.nanos
+        if not TIMESTAMP_SECONDS[0] <= seconds <= TIMESTAMP_SECONDS[1] or not 0 <= nanos <= 999_999_999:
+            raise InvalidGroup(f"{where}: group.created_at is not a valid google.protobuf.Timestamp")
     if group.HasField("baseline_reward") and not abs(group.baseline_reward) <= MAX_ABS_REWARD:
         raise InvalidGroup(f"{where}: group.baseline_reward is not finite, or beyond ±{MAX_ABS_REWARD:g}")
     if group.prompt_parts:
@@ -88,14 +106,23 @@ def check_structure(group: common_pb2.Group) -> None:
             and not reward.components
             and len(reward.message) <= MAX_REWARD_MESSAGE_CHARS
             and abs(reward.score) <= MAX_ABS_REWARD  # (False for NaN)
+            and not _CONTROL.search(sample_id)
+            and s.finish_reason in _FINISH_REASONS
+            and reward.status in _REWARD_STATUSES
         ):
             seen_ids.add(sample_id)
             continue
         at = f"{where}: samples[{i}]"
         if len(s.sample_id) > MAX_ID_CHARS:
             raise InvalidGroup(f"{at}.sample_id is longer than {MAX_ID_CHARS} characters")
+        if _CONTROL.search(s.sample_id):
+            raise InvalidGroup(f"{at}.sample_id holds a control character")
         if s.sample_id in seen_ids:
             raise InvalidGroup(f"{at}.sample_id {s.sample_id!r} repeats within the group")
+        if s.finish_reason not in _FINISH_REASONS:  # (an open enum keeps values no name matches)
+            raise InvalidGroup(f"{at}.finish_reason {s.finish_reason} is not a FinishReason")
+        if reward.status not in _REWARD_STATUSES:
+            raise InvalidGroup(f"{at}.reward.status {reward.status} is not a RewardStatus")
         seen_ids.add(s.sample_id)
         _check_map(s.metadata, f"{at}.metadata")
         reward = s.reward
