@@ -88,10 +88,12 @@ def test_groups_no_step_can_train_are_skipped_and_the_others_train(tiny_model_di
         n = len(completion)
         return Group(name, [Sample([1, 2], completion, [-2.0] * n, reward=reward * (i % 2)) for i in range(4)])
 
-    poison = [group("oov", [3, vocab]), group("negative", [3, -1]), group("huge", [3, 4], reward=1.7e308)]
-    r = b.train_step([group("ok", [3, 4]), *poison])
-    assert r.committed and r.groups == 1 and r.trained_group_ids == ["ok"]
-    assert r.metrics["skipped_invalid_groups"] == 3 and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
+    positions = b.model.config.max_position_embeddings
+    poison = [group("oov", [3, vocab]), group("negative", [3, -1]), group("huge", [3, 4], reward=1.7e308),
+              group("long", [3] * (positions - 1))]  # fmt: skip
+    r = b.train_step([group("ok", [3, 4]), group("longest", [3] * (positions - 2)), *poison])
+    assert r.committed and r.groups == 2 and r.trained_group_ids == ["ok", "longest"]
+    assert r.metrics["skipped_invalid_groups"] == 4 and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
     alone = b.train_step([group("oov2", [vocab + 7, 3])])  # nothing else: nothing trains, nothing commits
     assert not alone.committed and alone.metrics["skipped_invalid_groups"] == 1 and b.version == 1
 

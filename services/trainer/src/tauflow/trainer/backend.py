@@ -816,19 +816,35 @@ class TorchBackend:
     @functools.cached_property
     def _vocab_rows(self) -> int:
         """The token ids the policy's embedding has rows for (a multimodal model's text vocabulary)."""
+        return int(self._text_config("vocab_size"))
+
+    @functools.cached_property
+    def _max_positions(self) -> int | None:
+        """The longest sequence the policy is made for (its config's max_position_embeddings), if it says."""
+        positions = self._text_config("max_position_embeddings")
+        return int(positions) if positions else None
+
+    def _text_config(self, key: str) -> Any:
         config: Any = self.model.config
         text = getattr(config, "text_config", None)
-        return int(getattr(text, "vocab_size", None) or config.vocab_size)
+        return getattr(text, key, None) or getattr(config, key, None)
 
     def _unfit(self, groups: Sequence[Group]) -> dict[str, str]:
-        """Groups no step can train, with why: a token id outside [0, vocabulary) (the embedding's lookup
-        raised, and ended the trainer: each restart was handed the group again), a reward beyond
+        """Groups no step can train, with why: a sample longer than the model's max_position_embeddings, a
+        token id outside [0, vocabulary) (the embedding's lookup raised, and ended the trainer: each restart
+        was handed the group again), a reward beyond
         ``MAX_ABS_REWARD`` (its square overflowed, and the step's loss and every other group's update were NaN).
         They are skipped and logged; the step consumes them (their leases are acked)."""
         unfit: dict[str, str] = {}
-        rows = self._vocab_rows
+        rows, positions = self._vocab_rows, self._max_positions
         for g in groups:
             for s in g.samples:
+                if positions is not None and len(s) > positions:  # (one sample of millions of tokens: O(n²)
+                    # attention memory, one lookup past a learned position table)
+                    unfit[g.group_id] = (
+                        f"sample {s.sample_id!r}: {len(s)} tokens, over max_position_embeddings {positions}"
+                    )
+                    break
                 for what, ids in (("prompt", s.prompt_ids), ("completion", s.completion_ids)):
                     if ids and (min(ids) < 0 or max(ids) >= rows):
                         unfit[g.group_id] = f"sample {s.sample_id!r}: a {what} token id outside [0, {rows})"
