@@ -144,6 +144,11 @@ def test_put_gives_up_on_a_group_that_never_fits_and_waits_out_a_full_queue(
             with pytest.raises(GroupRejected) as rejected:  # not retried like a full queue
                 await asyncio.wait_for(client.put(_produced("long", 2000), ""), 10)
             assert rejected.value.reason == "too_large" and time.monotonic() - started < 3
+            # refused for good otherwise (here an id the queue does not store): dropped too, not raised, which
+            # ended the rollout service restart after restart (a reward beyond the queue's bound did so)
+            with pytest.raises(GroupRejected) as rejected:
+                await asyncio.wait_for(client.put(_produced("bad\x1bid", 8), ""), 10)
+            assert rejected.value.reason == "invalid" and "control character" in str(rejected.value)
             await client.put(_produced("first", 8), "")
             before = stub_calls.puts
             second = asyncio.create_task(client.put(_produced("second", 8), ""))  # the queue is full

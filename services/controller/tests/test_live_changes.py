@@ -84,6 +84,16 @@ def test_a_value_set_for_the_resume_wins_over_the_live_change(tmp_path: Path) ->
     assert resumed.config.max_staleness == resumed.tau == 8
     assert resumed.scaler.target == 3  # the key the resume left alone keeps its live value
     assert resumed.resumed_live == {"rollout_replicas": 3}
+    # recorded again against the resume's config at once: a second resume with that config runs at 8, not at
+    # the first run's live 4 (which it took back before); one with the file's config, at the config's value
+    assert _live(out) == {
+        "format": 1,
+        "config": {"max_staleness": 8, "rollout_replicas": 1},
+        "live": {"max_staleness": 8, "rollout_replicas": 3},
+    }
+    assert _run(out, resume=True, max_staleness=8).tau == 8
+    plain = _run(out, resume=True)
+    assert plain.tau == 1 and plain.scaler.target == 3  # (its τ differs from the recorded config's: it wins)
 
 
 def test_a_new_run_forgets_a_previous_runs_live_changes(tmp_path: Path) -> None:
@@ -91,6 +101,8 @@ def test_a_new_run_forgets_a_previous_runs_live_changes(tmp_path: Path) -> None:
     asyncio.run(_run(out).set_max_staleness(4))
     fresh = _run(out)  # no --resume: a new run in the same out_dir
     assert fresh.config.max_staleness == 1 and not (out / LIVE_FILE).exists()
+    # (set aside one generation back, as the previous run's checkpoints and queue log are)
+    assert json.loads((out / (LIVE_FILE + ".prev")).read_text())["live"]["max_staleness"] == 4
     assert _run(out, resume=True).config.max_staleness == 1  # and a resume of it has none to go on with
 
 

@@ -96,6 +96,12 @@ def test_groups_no_step_can_train_are_skipped_and_the_others_train(tiny_model_di
     assert r.metrics["skipped_invalid_groups"] == 4 and math.isfinite(r.loss) and math.isfinite(r.metrics["grad_norm"])
     alone = b.train_step([group("oov2", [vocab + 7, 3])])  # nothing else: nothing trains, nothing commits
     assert not alone.committed and alone.metrics["skipped_invalid_groups"] == 1 and b.version == 1
+    # a RoPE model trained past its context on purpose: max_sample_tokens 0 lifts the bound (a rope_scaling
+    # factor raises it by itself)
+    unbounded = TorchBackend(config(tiny_model_dir, max_sample_tokens=0))
+    assert unbounded.train_step([group("long2", [3] * (positions + 10))]).trained_group_ids == ["long2"]
+    b.model.config.rope_scaling = {"rope_type": "yarn", "factor": 4.0}
+    assert TorchBackend._max_positions.func(b) == 4 * positions  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

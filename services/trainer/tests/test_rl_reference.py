@@ -582,6 +582,14 @@ def test_reinforce_pp_returns_count_from_the_last_trained_token() -> None:
     assert values[0][0][3:] == [0.0, 0.0]  # (verl: masked_whiten(returns, mask) * mask)
 
 
+def test_reinforce_pp_baseline_gives_a_sample_with_no_trained_token_zero() -> None:
+    config = AlgorithmConfig(estimator="reinforce_pp_baseline")
+    masked = [Scored(1.0, [False, False]), Scored(0.0, [True]), Scored(1.0, [True, True])]
+    got = estimate([masked, [Scored(1.0, [False]), Scored(1.0, [False])]], config)
+    assert got.values[0][0] == 0.0 and 0.0 not in got.values[0][1:]  # (whitening left it non-zero before)
+    assert got.values[1] == [0.0, 0.0] and got.zero_groups == [False, True]  # nothing of it trains: no forward
+
+
 def test_reinforce_pp_advantages_are_zero_where_no_token_trains() -> None:
     # whitening shifts every position: a masked one held (0 − μ)/σ, −10,000 where a single token trained
     config = AlgorithmConfig(estimator="reinforce_pp")

@@ -53,11 +53,15 @@ def write_live(out_dir: Path, configured: LiveValues, live: LiveValues) -> None:
 
 
 def forget_live(out_dir: Path) -> None:
-    """A new run: a previous run's live changes are not its own."""
+    """A new run: a previous run's live changes are not its own. They are kept one generation back
+    (``live.json.prev``), as its checkpoints and queue log are, so that a rerun by mistake loses nothing."""
+    path = out_dir / LIVE_FILE
     try:
-        (out_dir / LIVE_FILE).unlink(missing_ok=True)
+        path.replace(path.with_name(LIVE_FILE + ".prev"))
+    except FileNotFoundError:
+        pass
     except OSError as e:
-        log.warning("could not remove a previous run's live changes", extra={"error": describe_os_error(e)})
+        log.warning("could not set a previous run's live changes aside", extra={"error": describe_os_error(e)})
 
 
 def read_live(out_dir: Path) -> tuple[LiveValues, LiveValues] | None:
@@ -102,13 +106,24 @@ def _values(part: Any) -> LiveValues:
 def resumed_config(config: RunConfig) -> tuple[RunConfig, dict[str, int]]:
     """The config a ``--resume`` runs with: each live value whose config value is the one it was made against
     (:func:`read_live`); returns it and the keys taken from the live changes. Without ``resume``, the config
-    as it is (and the previous run's file removed)."""
+    as it is (and the previous run's file set aside). A resume that read a record writes it again at once,
+    against its own config: a value its config set wins from then on (else a second resume took the first
+    run's live value back)."""
     if not config.resume:
         forget_live(config.run_dir)
         return config, {}
     recorded = read_live(config.run_dir)
     if recorded is None:
         return config, {}
+    resumed, taken = _resumed(config, recorded)
+    try:
+        write_live(config.run_dir, LiveValues.of(config), LiveValues.of(resumed))
+    except OSError as e:
+        log.warning("could not record the resumed run's values", extra={"error": describe_os_error(e)})
+    return resumed, taken
+
+
+def _resumed(config: RunConfig, recorded: tuple[LiveValues, LiveValues]) -> tuple[RunConfig, dict[str, int]]:
     configured, live = recorded
     now = LiveValues.of(config)
     taken: dict[str, int] = {}

@@ -250,8 +250,9 @@ def reinforce_pp_baseline(groups: Sequence[Sequence[Scored]], config: AlgorithmC
         masks.append([torch.tensor([bool(m) and not skip for m in x.mask], dtype=torch.bool) for x in group])
     whitened = _whiten(scores, masks)
     values: list[list[Advantage]] = []
-    for row, skip, group in zip(whitened, skipped, groups, strict=True):
-        values.append([0.0] * len(group) if skip else [float(a[0]) if a.numel() else 0.0 for a in row])
+    for row, mask_row, skip, group in zip(whitened, masks, skipped, groups, strict=True):
+        # (0 for a sample with no token that trains: whitening shifted it, −μ/σ, and zero_groups read it)
+        values.append([0.0 if skip or not bool(m.any()) else float(a[0]) for a, m in zip(row, mask_row, strict=True)])
     return _result(values, skipped)
 
 

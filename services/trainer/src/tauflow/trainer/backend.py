@@ -34,7 +34,7 @@ from tauflow import media
 from tauflow.core.limits import MAX_ABS_REWARD
 from tauflow.core.staleness import UNBOUNDED, too_stale
 from tauflow.models.offload import ParameterOffload
-from tauflow.models.processor import PartsProcessor, freeze_encoders, load_model, media_token_ids
+from tauflow.models.processor import ENCODERS, PartsProcessor, freeze_encoders, load_model, media_token_ids
 from tauflow.trainer.advantages import Advantage, Scored
 from tauflow.trainer.algorithms import Algorithm, get_algorithm
 from tauflow.trainer.batch import (
@@ -121,6 +121,12 @@ class TorchBackendConfig:
     chunk's log-probs and entropy are kept, its logits computed again in the backward (the output layer's
     matmul once more). The same values and gradients; 0 (the default): the whole logits at once. Distillation
     by the full KL needs them whole (docs/gpu.md, "Memory")."""
+    max_sample_tokens: int | None = None
+    """The longest sample (prompt and completion) a step takes; a group holding a longer one is skipped and
+    counted (``skipped_invalid_groups``): one sample of millions of tokens needs attention memory in its
+    square. None (the default): the model's ``max_position_embeddings``, times its ``rope_scaling`` factor
+    where it has one (YaRN and linear scaling extend the context); 0: no bound (a RoPE model trained past
+    its context on purpose)."""
     compute_entropy: bool = True
     train_encoders: bool = False
     """A multimodal policy: train its vision and audio encoders too; False (the default, as verl's and
@@ -166,6 +172,8 @@ class TorchBackendConfig:
             raise ValueError("tensor_parallel and pipeline_parallel must be at least 1")
         if self.kind == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise ValueError("tensor_parallel and pipeline_parallel need kind: megatron")
+        if self.max_sample_tokens is not None and self.max_sample_tokens < 0:
+            raise ValueError("max_sample_tokens must be at least 0 (0: no bound; unset: the model's context)")
         if self.pipeline_micro_batches_in_flight < 0:
             raise ValueError("pipeline_micro_batches_in_flight must be at least 0 (0: pipeline_parallel)")
         if self.pipeline_micro_batches_in_flight and self.pipeline_parallel == 1:
@@ -573,7 +581,6 @@ class TorchBackend:
     def _update(self) -> dict[str, float]:
         """Clip, step the policy's optimizer, clear the gradients (optim.clip_and_step); with offload_optimizer,
         its state is on the GPU for the update only."""
-        self._stand_in_zeros = self._zero_gradient_without_backward()
         if self._offload is None:
             return self._clip_and_step()
         self._offload.to_device()
@@ -583,17 +590,19 @@ class TorchBackend:
             self._offload.to_host()  # (after a failed update too: the engine's memory is not held hostage)
 
     def _zero_gradient_without_backward(self) -> bool:
-        """An update whose every sample is a skipped zero-advantage group ran no backward (on any rank: every
+        """An RL update whose every sample is a skipped zero-advantage group ran no backward (on any rank: every
         rank runs one when any has a sample). Its gradient is zero, and the formula's update (verl's, which runs
         the backward) still moves AdamW's momentum and weight decay and counts a step: zeros stand in, so that
-        skipping changes no weight. (Before, AdamW left every weight without a gradient alone.) True when the
-        zeros stand in: fp16's loss scale neither unscales them nor learns from them."""
+        skipping changes no weight. (Before, AdamW left every weight without a gradient alone.) The language
+        model's weights only: a multimodal policy's encoders (frozen, or with train_encoders reached only by
+        the backward of a batch with media) are left alone. True when the zeros stand in: fp16's loss scale
+        neither unscales them nor learns from them."""
         if any(p.grad is not None for p in self.model.parameters()):
             return False
         if self.group is not None and self.group.strategy == "fsdp":
             self.group.reshard(self.model)  # (its root stays gathered after a forward without backward)
-        for p in self.model.parameters():
-            if p.requires_grad:
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and not any(part in ENCODERS for part in name.split(".")):
                 p.grad = torch.zeros_like(p)
         return True
 
@@ -820,9 +829,15 @@ class TorchBackend:
 
     @functools.cached_property
     def _max_positions(self) -> int | None:
-        """The longest sequence the policy is made for (its config's max_position_embeddings), if it says."""
+        """The longest sample a step takes (``max_sample_tokens``, else the model's context); None: no bound."""
+        if self.config.max_sample_tokens is not None:
+            return self.config.max_sample_tokens or None
         positions = self._text_config("max_position_embeddings")
-        return int(positions) if positions else None
+        if not positions:
+            return None
+        scaling = self._text_config("rope_scaling")
+        factor = scaling.get("factor") if isinstance(scaling, dict) else None
+        return int(positions * factor) if isinstance(factor, (int, float)) and factor > 1 else int(positions)
 
     def _text_config(self, key: str) -> Any:
         config: Any = self.model.config
@@ -841,9 +856,7 @@ class TorchBackend:
             for s in g.samples:
                 if positions is not None and len(s) > positions:  # (one sample of millions of tokens: O(n²)
                     # attention memory, one lookup past a learned position table)
-                    unfit[g.group_id] = (
-                        f"sample {s.sample_id!r}: {len(s)} tokens, over max_position_embeddings {positions}"
-                    )
+                    unfit[g.group_id] = f"sample {s.sample_id!r}: {len(s)} tokens, over max_sample_tokens {positions}"
                     break
                 for what, ids in (("prompt", s.prompt_ids), ("completion", s.completion_ids)):
                     if ids and (min(ids) < 0 or max(ids) >= rows):
@@ -1147,7 +1160,11 @@ class TorchBackend:
                                 )
                 with tracer.start_as_current_span("optimizer.step"):
                     if train_policy:
-                        updates.append(self._update())
+                        self._stand_in_zeros = self._zero_gradient_without_backward()
+                        try:
+                            updates.append(self._update())
+                        finally:
+                            self._stand_in_zeros = False
                     if critic is not None:
                         critic_updates.append(critic.update())
         with warnings.catch_warnings():

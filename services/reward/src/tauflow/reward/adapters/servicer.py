@@ -52,7 +52,7 @@ _WIRE_WALKS = {
 
 
 # A Score's config (a Struct) is measured on the wire too: its lists and maps nest without a bound the walk
-# knows, and a config of 20 M nulls in one list (`{"a": [null, ...]}`, 38 MiB) was decoded whole before the
+# knows, and a config of 4 M nulls in one list (`{"a": [null, ...]}`, 15 MiB; ~0.2 GB) was decoded whole before the
 # max_config_bytes check refused it. The bound now applies to the config as sent (the sum of its parts: a
 # message field sent in parts is merged) before the decode, and to the decoded one after it.
 _CONFIG_FIELD = reward_pb2.ScoreRequest.DESCRIPTOR.fields_by_name["config"].number

@@ -107,6 +107,11 @@ class GrpcQueue:
                 # Weights newer than the trainer's version: the trainer was resumed from an older
                 # checkpoint, and this group comes from a line of weights it abandoned.
                 raise GroupRejected("future_version", e.details() or "") from None
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # The queue refuses this group for good (a bound of a queue newer than this server, a reward
+                # function's value it does not take): dropped, the reason logged; the producer goes on (raised,
+                # it ended the rollout service, restart after restart, and the run).
+                raise GroupRejected("invalid", e.details() or "") from None
             raise
 
     async def _put_once(self, request: queue_pb2.PutStreamRequest, raw: bytes) -> None:
