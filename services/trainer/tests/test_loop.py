@@ -607,3 +607,18 @@ def test_groups_the_trainer_cannot_take_are_consumed_with_their_lease_and_counte
         and "skipped_invalid_groups" not in loop.history[1].metrics
     )
     assert "lease-bad" in queue.acked_leases and not queue.leases and len(queue.acked) == 4
+
+
+def test_a_step_that_commits_nothing_still_reports_what_it_skipped(tiny_model_dir, make_groups, tmp_path) -> None:
+    # A batch of groups no step can train commits nothing; its skipped groups were counted only for steps that
+    # committed (Prometheus never saw them).
+    poison = make_groups(7, 2, prefix="p")
+    for g in poison:
+        g.samples[0].completion_ids[0] = 10**6  # a token id past the vocabulary
+    queue, publisher = FakeQueue([*poison, *make_groups(1, 2)]), FakePublisher()
+    skipped: list = []
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, publisher, total=1)
+    loop.on_skip = skipped.append
+    asyncio.run(loop.run())
+    assert loop.version == 1 and [r.metrics.get("skipped_invalid_groups") for r in skipped] == [2.0]
+    assert len(queue.acked) == 4  # the poison lease consumed with the step's

@@ -112,7 +112,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
         else None
     )
     metrics = TrainerMetrics()
-    loop = TrainerLoop(backend, queue, publisher, config, on_step=metrics.observe)
+    loop = TrainerLoop(backend, queue, publisher, config, on_step=metrics.observe, on_skip=metrics.observe_skipped)
     servicer = TrainerServicer(loop, config.backend.algorithm)
 
     async def train() -> None:

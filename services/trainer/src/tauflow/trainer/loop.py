@@ -117,6 +117,7 @@ class TrainerLoop:
         publisher: PublisherPort | None,
         config: TrainerConfig,
         on_step: Callable[[StepResult], None] | None = None,
+        on_skip: Callable[[StepResult], None] | None = None,
     ) -> None:
         self.backend = backend
         self.queue = queue
@@ -125,6 +126,7 @@ class TrainerLoop:
         self.checkpoint_dir = Path(config.checkpoint_dir)
         self.max_staleness = config.max_staleness  # τ: SetMaxStaleness turns it while the loop runs
         self.on_step = on_step
+        self.on_skip = on_skip
         self.state = State.STARTING
         self.published_version = backend.version if publisher is None else -1
         self.history: deque[StepResult] = deque(maxlen=config.history_steps)
@@ -177,6 +179,8 @@ class TrainerLoop:
                 result, timing = await self._train(parts, waited_from)
                 if result.committed:
                     await self._commit(result, parts, timing)
+                elif self.on_skip is not None:  # (nothing committed: the skipped groups are still counted)
+                    self.on_skip(result)
                 self._close_step_span(result)
                 waited_from = time.monotonic()
                 if self._checkpoint_due():

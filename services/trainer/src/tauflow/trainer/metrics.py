@@ -91,6 +91,14 @@ class TrainerMetrics:
         for reason in SKIPPED:
             self.skipped_groups.labels(reason)
 
+    def observe_skipped(self, r: StepResult) -> None:
+        """The groups a step skipped, by reason: every step's, one that committed nothing too (a batch of
+        groups trained before, too stale, or no step can train)."""
+        for reason, key in SKIPPED.items():
+            n = r.metrics.get(key)
+            if n:
+                self.skipped_groups.labels(reason).inc(n)
+
     def observe(self, r: StepResult) -> None:
         self.policy_version.set(r.policy_version)
         self.step_duration.observe(r.duration_s)
@@ -103,10 +111,7 @@ class TrainerMetrics:
         self.trained_tokens.inc(r.trained_tokens)
         self.trained_groups.inc(r.groups)
         self.trained_samples.inc(r.samples)
-        for reason, key in SKIPPED.items():
-            n = r.metrics.get(key)
-            if n:
-                self.skipped_groups.labels(reason).inc(n)
+        self.observe_skipped(r)
         self.loss.set(r.loss)
         self.reward.set(r.mean_reward)
         for key, gauge in self.step_gauges.items():
