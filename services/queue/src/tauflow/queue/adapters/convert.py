@@ -38,22 +38,19 @@ class GroupTooLarge(InvalidGroup):
     """A group over the per-group byte limit (RESOURCE_EXHAUSTED, like an oversized message)."""
 
 
-# Control characters (NUL, newlines, escapes) in an id: no producer means them, and an id reaches logs, file
-# names of exports and dashboards.
+# Control characters (NUL, newlines, escapes) in a group's or a sample's id: no producer means them, and those
+# ids key the log, exports and dashboards. (A prompt id comes from a user's data set as it is: not checked.)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _FINISH_REASONS = frozenset(common_pb2.FinishReason.values())
 _REWARD_STATUSES = frozenset(common_pb2.RewardStatus.values())
 
 
 def check_id(value: str, field: str, *, required: bool = True) -> None:
-    """Raises InvalidGroup when ``value`` (the field ``field``) is empty (if required), too long, or holds a
-    control character."""
+    """Raises InvalidGroup when ``value`` (the field ``field``) is empty (if required) or too long."""
     if required and not value:
         raise InvalidGroup(f"{field} must be set")
     if len(value) > MAX_ID_CHARS:
         raise InvalidGroup(f"{field} is {len(value)} characters, longer than {MAX_ID_CHARS}")
-    if _CONTROL.search(value):
-        raise InvalidGroup(f"{field} holds a control character")
 
 
 def _check_map(entries: Mapping[str, object], where: str) -> None:
