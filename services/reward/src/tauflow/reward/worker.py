@@ -139,8 +139,10 @@ def to_score(result: Any) -> tuple[float, dict[str, float]]:
     if not isinstance(score, numbers.Real):
         raise TypeError(f"returned {type(score).__name__} {score!r:.80}; expected a real number, a Score or a mapping")
     score = float(score)
-    if not abs(score) <= MAX_ABS_REWARD:  # (the queue refuses a group beyond it: tauflow.core.limits)
-        raise ValueError(f"returned a score {score} that is not finite or beyond ±{MAX_ABS_REWARD:g}")
+    if not math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    if abs(score) > MAX_ABS_REWARD:  # (the queue refuses a group beyond it: tauflow.core.limits)
+        raise ValueError(f"returned a score {score} beyond ±{MAX_ABS_REWARD:g}")
     if not isinstance(components, Mapping):
         raise TypeError(f"returned components of type {type(components).__name__}; expected a mapping")
     if len(components) > MAX_COMPONENTS:
