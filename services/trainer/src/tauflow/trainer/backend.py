@@ -306,7 +306,7 @@ class StepPlan:
         return sum(s.trained_tokens for s in self.samples)
 
     @property
-    def invalid_media_metric(self) -> dict[str, float]:
+    def skipped_groups_metric(self) -> dict[str, float]:
         return {
             **({"skipped_invalid_media_groups": float(len(self.invalid_media))} if self.invalid_media else {}),
             **({"skipped_invalid_groups": float(len(self.invalid))} if self.invalid else {}),
@@ -371,7 +371,7 @@ class TorchBackend:
         # fp16's dynamic loss scale (bfloat16 has float32's range and needs none); it starts afresh on resume
         fp16 = config.autocast_dtype == "float16"
         self._scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
-        self._stand_in_zeros = False  # the update under way ran no backward: zeros stand in (_update)
+        self._stand_in_zeros = False  # the update under way ran no backward: zeros stand in (set in _train)
         if fp16 and self.algorithm.config.uses_critic:
             raise ValueError("autocast_dtype float16 with a critic is not supported: use bfloat16")
         if self.processor is not None and self.algorithm.config.uses_critic:
@@ -649,7 +649,7 @@ class TorchBackend:
                 metrics={
                     "skipped_duplicate_groups": float(len(plan.duplicates)),
                     "skipped_stale_groups": float(len(plan.stale)),
-                    **plan.invalid_media_metric,
+                    **plan.skipped_groups_metric,
                 },
                 skipped_duplicate_group_ids=plan.duplicates,
                 skipped_stale_group_ids=plan.stale,
@@ -680,7 +680,7 @@ class TorchBackend:
                 **({"kl_teacher": -plan.teacher_gap / plan.teacher_tokens} if plan.teacher_tokens else {}),
                 "skipped_duplicate_groups": float(len(plan.duplicates)),
                 "skipped_stale_groups": float(len(plan.stale)),
-                **plan.invalid_media_metric,
+                **plan.skipped_groups_metric,
             }
         )
         return StepResult(
