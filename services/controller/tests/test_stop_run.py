@@ -59,16 +59,21 @@ def test_stop_run_says_stopping_records_why_and_ends_a_launch_that_still_waits(t
             with pytest.raises(Aborted) as refused:
                 await servicer.StopRun(pb.StopRunRequest(grace_period=grace), Context())
             assert refused.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and "grace_period" in refused.value.args[1]
+        for reason in ("\x1b[2J forged", "two\nlines", "nul\x00", "c1\x9b"):  # a terminal's escapes, a forged line
+            with pytest.raises(Aborted) as refused:
+                await servicer.StopRun(pb.StopRunRequest(reason=reason), Context())
+            assert refused.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.args[1] == "reason holds a control character"
         assert not task.done() and not servicer.stop_requested
-        answer = await servicer.StopRun(pb.StopRunRequest(reason="maintenance window", immediate=True), Context())
+        answer = await servicer.StopRun(pb.StopRunRequest(reason="maintenance\twindow", immediate=True), Context())
         assert answer.state == pb.RUN_STATE_STOPPING and run.stop_grace_s == 0.0
         with pytest.raises(asyncio.CancelledError):
             await task
         final = (await servicer.GetRun(pb.GetRunRequest(), Context())).run
         assert final.state == pb.RUN_STATE_STOPPED and final.HasField("ended_at")
-        assert final.message == "stopped by the user: maintenance window"
+        assert final.message == "stopped by the user: maintenance\twindow"
         again = await servicer.StopRun(pb.StopRunRequest(reason="twice"), Context())
-        assert again.state == pb.RUN_STATE_STOPPED and run.stop_reason == "maintenance window"
+        assert again.state == pb.RUN_STATE_STOPPED and run.stop_reason == "maintenance\twindow"
 
     loop = asyncio.new_event_loop()
     try:
@@ -103,3 +108,32 @@ def test_get_run_shows_the_config_without_its_secrets() -> None:
             }
         ],
     }
+
+
+@pytest.mark.parametrize(
+    ("status", "acc", "target", "code"),
+    [
+        ("interrupted", 0.334, 0.8, 130),  # stopped below the target: not "target reached", not 0
+        ("interrupted", 0.95, 0.8, 130),  # stopped, even past it: the run did not reach its end
+        ("interrupted", None, 0.8, 130),  # stopped before the first evaluation (no accuracy to format)
+        ("below_target", None, 0.8, 3),
+        ("below_target", 0.5, 0.8, 3),
+        ("completed", 0.85, 0.8, 0),
+        ("completed", None, None, 0),
+    ],
+)
+def test_tauflow_runs_exit_code_says_how_the_run_ended(
+    status: str, acc: float | None, target: float | None, code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from tauflow.controller import cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=200))
+    assert cli._exit_code(status, "stopped by the user: maintenance", acc, target) == code
+    printed = out.getvalue()
+    assert ("target reached" in printed) == (status == "completed" and target is not None)
+    assert ("stopped by the user: maintenance" in printed) == (status == "interrupted")

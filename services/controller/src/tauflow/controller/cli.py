@@ -87,15 +87,28 @@ def run_command(args: argparse.Namespace) -> int:
     acc = summary.final_accuracy
     console.print(
         f"run {config.name}: {len(summary.steps)} steps in {summary.wall_s:.0f}s, final held-out accuracy "
-        f"{'-' if acc is None else f'{acc:.1%}'}, staleness violations {summary.staleness_violations}; "
+        f"{_percent(acc)}, staleness violations {summary.staleness_violations}; "
         f"summary in {run.out_dir}/summary.json and summary.png"
     )
-    if summary.status == "below_target":
-        console.print(f"[red]held-out accuracy {acc:.1%} is below the target {config.target_accuracy:.0%}")
+    return _exit_code(summary.status, summary.message, acc, config.target_accuracy)
+
+
+def _exit_code(status: str, message: str, acc: float | None, target: float | None) -> int:
+    """0 for a run that ended as planned (and reached its target, where it has one); 3 below the target; 130
+    for a run stopped before its end (StopRun, as Ctrl-C), whatever its accuracy so far."""
+    if status == "interrupted":
+        console.print(f"[yellow]tauflow run: {message or 'stopped'}; the run did not reach its end")
+        return 130
+    if status == "below_target":
+        console.print(f"[red]held-out accuracy {_percent(acc)} is below the target {target:.0%}")
         return 3
-    if config.target_accuracy is not None:
-        console.print(f"[green]target reached: {acc:.1%} >= {config.target_accuracy:.0%}")
+    if target is not None and acc is not None and acc >= target:
+        console.print(f"[green]target reached: {acc:.1%} >= {target:.0%}")
     return 0
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def trace_command(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+from tauflow.core.logs import LogLimit
 from tauflow.core.runtoken import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
 from tauflow.core.telemetry import configured_exporters
@@ -169,6 +170,7 @@ class Run:
                 )
         self.run_token = load_run_token(self.token_file)
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
+        self._tau_log = LogLimit(10.0)  # a token holder may change τ thousands of times a minute
         self.resumed_version = 0  # --resume: the version the trainer resumed at
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
@@ -671,7 +673,11 @@ class Run:
             for role in ("queue", "trainer"):  # a restarted process starts with it
                 self.launcher.update_settings(role, {"max_staleness": tau})
             self._record_live()  # ... and a resumed run
-            log.warning("max_staleness changed", extra={"previous": previous, "tau": tau, "policy_version": after})
+            if changes := self._tau_log.due():
+                log.warning(
+                    "max_staleness changed",
+                    extra={"previous": previous, "tau": tau, "policy_version": after, "changes": changes},
+                )
             return previous, after
 
     async def _put_back(self, changed: list[Any], tau: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import NoReturn
 
 import grpc
@@ -22,6 +23,8 @@ _STATES = {
     "stalled": controller_pb2.RUN_STATE_FAILED,
     "interrupted": controller_pb2.RUN_STATE_STOPPED,
 }
+# C0 and C1 control characters and DEL; a tab is allowed
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 MAX_GRACE_S = 3600.0  # StopRun's grace_period: how long the services may take to stop, at most
 
 _KINDS = {
@@ -93,6 +96,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self, request: controller_pb2.StopRunRequest, context: grpc.aio.ServicerContext
     ) -> controller_pb2.StopRunResponse:
         grace_s: float | None = None
+        if _CONTROL_CHARACTER.search(request.reason):  # (it reaches a terminal and the logs: no escape or forged line)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "reason holds a control character")
         if request.HasField("grace_period"):
             try:  # refused before anything stops
                 grace_s = duration_seconds(request.grace_period, "grace_period")
