@@ -342,6 +342,55 @@ def test_standard_library_modules_that_start_processes_still_import_and_threads_
     assert result.stdout == b"ok\n", result.stderr
 
 
+def test_a_case_that_starts_threads_past_max_tasks_is_killed_and_fails() -> None:
+    # Root is exempt from RLIMIT_NPROC (one case started 7,930 threads of the host's 32,768 pids): the worker
+    # watches the count and kills the case past MAX_TASKS; inside a user namespace RLIMIT_NPROC stops it first.
+    program = """
+        import threading
+        threading.stack_size(32768)
+        gate, started = threading.Event(), 0
+        try:
+            for _ in range(2000):
+                threading.Thread(target=gate.wait, daemon=True).start()
+                started += 1
+        except RuntimeError:
+            print("refused after", started)
+        gate.wait(20)
+        """
+    result = run(program, wall_time_s=30)
+    assert not case_passed(Case(stdin="", expected=""), result)
+    if result.over_limit:
+        assert result.over_limit == "tasks" and result.returncode == -signal.SIGKILL and not result.timed_out
+        assert result.duration_s < 20  # killed on the watch, not at the wall time
+    else:  # RLIMIT_NPROC refused the threads past it
+        assert result.stdout.startswith(b"refused after "), (result.stdout, result.stderr)
+        assert int(result.stdout.split()[-1]) < code_exec.MAX_TASKS
+
+
+@pytest.mark.parametrize(
+    ("program", "why"),
+    [
+        # RLIMIT_FSIZE bounds one file; 20 files of 5 MiB pass MAX_CASE_BYTES (64 MiB)
+        ('for i in range(20):\n    open(f"f{i}", "wb").write(b"x" * (5 << 20))\nimport time; time.sleep(20)', "bytes"),
+        ('import os\nfor i in range(5000):\n    open(f"e{i}", "w").close()\nimport time; time.sleep(20)', "entries"),
+        ('import os\nfor i in range(5000):\n    os.makedirs(f"d/{i}")\nimport time; time.sleep(20)', "folders"),
+    ],
+)
+def test_a_case_that_fills_its_directory_is_killed_and_fails(program: str, why: str) -> None:
+    result = run(program, wall_time_s=30)
+    assert result.over_limit == "disk", (why, result.stderr[-500:])
+    assert not result.timed_out and result.duration_s < 20 and not case_passed(Case(stdin="", expected=""), result)
+
+
+def test_a_case_that_writes_a_sparse_file_is_not_over_its_disk() -> None:
+    # (what counts is the disk taken: a 9 MiB file of one written byte takes none of it)
+    program = (
+        'f = open("sparse", "wb")\nf.seek(9 << 20)\nf.write(b"x")\nf.close()\nimport time; time.sleep(0.3)\nprint("ok")'
+    )
+    result = run(program)
+    assert result.stdout == b"ok\n" and result.over_limit == "", result.stderr
+
+
 @pytest.mark.parametrize(
     "attempt",
     [

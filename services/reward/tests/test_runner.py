@@ -178,6 +178,29 @@ def test_a_passed_deadline_cancels_the_work(env: tuple[Scorer, Registry]) -> Non
     assert r.score == 4.0
 
 
+def test_a_pool_call_without_a_deadline_ends_at_max_pool_call_s_with_the_rest_timed_out(
+    env: tuple[Scorer, Registry],
+) -> None:
+    # (a call with no deadline held its workers for samples x timeout: 64 such calls held every slot for minutes)
+    scorer, reg = env
+    scorer.max_pool_call_s = 1.0
+    try:
+        start = time.monotonic()
+        ((fast, slow, unstarted),) = score(scorer, reg.get("picky"), groups(["ab", "sleep 5", "sleep 5"]), timeout_s=10)
+        assert time.monotonic() - start < 4
+        assert fast.status is Status.OK and fast.score == 2.0
+        for r in (slow, unstarted):
+            assert r.status is Status.TIMEOUT and r.score == -1.0 and r.reason == "timeout"
+            assert r.message.startswith("this call's time budget (max_pool_call_s, 1 s) passed"), r.message
+        # a deadline before the budget is still the caller's: DEADLINE_EXCEEDED
+        with pytest.raises(DeadlineExceeded, match="deadline passed after 0.3 s"):
+            score(scorer, reg.get("picky"), groups(["sleep 5"]), timeout_s=10, deadline_s=0.3)
+    finally:
+        scorer.max_pool_call_s = 600.0
+    ((r,),) = score(scorer, reg.get("picky"), groups(["abcd"]))  # the stopped workers were replaced
+    assert r.score == 4.0
+
+
 def test_a_call_of_slow_samples_leaves_workers_for_the_other_calls(env: tuple[Scorer, Registry]) -> None:
     # Two workers, a call of four samples that each take seconds: another call's sample starts at once on the
     # worker the slow call leaves free, instead of queueing behind all four.

@@ -75,6 +75,7 @@ ENTRY_POINTS = textwrap.dedent(
     [tauflow.rewards]
     picky = tauflow_test_rewards:picky
     spin = tauflow_test_rewards:Spin
+    spin_long = tauflow_test_rewards:Spin
     judge = tauflow_test_rewards:Judge
     stall = tauflow_test_rewards:Stall
     broken = tauflow_test_rewards_missing:fn
@@ -97,6 +98,7 @@ def start_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServiceProc
         "functions.exact_match.config.ignore_case": "true",
         "functions.stall.executor": "inline",
         "max_inline_call_s": 3,
+        "functions.spin_long.timeout_s": 30,  # (a request may lower a function's timeout, not raise it)
     }
     proc = ServiceProcess("reward", tmp_path_factory.mktemp("svc"), settings, env={"PYTHONPATH": str(site)})
     proc.start()
@@ -152,7 +154,7 @@ def test_lists_builtins_and_entry_points(stub: reward_pb2_grpc.RewardServiceStub
     by_name = {f.name: f for f in resp.reward_functions}
     builtins = ["code", "compose", "exact_match", "format", "genrm", "ifeval", "math", "multiple_choice", "qa"]
     builtins.append("remote_rm")
-    assert list(by_name) == sorted([*builtins, "judge", "picky", "spin", "stall"])  # sorted, no 'broken'
+    assert list(by_name) == sorted([*builtins, "judge", "picky", "spin", "spin_long", "stall"])  # sorted, no 'broken'
     assert resp.default_reward_fn == "exact_match"
     assert by_name["exact_match"].default_config["ignore_case"] is True  # the service setting applied
     assert by_name["spin"].timeout.ToTimedelta().total_seconds() == 0.4
@@ -244,7 +246,7 @@ def test_group_level_function(stub: reward_pb2_grpc.RewardServiceStub) -> None:
 
 def test_the_callers_deadline_is_kept(stub: reward_pb2_grpc.RewardServiceStub) -> None:
     req = reward_pb2.ScoreRequest(
-        reward_fn="spin", groups=[group("d", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
+        reward_fn="spin_long", groups=[group("d", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
     )
     with pytest.raises(grpc.RpcError) as e:
         stub.Score(req, timeout=0.5)
@@ -296,6 +298,11 @@ def _config(**kw: object) -> struct_pb2.Struct:
         ),
         ({"sample_timeout": duration_pb2.Duration(seconds=-1)}, "INVALID_ARGUMENT", "sample_timeout: must be positive"),
         ({"sample_timeout": duration_pb2.Duration(seconds=3600)}, "INVALID_ARGUMENT", "max_sample_timeout_s"),
+        (  # a request may lower a function's timeout, not raise it (two such calls held both workers a minute)
+            {"reward_fn": "math", "sample_timeout": duration_pb2.Duration(seconds=60)},
+            "INVALID_ARGUMENT",
+            "sample_timeout: 60 s is over reward function 'math''s timeout of 5 s (functions.math.timeout_s)",
+        ),
         ({"groups": [group(f"g{i}", *["x"] * 8) for i in range(76)]}, "RESOURCE_EXHAUSTED", "608 samples"),
         (
             {"config": _config(correct_score=float("nan"))},
@@ -513,7 +520,7 @@ def test_workers_end_when_the_service_is_killed_even_inside_a_function_that_neve
         with pytest.raises(grpc.RpcError):
             stub.Score(
                 reward_pb2.ScoreRequest(
-                    reward_fn="spin", groups=[group("h", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
+                    reward_fn="spin_long", groups=[group("h", "hang")], sample_timeout=duration_pb2.Duration(seconds=30)
                 ),
                 timeout=0.5,
             )
@@ -628,14 +635,13 @@ def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
             assert resp.groups[0].samples[0].reward.status == OK and time.monotonic() - start < 1.0
         assert health.checks >= 10 and not health.failures and health.worst_s < 0.5, vars(health)
 
-        # SIGTERM while a hostile pattern runs (its timeout raised to 60 s): the process drains for
-        # server.drain_grace_s (1 s), stops its pool and exits.
+        # SIGTERM during a call of hostile patterns (12 samples of 1 s each, on one worker: 12 s): the process
+        # drains for server.drain_grace_s (1 s), stops its pool and exits.
         pending = stub.Score.future(
             reward_pb2.ScoreRequest(
                 reward_fn="format",
                 config=_config(pattern=SLOW_FOR_RE2, mode="search"),
-                groups=[group("d", _random_text("ab", 1 << 20))],
-                sample_timeout=duration_pb2.Duration(seconds=60),
+                groups=[group("d", *[_random_text("ab", 1 << 19)] * 12)],
             ),
             timeout=30,
         )

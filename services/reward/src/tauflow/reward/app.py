@@ -27,7 +27,12 @@ async def build(config: RewardConfig) -> ServiceApp:
         code_exec.log_confinement(log)  # which of the sandbox's kernel layers this kernel has
     process_refs = [fn.ref for fn in registry.functions() if fn.executor is Executor.PROCESS]
     worker.not_dumpable()  # the service's environment (secrets) unreadable through /proc by its sandboxes
-    scorer = Scorer(config.pool, process_refs, max_inline_call_s=config.max_inline_call_s)
+    scorer = Scorer(
+        config.pool,
+        process_refs,
+        max_inline_call_s=config.max_inline_call_s,
+        max_pool_call_s=config.max_pool_call_s,
+    )
     await scorer.start()
     metrics = RewardMetrics()
     metrics.pool_workers.set(config.pool.workers)

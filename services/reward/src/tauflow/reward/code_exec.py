@@ -170,6 +170,12 @@ from tauflow.reward.builtins import MAX_KEY_CHARS, _Options, _reference, _valida
 
 MAX_FILE_BYTES = 10 << 20  # RLIMIT_FSIZE: the most a program may write to one file
 MAX_TASKS = 64  # RLIMIT_NPROC inside a user namespace: the sandbox's processes and threads
+# What a case's directory may hold (RLIMIT_FSIZE bounds one file only: 50 files of 5 MiB filled a run's disk at
+# 250 MiB/s); watched by the worker every WATCH_S, with its thread count (root is exempt from RLIMIT_NPROC: one
+# case started 7,930 threads), and the case is killed past either.
+MAX_CASE_BYTES = 64 << 20
+MAX_CASE_ENTRIES = 4096
+WATCH_S = 0.05
 TIMEOUT_S = 60.0  # CodeExecution.timeout_s: past it the service kills the worker, mid-case
 # wall_time_s and total_time_s must leave this much of TIMEOUT_S: a sample's cases end before the worker's
 # timeout, and its results come back as a score, not a timeout.
@@ -233,6 +239,9 @@ class CaseResult:
     # them). A stdin/stdout case: always True (its output is what counts).
     finished: bool
     duration_s: float
+    # Killed for what the kernel does not bound for it: "tasks" (threads past MAX_TASKS, where RLIMIT_NPROC is
+    # not set: a root service) or "disk" (its directory past MAX_CASE_BYTES or MAX_CASE_ENTRIES); else "".
+    over_limit: str = ""
 
 
 class CodeExecution:
@@ -406,7 +415,7 @@ def _normalise_output(text: str) -> str:
 
 
 def case_passed(case: Case, result: CaseResult) -> bool:
-    if result.returncode != 0 or result.timed_out or result.output_exceeded or not result.finished:
+    if result.returncode != 0 or result.timed_out or result.output_exceeded or result.over_limit or not result.finished:
         return False
     if case.expected is None:
         return True
@@ -1075,7 +1084,7 @@ def run_case(
                 pass_fds=(payload_file.fileno(),),
             )
         try:
-            stdout, stderr, killed, exceeded = _communicate(proc, start + wall_time_s, max_output_bytes)
+            stdout, stderr, killed, exceeded, over = _communicate(proc, start + wall_time_s, max_output_bytes, workdir)
         finally:
             _kill_group(proc)
             proc.wait()
@@ -1085,28 +1094,43 @@ def run_case(
     finally:
         _remove(workdir)
     code = proc.returncode
-    cpu_limit = not exceeded and code in (-signal.SIGXCPU, -signal.SIGKILL)
+    cpu_limit = not exceeded and not over and code in (-signal.SIGXCPU, -signal.SIGKILL)
     finished = True
     if token:  # written by the runner once the tests ran to their end
         finished = stdout.endswith(token)
         stdout = stdout[: -len(token)] if finished else stdout
-    return CaseResult(code, stdout, stderr, killed or cpu_limit, exceeded, finished, time.monotonic() - start)
+    return CaseResult(code, stdout, stderr, killed or cpu_limit, exceeded, finished, time.monotonic() - start, over)
 
 
-def _communicate(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tuple[bytes, bytes, bool, bool]:
+def _communicate(
+    proc: subprocess.Popen[bytes], deadline: float, cap: int, workdir: str | None = None
+) -> tuple[bytes, bytes, bool, bool, str]:
     """Reads the child's stdout and stderr until both close, ``cap`` bytes each; (stdout, stderr, timed out,
-    output exceeded). Past the deadline or the cap the process group is killed at once."""
+    output exceeded, over a limit: ``CaseResult.over_limit``). Past the deadline or the cap the process group
+    is killed at once; past MAX_TASKS threads or what ``workdir`` may hold, within WATCH_S."""
     assert proc.stdout is not None and proc.stderr is not None
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+
+    def output() -> tuple[bytes, bytes]:
+        return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()])  # type: ignore[union-attr]
+
+    watched_at = time.monotonic()
     with selectors.DefaultSelector() as selector:
         for fd in buffers:
             selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 _kill_group(proc)
-                return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), True, False
-            for key, _ in selector.select(left):
+                return *output(), True, False, ""
+            if now - watched_at >= WATCH_S:
+                watched_at = now
+                over = _over_limit(proc.pid, workdir)
+                if over:
+                    _kill_group(proc)
+                    return *output(), False, False, over
+            for key, _ in selector.select(min(left, WATCH_S)):
                 data = os.read(key.fd, _READ_CHUNK)
                 if not data:
                     selector.unregister(key.fd)
@@ -1116,14 +1140,51 @@ def _communicate(proc: subprocess.Popen[bytes], deadline: float, cap: int) -> tu
                 if len(buffer) > cap:
                     _kill_group(proc)
                     del buffer[cap:]
-                    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), False, True
-    out, err = bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()])
+                    return *output(), False, True, ""
+    out, err = output()
     try:  # both streams closed: the program has ended, or closed them and runs on
         proc.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        return out, err, True, False
-    return out, err, False, False
+        return out, err, True, False, ""
+    return out, err, False, False, ""
+
+
+def _over_limit(pid: int, workdir: str | None) -> str:
+    """ "tasks" when the case's process runs more than MAX_TASKS threads (its only process: fork is refused),
+    "disk" when ``workdir`` holds more than MAX_CASE_BYTES or MAX_CASE_ENTRIES; else ""."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Threads:"):
+                    if int(line.split()[1]) > MAX_TASKS:
+                        return "tasks"
+                    break
+    except (OSError, ValueError):  # ended, or no /proc
+        pass
+    if workdir is None:
+        return ""
+    used = entries = 0
+    folders = [workdir]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as it:
+                for entry in it:
+                    entries += 1
+                    if entries > MAX_CASE_ENTRIES:
+                        return "disk"
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(entry.path)
+                        else:  # (blocks: a sparse file takes no disk)
+                            used += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue
+        except OSError:  # removed meanwhile
+            continue
+        if used > MAX_CASE_BYTES:
+            return "disk"
+    return ""
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -48,6 +48,13 @@ class PoolConfig(StrictModel):
     max_tasks_per_worker: int = Field(
         10_000, ge=0, description="a worker is replaced after this many calls (bounds leaks); 0 never"
     )
+    worker_memory_mb: int = Field(
+        4096,
+        ge=0,
+        le=1 << 30,
+        description="address space of a worker process (RLIMIT_AS, its soft limit): a sample that needs more fails "
+        "with MemoryError (REWARD_STATUS_ERROR) instead of taking the host's memory; 0 sets none",
+    )
     start_method: Literal["forkserver", "spawn"] = Field(
         "forkserver", description="forkserver: workers fork from a clean, preloaded server process"
     )
@@ -83,13 +90,26 @@ class RewardConfig(ServiceConfig):
     load_entry_points: bool = Field(True, description="register the functions of the 'tauflow.rewards' entry points")
     default_timeout_s: float = Field(10.0, gt=0, description="timeout of functions that declare none")
     default_fallback_score: float = Field(0.0, description="fallback of functions that declare none")
-    max_sample_timeout_s: float = Field(600.0, gt=0, description="largest ScoreRequest.sample_timeout accepted")
+    max_sample_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="largest ScoreRequest.sample_timeout accepted (a request may also never raise a function's "
+        "own timeout: functions.<name>.timeout_s)",
+    )
     max_inline_call_s: float = Field(
         60.0,
         gt=0,
         description="the most time an inline Score call runs, deadline or none: its budget is the lesser of this "
         "and its samples (groups, for a group-level function) x its timeout; the samples not scored within it "
         "get REWARD_STATUS_TIMEOUT and the fallback score",
+    )
+    max_pool_call_s: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="the most time a Score call of a function that runs in the worker pool holds its workers, "
+        "deadline or none (a call without a deadline was bounded only by its samples x its timeout); the samples "
+        "not scored within it get REWARD_STATUS_TIMEOUT and the fallback score",
     )
     max_samples_per_request: int = Field(65_536, ge=1, description="more samples in one Score: RESOURCE_EXHAUSTED")
     max_concurrent_requests: int = Field(64, ge=1, description="more Score calls in flight: RESOURCE_EXHAUSTED")

@@ -113,10 +113,15 @@ class Scorer:
     """Scores groups with a registered function; owns the worker pool and shares it between calls."""
 
     def __init__(
-        self, pool_config: PoolConfig, preload_refs: Sequence[str] = (), max_inline_call_s: float = 60.0
+        self,
+        pool_config: PoolConfig,
+        preload_refs: Sequence[str] = (),
+        max_inline_call_s: float = 60.0,
+        max_pool_call_s: float = 600.0,
     ) -> None:
         self.pool_config = pool_config
         self.max_inline_call_s = max_inline_call_s
+        self.max_pool_call_s = max_pool_call_s
         self.preload_refs = list(preload_refs)
         self._pool: ProcessPool | None = None
         self.pool_restarts = 0
@@ -142,7 +147,7 @@ class Scorer:
             max_workers=self.pool_config.workers,
             max_tasks=self.pool_config.max_tasks_per_worker,
             initializer=worker.init_worker,
-            initargs=(list(sys.path), self.preload_refs, os.getpid()),
+            initargs=(list(sys.path), self.preload_refs, os.getpid(), self.pool_config.worker_memory_mb),
             context=self._context(),
         )
 
@@ -390,23 +395,41 @@ class Scorer:
             tasks = [_Task(worker.call_sample, (fn.ref, s, config), timeout_s) for g in groups for s in g.samples]
         call = self._submit(tasks)
         waiting = [asyncio.wrap_future(t.outcome) for t in tasks]
+        budget_s = self.max_pool_call_s  # (a call without a deadline held its workers for samples x timeout)
         try:
-            _, pending = await asyncio.wait(waiting, timeout=deadline_s)
+            _, pending = await asyncio.wait(
+                waiting, timeout=budget_s if deadline_s is None else min(deadline_s, budget_s)
+            )
         finally:
             self._withdraw(call)  # a cancelled call (or a deadline) stops its queued and running tasks
             for w in waiting:  # failures are read below or dropped with the call; never "never retrieved"
                 if w.done() and not w.cancelled():
                     w.exception()
-        if pending:
-            unit = "groups" if fn.group_level else "samples"
+        unit = "groups" if fn.group_level else "samples"
+        if pending and deadline_s is not None and deadline_s <= budget_s:
             raise DeadlineExceeded(
                 f"the call's deadline passed after {deadline_s:.3g} s with {len(pending)} of {len(tasks)} "
                 f"{unit} of reward function {fn.name!r} unscored"
             )
+        if pending:
+            log.warning(
+                "a Score call's time budget (max_pool_call_s) passed: its unscored samples time out",
+                extra={"fn": fn.name, "unscored": len(pending), "of": len(tasks), "budget_s": budget_s},
+            )
+        past_budget = (
+            f"this call's time budget (max_pool_call_s, {budget_s:g} s) passed before reward function {fn.name!r} "
+            f"scored this {unit[:-1]}"
+        )
+
+        def collected(w: asyncio.Future[Any], n: int) -> list[SampleResult]:
+            if w in pending:
+                return [SampleResult(Status.TIMEOUT, fn.fallback_score, {}, past_budget, 0.0, "timeout")] * n
+            return self._collect(w, fn, timeout_s, n)
+
         if fn.group_level:
-            return [self._collect(w, fn, timeout_s, len(g.samples)) for g, w in zip(groups, waiting, strict=True)]
+            return [collected(w, len(g.samples)) for g, w in zip(groups, waiting, strict=True)]
         it = iter(waiting)
-        return [[self._collect(next(it), fn, timeout_s, 1)[0] for _ in g.samples] for g in groups]
+        return [[collected(next(it), 1)[0] for _ in g.samples] for g in groups]
 
     @staticmethod
     def _collect(task: asyncio.Future[Any], fn: RewardFunction, timeout_s: float, n: int) -> list[SampleResult]:

@@ -271,6 +271,12 @@ def score_job(request: reward_pb2.ScoreRequest, fn: RewardFunction, config: Rewa
     timeout_s = fn.timeout_s
     if request.HasField("sample_timeout"):
         timeout_s = sample_timeout_s(request.sample_timeout, config.max_sample_timeout_s)
+        if timeout_s > fn.timeout_s:  # the operator's limit: a request may lower it, not raise it
+            raise InvalidRequest(
+                "sample_timeout",
+                f"{timeout_s:g} s is over reward function {fn.name!r}'s timeout of {fn.timeout_s:g} s "
+                f"(functions.{fn.name}.timeout_s): a request may only lower it",
+            )
     overrides = config_from_proto(request.config, limits.max_config_bytes) if request.HasField("config") else {}
     return ScoreJob(groups, fn.resolve_config(overrides), timeout_s, n_samples, fn.executor_for(overrides))
 

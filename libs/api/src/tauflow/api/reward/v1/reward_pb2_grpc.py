@@ -83,8 +83,8 @@ class RewardServiceServicer:
         empty, a group has no samples, group ids repeat within the request, sample
         ids repeat within a group, a string or list is over its bound (below and
         in common.proto), `config` holds a NaN or an infinity or does not fit the
-        function, or `sample_timeout` is not positive or over the service's
-        limit; the message starts with the field at fault (e.g.
+        function, or `sample_timeout` is not positive or over the function's
+        timeout or the service's limit; the message starts with the field at fault (e.g.
         `groups[3].samples[0].completion_text: ...`). NOT_FOUND when `reward_fn`
         names no registered function; RESOURCE_EXHAUSTED when the request holds
         more samples than the service's per-request limit or its concurrency
