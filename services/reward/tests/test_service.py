@@ -83,7 +83,7 @@ ENTRY_POINTS = textwrap.dedent(
 )
 
 
-def start_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServiceProcess, Path]:
+def start_service(tmp_path_factory: pytest.TempPathFactory, **extra: object) -> tuple[ServiceProcess, Path]:
     """A reward service with the test plug-ins (MODULE) installed in a site folder; (service, site)."""
     site = tmp_path_factory.mktemp("site")
     (site / "tauflow_test_rewards.py").write_text(MODULE)
@@ -99,6 +99,7 @@ def start_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServiceProc
         "functions.stall.executor": "inline",
         "max_inline_call_s": 3,
         "functions.spin_long.timeout_s": 30,  # (a request may lower a function's timeout, not raise it)
+        **extra,
     }
     proc = ServiceProcess("reward", tmp_path_factory.mktemp("svc"), settings, env={"PYTHONPATH": str(site)})
     proc.start()
@@ -253,6 +254,45 @@ def test_the_callers_deadline_is_kept(stub: reward_pb2_grpc.RewardServiceStub) -
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     resp = stub.Score(reward_pb2.ScoreRequest(reward_fn="spin", groups=[group("d", "fine")]))
     assert scores(resp) == [[1.0]]
+
+
+def test_calls_past_max_concurrent_requests_are_refused_logged_once_and_served_once_slots_free(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    service, _ = start_service(tmp_path_factory, max_concurrent_requests=2)
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
+        hogs = [
+            stub.Score.future(
+                reward_pb2.ScoreRequest(reward_fn="spin_long", groups=[group(f"h{i}", "hang")]), timeout=20
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 10
+        while metric(service, "tauflow_reward_inflight_requests") < 2:
+            assert time.monotonic() < deadline, "the two calls never started"
+            time.sleep(0.02)
+        for _ in range(5):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")]), timeout=5)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (
+                "2 Score calls are in progress" in e.value.details() and "max_concurrent_requests" in e.value.details()
+            )
+        for hog in hogs:
+            hog.cancel()
+        deadline = time.monotonic() + 10
+        while True:  # (a cancelled call frees its slot once the service sees the cancel)
+            try:
+                resp = stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")]), timeout=5)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, err
+                time.sleep(0.05)
+        assert scores(resp) == [[1.0]]
+        assert service.log_text().count("every Score slot is taken") == 1  # five or more refused, one line
+    finally:
+        service.stop()
 
 
 def test_unknown_functions_are_not_found(stub: reward_pb2_grpc.RewardServiceStub) -> None:

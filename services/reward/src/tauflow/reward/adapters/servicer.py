@@ -15,6 +15,7 @@ import grpc
 
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.decoding import OutOfBounds, Undecodable, checked_deserializer, field_wire_bytes, wire_bounds
+from tauflow.core.logs import LogLimit
 from tauflow.reward.adapters import convert
 from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
@@ -110,6 +111,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.config = config
         self.metrics = metrics
         self.inflight = 0
+        self._full_log = LogLimit(60.0)  # calls refused while every slot is taken: a line a minute, counted
 
     async def Score(
         self, request: reward_pb2.ScoreRequest | Undecodable, context: grpc.aio.ServicerContext
@@ -133,6 +135,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
         if self.inflight >= limit:
+            if refused := self._full_log.due():
+                log.warning(
+                    "every Score slot is taken (max_concurrent_requests): calls are refused RESOURCE_EXHAUSTED",
+                    extra={"limit": limit, "refused": refused, "peer": context.peer()},
+                )
             raise Exhausted(
                 f"{self.inflight} Score calls are in progress, this service's limit (max_concurrent_requests); "
                 "retry later"
