@@ -205,6 +205,26 @@ def test_every_method_of_the_run_is_either_guarded_or_known_to_be_open() -> None
     assert "Generate" not in CONTROL_METHODS["tauflow.api.rollout.v1.RolloutService"]
 
 
+def test_the_run_sends_its_token_on_preferred_open_methods_and_a_server_tells_its_own_calls() -> None:
+    from tauflow.core.runtoken import RUN_PREFERRED_METHODS, from_the_run, sends_run_token
+
+    for service, methods in RUN_PREFERRED_METHODS.items():  # open methods: anyone may call them
+        assert methods <= OPEN_METHODS[service] and not methods & CONTROL_METHODS.get(service, frozenset())
+    assert sends_run_token("/tauflow.api.reward.v1.RewardService/Score")
+    assert sends_run_token(b"/tauflow.api.queue.v1.QueueService/Ack")  # a control method
+    assert not sends_run_token("/tauflow.api.reward.v1.RewardService/ListRewardFunctions")
+    assert not sends_run_token("/tauflow.api.rollout.v1.RolloutService/Generate")  # a judge of another run
+    try:
+        use_run_token("")
+        assert from_the_run(()) and from_the_run(_bearer("anything-0123456789"))  # no token: all calls are
+        use_run_token(TOKEN)
+        assert from_the_run(_bearer(TOKEN)) and from_the_run((("authorization", f"bearer  {TOKEN}"),))
+        for metadata in [(), _bearer("other-0123456789ab"), _bearer(TOKEN + "x"), (("authorization", TOKEN),)]:
+            assert not from_the_run(metadata), metadata
+    finally:
+        use_run_token("")
+
+
 @pytest.mark.parametrize(
     "content, why",
     [

@@ -201,6 +201,39 @@ def test_a_pool_call_without_a_deadline_ends_at_max_pool_call_s_with_the_rest_ti
     assert r.score == 4.0
 
 
+def test_the_runs_own_call_takes_the_next_free_worker_before_calls_waiting_longer(
+    env: tuple[Scorer, Registry],
+) -> None:
+    # (callers without the run token cannot starve the run: its call is not queued behind theirs)
+    _, reg = env
+    fn = reg.get("picky")
+    scorer = Scorer(PoolConfig(workers=1, call_share=1.0, preload=[]), ["runner_fns:picky"])
+
+    async def scenario() -> dict[str, float]:
+        await scorer.start()
+        ended: dict[str, float] = {}
+        start = time.monotonic()
+
+        async def call(name: str, texts: list[str], first: bool) -> None:
+            await scorer.score(fn, groups(texts), {}, 10.0, first=first)
+            ended[name] = time.monotonic() - start
+
+        anyone = asyncio.create_task(call("anyone", ["sleep 0.4"] * 4, False))
+        await asyncio.sleep(0.1)  # its first sample runs; three wait
+        others = asyncio.create_task(call("others", ["sleep 0.4"] * 2, False))
+        await asyncio.sleep(0.05)
+        await call("run", ["abc"], True)
+        await asyncio.gather(anyone, others)
+        return ended
+
+    try:
+        ended = asyncio.run(scenario())
+    finally:
+        scorer.close()
+    assert ended["run"] < ended["others"] < ended["anyone"], ended
+    assert ended["run"] < 1.0, ended  # one sample of 0.4 s ahead of it, not five
+
+
 def test_a_call_of_slow_samples_leaves_workers_for_the_other_calls(env: tuple[Scorer, Registry]) -> None:
     # Two workers, a call of four samples that each take seconds: another call's sample starts at once on the
     # worker the slow call leaves free, instead of queueing behind all four.

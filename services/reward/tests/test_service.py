@@ -295,6 +295,42 @@ def test_calls_past_max_concurrent_requests_are_refused_logged_once_and_served_o
         service.stop()
 
 
+def test_callers_without_the_run_token_cannot_take_the_slots_kept_for_the_runs_own_calls(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    token = "run-token-0123456789abcdef"
+    token_file = tmp_path_factory.mktemp("token") / "run.token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    service, _ = start_service(
+        tmp_path_factory, max_concurrent_requests=3, run_reserved_requests=1, **{"auth.token_file": str(token_file)}
+    )
+    run = (("authorization", f"Bearer {token}"),)
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
+        hogs = [  # anyone may call Score: no token needed
+            stub.Score.future(
+                reward_pb2.ScoreRequest(reward_fn="spin_long", groups=[group(f"h{i}", "hang")]), timeout=20
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + 10
+        while metric(service, "tauflow_reward_inflight_requests") < 2:
+            assert time.monotonic() < deadline, "the two calls never started"
+            time.sleep(0.02)
+        easy = reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")])
+        for metadata in [(), (("authorization", "Bearer not-the-run-token-0123"),)]:  # a wrong token is anyone's
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Score(easy, timeout=5, metadata=metadata)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_concurrent_requests less run_reserved_requests" in e.value.details()
+        assert scores(stub.Score(easy, timeout=5, metadata=run)) == [[1.0]]  # the run's own call: its slot
+        for hog in hogs:
+            hog.cancel()
+    finally:
+        service.stop()
+
+
 def test_unknown_functions_are_not_found(stub: reward_pb2_grpc.RewardServiceStub) -> None:
     for name, detail in [("nope", "'nope' is not a registered"), ("broken", "failed to load: ModuleNotFoundError")]:
         with pytest.raises(grpc.RpcError) as e:

@@ -21,6 +21,7 @@ Decisions: docs/reliability.md, "The run token".
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -63,11 +64,32 @@ CONTROL_METHODS: Mapping[str, frozenset[str]] = {
 }
 
 
-def control_method(path: str | bytes) -> bool:
-    """Whether the gRPC method ``/<service>/<method>`` is a control method."""
+# Open methods on which the run's own processes send the token all the same: the server admits any caller, and
+# gives the run's calls precedence (the reward service keeps Score slots for them and hands them a free worker
+# first), so that callers without the token cannot starve the run (64 anonymous Score calls of sleeping `code`
+# samples took every slot, and the run stopped for as long). A call with a wrong token is anyone's call.
+RUN_PREFERRED_METHODS: Mapping[str, frozenset[str]] = {
+    "tauflow.api.reward.v1.RewardService": frozenset({"Score"}),
+}
+
+
+def _method(path: str | bytes) -> tuple[str, str]:
     text = path.decode("ascii", "replace") if isinstance(path, bytes) else path
     service, _, method = text.lstrip("/").rpartition("/")
+    return service, method
+
+
+def control_method(path: str | bytes) -> bool:
+    """Whether the gRPC method ``/<service>/<method>`` is a control method."""
+    service, method = _method(path)
     return method in CONTROL_METHODS.get(service, ())
+
+
+def sends_run_token(path: str | bytes) -> bool:
+    """Whether a run's channel sends the token on ``/<service>/<method>``: a control method, or an open one where
+    the run's calls take precedence (``RUN_PREFERRED_METHODS``)."""
+    service, method = _method(path)
+    return method in CONTROL_METHODS.get(service, ()) or method in RUN_PREFERRED_METHODS.get(service, ())
 
 
 MIN_TOKEN_CHARS = 16
@@ -167,3 +189,13 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, str]:
 
 def digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def from_the_run(metadata: Sequence[tuple[str, Any]] | None) -> bool:
+    """Whether a call with this metadata is one of the run's own: it carries this process's run token (compared
+    as digests, in constant time), or the process has none (a role started by hand: every call is the run's)."""
+    own = run_token()
+    if not own:
+        return True
+    token, _ = bearer_token(metadata)
+    return bool(token) and hmac.compare_digest(digest(token), digest(own))

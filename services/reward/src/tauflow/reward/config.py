@@ -113,6 +113,13 @@ class RewardConfig(ServiceConfig):
     )
     max_samples_per_request: int = Field(65_536, ge=1, description="more samples in one Score: RESOURCE_EXHAUSTED")
     max_concurrent_requests: int = Field(64, ge=1, description="more Score calls in flight: RESOURCE_EXHAUSTED")
+    run_reserved_requests: int = Field(
+        16,
+        ge=0,
+        description="of max_concurrent_requests, the Score calls only the run's own callers (those with the run "
+        "token) may hold; a caller without it is refused RESOURCE_EXHAUSTED past the rest. No effect without a "
+        "run token (auth.token_file): every call is then the run's",
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     functions: dict[str, FunctionSettings] = Field(default_factory=dict)

@@ -90,6 +90,7 @@ class _Call:
     tasks: list[_Task]
     waiting: deque[_Task]
     running: int = 0
+    first: bool = False  # one of the run's own calls: a free worker takes its tasks before anyone else's
 
 
 def _settle(outcome: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -182,19 +183,21 @@ class Scorer:
 
     # -- sharing the pool between calls ---------------------------------------------------------
 
-    def _submit(self, tasks: list[_Task]) -> _Call:
-        call = _Call(tasks, deque(tasks))
+    def _submit(self, tasks: list[_Task], first: bool = False) -> _Call:
+        call = _Call(tasks, deque(tasks), first=first)
         with self._lock:
             self._calls.append(call)
         self._dispatch()
         return call
 
     def _dispatch(self) -> None:
-        """Hands waiting tasks to free workers: the next call's in turn, each call up to its share."""
+        """Hands waiting tasks to free workers: the next call's in turn, each call up to its share; the run's own
+        calls (``first``) before the others, so that callers without the run token cannot starve it."""
         started: list[tuple[_Task, ProcessFuture[Any]]] = []
         with self._lock:
             while len(self._running) < self.pool_config.workers:
-                call = next((c for c in self._calls if c.running < self._per_call), None)
+                ready = [c for c in self._calls if c.running < self._per_call]
+                call = next((c for c in ready if c.first), ready[0] if ready else None)
                 if call is None:
                     break
                 self._calls.remove(call)
@@ -256,14 +259,16 @@ class Scorer:
         timeout_s: float,
         deadline_s: float | None = None,
         executor: Executor | None = None,
+        first: bool = False,
     ) -> list[list[SampleResult]]:
         """One list of results per group, in order. ``deadline_s`` (seconds from now) bounds the call:
         past it the unfinished work is cancelled and ``DeadlineExceeded`` raised. An inline call is also
         bounded by its budget (``inline_budget_s``), past which its unscored samples time out. ``executor``
-        replaces the function's for this call (``RewardFunction.executor_for``)."""
+        replaces the function's for this call (``RewardFunction.executor_for``); ``first``: the run's own call,
+        whose tasks a free worker takes before other calls'."""
         if (executor or fn.executor) is Executor.INLINE:
             return await self._inline_off_loop(fn, groups, config, timeout_s, deadline_s)
-        return await self._in_pool(fn, groups, config, timeout_s, deadline_s)
+        return await self._in_pool(fn, groups, config, timeout_s, deadline_s, first)
 
     def inline_budget_s(self, fn: RewardFunction, groups: Sequence[GroupInput], timeout_s: float) -> float:
         """How long an inline call may run: ``max_inline_call_s``, or less for a call of few samples (groups,
@@ -386,6 +391,7 @@ class Scorer:
         config: dict[str, Any],
         timeout_s: float,
         deadline_s: float | None,
+        first: bool = False,
     ) -> list[list[SampleResult]]:
         if not groups:
             return []
@@ -393,7 +399,7 @@ class Scorer:
             tasks = [_Task(worker.call_group, (fn.ref, g, config), timeout_s) for g in groups]
         else:
             tasks = [_Task(worker.call_sample, (fn.ref, s, config), timeout_s) for g in groups for s in g.samples]
-        call = self._submit(tasks)
+        call = self._submit(tasks, first)
         waiting = [asyncio.wrap_future(t.outcome) for t in tasks]
         budget_s = self.max_pool_call_s  # (a call without a deadline held its workers for samples x timeout)
         try:

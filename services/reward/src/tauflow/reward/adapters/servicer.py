@@ -16,6 +16,7 @@ import grpc
 from tauflow.api.reward.v1 import reward_pb2, reward_pb2_grpc
 from tauflow.core.decoding import OutOfBounds, Undecodable, checked_deserializer, field_wire_bytes, wire_bounds
 from tauflow.core.logs import LogLimit
+from tauflow.core.runtoken import from_the_run
 from tauflow.reward.adapters import convert
 from tauflow.reward.config import RewardConfig
 from tauflow.reward.errors import DeadlineExceeded, Exhausted, InvalidRequest, NotFound, RewardError
@@ -134,16 +135,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
+        own = from_the_run(context.invocation_metadata())
+        if not own:  # (the run's own calls keep run_reserved_requests of the slots: anyone may call Score)
+            limit = max(0, limit - self.config.run_reserved_requests)
         if self.inflight >= limit:
             if refused := self._full_log.due():
                 log.warning(
                     "every Score slot is taken (max_concurrent_requests): calls are refused RESOURCE_EXHAUSTED",
-                    extra={"limit": limit, "refused": refused, "peer": context.peer()},
+                    extra={"limit": limit, "refused": refused, "peer": context.peer(), "run": own},
                 )
-            raise Exhausted(
-                f"{self.inflight} Score calls are in progress, this service's limit (max_concurrent_requests); "
-                "retry later"
-            )
+            which = "max_concurrent_requests" if own else "max_concurrent_requests less run_reserved_requests"
+            raise Exhausted(f"{self.inflight} Score calls are in progress, this service's limit ({which}); retry later")
         n = convert.count_samples(request, self.config.max_samples_per_request)
         fn = self.registry.get(convert.reward_fn_name(request.reward_fn, self.config.limits))
         job = convert.score_job(request, fn, self.config, n)
@@ -152,7 +154,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.inflight += 1
         self.metrics.inflight.inc()
         try:
-            results = await self.scorer.score(fn, job.groups, job.config, job.timeout_s, deadline_s, job.executor)
+            results = await self.scorer.score(
+                fn, job.groups, job.config, job.timeout_s, deadline_s, job.executor, first=own
+            )
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
