@@ -795,6 +795,40 @@ def test_nack_returns_groups_to_the_head_in_order() -> None:
     ]
 
 
+def test_a_pause_of_the_queue_or_a_jump_of_its_clock_gives_leases_and_tickets_their_time_back() -> None:
+    """A queue stopped 12 s with 4 s leases expired every lease the instant it ran again, ahead of the acks
+    already waiting for it: trained groups were evicted as stale and generated again."""
+    clock = Clock()
+    q = QueueState(QueueConfig(default_lease_s=10.0, reservation_ttl_s=20.0), clock=clock, pause_after_s=5.0)
+    for g in "abc":
+        q.put(rec(g))
+    lid = _leased(q, 2)
+    ticket = q.reserve("r1", "p", 1)
+    assert ticket is not None
+    clock.advance(8.0)
+    q.sweep()  # ran 8 s of its clock in no time: a jump of the wall clock, past 5 s
+    clock.advance(4.0)  # 12 s of the lease's 10 by the clock, 4 of them watched
+    assert q.sweep().expired_leases == 0
+    q._ran_at -= 30.0  # the process did not run for 30 s (SIGSTOP), its clock ran with it
+    clock.advance(30.0)
+    result = q.sweep()
+    assert (result.expired_leases, result.expired_tickets) == (0, 0)
+    q.ack(lid)  # the holder's ack, waiting while the queue was stopped: still its lease
+    assert pending(q) == ["c"]
+    expired = 0
+    for _ in range(20):  # watched time (both clocks, a sweep a second) runs out as before: 16 s left
+        clock.advance(1.0)
+        q._ran_at -= 1.0
+        expired += q.sweep().expired_tickets
+    assert expired == 1
+    # not watched (a test's clock, pause_after_s None): the same 12 s expire the lease, as they always did
+    q2, c2 = make(default_lease_s=10.0)
+    q2.put(rec("a"))
+    _leased(q2, 1)
+    c2.advance(12.0)
+    assert q2.sweep().expired_leases == 1
+
+
 def test_lease_expiry_returns_groups_to_the_head_and_counts_redeliveries() -> None:
     q, c = make(default_lease_s=10.0)
     for g in "abcd":

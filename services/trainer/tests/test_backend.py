@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable
@@ -12,7 +13,13 @@ import torch
 
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample
-from tauflow.trainer.checkpoint import STATE_JSON, checkpoint_to_resume, latest_checkpoint, list_checkpoints
+from tauflow.trainer.checkpoint import (
+    STATE_JSON,
+    checkpoint_to_resume,
+    latest_checkpoint,
+    list_checkpoints,
+    read_checkpoint_meta,
+)
 from tauflow.trainer.optim import OptimConfig, lr_factor
 
 MakeGroups = Callable[..., list[Group]]
@@ -295,10 +302,51 @@ def test_a_flipped_byte_in_any_checkpoint_file_is_refused_before_it_is_loaded(
     with pytest.raises(ValueError, match=r"config.json is damaged \(missing\)"):
         TorchBackend(config(tiny_model_dir), checkpoint=written.path)
 
-    # a checkpoint written before the files were listed still resumes
+    # a checkpoint written before the files were listed (format 1, no digest of its own) still resumes
     meta = json.loads((info.path / STATE_JSON).read_text())
-    del meta["files"]
-    (info.path / STATE_JSON).write_text(json.dumps(meta))
+    del meta["files"], meta["digest"]
+    (info.path / STATE_JSON).write_text(json.dumps({**meta, "format": 1}))
+    assert TorchBackend(config(tiny_model_dir), checkpoint=info.path).version == 1
+
+
+def test_any_flipped_bit_of_trainer_state_json_is_refused_naming_it(
+    tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path
+) -> None:
+    """The file that says which version a resume starts from was the one file without a check: a flipped bit
+    of its "policy_version" (30 to 70) skipped 40 steps without a word, one of its key "files" turned every
+    file's check off, one of "trained_group_ids" ended the resume in a bare KeyError."""
+    b = TorchBackend(config(tiny_model_dir))
+    b.train_step(make_groups(0, 2))
+    info = b.save_checkpoint(tmp_path)
+    state = info.path / STATE_JSON
+    whole = state.read_bytes()
+    assert read_checkpoint_meta(info.path)["policy_version"] == 1
+    for at in range(len(whole)):  # every byte, one bit of it (a different bit from byte to byte)
+        flipped = whole[:at] + bytes([whole[at] ^ (1 << (at % 8))]) + whole[at + 1 :]
+        with contextlib.suppress(ValueError):
+            if json.loads(flipped) == json.loads(whole):
+                continue  # the same document (1e-05 written 1E-05): nothing to refuse
+        state.write_bytes(flipped)
+        with pytest.raises(ValueError, match=r"trainer_state.json is damaged|checkpoint format"):
+            read_checkpoint_meta(info.path)
+    state.write_bytes(whole)
+    for field, value in [("policy_version", 70), ("trained_group_ids", ["other"]), ("created_at", 0.0)]:
+        changed = json.loads(whole)
+        changed[field] = value  # (valid JSON, every key there: only the digest tells)
+        state.write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=r"damaged \(its fields are not the ones written"):
+            TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+    # a format 1 document (no digest) is still checked field by field: its version is its folder's
+    old = {k: v for k, v in json.loads(whole).items() if k != "digest"}
+    for changed, why in [
+        ({**old, "format": 1, "policy_version": 70}, "policy_version 70 is not its folder's, 1"),
+        ({k: v for k, v in old.items() if k != "trained_group_ids"} | {"format": 1}, "trained_group_ids is not"),
+        ({**old, "format": 1, "policy_version": "1"}, "policy_version is '1', not a version"),
+    ]:
+        state.write_text(json.dumps(changed))
+        with pytest.raises(ValueError, match=rf"trainer_state.json is damaged \({why}"):
+            TorchBackend(config(tiny_model_dir), checkpoint=info.path)
+    state.write_bytes(whole)
     assert TorchBackend(config(tiny_model_dir), checkpoint=info.path).version == 1
 
 

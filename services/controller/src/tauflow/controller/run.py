@@ -8,6 +8,7 @@ accuracy through the rollout and reward services (evaluation.py), exactly as an 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from tauflow.controller.progress import Progress
 from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list_services, replicas_of
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
+from tauflow.controller.watchdog import LoopWatchdog
 from tauflow.core.logs import LogLimit
 from tauflow.core.runtoken import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
@@ -99,6 +101,18 @@ class Poll:
     steps: list[TrainerStep]
     stats: QueueStats
     at_s: float
+
+
+@contextlib.asynccontextmanager
+async def _running(coroutine: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Runs ``coroutine`` as a task for the block's duration, cancelled at its end."""
+    task = asyncio.create_task(coroutine)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @dataclass
@@ -171,6 +185,7 @@ class Run:
         self.run_token = load_run_token(self.token_file)
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
         self._tau_log = LogLimit(10.0)  # a token holder may change τ thousands of times a minute
+        self._watchdog = LoopWatchdog()  # the time the controller itself did not run is no stall of the run
         self.resumed_version = 0  # --resume: the version the trainer resumed at
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
@@ -376,7 +391,7 @@ class Run:
     async def follow(self, addresses: Mapping[str, str]) -> RunSummary:
         heldout = read_heldout(self.config.eval, self.config.data)
         following = Following(progressed_at=time.monotonic())
-        async with self.connect(addresses) as peers:
+        async with self.connect(addresses) as peers, _running(self._watchdog.run()):
             self._peers = peers
             self.following = True
             while True:
@@ -476,7 +491,10 @@ class Run:
         self.members = members
 
     def _stalled(self, following: Following) -> bool:
-        return time.monotonic() - following.progressed_at > self.config.stall_timeout_s
+        """No progress for ``stall_timeout_s`` of the time the controller watched (a pause of its own is not
+        the run's stall: the timeout counts again from when it runs again)."""
+        since = max(following.progressed_at, self._watchdog.watching_since())
+        return time.monotonic() - since > self.config.stall_timeout_s
 
     async def _poll(self, peers: Peers, following: Following) -> Poll | None:
         """The trainer's new steps and the queue's counters; None while either does not answer (the run

@@ -17,6 +17,8 @@ from tauflow.queue.quarantine import QuarantineFolder
 from tauflow.queue.state import QueueState
 from tauflow.queue.wal import FsyncPolicy, WriteAheadLog
 
+PAUSE_AFTER_S = 5.0
+
 
 async def build(config: QueueConfig) -> ServiceApp:
     wal = WriteAheadLog(Path(config.wal.dir) / "queue.wal", config.wal.fsync, config.wal.on_corruption)
@@ -27,6 +29,8 @@ async def build(config: QueueConfig) -> ServiceApp:
         # the domain cannot decode protobuf: a stored group is checked by the wire's full decode
         validate=lambda payload: wire.invalid_reason(payload, group_limit),
         quarantine=QuarantineFolder(Path(config.wal.dir) / "quarantine"),
+        # the sweep loop runs every sweep_interval_s: a gap of several seconds more is a pause of the process
+        pause_after_s=max(PAUSE_AFTER_S, 10 * config.sweep_interval_s),
     )
     metrics = QueueMetrics()
     servicer = QueueServicer(queue, config, metrics)

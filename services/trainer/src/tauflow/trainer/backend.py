@@ -1445,6 +1445,11 @@ class TorchBackend:
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])
+        if path is not None:  # (said once, by the rank that read it: which steps a resume starts after)
+            log.info(
+                "resumed from a checkpoint",
+                extra={"checkpoint": str(path), "version": self.version, "trained_groups": len(self.trained_group_ids)},
+            )
 
 
 def backend_class(config: TorchBackendConfig) -> type[TorchBackend]:

@@ -35,7 +35,11 @@ import torch
 
 from tauflow.core.files import fsync_dir
 
-CHECKPOINT_FORMAT = 1
+# 2: trainer_state.json carries the digest of its own fields ("digest") and its list of files is required. A
+# flipped bit in its "policy_version" (30 to 70) had a resume skip 40 steps without a word, and one in the key
+# "files" turned every file's check off. 1 (before): resumed, its fields checked.
+CHECKPOINT_FORMAT = 2
+_READABLE_FORMATS = (1, 2)
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.pt"
 TOKENIZER_FILES = (
@@ -109,10 +113,52 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """What the checkpoint at ``path`` is (its fields checked, not its files: ``read_checkpoint_meta``)."""
     path = Path(path)
-    meta = json.loads((path / STATE_JSON).read_text())
+    try:
+        meta = json.loads((path / STATE_JSON).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path / STATE_JSON} is damaged ({e}): {_OLDER}") from None
+    _check_fields(meta, path)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return CheckpointInfo(path, meta["policy_version"], meta["created_at"], size, len(meta["trained_group_ids"]))
+
+
+def document_digest(document: Mapping[str, Any]) -> str:
+    """The sha256 of a trainer_state.json's fields but its "digest" (sorted, compact JSON: the same after a
+    round trip through the file)."""
+    body = {key: value for key, value in document.items() if key != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_fields(meta: Any, path: Path) -> None:
+    """ValueError naming the file unless ``meta`` is a trainer_state.json this trainer can resume from: a known
+    format; its own digest (format 2); a version that is the folder's (``v<version>``, where the folder is so
+    named); a creation time; the trained groups' ids."""
+
+    def damaged(why: str) -> ValueError:
+        return ValueError(f"{path / STATE_JSON} is damaged ({why}): {_OLDER}")
+
+    if not isinstance(meta, dict):
+        raise damaged("not a JSON object")
+    if meta.get("format") not in _READABLE_FORMATS:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    if meta["format"] >= 2 and meta.get("digest") != document_digest(meta):
+        raise damaged("its fields are not the ones written: their digest differs")
+    version = meta.get("policy_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise damaged(f"policy_version is {version!r}, not a version")
+    named = _CHECKPOINT_NAME.match(path.name)
+    if named and int(named.group(1)) != version:
+        raise damaged(f"policy_version {version} is not its folder's, {int(named.group(1))}")
+    created = meta.get("created_at")
+    if isinstance(created, bool) or not isinstance(created, int | float):
+        raise damaged(f"created_at is {created!r}, not a time")
+    ids = meta.get("trained_group_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise damaged("trained_group_ids is not a list of group ids")
+    if meta["format"] >= 2 and not isinstance(meta.get("files"), dict):
+        raise damaged("its list of files is missing")
 
 
 def write_checkpoint(
@@ -161,8 +207,9 @@ def write_checkpoint(
                 shutil.copy2(src, tmp / name)
         torch.save(trainer_state(), tmp / STATE_TENSORS)
         header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
-        files = {"files": _file_digests(tmp, checksums)}
-        (tmp / STATE_JSON).write_text(json.dumps({**header, **meta, **files}, indent=1))
+        document = {**header, **meta, "files": _file_digests(tmp, checksums)}
+        document["digest"] = document_digest(document)
+        (tmp / STATE_JSON).write_text(json.dumps(document, indent=1))
         _fsync_tree(tmp)
         replaced = None
         if final.exists():  # incomplete, damaged or another run's: set aside until the new one is in place
@@ -251,10 +298,7 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
         meta = json.loads((path / STATE_JSON).read_text())
     except ValueError as e:
         raise ValueError(f"{path / STATE_JSON} is damaged ({e}): {_OLDER}") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path / STATE_JSON} is damaged (not a JSON object): {_OLDER}")  # noqa: TRY004
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    _check_fields(meta, path)
     files = meta.get("files", {})
     if not isinstance(files, dict):
         raise ValueError(f"{path / STATE_JSON} is damaged (its 'files' is not an object): {_OLDER}")  # noqa: TRY004
