@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import grpc
 import pytest
@@ -256,22 +256,26 @@ def test_the_callers_deadline_is_kept(stub: reward_pb2_grpc.RewardServiceStub) -
     assert scores(resp) == [[1.0]]
 
 
+def _hold_two_slots(stub: reward_pb2_grpc.RewardServiceStub, service: ServiceProcess) -> list[Any]:
+    """Two Score calls in progress (a pool sample that spins until its 30 s timeout), once both are."""
+    hogs = [
+        stub.Score.future(reward_pb2.ScoreRequest(reward_fn="spin_long", groups=[group(f"h{i}", "hang")]), timeout=20)
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 10
+    while metric(service, "tauflow_reward_inflight_requests") < 2:
+        assert time.monotonic() < deadline, "the two calls never started"
+        time.sleep(0.02)
+    return hogs
+
+
 def test_calls_past_max_concurrent_requests_are_refused_logged_once_and_served_once_slots_free(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     service, _ = start_service(tmp_path_factory, max_concurrent_requests=2)
     try:
         stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
-        hogs = [
-            stub.Score.future(
-                reward_pb2.ScoreRequest(reward_fn="spin_long", groups=[group(f"h{i}", "hang")]), timeout=20
-            )
-            for i in range(2)
-        ]
-        deadline = time.monotonic() + 10
-        while metric(service, "tauflow_reward_inflight_requests") < 2:
-            assert time.monotonic() < deadline, "the two calls never started"
-            time.sleep(0.02)
+        hogs = _hold_two_slots(stub, service)
         for _ in range(5):
             with pytest.raises(grpc.RpcError) as e:
                 stub.Score(reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")]), timeout=5)
@@ -308,16 +312,7 @@ def test_callers_without_the_run_token_cannot_take_the_slots_kept_for_the_runs_o
     run = (("authorization", f"Bearer {token}"),)
     try:
         stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
-        hogs = [  # anyone may call Score: no token needed
-            stub.Score.future(
-                reward_pb2.ScoreRequest(reward_fn="spin_long", groups=[group(f"h{i}", "hang")]), timeout=20
-            )
-            for i in range(2)
-        ]
-        deadline = time.monotonic() + 10
-        while metric(service, "tauflow_reward_inflight_requests") < 2:
-            assert time.monotonic() < deadline, "the two calls never started"
-            time.sleep(0.02)
+        hogs = _hold_two_slots(stub, service)  # anyone may call Score: no token needed
         easy = reward_pb2.ScoreRequest(groups=[group("a", "x", answer="x")])
         for metadata in [(), (("authorization", "Bearer not-the-run-token-0123"),)]:  # a wrong token is anyone's
             with pytest.raises(grpc.RpcError) as e:
