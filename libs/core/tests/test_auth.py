@@ -206,21 +206,27 @@ def test_every_method_of_the_run_is_either_guarded_or_known_to_be_open() -> None
 
 
 def test_the_run_sends_its_token_on_preferred_open_methods_and_a_server_tells_its_own_calls() -> None:
-    from tauflow.core.runtoken import RUN_PREFERRED_METHODS, from_the_run, sends_run_token
+    from tauflow.core.runtoken import RUN_PREFERRED_METHODS, from_the_run, preferred_token, token_for
 
     for service, methods in RUN_PREFERRED_METHODS.items():  # open methods: anyone may call them
         assert methods <= OPEN_METHODS[service] and not methods & CONTROL_METHODS.get(service, frozenset())
-    assert sends_run_token("/tauflow.api.reward.v1.RewardService/Score")
-    assert sends_run_token(b"/tauflow.api.queue.v1.QueueService/Ack")  # a control method
-    assert not sends_run_token("/tauflow.api.reward.v1.RewardService/ListRewardFunctions")
-    assert not sends_run_token("/tauflow.api.rollout.v1.RolloutService/Generate")  # a judge of another run
     try:
         use_run_token("")
+        assert token_for("/tauflow.api.queue.v1.QueueService/Ack") == ""  # no run token: none sent
         assert from_the_run(()) and from_the_run(_bearer("anything-0123456789"))  # no token: all calls are
         use_run_token(TOKEN)
-        assert from_the_run(_bearer(TOKEN)) and from_the_run((("authorization", f"bearer  {TOKEN}"),))
-        for metadata in [(), _bearer("other-0123456789ab"), _bearer(TOKEN + "x"), (("authorization", TOKEN),)]:
+        derived = preferred_token(TOKEN)
+        assert token_for(b"/tauflow.api.queue.v1.QueueService/Ack") == TOKEN  # a control method
+        # an open method where the run's calls come first: a token derived from the run's, never the run's
+        assert token_for("/tauflow.api.reward.v1.RewardService/Score") == derived and TOKEN not in derived
+        assert token_for("/tauflow.api.reward.v1.RewardService/ListRewardFunctions") == ""
+        assert token_for("/tauflow.api.rollout.v1.RolloutService/Generate") == ""  # a judge of another run
+        assert from_the_run(_bearer(derived)) and from_the_run((("authorization", f"bearer  {derived}"),))
+        assert from_the_run(_bearer(TOKEN))  # (a holder of the run token is the run)
+        for metadata in [(), _bearer("other-0123456789ab"), _bearer(derived + "x"), (("authorization", derived),)]:
             assert not from_the_run(metadata), metadata
+        use_run_token("another-run-0123456789")  # another run's derived token is not this run's
+        assert not from_the_run(_bearer(derived))
     finally:
         use_run_token("")
 

@@ -803,7 +803,7 @@ def test_a_pause_of_the_queue_or_a_jump_of_its_clock_gives_leases_and_tickets_th
     for g in "abc":
         q.put(rec(g))
     lid = _leased(q, 2)
-    ticket = q.reserve("r1", "p", 1)
+    ticket = q.reserve("r1", "p", 2)
     assert ticket is not None
     clock.advance(8.0)
     q.sweep()  # ran 8 s of its clock in no time: a jump of the wall clock, past 5 s
@@ -815,6 +815,10 @@ def test_a_pause_of_the_queue_or_a_jump_of_its_clock_gives_leases_and_tickets_th
     assert (result.expired_leases, result.expired_tickets) == (0, 0)
     q.ack(lid)  # the holder's ack, waiting while the queue was stopped: still its lease
     assert pending(q) == ["c"]
+    q._ran_at -= 30.0  # paused again; the first call after it is a Put on the ticket (no sweep before it)
+    clock.advance(30.0)
+    assert q.put(rec("d"), ticket_id=ticket.ticket_id)[0]
+    assert q.memory.tickets[ticket.ticket_id].remaining == 1  # it came in on its ticket, still valid
     expired = 0
     for _ in range(20):  # watched time (both clocks, a sweep a second) runs out as before: 16 s left
         clock.advance(1.0)

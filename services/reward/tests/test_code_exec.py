@@ -382,6 +382,55 @@ def test_a_case_that_fills_its_directory_is_killed_and_fails(program: str, why: 
     assert not result.timed_out and result.duration_s < 20 and not case_passed(Case(stdin="", expected=""), result)
 
 
+_CLOSED_AND_WRITING = """
+import os, time
+os.close(1)
+os.close(2)
+for i in range(20):
+    open(f"f{i}", "wb").write(b"x" * (5 << 20))
+time.sleep(20)
+"""
+_CLOSED_AND_THREADING = """
+import os, threading, time
+os.close(1)
+os.close(2)
+threading.stack_size(32768)
+gate = threading.Event()
+for _ in range(500):
+    threading.Thread(target=gate.wait, daemon=True).start()
+time.sleep(20)
+"""
+_REMOVED_BUT_OPEN = """
+import os, time
+held = []
+for i in range(20):
+    f = open(f"f{i}", "wb")
+    f.write(b"x" * (5 << 20))
+    f.flush()
+    os.remove(f"f{i}")
+    held.append(f)
+time.sleep(20)
+"""
+
+
+@pytest.mark.parametrize(
+    ("program", "why"),
+    [
+        # its output closed, it runs on: still watched (the watch stopped at the streams' end)
+        (_CLOSED_AND_WRITING, "disk"),
+        (_CLOSED_AND_THREADING, "tasks"),
+        (_REMOVED_BUT_OPEN, "disk"),  # files removed but held open: their bytes are still on the disk
+    ],
+)
+def test_a_case_is_watched_to_its_end_and_with_what_it_holds_open(program: str, why: str) -> None:
+    result = run(program, wall_time_s=30)
+    if why == "tasks" and not result.over_limit:  # (a user namespace's RLIMIT_NPROC refused the threads first)
+        assert result.returncode != 0
+        return
+    assert result.over_limit == why, result.stderr[-500:]
+    assert not result.timed_out and result.duration_s < 20
+
+
 def test_a_case_that_writes_a_sparse_file_is_not_over_its_disk() -> None:
     # (what counts is the disk taken: a 9 MiB file of one written byte takes none of it)
     program = (

@@ -309,7 +309,9 @@ def test_callers_without_the_run_token_cannot_take_the_slots_kept_for_the_runs_o
     service, _ = start_service(
         tmp_path_factory, max_concurrent_requests=3, run_reserved_requests=1, **{"auth.token_file": str(token_file)}
     )
-    run = (("authorization", f"Bearer {token}"),)
+    from tauflow.core.runtoken import preferred_token
+
+    run = (("authorization", f"Bearer {preferred_token(token)}"),)  # what the run's channels send on Score
     try:
         stub = reward_pb2_grpc.RewardServiceStub(grpc.insecure_channel(service.address))
         hogs = _hold_two_slots(stub, service)  # anyone may call Score: no token needed

@@ -24,7 +24,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 
 from tauflow.api.retry import RETRY_STATUS_CODES, RetryPolicy, service_config_json
 from tauflow.core.config import ChannelConfig
-from tauflow.core.runtoken import run_token, sends_run_token
+from tauflow.core.runtoken import token_for
 from tauflow.core.server import message_size_options
 from tauflow.core.streams import rpc_error
 
@@ -57,16 +57,16 @@ def channel_options(services: Sequence[ServiceDescriptor], config: ChannelConfig
 
 
 class _DefaultDeadline:
-    """Client interceptor (sync and asyncio) that gives every call a deadline, and the run token, when the process
-    has one, to a control method's call and to one of ``runtoken.RUN_PREFERRED_METHODS`` (read at each call: a
-    token loaded after the channel was made is sent too)."""
+    """Client interceptor (sync and asyncio) that gives every call a deadline, and, when the process has a run
+    token, a control method's call that token and a call of ``runtoken.RUN_PREFERRED_METHODS`` the one derived
+    from it (``runtoken.token_for``; read at each call: a token loaded after the channel was made is sent too)."""
 
     def __init__(self, timeout_s: float, send_run_token: bool = True) -> None:
         self.timeout_s = timeout_s
         self.send_run_token = send_run_token
 
     def _details(self, details: Any) -> Any:
-        token = run_token() if self.send_run_token and sends_run_token(details.method) else ""
+        token = token_for(details.method) if self.send_run_token else ""
         if details.timeout is not None and not token:
             return details
         timeout = self.timeout_s if details.timeout is None else details.timeout

@@ -11,8 +11,9 @@ UNAUTHENTICATED before its request is read, and changes nothing.
 
 Every process of a run reads the same token file (``tauflow run`` writes one per run, 0600; a cluster
 mounts a Secret) and sends the token on the control calls of the channels ``tauflow.core.channel`` makes
-(never on an open method: a judge or teacher of another deployment never sees it), and on none of those to
-servers outside the run (a remote reward service: ``send_run_token=False``). The token is
+(never on an open method: a judge or teacher of another deployment never sees it; on the few open methods
+where the run's calls take precedence, ``RUN_PREFERRED_METHODS``, a token derived from it that steers
+nothing), and on none of those to servers outside the run (a remote reward service: ``send_run_token=False``). The token is
 compared as SHA-256 digests, in constant time, and never logged. It guards against callers that do not
 hold it, not against a reader of the traffic: on a network you do not trust, add TLS (a service mesh).
 Decisions: docs/reliability.md, "The run token".
@@ -64,10 +65,12 @@ CONTROL_METHODS: Mapping[str, frozenset[str]] = {
 }
 
 
-# Open methods on which the run's own processes send the token all the same: the server admits any caller, and
-# gives the run's calls precedence (the reward service keeps Score slots for them and hands them a free worker
-# first), so that callers without the token cannot starve the run (64 anonymous Score calls of sleeping `code`
-# samples took every slot, and the run stopped for as long). A call with a wrong token is anyone's call.
+# Open methods on which the run's own processes say they are the run's: the server admits any caller, and gives
+# the run's calls precedence (the reward service keeps Score slots for them and hands them a free worker first),
+# so that callers without the token cannot starve the run (64 anonymous Score calls of sleeping `code` samples
+# took every slot, and the run stopped for as long). They send not the run token but one derived from it
+# (``preferred_token``), good for that precedence only: a server outside the run that is sent it (a shared
+# reward service) cannot steer the run with it. A call with a wrong token is anyone's call.
 RUN_PREFERRED_METHODS: Mapping[str, frozenset[str]] = {
     "tauflow.api.reward.v1.RewardService": frozenset({"Score"}),
 }
@@ -85,11 +88,25 @@ def control_method(path: str | bytes) -> bool:
     return method in CONTROL_METHODS.get(service, ())
 
 
-def sends_run_token(path: str | bytes) -> bool:
-    """Whether a run's channel sends the token on ``/<service>/<method>``: a control method, or an open one where
-    the run's calls take precedence (``RUN_PREFERRED_METHODS``)."""
+def token_for(path: str | bytes) -> str:
+    """What a run's channel sends on ``/<service>/<method>`` (``authorization: Bearer <it>``): the run token on
+    a control method, the token derived from it (``preferred_token``) on one of ``RUN_PREFERRED_METHODS``,
+    nothing elsewhere or without a run token."""
+    token = run_token()
     service, method = _method(path)
-    return method in CONTROL_METHODS.get(service, ()) or method in RUN_PREFERRED_METHODS.get(service, ())
+    if not token:
+        return ""
+    if method in CONTROL_METHODS.get(service, ()):
+        return token
+    if method in RUN_PREFERRED_METHODS.get(service, ()):
+        return preferred_token(token)
+    return ""
+
+
+def preferred_token(token: str) -> str:
+    """The credential of the run's calls of ``RUN_PREFERRED_METHODS``: HMAC-SHA256 of the run token over a
+    fixed label (it tells the run's calls apart; it does not give the run token away)."""
+    return hmac.new(token.encode("utf-8", "surrogatepass"), b"tauflow run-preferred v1", hashlib.sha256).hexdigest()
 
 
 MIN_TOKEN_CHARS = 16
@@ -192,10 +209,14 @@ def digest(token: str) -> bytes:
 
 
 def from_the_run(metadata: Sequence[tuple[str, Any]] | None) -> bool:
-    """Whether a call with this metadata is one of the run's own: it carries this process's run token (compared
-    as digests, in constant time), or the process has none (a role started by hand: every call is the run's)."""
+    """Whether a call of one of ``RUN_PREFERRED_METHODS`` with this metadata is one of the run's own: it carries
+    the token derived from this process's run token, or the run token itself (compared as digests, in constant
+    time), or the process has none (a role started by hand: every call is the run's)."""
     own = run_token()
     if not own:
         return True
     token, _ = bearer_token(metadata)
-    return bool(token) and hmac.compare_digest(digest(token), digest(own))
+    if not token:
+        return False
+    sent = digest(token)
+    return hmac.compare_digest(sent, digest(preferred_token(own))) | hmac.compare_digest(sent, digest(own))

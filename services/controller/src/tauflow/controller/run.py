@@ -493,8 +493,8 @@ class Run:
     def _stalled(self, following: Following) -> bool:
         """No progress for ``stall_timeout_s`` of the time the controller watched (a pause of its own is not
         the run's stall: the timeout counts again from when it runs again)."""
-        since = max(following.progressed_at, self._watchdog.watching_since())
-        return time.monotonic() - since > self.config.stall_timeout_s
+        watched = time.monotonic() - following.progressed_at - self._watchdog.unwatched_s(following.progressed_at)
+        return watched > self.config.stall_timeout_s
 
     async def _poll(self, peers: Peers, following: Following) -> Poll | None:
         """The trainer's new steps and the queue's counters; None while either does not answer (the run

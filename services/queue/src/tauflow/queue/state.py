@@ -83,7 +83,7 @@ class QueueState:
 
         ``pause_after_s``: the service sweeps at least this often while it runs (its sweep loop), so a longer
         gap between two sweeps is time the process did not run (SIGSTOP, a frozen VM) or a jump of the wall
-        clock: leases and tickets get that time back (``_excuse``). None: not watched (a test's clock)."""
+        clock: leases and tickets get that time back (``_excuse_a_pause``). None: not watched (a test's clock)."""
         self.config = config
         self.pause_after_s = pause_after_s
         self._ran_at, self._wall_at = time.monotonic(), clock()
@@ -101,6 +101,7 @@ class QueueState:
         self.wal: WriteAheadLog | None = None
         if wal is not None:
             self._recover(wal)
+        self._ran_at, self._wall_at = time.monotonic(), clock()  # (the recovery's time is no pause)
 
     def _recover(self, wal: WriteAheadLog) -> None:
         skipped = 0
@@ -370,6 +371,7 @@ class QueueState:
         (an authenticated client) a ticket of another producer is ignored, as an unknown one is."""
         memory, config = self.memory, self.config
         check_id(ticket_id, "ticket_id")
+        self._excuse_a_pause()  # (a Put reads its ticket's expiry without a sweep)
         if group.group_id in memory.groups or group.group_id in memory.done_ids:
             return False, len(memory.pending)
         newest = max(group.behaviour_version, group.newest_version)

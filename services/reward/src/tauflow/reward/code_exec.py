@@ -891,6 +891,7 @@ def _set_up():
     limit(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
     limit(resource.RLIMIT_AS, memory, memory)
     limit(resource.RLIMIT_CPU, cpu_s, cpu_s + 1)
+    limit(resource.RLIMIT_NOFILE, 256, 256)  # (each open file may be one removed, its bytes still on disk)
 
     import ctypes
 
@@ -1142,17 +1143,26 @@ def _communicate(
                     del buffer[cap:]
                     return *output(), False, True, ""
     out, err = output()
-    try:  # both streams closed: the program has ended, or closed them and runs on
-        proc.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return out, err, True, False, ""
-    return out, err, False, False, ""
+    while True:  # both streams closed: the program has ended, or closed them and runs on, watched as before
+        left = deadline - time.monotonic()
+        if left <= 0:
+            _kill_group(proc)
+            return out, err, True, False, ""
+        try:
+            proc.wait(min(left, WATCH_S))
+            return out, err, False, False, ""
+        except subprocess.TimeoutExpired:
+            over = _over_limit(proc.pid, workdir)
+            if over:
+                _kill_group(proc)
+                return out, err, False, False, over
 
 
 def _over_limit(pid: int, workdir: str | None) -> str:
     """ "tasks" when the case's process runs more than MAX_TASKS threads (its only process: fork is refused),
-    "disk" when ``workdir`` holds more than MAX_CASE_BYTES or MAX_CASE_ENTRIES; else ""."""
+    "disk" when ``workdir`` and the files the process holds open (one removed but open takes its disk still)
+    hold more than MAX_CASE_BYTES, or ``workdir`` more than MAX_CASE_ENTRIES, or a folder in it cannot be read
+    (a case may take the watch's read permission away: that is no licence); else ""."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
@@ -1164,27 +1174,39 @@ def _over_limit(pid: int, workdir: str | None) -> str:
         pass
     if workdir is None:
         return ""
+    seen: set[tuple[int, int]] = set()
     used = entries = 0
-    folders = [workdir]
-    while folders:
-        try:
-            with os.scandir(folders.pop()) as it:
-                for entry in it:
-                    entries += 1
-                    if entries > MAX_CASE_ENTRIES:
-                        return "disk"
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            folders.append(entry.path)
-                        else:  # (blocks: a sparse file takes no disk)
-                            used += entry.stat(follow_symlinks=False).st_blocks * 512
-                    except OSError:
-                        continue
-        except OSError:  # removed meanwhile
-            continue
+    unreadable: list[OSError] = []
+
+    def count(st: os.stat_result) -> None:
+        nonlocal used
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            used += st.st_blocks * 512  # (the disk taken: a sparse file takes none of its length)
+
+    def walk_error(error: OSError) -> None:
+        if not isinstance(error, FileNotFoundError):  # (removed meanwhile: nothing there)
+            unreadable.append(error)
+
+    # by directory descriptor: each folder opened from its parent's, not its whole path resolved again
+    for _, folders, files, folder_fd in os.fwalk(workdir, onerror=walk_error, follow_symlinks=False):
+        entries += len(folders) + len(files)
+        if entries > MAX_CASE_ENTRIES or unreadable:
+            return "disk"
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                count(os.stat(name, dir_fd=folder_fd, follow_symlinks=False))
         if used > MAX_CASE_BYTES:
             return "disk"
-    return ""
+    if unreadable:
+        return "disk"
+    try:  # what it holds open, removed from the folder or not (its descriptors: RLIMIT_NOFILE)
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                count(os.stat(f"/proc/{pid}/fd/{fd}"))
+    except OSError:  # ended, no /proc, or not ours to read
+        pass
+    return "disk" if used > MAX_CASE_BYTES else ""
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -117,8 +117,8 @@ class RewardConfig(ServiceConfig):
         16,
         ge=0,
         description="of max_concurrent_requests, the Score calls only the run's own callers (those with the run "
-        "token) may hold; a caller without it is refused RESOURCE_EXHAUSTED past the rest. No effect without a "
-        "run token (auth.token_file): every call is then the run's",
+        "token) may hold, at most half of them; a caller without it is refused RESOURCE_EXHAUSTED past the rest. "
+        "No effect without a run token (auth.token_file): every call is then the run's",
     )
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     pool: PoolConfig = Field(default_factory=PoolConfig)

@@ -207,7 +207,8 @@ def write_checkpoint(
                 shutil.copy2(src, tmp / name)
         torch.save(trainer_state(), tmp / STATE_TENSORS)
         header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
-        document = {**header, **meta, "files": _file_digests(tmp, checksums)}
+        # (its digest over what a reader gets back: JSON turns tuples into lists and keys into strings)
+        document = json.loads(json.dumps({**header, **meta, "files": _file_digests(tmp, checksums)}))
         document["digest"] = document_digest(document)
         (tmp / STATE_JSON).write_text(json.dumps(document, indent=1))
         _fsync_tree(tmp)

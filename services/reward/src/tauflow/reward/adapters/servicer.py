@@ -136,8 +136,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ScoreResponse:
         limit = self.config.max_concurrent_requests
         own = from_the_run(context.invocation_metadata())
-        if not own:  # (the run's own calls keep run_reserved_requests of the slots: anyone may call Score)
-            limit = max(0, limit - self.config.run_reserved_requests)
+        if not own:  # (the run's own calls keep run_reserved_requests of the slots, at most half: anyone may call)
+            limit -= min(self.config.run_reserved_requests, limit // 2)
         if self.inflight >= limit:
             if refused := self._full_log.due():
                 log.warning(
