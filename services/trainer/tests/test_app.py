@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +24,15 @@ def quiet() -> Iterator[None]:
 
 
 def test_loading_and_checkpointing_draw_no_progress_bars(
-    tiny_model_dir: Path, tmp_path: Path, quiet: None, capfd: pytest.CaptureFixture[str]
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    quiet: None,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # (the process's log handlers as a service has none: one an earlier test left, on a stream since closed,
+    # printed "--- Logging error ---" for the resume's log line)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
     capfd.readouterr()
     backend = TorchBackend(TorchBackendConfig(model_path=str(tiny_model_dir)))  # "Loading weights" unquieted
     backend.save_checkpoint(tmp_path / "ckpt")  # "Writing model shards" unquieted
