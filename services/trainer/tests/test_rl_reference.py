@@ -124,6 +124,8 @@ def ref_is_weights(d: dict[str, np.ndarray], c: AlgorithmConfig) -> np.ndarray:
     w = np.ones(mask.shape)
     for i in range(rows_n):
         log_seq = sum(d["prox"][i, t] - d["beh"][i, t] for t in range(cols_n) if mask[i, t])
+        if c.is_level == "geometric":  # AReaL's and slime's sequence level: the mean of the token logs
+            log_seq /= max(1, int(mask[i].sum()))
         for t in range(cols_n):
             if not mask[i, t]:
                 continue
@@ -404,6 +406,8 @@ LOSS_CONFIGS = [
     AlgorithmConfig(is_cap=1.5, is_lower=0.8),
     AlgorithmConfig(is_mode="mask", is_lower=0.5, is_cap=1.6),  # IcePop
     AlgorithmConfig(is_mode="mask", is_level="sequence", is_lower=0.2, is_cap=4.0),  # sequence MIS
+    AlgorithmConfig(is_level="geometric", is_cap=1.2, is_lower=0.9),
+    AlgorithmConfig(is_mode="mask", is_level="geometric", is_lower=0.9, is_cap=1.1),  # AReaL's sequence mask
     AlgorithmConfig(opsm_delta=0.05),
     AlgorithmConfig(kl_coef=0.3, kl_estimator="k1"),
     AlgorithmConfig(kl_coef=0.3, kl_estimator="k2"),
@@ -498,6 +502,27 @@ def test_clip_fractions_count_each_side() -> None:
     }
     sums = check_loss(d, AlgorithmConfig())
     assert (sums["clip_high"], sums["clip_low"], sums["clip_dual"]) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("level", "want"), [("geometric", -math.exp(0.3)), ("sequence", -2.0), ("token", -math.exp(0.3))]
+)
+def test_the_geometric_level_weighs_a_sequence_by_the_mean_of_its_token_logs(level: str, want: float) -> None:
+    # four tokens each 0.3 nats more likely under π_prox than under π_beh, A = 1, on policy otherwise:
+    # AReaL's and slime's geometric sequence weight is e^0.3 (inside [0.5, 2]); the product e^1.2 is truncated
+    logp = np.log(np.full((1, 4), 0.5))
+    d = {
+        "logp": logp,
+        "prox": logp,
+        "beh": logp - 0.3,
+        "ref": logp,
+        "adv": np.ones((1, 4)),
+        "mask": np.ones((1, 4), dtype=bool),
+    }
+    config = AlgorithmConfig(is_level=level, is_lower=0.5, is_cap=2.0)
+    check_loss(d, config)
+    inputs = as_inputs(d)[0]
+    assert policy_loss(inputs, config, Normaliser.of(inputs.mask)).loss.item() == pytest.approx(want, rel=1e-9)
 
 
 def test_masked_garbage_and_fully_masked_rows_change_nothing() -> None:

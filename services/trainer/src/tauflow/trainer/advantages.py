@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "gpg", "opd", "gae", "remax")
 SINGLETON_GROUPS = ("raw", "skip")
 GPG_ALPHAS = ("valid", "nonzero")
-WHITEN_EPS = 1e-8  # inside the square root, as verl and OpenRLHF whiten
+WHITEN_EPS = 1e-8  # inside the square root, with Bessel's variance, as verl and slime whiten (docs/algorithms.md)
 
 Advantage = float | list[float]
 

@@ -128,7 +128,8 @@ class AlgorithmConfig:
 
     # The correction from the behaviour policy (the sampler) to the proximal one.
     is_level: str = "token"
-    """token (per-token ratio), sequence (the product over the sequence) or none."""
+    """token (per-token ratio), sequence (the product over the sequence), geometric (its geometric mean over
+    the sequence's tokens: AReaL's and slime's sequence level) or none."""
     is_cap: float | None = 2.0
     """Upper bound of the importance weight π_prox / π_behaviour; None: no correction (w = 1)."""
     is_lower: float | None = None
@@ -150,7 +151,7 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     """k1 (= kl), k2 (= mse), k3 (= low_var_kl), abs; with "+": the value of one, the gradient of k2."""
     kl_clamp: float | None = 10.0
-    """k3's value is clamped to ±kl_clamp (10, as verl and OpenRLHF); None: unclamped."""
+    """k3's value is clamped to ±kl_clamp (10, as verl's low_var_kl); None: unclamped (slime's k3)."""
     kl_reward_coef: float = 0.0
     """The KL as a reward penalty (verl's use_kl_in_reward): each trained token gets −β · KL_t(π_prox ‖ π_ref)
     before the advantages; 0: off."""

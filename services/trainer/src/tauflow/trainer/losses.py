@@ -45,7 +45,7 @@ KL_ESTIMATORS = (
     "low_var_kl+",
     "abs+",
 )
-IS_LEVELS = ("token", "sequence", "none")
+IS_LEVELS = ("token", "sequence", "geometric", "none")
 IS_MODES = ("truncate", "mask")
 MAX_LOG_RATIO = 20.0  # |log ratio| beyond this is clamped inside exp(), as every peer does
 GSPO_MAX_LOG_RATIO = 10.0  # GSPO's sequence ratio: clamped from above only (as in the paper's reference code)
@@ -124,8 +124,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
 
         k1 = kl = −λ    abs = |λ|    k2 = mse = λ² / 2    k3 = low_var_kl = exp(λ) − λ − 1
 
-    k3 is computed with λ clamped to ±20 and its value clamped to ±``clamp`` (10: verl's and OpenRLHF's
-    low_var_kl; None: unclamped). A name ending in ``+`` keeps its value but takes k2's gradient
+    k3 is computed with λ clamped to ±20 and its value clamped to ±``clamp`` (10: verl's low_var_kl;
+    OpenRLHF and AReaL clamp every estimator, slime's k3 none; None: unclamped). A name ending in ``+`` keeps its value but takes k2's gradient
     (straight-through), k2 being the estimator whose gradient is that of the KL."""
     straight_through = estimator.endswith("+")
     base = estimator.removesuffix("+")
@@ -215,13 +215,18 @@ def off_policy_correction(
     m: torch.Tensor,
     config: AlgorithmConfig,
 ) -> Correction:
-    """The importance weight w of π_prox / π_behaviour (token or sequence level), truncated (TIS) or masked
-    outside [is_lower, is_cap] (MIS, IcePop), times OPSM's mask of negative sequences that are too far off
-    policy. Outside the mask w = 1, so that nothing non-finite there can reach the gradient."""
+    """The importance weight w of π_prox / π_behaviour (per token, per sequence, or the sequence's geometric
+    mean), truncated (TIS) or masked outside [is_lower, is_cap] (MIS, IcePop), times OPSM's mask of negative
+    sequences that are too far off policy. Outside the mask w = 1, so that nothing non-finite there can reach the gradient."""
     ones = torch.ones_like(prox)
     log_w = torch.where(m, prox - behaviour, torch.zeros_like(prox))
     if config.is_level == "sequence":
         log_w = log_w.sum(-1, keepdim=True).expand_as(prox)
+    elif config.is_level == "geometric":
+        # the geometric mean of the token weights (AReaL's and slime's sequence level): it does not grow
+        # with the length as the product does
+        n = m.sum(-1, keepdim=True).clamp(min=1)
+        log_w = (log_w.sum(-1, keepdim=True) / n).expand_as(prox)
     raw = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     sums: dict[str, float] = {}
     if config.is_level == "none" or config.is_cap is None:
