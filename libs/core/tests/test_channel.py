@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -93,3 +96,98 @@ async def test_asyncio_channel_has_the_same_policy(flaky) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Stats(queue_pb2.StatsRequest())
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class SilentLinkProxy:
+    """A TCP proxy whose open connections can be made to go silent (bytes no longer forwarded either way, the
+    sockets left open: a peer gone without a FIN or RST, a NAT that lost its state) while new ones pass."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.links: list[dict[str, Any]] = []
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            link = {"sockets": (client, server), "silent": False}
+            self.links.append(link)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(link, a, b), daemon=True).start()
+
+    def _pump(self, link: dict[str, Any], source: socket.socket, sink: socket.socket) -> None:
+        while not self.closed.is_set():
+            if link["silent"]:
+                time.sleep(0.05)
+                continue
+            ready, _, _ = select.select([source], [], [], 0.05)
+            if not ready or link["silent"]:
+                continue
+            try:
+                data = source.recv(65536)
+                if not data:
+                    return
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def silence_open_connections(self) -> None:
+        for link in self.links:
+            link["silent"] = True
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+        for link in self.links:
+            for s in link["sockets"]:
+                s.close()
+
+
+class HangingQueue(queue_pb2_grpc.QueueServiceServicer):
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.got = threading.Event()
+
+    def Get(self, request, context):
+        self.got.set()
+        self.release.wait(60)
+        return queue_pb2.GetResponse()
+
+
+def test_a_connection_gone_silent_is_dropped_after_the_keepalive_ping_times_out() -> None:
+    # gRPC times a keepalive ping out by grpc.http2.ping_timeout_ms (60 s by default), not by
+    # keepalive_timeout_ms: without it, a call on a silent connection waited out its whole deadline.
+    servicer = HangingQueue()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(4),
+        options=[  # as tauflow's servers: the client's frequent pings are welcome
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
+    )
+    queue_pb2_grpc.add_QueueServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    proxy = SilentLinkProxy(("127.0.0.1", port))
+    try:
+        config = ChannelConfig(keepalive_time_s=1.0, keepalive_timeout_s=1.0)
+        stub = queue_pb2_grpc.QueueServiceStub(create_sync_channel(proxy.address, [SERVICE], config))
+        call = stub.Get.future(queue_pb2.GetRequest(), timeout=40)
+        assert servicer.got.wait(10)
+        proxy.silence_open_connections()
+        with pytest.raises(grpc.RpcError) as err:
+            call.result()
+        # the ping's timeout ended the call (UNAVAILABLE), not its 40 s deadline
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    finally:
+        servicer.release.set()
+        proxy.close()
+        server.stop(0)
