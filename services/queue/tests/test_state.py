@@ -833,6 +833,36 @@ def test_a_pause_of_the_queue_or_a_jump_of_its_clock_gives_leases_and_tickets_th
     assert q2.sweep().expired_leases == 1
 
 
+@pytest.mark.parametrize("forward_again", [False, True])
+def test_a_step_back_of_the_queues_clock_leaves_leases_and_tickets_the_time_they_had(forward_again: bool) -> None:
+    """An hour's step back of the wall clock (the deadlines' clock) left a lease whose holder was gone leased for
+    an hour and ten seconds; the step forward again of an NTP correction added another hour."""
+    clock = Clock()
+    q = QueueState(QueueConfig(default_lease_s=10.0, reservation_ttl_s=20.0), clock=clock, pause_after_s=5.0)
+    for g in "ab":
+        q.put(rec(g))
+    _leased(q, 1)
+    assert q.reserve("r1", "p", 1) is not None
+    clock.advance(3.0)
+    q._ran_at -= 3.0
+    q.sweep()
+    clock.advance(-3600.0)
+    q.sweep()
+    if forward_again:
+        clock.advance(3600.0)
+        q.sweep()
+    expired_leases_at = expired_tickets_at = None
+    for second in range(4, 40):  # watched time, a sweep a second
+        clock.advance(1.0)
+        q._ran_at -= 1.0
+        result = q.sweep()
+        if result.expired_leases:
+            expired_leases_at = second
+        if result.expired_tickets:
+            expired_tickets_at = second
+    assert (expired_leases_at, expired_tickets_at) == (10, 20)
+
+
 def test_lease_expiry_returns_groups_to_the_head_and_counts_redeliveries() -> None:
     q, c = make(default_lease_s=10.0)
     for g in "abcd":

@@ -621,7 +621,8 @@ class QueueState:
 
     def _excuse_a_pause(self) -> None:
         """Leases and tickets get back the time the process did not run (a gap past ``pause_after_s`` since the
-        last sweep, on the monotonic clock) or the wall clock jumped: their holders could not renew meanwhile.
+        last sweep, on the monotonic clock) or the wall clock jumped forward: their holders could not renew
+        meanwhile; a step back of the wall clock is taken off them (their time left is kept either way).
         A queue stopped 12 s with 4 s leases expired every lease the instant it ran again, ahead of the acks
         already waiting in its sockets: 74 trained groups were evicted as stale, 146 more generated for nothing.
         In memory only, as at a recovery (``_grant_recovered_leases``)."""
@@ -631,8 +632,12 @@ class QueueState:
         if self.pause_after_s is None:
             return
         lost = gap if gap > self.pause_after_s else 0.0  # the process did not run
-        if wall_gap - gap > self.pause_after_s:  # the wall clock (the deadlines' clock) jumped forward
-            lost += wall_gap - gap
+        step = wall_gap - gap
+        if abs(step) > self.pause_after_s:
+            # the wall clock (the deadlines' clock) was stepped: forward, the holders' time is given back;
+            # back, it is taken back (else a lease whose holder is gone would last an hour past a step of an
+            # hour back, twice that if the clock was then stepped forward again)
+            lost += step
         if not lost:
             return
         for lease in self.memory.leases.values():
@@ -640,7 +645,7 @@ class QueueState:
         for ticket in self.memory.tickets.values():
             ticket.expires_at += lost
         log.warning(
-            "the queue did not run for a while, or its clock jumped: leases and tickets get the time back",
+            "the queue did not run for a while, or its clock was stepped: leases and tickets keep the time they had",
             extra={"lost_s": round(lost, 1), "leases": len(self.memory.leases), "tickets": len(self.memory.tickets)},
         )
 
