@@ -277,3 +277,19 @@ def test_a_second_change_while_one_is_under_way_is_refused_to_be_retried(tmp_pat
 
     asyncio.run(scenario())
     assert (run.tau, trainer.tau, queue.tau) == (1, 1, 1)
+
+
+def test_step_times_stay_within_the_run_whatever_the_trainers_wall_clock(tmp_path: Path) -> None:
+    # committed_at is the trainer's wall clock: a step of it (or another host's clock) put steps an hour
+    # before the run began, or after the controller saw them
+    run, _ = _run(tmp_path, 1, random.Random(0))
+    following = Following(progressed_at=0.0)
+    wall0 = run._wall0
+
+    def listed(step: int, committed_at: float) -> TrainerStep:
+        return TrainerStep(step, step + 1, 0.5, 0, 0.0, 0.1, 10, 1, {}, {0: 1}, committed_at)
+
+    run._record_steps(following, Poll([listed(0, wall0 + 2.0)], QueueStats(0, 0, 1), 3.0))
+    run._record_steps(following, Poll([listed(1, wall0 - 3600.0), listed(2, wall0 + 4.5)], QueueStats(0, 0, 3), 5.0))
+    run._record_steps(following, Poll([listed(3, wall0 + 3600.0)], QueueStats(0, 0, 4), 7.0))
+    assert [s.committed_s for s in run.summary.steps] == [2.0, 2.0, 4.5, 7.0]

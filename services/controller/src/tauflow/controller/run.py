@@ -521,6 +521,11 @@ class Run:
         for step in poll.steps:
             following.next_step = step.step + 1
             committed_s = step.committed_at - self._wall0 if step.committed_at is not None else poll.at_s
+            # The trainer's wall clock, not this process's: a step of either clock (or two hosts' clocks
+            # apart) put 295 of 400 steps an hour before the run began. A step was committed after the one
+            # before it and before this poll saw it.
+            earlier = self.summary.steps[-1].committed_s if self.summary.steps else 0.0
+            committed_s = min(max(committed_s, earlier, 0.0), poll.at_s)
             self.summary.add_step(  # (its staleness counted and judged against the τ changes, once)
                 StepRecord(
                     step.step,

@@ -31,7 +31,8 @@ class StepRecord:
     trained_tokens: int
     groups: int
     metrics: dict[str, float] = field(default_factory=dict)
-    committed_s: float = 0.0  # when the trainer committed it, since the run started (time_s: when seen)
+    committed_s: float = 0.0  # when the trainer committed it, since the run started (time_s: when seen; clamped
+    # between the step before it and time_s, against a step of either process's wall clock)
     groups_by_staleness: dict[int, int] = field(default_factory=dict)  # its trained groups by staleness
 
 
