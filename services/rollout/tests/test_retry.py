@@ -55,3 +55,16 @@ async def test_a_message_over_the_limit_is_never_retried_after_any_attempt() -> 
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await call_until_it_works(call)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and call.calls == 2
+
+
+async def test_a_peer_not_there_is_logged_at_most_every_30_s_and_a_full_queue_not_at_all(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a rollout cut off from its queue or reward for a minute wrote nothing to its log
+    monkeypatch.setattr(retry, "_unreachable", retry.LogLimit(30.0))
+    with caplog.at_level("WARNING", logger=retry.__name__):
+        await call_until_it_works(Flaky(*[grpc.StatusCode.RESOURCE_EXHAUSTED] * 3))
+        assert not caplog.records
+        await call_until_it_works(Flaky(*[grpc.StatusCode.DEADLINE_EXCEEDED] * 4, grpc.StatusCode.UNAVAILABLE))
+    assert len(caplog.records) == 1
+    assert "peer call failed (DEADLINE_EXCEEDED: no); retrying" in caplog.records[0].getMessage()

@@ -4,14 +4,18 @@ calls that are idempotent, so that data is never dropped; never for a call that 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
+from tauflow.core.logs import LogLimit
 from tauflow.core.status import TRANSIENT as PEER_NOT_THERE
 from tauflow.core.status import error_reason
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FIRST_WAIT_S = 0.1
@@ -36,6 +40,28 @@ def transient(e: BaseException, never_fits: NeverFits = over_message_limit) -> b
     return isinstance(e, grpc.aio.AioRpcError) and e.code() in TRANSIENT and not never_fits(e)
 
 
+# A rollout cut off from its queue or reward for a minute said nothing; a full queue (the pacing's
+# RESOURCE_EXHAUSTED) is no failure and is not logged.
+_unreachable = LogLimit(30.0)
+
+
+def log_if_unreachable(e: BaseException | None) -> None:
+    """A line, at most every 30 s, while a peer is not there (down, restarting, silent past the deadline)."""
+    if not isinstance(e, grpc.aio.AioRpcError) or e.code() not in PEER_NOT_THERE:
+        return
+    if count := _unreachable.due():
+        log.warning(
+            "peer call failed (%s: %s); retrying (%d such failures since the last line)",
+            e.code().name,
+            (e.details() or "")[:200],
+            count,
+        )
+
+
+def _before_sleep(state: RetryCallState) -> None:
+    log_if_unreachable(state.outcome.exception() if state.outcome is not None else None)
+
+
 def until_it_works(never_fits: NeverFits = over_message_limit, first_wait_s: float | None = None) -> AsyncRetrying:
     """Retries an idempotent call while ``transient``, waiting ``first_wait_s`` (default FIRST_WAIT_S) after
     the first failure, twice that after the next, and so on up to 5 s."""
@@ -43,6 +69,7 @@ def until_it_works(never_fits: NeverFits = over_message_limit, first_wait_s: flo
         retry=retry_if_exception(lambda e: transient(e, never_fits)),
         wait=wait_exponential(FIRST_WAIT_S if first_wait_s is None else first_wait_s, max=5.0),
         reraise=True,
+        before_sleep=_before_sleep,
     )
 
 
@@ -54,6 +81,7 @@ async def call_until_it_works(call: Callable[[], Awaitable[T]], never_fits: Neve
     except grpc.aio.AioRpcError as e:
         if not transient(e, never_fits):
             raise
+        log_if_unreachable(e)
     await asyncio.sleep(FIRST_WAIT_S)
     async for attempt in until_it_works(never_fits, first_wait_s=2 * FIRST_WAIT_S):  # (the backoff goes on)
         with attempt:
