@@ -177,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     tls = Tls.from_file(args.ca_file) if args.ca_file else None
     reward = RewardClient(reward_address) if args.reward_service else None
     with QueueClient(queue_address, token, tls=tls) as queue, RolloutClient(rollout_address) as rollout:
-        print(f"policy version {queue.policy_version()}; putting {args.groups} groups", flush=True)
+        try:
+            version = queue.policy_version()
+        except TauflowError as e:  # (the run has ended, or has not started: one line, not a traceback)
+            where = f" ({args.run_dir})" if args.run_dir else ""
+            print(f"agent: the queue's external port {queue_address} does not answer: is the run{where} training, "
+                  f"with services.queue.external.enabled=true? {e}", file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"policy version {version}; putting {args.groups} groups", flush=True)
         for n in range(args.groups):
             problem = [rng.randint(10, 99) for _ in range(args.terms)]
             started = time.monotonic()

@@ -29,3 +29,20 @@ def test_a_damaged_controller_ready_file_is_refused_with_a_message(tmp_path: Pat
     with pytest.raises(ControlError, match=str(run)):
         control_address(str(run))
     assert live_runs(tmp_path / "runs") == []
+
+
+def test_a_run_whose_controller_has_ended_is_said_to_have_ended(tmp_path: Path) -> None:
+    # its ready file stays: `tauflow status` printed gRPC's "connection refused" for every finished run
+    import json
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / READY_FILE).write_text(json.dumps({"pid": int(gone.stdout), "control_address": "127.0.0.1:1"}))
+    (run / "summary.json").write_text(json.dumps({"status": "below_target"}))
+    with pytest.raises(ControlError, match=r"is not running: its controller \(pid \d+\) has ended \(below_target; see"):
+        control_address(str(run))
+    (run / READY_FILE).write_text(json.dumps({"pid": 1, "control_address": "127.0.0.1:1"}))  # alive: its address
+    assert control_address(str(run)) == "127.0.0.1:1"

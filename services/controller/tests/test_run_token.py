@@ -99,11 +99,11 @@ def test_control_methods_need_the_token_and_the_run_directory_gives_it(tmp_path:
             assert "UNAUTHENTICATED" not in str(refused_while_starting.value)
         finally:
             await client.close()
-        async with create_channel(address, []) as channel:
-            bearer = (("authorization", f"Bearer {run.run_token}"),)
-            await controller_pb2_grpc.ControllerServiceStub(channel).StopRun(
-                pb.StopRunRequest(immediate=True, reason="done"), metadata=bearer
-            )
+        stopper = ControllerClient(address, token_file)  # what `tauflow stop <dir> --immediate` makes
+        try:
+            assert await stopper.stop_run("done", immediate=True) in ("stopping", "stopped")
+        finally:
+            await stopper.close()
         await asyncio.wait_for(task, 60)
 
     loop = asyncio.new_event_loop()

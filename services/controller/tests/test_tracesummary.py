@@ -144,6 +144,12 @@ def test_the_trace_command_prints_the_table_and_writes_the_png(spans, tmp_path, 
     assert (run_dir / "traces.png").stat().st_size > 5_000
     assert json.loads((tmp_path / "out.json").read_text())["groups"][0]["group_id"] == "B"
     assert main(["trace", str(tmp_path / "missing")]) == 2
+    # not a traces_file (the run's summary.json, a number, lines that are not JSON): said, not a traceback
+    for i, text in enumerate(('{"status": "completed", "steps": []}', "5", "[1, 2]", "{bad\n{worse")):
+        wrong = tmp_path / f"wrong{i}.json"
+        wrong.write_text(text)
+        assert main(["trace", str(wrong)]) == 2
+        assert "holds no spans" in " ".join(capsys.readouterr().err.split())
 
 
 def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, monkeypatch) -> None:

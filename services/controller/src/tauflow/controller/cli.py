@@ -28,7 +28,7 @@ from tauflow.controller.config import RunConfig
 from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.ports import PeerError
 from tauflow.controller.progress import progress_view
-from tauflow.controller.run import RunStalled
+from tauflow.controller.run import OutDirInUse, RunStalled
 from tauflow.controller.summary import json_text
 from tauflow.core.app import one_line
 from tauflow.core.config import ConfigError, load_config
@@ -66,8 +66,9 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         run = build_run(config)  # (writes or reads the run token: out_dir must be writable)
+        run.claim_out_dir()  # (a live run there is left alone)
         (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    except (OSError, TokenFileError) as e:  # (a token file's error names the file, never the token)
+    except (OSError, TokenFileError, OutDirInUse) as e:  # (a token file's error names the file, never the token)
         console.print(f"[red]tauflow run: {one_line(e)}")
         return 2
     # (only now: a run that could not be built leaves the process's SIGTERM as it was)
@@ -112,21 +113,21 @@ def _percent(value: float | None) -> str:
 
 
 def trace_command(args: argparse.Namespace) -> int:
-    from tauflow.controller.tracesummary import summarize_file
+    from tauflow.controller.tracesummary import NoSpans, summarize_file
 
     try:
         table = summarize_file(
             args.path, png=Path(args.png) if args.png else None, json_out=Path(args.json) if args.json else None
         )
-    except FileNotFoundError as e:
-        console.print(f"[red]tauflow trace: {e}")
+    except (OSError, NoSpans) as e:
+        console.print(f"[red]tauflow trace: {one_line(e) if isinstance(e, OSError) else e}")
         return 2
     print(table)
     return 0
 
 
 def control_command(args: argparse.Namespace) -> int:
-    """``tauflow scale``, ``set`` and ``status`` against a running run."""
+    """``tauflow scale``, ``set``, ``stop`` and ``status`` against a running run."""
 
     async def call() -> str:
         address, token_file = find_run(args.run or getattr(args, "run_option", None))
@@ -138,6 +139,9 @@ def control_command(args: argparse.Namespace) -> int:
             if args.command == "set":
                 previous, tau, version = await client.set_max_staleness(args.value)
                 return f"max_staleness: {previous} -> {tau}, in force from policy version {version}"
+            if args.command == "stop":
+                state = await client.stop_run(args.reason, immediate=args.immediate, grace_s=args.grace)
+                return f"run {state}: `tauflow run` ends with exit code 130, its summary says why"
             status = await client.status()
             if args.json:
                 return json_text({"run": status.run, "services": status.services}, indent=1)
@@ -207,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the run: its directory (out_dir) or its ControllerService's host:port; default: the only live run under ./runs"
     )
     token_help = (
-        "the run token's file, which scale and set need (default: the one the run directory's "
+        "the run token's file, which scale, set and stop need (default: the one the run directory's "
         "controller.ready.json names; give it with a host:port)"
     )
     scale = sub.add_parser("scale", help="change the number of rollout servers of a running run")
@@ -220,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     set_.add_argument("value", type=int, help="0 on-policy, N bounded, -1 unbounded")
     set_.add_argument("--run", help=where)
     set_.add_argument("--token-file", help=token_help)
+    stop = sub.add_parser("stop", help="stop a running run: its last step and checkpoint, then every service")
+    stop.add_argument("run", nargs="?", help=where)
+    stop.add_argument("--run", dest="run_option", metavar="RUN", help="the same, as scale and set take it")
+    stop.add_argument("--reason", default="tauflow stop", help="why, recorded in the summary")
+    stop.add_argument("--immediate", action="store_true", help="at once: no final step, no checkpoint")
+    stop.add_argument("--grace", type=float, metavar="S", help="seconds a graceful stop may take (at most 3600)")
+    stop.add_argument("--token-file", help=token_help)
     status = sub.add_parser("status", help="a running run's progress and every process of every role")
     status.add_argument("run", nargs="?", help=where)
     status.add_argument("--run", dest="run_option", metavar="RUN", help="the same, as scale and set take it")
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     if args.command == "trace":
         return trace_command(args)
-    if args.command in ("scale", "set", "status"):
+    if args.command in ("scale", "set", "stop", "status"):
         return control_command(args)
     return 2
 

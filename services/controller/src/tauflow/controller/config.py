@@ -125,7 +125,9 @@ class RunConfig(StrictModel):
     )
     seed: int = 0
     reward_fn: str = "exact_match"
-    target_accuracy: float | None = Field(None, description="held-out accuracy the run must reach")
+    target_accuracy: float | None = Field(
+        None, ge=0, le=1, description="held-out accuracy the run must reach, a fraction (0.8 is 80 %)"
+    )
     stop_at_target: bool = Field(False, description="end the run at the first evaluation that reaches target_accuracy")
     eval: EvalConfig = EvalConfig()
     resume: bool = Field(

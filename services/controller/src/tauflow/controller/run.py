@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from tauflow.controller.evaluation import evaluate, read_heldout
 from tauflow.controller.launcher import (
     Launcher,
     LaunchFailed,
+    LocalLauncher,
     Rendezvous,
     Service,
     ServiceSpec,
@@ -80,6 +83,15 @@ STOP_ORDER = [
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 WRITE_FAILURE_LOG_EVERY_S = 60.0  # a file that cannot be written (a full disk): one log line per this, at most
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face Hub model id, org/name
+LOCK_FILE = "run.lock"  # in out_dir: held (flock) by the controller of the run that uses it
+
+
+class OutDirInUse(LaunchFailed):
+    """Another controller's run uses this out_dir: a second run there would move its checkpoints and queue
+    log aside under it and overwrite its ready file and summary."""
 
 
 class RunStalled(RuntimeError):
@@ -183,6 +195,7 @@ class Run:
                     extra={"token_file": str(self.token_file)},
                 )
         self.run_token = load_run_token(self.token_file)
+        self._lock_fd: int | None = None  # run.lock, held from claim_out_dir() to the run's end
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
         self._tau_log = LogLimit(10.0)  # a token holder may change τ thousands of times a minute
         self._watchdog = LoopWatchdog()  # the time the controller itself did not run is no stall of the run
@@ -301,6 +314,35 @@ class Run:
             command[0] = sys.executable  # the interpreter tauflow runs in, not whatever is on PATH
         return command
 
+    def claim_out_dir(self) -> None:
+        """Takes ``out_dir/run.lock`` for this process (kept to the end of the run; the kernel lets it go if the
+        process dies, and the roles it starts do not inherit it), before anything in out_dir is moved or
+        written: a second run on a live run's out_dir moved its checkpoints and queue log aside, deleted its
+        older checkpoint and overwrote its ready file and summary, then failed. Raises OutDirInUse."""
+        if self._lock_fd is not None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            by = f" (controller pid {holder})" if holder.isdigit() else ""
+            raise OutDirInUse(
+                f"{self.out_dir} is in use by another tauflow run{by}: stop it (tauflow status {self.out_dir}), "
+                "or choose another out_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _release_out_dir(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def set_aside_previous_run(self) -> list[str]:
         """A new run in an out_dir that holds a previous one starts afresh; the previous run's state is kept
         one generation back (``checkpoints.prev``, ``queue-wal.prev``) so that a rerun by mistake loses
@@ -317,6 +359,28 @@ class Run:
             moved.append(name)
         return moved
 
+    def check_inputs(self) -> None:
+        """On this machine (the local launcher), after ``prepare``: the models and data sets named exist. A
+        missing model was a Hugging Face "Repo id must use alphanumeric chars" error from the trainer, and a
+        missing data set a bare "No such file" from the rollout, once four services had started. A model
+        named ``org/name`` may be a Hub id: left to the roles."""
+        if not isinstance(self.launcher, LocalLauncher):
+            return  # (paths of other machines)
+        named = {
+            "model": self.config.model,
+            "teacher_model": self.config.teacher_model,
+            "judge_model": self.config.judge_model,
+            "dataset": self.config.dataset,
+            "eval.dataset": self.config.eval.dataset,
+        }
+        missing = [
+            f"{key}: {value} does not exist"
+            for key, value in named.items()
+            if value and not Path(value).exists() and not (key.endswith("model") and _HUB_ID.fullmatch(value))
+        ]
+        if missing:
+            raise LaunchFailed("; ".join(missing) + f" (relative paths are from {Path.cwd()})")
+
     def _prepare(self) -> None:
         moved = self.set_aside_previous_run()
         if moved:
@@ -329,6 +393,7 @@ class Run:
                 subprocess.run(command, check=True)
             except subprocess.CalledProcessError as e:  # (its message would quote the whole command)
                 raise LaunchFailed(f"the prepare command ({shown}) exited with code {e.returncode}") from None
+        self.check_inputs()
 
     def launch(self) -> dict[str, str]:
         """Starts every role in order (each learns its peers' addresses) and checks what it is; runs in a
@@ -819,6 +884,7 @@ class Run:
         return isinstance(previous, dict) and previous.get("status") in ended
 
     async def execute(self) -> RunSummary:
+        self.claim_out_dir()  # (before anything in out_dir is touched; refused, it leaves the other run alone)
         controller_metrics().watch(self)
         metrics_server = (
             serve_metrics(self.out_dir, self.control_address, str(self.token_file)) if self.serve_metrics else None
@@ -859,6 +925,7 @@ class Run:
             self._write_summary()
             if metrics_server is not None:
                 metrics_server.close()
+            self._release_out_dir()
         return self.summary
 
 

@@ -71,18 +71,43 @@ def traces_path(path: str | Path) -> Path:
     return p
 
 
+class NoSpans(ValueError):
+    """The file holds no span (not a run's traces_file: its summary.json, say)."""
+
+
+def _is_span(value: Any) -> bool:
+    """A span as tauflow.core.telemetry writes it, as far as the breakdown reads it."""
+    return (
+        isinstance(value, dict)
+        and all(isinstance(value.get(k), str) for k in ("name", "trace_id", "span_id"))
+        and all(isinstance(value.get(k), int) for k in ("start_ns", "end_ns"))
+        and isinstance(value.get("parent_span_id"), (str, type(None)))
+        and isinstance(value.get("attributes"), dict)
+        and isinstance(value.get("links"), list)
+        and all(isinstance(link, dict) and {"trace_id", "span_id"} <= link.keys() for link in value["links"])
+    )
+
+
 def load_spans(path: str | Path) -> list[Span]:
-    """The spans of a JSON lines file; a line that does not parse (a writer killed mid-line) is skipped."""
-    spans = []
-    with open(traces_path(path)) as f:
+    """The spans of a JSON lines file; a line that does not parse (a writer killed mid-line) or is no span is
+    skipped. Raises NoSpans when nothing is left."""
+    spans, skipped = [], 0
+    source = traces_path(path)
+    with open(source, errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+                value = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                value = None
+            if _is_span(value):
+                spans.append(value)
+            else:
+                skipped += 1
+    if not spans:
+        raise NoSpans(f"{source} holds no spans ({skipped} lines, none a span): is it a run's traces_file?")
     return spans
 
 

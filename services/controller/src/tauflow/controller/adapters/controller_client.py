@@ -36,10 +36,34 @@ def control_address(run: str) -> str:
         info = json.loads((path / READY_FILE).read_text())
     except (OSError, ValueError) as e:
         raise ControlError(f"{path} holds no running tauflow run ({READY_FILE}: {e})") from None
-    address = info.get("control_address", "") if isinstance(info, dict) else ""  # (a damaged file: [], null)
+    if not isinstance(info, dict):  # ([], null: a damaged file, not an older tauflow's)
+        raise ControlError(f"{path / READY_FILE} is damaged (not a JSON object)")
+    pid = _pid(info)
+    if pid is not None and Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists():
+        # the run has ended (its ready file stays): say so, rather than gRPC's "connection refused"
+        raise ControlError(f"the run in {path} is not running: its controller (pid {pid}) has ended{_ended(path)}")
+    address = info.get("control_address", "")
     if not address or not isinstance(address, str):
         raise ControlError(f"the run in {path} serves no ControllerService (started by an older tauflow)")
     return str(address)
+
+
+def _pid(info: dict[str, Any]) -> int | None:
+    try:
+        pid = int(info["pid"])
+    except (KeyError, ValueError, TypeError, OverflowError):
+        return None
+    return pid if pid > 0 else None
+
+
+def _ended(path: Path) -> str:
+    """How its summary says the run ended, where it says."""
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        status = summary["status"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" ({status}; see {path / 'summary.json'})" if isinstance(status, str) and status.isidentifier() else ""
 
 
 def live_runs(root: Path = Path("runs")) -> list[Path]:
@@ -47,10 +71,11 @@ def live_runs(root: Path = Path("runs")) -> list[Path]:
     found = []
     for ready in sorted(root.glob(f"*/{READY_FILE}")):
         try:
-            pid = int(json.loads(ready.read_text())["pid"])
-        except (OSError, ValueError, KeyError, TypeError, OverflowError):
+            info = json.loads(ready.read_text())
+        except (OSError, ValueError):
             continue
-        if Path(f"/proc/{pid}").exists():
+        pid = _pid(info) if isinstance(info, dict) else None
+        if pid is not None and Path(f"/proc/{pid}").exists():
             found.append(ready.parent)
     return found
 
@@ -103,6 +128,14 @@ class ControllerClient:
         request = controller_pb2.SetMaxStalenessRequest(max_staleness=tau)
         reply = await self._call(self._stub.SetMaxStaleness, request, self._bearer())
         return reply.previous_max_staleness, reply.max_staleness, reply.policy_version
+
+    async def stop_run(self, reason: str, immediate: bool = False, grace_s: float | None = None) -> str:
+        """Asks the run to stop (a control method); returns its state after the call (stopping, or a final one)."""
+        request = controller_pb2.StopRunRequest(reason=reason, immediate=immediate)
+        if grace_s is not None:
+            request.grace_period.FromNanoseconds(int(grace_s * 1e9))
+        reply = await self._call(self._stub.StopRun, request, self._bearer())
+        return controller_pb2.RunState.Name(reply.state).removeprefix("RUN_STATE_").lower()
 
     async def status(self) -> Status:
         run = await self._call(self._stub.GetRun, controller_pb2.GetRunRequest())
