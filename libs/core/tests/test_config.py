@@ -65,3 +65,26 @@ def test_file_errors_are_config_errors(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(Demo, path=tmp_path / "list.yaml")
+
+
+class Backend(StrictModel):
+    model_path: str
+    nested: Inner = Inner()
+
+
+class NeedsKeys(ServiceConfig):
+    backend: Backend
+    deep: Inner = Inner()
+    steps: int
+
+
+def test_a_missing_section_names_the_keys_it_needs() -> None:
+    # "config key 'backend' (from defaults): Field required" named neither the key to set nor a real source
+    with pytest.raises(ConfigError) as err:
+        load_config(NeedsKeys)
+    assert "config key 'backend.model_path' is required and not set" in str(err.value)
+    assert "config key 'steps' is required and not set" in str(err.value)
+    assert "from defaults" not in str(err.value)
+    with pytest.raises(ConfigError, match="'backend.model_path' is required") as err:
+        load_config(NeedsKeys, overrides=["steps=1", "backend.nested.size=2"])
+    assert "steps" not in str(err.value)

@@ -54,7 +54,9 @@ def service_main(
             help="override one config key, e.g. --set server.port=0 (repeatable)",
         )
         parser.add_argument("--ready-file", help="write the bound ports here as JSON once serving")
-        parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        parser.add_argument(
+            "--print-config", action="store_true", help="print the resolved config and exit (its required keys set)"
+        )
         parser.add_argument("--version", action="version", version=f"tauflow-{service} {version}")
         args = parser.parse_args(argv)
         try:

@@ -10,6 +10,7 @@ A service's config also refuses two listening sockets on one port (``ServiceConf
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -332,16 +333,47 @@ def load_config(
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_explain(e, origin, path)) from None
+        raise ConfigError(_explain(e, origin, path, model)) from None
 
 
-def _explain(error: ValidationError, origin: Mapping[tuple[str, ...], str], path: Any) -> str:
+def _sections(cls: Any) -> dict[str, tuple[Any, bool]]:
+    """A config section's fields, each as (its type where it is a section, whether it is required); {} for a
+    value. Sections are pydantic models or dataclasses (a backend's own config)."""
+    if isinstance(cls, type) and issubclass(cls, BaseModel):
+        return {name: (f.annotation, f.is_required()) for name, f in cls.model_fields.items()}
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+        missing = dataclasses.MISSING
+        return {f.name: (None, f.default is missing and f.default_factory is missing) for f in dataclasses.fields(cls)}
+    return {}
+
+
+def _required_keys(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
+    """The keys a missing section at ``loc`` needs (``backend`` missing: ``backend.model_path``), so that the
+    error names what to set; [] where ``loc`` is no section of ``model``."""
+    section: Any = model
+    for part in loc:
+        section = _sections(section).get(part, (None, False))[0]
+    keys = []
+    for name, (inner, required) in _sections(section).items():
+        if required:
+            below = _required_keys(inner, ()) if inner is not None else []
+            keys += [f"{name}.{k}" for k in below] or [name]
+    return [".".join([*loc, k]) for k in keys]
+
+
+def _explain(
+    error: ValidationError, origin: Mapping[tuple[str, ...], str], path: Any, model: type[BaseModel] | None = None
+) -> str:
     lines = []
     for err in error.errors():
         loc = tuple(str(p) for p in err["loc"])
         key = ".".join(loc) or "<top>"
         where = origin.get(loc) or (f"config file {path}" if path else "defaults")
-        if not loc and err["type"] == "value_error":  # a check across sections: its message names the keys
+        required = _required_keys(model, loc) if model is not None and err["type"] == "missing" else []
+        if err["type"] == "missing":  # (no value came from anywhere: name the keys to set, not a source)
+            for name in required or [key]:
+                lines.append(f"config key '{name}' is required and not set")
+        elif not loc and err["type"] == "value_error":  # a check across sections: its message names the keys
             lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
         elif err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
             lines.append(f"unknown config key '{key}' (from {where})")
