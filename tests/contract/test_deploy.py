@@ -769,3 +769,28 @@ def test_prometheus_scrapes_every_trainer_rank_and_the_sidecar_in_rank_0s_pod_on
     )
     assert scraped("tauflow-weights", workloads["trainer"]) == [metrics_port("weights")]
     assert scraped("tauflow-weights", workloads["trainer-rank"]) == []
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_only_the_runs_pods_reach_the_ports_that_take_no_token(overlay: Path) -> None:
+    """The TCPStore, the trainer ranks' rendezvous and the ports gloo and NCCL pick take no token: one client
+    crashed the rollout through gloo's listener and stalled the run through the store (docs/reliability.md)."""
+    docs = rendered(overlay)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    tauflow = {"app.kubernetes.io/part-of": "tauflow"}
+    (policy,) = [p for p in policies if p["spec"]["podSelector"].get("matchLabels") == tauflow]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    open_ports: set[str] = set()
+    for rule in policy["spec"]["ingress"]:
+        if "from" in rule:  # only from the run's pods
+            assert rule["from"] == [{"podSelector": {"matchLabels": tauflow}}] and "ports" not in rule
+        else:
+            open_ports |= {p["port"] for p in rule["ports"]}
+    assert open_ports == {"grpc", "weights-grpc", "metrics", "weights-metrics"}
+    # every role's pod is selected, and neither the store's nor the rendezvous' port is open to anyone
+    for workload, _ in _role_containers(docs).values():
+        assert _pod_labels(workload)["app.kubernetes.io/part-of"] == "tauflow"
+        for container in _containers(workload).values():
+            for port in container.get("ports", []):
+                if port.get("name") in ("weights-store", "rendezvous"):
+                    assert port["name"] not in open_ports

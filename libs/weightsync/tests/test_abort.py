@@ -223,3 +223,31 @@ def test_connect_store_answers_within_its_timeout_when_the_store_never_answers()
         err = out["error"]
         assert isinstance(err, PhaseError) and err.timed_out and out["seconds"] < 2.5
         assert "rx: cannot connect" in str(err) and f"store 127.0.0.1:{port}" in str(err)
+
+
+def test_a_build_that_hangs_past_its_timeout_is_left_behind_and_a_group_it_forms_later_is_shut_down(
+    host: StoreHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gloo, given a peer address an outsider planted in the store, hung in its connect for minutes past the
+    timeout it was given: the rollout's one build slot stayed taken and every later build was refused."""
+    release = threading.Event()
+    shut_down = threading.Event()
+
+    class LateGroup:
+        def shutdown(self) -> None:
+            shut_down.set()
+
+    def hanging_backend(spec: GroupSpec, store: Any) -> LateGroup:
+        release.wait(30)
+        return LateGroup()
+
+    monkeypatch.setattr(group_module, "_make_backend", hanging_backend)
+    monkeypatch.setattr(group_module, "BUILD_GRACE_S", 0.5)
+    spec = GroupSpec("127.0.0.1", host.port, "hung-e1", 2, 1, "gloo", 1, 1.0)
+    started = time.monotonic()
+    with pytest.raises(PhaseError) as refused:
+        WeightGroup(host.store, spec)
+    assert refused.value.timed_out and "left behind" in str(refused.value)
+    assert time.monotonic() - started < 1.5 + QUICK_S
+    release.set()  # the build returns after all: its group is not kept open
+    assert shut_down.wait(10)

@@ -16,6 +16,7 @@ histograms are not exported (they double the series count and no dashboard reads
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -64,7 +65,8 @@ class MetricsServer:
 
 IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
 REQUEST_TIMEOUT_S = 10.0  # a connection is closed this long after it was accepted, whatever it sends
-MAX_CONNECTIONS = 64  # connections served at once; one more is closed at once
+MAX_CONNECTIONS = 64  # connections served at once; one more takes the place of one still sending its request
+EVICT_WAIT_S = 1.0  # how long a newcomer waits for the slot of the connection it closed
 
 
 class _DeadlineSocket(socket.socket):
@@ -74,6 +76,7 @@ class _DeadlineSocket(socket.socket):
 
     deadline = float("inf")
     idle_s = IDLE_TIMEOUT_S
+    requested = False  # its request (line and headers) was read whole
 
     def _arm(self) -> None:
         remaining = self.deadline - time.monotonic()
@@ -93,6 +96,12 @@ class _DeadlineSocket(socket.socket):
 class _MetricsHandler(WSGIRequestHandler):
     timeout = IDLE_TIMEOUT_S  # (the socket's: a client that holds a request half-sent gives its thread back)
 
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        if isinstance(self.connection, _DeadlineSocket):
+            self.connection.requested = True  # (from now on its slot is not given to a newcomer)
+        return parsed
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # (a scrape every few seconds: no log line each)
 
@@ -108,6 +117,8 @@ class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._open: dict[int, _DeadlineSocket] = {}  # the connections served, oldest first
+        self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -118,14 +129,37 @@ class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
         return timed, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # full: closed at once, the scraper retries at its next interval
+        # Full: the oldest connection still sending its request makes room (a client that reopened every
+        # connection closed kept all 64 slots taken and 10 of 12 scrapes were refused); else the newcomer is
+        # closed at once, and the scraper retries at its next interval.
+        if not self._slots.acquire(blocking=False) and not (
+            self._close_oldest_unrequested() and self._slots.acquire(timeout=EVICT_WAIT_S)
+        ):
+            self.shutdown_request(request)
             return
+        with self._open_lock:
+            self._open[id(request)] = request
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self._forget(request)
             self._slots.release()
             raise
+
+    def _close_oldest_unrequested(self) -> bool:
+        with self._open_lock:
+            oldest = next((c for c in self._open.values() if not c.requested), None)
+            if oldest is None:
+                return False
+            del self._open[id(oldest)]
+        with contextlib.suppress(OSError):  # (its thread reads the end of the stream and gives its slot back)
+            oldest.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def _forget(self, request: Any) -> None:
+        with self._open_lock:
+            if self._open.get(id(request)) is request:
+                del self._open[id(request)]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that went quiet (the idle timeout) or away is no error: socketserver printed a traceback for
@@ -137,6 +171,7 @@ class _MetricsHTTPServer(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._forget(request)
             self._slots.release()
 
 

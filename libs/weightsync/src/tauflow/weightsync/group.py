@@ -28,6 +28,7 @@ import atexit
 import ctypes
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -45,6 +46,10 @@ from tauflow.weightsync.errors import Phase, PhaseError, looks_like_timeout
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
+# A group's build gets its timeout and this much more before it is left behind: gloo's rendezvous, given a
+# peer address planted in the store by an outsider, was seen to hang in its connect for minutes past the
+# timeout it was given, holding the rollout's one build slot (every later build refused) long after.
+BUILD_GRACE_S = 30.0
 
 # Process groups destroyed while a collective of theirs still ran (gloo's ends only at the group's timeout), with
 # those collectives: kept until they end, then dropped (``_reap_abandoned``).
@@ -129,6 +134,16 @@ class StoreHost:
         )
         self.host = host
         self.port = int(self.store.port)
+
+    def clear(self) -> int:
+        """Deletes every key (call it between two groups, when no rank is in a rendezvous); returns how many.
+        Each group leaves a few keys a rank, and the store takes no token: what an outsider wrote stays held
+        in this process's memory until then (1.2 GB in 6 s from one client), and a run's hundred epochs kept
+        five hundred keys."""
+        keys = self.store.list_keys()
+        for key in keys:
+            self.store.delete_key(key)
+        return len(keys)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -225,7 +240,7 @@ class WeightGroup:
         try:
             self._meta.set(f"joined/{spec.rank}", str(spec.membership_epoch))
             backend_store = dist.PrefixStore(f"{spec.group_name}/{self.device.type}/", store)
-            self._pg = _make_backend(spec, backend_store)
+            self._pg = _build_bounded(spec, backend_store)
         except Exception as e:
             peer, ranks = self._peers_missing("joined", None)
             raise PhaseError(
@@ -407,10 +422,72 @@ class WeightGroup:
         return self._pg is None
 
 
+def _build_bounded(spec: GroupSpec, store: dist.Store) -> Any:
+    """``_make_backend`` on a thread of its own, waited for ``spec.timeout_s + BUILD_GRACE_S`` at most: past
+    that it is left behind (a group it forms later is shut down) and TimeoutError is raised."""
+    built: Future[Any] = Future()
+    decided = threading.Lock()  # the build's end and the caller's giving up: one of them first
+    left_behind = False
+
+    def build() -> None:
+        try:
+            pg = _make_backend(spec, store)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            with decided:
+                if not left_behind:
+                    built.set_exception(e)
+            return
+        with decided:
+            if not left_behind:
+                built.set_result(pg)
+                return
+        try:
+            pg.shutdown()
+        except Exception:  # best effort: dropping it closes it too
+            log.debug("shutdown of a group built too late failed", exc_info=True)
+
+    threading.Thread(target=build, name=f"group-build-{spec.group_name}", daemon=True).start()
+    try:
+        return built.result(timeout=spec.timeout_s + BUILD_GRACE_S)
+    except FutureTimeout:
+        with decided:
+            if not built.done():
+                left_behind = True
+        if left_behind:
+            raise TimeoutError(
+                f"the build did not return within its timeout of {spec.timeout_s:g}s and {BUILD_GRACE_S:g}s "
+                "more; it was left behind"
+            ) from None
+        return built.result()  # (it ended as the wait did)
+
+
+def _address_towards(spec: GroupSpec) -> str:
+    """This machine's address on the route to the group's store (no packet is sent); "" (gloo's own choice)
+    where there is none."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            spec.master_address.strip("[]"), spec.master_port, type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return ""
+
+
 def _make_backend(spec: GroupSpec, store: dist.Store) -> Any:  # torch's stubs: no common type with collectives
     timeout = _td(spec.timeout_s)
     if spec.backend == "gloo":
-        return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (torch stubs lack it)
+        options._timeout = timeout
+        # gloo listens where the machine's hostname resolves (a LAN address, for a run all on loopback) and takes
+        # no token: it listens on the address that reaches the store instead, which its peers reach too.
+        # (GLOO_SOCKET_IFNAME, where set, is the user's choice of interface: gloo's own default device reads it)
+        if not os.environ.get("GLOO_SOCKET_IFNAME") and (hostname := _address_towards(spec)):
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        else:
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, options)
     if spec.backend == "nccl":
         # Same code path on GPUs; imported lazily so CPU builds of torch never touch it.
         from torch.distributed import ProcessGroupNCCL

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -285,6 +286,11 @@ class Broadcast:
     async def _rebuild(self) -> bool:
         """Builds the group of a new membership epoch; False when a member failed (dropped)."""
         await self._destroy_old()
+        try:  # (no group now: the old one's rendezvous keys, and anything an outsider wrote, are dropped)
+            dropped = await asyncio.to_thread(self.store.clear)
+            log.debug("store cleared between groups", extra={"keys": dropped})
+        except Exception as e:  # noqa: BLE001 - best effort: a store that fails here fails the rendezvous, said there
+            log.warning("could not clear the store between groups", extra={"error": f"{type(e).__name__}: {e}"})
         members = self.membership.eligible()
         if not members:
             self.events.notify()
@@ -294,7 +300,9 @@ class Broadcast:
         for m in members:
             offsets[m.member_id] = world_size
             world_size += m.num_ranks
-        name = f"tauflow-weights-e{epoch}"
+        # The store takes no token: a name nobody can know before the build keeps rendezvous keys planted for
+        # future epochs from being read by its ranks (members learn it from the authenticated call).
+        name = f"tauflow-weights-e{epoch}-{secrets.token_hex(8)}"
         group_s = self.deadlines.group_s
         spec = GroupSpec(
             self.config.store.advertised_host, self.store.port, name, world_size, 0, self.config.backend, epoch, group_s
