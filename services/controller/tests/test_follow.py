@@ -27,7 +27,11 @@ class StuckTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.ListStepsResponse()
 
     async def GetStatus(self, request, context):
-        return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA, policy_version=7)
+        return trainer_pb2.GetStatusResponse(
+            state=trainer_pb2.TRAINER_STATE_WAITING_FOR_DATA,
+            policy_version=7,
+            last_error="retrying a peer call that failed: DEADLINE_EXCEEDED: queue\nGet",
+        )
 
 
 class EmptyQueue(queue_pb2_grpc.QueueServiceServicer):
@@ -79,6 +83,8 @@ def test_a_run_without_steps_fails_as_stalled_and_says_what_it_saw(tmp_path, cha
     assert "no training step for 1s" in message
     assert "trainer TRAINER_STATE_WAITING_FOR_DATA at version 7" in message
     assert "queue depth 0 groups, 16 reserved" in message
+    # what the trainer is retrying (a partition between it and the queue left it "TRAINING"), on one line
+    assert "trainer: retrying a peer call that failed: DEADLINE_EXCEEDED: queue Get" in message
 
 
 class SteppingTrainer(trainer_pb2_grpc.TrainerServiceServicer):

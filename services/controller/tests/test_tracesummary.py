@@ -173,3 +173,12 @@ def test_the_run_sets_every_service_to_write_spans_to_its_traces_file(tmp_path, 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     assert run.trace_env()["OTEL_TRACES_EXPORTER"] == "otlp,file"  # the collector keeps getting them
     assert Path(env["TAUFLOW_TRACES_FILE"]).parent.is_dir()
+
+
+def test_an_engine_that_joined_later_does_not_stretch_the_groups_before_it(spans) -> None:
+    # tauflow scale rollout 2 mid-run: the new engine's first load (version 3, at 10 s) is "the first newer
+    # version it loaded" for versions 1 and 2 too; `total` was 41 s where the phases summed to 1 s
+    joined = span("weights.load", 9.0, 10.0, "0" * 32, **{"rl.policy_version": 3, "weights.member_id": "e3"})
+    rows = {r.group_id: r for r in breakdown([*spans, joined])}
+    assert rows["A"].total == pytest.approx(4.5) and rows["A"].load == pytest.approx(1.2)
+    assert rows["C"].total == pytest.approx(4.6)

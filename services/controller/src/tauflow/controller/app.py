@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
 
 from tauflow.api.controller.v1 import controller_pb2
@@ -30,6 +31,8 @@ from tauflow.core.server import GrpcServer, ServiceApp, ServiceBinding
 
 DESCRIPTION = """``tauflow-controller``: a run as a service — it runs ``run`` from its config and serves ControllerService
 (``tauflow run`` is the same run with a terminal view)."""
+
+log = logging.getLogger(__name__)
 
 
 def create_launcher(config: RunConfig) -> Launcher:
@@ -140,6 +143,11 @@ async def build(config: ControllerConfig) -> ServiceApp:
             if not servicer.stop_requested:
                 raise  # the service is draining
             task.uncancel()  # StopRun ended the run, not the service
+        summary = run.summary  # (said as `tauflow run` says it: the service goes on serving GetRun)
+        log.info(
+            "run ended; serving its summary until stopped",
+            extra={"status": summary.status, "steps": len(summary.steps), "accuracy": summary.final_accuracy},
+        )
         await asyncio.Event().wait()  # keep serving the summary until stopped
 
     return ServiceApp(bindings=[controller_binding(servicer)], background=[execute])

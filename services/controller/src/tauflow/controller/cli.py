@@ -76,7 +76,7 @@ def run_command(args: argparse.Namespace) -> int:
     setup_logging("controller", "WARNING")
     # A live table on a terminal; plain lines every few seconds elsewhere (a log file shows how far it is).
     try:
-        with progress_view(console, config, run.progress) as view:
+        with progress_view(console, run.config, run.progress) as view:
             run.on_progress = view.update
             summary = asyncio.run(execute_with_control(run))
     except (LaunchFailed, RunStalled, PeerError) as e:  # said after the view's last state

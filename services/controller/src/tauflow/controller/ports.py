@@ -73,6 +73,7 @@ class TrainerStatus:
     state: str  # the TrainerState's name, e.g. TRAINER_STATE_WAITING_FOR_DATA
     policy_version: int
     finished: bool  # its last step is committed and checkpointed, its leases acked
+    last_error: str = ""  # its last failure, or the peer call it is retrying ("" when none)
 
 
 @dataclass(frozen=True)

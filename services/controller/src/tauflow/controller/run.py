@@ -676,6 +676,8 @@ class Run:
         try:
             status = await peers.trainer.status()
             parts.append(f"trainer {status.state} at version {status.policy_version}")
+            if status.last_error:  # (a trainer cut off from the queue is still "TRAINING": this says so)
+                parts.append(f"trainer: {redact_text(status.last_error)}")
             stats = await peers.queue.stats()
             parts.append(f"queue depth {stats.depth_groups} groups, {stats.reserved_groups} reserved")
         except PeerError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,6 +153,7 @@ def plot(summary: RunSummary, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (its INFO lines were the service log's last)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

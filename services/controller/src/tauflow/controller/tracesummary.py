@@ -15,7 +15,8 @@ being served:
   the version (a newer one was published meanwhile), the first broadcast of a newer version that started
   after the publish;
 - ``load``: the engines' ``weights.load`` spans that link to the publish (or, likewise, of the first newer
-  version each engine loaded), the slowest engine's;
+  version each engine loaded), the slowest engine's; an engine whose first load is of a newer version (it
+  joined later) is left out;
 - ``total``: from the start of its ``rollout.ticket`` span to the end of the last engine's load.
 
 A phase that a group lacks (no trainer step yet, a version never broadcast) is left out of its statistics.
@@ -24,6 +25,7 @@ A phase that a group lacks (no trainer step yet, a version never broadcast) is l
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -210,6 +212,11 @@ def _loads(candidates: Sequence[Span], publish: Span, version: int | None) -> li
         by_member[str(s["attributes"].get("weights.member_id", s.get("service", "")))].append(s)
     out = []
     for spans in by_member.values():
+        # An engine that joined later (tauflow scale) first loads a newer version: it never served this one,
+        # and its first load, waited for, stretched `total` of every group before it (41 s against 1 s).
+        versions = [int(v) for sp in spans if isinstance(v := sp["attributes"].get("rl.policy_version"), int)]
+        if version is not None and versions and min(versions) > version:
+            continue
         found = _delivery(spans, publish, version)
         if found is not None:
             out.append(found)
@@ -258,6 +265,7 @@ def plot(stats: Sequence[PhaseStats], path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (its INFO lines were the service log's last)
     import matplotlib.pyplot as plt
 
     shown = [s for s in stats if s.n]

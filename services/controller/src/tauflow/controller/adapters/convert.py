@@ -30,6 +30,7 @@ def trainer_status(reply: trainer_pb2.GetStatusResponse) -> TrainerStatus:
         trainer_pb2.TrainerState.Name(reply.state),
         reply.policy_version,
         reply.state == trainer_pb2.TRAINER_STATE_FINISHED,
+        "".join(c if c.isprintable() else " " for c in reply.last_error[:300]),  # (shown on a terminal)
     )
 
 

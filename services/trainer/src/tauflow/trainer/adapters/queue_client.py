@@ -17,7 +17,7 @@ from tauflow.core.config import ChannelConfig
 from tauflow.core.protobuf import duration as _duration
 from tauflow.core.streams import OrderedStream
 from tauflow.trainer.adapters.convert import group_from_proto
-from tauflow.trainer.adapters.retry import TRANSIENT, until_it_works
+from tauflow.trainer.adapters.retry import TRANSIENT, note_failure, until_it_works
 from tauflow.trainer.ports import Batch
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class GrpcQueue:
             if e.code() in QUEUE_TRANSIENT and "larger than max" not in (e.details() or ""):
                 # (a batch over this channel's message limit never fits: raised, naming the limit)
                 log.warning("queue unavailable; retrying", extra={"code": e.code().name, "details": e.details()})
+                note_failure(e.code().name, f"queue Get: {e.details() or ''}")
                 await asyncio.sleep(0.5)
                 return None  # Get is not retried by the channel: a lost lease expires and comes back
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "consumer_version" in (e.details() or ""):

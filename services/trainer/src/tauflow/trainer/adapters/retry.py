@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 from tenacity import (
@@ -17,6 +18,22 @@ from tenacity import (
 from tauflow.core.status import TRANSIENT
 
 log = logging.getLogger(__name__)
+
+# The last failed peer call being retried, for GetStatus's last_error: a trainer cut off from its queue said
+# "TRAINING" to the controller, whose stall report then hid the partition.
+RECENT_S = 45.0  # (a retry's wait is at most 5 s, an attempt's deadline 30 s: older is over)
+_last_failure: tuple[float, str] = (-RECENT_S, "")
+
+
+def note_failure(code: str, details: str) -> None:
+    global _last_failure
+    _last_failure = (time.monotonic(), f"retrying a peer call that failed: {code}: {details[:200]}")
+
+
+def recent_failure() -> str:
+    """The peer call that failed last, if within RECENT_S; "" otherwise."""
+    at, what = _last_failure
+    return what if time.monotonic() - at < RECENT_S else ""
 
 
 def until_it_works(
@@ -39,6 +56,7 @@ def log_retry(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome is not None else None
     code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
     details = (error.details() or "") if isinstance(error, grpc.aio.AioRpcError) else str(error)
+    note_failure(code, details)
     log.warning(
         "peer call failed (%s: %s); retrying",
         code,

@@ -8,6 +8,7 @@ import grpc
 
 from tauflow.api.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tauflow.trainer.adapters.convert import checkpoint_to_proto, step_to_proto
+from tauflow.trainer.adapters.retry import recent_failure
 from tauflow.trainer.loop import CheckpointBusy, ExportRefused, State, TrainerLoop
 
 PAGE = 1000
@@ -29,7 +30,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             backend="torch",
             algorithm=self.algorithm,
             world_size=loop.backend.world_size,
-            last_error=loop.last_error,
+            last_error=loop.last_error or recent_failure(),
         )
         if loop.history:
             last = loop.history[-1]
