@@ -29,3 +29,13 @@ def test_a_missing_model_or_data_set_is_named_before_any_role_starts(tmp_path: P
     for model in ("Qwen/Qwen2.5-0.5B-Instruct", str(tmp_path / "model")):
         fine = config.model_copy(update={"model": model, "eval": config.eval.model_copy(update={"dataset": ""})})
         build_run(fine, serve_metrics=False).check_inputs()
+
+
+def test_a_roles_config_error_names_the_run_configs_section_not_the_file_the_controller_wrote() -> None:
+    from tauflow.controller.launcher import _settings_named
+
+    line = "unknown config key 'backend.optim.lrr' (from config file /r/out/settings/trainer.json)"
+    assert _settings_named(line, "trainer") == (
+        "unknown config key 'backend.optim.lrr' (from services.trainer of the run config, or a run key passed on to it)"
+    )
+    assert _settings_named("(from config file my.yaml)", "queue") == "(from config file my.yaml)"  # a user's file

@@ -45,6 +45,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -448,7 +449,7 @@ class ProcessLauncher:
         if info is None:
             failure = self._start_failure(svc, deadline)
             if failure:
-                raise ServiceFailed(svc.name, f"{failure}:\n{svc.log_tail()}")
+                raise ServiceFailed(svc.name, f"{failure}:\n{_settings_named(svc.log_tail(), svc.spec.role)}")
             return False
         self._pin(svc, info)
         return True
@@ -895,3 +896,12 @@ def is_service_process(pid: int, role: str) -> bool:
         )
     except (OSError, IndexError):
         return False
+
+
+_SETTINGS_FILE = re.compile(r"\(from config file [^()\n]*/settings/[\w.-]+\.json\)")
+
+
+def _settings_named(text: str, role: str) -> str:
+    """A role's config error names the settings file the controller wrote for it; the user wrote
+    ``services.<role>.*`` (or a run key the controller passes on): say that instead."""
+    return _SETTINGS_FILE.sub(f"(from services.{role} of the run config, or a run key passed on to it)", text)
