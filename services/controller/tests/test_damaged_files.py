@@ -46,3 +46,17 @@ def test_a_run_whose_controller_has_ended_is_said_to_have_ended(tmp_path: Path) 
         control_address(str(run))
     (run / READY_FILE).write_text(json.dumps({"pid": 1, "control_address": "127.0.0.1:1"}))  # alive: its address
     assert control_address(str(run)) == "127.0.0.1:1"
+    # with run.lock, its holder decides, not a pid (which another pid namespace, a container, cannot see)
+    import fcntl
+    import os
+
+    (run / "run.lock").write_text("1\n")
+    with pytest.raises(ControlError, match="has ended"):
+        control_address(str(run))  # pid 1 runs, but nobody holds the lock: ended
+    (run / READY_FILE).write_text(json.dumps({"pid": int(gone.stdout), "control_address": "127.0.0.1:1"}))
+    fd = os.open(run / "run.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert control_address(str(run)) == "127.0.0.1:1"  # held: the run goes on, whatever the pid says
+    finally:
+        os.close(fd)

@@ -37,6 +37,8 @@ class Role:
 def _run(out: Path, *, resume: bool = False, **config: Any) -> Run:
     values: dict[str, Any] = {"model": "m", "dataset": "d", "steps": 10, "max_staleness": 1, **config}
     run = build_run(RunConfig(out_dir=str(out), resume=resume, **values), serve_metrics=False)
+    run.claim_out_dir()  # (as the run's start does: the live record is settled once out_dir is the run's)
+    run._release_out_dir()
     run._peers = SimpleNamespace(trainer=Role(), queue=Role())  # type: ignore[assignment]
     return run
 

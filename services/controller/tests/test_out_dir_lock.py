@@ -26,15 +26,19 @@ async def test_a_second_run_on_a_live_runs_out_dir_is_refused_before_it_touches_
     (out / "checkpoints" / "v00000050").mkdir(parents=True)
     (out / "queue-wal").mkdir()
     (out / "summary.json").write_text('{"status": "running"}')
+    (out / "live.json").write_text('{"format": 1}')  # the live run's record of its τ and scale changes
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
-    second = build_run(_config(out), serve_metrics=False)
-    with pytest.raises(OutDirInUse, match=r"in use by another tauflow run \(controller pid \d+\)"):
-        await second.execute()
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    for resume in (False, True):
+        second = build_run(_config(out).model_copy(update={"resume": resume}), serve_metrics=False)
+        with pytest.raises(OutDirInUse, match=r"in use by another tauflow run \(controller pid \d+\)"):
+            await second.execute()
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+        assert (out / "live.json").read_text() == '{"format": 1}'
     assert (out / "summary.json").read_text() == '{"status": "running"}'
 
     live._release_out_dir()  # the live run ended: the folder is free again
+    second = build_run(_config(out), serve_metrics=False)
     second.claim_out_dir()
     second._release_out_dir()
 
@@ -73,3 +77,21 @@ def test_tauflow_run_on_a_live_runs_out_dir_exits_2_saying_so(tmp_path: Path, mo
     finally:
         live._release_out_dir()
     assert "is in use by another tauflow run" in printed.getvalue()
+
+
+def test_a_filesystem_without_flock_runs_unguarded_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # NFS mounted nolock answers ENOLCK: that is no other run, and every run there refused would be worse
+    import errno
+
+    from tauflow.controller import run as run_module
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_module.fcntl, "flock", no_locks)
+    run = build_run(_config(tmp_path / "run"), serve_metrics=False)
+    with caplog.at_level("WARNING"):
+        run.claim_out_dir()
+    assert "cannot lock out_dir" in caplog.text and run._lock_fd is None

@@ -49,7 +49,7 @@ BACKENDS = ("gloo", "nccl")
 # A group's build gets its timeout and this much more before it is left behind: gloo's rendezvous, given a
 # peer address planted in the store by an outsider, was seen to hang in its connect for minutes past the
 # timeout it was given, holding the rollout's one build slot (every later build refused) long after.
-BUILD_GRACE_S = 30.0
+BUILD_GRACE_S = 5.0  # (gloo ends a build by its timeout itself; the sidecar's call to a member waits 2 s more)
 
 # Process groups destroyed while a collective of theirs still ran (gloo's ends only at the group's timeout), with
 # those collectives: kept until they end, then dropped (``_reap_abandoned``).
@@ -136,7 +136,8 @@ class StoreHost:
         self.port = int(self.store.port)
 
     def clear(self) -> int:
-        """Deletes every key (call it between two groups, when no rank is in a rendezvous); returns how many.
+        """Deletes every key (call it between two groups: a rank still in a build left behind loses the keys of a
+        group nobody joins any more); returns how many.
         Each group leaves a few keys a rank, and the store takes no token: what an outsider wrote stays held
         in this process's memory until then (1.2 GB in 6 s from one client), and a run's hundred epochs kept
         five hundred keys."""
@@ -465,9 +466,9 @@ def _address_towards(spec: GroupSpec) -> str:
     """This machine's address on the route to the group's store (no packet is sent); "" (gloo's own choice)
     where there is none."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            spec.master_address.strip("[]"), spec.master_port, type=socket.SOCK_DGRAM
-        )[0]
+        found = socket.getaddrinfo(spec.master_address.strip("[]"), spec.master_port, type=socket.SOCK_DGRAM)
+        # IPv4 first where a name has both: every rank then picks the same family
+        family, kind, proto, _, address = min(found, key=lambda a: a[0] != socket.AF_INET)
         with socket.socket(family, kind, proto) as probe:
             probe.connect(address)
             return str(probe.getsockname()[0])

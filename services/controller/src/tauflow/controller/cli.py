@@ -141,7 +141,7 @@ def control_command(args: argparse.Namespace) -> int:
                 return f"max_staleness: {previous} -> {tau}, in force from policy version {version}"
             if args.command == "stop":
                 state = await client.stop_run(args.reason, immediate=args.immediate, grace_s=args.grace)
-                return f"run {state}: `tauflow run` ends with exit code 130, its summary says why"
+                return f"run {state}: its services stop after its last step and checkpoint; its summary says why"
             status = await client.status()
             if args.json:
                 return json_text({"run": status.run, "services": status.services}, indent=1)
@@ -183,6 +183,16 @@ def status_text(status: Status) -> str:
     out = Console(width=200, record=True, file=io.StringIO())
     out.print(table)
     return "\n".join([head, out.export_text().rstrip()])
+
+
+def _grace_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 3600:  # (nan and inf too)
+        raise argparse.ArgumentTypeError(f"seconds from 0 to 3600, not {text!r}")
+    return value
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -229,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--run", dest="run_option", metavar="RUN", help="the same, as scale and set take it")
     stop.add_argument("--reason", default="tauflow stop", help="why, recorded in the summary")
     stop.add_argument("--immediate", action="store_true", help="at once: no final step, no checkpoint")
-    stop.add_argument("--grace", type=float, metavar="S", help="seconds a graceful stop may take (at most 3600)")
+    stop.add_argument("--grace", type=_grace_s, metavar="S", help="seconds a graceful stop may take (at most 3600)")
     stop.add_argument("--token-file", help=token_help)
     status = sub.add_parser("status", help="a running run's progress and every process of every role")
     status.add_argument("run", nargs="?", help=where)

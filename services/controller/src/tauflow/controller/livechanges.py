@@ -106,21 +106,28 @@ def _values(part: Any) -> LiveValues:
 def resumed_config(config: RunConfig) -> tuple[RunConfig, dict[str, int]]:
     """The config a ``--resume`` runs with: each live value whose config value is the one it was made against
     (:func:`read_live`); returns it and the keys taken from the live changes. Without ``resume``, the config
-    as it is (and the previous run's file set aside). A resume that read a record writes it again at once,
-    against its own config: a value its config set wins from then on (else a second resume took the first
-    run's live value back)."""
+    as it is. Reads only: :func:`settle_live` records, once the run holds its out_dir."""
     if not config.resume:
-        forget_live(config.run_dir)
         return config, {}
     recorded = read_live(config.run_dir)
     if recorded is None:
         return config, {}
-    resumed, taken = _resumed(config, recorded)
+    return _resumed(config, recorded)
+
+
+def settle_live(config: RunConfig, resumed: RunConfig) -> None:
+    """Once the run holds its out_dir (a run refused there must not touch a live run's file): a new run sets
+    the previous run's file aside; a resume that read a record writes it again at once, against its own config
+    (a value its config set wins from then on, else a second resume took the first run's live value back)."""
+    if not config.resume:
+        forget_live(config.run_dir)
+        return
+    if read_live(config.run_dir) is None:
+        return
     try:
         write_live(config.run_dir, LiveValues.of(config), LiveValues.of(resumed))
     except OSError as e:
         log.warning("could not record the resumed run's values", extra={"error": describe_os_error(e)})
-    return resumed, taken
 
 
 def _resumed(config: RunConfig, recorded: tuple[LiveValues, LiveValues]) -> tuple[RunConfig, dict[str, int]]:

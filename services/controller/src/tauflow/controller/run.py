@@ -38,7 +38,7 @@ from tauflow.controller.launcher import (
     describe_os_error,
     instance_name,
 )
-from tauflow.controller.livechanges import LiveValues, resumed_config, write_live
+from tauflow.controller.livechanges import LiveValues, resumed_config, settle_live, write_live
 from tauflow.controller.metrics import TARGETS_FILE, controller_metrics, write_targets
 from tauflow.controller.metrics import serve as serve_metrics
 from tauflow.controller.ports import (
@@ -162,6 +162,7 @@ class Run:
     ) -> None:
         # What live changes are recorded against; --resume goes on with the run's live changes (livechanges.py).
         self._configured = LiveValues.of(config)
+        self._given = config  # (settle_live records against it once the run holds out_dir)
         config, self.resumed_live = resumed_config(config)
         self._live_recorded = LiveValues.of(config)  # as live.json holds them (or the config, before any change)
         self._live_failed: LiveValues | None = None  # the values whose record failed last (logged once)
@@ -196,6 +197,8 @@ class Run:
                 )
         self.run_token = load_run_token(self.token_file)
         self._lock_fd: int | None = None  # run.lock, held from claim_out_dir() to the run's end
+        self._claimed = False
+        self._settled = False
         self.tau = config.max_staleness  # the τ in force: SetMaxStaleness changes it
         self._tau_log = LogLimit(10.0)  # a token holder may change τ thousands of times a minute
         self._watchdog = LoopWatchdog()  # the time the controller itself did not run is no stall of the run
@@ -318,27 +321,39 @@ class Run:
         """Takes ``out_dir/run.lock`` for this process (kept to the end of the run; the kernel lets it go if the
         process dies, and the roles it starts do not inherit it), before anything in out_dir is moved or
         written: a second run on a live run's out_dir moved its checkpoints and queue log aside, deleted its
-        older checkpoint and overwrote its ready file and summary, then failed. Raises OutDirInUse."""
-        if self._lock_fd is not None:
+        older checkpoint and overwrote its ready file and summary, then failed. Raises OutDirInUse. Then the
+        live changes are recorded (livechanges.settle_live)."""
+        if self._claimed:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        except BlockingIOError:  # (EWOULDBLOCK: another process holds it)
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
             os.close(fd)
             by = f" (controller pid {holder})" if holder.isdigit() else ""
             raise OutDirInUse(
                 f"{self.out_dir} is in use by another tauflow run{by}: stop it (tauflow status {self.out_dir}), "
                 "or choose another out_dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        except OSError as e:  # a filesystem without flock (NFS mounted nolock, some FUSE mounts): run unguarded
+            os.close(fd)
+            log.warning("cannot lock out_dir: two runs there are not kept apart", extra={"error": describe_os_error(e)})
+        else:
+            self._lock_fd = fd
+            with contextlib.suppress(OSError):  # (the pid only names the holder in a refusal)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._claimed = True
+        if not self._settled:  # (once per run: a run executed again goes on with its own record)
+            self._settled = True
+            settle_live(self._given, self.config)
 
     def _release_out_dir(self) -> None:
+        self._claimed = False
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -3,7 +3,9 @@ run is found by its address, or by its run directory (``<out_dir>/controller.rea
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import grpc
 
 from tauflow.api.controller.v1 import controller_pb2, controller_pb2_grpc
 from tauflow.controller.metrics import READY_FILE
+from tauflow.controller.run import LOCK_FILE
 from tauflow.core.channel import create_channel
 from tauflow.core.runtoken import TokenFileError, read_token_file
 
@@ -39,13 +42,33 @@ def control_address(run: str) -> str:
     if not isinstance(info, dict):  # ([], null: a damaged file, not an older tauflow's)
         raise ControlError(f"{path / READY_FILE} is damaged (not a JSON object)")
     pid = _pid(info)
-    if pid is not None and Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists():
+    if _ended_for_sure(path, pid):
         # the run has ended (its ready file stays): say so, rather than gRPC's "connection refused"
         raise ControlError(f"the run in {path} is not running: its controller (pid {pid}) has ended{_ended(path)}")
     address = info.get("control_address", "")
     if not address or not isinstance(address, str):
         raise ControlError(f"the run in {path} serves no ControllerService (started by an older tauflow)")
     return str(address)
+
+
+def _ended_for_sure(path: Path, pid: int | None) -> bool:
+    """Whether the run's controller is gone: nobody holds its run.lock (which its controller holds to the end,
+    seen from any process, a container's too); without a lock file (an older run, a filesystem without
+    flock), its pid is no process here."""
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return pid is not None and Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # held: the run goes on
+    except OSError:
+        return False  # (cannot tell: the call will)
+    else:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _pid(info: dict[str, Any]) -> int | None:

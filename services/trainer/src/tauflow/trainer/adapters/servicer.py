@@ -30,7 +30,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             backend="torch",
             algorithm=self.algorithm,
             world_size=loop.backend.world_size,
-            last_error=loop.last_error or recent_failure(),
+            last_error=recent_failure() or loop.last_error,  # (what fails now before an older failure)
         )
         if loop.history:
             last = loop.history[-1]
