@@ -263,3 +263,26 @@ def test_an_engine_between_two_close_calls_keeps_its_weights_and_closes_while_re
     assert not engine._thread.is_alive() and time.monotonic() - started < 10
     with pytest.raises(ValueError, match="release_after_idle_s"):
         HFEngine.from_pretrained(model_dir, release_after_idle_s=-1)
+
+
+def test_a_failed_group_build_is_said_in_the_rollouts_own_log(caplog: pytest.LogCaptureFixture) -> None:
+    # under a store attack the rollout's log said only "joining again", never why
+    import asyncio
+    import socket
+
+    from tauflow.rollout.weights import WeightLoader
+    from tauflow.weightsync import GroupSpec, PhaseError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        unserved = int(s.getsockname()[1])
+    loader = WeightLoader(object(), "rollout-0", None)  # type: ignore[arg-type]  # (a build needs no engine)
+
+    async def build() -> None:
+        with pytest.raises(PhaseError):
+            await loader.init_group(GroupSpec("127.0.0.1", unserved, "gone-e1", 2, 1, "gloo", 1, 1.0))
+        await asyncio.sleep(0)  # (the done-callback runs)
+
+    with caplog.at_level("WARNING", logger="tauflow.rollout.weights"):
+        asyncio.run(build())
+    assert any("weight group build failed" in r.getMessage() and r.group == "gone-e1" for r in caplog.records)

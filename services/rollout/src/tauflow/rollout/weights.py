@@ -135,10 +135,17 @@ class WeightLoader:
         return await asyncio.shield(build)  # (cancelling the caller does not stop the thread's build)
 
     def _build_ended(self, build: asyncio.Future[int]) -> None:
-        if self._building is not None and self._building[1] is build:
+        spec = self._building[0] if self._building is not None and self._building[1] is build else None
+        if spec is not None:
             self._building = None
-        if not build.cancelled():
-            build.exception()  # (retrieved: a build whose callers all went away logs no "never retrieved")
+        # (retrieved: a build whose callers all went away logs no "never retrieved"; said here, as the sidecar
+        # sees only its call's outcome: the rollout's log said only "joining again" during a store attack)
+        error = None if build.cancelled() else build.exception()
+        if error is not None:
+            log.warning(
+                "weight group build failed",
+                extra={"group": spec.group_name if spec else "", "error": f"{type(error).__name__}: {error}"[:300]},
+            )
 
     async def destroy_group(self, group_name: str) -> bool:
         return await asyncio.get_running_loop().run_in_executor(
