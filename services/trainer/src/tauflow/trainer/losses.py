@@ -125,8 +125,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, clam
         k1 = kl = −λ    abs = |λ|    k2 = mse = λ² / 2    k3 = low_var_kl = exp(λ) − λ − 1
 
     k3 is computed with λ clamped to ±20 and its value clamped to ±``clamp`` (10: verl's low_var_kl;
-    OpenRLHF and AReaL clamp every estimator, slime's k3 none; None: unclamped). A name ending in ``+`` keeps its value but takes k2's gradient
-    (straight-through), k2 being the estimator whose gradient is that of the KL."""
+    OpenRLHF and AReaL clamp every estimator, slime's k3 none; None: unclamped). A name ending in ``+``
+    keeps its value but takes k2's gradient (straight-through), k2 being the estimator whose gradient is that
+    of the KL."""
     straight_through = estimator.endswith("+")
     base = estimator.removesuffix("+")
     log_ratio = ref_logp - logp
@@ -217,7 +218,8 @@ def off_policy_correction(
 ) -> Correction:
     """The importance weight w of π_prox / π_behaviour (per token, per sequence, or the sequence's geometric
     mean), truncated (TIS) or masked outside [is_lower, is_cap] (MIS, IcePop), times OPSM's mask of negative
-    sequences that are too far off policy. Outside the mask w = 1, so that nothing non-finite there can reach the gradient."""
+    sequences that are too far off policy. Outside the mask w = 1, so that nothing non-finite there can reach
+    the gradient."""
     ones = torch.ones_like(prox)
     log_w = torch.where(m, prox - behaviour, torch.zeros_like(prox))
     if config.is_level == "sequence":
