@@ -32,9 +32,10 @@ ROOTS = [
 IMAGE_HAS = {
     "torch", "triton", "transformers", "accelerate", "peft", "numpy", "safetensors", "huggingface-hub",
     "hf-xet", "tokenizers", "pyyaml", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "tqdm",
-    "regex", "filelock", "fsspec", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "psutil", "packaging",
-    "typing-extensions", "setuptools",
+    "regex", "filelock", "fsspec", "jinja2", "markupsafe", "sympy", "mpmath", "networkx", "psutil", "setuptools",
 }  # fmt: skip
+# (typing-extensions and packaging travel although the image has them: pydantic and anyio need a
+# typing-extensions >= 4.16, megatron-core a packaging >= 24.2, and the image's versions are not known)
 # Imported lazily, never on the GPU run's path (media decoding, Parquet, Ray): left out to save room.
 SKIP = {"av", "pyarrow", "ray"}
 

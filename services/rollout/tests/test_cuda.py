@@ -78,6 +78,12 @@ def test_cuda_an_idle_engine_hands_its_cached_memory_back_when_colocated(model_d
     try:
         import time
 
+        # A first request: the engine thread's cuBLAS workspace (32 MiB on Hopper, allocated through the caching
+        # allocator and kept by cuBLAS: no release can hand it back) exists before the measure.
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0)).result(60)
+        deadline = time.monotonic() + 10
+        while engine.memory_releases == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         del scratch  # 64 MiB cached by this process's allocator, unused
         cached = torch.cuda.memory_reserved()
@@ -100,17 +106,25 @@ def test_cuda_an_idle_engine_offloads_its_weights_and_serves_the_next_version_ex
     import time
 
     engine = HFEngine.from_pretrained(model_dir, device="cuda", dtype="float32", offload_weights_when_idle=True)
+
+    def offloads(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while engine.counters["weight_offloads"] < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.counters["weight_offloads"] == count
+        assert all(p.device.type == "cuda" and p.numel() == 0 for p in engine._model.parameters())
+        torch.cuda.synchronize()
+
     try:
         weight_bytes = sum(p.numel() * p.element_size() for p in engine._model.parameters())
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
-        engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, seed=1)).result(60)
-        deadline = time.monotonic() + 10
-        while engine.counters["weight_offloads"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.counters["weight_offloads"] == 1
-        assert torch.cuda.memory_allocated() <= allocated - weight_bytes
-        assert all(p.device.type == "cuda" and p.numel() == 0 for p in engine._model.parameters())
+        # A first request: the engine thread's cuBLAS workspace (32 MiB on Hopper, through the caching allocator,
+        # kept by cuBLAS) exists before the measure; this model's weights are far smaller.
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0)).result(60)
+        offloads(1)
+        offloaded = torch.cuda.memory_allocated()
+        engine.submit(PROMPTS, SamplingParams(max_new_tokens=8, seed=1)).result(60)  # the weights back, then out
+        offloads(2)
+        assert torch.cuda.memory_allocated() <= offloaded + weight_bytes // 2  # (weights kept: + weight_bytes)
 
         v1 = make_model(seed=1)
         assert engine.stage_weights(1, v1.state_dict()).result(30) == 1  # CPU tensors, staged on the GPU

@@ -104,8 +104,13 @@ def test_megatron_tp1_gives_the_torch_backends_loss(
         assert a.committed and b.committed
         assert b.loss == pytest.approx(a.loss, abs=tolerance), seed
     published = megatron.state_dict_for_publish()
+    # AdamW moves a weight by at most ~lr a step whatever its gradient: a gradient that is 0 up to rounding (a
+    # key bias's; in bfloat16, any small one) may move it the other way in the other backend, up to 2 lr a
+    # step. Those are held to that bound (3 steps at 1e-2); the rest, in float32, to 50 times the loss's.
+    loose = 6e-2
     for name, t in torch_backend.state_dict_for_publish().items():
-        assert torch.allclose(published[name].float(), t.float(), atol=50 * tolerance), name
+        atol = loose if autocast or name.endswith("k_proj.bias") else 50 * tolerance
+        assert torch.allclose(published[name].float(), t.float(), atol=atol), name
 
 
 def test_megatron_checkpoints_resume(

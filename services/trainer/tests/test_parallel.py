@@ -15,7 +15,7 @@ import torch
 from tauflow.trainer.backend import TorchBackend, TorchBackendConfig
 from tauflow.trainer.batch import Group, Sample
 from tauflow.trainer.optim import OptimConfig
-from tauflow.trainer.parallel import DistributedConfig, RankGroup, balance_by_tokens
+from tauflow.trainer.parallel import DistributedConfig, RankGroup, balance_by_tokens, rank_device
 
 MakeGroups = Callable[..., list[Group]]
 TOLERANCE = 1e-5  # the bound on the parameters after a step, world size 2 against 1
@@ -263,6 +263,18 @@ def test_distributed_config_refuses_what_cannot_work() -> None:
         DistributedConfig(strategy="zero3")
     with pytest.raises(ValueError, match="master_address"):
         DistributedConfig(master_address="nohost")
+
+
+def test_a_rank_given_cuda_without_an_index_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.set_device(torch.device("cuda")) raises: every multi-rank trainer on "cuda" failed to start
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert rank_device(DistributedConfig(world_size=4, rank=3), torch.device("cuda")) == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device(DistributedConfig(world_size=4, rank=3), torch.device("cuda")) == torch.device("cuda", 1)
+    config = DistributedConfig(world_size=4, rank=3, local_rank=2)
+    assert rank_device(config, torch.device("cuda")) == torch.device("cuda", 2)
+    assert rank_device(config, torch.device("cuda", 0)) == torch.device("cuda", 0)  # (an index given stays)
+    assert rank_device(config, torch.device("cpu")) == torch.device("cpu")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])

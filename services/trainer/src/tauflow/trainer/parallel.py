@@ -107,6 +107,14 @@ def balance_by_tokens(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return shares
 
 
+def rank_device(config: DistributedConfig, device: torch.device) -> torch.device:
+    """The device this rank works on: ``cuda`` names no GPU, so a rank takes its own (``LOCAL_RANK``, else
+    its rank), as the backends place it; ``torch.cuda.set_device`` refuses a device without an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", config.device_index)
+    return device
+
+
 class RankGroup:
     """The role's ranks: the process group, the model wrapping, and the collectives the backend needs.
 
@@ -123,6 +131,7 @@ class RankGroup:
         self.backend = backend
         host, _, port = config.master_address.rpartition(":")
         timeout = datetime.timedelta(seconds=config.timeout_s)
+        device = rank_device(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(

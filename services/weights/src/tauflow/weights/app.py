@@ -17,8 +17,8 @@ from tauflow.weightsync import StoreHost
 
 async def build(config: WeightsConfig) -> ServiceApp:
     torch.set_num_threads(1)  # the sidecar moves bytes; it computes nothing
-    if config.backend == "nccl" and config.device:
-        torch.cuda.set_device(config.device)
+    if config.backend == "nccl" and config.device and torch.device(config.device).index is not None:
+        torch.cuda.set_device(config.device)  # ("cuda" alone: the current device; set_device wants an index)
     store = StoreHost(config.store.host, config.store.port, timeout_s=config.deadlines.group_s)
     metrics = WeightsMetrics()
     sidecar = Sidecar(config, store, RolloutMemberClient, metrics)
