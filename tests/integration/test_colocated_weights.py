@@ -66,7 +66,7 @@ def test_a_colocated_rollout_loads_the_trainers_buffer_and_refuses_a_torn_or_for
     )
     rollout, sidecar = stubs(server.address, car.address)
     stager = DeviceStager(device, bucket_bytes=64 * 1024)
-    atol = 1e-4 if device == "cpu" else 2e-3  # (a GPU's float32 matmuls may use TF32)
+    atol = 1e-4 if device == "cpu" else 2e-3  # (a GPU's kernels sum in another order; versions differ by far more)
 
     def weights(version: int) -> dict[str, torch.Tensor]:
         return {k: v.to(device) for k, v in tiny_weights(version).items()}

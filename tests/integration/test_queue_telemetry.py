@@ -12,6 +12,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from tauflow.api.queue.v1 import queue_pb2 as q
 from tauflow.core.testing import make_group, queue_stub
 
+STATS = "/tauflow.api.queue.v1.QueueService/Stats"
+
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
@@ -22,6 +24,18 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             self.requests.append(request)
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def attributes(self, name: str) -> list[dict[str, str]]:
+        """The string attributes of every span called ``name``."""
+        with self.lock:
+            return [
+                {a.key: a.value.string_value for a in s.attributes}
+                for req in self.requests
+                for rs in req.resource_spans
+                for ss in rs.scope_spans
+                for s in ss.spans
+                if s.name == name
+            ]
 
     def spans(self) -> list[tuple[str, str]]:
         """(service.name, span name) of every span received."""
@@ -50,9 +64,17 @@ def test_service_spans_reach_an_otlp_receiver(service_process) -> None:
         stub = queue_stub(queue.address)
         stub.Put(q.PutRequest(group=make_group("traced")))
         stub.Stats(q.StatsRequest())
+        # A caller chooses its user-agent, which the instrumentation copies into the server's span: bounded
+        with grpc.insecure_channel(queue.address, [("grpc.primary_user_agent", "x" * 6000)]) as channel:
+            channel.unary_unary(STATS, q.StatsRequest.SerializeToString, q.StatsResponse.FromString)(
+                q.StatsRequest(), timeout=10
+            )
         assert queue.kill(signal.SIGTERM) == 0  # shutdown flushes the span processor
         spans = receiver.spans()
-        assert ("tauflow-queue", "/tauflow.api.queue.v1.QueueService/Stats") in spans
+        assert ("tauflow-queue", STATS) in spans
+        agents = [a["rpc.user_agent"] for a in receiver.attributes(STATS) if "rpc.user_agent" in a]
+        assert len(agents) == 2 and any(a.startswith("xxx") for a in agents)
+        assert max(len(a) for a in agents) == 1024  # (6,000 characters were kept whole)
         # The per-group Put is left out of the gRPC instrumentation (the rollout's queue.put span covers it)
         assert ("tauflow-queue", "/tauflow.api.queue.v1.QueueService/Put") not in spans
     finally:

@@ -5,6 +5,7 @@ config sets the key itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -75,6 +76,47 @@ def test_a_resumed_run_goes_on_with_the_tau_and_replicas_set_live(tmp_path: Path
         "live": {"max_staleness": 0, "rollout_replicas": 5},
     }
     assert _run(out, resume=True, rollout={"replicas": 2}).config.max_staleness == 0
+
+
+def test_a_stopping_run_refuses_live_changes_and_records_none(tmp_path: Path) -> None:
+    # After StopRun a scale was answered OK and written to live.json (a --resume then started two replicas
+    # where the config said one), and a τ change went to closed channels: INTERNAL.
+    out = tmp_path / "run"
+    run = _run(out)
+    run.request_stop("done for today")
+    with pytest.raises(run_module.RunNotLive, match="stopping"):
+        run.scale_rollout(2)
+    with pytest.raises(run_module.RunNotLive, match="stopping"):
+        asyncio.run(run.set_max_staleness(4))
+    assert run.scaler.target == 1 and run.tau == 1
+    assert not (out / LIVE_FILE).exists()
+
+
+def test_a_follow_that_ends_by_cancellation_or_failure_leaves_no_peers_for_live_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _run(tmp_path / "run")
+    run._peers = None
+    seen: list[object] = []
+
+    @contextlib.asynccontextmanager
+    async def connect(addresses: Any) -> Any:
+        yield SimpleNamespace(trainer=Role(), queue=Role())
+
+    for ending in (asyncio.CancelledError, RuntimeError("a poll failed")):
+
+        async def loop(*args: Any, ending: BaseException | type[BaseException] = ending) -> None:
+            seen.append(run._peers)
+            raise ending
+
+        monkeypatch.setattr(run, "connect", connect)
+        monkeypatch.setattr(run, "_follow", loop)
+        with pytest.raises((asyncio.CancelledError, RuntimeError)):
+            asyncio.run(run.follow({}))
+        assert seen[-1] is not None  # live changes could reach the roles while it followed
+        assert run._peers is None
+        with pytest.raises(run_module.RunNotLive):
+            run.scale_rollout(2)
 
 
 def test_a_value_set_for_the_resume_wins_over_the_live_change(tmp_path: Path) -> None:
@@ -173,3 +215,27 @@ def test_a_target_that_fell_back_is_what_is_recorded(tmp_path: Path) -> None:
     run.scaler.target = 3  # (a replica could not start: scaling.py lowers the target)
     run._record_live()  # the follow loop's pass
     assert _live(out)["live"]["rollout_replicas"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scale", "rollout", "99999999999999999999"],
+        ["scale", "rollout", "-1"],
+        ["scale", "rollout", "257"],
+        ["set", "max-staleness", "99999999999999999999"],
+        ["set", "max-staleness", "-2"],
+    ],
+)
+def test_the_cli_refuses_a_value_beyond_the_contracts_bounds_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # (a value beyond the protobuf field's range was a traceback and exit 1)
+    from tauflow.controller.cli import build_parser
+
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args([*argv, "--run", "127.0.0.1:1"])
+    assert ended.value.code == 2
+    assert "from " in capsys.readouterr().err
+    assert build_parser().parse_args(["set", "max-staleness", "-1", "--run", "x"]).value == -1
+    assert build_parser().parse_args(["scale", "rollout", "256", "--run", "x"]).replicas == 256

@@ -125,19 +125,21 @@ def spawn_ranks_factory() -> Callable[..., None]:
             port = int(s.getsockname()[1])
         context = multiprocessing.get_context("spawn")
         procs = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        # (one deadline for all; a rank that failed ends the wait: the others may hang in a collective for it)
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-        codes = [p.exitcode for p in procs]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout_s
+            # (one deadline for all; a rank that failed ends the wait: the others may hang in a collective for it)
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.1)
+            codes = [p.exitcode for p in procs]
+        finally:  # (pytest-timeout interrupting the wait too: no rank outlives its test, holding a GPU or a port)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
         assert codes == [0] * world, codes
 
     return spawn

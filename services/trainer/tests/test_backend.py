@@ -466,7 +466,13 @@ def test_logits_in_chunks_train_as_the_whole_logits_do(tiny_model_dir: Path, mak
 @pytest.mark.gpu
 def test_cuda_bf16_autocast_step_and_resume(tiny_model_dir: Path, make_groups: MakeGroups, tmp_path: Path) -> None:
     b = TorchBackend(config(tiny_model_dir, device="cuda", autocast_dtype="bfloat16"))
-    r = b.train_step(make_groups(0, 2))
+    seen: list[torch.dtype] = []
+    hook = b.model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    try:
+        r = b.train_step(make_groups(0, 2))
+    finally:
+        hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}, seen  # the step's forwards ran under bfloat16 autocast
     assert r.committed and math.isfinite(r.loss) and next(b.model.parameters()).dtype == torch.float32
     info = b.save_checkpoint(tmp_path)
     c = TorchBackend(config(tiny_model_dir, device="cuda"), checkpoint=info.path)

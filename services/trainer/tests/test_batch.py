@@ -296,5 +296,5 @@ def test_cuda_logits_in_chunks_lower_the_peak_memory_of_a_forward_and_backward()
         peaks.append(torch.cuda.max_memory_allocated() - start)
         values.append(lp.logprobs.detach())
     print(f"peak above the model: whole logits {peaks[0] / 2**20:.0f} MiB, chunks of 128 {peaks[1] / 2**20:.0f} MiB")
-    assert peaks[1] < 0.25 * peaks[0]  # 2,048 x 65,536 logits: 256 MiB a float32 copy, several copies
+    assert peaks[1] < 0.25 * peaks[0]  # 2,048 x 65,536 logits: 512 MiB a float32 copy, several copies
     assert torch.allclose(values[1], values[0], atol=1e-3)

@@ -185,7 +185,7 @@ def setup_telemetry(service: str, version: str) -> None:
     attrs = {SERVICE_VERSION: version}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attrs[SERVICE_NAME] = f"tauflow-{service}"
-    provider = TracerProvider(resource=Resource.create(attrs))
+    provider = TracerProvider(resource=Resource.create(attrs), span_limits=span_limits())
     if _exporter_wanted():
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -199,6 +199,20 @@ def setup_telemetry(service: str, version: str) -> None:
     traced = _traced_methods_filter()
     GrpcAioInstrumentorServer(filter_=traced).instrument()
     GrpcAioInstrumentorClient(filter_=traced).instrument()
+
+
+# A span attribute's longest string value, unless OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT or
+# OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT says otherwise: the gRPC instrumentation copies a caller's user-agent into
+# every server span whole (any caller, on any port, without a token: a 9 KB header made each span 15x larger).
+SPAN_ATTRIBUTE_MAX_CHARS = 1024
+
+
+def span_limits():
+    from opentelemetry.sdk.trace import SpanLimits
+
+    if os.environ.get("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT") or os.environ.get("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
+        return SpanLimits()  # (the SDK reads them)
+    return SpanLimits(max_span_attribute_length=SPAN_ATTRIBUTE_MAX_CHARS)
 
 
 def _traced_methods_filter():

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -24,11 +25,11 @@ from rich.table import Table
 
 from tauflow.controller.adapters.controller_client import ControlError, ControllerClient, Status, find_run
 from tauflow.controller.app import build_run, execute_with_control
-from tauflow.controller.config import RunConfig
+from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, RunConfig
 from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.ports import PeerError
 from tauflow.controller.progress import progress_view
-from tauflow.controller.run import OutDirInUse, RunStalled
+from tauflow.controller.run import MAX_TAU, OutDirInUse, RunStalled
 from tauflow.controller.summary import json_text
 from tauflow.core.app import one_line
 from tauflow.core.config import ConfigError, load_config
@@ -195,6 +196,21 @@ def _grace_s(text: str) -> float:
     return value
 
 
+def _int_between(low: int, high: int) -> Callable[[str], int]:
+    """An integer argument within the contract's bounds: one beyond them was a protobuf traceback, exit 1."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"from {low} to {high}, not {text!r}")
+        return value
+
+    return parse
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -226,12 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scale = sub.add_parser("scale", help="change the number of rollout servers of a running run")
     scale.add_argument("role", choices=["rollout"], help="the role to scale (rollout)")
-    scale.add_argument("replicas", type=int, help="rollout servers wanted (1-256)")
+    scale.add_argument("replicas", type=_int_between(1, MAX_ROLLOUT_REPLICAS), help="rollout servers wanted (1-256)")
     scale.add_argument("--run", help=where)
     scale.add_argument("--token-file", help=token_help)
     set_ = sub.add_parser("set", help="change a running run's staleness bound tau")
     set_.add_argument("key", choices=["max-staleness"], help="what to set (max-staleness: tau)")
-    set_.add_argument("value", type=int, help="0 on-policy, N bounded, -1 unbounded")
+    set_.add_argument("value", type=_int_between(-1, MAX_TAU), help="0 on-policy, N bounded, -1 unbounded")
     set_.add_argument("--run", help=where)
     set_.add_argument("--token-file", help=token_help)
     stop = sub.add_parser("stop", help="stop a running run: its last step and checkpoint, then every service")

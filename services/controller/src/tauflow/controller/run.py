@@ -219,6 +219,7 @@ class Run:
         self.following = False  # launched: the run trains (GetRun: RUNNING, not STARTING)
         self.ended_wall: float | None = None
         self.stop_reason = ""  # StopRun's: the summary says why the run stopped
+        self.stop_requested = False
         self.stop_grace_s: float | None = None  # StopRun's grace period (0: immediate); None: the launcher's own
         # prometheus-targets.json behind the services (its write failed: a full disk): written again each pass
         self._targets_due = False
@@ -474,34 +475,40 @@ class Run:
         async with self.connect(addresses) as peers, _running(self._watchdog.run()):
             self._peers = peers
             self.following = True
-            while True:
-                await self._supervise(peers, following)
-                poll = await self._poll(peers, following)
-                if poll is None:  # a service is restarting: the launcher brings it back
-                    await asyncio.sleep(POLL_S)
-                    continue
-                await self._check_stall(peers, following, poll)
-                self._record_steps(following, poll)
-                version = self._show_progress(following, poll)
-                done = version >= self.config.steps
-                if heldout and (version >= following.next_eval or done):
-                    evaluated = await self._evaluate(peers, heldout, version, done, following)
-                    if evaluated is Evaluated.RETRY:
-                        await asyncio.sleep(POLL_S)
-                        continue
-                    if evaluated is Evaluated.STOP:
-                        break  # the services are stopped (drained) by execute(); the last checkpoint stays
-                else:
-                    self.progress.message = ""
-                self.on_progress(self.progress)
-                if done:
-                    self._peers = None  # the run is ending: no live change any more
-                    await self._until_trainer_finished(peers.trainer)
-                    break
-                await asyncio.sleep(POLL_S)
-            self._peers = None
+            try:
+                await self._follow(peers, following, heldout)
+            finally:  # (StopRun cancels the run here, a failure raises: either way its channels close)
+                self._peers = None
         self._record_timing(following)
         return self.summary
+
+    async def _follow(self, peers: Peers, following: Following, heldout: Any) -> None:
+        """The run's loop: the steps, the evaluations, the restarts and the stall watch, to the last step."""
+        while True:
+            await self._supervise(peers, following)
+            poll = await self._poll(peers, following)
+            if poll is None:  # a service is restarting: the launcher brings it back
+                await asyncio.sleep(POLL_S)
+                continue
+            await self._check_stall(peers, following, poll)
+            self._record_steps(following, poll)
+            version = self._show_progress(following, poll)
+            done = version >= self.config.steps
+            if heldout and (version >= following.next_eval or done):
+                evaluated = await self._evaluate(peers, heldout, version, done, following)
+                if evaluated is Evaluated.RETRY:
+                    await asyncio.sleep(POLL_S)
+                    continue
+                if evaluated is Evaluated.STOP:
+                    break  # the services are stopped (drained) by execute(); the last checkpoint stays
+            else:
+                self.progress.message = ""
+            self.on_progress(self.progress)
+            if done:
+                self._peers = None  # the run is ending: no live change any more
+                await self._until_trainer_finished(peers.trainer)
+                break
+            await asyncio.sleep(POLL_S)
 
     async def _supervise(self, peers: Peers, following: Following) -> None:
         """Restarts what died, carries out the rollout target, checks each new process, and keeps a
@@ -715,7 +722,13 @@ class Run:
 
     # -- live changes (ControllerService) ------------------------------------------------
 
+    def _refuse_when_stopping(self) -> None:
+        # (StopRun was answered: a change now would outlive the run in live.json, and its channels are closing)
+        if self.stop_requested:
+            raise RunNotLive("the run is stopping: it can change only while it trains")
+
     def _live_peers(self) -> Peers:
+        self._refuse_when_stopping()
         if self._peers is None:
             state = "still starting" if self.summary.status == "running" else f"{self.summary.status}"
             raise RunNotLive(f"the run is {state}: it can change only while it trains")
@@ -812,6 +825,7 @@ class Run:
         previous target. Raises ScalingRefused (launcher external), ValueError, RunNotLive."""
         if not 1 <= replicas <= self.scaler.limit:
             raise ValueError(f"replicas={replicas} must be between 1 and {self.scaler.limit}")
+        self._refuse_when_stopping()
         if self.launcher.starts_services:
             self._live_peers()
         previous = self.scaler.set_target(self.launcher, replicas)
@@ -842,6 +856,7 @@ class Run:
         """What StopRun asked for, before it cancels the run: why (the summary says so), and how long the
         services may take to stop (0: at once; None: the launcher's grace period)."""
         self.stop_reason, self.stop_grace_s = reason, grace_s
+        self.stop_requested = True  # no live change from now on: its channels are about to close
 
     def services(self) -> list[ServiceView]:
         """Every process of the run (ListServices, tauflow status)."""

@@ -31,3 +31,5 @@ def peer_errors(role: str) -> Iterator[None]:
         too_large = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")
         error = PeerUnavailable if e.code() in ASK_AGAIN and not too_large else PeerError
         raise error(role, e.code().name, e.details() or "") from e
+    except grpc.aio.UsageError as e:  # (a channel closed under a call: the run is ending; INTERNAL was answered)
+        raise PeerUnavailable(role, grpc.StatusCode.UNAVAILABLE.name, "the channel to it is closed") from e
