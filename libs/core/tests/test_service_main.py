@@ -146,3 +146,30 @@ def test_an_absurd_message_limit_is_one_line(tmp_path: Path, value: str) -> None
 def test_an_unknown_log_level_is_a_config_error(tmp_path: Path) -> None:
     # (it used to raise inside setup_logging, with a traceback)
     assert "config key 'log.level'" in _refused(tmp_path, "log.level=LOUD")
+
+
+@pytest.mark.parametrize("where", ["bootstrap", "run"])
+def test_a_thread_out_of_memory_ends_the_process_for_a_restart(where: str) -> None:
+    # A worker thread whose start failed for want of memory was gone while the work handed to it was never
+    # done: its awaiter (the trainer's checkpoint) waited for good, the process alive and never restarted.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import _thread, logging, threading, time
+        from tauflow.core.app import exit_when_a_thread_runs_out_of_memory
+        exit_when_a_thread_runs_out_of_memory(logging.getLogger("t"))
+        def fail():
+            raise MemoryError
+        if {where!r} == "bootstrap":
+            _thread.start_new_thread(fail, ())  # (as a thread whose bootstrap could not allocate)
+        else:
+            threading.Thread(target=fail).start()
+        time.sleep(30)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 70, done.stderr
+    assert "ran out of memory" in done.stderr

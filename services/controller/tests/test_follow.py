@@ -368,3 +368,69 @@ def test_a_run_ended_by_a_peers_error_says_so_in_its_summary(tmp_path) -> None:
     written = json.loads((tmp_path / "summary.json").read_text())
     assert written["status"] == "failed"
     assert written["message"] == "the controller stopped the run: PeerError: queue: PERMISSION_DENIED: not this token"
+
+
+class NeverFinishingTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """A trainer (fake) that reaches the last step (2) and never finishes: its final checkpoint does not fit."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    async def ListSteps(self, request, context):
+        if self.version >= 2:
+            return trainer_pb2.ListStepsResponse()
+        self.version += 1
+        return trainer_pb2.ListStepsResponse(
+            steps=[trainer_pb2.StepMetrics(step=self.version, policy_version=self.version)]
+        )
+
+    async def GetStatus(self, request, context):
+        return trainer_pb2.GetStatusResponse(
+            state=trainer_pb2.TRAINER_STATE_TRAINING,
+            policy_version=self.version,
+            last_error="checkpoint not written: [Errno 28] No space left on device",
+        )
+
+
+class FullQueue(queue_pb2_grpc.QueueServiceServicer):
+    async def Stats(self, request, context):
+        return queue_pb2.StatsResponse(trainer_version=2, leased_groups=40, capacity_groups=40)
+
+
+def test_a_trainer_that_never_finishes_after_its_last_step_is_a_stall_and_the_roles_stay_supervised(
+    tmp_path, channels, monkeypatch
+) -> None:
+    # A final checkpoint on a full disk: a fixed 300 s, then a TimeoutError traceback; and no role that died
+    # meanwhile was restarted (the trainer's acks waited on a dead queue).
+    async def scenario() -> tuple[str, int]:
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(NeverFinishingTrainer(), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(FullQueue(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        config = RunConfig(model="m", dataset="d", steps=2, stall_timeout_s=1.5, out_dir=str(tmp_path))
+        run = follower(config)
+        supervised = []
+        real_supervise = run._supervise
+
+        async def counting(peers, following):
+            supervised.append(run.progress.version)
+            await real_supervise(peers, following)
+
+        monkeypatch.setattr(run, "_supervise", counting)
+        try:
+            with pytest.raises(RunStalled) as err:
+                await asyncio.wait_for(
+                    run.follow(dict.fromkeys(("trainer", "queue", "rollout", "reward", "weights"), address)), timeout=30
+                )
+            return str(err.value), sum(v >= 2 for v in supervised)
+        finally:
+            await server.stop(0)
+
+    message, supervised_after_last_step = asyncio.run(scenario())
+    assert message.startswith("the trainer has not finished after its last step for 2s")
+    assert "trainer: checkpoint not written: [Errno 28] No space left on device" in message
+    assert "the queue is full (capacity_groups 40)" in message and "40 leased" in message
+    assert supervised_after_last_step >= 2  # (restarts go on while it waits)
+    assert _all_closed(channels)

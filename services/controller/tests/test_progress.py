@@ -3,8 +3,12 @@ so that a log says how far the run is; on a terminal the live table."""
 
 from __future__ import annotations
 
+import errno
 import io
+import logging
+import os
 
+import pytest
 from rich.console import Console
 
 from tauflow.controller.config import RunConfig
@@ -66,3 +70,42 @@ def test_on_a_terminal_the_progress_is_the_live_table() -> None:
     with view:
         view.update(progress)
     assert "tauflow run addition  (max_staleness=2)" in stream.getvalue() and "7 / 100" in stream.getvalue()
+
+
+def test_a_progress_pipe_whose_reader_went_away_ends_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    # `tauflow run ... 2>&1 | head -n 3`: once head exited, the next line raised BrokenPipeError and the run
+    # stopped every service, "failed"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream, clock = os.fdopen(write_end, "w"), Clock()
+    progress = Progress()
+    try:
+        with caplog.at_level(logging.WARNING), PlainLines(stream, CONFIG, every_s=5.0, clock=clock) as view:
+            for step in range(3):
+                progress.version, clock.now = step, clock.now + 6
+                view.update(progress)  # (each would raise)
+        stream.write("the final lines find a sink\n")
+        stream.flush()
+    finally:
+        stream.close()
+    warnings = [r for r in caplog.records if "progress output failed" in r.getMessage()]
+    assert len(warnings) == 1  # once, not per line
+
+
+def test_a_progress_stream_on_a_full_disk_skips_lines_and_goes_on() -> None:
+    class FullDisk(io.StringIO):
+        full = True
+
+        def write(self, text: str) -> int:
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(text)
+
+    stream, clock = FullDisk(), Clock()
+    progress = Progress()
+    with PlainLines(stream, CONFIG, every_s=5.0, clock=clock) as view:
+        view.update(progress)
+        stream.full = False  # the space came back: lines again
+        progress.version, clock.now = 7, 10.0
+        view.update(progress)
+    assert "step 7/100" in stream.getvalue()

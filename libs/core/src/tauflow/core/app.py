@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -74,6 +77,7 @@ def service_main(
             return 0
         setup_logging(service, config.log.level, config.log.format)
         log = logging.getLogger(f"tauflow.{service}")
+        exit_when_a_thread_runs_out_of_memory(log)
         serving = False
 
         def started() -> None:
@@ -103,6 +107,35 @@ def service_main(
         return 0
 
     return main
+
+
+LOST_THREAD_EXIT_CODE = 70  # (EX_SOFTWARE) a restart is the way on
+
+
+def exit_when_a_thread_runs_out_of_memory(log: logging.Logger) -> None:
+    """A thread that runs out of memory ends the process, non-zero, so that its launcher restarts it (and it
+    resumes from its checkpoint). A worker thread that could not even start (MemoryError at its bootstrap: an
+    address-space limit reached for a moment) was reported by Python as "Exception ignored" and was gone, the
+    work handed to it never done: whoever awaited it waited for good (a trainer stayed CHECKPOINTING, alive,
+    never restarted, until the run ended "stalled")."""
+    unraisable, excepthook = sys.unraisablehook, threading.excepthook
+
+    def lost(where: str) -> None:
+        with contextlib.suppress(Exception):  # (logging may need the memory that is missing)
+            log.critical("a thread ran out of memory: the service exits to be restarted", extra={"where": where})
+        os._exit(LOST_THREAD_EXIT_CODE)
+
+    def on_unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, MemoryError):
+            lost(str(info.err_msg or "a thread's start"))
+        unraisable(info)
+
+    def on_thread_exception(info: threading.ExceptHookArgs) -> None:
+        if isinstance(info.exc_value, MemoryError):
+            lost(info.thread.name if info.thread is not None else "a thread")
+        excepthook(info)
+
+    sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_exception
 
 
 # Exceptions whose message is the whole story (a file, a port, a value); another type is named, as it is

@@ -86,13 +86,21 @@ def run_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         console.print("[yellow]tauflow run: interrupted; services stopped")
         return 130
+    except Exception as e:  # noqa: BLE001 (any other: one line, never a traceback; the services are stopped all the same)
+        console.print(f"[red]tauflow run: the run failed: {one_line(e)}; logs in {run.out_dir / 'logs'}")
+        return 1
     acc = summary.final_accuracy
+    where = (
+        f"summary in {run.out_dir}/summary.json and summary.png"
+        if run.summary_written
+        else f"the summary could NOT be written to {run.out_dir} (the error is above)"
+    )
     console.print(
         f"run {config.name}: {len(summary.steps)} steps in {summary.wall_s:.0f}s, final held-out accuracy "
-        f"{_percent(acc)}, staleness violations {summary.staleness_violations}; "
-        f"summary in {run.out_dir}/summary.json and summary.png"
+        f"{_percent(acc)}, staleness violations {summary.staleness_violations}; {where}"
     )
-    return _exit_code(summary.status, summary.message, acc, config.target_accuracy)
+    code = _exit_code(summary.status, summary.message, acc, config.target_accuracy)
+    return 4 if code == 0 and not run.summary_written else code
 
 
 def _exit_code(status: str, message: str, acc: float | None, target: float | None) -> int:

@@ -81,6 +81,8 @@ class QueueStats:
     depth_groups: int
     reserved_groups: int
     trainer_version: int  # the version the trainer last reported to the queue
+    leased_groups: int = 0  # held by the trainer: acked only once a checkpoint holds their steps
+    capacity_groups: int = 0  # 0: not known
 
 
 @dataclass(frozen=True)

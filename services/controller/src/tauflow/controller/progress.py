@@ -4,6 +4,10 @@ an evaluation), so that a log says how far the run is."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,8 +18,27 @@ from rich.live import Live
 from rich.table import Table
 
 from tauflow.controller.config import RunConfig
+from tauflow.controller.launcher import describe_os_error
 
 PLAIN_EVERY_S = 5.0
+# The stream's reader is gone for good (`| head` exited, a tee or log shipper killed, a terminal closed):
+# what is written there from now on goes to /dev/null. Other errors (a full disk) skip one write only.
+_GONE = {errno.EPIPE, errno.EIO, errno.ENXIO, errno.EBADF}
+
+log = logging.getLogger(__name__)
+
+
+def _output_failed(stream: IO[str], error: OSError, warned: bool) -> bool:
+    """The run's progress is for looking at, never a reason to stop the run: a healthy run ended "failed" when
+    the reader of its output pipe exited (BrokenPipeError). Returns True once warned."""
+    if not warned:
+        log.warning("progress output failed; the run goes on without it", extra={"error": describe_os_error(error)})
+    if error.errno in _GONE:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())  # (the final lines, and Python's own flush at exit, find a sink)
+            os.close(devnull)
+    return True
 
 
 @dataclass
@@ -47,6 +70,7 @@ class LiveTable:
 
     def __init__(self, console: Console, config: RunConfig, progress: Progress) -> None:
         self.config = config
+        self._warned = False
         self._live = Live(self._table(progress), console=console, refresh_per_second=4, transient=False)
 
     def _table(self, progress: Progress) -> Table:
@@ -64,14 +88,23 @@ class LiveTable:
         return table
 
     def update(self, progress: Progress) -> None:
-        self._live.update(self._table(progress))
+        try:
+            self._live.update(self._table(progress))
+        except OSError as e:
+            self._warned = _output_failed(self._live.console.file, e, self._warned)
 
     def __enter__(self) -> Self:
-        self._live.start(refresh=True)
+        try:
+            self._live.start(refresh=True)
+        except OSError as e:
+            self._warned = _output_failed(self._live.console.file, e, self._warned)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._live.stop()
+        try:
+            self._live.stop()
+        except OSError as e:
+            self._warned = _output_failed(self._live.console.file, e, self._warned)
 
 
 class PlainLines:
@@ -90,6 +123,14 @@ class PlainLines:
         self._written_at: float | None = None
         self._message = ""
         self._last: Progress | None = None
+        self._warned = False
+
+    def _emit(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()  # a log file shows it now, not when a buffer fills
+        except OSError as e:
+            self._warned = _output_failed(self.stream, e, self._warned)
 
     def line(self, progress: Progress) -> str:
         text = (
@@ -101,8 +142,7 @@ class PlainLines:
         return f"{text}; {progress.message}" if progress.message else text
 
     def _write(self, progress: Progress) -> None:
-        self.stream.write(self.line(progress) + "\n")
-        self.stream.flush()  # a log file shows it now, not when a buffer fills
+        self._emit(self.line(progress) + "\n")
         self._written_at = self.clock()
 
     def update(self, progress: Progress) -> None:
@@ -112,11 +152,10 @@ class PlainLines:
             self._write(progress)
 
     def __enter__(self) -> Self:
-        self.stream.write(
+        self._emit(
             f"tauflow run {self.config.name} (max_staleness={self.config.max_staleness}): "
             f"{self.config.steps} steps; progress every {self.every_s:g}s\n"
         )
-        self.stream.flush()
         return self
 
     def __exit__(self, *exc: object) -> None:

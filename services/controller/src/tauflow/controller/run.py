@@ -50,7 +50,6 @@ from tauflow.controller.ports import (
     PeerUnavailable,
     QueueStats,
     SidecarMember,
-    TrainerPort,
     TrainerStep,
 )
 from tauflow.controller.progress import Progress
@@ -220,6 +219,7 @@ class Run:
         self.ended_wall: float | None = None
         self.stop_reason = ""  # StopRun's: the summary says why the run stopped
         self.stop_requested = False
+        self.summary_written = True  # False once the final summary could not be written
         self.stop_grace_s: float | None = None  # StopRun's grace period (0: immediate); None: the launcher's own
         # prometheus-targets.json behind the services (its write failed: a full disk): written again each pass
         self._targets_due = False
@@ -506,7 +506,7 @@ class Run:
             self.on_progress(self.progress)
             if done:
                 self._peers = None  # the run is ending: no live change any more
-                await self._until_trainer_finished(peers.trainer)
+                await self._until_trainer_finished(peers, following)
                 break
             await asyncio.sleep(POLL_S)
 
@@ -692,33 +692,53 @@ class Run:
         self.summary.wall_s = time.monotonic() - self._t0
         self.summary.tokens_per_s = following.tokens / max(self.summary.wall_s, 1e-9)
 
-    async def _stall_report(self, peers: Peers) -> str:
+    async def _stall_report(self, peers: Peers, what: str = "no training step") -> str:
         """What a stalled run looks like from outside: the trainer's state and the queue's counters."""
-        parts = [f"no training step for {self.config.stall_timeout_s:.0f}s"]
+        parts = [f"{what} for {self.config.stall_timeout_s:.0f}s"]
         try:
             status = await peers.trainer.status()
             parts.append(f"trainer {status.state} at version {status.policy_version}")
             if status.last_error:  # (a trainer cut off from the queue is still "TRAINING": this says so)
                 parts.append(f"trainer: {redact_text(status.last_error)}")
             stats = await peers.queue.stats()
-            parts.append(f"queue depth {stats.depth_groups} groups, {stats.reserved_groups} reserved")
+            parts.append(
+                f"queue depth {stats.depth_groups} groups, {stats.reserved_groups} reserved, "
+                f"{stats.leased_groups} leased"
+            )
+            held = stats.depth_groups + stats.reserved_groups + stats.leased_groups
+            if stats.capacity_groups and held >= stats.capacity_groups:
+                # (the trainer acks its leases only at its checkpoints: a capacity below what it holds between
+                # two of them deadlocks the run, and "depth 0" pointed away from it)
+                parts.append(
+                    f"the queue is full (capacity_groups {stats.capacity_groups}): the trainer acks its groups "
+                    "only at its checkpoints, so services.queue.capacity_groups must hold groups_per_step x "
+                    "checkpoint_every_steps and more"
+                )
         except PeerError as e:
             parts.append(f"status unavailable ({e.code})")
         parts.append(f"logs in {self.out_dir / 'logs'}")
         return "; ".join(parts)
 
-    async def _until_trainer_finished(self, trainer: TrainerPort, timeout_s: float = 300.0) -> None:
+    async def _until_trainer_finished(self, peers: Peers, following: Following) -> None:
         """The last step shows up before its checkpoint is written: stop nothing until the trainer says
-        FINISHED (its final checkpoint holds every step, and its leases are acked)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        FINISHED (its final checkpoint holds every step, and its leases are acked). Meanwhile the roles are
+        still supervised (a queue that died here was never restarted, the trainer's acks waiting on it), and a
+        trainer that has not finished ``stall_timeout_s`` after its last step is a stall, reported as one (a
+        final checkpoint on a full disk ended in a traceback after a fixed 300 s)."""
+        following.progressed_at = time.monotonic()
+        supervised_at = time.monotonic()
+        while True:
             try:
-                if (await trainer.status()).finished:
+                if (await peers.trainer.status()).finished:
                     return
             except PeerUnavailable:
                 pass
+            if self._stalled(following):
+                raise RunStalled(await self._stall_report(peers, "the trainer has not finished after its last step"))
+            if time.monotonic() - supervised_at >= POLL_S:
+                await self._supervise(peers, following)
+                supervised_at = time.monotonic()
             await asyncio.sleep(0.2)
-        raise TimeoutError(f"the trainer did not finish within {timeout_s:.0f}s of its last step")
 
     # -- live changes (ControllerService) ------------------------------------------------
 
@@ -898,10 +918,16 @@ class Run:
         try:
             self.summary.write(self.out_dir)
         except OSError as e:
+            self.summary_written = False  # (the CLI says so, and exits 4 where the run itself ended well)
             log.error(
                 "could not write the run summary; the previous one (if any) stays",
                 extra={"out_dir": str(self.out_dir), "status": self.summary.status, "error": describe_os_error(e)},
             )
+            # The steps' metrics are this summary's alone (a --resume writes one of its own steps): kept in
+            # logs/ where that folder takes them (out_dir itself made read-only, a quota on it).
+            with contextlib.suppress(OSError):
+                self.summary.write(self.out_dir / "logs")
+                log.warning("the run summary was written to logs/ instead", extra={"path": str(self.out_dir / "logs")})
 
     def _was_complete(self) -> bool:
         """A resume of a run that had completed (its summary says so) that trained nothing more: the summary of

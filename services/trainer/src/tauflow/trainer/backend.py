@@ -60,7 +60,7 @@ from tauflow.trainer.checkpoint import (
 )
 from tauflow.trainer.critic import Critic, critic_source
 from tauflow.trainer.losses import LossInputs, Normaliser, add_sums, kl_estimate, sft_loss, summarize, value_loss
-from tauflow.trainer.optim import OptimConfig, OptimizerOffload, build_optimizer, clip_and_step
+from tauflow.trainer.optim import OptimConfig, OptimizerOffload, apply_optim_config, build_optimizer, clip_and_step
 from tauflow.trainer.parallel import RankGroup, balance_by_tokens
 from tauflow.trainer.ports import TeacherPort
 
@@ -1436,12 +1436,19 @@ class TorchBackend:
         if self._offload is not None:
             self._offload.to_host()  # (loaded onto the parameters' device: off it until the first update)
         self.scheduler.load_state_dict(state["scheduler"])
+        changed = apply_optim_config(self.optimizer, self.scheduler, self.config.optim)
         if self.critic is not None and "critic_optimizer" in state:  # else a new critic: a fresh optimizer
             if self.group is not None:
                 self.group.load_optimizer_state(self.critic.model, self.critic.optimizer, state["critic_optimizer"])
             else:
                 self.critic.optimizer.load_state_dict(state["critic_optimizer"])
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+            critic_changed = apply_optim_config(self.critic.optimizer, self.critic.scheduler, self.critic.optim)
+            changed |= {f"critic.{key}": values for key, values in critic_changed.items()}
+        if changed and path is not None:  # (a resume with new optimizer settings: from now on, said once)
+            log.warning(
+                "the optimizer settings differ from the checkpoint's: the config's apply", extra={"changed": changed}
+            )
         set_rng_state(state["rng"])
         self.version = int(meta["policy_version"])
         self.trained_group_ids = set(meta["trained_group_ids"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import pickle
 import random
@@ -38,6 +39,8 @@ from tauflow.core.files import fsync_dir
 # 2: trainer_state.json carries the digest of its own fields ("digest") and its list of files is required. A
 # flipped bit in its "policy_version" (30 to 70) had a resume skip 40 steps without a word, and one in the key
 # "files" turned every file's check off. 1 (before): resumed, its fields checked.
+log = logging.getLogger(__name__)
+
 CHECKPOINT_FORMAT = 2
 _READABLE_FORMATS = (1, 2)
 STATE_JSON = "trainer_state.json"
@@ -197,35 +200,56 @@ def write_checkpoint(
     if own:
         for leftover in root.glob(".tmp-*"):  # from a writer that died mid-way
             shutil.rmtree(leftover, ignore_errors=True)
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_weights(tmp)
-        for name in TOKENIZER_FILES:
-            src = tokenizer_source / name
-            if src.is_file():
-                shutil.copy2(src, tmp / name)
-        torch.save(trainer_state(), tmp / STATE_TENSORS)
-        header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
-        # (its digest over what a reader gets back: JSON turns tuples into lists and keys into strings)
-        document = json.loads(json.dumps({**header, **meta, "files": _file_digests(tmp, checksums)}))
-        document["digest"] = document_digest(document)
-        (tmp / STATE_JSON).write_text(json.dumps(document, indent=1))
-        _fsync_tree(tmp)
-        replaced = None
-        if final.exists():  # incomplete, damaged or another run's: set aside until the new one is in place
-            replaced = root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, replaced)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and not isinstance(e, OSError) and out_of_space(e, root):
-            # torch.save and safetensors report a full disk as their own errors: said as what it is
-            raise OSError(errno.ENOSPC, f"no space left for the checkpoint ({type(e).__name__}: {e})") from e
-        raise
+
+    def write() -> None:
+        tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            save_weights(tmp)
+            for name in TOKENIZER_FILES:
+                src = tokenizer_source / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+            torch.save(trainer_state(), tmp / STATE_TENSORS)
+            header = {"format": CHECKPOINT_FORMAT, "policy_version": version, "created_at": time.time()}
+            # (its digest over what a reader gets back: JSON turns tuples into lists and keys into strings)
+            document = json.loads(json.dumps({**header, **meta, "files": _file_digests(tmp, checksums)}))
+            document["digest"] = document_digest(document)
+            (tmp / STATE_JSON).write_text(json.dumps(document, indent=1))
+            _fsync_tree(tmp)
+            replaced = None
+            if final.exists():  # incomplete, damaged or another run's: set aside until the new one is in place
+                replaced = root / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(final, replaced)
+            os.rename(tmp, final)
+            fsync_dir(root)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, OSError) and out_of_space(e, root):
+                # torch.save and safetensors report a full disk as their own errors: said as what it is
+                raise OSError(errno.ENOSPC, f"no space left for the checkpoint ({type(e).__name__}: {e})") from e
+            raise
+
+    while True:
+        try:
+            write()
+            break
+        except OSError as e:
+            # The disk full of this trainer's own older checkpoints: a new one is written whole before the old
+            # ones go, so a disk that held `keep` of them and not one more never took another (70 steps
+            # trained with nothing durable, every lease held). The oldest goes first then, one at a time,
+            # never the newest whole one.
+            full = own and keep >= 2 and out_of_space(e, root)  # (keep 0: every one, as asked)
+            older = [p for p in list_checkpoints(root) if p != final] if full else []
+            if len(older) < 2:
+                raise
+            log.warning(
+                "no room for the checkpoint: the oldest kept one goes first",
+                extra={"version": version, "removed": older[0].name, "kept": len(older) - 1},
+            )
+            shutil.rmtree(older[0], ignore_errors=True)
     if own:
         prune(root, keep, spare=final)
     return read_checkpoint_info(final)

@@ -70,6 +70,26 @@ def build_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, config: OptimConfig
+) -> dict[str, list[Any]]:
+    """Puts ``config``'s lr, betas, eps and weight decay on an optimizer and schedule just loaded from a
+    checkpoint (whose saved state brings the old ones back: a resume with a new lr trained at the old one,
+    silently, while a new warmup or schedule was taken); the moments and the step count stay the
+    checkpoint's. Returns each setting that changed: {name: [checkpoint's, config's]}."""
+    groups = optimizer.param_groups
+    before = {"lr": scheduler.base_lrs[0], "betas": list(groups[0]["betas"]), "eps": groups[0]["eps"],
+              "weight_decay": groups[0]["weight_decay"]}  # fmt: skip
+    decays = [config.weight_decay, *([0.0] * (len(groups) - 1))]  # (build_optimizer: matrices, then the rest)
+    scheduler.base_lrs = [config.lr] * len(groups)
+    now = config.lr * lr_factor(scheduler.last_epoch, config)  # (the step the schedule has reached)
+    for group, decay in zip(groups, decays, strict=True):
+        group.update(initial_lr=config.lr, lr=now, betas=tuple(config.betas), eps=config.eps, weight_decay=decay)
+    scheduler._last_lr = [now] * len(groups)  # (get_last_lr)
+    after = {"lr": config.lr, "betas": list(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
+    return {key: [before[key], after[key]] for key in after if before[key] != after[key]}
+
+
 def clip_and_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

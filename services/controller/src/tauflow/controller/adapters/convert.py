@@ -35,7 +35,9 @@ def trainer_status(reply: trainer_pb2.GetStatusResponse) -> TrainerStatus:
 
 
 def queue_stats(reply: queue_pb2.StatsResponse) -> QueueStats:
-    return QueueStats(reply.depth_groups, reply.reserved_groups, reply.trainer_version)
+    return QueueStats(
+        reply.depth_groups, reply.reserved_groups, reply.trainer_version, reply.leased_groups, reply.capacity_groups
+    )
 
 
 def completion(reply: rollout_pb2.GenerateResponse) -> Completion:
