@@ -31,6 +31,7 @@ import json
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
@@ -73,6 +74,9 @@ class FakeSGLangServer:
         self.released: set[str] = set()  # memory tags released (colocated mode)
         self.crashed = ""  # why the server went down ("" while it serves)
         self.gates: dict[str, threading.Event] = {}  # route -> an event its calls wait for
+        # a misbehaving server: (route, status, answer) -> the (status, answer) sent instead
+        self.answer_hook: Callable[[str, int, Any], tuple[int, Any]] | None = None
+        self.trickle_s = 0.0  # > 0: each answer is sent a byte at a time, this far apart
         self._running: dict[str, _Running] = {}
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
@@ -276,12 +280,20 @@ class FakeSGLangServer:
                 body = json.loads(raw) if raw else {}
                 server.calls.append((self.path, body))
                 status, answer = server._route(method, self.path, body)
+                if server.answer_hook is not None:
+                    status, answer = server.answer_hook(self.path, status, answer)
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if server.trickle_s <= 0:
+                    self.wfile.write(data)
+                    return
+                for k in range(len(data)):
+                    self.wfile.write(data[k : k + 1])
+                    self.wfile.flush()
+                    time.sleep(server.trickle_s)
 
             def do_POST(self) -> None:
                 self._answer("POST")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 
 from tauflow.rollout.engine import (
     EngineClosedError,
+    EngineState,
     FinishReason,
     InvalidRequestError,
     SamplingParams,
@@ -527,3 +528,154 @@ def test_an_idle_engine_releases_the_cuda_graphs_too_and_takes_them_back_before_
     finally:
         engine.close()
     assert fake.crashed == ""
+
+
+# -- a server that misbehaves (the sglang engine's data must never be wrong, its calls never endless) -----------------
+
+
+@pytest.mark.parametrize("label", ["default", "0"])
+def test_a_server_that_restarted_without_the_weights_is_refused_and_the_engine_stops_serving(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any, label: str
+) -> None:
+    # Restarted, a server serves its checkpoint under "default" (or its start version): its tokens were labelled
+    # with the engine's version and 61 such groups passed the queue's checks as the policy's.
+    assert engine.stage_weights(1, make_model(seed=1).state_dict()).result(30) == 1
+    fake.weight_version = label
+    with pytest.raises(SGLangError, match=f"names weight version '{label}', not 1"):
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    stats = engine.stats()
+    assert stats.state == EngineState.FAILED and "restarted or lost its weights" in stats.last_error
+    with pytest.raises(SGLangError, match="serves no more"):  # (its restart attaches afresh and loads them)
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [None, "Success", {"status": "error"}, {"message": "loaded"}],
+    ids=["empty", "text", "status-error", "no-success"],
+)
+def test_a_weight_update_the_server_does_not_confirm_is_not_published(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any, answer: Any
+) -> None:
+    fake.answer_hook = lambda route, status, body: (
+        (200, answer) if route == "/update_weights_from_tensor" else (status, body)
+    )
+    with pytest.raises(SGLangError, match="did not confirm"):
+        engine.stage_weights(1, make_model(seed=1).state_dict()).result(30)
+    assert engine.policy_version == 0
+
+
+def test_a_redirect_or_a_busy_answer_is_no_success_and_busy_is_asked_again(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    fake.answer_hook = lambda route, status, body: (
+        (302, None) if route == "/update_weights_from_tensor" else (status, body)
+    )
+    with pytest.raises(SGLangError, match="HTTP 302"):
+        engine.stage_weights(1, make_model(seed=1).state_dict()).result(30)
+    assert engine.policy_version == 0
+    fake.weight_version = "0"  # (this fake loaded it all the same; a server that redirected did not)
+    busy = iter([429, 503])  # (the first such answer ended the rollout)
+
+    def twice_busy(route: str, status: int, body: Any) -> tuple[int, Any]:
+        code = next(busy, None) if route == "/generate" else None
+        return (code, {"error": {"message": "no room"}}) if code else (status, body)
+
+    fake.answer_hook = twice_busy
+    (c,), _ = engine.submit(PROMPTS, SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    assert c.versions == [0, 0, 0] and len(c.token_ids) == 3
+    rids = [body["rid"] for body in generates(fake)[-4:]]
+    assert len(set(rids)) == 4  # (each ask its own rid: an abort names the one that runs)
+
+
+def _edited(change: Callable[[dict[str, Any]], None]) -> Callable[[str, int, Any], tuple[int, Any]]:
+    def hook(route: str, status: int, body: Any) -> tuple[int, Any]:
+        if route == "/generate" and status == 200:
+            change(body["meta_info"])
+        return status, body
+
+    return hook
+
+
+def _entry(k: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(meta: dict[str, Any]) -> None:
+        meta["output_token_logprobs"][0][k] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        (_entry(1, 10**9), "not in the vocabulary"),
+        (_entry(1, -1), "not in the vocabulary"),
+        (_entry(1, 3.0), "not in the vocabulary"),
+        (_entry(0, float("nan")), "not a log-probability"),
+        (_entry(0, 0.5), "not a log-probability"),
+        (_entry(0, "x"), "not a log-probability"),
+        (lambda m: m["output_token_logprobs"].append([-0.1, 3, None]), "4 output tokens where at most 3"),
+        (lambda m: m["output_token_logprobs"].__setitem__(0, 7), r"output_token_logprobs\[0\]"),
+        (lambda m: m.__setitem__("output_token_logprobs", m["output_token_logprobs"][:2]), "length finish after 2"),
+        (lambda m: m.__setitem__("finish_reason", "stop"), "finish_reason 'stop' is not an object"),
+        (lambda m: m.__setitem__("weight_versions", [{"version": "0", "start": 0, "end": 2}]), "without a version"),
+        (lambda m: m.__setitem__("weight_versions", [{"version": "42", "start": 0, "end": 3}]), "span"),
+        (lambda m: m.__setitem__("weight_versions", "0"), "span"),
+    ],
+    ids=[
+        "id-huge",
+        "id-negative",
+        "id-float",
+        "lp-nan",
+        "lp-positive",
+        "lp-text",
+        "too-many",
+        "entry-shape",
+        "length-short",
+        "finish-text",
+        "spans-short",
+        "span-unloaded",
+        "spans-text",
+    ],
+)
+def test_a_generation_answer_that_cannot_be_right_is_refused_naming_the_server(
+    engine: SGLangEngine, fake: FakeSGLangServer, change: Callable[[dict[str, Any]], None], refusal: str
+) -> None:
+    fake.answer_hook = _edited(change)
+    with pytest.raises(SGLangError, match=refusal) as refused:
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    assert engine.engine_id in str(refused.value) and fake.url in str(refused.value)
+    assert engine.stats().state == EngineState.SERVING  # (one bad answer: its request fails, the engine serves)
+    fake.answer_hook = None
+    ((c,),) = engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+    assert len(c.token_ids) == 3
+
+
+def test_a_server_that_trickles_its_answer_is_cut_off_at_the_timeout_of_the_whole_call(
+    fake: FakeSGLangServer, model_dir: Path
+) -> None:
+    # httpx's timeouts bound each read: a byte a second held a call (and a swap behind it) for good
+    engine = SGLangEngine.from_pretrained(model_dir, base_url=fake.url, ipc_device=None, request_timeout_s=1.5)
+    try:
+        fake.trickle_s = 0.2
+        started = time.monotonic()
+        with pytest.raises(SGLangError, match="no whole answer within 1.5 s"):
+            engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3, ignore_eos=True)).result(30)
+        assert time.monotonic() - started < 10
+    finally:
+        fake.trickle_s = 0.0
+        engine.close()
+
+
+def test_a_continue_the_server_never_takes_breaks_the_engine(
+    engine: SGLangEngine, fake: FakeSGLangServer, make_model: Any
+) -> None:
+    # a server left paused served nothing while the engine said SERVING: every later request timed out
+    fake.answer_hook = lambda route, status, body: (
+        (500, {"error": {"message": "down"}}) if route == "/continue_generation" else (status, body)
+    )
+    with pytest.raises(SGLangError, match="continue_generation"):
+        engine.stage_weights(1, make_model(seed=1).state_dict()).result(60)
+    assert fake.routes().count("/continue_generation") == 3  # (asked three times)
+    assert engine.stats().state == EngineState.FAILED
+    with pytest.raises(SGLangError, match="serves no more"):
+        engine.submit(PROMPTS[:1], SamplingParams(max_new_tokens=3))

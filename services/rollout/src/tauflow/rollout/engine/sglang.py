@@ -41,6 +41,7 @@ import base64
 import io
 import itertools
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -84,6 +85,11 @@ UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update
 # order a resume brings them back (slime's: the weights, the CUDA graphs, then the KV cache)
 MEMORY_TAGS = ("weights", "cuda_graph", "kv_cache")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+BUSY = (429, 503)  # a server with no room for now: its /generate is asked again
+GENERATE_RETRIES = 3  # (after 0.5, 1 and 2 s)
+CONTROL_TRIES = (
+    3  # /continue_generation and /end_weight_update: a server left paused, or its session open, serves nothing
+)
 
 
 class SGLangError(RuntimeError):
@@ -216,6 +222,7 @@ class SGLangEngine(GenerationEngine):
         self._in_flight = 0
         self._running = 0
         self._last_error = ""
+        self._broken = ""  # why this engine serves no more (its server lost its weights, stayed paused): FAILED
         self.counters: dict[str, float] = {
             "requests": 0,
             "sequences": 0,
@@ -262,9 +269,7 @@ class SGLangEngine(GenerationEngine):
             )
             self._update_session = newer >= UPDATE_SESSION_SINCE
             # the server labels its answers with the version it serves from now on (abort nothing)
-            self._call(
-                self._post("/update_weight_version", {"new_version": str(self._version), "abort_all_requests": False})
-            ).result()
+            self._call(self._set_weight_version(self._version)).result()
         except BaseException:
             self.close()
             raise
@@ -343,29 +348,40 @@ class SGLangEngine(GenerationEngine):
         timeout = httpx2.Timeout(self._request_timeout_s, connect=10.0)
         return httpx2.AsyncClient(base_url=self.base_url, headers=headers, limits=limits, timeout=timeout)
 
-    async def _post(self, route: str, body: Mapping[str, Any], timeout: float | None = None) -> Any:
+    def _where(self, route: str, what: str) -> str:
+        return f"{self.engine_id} ({self.base_url}) {route}: {what}"
+
+    async def _request(self, method: str, route: str, body: Mapping[str, Any] | None, timeout: float) -> Any:
+        """One call, answered 2xx within ``timeout`` as a whole (httpx's timeouts bound each read: a server
+        trickling a byte a second held a call, and a swap behind it, for good). 3xx is refused too (a redirect
+        to another host: its answer is not this server's)."""
         import httpx2
 
         try:
-            r = await self._http.post(route, json=body, timeout=timeout or self._control_timeout_s)
+            async with asyncio.timeout(timeout):
+                r = await self._http.request(method, route, json=body, timeout=timeout)
+                answer = _json_or_text(r)
+        except TimeoutError:
+            raise SGLangError(self._where(route, f"no whole answer within {timeout:g} s")) from None
         except httpx2.HTTPError as e:
-            raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
-        answer = _json_or_text(r)
+            raise SGLangError(self._where(route, f"{type(e).__name__}: {e or 'no answer'}")) from e
         refused = isinstance(answer, dict) and answer.get("success") is False
-        if r.status_code >= 400 or refused:
-            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(answer)}", r.status_code)
+        if not 200 <= r.status_code < 300 or refused:
+            raise SGLangError(self._where(route, f"HTTP {r.status_code}: {_message_of(answer)}"), r.status_code)
+        return answer
+
+    async def _post(
+        self, route: str, body: Mapping[str, Any], timeout: float | None = None, *, confirm: bool = False
+    ) -> Any:
+        """``confirm``: the answer must say ``success: true`` (a weight update: an empty or other answer
+        published a version the server never loaded)."""
+        answer = await self._request("POST", route, body, timeout or self._control_timeout_s)
+        if confirm and not (isinstance(answer, dict) and answer.get("success") is True):
+            raise SGLangError(self._where(route, f"the server did not confirm it: {_message_of(answer)}"))
         return answer
 
     async def _get(self, route: str) -> Any:
-        import httpx2
-
-        try:
-            r = await self._http.get(route, timeout=self._control_timeout_s)
-        except httpx2.HTTPError as e:
-            raise SGLangError(f"{route}: {type(e).__name__}: {e}") from e
-        if r.status_code >= 400:
-            raise SGLangError(f"{route}: HTTP {r.status_code}: {_message_of(_json_or_text(r))}", r.status_code)
-        return _json_or_text(r)
+        return await self._request("GET", route, None, self._control_timeout_s)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
@@ -401,6 +417,8 @@ class SGLangEngine(GenerationEngine):
         with self._lock:
             if self._closing:
                 raise EngineClosedError(f"engine {self.engine_id} is closed")
+            if self._broken:
+                raise SGLangError(f"{self.engine_id} ({self.base_url}) serves no more: {self._broken}")
             self._in_flight += 1
             self.counters["requests"] += 1
             self.counters["sequences"] += len(clean) * params.n
@@ -500,11 +518,13 @@ class SGLangEngine(GenerationEngine):
         tasks = [asyncio.ensure_future(self._sample(s, params, seed)) for s, seed in zip(samples, seeds, strict=True)]
         try:
             done = await asyncio.gather(*tasks)
-        except asyncio.CancelledError:
+        except BaseException as e:  # a gone caller, or one sample's failure: its siblings are of no use
             for task in tasks:
                 task.cancel()
             # the server keeps decoding what a gone client asked for unless told
             self._loop.create_task(self._abort_quietly([s.segment_rid for s in samples if s.segment_rid]))
+            if isinstance(e, SGLangError):
+                self._last_error = str(e)
             raise
         return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
@@ -533,18 +553,17 @@ class SGLangEngine(GenerationEngine):
             }
             self._running += 1
             try:
-                answer = await self._post("/generate", body, timeout=self._request_timeout_s)
+                answer = await self._generate_segment(sample, body)
             finally:
                 self._running -= 1
             self.counters["segments"] += 1
             if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
-                raise SGLangError(f"/generate: an answer without meta_info: {str(answer)[:200]}")
+                raise SGLangError(self._where("/generate", f"an answer without meta_info: {str(answer)[:200]}"))
             meta = answer["meta_info"]
-            entries = meta.get("output_token_logprobs") or []
-            sample.token_ids += [int(e[1]) for e in entries]
-            sample.logprobs += [float(e[0]) for e in entries]
-            sample.versions += self._versions_of(meta, len(entries), version, swaps)
-            reason = _FINISH.get(str((meta.get("finish_reason") or {}).get("type")), FinishReason.ABORT)
+            tokens, logprobs, reason = self._segment_of(meta, remaining, len(sample.prompt) + len(sample.token_ids))
+            sample.versions += self._versions_of(meta, len(tokens), version, swaps)
+            sample.token_ids += tokens
+            sample.logprobs += logprobs
             if len(sample.token_ids) >= params.max_new_tokens and reason is FinishReason.ABORT:
                 reason = FinishReason.LENGTH
             swapped = self._swaps != swaps or self._swapping
@@ -554,6 +573,53 @@ class SGLangEngine(GenerationEngine):
             # aborted by a swap in abort mode: go on from where it stopped, with the new weights
             segment += 1
             self.counters["resumed_segments"] += 1
+
+    async def _generate_segment(self, sample: _Sample, body: dict[str, Any]) -> Any:
+        """``/generate``, asked again after 0.5, 1 and 2 s while the server answers 429 or 503 (no room for now:
+        the first such answer ended the rollout)."""
+        for attempt in range(GENERATE_RETRIES + 1):
+            try:
+                return await self._post("/generate", body, timeout=self._request_timeout_s)
+            except SGLangError as e:
+                if e.status not in BUSY or attempt == GENERATE_RETRIES:
+                    raise
+            await asyncio.sleep(0.5 * 2**attempt)
+            sample.segment_rid = body["rid"] = f"{sample.segment_rid.split('~')[0]}~{attempt + 1}"
+        raise AssertionError("unreachable")
+
+    def _segment_of(
+        self, meta: Mapping[str, Any], remaining: int, length: int
+    ) -> tuple[list[int], list[float], FinishReason]:
+        """A segment's tokens, their log-probs and why it ended, each checked (a token outside the vocabulary,
+        more tokens than asked, a log-prob that is not one, a LENGTH finish short of its length: refused, naming
+        the server); ``length``: the tokens before it, prompt included."""
+        entries = meta.get("output_token_logprobs")
+        entries = [] if entries is None else entries
+        if not isinstance(entries, list) or len(entries) > remaining:
+            got = len(entries) if isinstance(entries, list) else type(entries).__name__
+            raise SGLangError(self._where("/generate", f"{got} output tokens where at most {remaining} were asked"))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for k, entry in enumerate(entries):
+            if not isinstance(entry, list | tuple) or len(entry) < 2:
+                raise SGLangError(self._where("/generate", f"output_token_logprobs[{k}] is not [log-prob, token id]"))
+            lp, token = entry[0], entry[1]
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise SGLangError(
+                    self._where("/generate", f"token id {token!r} is not in the vocabulary ({self.vocab_size})")
+                )
+            if isinstance(lp, bool) or not isinstance(lp, int | float) or not (math.isfinite(lp) and lp <= 0):
+                raise SGLangError(self._where("/generate", f"log-prob {lp!r} of token {k} is not a log-probability"))
+            tokens.append(token)
+            logprobs.append(float(lp))
+        finish = meta.get("finish_reason")
+        if finish is not None and not isinstance(finish, dict):
+            raise SGLangError(self._where("/generate", f"finish_reason {str(finish)[:100]!r} is not an object"))
+        reason = _FINISH.get(str((finish or {}).get("type")), FinishReason.ABORT)
+        at_context = self.max_context is None or length + len(tokens) >= self.max_context
+        if reason is FinishReason.LENGTH and len(tokens) < remaining and not at_context:
+            raise SGLangError(self._where("/generate", f"a length finish after {len(tokens)} of {remaining} tokens"))
+        return tokens, logprobs, reason
 
     def _sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -578,23 +644,42 @@ class SGLangEngine(GenerationEngine):
 
     def _versions_of(self, meta: Mapping[str, Any], count: int, version: int, swaps: int) -> list[int]:
         """The policy version of each of a segment's ``count`` tokens: ``version`` was served when it was sent,
-        ``swaps`` swaps were done by then."""
+        ``swaps`` swaps were done by then. The answer must name a version this engine loaded: outside a swap
+        that one, else one from it to the newest staged. A server that restarted serves its checkpoint under
+        "default" or its start version: its tokens were labelled with this engine's version and reached the
+        queue as the policy's (refused now, and the engine stops serving: its restart loads the weights)."""
+        swapped = self._swaps != swaps or self._swapping
+        allowed = (
+            range(version, max(self._version, self._newest_staged) + 1) if swapped else range(version, version + 1)
+        )
+        label = meta.get("weight_version")
+        if _int_or_none(label) not in allowed:
+            why = f"the answer names weight version {str(label)[:40]!r}, not {version}"
+            if not swapped:
+                self._break(f"{self._where('/generate', why)}: the server restarted or lost its weights")
+            raise SGLangError(self._where("/generate", why))
         spans = meta.get("weight_versions")
-        if isinstance(spans, list) and spans:
+        if spans is not None:
             out: list[int | None] = [None] * count
-            for span in spans:
+            for span in spans if isinstance(spans, list) else [spans]:
                 v = _int_or_none(span.get("version")) if isinstance(span, dict) else None
-                if v is None:
-                    continue
-                for k in range(max(0, int(span.get("start", 0))), min(count, int(span.get("end", count)))):
-                    out[k] = v
-            if all(v is not None for v in out):
-                return [int(v) for v in out]  # type: ignore[arg-type]
-        if self._swaps == swaps and not self._swapping:
-            labelled = _int_or_none(meta.get("weight_version"))
-            return [labelled if labelled is not None else version] * count
-        if self._swap_mode == "abort" and _int_or_none(meta.get("weight_version")) is not None:
-            return [int(meta["weight_version"])] * count  # a segment never straddles a swap in abort mode
+                start, end = (span.get("start"), span.get("end")) if isinstance(span, dict) else (None, None)
+                ok = v in allowed and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= count
+                if not ok or not isinstance(start, int) or not isinstance(end, int):  # (the last two: for mypy)
+                    raise SGLangError(
+                        self._where(
+                            "/generate",
+                            f"weight_versions span {str(span)[:100]} is not one of its tokens' loaded versions",
+                        )
+                    )
+                out[start:end] = [v] * (end - start)
+            if any(v is None for v in out):
+                raise SGLangError(self._where("/generate", "its weight_versions spans leave tokens without a version"))
+            return [int(v) for v in out]  # type: ignore[arg-type]
+        if not swapped:
+            return [version] * count
+        if self._swap_mode == "abort":
+            return [int(str(label))] * count  # a segment never straddles a swap in abort mode
         return [version] * count  # cannot tell: the older version, a lower bound
 
     # -- weights ---------------------------------------------------------------------------------------------------
@@ -668,23 +753,34 @@ class SGLangEngine(GenerationEngine):
         self._swapping = True
         try:
             await self._wake(["weights"])  # (the KV cache comes back with the next request)
-            await self._post("/pause_generation", {"mode": self._swap_mode})
-            try:
+            try:  # (a pause that failed may have paused it all the same: it is continued whatever happens)
+                await self._post("/pause_generation", {"mode": self._swap_mode})
                 if self._update_session:
                     await self._post("/begin_weight_update", {"selector": "all"})
-                try:
+                    try:
+                        await self._load_tensors(version, tensors)
+                    finally:  # closed even after a failed load: an open session refuses the next
+                        await self._insist("/end_weight_update")
+                else:
                     await self._load_tensors(version, tensors)
-                finally:
-                    if self._update_session:  # closed even after a failed load: an open session refuses the next
-                        await self._post("/end_weight_update", {})
             finally:
                 self._swaps += 1
-                await self._post("/continue_generation", {})
+                await self._insist("/continue_generation")
         finally:
             self._swapping = False
             self._serving.set()
             if self._ipc_device is not None and self._ipc_device.startswith("cuda"):
                 torch.cuda.ipc_collect()  # the server has copied them: release what it held open
+
+    async def _set_weight_version(self, version: int) -> None:
+        answer = await self._post(
+            "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}, confirm=True
+        )
+        named = answer.get("new_version", str(version))
+        if str(named) != str(version):
+            raise SGLangError(
+                self._where("/update_weight_version", f"the server took version {named!r}, not {version}")
+            )
 
     async def _load_tensors(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         serialized = serialize_named_tensors(list(tensors.items()))
@@ -697,7 +793,29 @@ class SGLangEngine(GenerationEngine):
                 "abort_all_requests": False,
                 "weight_version": str(version),
             },
+            confirm=True,
         )
+
+    async def _insist(self, route: str) -> None:
+        """A call the server must take (left paused, or with its update session open, it would serve nothing
+        while this engine said SERVING): tried again, and the engine broken when it never is."""
+        for attempt in range(CONTROL_TRIES):
+            try:
+                await self._post(route, {})
+                return
+            except SGLangError as e:
+                if attempt == CONTROL_TRIES - 1:
+                    self._break(f"{e} (the server may be left unable to serve)")
+                    raise
+                await asyncio.sleep(0.5 * 2**attempt)
+
+    def _break(self, why: str) -> None:
+        """This engine serves no more (its state FAILED, every new request refused with ``why``): the rollout
+        ends, and its restart attaches to the server afresh and loads the current weights."""
+        if not self._broken:
+            self._broken = why
+            self._last_error = why
+            _log.error("%s: the engine stops serving: %s", self.engine_id, why)
 
     # -- life cycle ------------------------------------------------------------------------------------------------
 
@@ -710,14 +828,18 @@ class SGLangEngine(GenerationEngine):
             engine_id=self.engine_id,
             backend=self.backend,
             model=self.model_name,
-            state=EngineState.DRAINING if self._closing else EngineState.SERVING,
+            state=EngineState.DRAINING
+            if self._closing
+            else EngineState.FAILED
+            if self._broken
+            else EngineState.SERVING,
             policy_version=self._version,
             in_flight_requests=in_flight,
             running_sequences=self._running,
             waiting_sequences=0,
             weight_update_in_progress=update,
             receiving_policy_version=newest if update else 0,
-            last_error=self._last_error,
+            last_error=self._broken or self._last_error,
             counters=dict(self.counters),
         )
 
