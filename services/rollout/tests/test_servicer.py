@@ -595,3 +595,19 @@ def test_text_is_tokenized_on_threads_of_its_own_and_a_text_surely_too_long_is_r
         assert len((await servicer.Generate(fits, Context())).prompt_token_ids) == 62  # (and the BOS: 64 in all)
 
     asyncio.run(main())
+
+
+def test_an_engine_whose_server_failed_the_request_answers_unavailable(
+    engine: HFEngine, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (an SGLang server answering 503, or one that lost its weights: was UNKNOWN, a server bug to the client)
+    from tauflow.rollout.engine import EngineUnavailableError
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise EngineUnavailableError("sglang-0 (http://10.0.0.5:30000) /generate: HTTP 503: no room")
+
+    servicer = _servicer(engine, model_dir)
+    monkeypatch.setattr(engine, "generate", failing)
+    refused = asyncio.run(_refused(servicer.Generate(_small(0), Context())))
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and "HTTP 503" in refused.details
+    assert servicer.in_flight == 0

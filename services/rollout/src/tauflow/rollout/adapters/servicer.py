@@ -21,7 +21,13 @@ from tauflow.media.dataset import checked_messages
 from tauflow.models.processor import Processed
 from tauflow.rollout.adapters.convert import engine_status_to_proto, sample_to_proto, sampling_from_proto
 from tauflow.rollout.config import RolloutConfig
-from tauflow.rollout.engine.base import EngineClosedError, GenerationEngine, InvalidRequestError, ScoredSequence
+from tauflow.rollout.engine.base import (
+    EngineClosedError,
+    EngineUnavailableError,
+    GenerationEngine,
+    InvalidRequestError,
+    ScoredSequence,
+)
 from tauflow.rollout.ports import SidecarUnavailable
 from tauflow.rollout.producer import Producer
 from tauflow.rollout.text import ChatTemplateError, PromptTooLong, TextCodec
@@ -216,7 +222,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prompt_messages: {e}")
         except PromptTooLong as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (the model's context less max_new_tokens)")
-        except EngineClosedError as e:
+        except (EngineClosedError, EngineUnavailableError) as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             if waits:
@@ -266,7 +272,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             scores = await self.engine.score(sequences, temperature)
         except InvalidRequestError as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineClosedError as e:
+        except (EngineClosedError, EngineUnavailableError) as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except NotImplementedError as e:
             await _abort(context, grpc.StatusCode.UNIMPLEMENTED, str(e))
@@ -340,7 +346,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             version = await self.weights.load_shared(shared_request_from_proto(request), _deadline(context))
         except LOAD_ERRORS as e:
             await _abort(context, _refusal_code(e), str(e))
-        except EngineClosedError as e:
+        except (EngineClosedError, EngineUnavailableError) as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         return rollout_pb2.UpdateWeightsFromTensorResponse(
             policy_version=version.policy_version, loaded_bytes=version.nbytes

@@ -63,6 +63,11 @@ class EngineClosedError(RuntimeError):
     """The engine is closed and accepts no new work (the service answers UNAVAILABLE)."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """What serves the engine (an SGLang server) failed the request or cannot serve now (the service answers
+    UNAVAILABLE: the request may be asked again, there or at another replica)."""
+
+
 class FinishReason(enum.IntEnum):
     """Why a completion ended; the numbers are those of ``tauflow.api.common.v1.FinishReason``."""
 

@@ -62,6 +62,7 @@ from tauflow.rollout.engine.base import (
     EngineClosedError,
     EngineState,
     EngineStats,
+    EngineUnavailableError,
     FinishReason,
     GenerationEngine,
     InvalidRequestError,
@@ -92,7 +93,7 @@ CONTROL_TRIES = (
 )
 
 
-class SGLangError(RuntimeError):
+class SGLangError(EngineUnavailableError):
     """The SGLang server answered a call with an error (``status``: its HTTP status), or not at all (None)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
