@@ -152,6 +152,9 @@ def main() -> int:
                    help="the benchmark's models, runs and checkpoints (GBs; never under --out)")  # fmt: skip
     p.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)  # (environment()'s child)
     args = p.parse_args()
+    # A check started with SIGINT ignored (a backgrounded script) would pass that on to its parts: pytest,
+    # killed then, writes no junit. A handler here is reset to the default in each part at its exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.environment:
         print(json.dumps(_environment()))
         return 0
@@ -181,7 +184,8 @@ def main() -> int:
     save()
     print(json.dumps(report, indent=2))
     ok = (
-        report["gpu_tests"]["not_passed"] == 0
+        report["gpu_tests"]["returncode"] == 0
+        and report["gpu_tests"]["not_passed"] == 0
         and report["gpu_tests"]["passed"] > 0
         and report["grpo"]["returncode"] == 0
     )

@@ -193,6 +193,20 @@ def test_a_run_whose_summary_cannot_be_written_ends_as_it_ended_and_says_so(
     assert (tmp_path / "summary.json").read_bytes() == before and _leftovers(tmp_path) == []
     [error] = [r for r in caplog.records if "could not write the run summary" in r.getMessage()]
     assert error.levelno == logging.ERROR and "disk full" in str(error.__dict__["error"])
+    assert not run.summary_written  # (tauflow run says so and exits 4; it said "summary in ...", exit 0)
+
+    # room in logs/ (out_dir made read-only, a quota on it): the run's metrics are kept there
+    caplog.clear()
+    disk.full, disk.only = True, lambda path: path.parent == tmp_path
+    run.summary_written = True
+    run._write_summary()
+    assert not run.summary_written
+    assert json.loads((tmp_path / "logs" / "summary.json").read_text())["status"] == "completed"
+    # only the plot failing: summary.json is written, no loss to report
+    disk.only = lambda path: path.name == "summary.png"
+    run.summary_written = True
+    run._write_summary()
+    assert run.summary_written and json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
 
 
 # -- settings files, restarts, scaling --------------------------------------------------------------------------

@@ -898,6 +898,13 @@ def test_a_disk_that_holds_the_kept_checkpoints_and_not_one_more_still_takes_the
     for keep in (0, 1):  # keep 0 keeps every one, as asked; keep 1 has no older one to spare
         with pytest.raises(OSError):
             write(80 + keep, keep=keep)
+    room = 2
+    write(90, keep=3)  # [v60, v90]
+    room = 1
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", lambda *a, **k: None)  # (a folder that stays)
+    with pytest.raises(OSError) as full:  # said as a full disk, not tried again for ever
+        write(100, keep=3)
+    assert full.value.errno == errno.ENOSPC
 
 
 def test_a_resume_with_new_optimizer_settings_trains_with_them(

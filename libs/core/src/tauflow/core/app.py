@@ -126,8 +126,9 @@ def exit_when_a_thread_runs_out_of_memory(log: logging.Logger) -> None:
         os._exit(LOST_THREAD_EXIT_CODE)
 
     def on_unraisable(info: Any) -> None:
-        if isinstance(info.exc_value, MemoryError):
-            lost(str(info.err_msg or "a thread's start"))
+        # (only a thread that could not start: a finalizer's MemoryError leaves a process that works)
+        if isinstance(info.exc_value, MemoryError) and "thread" in str(info.err_msg or ""):
+            lost(str(info.err_msg))
         unraisable(info)
 
     def on_thread_exception(info: threading.ExceptHookArgs) -> None:

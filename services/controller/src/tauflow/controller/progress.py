@@ -23,9 +23,16 @@ from tauflow.controller.launcher import describe_os_error
 PLAIN_EVERY_S = 5.0
 # The stream's reader is gone for good (`| head` exited, a tee or log shipper killed, a terminal closed):
 # what is written there from now on goes to /dev/null. Other errors (a full disk) skip one write only.
-_GONE = {errno.EPIPE, errno.EIO, errno.ENXIO, errno.EBADF}
+_GONE = {errno.EPIPE, errno.ENXIO, errno.EBADF}  # (EIO too, on a terminal: below)
 
 log = logging.getLogger(__name__)
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return os.isatty(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _output_failed(stream: IO[str], error: OSError, warned: bool) -> bool:
@@ -33,7 +40,8 @@ def _output_failed(stream: IO[str], error: OSError, warned: bool) -> bool:
     the reader of its output pipe exited (BrokenPipeError). Returns True once warned."""
     if not warned:
         log.warning("progress output failed; the run goes on without it", extra={"error": describe_os_error(error)})
-    if error.errno in _GONE:
+    gone = error.errno in _GONE or (error.errno == errno.EIO and _isatty(stream))  # (a log file's EIO may pass)
+    if gone:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, stream.fileno())  # (the final lines, and Python's own flush at exit, find a sink)

@@ -727,10 +727,15 @@ class Run:
         final checkpoint on a full disk ended in a traceback after a fixed 300 s)."""
         following.progressed_at = time.monotonic()
         supervised_at = time.monotonic()
+        seen: tuple[str, int] | None = None
         while True:
             try:
-                if (await peers.trainer.status()).finished:
+                status = await peers.trainer.status()
+                if status.finished:
                     return
+                if seen is not None and (status.state, status.policy_version) != seen:  # (a restarted trainer
+                    following.progressed_at = time.monotonic()  # training its last steps again goes on)
+                seen = (status.state, status.policy_version)
             except PeerUnavailable:
                 pass
             if self._stalled(following):
@@ -916,7 +921,7 @@ class Run:
             )
             return
         try:
-            self.summary.write(self.out_dir)
+            self.summary.write_json(self.out_dir)
         except OSError as e:
             self.summary_written = False  # (the CLI says so, and exits 4 where the run itself ended well)
             log.error(
@@ -926,8 +931,16 @@ class Run:
             # The steps' metrics are this summary's alone (a --resume writes one of its own steps): kept in
             # logs/ where that folder takes them (out_dir itself made read-only, a quota on it).
             with contextlib.suppress(OSError):
-                self.summary.write(self.out_dir / "logs")
+                self.summary.write_json(self.out_dir / "logs")
                 log.warning("the run summary was written to logs/ instead", extra={"path": str(self.out_dir / "logs")})
+            return
+        try:
+            self.summary.write(self.out_dir)  # (the JSON again, with its plot: the two stay a pair)
+        except OSError as e:
+            log.error(
+                "could not draw the run summary's plot; summary.json is written",
+                extra={"out_dir": str(self.out_dir), "error": describe_os_error(e)},
+            )
 
     def _was_complete(self) -> bool:
         """A resume of a run that had completed (its summary says so) that trained nothing more: the summary of

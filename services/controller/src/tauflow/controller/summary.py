@@ -141,12 +141,17 @@ class RunSummary:
         ``out_dir``, fsynced, renamed over it): a full disk never leaves an empty or half summary. Raises
         OSError when one cannot be written; that file is then as it was (the previous run's, or none), and
         the PNG is not attempted after a JSON that failed (the two stay a pair)."""
-        out_dir.mkdir(parents=True, exist_ok=True)
-        json_path = out_dir / "summary.json"
-        replace_file(json_path, json_text(self.to_json()).encode(), durable=True)
+        json_path = self.write_json(out_dir)
         png_path = out_dir / "summary.png"
         plot(self, png_path)
         return json_path, png_path
+
+    def write_json(self, out_dir: Path) -> Path:
+        """``summary.json`` alone, replaced whole and durably (raises OSError, the file as it was)."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path = out_dir / "summary.json"
+        replace_file(json_path, json_text(self.to_json()).encode(), durable=True)
+        return json_path
 
 
 def plot(summary: RunSummary, path: Path) -> None:

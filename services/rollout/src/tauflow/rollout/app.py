@@ -20,12 +20,14 @@ from tauflow.rollout.adapters.weights_client import GrpcSidecar
 from tauflow.rollout.config import RolloutConfig
 from tauflow.rollout.dataset import epochs, load_prompts
 from tauflow.rollout.engine import engine_class
-from tauflow.rollout.engine.base import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tauflow.rollout.engine.base import MAX_STOP_CHARS, MAX_STOP_STRINGS, EngineState
 from tauflow.rollout.membership import SidecarMembership
 from tauflow.rollout.metrics import RolloutMetrics
 from tauflow.rollout.producer import Producer
 from tauflow.rollout.text import TextCodec
 from tauflow.rollout.weights import WeightLoader
+
+ENGINE_WATCH_S = 1.0  # how often the service looks whether its engine still serves
 
 # A Generate's media parts, text and chats are far larger than the default bounds of a string or bytes field.
 GENERATE_BOUNDS = {
@@ -91,7 +93,15 @@ async def build(config: RolloutConfig) -> ServiceApp:
         )
         await membership.run()
 
-    background = []
+    async def end_when_the_engine_fails() -> None:
+        # An engine that stopped serving (its SGLang server lost its weights, or stays paused) ends the service,
+        # non-zero: its launcher restarts it, and the new engine attaches afresh and loads the current weights.
+        # (With a producer the next ticket fails first; a rollout without one answered UNAVAILABLE for good.)
+        while (stats := engine.stats()).state != EngineState.FAILED:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        raise RuntimeError(f"the engine {stats.engine_id} stopped serving: {stats.last_error}")
+
+    background = [end_when_the_engine_fails]
     if sidecar is not None:
         background.append(join_sidecar)
     if producer is not None:

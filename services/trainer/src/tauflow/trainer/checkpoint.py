@@ -250,6 +250,8 @@ def write_checkpoint(
                 extra={"version": version, "removed": older[0].name, "kept": len(older) - 1},
             )
             shutil.rmtree(older[0], ignore_errors=True)
+            if (older[0] / STATE_JSON).exists():  # (not removed: read-only, another owner) the disk stays full
+                raise
     if own:
         prune(root, keep, spare=final)
     return read_checkpoint_info(final)

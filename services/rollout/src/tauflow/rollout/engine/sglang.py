@@ -561,7 +561,7 @@ class SGLangEngine(GenerationEngine):
             if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
                 raise SGLangError(self._where("/generate", f"an answer without meta_info: {str(answer)[:200]}"))
             meta = answer["meta_info"]
-            tokens, logprobs, reason = self._segment_of(meta, remaining, len(sample.prompt) + len(sample.token_ids))
+            tokens, logprobs, reason = self._segment_of(meta, remaining)
             sample.versions += self._versions_of(meta, len(tokens), version, swaps)
             sample.token_ids += tokens
             sample.logprobs += logprobs
@@ -588,12 +588,11 @@ class SGLangEngine(GenerationEngine):
             sample.segment_rid = body["rid"] = f"{sample.segment_rid.split('~')[0]}~{attempt + 1}"
         raise AssertionError("unreachable")
 
-    def _segment_of(
-        self, meta: Mapping[str, Any], remaining: int, length: int
-    ) -> tuple[list[int], list[float], FinishReason]:
+    def _segment_of(self, meta: Mapping[str, Any], remaining: int) -> tuple[list[int], list[float], FinishReason]:
         """A segment's tokens, their log-probs and why it ended, each checked (a token outside the vocabulary,
-        more tokens than asked, a log-prob that is not one, a LENGTH finish short of its length: refused, naming
-        the server); ``length``: the tokens before it, prompt included."""
+        more tokens than asked, a log-prob that is not one: refused, naming the server). A length finish may
+        come short of the tokens asked: SGLang cuts a request's max_new_tokens 2 short of its context length,
+        or of its KV pool, whichever is smaller."""
         entries = meta.get("output_token_logprobs")
         entries = [] if entries is None else entries
         if not isinstance(entries, list) or len(entries) > remaining:
@@ -617,9 +616,6 @@ class SGLangEngine(GenerationEngine):
         if finish is not None and not isinstance(finish, dict):
             raise SGLangError(self._where("/generate", f"finish_reason {str(finish)[:100]!r} is not an object"))
         reason = _FINISH.get(str((finish or {}).get("type")), FinishReason.ABORT)
-        at_context = self.max_context is None or length + len(tokens) >= self.max_context
-        if reason is FinishReason.LENGTH and len(tokens) < remaining and not at_context:
-            raise SGLangError(self._where("/generate", f"a length finish after {len(tokens)} of {remaining} tokens"))
         return tokens, logprobs, reason
 
     def _sampling_params(self, params: SamplingParams, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
@@ -650,9 +646,10 @@ class SGLangEngine(GenerationEngine):
         "default" or its start version: its tokens were labelled with this engine's version and reached the
         queue as the policy's (refused now, and the engine stops serving: its restart loads the weights)."""
         swapped = self._swaps != swaps or self._swapping
-        allowed = (
-            range(version, max(self._version, self._newest_staged) + 1) if swapped else range(version, version + 1)
-        )
+        # (a re-base, after the trainer resumed from an older checkpoint, loads a version below the one sent)
+        lowest = min(version, self._version, self._newest_staged)
+        highest = max(version, self._version, self._newest_staged)
+        allowed = range(lowest, highest + 1) if swapped else range(version, version + 1)
         label = meta.get("weight_version")
         if _int_or_none(label) not in allowed:
             why = f"the answer names weight version {str(label)[:40]!r}, not {version}"
@@ -681,7 +678,7 @@ class SGLangEngine(GenerationEngine):
             return [version] * count
         if self._swap_mode == "abort":
             return [int(str(label))] * count  # a segment never straddles a swap in abort mode
-        return [version] * count  # cannot tell: the older version, a lower bound
+        return [lowest] * count  # cannot tell: the oldest it can be, a lower bound
 
     # -- weights ---------------------------------------------------------------------------------------------------
 
