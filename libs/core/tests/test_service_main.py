@@ -173,3 +173,24 @@ def test_a_thread_out_of_memory_ends_the_process_for_a_restart(where: str) -> No
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 70, done.stderr
     assert "ran out of memory" in done.stderr
+
+
+def test_a_services_worker_threads_are_all_started_before_it_serves() -> None:
+    # A worker started mid-run when memory was short failed at its start, and the work handed to it never ran:
+    # the trainer waited for its checkpoint for good. Every worker exists from the start now, none is started
+    # later.
+    import asyncio
+    import threading
+
+    from tauflow.core.app import prestart_default_executor
+
+    async def main() -> tuple[set[int], set[int], set[int]]:
+        executor = prestart_default_executor(asyncio.get_running_loop())
+        before = {t.ident for t in threading.enumerate()}
+        workers = {t.ident for t in executor._threads if t.ident is not None}
+        used = set(await asyncio.gather(*(asyncio.to_thread(threading.get_ident) for _ in range(50))))
+        return {t.ident for t in threading.enumerate()} - before, workers, used  # type: ignore[return-value]
+
+    started_later, workers, used = asyncio.run(main())
+    assert started_later == set() and len(workers) == min(32, (os.cpu_count() or 1) + 4)
+    assert used <= workers

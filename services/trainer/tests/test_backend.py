@@ -934,3 +934,33 @@ def test_a_resume_with_new_optimizer_settings_trains_with_them(
     assert len(changed) == 1 and changed[0].changed["lr"] == [1e-2, 3e-3]  # type: ignore[attr-defined]
     same = TorchBackend(config(tiny_model_dir, optim=old), checkpoint=info.path)  # the same settings: as saved
     assert same.train_step(make_groups(3, 2)).metrics["lr"] == pytest.approx(1e-2 * lr_factor(3, old))
+
+
+def test_a_checkpoint_starts_no_thread_mid_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its files were hashed by a pool made at each checkpoint: a thread of it that could not start for want of
+    # memory (an address-space limit reached for a moment) left the trainer CHECKPOINTING for good.
+    import threading
+
+    import tauflow.trainer.checkpoint as checkpoint_module
+
+    checkpoint_module.hash_pool()  # (the trainer starts it before it serves)
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    def save_weights(folder: Path) -> None:
+        for k in range(12):
+            (folder / f"shard-{k}.bin").write_bytes(bytes([k]) * 4096)
+
+    for version in (1, 2):
+        info = checkpoint_module.write_checkpoint(
+            tmp_path, version, save_weights=save_weights, tokenizer_source=tmp_path, trainer_state=dict,
+            meta={"trained_group_ids": []}, keep=3, checksums=True,
+        )  # fmt: skip
+        assert checkpoint_module.read_checkpoint_meta(info.path)["files"]["shard-3.bin"]["sha256"]
+    assert started == []

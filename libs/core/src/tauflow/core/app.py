@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from tauflow.core.config import ConfigError, ServiceConfig, load_config
@@ -109,6 +110,28 @@ def service_main(
     return main
 
 
+def prestart_default_executor(loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
+    """The loop's executor (``asyncio.to_thread``'s) with all its threads started now, the size asyncio would
+    give it: a thread started later, when memory ran out for a moment (an address-space limit reached), failed
+    at its start and the work handed to it never ran, its awaiter waiting for good (a trainer stayed
+    CHECKPOINTING, alive, never restarted); and the hook below cannot act then, being short of memory
+    itself. Started threads stay, idle, to the end."""
+    executor = started_executor(min(32, (os.cpu_count() or 1) + 4), "tauflow-worker")
+    loop.set_default_executor(executor)
+    return executor
+
+
+def started_executor(workers: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose ``workers`` threads are all started now (a pool starts them on demand: mid-run, a
+    start that fails for want of memory leaves the work given to it never run)."""
+    executor = ThreadPoolExecutor(workers, thread_name_prefix=name)
+    started = threading.Barrier(workers + 1)
+    for _ in range(workers):  # (each waits for the others: every submit finds no idle thread and starts one)
+        executor.submit(started.wait, 60)
+    started.wait(60)
+    return executor
+
+
 LOST_THREAD_EXIT_CODE = 70  # (EX_SOFTWARE) a restart is the way on
 
 
@@ -175,6 +198,7 @@ def token_refused(error: BaseException, token_file: str) -> str | None:
 
 
 async def _run(build, config, ready_info, ready_file, started) -> None:
+    prestart_default_executor(asyncio.get_running_loop())
     app = await build(config)
     await serve(
         app, config.server, ready_info=ready_info, ready_file=ready_file, started=started, run_token=run_token()

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tauflow.controller.adapters.controller_client import ControlError, ControllerClient, Status, find_run
@@ -62,7 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         config = run_config(args)
     except ConfigError as e:
-        console.print(f"[red]tauflow run: {e}")
+        console.print(f"[red]tauflow run: {escape(str(e))}")
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -70,7 +71,7 @@ def run_command(args: argparse.Namespace) -> int:
         run.claim_out_dir()  # (a live run there is left alone)
         (run.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     except (OSError, TokenFileError, OutDirInUse) as e:  # (a token file's error names the file, never the token)
-        console.print(f"[red]tauflow run: {one_line(e)}")
+        console.print(f"[red]tauflow run: {escape(one_line(e))}")
         return 2
     # (only now: a run that could not be built leaves the process's SIGTERM as it was)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the services on SIGTERM as on Ctrl-C
@@ -81,13 +82,13 @@ def run_command(args: argparse.Namespace) -> int:
             run.on_progress = view.update
             summary = asyncio.run(execute_with_control(run))
     except (LaunchFailed, RunStalled, PeerError) as e:  # said after the view's last state
-        console.print(f"[red]tauflow run: {e}")
+        console.print(f"[red]tauflow run: {escape(str(e))}")
         return 1
     except KeyboardInterrupt:
         console.print("[yellow]tauflow run: interrupted; services stopped")
         return 130
     except Exception as e:  # noqa: BLE001 (any other: one line, never a traceback; the services are stopped all the same)
-        console.print(f"[red]tauflow run: the run failed: {one_line(e)}; logs in {run.out_dir / 'logs'}")
+        console.print(f"[red]tauflow run: the run failed: {escape(one_line(e))}; logs in {run.out_dir / 'logs'}")
         return 1
     acc = summary.final_accuracy
     where = (
@@ -107,7 +108,7 @@ def _exit_code(status: str, message: str, acc: float | None, target: float | Non
     """0 for a run that ended as planned (and reached its target, where it has one); 3 below the target; 130
     for a run stopped before its end (StopRun, as Ctrl-C), whatever its accuracy so far."""
     if status == "interrupted":
-        console.print(f"[yellow]tauflow run: {message or 'stopped'}; the run did not reach its end")
+        console.print(f"[yellow]tauflow run: {escape(message or 'stopped')}; the run did not reach its end")
         return 130
     if status == "below_target":
         console.print(f"[red]held-out accuracy {_percent(acc)} is below the target {target:.0%}")
@@ -129,7 +130,7 @@ def trace_command(args: argparse.Namespace) -> int:
             args.path, png=Path(args.png) if args.png else None, json_out=Path(args.json) if args.json else None
         )
     except (OSError, NoSpans) as e:
-        console.print(f"[red]tauflow trace: {one_line(e) if isinstance(e, OSError) else e}")
+        console.print(f"[red]tauflow trace: {escape(one_line(e) if isinstance(e, OSError) else str(e))}")
         return 2
     print(table)
     return 0
@@ -161,7 +162,7 @@ def control_command(args: argparse.Namespace) -> int:
     try:
         print(asyncio.run(call()))
     except ControlError as e:
-        console.print(f"[red]tauflow {args.command}: {e}")
+        console.print(f"[red]tauflow {args.command}: {escape(str(e))}")
         return 1
     return 0
 

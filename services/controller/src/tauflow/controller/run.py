@@ -948,11 +948,14 @@ class Run:
         ended = ("completed", "below_target")
         if self.summary.steps or self.resumed_version < self.config.steps or self.summary.status not in ended:
             return False
-        try:
-            previous = json.loads((self.out_dir / "summary.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(previous, dict) and previous.get("status") in ended
+        for folder in (self.out_dir, self.out_dir / "logs"):  # (logs/: where one that could not be written went)
+            try:
+                previous = json.loads((folder / "summary.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(previous, dict) and previous.get("status") in ended:
+                return True
+        return False
 
     async def execute(self) -> RunSummary:
         self.claim_out_dir()  # (before anything in out_dir is touched; refused, it leaves the other run alone)

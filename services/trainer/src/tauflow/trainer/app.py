@@ -27,7 +27,7 @@ from tauflow.trainer.adapters.rollout_client import RolloutTeacher
 from tauflow.trainer.adapters.servicer import TrainerServicer
 from tauflow.trainer.adapters.weights_client import SidecarPublisher
 from tauflow.trainer.backend import TorchBackend, backend_class
-from tauflow.trainer.checkpoint import checkpoint_to_resume
+from tauflow.trainer.checkpoint import checkpoint_to_resume, hash_pool
 from tauflow.trainer.config import TrainerConfig
 from tauflow.trainer.loop import TrainerLoop
 from tauflow.trainer.metrics import TrainerMetrics
@@ -79,6 +79,7 @@ async def build(config: TrainerConfig) -> ServiceApp:
     import torch
 
     quiet_progress_bars()
+    hash_pool()  # (its threads started before the run: none must start mid-run, when memory may be short)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     group = None
     if config.distributed.distributed:

@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tauflow.core.app import started_executor
 from tauflow.core.files import fsync_dir
 
 # 2: trainer_state.json carries the digest of its own fields ("digest") and its list of files is required. A
@@ -298,6 +300,19 @@ def prune(root: Path, keep: int, *, spare: Path) -> None:
 
 
 HASH_THREADS = 8  # files hashed at once (hashlib releases the GIL: a sharded checkpoint reads at the disk's pace)
+_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool_lock = threading.Lock()
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    """The threads that hash checkpoint files, started once (the trainer starts them before it serves): a pool
+    made at each checkpoint started its threads mid-run, and one that could not start for want of memory left
+    the checkpoint, and the trainer, waiting for good."""
+    global _hash_pool
+    with _hash_pool_lock:
+        if _hash_pool is None:
+            _hash_pool = started_executor(HASH_THREADS, "checkpoint-hash")
+        return _hash_pool
 
 
 def _sha256(file: Path) -> str:
@@ -310,9 +325,8 @@ def _file_digests(folder: Path, checksums: bool) -> dict[str, dict[str, Any]]:
     files = [f for f in sorted(folder.rglob("*")) if f.is_file()]
     out: dict[str, dict[str, Any]] = {f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size} for f in files}
     if checksums:
-        with ThreadPoolExecutor(HASH_THREADS) as pool:
-            for f, digest in zip(files, pool.map(_sha256, files), strict=True):
-                out[f.relative_to(folder).as_posix()]["sha256"] = digest
+        for f, digest in zip(files, hash_pool().map(_sha256, files), strict=True):
+            out[f.relative_to(folder).as_posix()]["sha256"] = digest
     return out
 
 
@@ -329,8 +343,7 @@ def read_checkpoint_meta(path: Path) -> dict[str, Any]:
     files = meta.get("files", {})
     if not isinstance(files, dict):
         raise ValueError(f"{path / STATE_JSON} is damaged (its 'files' is not an object): {_OLDER}")  # noqa: TRY004
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        found = list(pool.map(lambda item: (path / item[0], _damage(path / item[0], item[1])), files.items()))
+    found = list(hash_pool().map(lambda item: (path / item[0], _damage(path / item[0], item[1])), files.items()))
     for file, why in found:
         if why is not None:
             raise ValueError(f"{file} is damaged ({why}): {_OLDER}")
