@@ -30,6 +30,7 @@ from tauflow.core.metrics import start_metrics_server
 from tauflow.core.runtoken import load_run_token, run_token
 from tauflow.core.server import ServiceApp, serve
 from tauflow.core.telemetry import setup_telemetry, shutdown_telemetry
+from tauflow.core.threads import started_executor
 
 ConfigT = TypeVar("ConfigT", bound=ServiceConfig)
 
@@ -118,17 +119,6 @@ def prestart_default_executor(loop: asyncio.AbstractEventLoop) -> ThreadPoolExec
     itself. Started threads stay, idle, to the end."""
     executor = started_executor(min(32, (os.cpu_count() or 1) + 4), "tauflow-worker")
     loop.set_default_executor(executor)
-    return executor
-
-
-def started_executor(workers: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose ``workers`` threads are all started now (a pool starts them on demand: mid-run, a
-    start that fails for want of memory leaves the work given to it never run)."""
-    executor = ThreadPoolExecutor(workers, thread_name_prefix=name)
-    started = threading.Barrier(workers + 1)
-    for _ in range(workers):  # (each waits for the others: every submit finds no idle thread and starts one)
-        executor.submit(started.wait, 60)
-    started.wait(60)
     return executor
 
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from tauflow.core.app import started_executor
 from tauflow.core.files import fsync_dir
+from tauflow.core.threads import started_executor
 
 # 2: trainer_state.json carries the digest of its own fields ("digest") and its list of files is required. A
 # flipped bit in its "policy_version" (30 to 70) had a resume skip 40 steps without a word, and one in the key
