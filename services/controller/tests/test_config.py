@@ -63,6 +63,29 @@ def test_a_teacher_model_is_a_rollout_server_of_its_own_started_before_the_train
     assert "teacher" not in plain.roles and "backend.teacher_address" not in plain._settings("trainer", {})
 
 
+@pytest.mark.parametrize(
+    ("extra", "waves"),
+    [
+        ({}, [["queue", "reward", "weights"], ["trainer", "rollout"]]),
+        ({"teacher_model": "t"}, [["queue", "reward", "weights", "teacher"], ["trainer", "rollout"]]),
+        ({"judge_model": "j"}, [["queue", "judge", "weights"], ["reward", "trainer"], ["rollout"]]),
+        # the sidecar's ipc backend: trainer and rollout share a device, and the trainer takes its memory first
+        ({"services": {"weights": {"backend": "ipc"}}}, [["queue", "reward", "weights"], ["trainer"], ["rollout"]]),
+    ],
+)
+def test_roles_start_in_waves_once_the_peers_they_are_given_serve(
+    tmp_path, extra: dict, waves: list[list[str]]
+) -> None:
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), **extra))
+    assert run.start_waves() == waves and sorted(role for wave in waves for role in wave) == sorted(run.roles)
+    every = {role: f"127.0.0.1:{port}" for port, role in enumerate(run.roles, 1)}
+    started: dict[str, str] = {}
+    for wave in waves:  # each role's settings name no address of its own wave or a later one
+        for role in wave:
+            assert run._settings(role, started) == run._settings(role, every), role
+        started |= {role: every[role] for role in wave}
+
+
 def test_a_teacher_server_is_refused_where_it_cannot_work() -> None:
     with pytest.raises(ValidationError, match="launcher external starts nothing"):
         RunConfig(

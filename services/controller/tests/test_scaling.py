@@ -156,13 +156,15 @@ def test_a_runs_rollout_replicas_start_at_once_at_launch(tmp_path: Path, dies_at
     run.launcher, run.scaler.target = launcher, 3  # type: ignore[assignment]
     if dies_at is not None:  # one that dies while loading fails the launch, naming it
         with pytest.raises(ServiceFailed, match="service 'rollout-1' failed"):
-            run._start_role("rollout", {})
+            run._start_roles(["trainer", "rollout"], {})
         return
-    started = run._start_role("rollout", {})
-    assert [svc.name for svc in started] == ["rollout", "rollout-1", "rollout-2"]
-    # every replica begun before the first serves: they load their models together
-    assert launcher.events[:3] == [("begun", "rollout"), ("begun", "rollout-1"), ("begun", "rollout-2")]
-    assert sorted(launcher.events[3:]) == [("serves", "rollout"), ("serves", "rollout-1"), ("serves", "rollout-2")]
+    started = run._start_roles(["trainer", "rollout"], {})
+    assert [svc.name for svc in started["rollout"]] == ["rollout", "rollout-1", "rollout-2"]
+    assert [svc.name for svc in started["trainer"]] == ["trainer"]
+    # every process of the wave begun before the first serves: they load their models together
+    begun = [("begun", name) for name in ("trainer", "rollout", "rollout-1", "rollout-2")]
+    assert launcher.events[:4] == begun
+    assert sorted(launcher.events[4:]) == sorted(("serves", name) for _, name in begun)
 
 
 @pytest.mark.parametrize("how", ["no room", "died while starting"])

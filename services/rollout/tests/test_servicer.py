@@ -97,7 +97,21 @@ def _servicer(
 ) -> RolloutServicer:
     weights = WeightLoader(engine, "rollout-0", sidecar)  # type: ignore[arg-type]
     config = RolloutConfig(model_path=str(model_dir), **config)
-    return RolloutServicer(config, engine, weights, None, codec or Codec())  # type: ignore[arg-type]
+    servicer = RolloutServicer(config, engine, weights, None, codec or Codec())  # type: ignore[arg-type]
+    _made.append(servicer)
+    return servicer
+
+
+_made: list[RolloutServicer] = []  # closed after each test: their threads are started when they are made
+
+
+@pytest.fixture(autouse=True)
+def _close_servicers() -> Iterator[None]:
+    yield
+    while _made:
+        servicer = _made.pop()
+        servicer.close()
+        servicer.weights.close()
 
 
 async def _refused(call: Any) -> Aborted:

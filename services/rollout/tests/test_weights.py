@@ -286,3 +286,42 @@ def test_a_failed_group_build_is_said_in_the_rollouts_own_log(caplog: pytest.Log
     with caplog.at_level("WARNING", logger="tauflow.rollout.weights"):
         asyncio.run(build())
     assert any("weight group build failed" in r.getMessage() and r.group == "gone-e1" for r in caplog.records)
+    loader.close()
+    for thread in threading.enumerate():  # (one still in torch's connect when the process exits aborts it)
+        if thread.name.startswith("store-connect-"):
+            thread.join(5)
+
+
+def test_the_loaders_threads_start_with_it_and_a_group_build_starts_none() -> None:
+    # a thread started at the first build or load, when memory was short for a moment, failed to start and
+    # left that call waiting for good (as the trainer's checkpoint did): the loader starts its threads when made
+    import asyncio
+    import socket
+
+    from tauflow.rollout.weights import WeightLoader
+    from tauflow.weightsync import GroupSpec, PhaseError
+
+    before = {t.ident for t in threading.enumerate()}
+    loader = WeightLoader(object(), "rollout-0", None)  # type: ignore[arg-type]
+    made = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("weights")]
+    assert sorted(t.name.rsplit("_", 1)[0] for t in made) == ["weights", "weights-group", "weights-shared"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        unserved = int(s.getsockname()[1])
+
+    async def build() -> set[str]:
+        loop_threads = {t.ident for t in threading.enumerate()}
+        with pytest.raises(PhaseError):
+            await loader.init_group(GroupSpec("127.0.0.1", unserved, "gone-e2", 2, 1, "gloo", 1, 1.0))
+        # (but the store's connect thread, whose caller waits for it within the timeout, whatever befalls it)
+        new = {t.name for t in threading.enumerate() if t.ident not in loop_threads}
+        return {name for name in new if not name.startswith("store-connect-")}
+
+    assert asyncio.run(build()) == set()
+    loader.close()
+    for thread in made:
+        thread.join(5)
+    assert not any(t.is_alive() for t in made)
+    for thread in threading.enumerate():  # (one still in torch's connect when the process exits aborts it)
+        if thread.name.startswith("store-connect-"):
+            thread.join(5)

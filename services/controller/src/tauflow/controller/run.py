@@ -66,6 +66,8 @@ from tauflow.media import DataRow
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # between two looks at the trainer and the queue
+# The roles whose addresses a role is given at its start (``_settings``): it starts once they serve.
+START_NEEDS = {"reward": {JUDGE}, "trainer": {"queue", "weights", TEACHER}, ROLLOUT: {"queue", "reward", "weights"}}
 EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
 CHECK_TIMEOUT_S = 5.0  # the check of a restarted process: a hung one must not hold the loop (it restarts the others)
@@ -420,19 +422,35 @@ class Run:
             self._prepare()
         self._env = self.trace_env()
         addresses = self._addresses
-        for role in self.roles:
-            self.progress.message = f"starting {role}"
+        for wave in self.start_waves():
+            self.progress.message = f"starting {', '.join(wave)}"
             self.on_progress(self.progress)
-            started = self._start_role(role, addresses)
-            addresses[role] = started[0].address
-            if role == "trainer" and started[0].info.get("resumed_from"):  # its first step is the one after this
-                self.summary.extra["resumed_from_version"] = started[0].info.get("policy_version")
-                self.resumed_version = int(started[0].info.get("policy_version") or 0)
-            for svc in started:
-                asyncio.run(self.check_peer(role, svc.address, self.summary.services, svc.name, _follower(svc)))
+            for role, started in self._start_roles(wave, addresses).items():
+                addresses[role] = started[0].address
+                if role == "trainer" and started[0].info.get("resumed_from"):  # its first step is the next one
+                    self.summary.extra["resumed_from_version"] = started[0].info.get("policy_version")
+                    self.resumed_version = int(started[0].info.get("policy_version") or 0)
+                for svc in started:
+                    asyncio.run(self.check_peer(role, svc.address, self.summary.services, svc.name, _follower(svc)))
             self._write_targets()
         self.summary.rollout_replicas.append((time.monotonic() - self._t0, self._rollout_count()))
         return dict(addresses)
+
+    def start_waves(self) -> list[list[str]]:
+        """The roles in the waves they start in: each wave's roles together, once every role whose address
+        they are given (``_settings``) serves. Together, the launch takes as long as its slowest role per wave,
+        not the sum of all (a model load each for the trainer and the rollout). With the sidecar's ``ipc``
+        backend the rollout starts after the trainer: the two share a device, and the trainer takes its memory
+        first, as it would one at a time."""
+        needs = {role: set(peers) for role, peers in START_NEEDS.items()}
+        if flatten(self.config.services.get("weights", {})).get("backend") == "ipc":
+            needs[ROLLOUT] = needs[ROLLOUT] | {"trainer"}
+        pending, waves = self.roles, []
+        while pending:
+            wave = [role for role in pending if not needs.get(role, set()) & set(pending)]
+            waves.append(wave)
+            pending = [role for role in pending if role not in wave]
+        return waves
 
     @property
     def roles(self) -> list[str]:
@@ -445,22 +463,27 @@ class Run:
             roles.insert(roles.index("reward"), JUDGE)
         return roles
 
-    def _start_role(self, role: str, addresses: Mapping[str, str]) -> list[Service]:
-        """Every process of ``role``: the trainer's ranks as a gang, the rollout replicas all at once (each
-        loads its model meanwhile: one after another, the launch took as many loads as replicas)."""
-        if role == "trainer" and self.config.trainer.world_size > 1:
-            specs = [self._spec(role, rank, addresses) for rank in range(self.config.trainer.world_size)]
-            return list(self.launcher.start_gang(specs, RENDEZVOUS))
-        count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
-        if count == 1:
-            return [self.launcher.start(self._spec(role, 0, addresses))]
-        begun = [self.launcher.begin_start(self._spec(role, index, addresses)) for index in range(count)]
-        waiting = [svc.name for svc in begun]
-        while waiting:  # (a replica that fails to start raises ServiceFailed: the launch fails, naming it)
+    def _start_roles(self, roles: list[str], addresses: Mapping[str, str]) -> dict[str, list[Service]]:
+        """Every process of ``roles``, all at once, each serving on return: the trainer's ranks as a gang, the
+        rollout replicas side by side (each loads its model meanwhile: one after another, the launch took as
+        many loads as there are processes). A process that fails to start raises ServiceFailed (the launch
+        fails, naming it; the run's stop ends the others)."""
+        gang = "trainer" in roles and self.config.trainer.world_size > 1
+        begun: dict[str, list[Service]] = {}
+        for role in roles:
+            if role == "trainer" and gang:
+                continue
+            count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
+            begun[role] = [self.launcher.begin_start(self._spec(role, index, addresses)) for index in range(count)]
+        if gang:  # (the others start meanwhile)
+            specs = [self._spec("trainer", rank, addresses) for rank in range(self.config.trainer.world_size)]
+            begun["trainer"] = list(self.launcher.start_gang(specs, RENDEZVOUS))
+        waiting = [svc.name for role in roles if not (role == "trainer" and gang) for svc in begun[role]]
+        while waiting:
             waiting = [name for name in waiting if not self.launcher.poll_start(name)]
             if waiting:
                 time.sleep(0.05)
-        return begun
+        return {role: begun[role] for role in roles}
 
     def _rollout_count(self) -> int:
         """The rollout servers that run (serve, or restart); a new replica counts once it has served."""

@@ -114,6 +114,8 @@ async def build(config: RolloutConfig) -> ServiceApp:
         for client in (queue, reward):
             if client is not None:
                 await client.close()
+        servicer.close()
+        weights.close()
         engine.close()
 
     service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"]

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 
 from tauflow.core.telemetry import set_error, span_context_of, traceparent_of
+from tauflow.core.threads import started_executor
 from tauflow.rollout.engine.base import GenerationEngine, WeightUpdateError, check_policy_version
 from tauflow.rollout.ports import SidecarPort, UnknownVersion
 from tauflow.weightsync import (
@@ -93,10 +94,11 @@ class WeightLoader:
         # The receiver's calls are serialized by its lock and may block for a whole rendezvous: on threads of
         # their own they never take the default pool's threads, which Generate's waits need. A group's build
         # (a rendezvous that may last its whole timeout), a bucket's receive and a shared load (which takes no
-        # receiver lock) each have one: a load never waits in line behind a build.
-        self._receiver_thread = ThreadPoolExecutor(1, thread_name_prefix="weights")
-        self._group_thread = ThreadPoolExecutor(1, thread_name_prefix="weights-group")
-        self._shared_thread = ThreadPoolExecutor(1, thread_name_prefix="weights-shared")
+        # receiver lock) each have one: a load never waits in line behind a build. Started now, not at the first
+        # version: a thread that cannot start mid-run (memory short for a moment) would leave that load never made.
+        self._receiver_thread = started_executor(1, "weights")
+        self._group_thread = started_executor(1, "weights-group")
+        self._shared_thread = started_executor(1, "weights-shared")
         self._building: tuple[GroupSpec, asyncio.Future[int]] | None = None  # the group build under way
         self._checksum_algorithms: dict[tuple[int, str], str] = {}  # (version, manifest checksum) -> name
         self._load_started: dict[tuple[int, int], int] = {}  # (version, epoch) -> first bucket's time, ns
@@ -109,6 +111,11 @@ class WeightLoader:
     @property
     def receiving_version(self) -> int | None:
         return self.receiver.receiving_version
+
+    def close(self) -> None:
+        """Lets the three threads go (at the service's end); a call still on one runs to its end alone."""
+        for thread in (self._receiver_thread, self._group_thread, self._shared_thread):
+            thread.shutdown(wait=False, cancel_futures=True)
 
     def forget_group(self) -> None:
         """Drops the weight group (before a re-join); blocking: it waits for a receive in progress."""

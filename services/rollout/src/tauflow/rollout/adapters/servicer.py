@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 import grpc
@@ -16,6 +15,7 @@ import torch
 from tauflow import media
 from tauflow.api.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from tauflow.core.protobuf import seconds
+from tauflow.core.threads import started_executor
 from tauflow.media import wire as media_wire
 from tauflow.media.dataset import checked_messages
 from tauflow.models.processor import Processed
@@ -98,8 +98,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # Tokenizing takes CPU time in proportion to the text: on threads of its own, never the default pool's
         # (which min_policy_version's waits and media decoding use), and a long text on one thread of its own, so
         # that long texts (262,144 characters: 0.56 s each) never hold up short ones, and use one core at most.
-        self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
-        self._tokenize_long = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
+        # Started now: a thread that cannot start mid-run (memory short for a moment) leaves its call waiting.
+        self._tokenize = started_executor(2, "tokenize")
+        self._tokenize_long = started_executor(1, "tokenize-long")
+
+    def close(self) -> None:
+        """Lets the tokenizing threads go (at the service's end)."""
+        for pool in (self._tokenize, self._tokenize_long):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- data plane ------------------------------------------------------------------------
 
