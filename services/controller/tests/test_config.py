@@ -71,6 +71,19 @@ def test_a_teacher_model_is_a_rollout_server_of_its_own_started_before_the_train
         ({"judge_model": "j"}, [["queue", "judge", "weights"], ["reward", "trainer"], ["rollout"]]),
         # the sidecar's ipc backend: trainer and rollout share a device, and the trainer takes its memory first
         ({"services": {"weights": {"backend": "ipc"}}}, [["queue", "reward", "weights"], ["trainer"], ["rollout"]]),
+        # either one on a GPU: they may share it, and the trainer takes its memory first, as one at a time
+        (
+            {"services": {"trainer": {"backend": {"device": "cuda"}}}},
+            [["queue", "reward", "weights"], ["trainer"], ["rollout"]],
+        ),
+        (
+            {"services": {"rollout": {"engine_options": {"device": "cuda:0"}}}},
+            [["queue", "reward", "weights"], ["trainer"], ["rollout"]],
+        ),
+        (
+            {"services": {"trainer": {"backend": {"device": "cpu"}}}},
+            [["queue", "reward", "weights"], ["trainer", "rollout"]],
+        ),
     ],
 )
 def test_roles_start_in_waves_once_the_peers_they_are_given_serve(

@@ -235,3 +235,50 @@ def test_each_step_is_bound_by_the_tau_in_force_at_its_delivery() -> None:
     steps = [(5, {1: 64}), (12, {0: 60, 1: 4}), (25, {2: 64})]
     assert violations(steps, 1, changes) == 4  # the 4 groups of staleness 1 at tau 0
     assert violations(steps, -1, []) == 0  # unbounded
+
+
+class GangLauncher(LoggingLauncher):
+    """Records a gang's start too; ``refuse`` names a role whose begin_start raises (the run stopping)."""
+
+    def __init__(self, tmp_path: Path, refuse: str = "") -> None:
+        super().__init__(tmp_path)
+        self.refuse = refuse
+
+    def begin_start(self, spec: ServiceSpec) -> ManagedService:
+        if spec.role == self.refuse:
+            raise ServiceFailed(spec.name, "the run is stopping: nothing more starts")
+        return super().begin_start(spec)
+
+    def start_gang(self, specs: list[ServiceSpec], rendezvous: object) -> list[ManagedService]:
+        self.events.append(("gang", specs[0].name))
+        members = [FakeLauncher.begin_start(self, s) for s in specs]
+        assert all(FakeLauncher.poll_start(self, s.name) for s in specs)  # (each ready on return)
+        return members
+
+
+def test_a_trainer_gang_starts_before_the_rollout_replicas_of_its_wave(tmp_path: Path) -> None:
+    # launcher ray places a gang's rank 0 on the sidecar's node: replicas placed first could take its room
+    from tauflow.controller.app import build_run
+    from tauflow.controller.config import RunConfig
+
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), trainer={"world_size": 2}))
+    launcher = GangLauncher(tmp_path)
+    run.launcher, run.scaler.target = launcher, 2  # type: ignore[assignment]
+    started = run._start_roles(["trainer", "rollout"], {})
+    assert [svc.name for svc in started["trainer"]] == ["trainer", "trainer-1"]
+    assert launcher.events[:3] == [("gang", "trainer"), ("begun", "rollout"), ("begun", "rollout-1")]
+
+
+def test_a_wave_refused_midway_polls_what_it_began_so_a_stopping_run_ends_it(tmp_path: Path) -> None:
+    # StopRun while a wave starts: the launcher refuses the next start; a process begun after the stop looked
+    # at the services is ended only by its poll (the local launcher kills it there when the run is stopping)
+    from tauflow.controller.app import build_run
+    from tauflow.controller.config import RunConfig
+
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
+    launcher = GangLauncher(tmp_path, refuse="weights")
+    run.launcher = launcher  # type: ignore[assignment]
+    with pytest.raises(ServiceFailed, match="stopping"):
+        run._start_roles(["queue", "reward", "weights"], {})
+    assert launcher.events[:2] == [("begun", "queue"), ("begun", "reward")]
+    assert set(launcher.polls) == {"queue", "reward"}

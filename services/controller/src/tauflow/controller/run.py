@@ -414,8 +414,8 @@ class Run:
         self.check_inputs()
 
     def launch(self) -> dict[str, str]:
-        """Starts every role in order (each learns its peers' addresses) and checks what it is; runs in a
-        thread."""
+        """Starts every role, in waves (``start_waves``: each learns its peers' addresses), and checks what it
+        is; runs in a thread."""
         # With launcher external the services, their state and their model are their deployment's: nothing
         # to set aside or prepare here.
         if self.launcher.starts_services:
@@ -439,11 +439,12 @@ class Run:
     def start_waves(self) -> list[list[str]]:
         """The roles in the waves they start in: each wave's roles together, once every role whose address
         they are given (``_settings``) serves. Together, the launch takes as long as its slowest role per wave,
-        not the sum of all (a model load each for the trainer and the rollout). With the sidecar's ``ipc``
-        backend the rollout starts after the trainer: the two share a device, and the trainer takes its memory
-        first, as it would one at a time."""
+        not the sum of all (a model load each for the trainer and the rollout on CPUs). Where the trainer and
+        the rollout may share a device (a GPU, or the sidecar's ``ipc`` backend), the rollout starts after the
+        trainer: the trainer takes its memory first, as it did one role at a time (an engine that sizes its
+        cache by the memory it finds free would otherwise leave the trainer none)."""
         needs = {role: set(peers) for role, peers in START_NEEDS.items()}
-        if flatten(self.config.services.get("weights", {})).get("backend") == "ipc":
+        if self._may_share_a_device():
             needs[ROLLOUT] = needs[ROLLOUT] | {"trainer"}
         pending, waves = self.roles, []
         while pending:
@@ -452,10 +453,20 @@ class Run:
             pending = [role for role in pending if role not in wave]
         return waves
 
+    def _may_share_a_device(self) -> bool:
+        """Whether the trainer and the rollout may share a device: the sidecar's ``ipc`` backend, or either one
+        on anything but the CPU (the run config's settings; both default to the CPU)."""
+        settings = {role: flatten(self.config.services.get(role, {})) for role in ("weights", "trainer", ROLLOUT)}
+        devices = (
+            settings["trainer"].get("backend.device", "cpu"),
+            settings[ROLLOUT].get("engine_options.device", "cpu"),
+        )
+        return settings["weights"].get("backend") == "ipc" or any(str(d).lower() != "cpu" for d in devices)
+
     @property
     def roles(self) -> list[str]:
-        """The roles in the order they start: each learns its peers' addresses (the teacher, when the run has
-        one, before the trainer that asks it)."""
+        """The roles, each after the peers whose addresses it is given (the teacher, when the run has one,
+        before the trainer that asks it); ``start_waves`` says which start together."""
         roles = list(ROLES)
         if self.config.teacher_model:
             roles.insert(roles.index("trainer"), TEACHER)
@@ -464,25 +475,35 @@ class Run:
         return roles
 
     def _start_roles(self, roles: list[str], addresses: Mapping[str, str]) -> dict[str, list[Service]]:
-        """Every process of ``roles``, all at once, each serving on return: the trainer's ranks as a gang, the
-        rollout replicas side by side (each loads its model meanwhile: one after another, the launch took as
-        many loads as there are processes). A process that fails to start raises ServiceFailed (the launch
-        fails, naming it; the run's stop ends the others)."""
-        gang = "trainer" in roles and self.config.trainer.world_size > 1
+        """Every process of ``roles``, all at once, each serving on return: the rollout replicas side by side
+        (each loads its model meanwhile: one after another, the launch took as many loads as there are
+        processes), a trainer of several ranks first, as a gang (launcher ray places its rank 0 on the
+        sidecar's node before the others take room there). A process that fails to start raises ServiceFailed
+        (the launch fails, naming it; the run's stop ends the others)."""
         begun: dict[str, list[Service]] = {}
-        for role in roles:
-            if role == "trainer" and gang:
-                continue
-            count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
-            begun[role] = [self.launcher.begin_start(self._spec(role, index, addresses)) for index in range(count)]
-        if gang:  # (the others start meanwhile)
-            specs = [self._spec("trainer", rank, addresses) for rank in range(self.config.trainer.world_size)]
-            begun["trainer"] = list(self.launcher.start_gang(specs, RENDEZVOUS))
-        waiting = [svc.name for role in roles if not (role == "trainer" and gang) for svc in begun[role]]
-        while waiting:
-            waiting = [name for name in waiting if not self.launcher.poll_start(name)]
-            if waiting:
-                time.sleep(0.05)
+        names: list[str] = []  # begun, not yet seen serving
+        try:
+            if "trainer" in roles and self.config.trainer.world_size > 1:
+                specs = [self._spec("trainer", rank, addresses) for rank in range(self.config.trainer.world_size)]
+                begun["trainer"] = list(self.launcher.start_gang(specs, RENDEZVOUS))
+            for role in (r for r in roles if r not in begun):
+                count = self.scaler.target if role == ROLLOUT and self.launcher.starts_services else 1
+                begun[role] = []
+                for index in range(count):
+                    begun[role].append(self.launcher.begin_start(self._spec(role, index, addresses)))
+                    names.append(begun[role][-1].name)
+            waiting = list(names)
+            while waiting:
+                waiting = [name for name in waiting if not self.launcher.poll_start(name)]
+                if waiting:
+                    time.sleep(0.05)
+        except BaseException:
+            # A run stopped meanwhile: a process begun after the stop looked at the services is ended by its
+            # poll (nothing else would end it); one that still loads otherwise is the run's stop's to end.
+            for name in names:
+                with contextlib.suppress(Exception):
+                    self.launcher.poll_start(name)
+            raise
         return {role: begun[role] for role in roles}
 
     def _rollout_count(self) -> int:
