@@ -35,8 +35,9 @@ def test_gsm8k_smoke_runs_chats_and_the_math_reward_through_every_service(tmp_pa
     assert summary["status"] == "completed" and len(summary["steps"]) == 4
     versions = [e["policy_version"] for e in summary["evals"]]  # (an evaluation may come a version late)
     assert versions[0] == 0 and versions[-1] == 4 and all(e["prompts"] == 10 for e in summary["evals"])
-    # every step took its groups (a tiny model scores 0 on GSM8K, so they carry no advantage: no learning asked)
-    assert all(s["groups"] == 4 for s in summary["steps"]) and summary["tokens_per_s"] > 0
+    # every step took its groups (a tiny model scores 0 on GSM8K, so they carry no advantage: no learning asked,
+    # and a group with no advantage trains no token: tokens/s is 0 unless a sample happened to score)
+    assert all(s["groups"] == 4 for s in summary["steps"])
 
 
 def test_code_recipe_learns_through_the_sandbox(tmp_path: Path) -> None:

@@ -157,6 +157,72 @@ def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp
     assert len(summary.steps) < 10  # stopped, not run to 1000 steps
 
 
+class PausedTrainer(SteppingTrainer):
+    """A trainer (fake) started paused: it steps only once resumed, and records when that was."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events, self.paused = events, True
+
+    async def ListSteps(self, request, context):
+        if self.paused:
+            return trainer_pb2.ListStepsResponse()
+        return await super().ListSteps(request, context)
+
+    async def GetStatus(self, request, context):
+        return trainer_pb2.GetStatusResponse(state=trainer_pb2.TRAINER_STATE_FINISHED, policy_version=self.version)
+
+    async def Resume(self, request, context):
+        self.events.append("resume")
+        self.paused = False
+        return trainer_pb2.ResumeResponse(policy_version=self.version)
+
+
+class CountingRollout(AlwaysRight):
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    async def Generate(self, request, context):
+        self.events.append("generate")
+        return await super().Generate(request, context)
+
+
+def test_the_trainer_starts_paused_and_trains_once_the_first_evaluation_is_done(tmp_path, channels) -> None:
+    # A step taken before the run's first evaluation made its baseline an evaluation of version 1 or later (a
+    # recipe whose steps are quick: the trainer served after the rollout had filled the queue).
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"id": "1", "prompt": "1+1=", "answer": "2"}\n')
+    events: list[str] = []
+    config = RunConfig(model="m", dataset="d", steps=4, eval={"dataset": str(heldout), "every_steps": 2},
+                       out_dir=str(tmp_path))  # fmt: skip
+    run = follower(config)
+    assert run._settings("trainer", {})["start_paused"] is True
+    no_eval = RunConfig(model="m", dataset="d", steps=4, out_dir=str(tmp_path / "no-eval"))
+    assert "start_paused" not in build_run(no_eval)._settings("trainer", {})  # nothing to wait for
+
+    async def scenario():
+        server = grpc.aio.server()
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(PausedTrainer(events), server)
+        queue_pb2_grpc.add_QueueServiceServicer_to_server(EmptyQueue(), server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(CountingRollout(events), server)
+        reward_pb2_grpc.add_RewardServiceServicer_to_server(AlwaysRight(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        addresses = {"trainer": address, "queue": address, "rollout": address, "reward": address, "weights": address}
+        try:
+            return await asyncio.wait_for(run.follow(addresses), timeout=30)
+        finally:
+            await server.stop(0)
+
+    summary = asyncio.run(scenario())
+    assert _all_closed(channels)
+    assert events[:2] == ["generate", "resume"] and events.count("resume") == 1, events
+    assert summary.evals[0].policy_version == 0 and len(summary.steps) == 4
+    # a trainer process (re)started from now on trains at once
+    assert "start_paused" not in run._settings("trainer", {})
+
+
 def test_the_prepare_command_gets_the_run_seed_and_tauflows_interpreter(tmp_path) -> None:
     import sys
 

@@ -154,6 +154,58 @@ def test_once_stopped_the_launcher_starts_and_restarts_nothing(tmp_path) -> None
     assert launcher.check() == []
 
 
+class DrainingProcess:
+    """A service process that drains on SIGTERM (at once, or never: ``ignores_term``) and records what the
+    launcher did to it in ``events``."""
+
+    def __init__(self, name: str, events: list[tuple[str, str]], ignores_term: bool = False) -> None:
+        self.name, self.events, self.ignores_term, self.code = name, events, ignores_term, None
+        self.pid = 0
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def send_signal(self, sig: int) -> None:
+        self.events.append(("term", self.name))
+        if not self.ignores_term:
+            self.code = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.code is None:
+            time.sleep(timeout or 0)
+            raise subprocess.TimeoutExpired(self.name, timeout or 0)
+        self.events.append(("exited", self.name))
+        return self.code
+
+
+def test_the_stop_drains_the_rollout_and_trainer_before_the_services_they_call(tmp_path) -> None:
+    # The run's stop order (run.STOP_ORDER): the rollout gives its unused tickets back to the queue and the
+    # trainer's last acknowledgements land only while the queue, the sidecar and the reward still answer.
+    from tauflow.controller.launcher import ManagedService
+    from tauflow.controller.run import STOP_ORDER
+
+    class Launcher(LocalLauncher):
+        def _kill(self, svc: ManagedService) -> None:
+            events.append(("kill", svc.name))
+            svc.proc.code = -9
+
+    events: list[tuple[str, str]] = []
+    launcher = Launcher(tmp_path)
+    roles = ["queue", "reward", "weights", "trainer", "rollout", "rollout-1", "metrics-agent"]
+    for name in roles:
+        svc = ManagedService(ServiceSpec(name, role=name.split("-")[0] if name != "metrics-agent" else name), tmp_path)
+        svc.proc = DrainingProcess(name, events, ignores_term=name == "trainer")
+        launcher.services[name] = svc
+    codes = launcher.stop(order=STOP_ORDER, grace_s=0.2)
+    assert codes == {**dict.fromkeys(roles, 0), "trainer": -9}
+    first = {"rollout", "rollout-1", "trainer"}
+    # the first stage at once; the next once each of the first has exited (the trainer killed after the grace)
+    assert {name for _, name in events[:3]} == first and {what for what, _ in events[:3]} == {"term"}
+    assert ("kill", "trainer") in events[3:7] and {name for _, name in events[3:7]} == first
+    services = [name for what, name in events[7:] if what == "term"]
+    assert set(services[:3]) == {"queue", "reward", "weights"} and services[3:] == ["metrics-agent"]
+
+
 def test_a_process_spawned_as_the_run_stopped_is_killed_by_its_starter(tmp_path) -> None:
     # stop() looks at the services once: a launch thread that registered a service before it and spawned the
     # process after it would leave that process behind; the starter, told the run is stopping, kills it.

@@ -411,6 +411,24 @@ def test_a_checkpoint_whose_caller_leaves_finishes_before_the_next_step_and_acks
     asyncio.run(stop_during_the_final_checkpoint())
 
 
+def test_a_trainer_started_paused_takes_no_batch_until_resumed(tiny_model_dir, make_groups, tmp_path) -> None:
+    # start_paused: tauflow run holds the trainer until its first evaluation (of the starting weights) is done
+    groups = make_groups(1, 2)
+    queue = FakeQueue(list(groups))
+    loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=1, start_paused=True)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        await _until(lambda: loop.state is State.PAUSED, task, timeout_s=60)
+        await asyncio.sleep(0.3)
+        assert loop.version == 0 and queue.pending == groups  # nothing leased, nothing trained
+        loop.resume()
+        await asyncio.wait_for(task, 60)
+        assert loop.version == 1 and loop.state is State.FINISHED
+
+    asyncio.run(scenario())
+
+
 def test_a_pause_during_the_long_poll_gives_the_batch_back_and_a_finished_trainer_stays_finished(
     tiny_model_dir, make_groups, tmp_path
 ) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +127,7 @@ class ExternalLauncher:
     def update_settings(self, role: str, settings: Mapping[str, Any]) -> None:
         """Nothing to keep: the deployment configures its services (the run re-applies a live τ itself)."""
 
-    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
+    def stop(self, order: Sequence[Sequence[str]] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
         """Stops nothing: the services are their deployment's (a launch still waiting for one gives up)."""
         self.stopping = True
         return {}

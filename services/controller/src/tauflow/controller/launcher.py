@@ -194,7 +194,9 @@ class Launcher(Protocol):
 
     def update_settings(self, role: str, settings: Mapping[str, Any]) -> None: ...
 
-    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]: ...
+    def stop(
+        self, order: Sequence[Sequence[str]] | None = None, grace_s: float | None = None
+    ) -> dict[str, int | None]: ...
 
     def addresses(self) -> Mapping[str, str]: ...
 
@@ -639,36 +641,46 @@ class ProcessLauncher:
             if svc.role == role:
                 svc.spec.settings.update(settings)
 
-    def stop(self, order: list[str] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
-        """SIGTERM (graceful drain) in ``order`` (roles; every process of a role at once), then SIGKILL
-        whatever is left after ``grace_s`` (default: ``stop_grace_s``; 0: at once); returns exit codes."""
+    def stop(self, order: Sequence[Sequence[str]] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
+        """Stops every service in stages: ``order`` lists them (each a list of roles); a stage's processes
+        get SIGTERM (graceful drain) together once the stage before has exited, and SIGKILL whatever of it
+        is left after ``grace_s`` (default: ``stop_grace_s``; 0: at once). Services of no named role stop
+        last. Without ``order``: one stage, all at once. Returns exit codes."""
         self.stopping = True
         grace_s = self.stop_grace_s if grace_s is None else grace_s
         if order is None:
-            names = list(reversed(self.services))
+            stages = [list(reversed(self.services))]
         else:
-            names = [svc.name for role in order for svc in list(self.services.values()) if svc.role == role]
-            names += [name for name in reversed(self.services) if name not in names]
+            stages = [[svc.name for role in stage for svc in list(self.services.values()) if svc.role == role]
+                      for stage in order]  # fmt: skip
+            named = {name for stage in stages for name in stage}
+            stages.append([name for name in reversed(self.services) if name not in named])
+        codes: dict[str, int | None] = {}
         try:
-            for name in names:
-                svc = self.services.get(name)
-                if svc and svc.proc and svc.proc.poll() is None:
-                    svc.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            codes: dict[str, int | None] = {}
-            for name in names:
-                svc = self.services.get(name)
-                if not svc or not svc.proc:
-                    continue
-                try:
-                    codes[name] = svc.proc.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._kill(svc)
-                    codes[name] = svc.proc.wait(self.stop_grace_s)
-                    log.warning("killed after the grace period", extra={"service": name})
+            for stage in stages:
+                codes.update(self._stop_stage(stage, grace_s))
             return codes
         finally:
             self._release()
+
+    def _stop_stage(self, names: list[str], grace_s: float) -> dict[str, int | None]:
+        for name in names:
+            svc = self.services.get(name)
+            if svc and svc.proc and svc.proc.poll() is None:
+                svc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int | None] = {}
+        for name in names:
+            svc = self.services.get(name)
+            if not svc or not svc.proc:
+                continue
+            try:
+                codes[name] = svc.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(svc)
+                codes[name] = svc.proc.wait(self.stop_grace_s)
+                log.warning("killed after the grace period", extra={"service": name})
+        return codes
 
     def addresses(self) -> Mapping[str, str]:
         return {name: svc.address for name, svc in self.services.items() if svc.info}

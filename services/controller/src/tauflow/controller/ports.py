@@ -118,6 +118,8 @@ class TrainerPort(Protocol):
 
     async def set_max_staleness(self, tau: int) -> None: ...
 
+    async def resume(self) -> None: ...  # a trainer started paused (start_paused) takes its steps; idempotent
+
     async def close(self) -> None: ...
 
 

@@ -72,15 +72,10 @@ EVAL_ATTEMPTS = 3  # failed attempts in a row before an evaluation is given up
 MEMBERS_EVERY_S = 5.0  # launcher external: how often the sidecar's rollout members are read
 CHECK_TIMEOUT_S = 5.0  # the check of a restarted process: a hung one must not hold the loop (it restarts the others)
 RUN_TOKEN_FILE = "run.token"  # in out_dir, 0600, written by the first run there (tauflow.core.runtoken)
-STOP_ORDER = [
-    "rollout",
-    "trainer",
-    "teacher",
-    "weights",
-    "reward",
-    "judge",
-    "queue",
-]  # roles: every process of each at once
+# The stop, in stages: the rollout and the trainer drain first, while the services they call still answer
+# (the rollout gives its unused tickets back to the queue, the trainer's last acknowledgements land), then the
+# services; every process of a stage at once.
+STOP_ORDER = [["rollout", "trainer"], ["teacher", "weights", "reward", "judge", "queue"]]
 MAX_TAU = 1_000_000  # SetMaxStaleness's bound (controller.v1)
 RENDEZVOUS = Rendezvous("distributed.master_address")  # the trainer's ranks find each other there
 WRITE_FAILURE_LOG_EVERY_S = 60.0  # a file that cannot be written (a full disk): one log line per this, at most
@@ -204,6 +199,7 @@ class Run:
         self._tau_log = LogLimit(10.0)  # a token holder may change τ thousands of times a minute
         self._watchdog = LoopWatchdog()  # the time the controller itself did not run is no stall of the run
         self.resumed_version = 0  # --resume: the version the trainer resumed at
+        self._trainer_released = False  # the run's first evaluation done: the trainer trains (_release_trainer)
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
         self._peers: Peers | None = None  # while the run trains: the live changes use its clients
@@ -258,6 +254,9 @@ class Run:
                 "backend.temperature": config.temperature,
                 **({"backend.response_tokens": budget} if budget else {}),
                 **({"backend.teacher_address": addresses[TEACHER]} if addresses.get(TEACHER) else {}),
+                # held until the run's first evaluation is done (``_release_trainer``): a step taken before it
+                # made the baseline an evaluation of version 1 or later
+                **({"start_paused": True} if self.config.eval.dataset and not self._trainer_released else {}),
             },
             # A rollout server that only scores: no data set (no producer loop), no weight sidecar (its weights
             # never change), its own server id.
@@ -547,6 +546,8 @@ class Run:
                     break  # the services are stopped (drained) by execute(); the last checkpoint stays
             else:
                 self.progress.message = ""
+            if not self._trainer_released:  # the first evaluation is done (or there is none): train
+                await self._release_trainer(peers, following)
             self.on_progress(self.progress)
             if done:
                 self._peers = None  # the run is ending: no live change any more
@@ -592,7 +593,8 @@ class Run:
             following.progressed_at = time.monotonic()
 
     async def _check_restarted(self, name: str) -> None:
-        """CheckPeer of a process (re)started: kept in ``_unchecked`` until it answers."""
+        """CheckPeer of a process (re)started: kept in ``_unchecked`` until it answers. A trainer's process
+        started paused before the run released the trainer is resumed here."""
         svc = self.launcher.services.get(name)
         if svc is None:  # (stopped for good meanwhile: a replica scaled in)
             self._unchecked.discard(name)
@@ -601,11 +603,35 @@ class Run:
             await self.check_peer(
                 svc.role, svc.address, self.summary.services, name, _follower(svc), timeout_s=CHECK_TIMEOUT_S
             )
+            if svc.role == "trainer" and svc.index == 0 and self._trainer_released and self._peers is not None:
+                await self._resume_trainer(self._peers)
         except PeerUnavailable as e:  # died again, or hangs: its restarts (or the stall timeout) decide
             log.warning("a restarted service did not say what it is; asked again", extra={"service": name,
                         "code": e.code})  # fmt: skip
             return
         self._unchecked.discard(name)
+
+    async def _release_trainer(self, peers: Peers, following: Following) -> None:
+        """Lets the trainer, started paused (``start_paused``), take its steps once the run's first evaluation
+        is done: its later processes start unpaused, and one started paused before that is resumed when its
+        restart is checked (``_check_restarted``)."""
+        self._trainer_released = True
+        if not self.config.eval.dataset:  # (started unpaused: nothing to release)
+            return
+        self.launcher.update_settings("trainer", {"start_paused": False})
+        following.progressed_at = time.monotonic()  # (the stall timeout counts from the release)
+        try:
+            await self._resume_trainer(peers)
+        except PeerUnavailable as e:  # restarting: resumed once its restart is checked
+            log.warning("could not resume the trainer yet", extra={"code": e.code})
+
+    async def _resume_trainer(self, peers: Peers) -> None:
+        try:
+            await peers.trainer.resume()
+        except PeerUnavailable:
+            raise
+        except PeerError as e:  # FAILED_PRECONDITION: failed (its restart comes) or stopping: nothing to resume
+            log.warning("the trainer could not be resumed", extra={"code": e.code})
 
     async def _read_members(self, peers: Peers) -> None:
         """Launcher external: the rollout servers the weight sidecar lists (they come and go with their

@@ -34,6 +34,11 @@ class TrainerConfig(ServiceConfig):
     lease_s: float = Field(120.0, gt=0, description="lease length; held leases are renewed at half of it")
     get_wait_s: float = Field(5.0, gt=0, description="long poll of each Get")
     history_steps: int = Field(100_000, ge=1, description="step metrics kept for ListSteps")
+    start_paused: bool = Field(
+        False,
+        description="begin paused, taking no step until Resume: tauflow run sets it so that its first "
+        "evaluation is of the weights the run starts from",
+    )
     channel: ChannelConfig = ChannelConfig()
     media: MediaConfig = Field(MediaConfig(), description="media URIs' roots and decoded bounds (a multimodal policy)")
     distributed: DistributedConfig = Field(

@@ -136,7 +136,8 @@ class TrainerLoop:
         self._held: list[HeldLease] = []  # trained, not yet held by a checkpoint: not acked
         self._since_checkpoint: set[str] = set()  # group ids trained after the last checkpoint
         self._running = asyncio.Event()
-        self._running.set()
+        if not config.start_paused:
+            self._running.set()
         self._lock = asyncio.Lock()  # one step or checkpoint at a time
         self._sidecar_asked = time.monotonic()  # (see _republish_if_lost)
         self._writes: dict[Path, asyncio.Task[CheckpointInfo]] = {}  # the checkpoint writes under way, by folder

@@ -1,4 +1,4 @@
-"""The controller's client of the trainer (TrainerService): the steps it committed, its state, the dial."""
+"""The controller's client of the trainer (TrainerService): the steps it committed, its state, the dial, the start."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ class TrainerClient:
     async def set_max_staleness(self, tau: int) -> None:
         with peer_errors("trainer"):  # idempotent by value: the channel retries it
             await self._stub.SetMaxStaleness(trainer_pb2.SetMaxStalenessRequest(max_staleness=tau))
+
+    async def resume(self) -> None:
+        with peer_errors("trainer"):  # idempotent: the channel retries it
+            await self._stub.Resume(trainer_pb2.ResumeRequest(), timeout=POLL_TIMEOUT_S)
 
     async def close(self) -> None:
         await self._channel.close()
