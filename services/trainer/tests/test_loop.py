@@ -416,12 +416,16 @@ def test_a_trainer_started_paused_takes_no_batch_until_resumed(tiny_model_dir, m
     groups = make_groups(1, 2)
     queue = FakeQueue(list(groups))
     loop = _loop(tiny_model_dir, tmp_path / "ckpt", queue, None, total=1, start_paused=True)
+    keepalives: list[float] = []
+    loop.backend.keepalive = lambda: keepalives.append(time.monotonic())  # type: ignore[method-assign]
 
     async def scenario() -> None:
         task = asyncio.create_task(loop.run())
         await _until(lambda: loop.state is State.PAUSED, task, timeout_s=60)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.35)
         assert loop.version == 0 and queue.pending == groups  # nothing leased, nothing trained
+        # the other ranks of a gang hear that rank 0 lives while it waits (they give up on a silent one)
+        assert len(keepalives) >= 2
         loop.resume()
         await asyncio.wait_for(task, 60)
         assert loop.version == 1 and loop.state is State.FINISHED

@@ -64,6 +64,7 @@ from tauflow.core.net import free_port
 
 log = logging.getLogger(__name__)
 
+STAGE_GRACE_S = 5.0  # the least a stage of the stop has to drain when an earlier one used up the grace period
 MAX_BACKOFF_S = 60.0  # the longest wait before a restart (1, 2, 4 ... s, then a minute each)
 
 
@@ -643,9 +644,11 @@ class ProcessLauncher:
 
     def stop(self, order: Sequence[Sequence[str]] | None = None, grace_s: float | None = None) -> dict[str, int | None]:
         """Stops every service in stages: ``order`` lists them (each a list of roles); a stage's processes
-        get SIGTERM (graceful drain) together once the stage before has exited, and SIGKILL whatever of it
-        is left after ``grace_s`` (default: ``stop_grace_s``; 0: at once). Services of no named role stop
-        last. Without ``order``: one stage, all at once. Returns exit codes."""
+        get SIGTERM (graceful drain) together once the stage before has exited, and SIGKILL whatever of any
+        stage is left at the end of ``grace_s`` (default: ``stop_grace_s``; 0: at once), one period for the
+        whole stop; a stage that begins after it still has STAGE_GRACE_S (or ``grace_s`` if shorter) to
+        drain. Services of no named role stop last. Without ``order``: one stage, all at once. Returns exit
+        codes (None: a process that outlived its SIGKILL's wait)."""
         self.stopping = True
         grace_s = self.stop_grace_s if grace_s is None else grace_s
         if order is None:
@@ -655,20 +658,21 @@ class ProcessLauncher:
                       for stage in order]  # fmt: skip
             named = {name for stage in stages for name in stage}
             stages.append([name for name in reversed(self.services) if name not in named])
+        deadline = time.monotonic() + grace_s
         codes: dict[str, int | None] = {}
         try:
             for stage in stages:
-                codes.update(self._stop_stage(stage, grace_s))
+                begun = time.monotonic()
+                codes.update(self._stop_stage(stage, max(deadline, begun + min(grace_s, STAGE_GRACE_S))))
             return codes
         finally:
             self._release()
 
-    def _stop_stage(self, names: list[str], grace_s: float) -> dict[str, int | None]:
+    def _stop_stage(self, names: list[str], deadline: float) -> dict[str, int | None]:
         for name in names:
             svc = self.services.get(name)
             if svc and svc.proc and svc.proc.poll() is None:
                 svc.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
         codes: dict[str, int | None] = {}
         for name in names:
             svc = self.services.get(name)
@@ -678,8 +682,12 @@ class ProcessLauncher:
                 codes[name] = svc.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self._kill(svc)
-                codes[name] = svc.proc.wait(self.stop_grace_s)
                 log.warning("killed after the grace period", extra={"service": name})
+                try:
+                    codes[name] = svc.proc.wait(self.stop_grace_s)
+                except subprocess.TimeoutExpired:  # (the next stages stop all the same)
+                    codes[name] = None
+                    log.warning("still running after SIGKILL", extra={"service": name})
         return codes
 
     def addresses(self) -> Mapping[str, str]:

@@ -200,6 +200,7 @@ class Run:
         self._watchdog = LoopWatchdog()  # the time the controller itself did not run is no stall of the run
         self.resumed_version = 0  # --resume: the version the trainer resumed at
         self._trainer_released = False  # the run's first evaluation done: the trainer trains (_release_trainer)
+        self._resume_pending = False  # a trainer process to resume (the release, or one restarted before it)
         self.scaler = RolloutScaler(config.rollout.replicas, MAX_ROLLOUT_REPLICAS)
         self.members: list[SidecarMember] = []  # launcher external: the rollout servers the sidecar lists
         self._peers: Peers | None = None  # while the run trains: the live changes use its clients
@@ -256,7 +257,7 @@ class Run:
                 **({"backend.teacher_address": addresses[TEACHER]} if addresses.get(TEACHER) else {}),
                 # held until the run's first evaluation is done (``_release_trainer``): a step taken before it
                 # made the baseline an evaluation of version 1 or later
-                **({"start_paused": True} if self.config.eval.dataset and not self._trainer_released else {}),
+                **({"start_paused": True} if self._holds_trainer and not self._trainer_released else {}),
             },
             # A rollout server that only scores: no data set (no producer loop), no weight sidecar (its weights
             # never change), its own server id.
@@ -539,6 +540,8 @@ class Run:
             done = version >= self.config.steps
             if heldout and (version >= following.next_eval or done):
                 evaluated = await self._evaluate(peers, heldout, version, done, following)
+                if not self._trainer_released:  # (nothing can progress while the trainer is held: no stall)
+                    following.progressed_at = time.monotonic()
                 if evaluated is Evaluated.RETRY:
                     await asyncio.sleep(POLL_S)
                     continue
@@ -547,7 +550,9 @@ class Run:
             else:
                 self.progress.message = ""
             if not self._trainer_released:  # the first evaluation is done (or there is none): train
-                await self._release_trainer(peers, following)
+                self._release_trainer(following)
+            if self._resume_pending:
+                await self._resume_trainer(peers)
             self.on_progress(self.progress)
             if done:
                 self._peers = None  # the run is ending: no live change any more
@@ -603,35 +608,42 @@ class Run:
             await self.check_peer(
                 svc.role, svc.address, self.summary.services, name, _follower(svc), timeout_s=CHECK_TIMEOUT_S
             )
-            if svc.role == "trainer" and svc.index == 0 and self._trainer_released and self._peers is not None:
-                await self._resume_trainer(self._peers)
+            if svc.role == "trainer" and svc.index == 0 and self._trainer_released and self._holds_trainer:
+                self._resume_pending = True  # (it may have started paused, before the release)
         except PeerUnavailable as e:  # died again, or hangs: its restarts (or the stall timeout) decide
             log.warning("a restarted service did not say what it is; asked again", extra={"service": name,
                         "code": e.code})  # fmt: skip
             return
         self._unchecked.discard(name)
 
-    async def _release_trainer(self, peers: Peers, following: Following) -> None:
+    @property
+    def _holds_trainer(self) -> bool:
+        """Whether this run starts its trainer paused until its first evaluation is done (a deployed trainer,
+        launcher external, trains without the controller's word)."""
+        return bool(self.config.eval.dataset) and self.launcher.starts_services
+
+    def _release_trainer(self, following: Following) -> None:
         """Lets the trainer, started paused (``start_paused``), take its steps once the run's first evaluation
-        is done: its later processes start unpaused, and one started paused before that is resumed when its
-        restart is checked (``_check_restarted``)."""
+        is done: its later processes start unpaused, and the one that runs is resumed (``_resume_trainer``;
+        one started paused before the release is resumed once its restart is checked)."""
         self._trainer_released = True
-        if not self.config.eval.dataset:  # (started unpaused: nothing to release)
+        if not self._holds_trainer:
             return
         self.launcher.update_settings("trainer", {"start_paused": False})
         following.progressed_at = time.monotonic()  # (the stall timeout counts from the release)
-        try:
-            await self._resume_trainer(peers)
-        except PeerUnavailable as e:  # restarting: resumed once its restart is checked
-            log.warning("could not resume the trainer yet", extra={"code": e.code})
+        self._resume_pending = True
 
     async def _resume_trainer(self, peers: Peers) -> None:
+        """Resume, asked at each pass until the trainer has answered it (a call that failed, the trainer
+        restarting or slow to answer, must not leave it paused)."""
         try:
             await peers.trainer.resume()
-        except PeerUnavailable:
-            raise
+        except PeerUnavailable as e:
+            log.debug("the trainer did not answer Resume; asked again", extra={"code": e.code})
+            return
         except PeerError as e:  # FAILED_PRECONDITION: failed (its restart comes) or stopping: nothing to resume
             log.warning("the trainer could not be resumed", extra={"code": e.code})
+        self._resume_pending = False
 
     async def _read_members(self, peers: Peers) -> None:
         """Launcher external: the rollout servers the weight sidecar lists (they come and go with their

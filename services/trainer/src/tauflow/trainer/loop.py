@@ -160,13 +160,13 @@ class TrainerLoop:
             await self._start()
             waited_from = time.monotonic()
             while not self.done():
-                if not self._running.is_set():
-                    self.state = State.PAUSED
-                    await self._running.wait()
                 await self._renew(self._held)
                 if self.backend.config.offload_model:  # (no thread hop per poll otherwise)
                     async with self._lock:
-                        await self._release_memory()
+                        await self._release_memory()  # (before a pause too: the engine has the device meanwhile)
+                if not self._running.is_set():
+                    self.state = State.PAUSED
+                    await self._wait_while_paused()
                 self.state = State.WAITING_FOR_DATA
                 parts = await self._lease_batch()
                 if parts and not self._running.is_set():  # paused during the long poll: nothing trains
@@ -374,6 +374,16 @@ class TrainerLoop:
                 log.warning(
                     "could not publish the version again", extra={"version": self.version, "error": repr(e)[:300]}
                 )
+
+    async def _wait_while_paused(self) -> None:
+        """Until resumed, telling the other ranks now and then that rank 0 lives (they give up on a silent one)
+        and keeping its held leases."""
+        while not self._running.is_set():
+            try:
+                await asyncio.wait_for(self._running.wait(), self.config.get_wait_s)
+            except TimeoutError:
+                await asyncio.to_thread(self.backend.keepalive)
+                await self._renew(self._held)
 
     async def _renew(self, leases: list[HeldLease]) -> None:
         """Renews each lease held for more than half of its length."""
