@@ -662,21 +662,22 @@ class HFEngine(GenerationEngine):
         with self._cv:
             if self._cv.wait_for(self._has_work, timeout=self._release_after_idle_s):
                 return  # work came first
+        moved = None
         try:
             if self._offload is not None and offload:
                 moved = self._offload.to_host()  # (on a GPU it empties the cache too)
                 self._served_since_offload = False
-                self.counters["weight_offloads"] += 1
-                if self.counters["weight_offloads"] == 1:
-                    _log.info(
-                        "hf engine %s: weights offloaded to host memory while idle (%d bytes)", self.engine_id, moved
-                    )
             else:
                 torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001 - e.g. no pinned host memory left: serve on (what left comes back)
             _log.exception("hf engine %s: could not release memory while idle", self.engine_id)
             return
+        # Both counts move together, before the log line: a reader that saw the offload counted sees the release.
         self.memory_releases += 1
+        if moved is not None:
+            self.counters["weight_offloads"] += 1
+            if self.counters["weight_offloads"] == 1:
+                _log.info("hf engine %s: weights offloaded to host memory while idle (%d bytes)", self.engine_id, moved)
 
     def _wake(self) -> None:
         """Before a forward: the weights still in host memory come back (outside inference mode, so that a
