@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from tauflow.controller.config import RunConfig
-from tauflow.controller.progress import LiveTable, PlainLines, Progress, progress_view
+from tauflow.controller.progress import LiveTable, PlainLines, Progress, RunConsole, progress_view
 
 CONFIG = RunConfig(name="addition", model="m", dataset="d", steps=100, max_staleness=2)
 
@@ -109,3 +109,20 @@ def test_a_progress_stream_on_a_full_disk_skips_lines_and_goes_on() -> None:
         progress.version, clock.now = 7, 10.0
         view.update(progress)
     assert "step 7/100" in stream.getvalue()
+
+
+def test_the_final_lines_to_a_pipe_whose_reader_went_away_leave_the_exit_code_to_the_run() -> None:
+    # rich answers a BrokenPipeError with SystemExit(1): a run trained to its end exited 1 when `| head` had
+    # exited before the summary line
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream = os.fdopen(write_end, "w")
+    try:
+        console = RunConsole(file=stream, width=100)
+        console.print("run addition: 100 steps")  # (raised SystemExit with rich's Console)
+        assert console.quiet
+        console.print("target reached")  # quiet now: nothing written, nothing raised
+        stream.write("Python's own flush at exit finds a sink\n")
+        stream.flush()
+    finally:
+        stream.close()

@@ -29,7 +29,7 @@ from tauflow.controller.app import build_run, execute_with_control
 from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, RunConfig
 from tauflow.controller.launcher import LaunchFailed
 from tauflow.controller.ports import PeerError
-from tauflow.controller.progress import progress_view
+from tauflow.controller.progress import RunConsole, progress_view
 from tauflow.controller.run import MAX_TAU, OutDirInUse, RunStalled
 from tauflow.controller.summary import json_text
 from tauflow.core.app import one_line
@@ -37,7 +37,7 @@ from tauflow.core.config import ConfigError, load_config
 from tauflow.core.logs import setup_logging
 from tauflow.core.runtoken import TokenFileError
 
-console = Console(stderr=True)
+console = RunConsole(stderr=True)  # (a closed pipe quietens it: never SystemExit)
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:

@@ -49,6 +49,17 @@ def _output_failed(stream: IO[str], error: OSError, warned: bool) -> bool:
     return True
 
 
+class RunConsole(Console):
+    """rich's Console, save that a reader gone away ends nothing: rich's own answer to a BrokenPipeError is
+    ``SystemExit(1)``, so a run that had trained to its end exited 1 when its pipe's reader left before the
+    final lines. Here the console goes quiet (and its stream to /dev/null) instead; the exit code stays the
+    run's."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        _output_failed(self.file, BrokenPipeError(errno.EPIPE, "Broken pipe"), warned=False)
+
+
 @dataclass
 class Progress:
     """What the run shows; updated after every poll."""
