@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tauflow.controller.config import JUDGE, MAX_ROLLOUT_REPLICAS, ROLES, SCORERS, TEACHER, RunConfig, flatten
+from tauflow.controller.configrecord import settle_config
 from tauflow.controller.dial import TauChange
 from tauflow.controller.evaluation import evaluate, read_heldout
 from tauflow.controller.launcher import (
@@ -354,6 +355,9 @@ class Run:
         if not self._settled:  # (once per run: a run executed again goes on with its own record)
             self._settled = True
             settle_live(self._given, self.config)
+            # (the config as given: a live change taken back by the resume is not a change of its config)
+            if changes := settle_config(self._given):
+                self.summary.extra["resumed_config_changes"] = changes
 
     def _release_out_dir(self) -> None:
         self._claimed = False
