@@ -305,6 +305,28 @@ def test_a_rollout_server_with_the_sglang_backend_serves_generate(model_dir: Pat
                 assert list(s.token_versions) == [0] * 5 and s.finish_reason == common_pb2.FINISH_REASON_LENGTH
             (status,) = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10).engines
             assert status.backend == "sglang" and status.engine_id == "rollout-0-sglang"
+            # the server refuses the request itself: INVALID_ARGUMENT with its reason (asking again gets the
+            # same answer; UNAVAILABLE had callers retry it), asked once, and the service serves on
+            asked = len(generates(fake))
+            fake.answer_hook = lambda route, code, body: (
+                (400, {"error": {"message": "the input is longer than the context length"}})
+                if route == "/generate"
+                else (code, body)
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(rollout_pb2.GenerateRequest(prompt_token_ids=[1, 5], sampling=sampling), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "refused the request" in refused.value.details() and "context length" in refused.value.details()
+            assert len(generates(fake)) - asked <= 2  # one ask per sample, none again
+            fake.answer_hook = None
+            assert (
+                len(
+                    stub.Generate(
+                        rollout_pb2.GenerateRequest(prompt_token_ids=[1, 5], sampling=sampling), timeout=30
+                    ).samples
+                )
+                == 2
+            )
             # the server restarts without the weights: refused, UNAVAILABLE (was UNKNOWN), and the service ends,
             # non-zero, for its launcher to restart it (it answered UNAVAILABLE for good)
             fake.weight_version = "default"

@@ -87,6 +87,9 @@ UPDATE_SESSION_SINCE = (0, 5, 21)  # weight updates between /begin_weight_update
 MEMORY_TAGS = ("weights", "cuda_graph", "kv_cache")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 BUSY = (429, 503)  # a server with no room for now: its /generate is asked again
+# The server refused the request itself (its arguments, its length): asking again, there or at another
+# replica, gets the same answer, so the caller hears INVALID_ARGUMENT, not UNAVAILABLE (SGLangRefusal).
+REFUSED = (400, 413, 422)
 GENERATE_RETRIES = 3  # (after 0.5, 1 and 2 s)
 CONTROL_TRIES = (
     3  # /continue_generation and /end_weight_update: a server left paused, or its session open, serves nothing
@@ -99,6 +102,11 @@ class SGLangError(EngineUnavailableError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class SGLangRefusal(InvalidRequestError):
+    """The SGLang server refused a ``/generate`` as asked (HTTP 400, 413 or 422): the service answers
+    INVALID_ARGUMENT with the server's reason, and the caller does not ask again."""
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -582,6 +590,8 @@ class SGLangEngine(GenerationEngine):
             try:
                 return await self._post("/generate", body, timeout=self._request_timeout_s)
             except SGLangError as e:
+                if e.status in REFUSED:
+                    raise SGLangRefusal(f"the SGLang server refused the request: {e}") from e
                 if e.status not in BUSY or attempt == GENERATE_RETRIES:
                     raise
             await asyncio.sleep(0.5 * 2**attempt)
