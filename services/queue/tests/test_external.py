@@ -134,14 +134,25 @@ def _code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def _metrics(proc: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _metrics(
+    proc: ServiceProcess, prefix: str = "tauflow_queue_external_"
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{proc.info['metrics_port']}/metrics", timeout=5).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name.startswith("tauflow_queue_external_")
+        if s.name.startswith(prefix)
     }
+
+
+def _wait_for_waiting_reserves(proc: ServiceProcess, count: int) -> None:
+    """Until ``count`` Reserves wait in line at the queue (a fixed sleep raced the calls' arrival under load)."""
+    key = ("tauflow_queue_waiting_calls", (("method", "Reserve"),))
+    deadline = time.monotonic() + 10
+    while _metrics(proc, "tauflow_queue_waiting_calls").get(key) != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _metrics(proc, "tauflow_queue_waiting_calls").get(key) == count
 
 
 def test_the_external_port_serves_producers_with_a_token_and_records_the_client(tmp_path: Path) -> None:
@@ -292,7 +303,7 @@ def test_a_producer_released_by_id_gives_back_its_tickets_and_its_waiting_reserv
             )
             for request_id, producer in (("r4", "rollout-0"), ("s1", "rollout-1"))
         )
-        time.sleep(0.5)  # both wait in line
+        _wait_for_waiting_reserves(proc, 2)  # both wait in line
         assert not own.done() and not other.done()
         released = internal.ReleaseProducerReservations(
             q.ReleaseProducerReservationsRequest(producer_id="rollout-0"), timeout=5
@@ -352,7 +363,7 @@ def test_external_clients_cannot_take_the_room_of_tauflows_own_producers(tmp_pat
             stub.Reserve.future(q.ReserveRequest(request_id=f"w{i}", n_groups=1, wait=wait), metadata=b, timeout=10)
             for i in range(2)
         ]
-        time.sleep(0.5)
+        _wait_for_waiting_reserves(proc, 2)
         started = time.monotonic()
         code, details = _code(stub.Reserve, q.ReserveRequest(request_id="w2", n_groups=1, wait=wait), metadata=b)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "external.max_waiting_reserves" in details

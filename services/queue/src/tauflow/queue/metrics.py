@@ -36,6 +36,12 @@ class QueueMetrics:
         )
         self.capacity_groups = gauge("tauflow_queue_capacity_groups", "Groups the queue may hold (reserved included)")
         self.capacity_bytes = gauge("tauflow_queue_capacity_bytes", "Bytes the queue may hold")
+        self.waiting_calls = Gauge(
+            "tauflow_queue_waiting_calls",
+            "Long polls waiting in line now, by method (Get: the trainer's; Reserve: producers held by the pacing rule)",
+            ["method"],
+            registry=registry,
+        )
         self.put_groups = Counter("tauflow_queue_put_groups", "Groups newly accepted by Put", registry=registry)
         self.put_bytes = Counter("tauflow_queue_put_bytes", "Bytes of groups newly accepted by Put", registry=registry)
         self.put_media_parts = Counter(

@@ -198,6 +198,8 @@ class QueueServicer(queue_pb2_grpc.QueueServiceServicer):
         self.compacting: asyncio.Task[None] | None = None  # the compaction under way
         self._readers: set[_Reading] = set()  # the PutStreams' readers
         metrics.watch(queue.stats)
+        metrics.waiting_calls.labels("Get").set_function(lambda: len(self._gets))
+        metrics.waiting_calls.labels("Reserve").set_function(lambda: len(self._reserves))
 
     # -- plumbing ----------------------------------------------------------------------
 
