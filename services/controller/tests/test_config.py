@@ -64,6 +64,29 @@ def test_a_teacher_model_is_a_rollout_server_of_its_own_started_before_the_train
 
 
 @pytest.mark.parametrize(
+    ("env", "apart"),
+    [
+        ({"TAUFLOW_TRAINER_BACKEND__DEVICE": "cuda"}, True),
+        ({"TAUFLOW_ROLLOUT_ENGINE_OPTIONS__DEVICE": "cuda:0"}, True),
+        ({"TAUFLOW_WEIGHTS_BACKEND": "ipc"}, True),
+        ({"TAUFLOW_TRAINER_BACKEND__DEVICE": "cpu"}, False),
+    ],
+)
+def test_a_device_set_in_the_environment_the_roles_inherit_orders_the_waves_too(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], apart: bool
+) -> None:
+    # the roles read TAUFLOW_<ROLE>_<KEY> from the environment they inherit: the wave rule read the config only
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
+    assert run.start_waves()[1:] == ([["trainer"], ["rollout"]] if apart else [["trainer", "rollout"]])
+    # the environment's value is what the process reads over its settings file (the run config's)
+    services = {"trainer": {"backend": {"device": "cuda" if "TAUFLOW_TRAINER_BACKEND__DEVICE" in env else "cpu"}}}
+    pinned = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), services=services))
+    assert pinned.start_waves()[1:] == ([["trainer"], ["rollout"]] if apart else [["trainer", "rollout"]])
+
+
+@pytest.mark.parametrize(
     ("extra", "waves"),
     [
         ({}, [["queue", "reward", "weights"], ["trainer", "rollout"]]),

@@ -58,6 +58,7 @@ from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.controller.watchdog import LoopWatchdog
+from tauflow.core.config import parse_value
 from tauflow.core.logs import LogLimit
 from tauflow.core.runtoken import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
@@ -459,13 +460,22 @@ class Run:
 
     def _may_share_a_device(self) -> bool:
         """Whether the trainer and the rollout may share a device: the sidecar's ``ipc`` backend, or either one
-        on anything but the CPU (the run config's settings; both default to the CPU)."""
-        settings = {role: flatten(self.config.services.get(role, {})) for role in ("weights", "trainer", ROLLOUT)}
+        on anything but the CPU (both default to the CPU)."""
         devices = (
-            settings["trainer"].get("backend.device", "cpu"),
-            settings[ROLLOUT].get("engine_options.device", "cpu"),
+            self._role_setting("trainer", "backend.device"),
+            self._role_setting(ROLLOUT, "engine_options.device"),
         )
-        return settings["weights"].get("backend") == "ipc" or any(str(d).lower() != "cpu" for d in devices)
+        ipc = self._role_setting("weights", "backend") == "ipc"
+        return ipc or any(str(d).lower() != "cpu" for d in devices if d is not None)
+
+    def _role_setting(self, role: str, key: str) -> object:
+        """A role's setting as its process will read it: the environment variable it inherits
+        (``TAUFLOW_TRAINER_BACKEND__DEVICE=cuda``), which tauflow.core.config puts over its settings file, else
+        the run config's, else None."""
+        name = f"TAUFLOW_{role.upper()}_{key.upper().replace('.', '__')}"
+        if name in os.environ:
+            return parse_value(os.environ[name])
+        return flatten(self.config.services.get(role, {})).get(key)
 
     @property
     def roles(self) -> list[str]:
