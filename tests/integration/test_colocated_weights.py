@@ -93,8 +93,12 @@ def test_a_colocated_rollout_loads_the_trainers_buffer_and_refuses_a_torn_or_for
     m1, uri1 = publish(1)
     eventually("the rollout serves version 1", lambda: served()[0] == 1)
     torch.testing.assert_close(served()[1], logprobs_of(tiny_weights(1)), atol=atol, rtol=0)
-    members = sidecar.GetStatus(pb.GetStatusRequest()).members
-    assert [(m.member_id, m.confirmed_policy_version) for m in members] == [("rollout-0", 1)]
+
+    def confirmed() -> list[tuple[str, int]]:
+        return [(m.member_id, m.confirmed_policy_version) for m in sidecar.GetStatus(pb.GetStatusRequest()).members]
+
+    # (the rollout confirms after its load returns, from a task of its own: the sidecar learns it a moment later)
+    eventually("the sidecar records the rollout's confirmation", lambda: confirmed() == [("rollout-0", 1)])
 
     # Version 3 is staged into version 1's buffer (the stager alternates two): version 1 read now is torn.
     stager.stage(weights(2), 2)

@@ -50,6 +50,17 @@ class Pair:
         self.sender = senders[0]
 
 
+def wait_posted(group: Callable[[], WeightGroup | None]) -> None:
+    """Until the group's collective is posted and waited for (a fixed sleep raced the thread's start under load)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        g = group()
+        if g is not None and g.collectives_pending:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the collective was never posted")
+
+
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     out: dict[str, Any] = {}
 
@@ -114,7 +125,7 @@ def test_destroy_ends_a_receive_waiting_in_the_group_and_the_served_version_stay
 
     m2, d2 = staged(tmp_path, 2, 2.0)
     receiving, out = in_thread(lambda: receiver.receive_bucket(request(m2, first.sender)))
-    time.sleep(0.3)  # (the receive is posted; the sender never sends)
+    wait_posted(lambda: receiver.group)  # (the receive is posted; the sender never sends)
     started = time.monotonic()
     assert receiver.destroy_group(first.sender.name) is True
     assert time.monotonic() - started < QUICK_S
@@ -166,7 +177,7 @@ def test_abort_ends_a_send_waiting_for_a_receiver_that_never_posts(host: StoreHo
     manifest, data = staged(tmp_path, 1, 1.0)
     [bucket] = manifest.buckets
     sending, out = in_thread(lambda: send_bucket(pair.sender, bucket, data, policy_version=1))
-    time.sleep(0.3)
+    wait_posted(lambda: pair.sender)
     pair.sender.abort("member rx failed")
     sending.join(QUICK_S)
     assert not sending.is_alive() and out["seconds"] < QUICK_S + 0.3

@@ -347,7 +347,7 @@ def test_retries_stop_at_the_groups_budget(server: Server, rm: RemoteRewardModel
     server.behave = lambda seen, attempt: Reply(503, headers={"retry-after": "0.3"})
     start = time.monotonic()
     results = score(rm, make_group(["a"]), **json_cfg(server, retries=10, budget_s=1.0, fallback_score=-1.0))
-    assert time.monotonic() - start < 1.3
+    assert time.monotonic() - start < 2.0  # (ten retries after 0.3 s each would be 3 s and more)
     assert 2 <= server.attempts() <= 4
     assert failed(results, -1.0, 503.0)
 

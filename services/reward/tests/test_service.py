@@ -683,7 +683,7 @@ def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
                 ),
                 timeout=10,
             )
-            assert time.monotonic() - start < 1.0  # format's timeout: 1 s
+            assert time.monotonic() - start < 2.0  # format's timeout: 1 s (a backtracking match: for ever)
             assert [(s.reward.status, s.reward.score) for s in resp.groups[0].samples] == [(OK, 1.0), (OK, 0.0)]
             # A pattern whose work is large even for RE2: stopped at format's 1 s timeout, in the pool.
             start = time.monotonic()
@@ -698,14 +698,14 @@ def test_client_regexes_cannot_hang_the_service_and_sigterm_still_stops_it(
             took = time.monotonic() - start
             slow, fast = resp.groups[0].samples
             assert slow.reward.status == TIMEOUT and "within 1 s" in slow.reward.message
-            assert (fast.reward.status, fast.reward.score) == (OK, 0.0) and took < 3.0
+            assert (fast.reward.status, fast.reward.score) == (OK, 0.0) and took < 5.0  # (RE2 alone: 7 s)
             # The default pattern over a completion that makes Python's re quadratic (minutes): inline, fast.
             start = time.monotonic()
             resp = stub.Score(
                 reward_pb2.ScoreRequest(reward_fn="format", groups=[group("c", "<think></think><answer>" * 40_000)]),
                 timeout=10,
             )
-            assert resp.groups[0].samples[0].reward.status == OK and time.monotonic() - start < 1.0
+            assert resp.groups[0].samples[0].reward.status == OK and time.monotonic() - start < 2.0
         assert health.checks >= 10 and not health.failures and health.worst_s < 0.5, vars(health)
 
         # SIGTERM during a call of hostile patterns (12 samples of 1 s each, on one worker: 12 s): the process

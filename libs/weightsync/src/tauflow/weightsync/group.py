@@ -388,6 +388,12 @@ class WeightGroup:
     def aborted(self) -> bool:
         return self._aborted is not None
 
+    @property
+    def collectives_pending(self) -> int:
+        """The collectives a broadcast on the CPU waits for now (0: none posted, or all done)."""
+        with self._cond:
+            return len(self._pending)
+
     def destroy(self) -> None:
         """Leaves the group and frees its connections (idempotent); never blocks: a broadcast waiting in it
         raises (as after ``abort``), and a collective that still runs keeps the process group alive, aside,
