@@ -69,6 +69,7 @@ def test_a_teacher_model_is_a_rollout_server_of_its_own_started_before_the_train
         ({"TAUFLOW_TRAINER_BACKEND__DEVICE": "cuda"}, True),
         ({"TAUFLOW_ROLLOUT_ENGINE_OPTIONS__DEVICE": "cuda:0"}, True),
         ({"TAUFLOW_WEIGHTS_BACKEND": "ipc"}, True),
+        ({"TAUFLOW_TRAINER_BACKEND": "{device: cuda}"}, True),  # a whole section, as the process reads it
         ({"TAUFLOW_TRAINER_BACKEND__DEVICE": "cpu"}, False),
     ],
 )
@@ -80,10 +81,11 @@ def test_a_device_set_in_the_environment_the_roles_inherit_orders_the_waves_too(
         monkeypatch.setenv(name, value)
     run = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path)))
     assert run.start_waves()[1:] == ([["trainer"], ["rollout"]] if apart else [["trainer", "rollout"]])
-    # the environment's value is what the process reads over its settings file (the run config's)
-    services = {"trainer": {"backend": {"device": "cuda" if "TAUFLOW_TRAINER_BACKEND__DEVICE" in env else "cpu"}}}
+    # the run config's own setting wins (the launcher leaves out a variable the run's settings cover)
+    services = {"trainer": {"backend": {"device": "cpu"}}, "rollout": {"engine_options": {"device": "cpu"}}}
     pinned = build_run(RunConfig(model="m", dataset="d", steps=1, out_dir=str(tmp_path), services=services))
-    assert pinned.start_waves()[1:] == ([["trainer"], ["rollout"]] if apart else [["trainer", "rollout"]])
+    ipc = "TAUFLOW_WEIGHTS_BACKEND" in env
+    assert pinned.start_waves()[1:] == ([["trainer"], ["rollout"]] if ipc else [["trainer", "rollout"]])
 
 
 @pytest.mark.parametrize(

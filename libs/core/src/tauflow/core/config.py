@@ -301,6 +301,25 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def environment_over(
+    data: dict[str, Any],
+    env_prefix: str,
+    environ: Mapping[str, str],
+    origin: dict[tuple[str, ...], str] | None = None,
+) -> dict[str, Any]:
+    """``data`` with the variables ``<env_prefix><KEY>__<SUB>`` of ``environ`` over it, as a service reads its
+    environment over its config file (a value parsed as YAML; ``origin`` records where each key came from)."""
+    for name in sorted(environ):
+        if name.startswith(env_prefix) and len(name) > len(env_prefix):
+            keys = name[len(env_prefix) :].lower().split("__")
+            layer: dict[str, Any] = {}
+            _set_path(layer, keys, parse_value(environ[name]), f"environment variable {name}")
+            data = deep_merge(data, layer)
+            if origin is not None:
+                origin[tuple(keys)] = f"environment variable {name}"
+    return data
+
+
 def load_config(
     model: type[ConfigT],
     *,
@@ -313,20 +332,13 @@ def load_config(
     data: dict[str, Any] = read_config_file(path) if path else {}
     origin: dict[tuple[str, ...], str] = {}
     if env_prefix:
-        env = os.environ if environ is None else environ
-        for name in sorted(env):
-            if name.startswith(env_prefix) and len(name) > len(env_prefix):
-                keys = name[len(env_prefix) :].lower().split("__")
-                layer: dict[str, Any] = {}
-                _set_path(layer, keys, parse_value(env[name]), f"environment variable {name}")
-                data = deep_merge(data, layer)
-                origin[tuple(keys)] = f"environment variable {name}"
+        data = environment_over(data, env_prefix, os.environ if environ is None else environ, origin)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         keys = key.strip().split(".")
-        layer = {}
+        layer: dict[str, Any] = {}
         _set_path(layer, keys, parse_value(value), f"override {item!r}")
         data = deep_merge(data, layer)
         origin[tuple(keys)] = f"override {item!r}"

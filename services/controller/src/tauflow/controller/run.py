@@ -38,6 +38,7 @@ from tauflow.controller.launcher import (
     ServiceSpec,
     describe_os_error,
     instance_name,
+    service_env,
 )
 from tauflow.controller.livechanges import LiveValues, resumed_config, settle_live, write_live
 from tauflow.controller.metrics import TARGETS_FILE, controller_metrics, write_targets
@@ -58,7 +59,7 @@ from tauflow.controller.scaling import ROLLOUT, RolloutScaler, ServiceView, list
 from tauflow.controller.secrets import redact_command, redact_text
 from tauflow.controller.summary import EvalRecord, RunSummary, StepRecord
 from tauflow.controller.watchdog import LoopWatchdog
-from tauflow.core.config import parse_value
+from tauflow.core.config import environment_over
 from tauflow.core.logs import LogLimit
 from tauflow.core.runtoken import load_run_token, new_token, write_token_file
 from tauflow.core.staleness import check_tau, loosest
@@ -469,13 +470,17 @@ class Run:
         return ipc or any(str(d).lower() != "cpu" for d in devices if d is not None)
 
     def _role_setting(self, role: str, key: str) -> object:
-        """A role's setting as its process will read it: the environment variable it inherits
-        (``TAUFLOW_TRAINER_BACKEND__DEVICE=cuda``), which tauflow.core.config puts over its settings file, else
-        the run config's, else None."""
-        name = f"TAUFLOW_{role.upper()}_{key.upper().replace('.', '__')}"
-        if name in os.environ:
-            return parse_value(os.environ[name])
-        return flatten(self.config.services.get(role, {})).get(key)
+        """A role's setting as its process will read it (None where nothing sets it): the run config's, else
+        the ``TAUFLOW_<ROLE>_*`` environment it inherits (``TAUFLOW_TRAINER_BACKEND__DEVICE=cuda``, or a whole
+        section), exactly as the launcher hands them over (``service_env``: the run's settings win) and the
+        process reads them (its environment over its settings file)."""
+        settings, env = service_env(role, flatten(self.config.services.get(role, {})), os.environ)
+        node: object = environment_over(settings, f"TAUFLOW_{role.upper()}_", env)
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
 
     @property
     def roles(self) -> list[str]:
