@@ -245,7 +245,7 @@ def queue() -> Board:
     b.panel("leases", [(f"increase(tauflow_queue_lease_expired_total[{RATE}])", "expired"),
                        ("tauflow_queue_trainer_version", "trainer version")])
     b.panel("waiting long polls", [("tauflow_queue_waiting_calls", "{{method}}")],
-            description="Get: the trainer waiting for groups (starved); Reserve: producers held by the pacing rule")
+            description="Get: the trainer waiting for groups (starved); Reserve: producers waiting for room (pacing, capacity)")
     b.panel("RPC latency p90 (long polls included)",
             [(quantile(0.9, "tauflow_queue_rpc_duration_seconds", "method"), "{{method}}")], unit="s", w=12)
     b.panel("rejected requests", [

@@ -192,3 +192,25 @@ def test_the_ray_actor_writes_the_settings_to_a_file_and_not_onto_the_command_li
         "engine_options": {"api_key": "sk-SGLANG-SECRET"},
     }
     assert stat.S_IMODE(settings_file.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "curl -H 'Authorization: Bearer SECRET1' https://rm.example/score",
+        "Authorization: Basic SECRET1",
+        "X-Api-Key: SECRET1",
+        "x-api-key: SECRET1",
+        "--header Bearer SECRET1",
+    ],
+)
+def test_a_credential_in_a_header_or_after_its_scheme_is_redacted(text: str) -> None:
+    out = redact_text(text)
+    assert "SECRET1" not in out, out
+    assert redacted({"X-Api-Key": "SECRET1"}) == {"X-Api-Key": "<redacted>"}
+    assert redacted({"headers": ["Authorization: Bearer SECRET1"]}) == {"headers": ["Authorization: Bearer <redacted>"]}
+
+
+def test_words_about_tokens_and_keys_are_not_secrets() -> None:
+    for text in ("the run token file is missing", "basic arithmetic, 40 tokens", "key: answer"):
+        assert redact_text(text) == text

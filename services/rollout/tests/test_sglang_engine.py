@@ -722,3 +722,27 @@ def test_a_request_in_flight_across_a_rebase_completes_with_both_versions(
     assert engine.stage_broadcast(2, make_model(seed=2).state_dict()).result(30) == 2
     ((c,),) = running.result(30)
     assert len(c.token_ids) == 30 and set(c.versions) <= {2, 3} and c.versions[-1] == 2
+
+
+def test_a_refused_first_segment_is_the_requests_fault_and_a_refused_resumed_one_is_not(
+    engine: SGLangEngine, fake: FakeSGLangServer
+) -> None:
+    import asyncio
+
+    from tauflow.rollout.engine.sglang import SGLangRefusal, _Sample
+
+    fake.answer_hook = lambda route, code, body: (
+        (400, {"error": {"message": "longer than the context length"}}) if route == "/generate" else (code, body)
+    )
+
+    def segment(tokens_so_far: list[int]) -> Any:
+        sample = _Sample([1, 5], "r", "r-0", list(tokens_so_far), [-0.1] * len(tokens_so_far), [0] * len(tokens_so_far))
+        body = {"input_ids": [1, 5, *tokens_so_far], "sampling_params": {}, "rid": "r-0", "stream": False}
+        return asyncio.run_coroutine_threadsafe(engine._generate_segment(sample, body), engine._loop).result(30)
+
+    with pytest.raises(SGLangRefusal, match="refused the request"):
+        segment([])  # the request as asked: INVALID_ARGUMENT at the service
+    with pytest.raises(SGLangError) as resumed:  # the prompt and the tokens so far, after a swap: UNAVAILABLE
+        segment([3, 4])
+    assert not isinstance(resumed.value, InvalidRequestError)
+    assert len(generates(fake)) == 2  # neither asked again

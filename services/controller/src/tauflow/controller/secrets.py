@@ -19,11 +19,13 @@ REDACTED = "<redacted>"
 
 # a key that names a secret, not one that counts tokens
 _SECRET_KEY = re.compile(
-    r"secret|passw(or)?d|passphrase|credential|private_?key|access_?key|api_?key|authorization|^auth$"
+    r"secret|passw(or)?d|passphrase|credential|private_?key|access_?key|api[_-]?key|authorization|^auth$"
     r"|(^|[._-]|(?<=[a-z]))token$",
     re.IGNORECASE,
 )
 _FLAG_NAMES = {"key", "auth", "sig", "signature", "pass", "pwd"}  # a flag named so is followed by a secret
+_HEADER = re.compile(r"^([A-Za-z][\w-]*):$")  # ``Authorization:`` / ``X-Api-Key:`` in a header's text
+_AUTH_SCHEMES = {"bearer", "basic", "token", "digest"}  # ``Authorization: Bearer X``: the scheme, then the secret
 _FLAG = re.compile(r"^--?([A-Za-z][\w-]*)$")
 _FLAG_VALUE = re.compile(r"^(--?[A-Za-z][\w-]*)=(.*)$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^([A-Za-z_][\w.-]*)=(.+)$", re.DOTALL)
@@ -72,9 +74,15 @@ def _redact_string(text: str, after_flag: bool = False) -> tuple[str, bool]:
         if not part or part.isspace():
             continue
         if after_flag:
+            if part.lower() in _AUTH_SCHEMES:
+                continue  # (the scheme stays; the credential after it goes)
             parts[i], after_flag = REDACTED, False
             continue
-        after_flag = secret_flag(part)
+        header = _HEADER.match(part)
+        after_flag = secret_flag(part) or bool(header and secret_key(header.group(1)))
+        if part.lower() == "bearer" and i + 2 < len(parts):  # ``-H "Bearer X"`` alone: the word after it
+            after_flag = True
+            continue
         parts[i] = _redact_arg(part)
     return "".join(parts), after_flag
 

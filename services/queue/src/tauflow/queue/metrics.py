@@ -38,7 +38,7 @@ class QueueMetrics:
         self.capacity_bytes = gauge("tauflow_queue_capacity_bytes", "Bytes the queue may hold")
         self.waiting_calls = Gauge(
             "tauflow_queue_waiting_calls",
-            "Long polls waiting in line now, by method (Get: the trainer's; Reserve: producers held by the pacing rule)",
+            "Long polls waiting in line now, by method (Get: the trainer's; Reserve: producers waiting for room)",
             ["method"],
             registry=registry,
         )

@@ -590,7 +590,8 @@ class SGLangEngine(GenerationEngine):
             try:
                 return await self._post("/generate", body, timeout=self._request_timeout_s)
             except SGLangError as e:
-                if e.status in REFUSED:
+                # (a segment resumed after a swap carries the tokens so far: its refusal is no fault of the request)
+                if e.status in REFUSED and not sample.token_ids:
                     raise SGLangRefusal(f"the SGLang server refused the request: {e}") from e
                 if e.status not in BUSY or attempt == GENERATE_RETRIES:
                     raise
