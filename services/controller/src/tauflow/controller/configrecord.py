@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tauflow.controller.config import RunConfig, flatten
-from tauflow.controller.launcher import describe_os_error, replace_file
+from tauflow.controller.launcher import describe_os_error, read_json_file, replace_file
 from tauflow.controller.secrets import redacted
 
 log = logging.getLogger(__name__)
@@ -42,18 +42,9 @@ def _values(config: RunConfig) -> dict[str, Any]:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
+    """The config the run started with, as recorded, or None: no record, or one that is damaged (logged)."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        log.warning("could not read the run's recorded config: %s", describe_os_error(e))
-        return None
-    try:
-        if len(raw) > MAX_CONFIG_FILE_BYTES:
-            raise ValueError("too large")
-        record = json.loads(raw)
+        record = read_json_file(path, MAX_CONFIG_FILE_BYTES)
         if (
             not isinstance(record, dict)
             or record.get("format") != _FORMAT
@@ -61,6 +52,11 @@ def _read(path: Path) -> dict[str, Any] | None:
         ):
             raise ValueError("not a run config record")
         values: dict[str, Any] = record["started"]
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning("could not read the run's recorded config: %s", describe_os_error(e))
+        return None
     except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
         log.warning("the run's recorded config is damaged; its changes are not reported (%s)", str(e)[:200])
         return None

@@ -796,6 +796,20 @@ def _holds(path: Path, text: str) -> bool:
         return False
 
 
+def read_json_file(path: Path | str, max_bytes: int) -> Any:
+    """The JSON document in ``path``, read no further than ``max_bytes`` + 1. Raises OSError (FileNotFoundError:
+    no file), or ValueError for a document over ``max_bytes``, not UTF-8, not JSON, or nested beyond the
+    parser's depth (a RecursionError, which a damaged file must not raise past its reader)."""
+    with open(path, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ValueError(f"over {max_bytes} bytes")
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def replace_file(path: Path | str, data: bytes, *, mode: int | None = None, durable: bool = False) -> None:
     """Replaces ``path`` with ``data`` at once: written to a new file of its own in the same folder (``mode``;
     None: as ``open`` makes one, by the umask), fsynced, then renamed over ``path``; ``durable``: its folder

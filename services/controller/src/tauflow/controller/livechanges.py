@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tauflow.controller.config import MAX_ROLLOUT_REPLICAS, RunConfig
-from tauflow.controller.launcher import describe_os_error, replace_file
+from tauflow.controller.launcher import describe_os_error, read_json_file, replace_file
 from tauflow.core.staleness import check_tau
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,10 @@ def read_live(out_dir: Path) -> tuple[LiveValues, LiveValues] | None:
     """(the config's values, the live ones) as last recorded, or None: no file, or one that is damaged (logged)."""
     path = out_dir / LIVE_FILE
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_LIVE_FILE_BYTES + 1)
+        doc = read_json_file(path, MAX_LIVE_FILE_BYTES)
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise ValueError("not a live-changes record of this version")
+        return _values(doc.get("config")), _values(doc.get("live"))
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -77,14 +79,7 @@ def read_live(out_dir: Path) -> tuple[LiveValues, LiveValues] | None:
             "could not read the run's live changes; the config's values are used", extra={"error": describe_os_error(e)}
         )
         return None
-    try:
-        if len(raw) > MAX_LIVE_FILE_BYTES:
-            raise ValueError(f"over {MAX_LIVE_FILE_BYTES} bytes")
-        doc = json.loads(raw)
-        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-            raise ValueError("not a live-changes record of this version")
-        return _values(doc.get("config")), _values(doc.get("live"))
-    except (ValueError, TypeError, RecursionError) as e:
+    except (ValueError, TypeError) as e:
         log.warning(
             "the run's live changes are damaged; the config's values are used",
             extra={"file": str(path), "error": str(e)[:200]},
