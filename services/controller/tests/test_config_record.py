@@ -81,7 +81,13 @@ def test_secrets_never_reach_the_record_and_a_damaged_record_reports_nothing(tmp
     )
     assert resumed.summary.extra["resumed_config_changes"] == {"steps": [10, 11]}
 
-    for damage in (b"{not json", b'{"format": 1, "config": [1]}', b"\xff\xfe", b" " * (2 * 1024 * 1024), b"[" * 100_000):
+    for damage in (
+        b"{not json",
+        b'{"format": 1, "config": [1]}',
+        b"\xff\xfe",
+        b" " * (2 * 1024 * 1024),
+        b"[" * 100_000,
+    ):
         (out / CONFIG_FILE).write_bytes(damage)
         run = _run(out, resume=True, steps=12)
         assert "resumed_config_changes" not in run.summary.extra
