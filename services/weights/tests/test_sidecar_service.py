@@ -310,7 +310,9 @@ def test_a_member_left_waiting_in_an_aborted_group_gets_the_version_in_the_next_
     assert_same_weights(a, 2, m2)
     assert member(status, "fake-b").state == pb.MEMBER_STATE_FAILED
     assert member(status, "fake-a").state == pb.MEMBER_STATE_ACTIVE
-    assert "member calls left waiting in an aborted group" in car.log_text()
+    # (fake-a's call is left waiting, then cancelled, where its receive outlasts the abort's grace: "member calls
+    # left waiting in an aborted group" in the log. Under load the abort's closed connections may end that
+    # receive first, a failure of its own. Either way the time above says no receive waited out the group's 30 s.)
 
 
 def test_publish_and_membership_input_errors(sidecar, stager, tmp_path: Path) -> None:
